@@ -1,0 +1,75 @@
+"""GRPO: group-normalised advantages with a PPO-clipped token-level ratio loss (baseline)."""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_jq.objectives.checks import check_group_tensors, check_min_samples, check_token_tensors
+from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
+from nemo_jq.objectives.registry import register_objective
+from nemo_jq.objectives.precision import upcast
+
+AGGREGATIONS = ("token_mean", "sequence_mean")
+
+
+def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """``[B, M]`` advantages ``(r - mean_M r) / (std_M r + eps)``; ``normalize_std=False`` keeps ``r - mean``."""
+    centred = rewards - rewards.mean(-1, keepdim=True)
+    if not normalize_std:
+        return centred
+    return centred / (rewards.std(-1, keepdim=True) + eps)
+
+
+@register_objective("grpo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2)
+def grpo(
+    logprob: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    old_logprob: torch.Tensor | None = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    normalize_std: bool = True,
+    aggregation: str = "token_mean",
+) -> ObjectiveOutput:
+    """GRPO loss for B prompts x M sampled completions of up to T tokens.
+
+    Args:
+        logprob: ``[B, M, T]`` current-policy log-prob of each sampled token (differentiable).
+        rewards: ``[B, M]`` scalar reward per completion (exact match in the paper).
+        mask: ``[B, M, T]`` 1 on completion tokens that count, 0 on prompt and padding.
+        old_logprob: ``[B, M, T]`` log-probs under the sampling policy; ``None`` means on-policy,
+            where the ratio is 1 and the gradient is exactly ``-A ∇log p`` averaged over tokens.
+        clip_eps, clip_eps_high: the PPO clip range ``[1 - clip_eps, 1 + clip_eps_high]``.
+        aggregation: ``"token_mean"`` (every token of the batch weighs the same) or
+            ``"sequence_mean"`` (token mean within a completion, then mean over completions).
+    """
+    batch, samples = check_group_tensors(rewards=rewards)
+    check_min_samples(samples, 2, "GRPO's group normalisation")
+    if old_logprob is None:
+        old_logprob = logprob.detach()
+    check_token_tensors(mask, logprob=logprob, old_logprob=old_logprob)
+    if mask.shape[:2] != rewards.shape:
+        raise ValueError(f"shape mismatch: mask{list(mask.shape)} must be [B, M, T] for rewards{list(rewards.shape)}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got aggregation={aggregation!r}")
+
+    mask = upcast(mask)
+    advantages = group_advantages(upcast(rewards), normalize_std=normalize_std).unsqueeze(-1)
+    ratio = torch.exp(upcast(logprob) - upcast(old_logprob))
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high)
+    token_loss = torch.maximum(-ratio * advantages, -clipped * advantages) * mask
+
+    if aggregation == "token_mean":
+        per_example = token_loss.sum((-1, -2)) * batch / mask.sum().clamp(min=1.0)
+    else:
+        per_sequence = token_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)
+        per_example = per_sequence.mean(-1)
+    clipped_tokens = ((ratio - clipped).abs() > 0).float() * mask
+    metrics = {
+        "reward": upcast(rewards).mean().item(),
+        "clip_fraction": (clipped_tokens.sum() / mask.sum().clamp(min=1.0)).item(),
+        "max_abs_advantage": advantages.abs().max().item(),
+    }
+    return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)

@@ -1,0 +1,35 @@
+"""RLOO: REINFORCE with a leave-one-out baseline over sampled answers' rewards (baseline)."""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_jq.objectives.checks import check_group_tensors, check_min_samples
+from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
+from nemo_jq.objectives.registry import register_objective
+from nemo_jq.objectives.precision import upcast
+
+
+def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """``[B, M]`` advantages ``r_m - mean_{j != m} r_j``."""
+    samples = rewards.shape[-1]
+    return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (samples - 1)
+
+
+@register_objective("rloo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2)
+def rloo(sequence_logprob: torch.Tensor, rewards: torch.Tensor) -> ObjectiveOutput:
+    """RLOO loss for B prompts x M sampled completions.
+
+    Args:
+        sequence_logprob: ``[B, M]`` ``log p(z_m, ŷ_m | x)`` of each whole sampled completion (differentiable).
+        rewards: ``[B, M]`` reward per completion (binary exact match in the paper).
+
+    Per-example gradient: ``-(1/M) Σ_m (r_m - mean_{j≠m} r_j) ∇log p(z_m, ŷ_m | x)``, unbiased for
+    ``-∇E[r]``.
+    """
+    _, samples = check_group_tensors(sequence_logprob=sequence_logprob, rewards=rewards)
+    check_min_samples(samples, 2, "RLOO's leave-one-out baseline")
+    advantages = leave_one_out_advantages(upcast(rewards))
+    per_example = -(advantages * upcast(sequence_logprob)).mean(-1)
+    metrics = {"reward": upcast(rewards).mean().item(), "max_abs_advantage": advantages.abs().max().item()}
+    return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)

@@ -1,0 +1,189 @@
+"""Schedules for the commitment q over training steps.
+
+A schedule is called with the step to get q, and may be told the running success
+estimate log P̂ after each step (only the adaptive schedule listens). All carry a
+``state_dict`` so a resumed run continues with the same q.
+
+SFT-then-RLVR is ``StepQ(q_before=1, q_after=0, switch_step=N)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
+
+from nemo_jq.objectives.checks import check_q
+
+
+class QSchedule(Protocol):
+    def __call__(self, step: int) -> float: ...
+
+    def observe(self, log_p_hat: float) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class _StepOnly:
+    """Schedules that depend on the step alone: nothing to observe, no state."""
+
+    def observe(self, log_p_hat: float) -> None:
+        del log_p_hat
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+def _check_steps(num_steps: int) -> None:
+    if int(num_steps) < 1:
+        raise ValueError(f"num_steps must be >= 1; got num_steps={num_steps!r}")
+
+
+@dataclass
+class ConstantQ(_StepOnly):
+    q: float
+
+    def __post_init__(self) -> None:
+        self.q = check_q(self.q)
+
+    def __call__(self, step: int) -> float:
+        return self.q
+
+
+@dataclass
+class StepQ(_StepOnly):
+    """``q_before`` until ``switch_step`` (exclusive), then ``q_after``."""
+
+    switch_step: int
+    q_before: float = 1.0
+    q_after: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.q_before, self.q_after = check_q(self.q_before), check_q(self.q_after)
+
+    def __call__(self, step: int) -> float:
+        return self.q_before if step < self.switch_step else self.q_after
+
+
+@dataclass
+class LinearQ(_StepOnly):
+    """Straight line from ``q_start`` at step 0 to ``q_end`` at ``num_steps``, then flat."""
+
+    num_steps: int
+    q_start: float = 1.0
+    q_end: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.q_start, self.q_end = check_q(self.q_start), check_q(self.q_end)
+        _check_steps(self.num_steps)
+
+    def __call__(self, step: int) -> float:
+        frac = min(max(step / self.num_steps, 0.0), 1.0)
+        return self.q_start + (self.q_end - self.q_start) * frac
+
+
+@dataclass
+class CosineQ(_StepOnly):
+    """Half-cosine from ``q_start`` at step 0 to ``q_end`` at ``num_steps``, then flat."""
+
+    num_steps: int
+    q_start: float = 1.0
+    q_end: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.q_start, self.q_end = check_q(self.q_start), check_q(self.q_end)
+        _check_steps(self.num_steps)
+
+    def __call__(self, step: int) -> float:
+        frac = min(max(step / self.num_steps, 0.0), 1.0)
+        return self.q_end + (self.q_start - self.q_end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass
+class AdaptiveQ:
+    """q driven by a running estimate of P̂ (the paper leaves the rule open; this is ours).
+
+    Rule: ``q = q_min + (q_max - q_min) * clip(log P̂ / log cold_p, 0, 1)``, where log P̂ is an
+    exponential moving average of the batch mean of ``log w̄``.
+
+    Why this shape: below ``cold_p`` (default 1/32, i.e. 1/M for the paper's M=32) a group
+    of M rollouts expects fewer than one success, so RLVR's signal vanishes and the
+    amplification P̂^{-q} is what escapes (Thm 3.2): q stays at ``q_max``. Above it, the
+    ratio-estimator bias O(q / (M P̂^q)) and noise memorisation (Prop. C.4) argue for less
+    commitment, and q falls linearly in log P̂ to ``q_min`` at P̂ = 1, where the q=0
+    estimator is unbiased. The mean of log w̄ (a geometric mean over prompts) is used
+    because it stays low while many prompts are still cold. With ``monotone=True``
+    q never rises again, the SFT-then-RLVR order: re-committing after the model has left
+    cold start would re-amplify label noise.
+    """
+
+    q_max: float = 1.0
+    q_min: float = 0.0
+    cold_p: float = 1.0 / 32
+    ema_decay: float = 0.9
+    monotone: bool = True
+    _log_p_hat: float | None = field(default=None, repr=False)
+    _q: float | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.q_max, self.q_min = check_q(self.q_max), check_q(self.q_min)
+        if self.q_min > self.q_max:
+            raise ValueError(f"q_min={self.q_min} must not exceed q_max={self.q_max}")
+        if not 0.0 < self.cold_p < 1.0:
+            raise ValueError(f"cold_p must lie in (0, 1); got cold_p={self.cold_p!r}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must lie in [0, 1); got ema_decay={self.ema_decay!r}")
+
+    def __call__(self, step: int) -> float:
+        return self.q_max if self._q is None else self._q
+
+    def observe(self, log_p_hat: float) -> None:
+        log_p_hat = min(float(log_p_hat), 0.0)
+        if self._log_p_hat is None:
+            self._log_p_hat = log_p_hat
+        else:
+            self._log_p_hat = self.ema_decay * self._log_p_hat + (1.0 - self.ema_decay) * log_p_hat
+        coldness = min(max(self._log_p_hat / math.log(self.cold_p), 0.0), 1.0)
+        target = self.q_min + (self.q_max - self.q_min) * coldness
+        self._q = min(target, self(0)) if self.monotone else target
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"log_p_hat": self._log_p_hat, "q": self._q}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._log_p_hat, self._q = state["log_p_hat"], state["q"]
+
+
+SCHEDULES: dict[str, type] = {
+    "constant": ConstantQ,
+    "step": StepQ,
+    "linear": LinearQ,
+    "cosine": CosineQ,
+    "adaptive": AdaptiveQ,
+}
+
+
+def build_schedule(spec: dict[str, Any] | float) -> QSchedule:
+    """A schedule from a config mapping ``{"name": ..., **params}``, or a bare q for a constant."""
+    if isinstance(spec, (int, float)):
+        return ConstantQ(float(spec))
+    params = dict(spec)
+    name = params.pop("name", None)
+    if name not in SCHEDULES:
+        raise ValueError(f"q schedule name must be one of {sorted(SCHEDULES)}; got name={name!r}")
+    cls = SCHEDULES[name]
+    allowed = {f.name for f in fields(cls) if not f.name.startswith("_")}
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} for q schedule {name!r}; allowed: {sorted(allowed)}")
+    return cls(**params)
+
+
+def describe(schedule: QSchedule) -> dict[str, Any]:
+    """The public parameters of a schedule, for logging."""
+    return {k: v for k, v in asdict(schedule).items() if not k.startswith("_")}

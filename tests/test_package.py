@@ -1,0 +1,52 @@
+"""Package-level promises: a light import, the theory command, and the README example."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code_or_args, **kwargs):
+    return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, cwd=ROOT, timeout=300, **kwargs)
+
+
+def test_objectives_import_pulls_no_backend():
+    code = (
+        "import nemo_jq, nemo_jq.objectives, sys; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers','megatron','datasets')))"
+    )
+    result = _run(["-c", code])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_theory_command_writes_tables_json_and_plot(tmp_path):
+    result = _run(["-m", "nemo_jq.cli", "theory", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    assert "Escape time T_q(p0, 1/2)" in result.stdout and "Thm 4.1" in result.stdout
+    report = json.loads((tmp_path / "theory.json").read_text())
+    assert {row["q"] for row in report["escape_time"]} == {0.0, 0.25, 0.5, 0.75, 1.0}
+    for row in report["escape_time"]:
+        assert abs(row["ode"] / row["quadrature"] - 1) < 1e-6
+    png = (tmp_path / "escape_time.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_readme_python_example_runs_verbatim():
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert blocks, "README has no python example"
+    result = _run(["-c", blocks[0]])
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3
+    losses = [float(line.split("l_q")[1].split()[0]) for line in lines]
+    assert losses[-1] < losses[0]  # the example actually trains
+
+
+def test_readme_commands_match_ci():
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    test_command = re.search(r"Run the tests.*?```bash\n(.*?)\n```", readme, flags=re.S).group(1).strip()
+    assert test_command in ci.splitlines()

@@ -1,0 +1,80 @@
+"""Registry lookups, declared needs, and the error messages users see."""
+
+import math
+
+import pytest
+import torch
+
+from nemo_jq.objectives import Need, garl, get_objective, list_objectives, paft, rb_rloo, register_objective
+
+
+def test_registry_lists_every_estimator_with_its_needs():
+    assert list_objectives() == ["garl", "grpo", "paft", "rb_rloo", "rloo", "sft"]
+    assert get_objective("garl").needs == {Need.REFERENCE_ANSWER_LOGPROB}
+    assert get_objective("paft").needs == {Need.REFERENCE_ANSWER_LOGPROB}
+    assert get_objective("rb_rloo").needs == {Need.REFERENCE_ANSWER_LOGPROB}
+    assert get_objective("grpo").needs == {Need.SAMPLED_ANSWER_REWARD}
+    assert get_objective("rloo").needs == {Need.SAMPLED_ANSWER_REWARD}
+    assert get_objective("sft").needs == {Need.GIVEN_TARGET}
+    assert [n for n in list_objectives() if get_objective(n).uses_q] == ["garl", "paft"]
+    assert get_objective("garl").min_samples == 2 and get_objective("paft").min_samples == 1
+
+
+def test_rb_rloo_is_garl_at_q0():
+    rlp = torch.randn(2, 5, requires_grad=True)
+    alp = torch.randn(2, 5) - 3
+    spec_out = get_objective("rb_rloo").fn(rlp, alp)
+    spec_out.loss.backward()
+    grad_rb = rlp.grad.clone()
+    rlp.grad = None
+    garl(rlp, alp, 0.0).loss.backward()
+    torch.testing.assert_close(grad_rb, rlp.grad)
+
+
+def test_unknown_objective_suggests_the_closest_name():
+    with pytest.raises(KeyError, match="Did you mean 'paft'"):
+        get_objective("pafft")
+
+
+def test_duplicate_registration_is_rejected():
+    with pytest.raises(ValueError, match="already registered"):
+        register_objective("garl", needs=set(), uses_q=False)(lambda: None)
+
+
+@pytest.mark.parametrize("bad_q", [-0.1, 1.5, math.nan])
+@pytest.mark.parametrize("estimator", [garl, paft])
+def test_q_outside_unit_interval_is_a_clear_error(estimator, bad_q):
+    with pytest.raises(ValueError, match=r"q must lie in \[0, 1\].*q=" + ("nan" if bad_q != bad_q else str(bad_q))):
+        estimator(torch.zeros(2, 3), torch.zeros(2, 3), bad_q)
+
+
+def test_rloo_baseline_needs_two_samples():
+    with pytest.raises(ValueError, match="M=2.*got M=1"):
+        garl(torch.zeros(3, 1), torch.zeros(3, 1), 0.5)
+    garl(torch.zeros(3, 1), torch.zeros(3, 1), 0.5, baseline="none")  # the plug-in works with M=1
+    with pytest.raises(ValueError, match="M=1"):
+        rb_rloo(torch.zeros(3, 1), torch.zeros(3, 1))
+
+
+def test_mismatched_shapes_name_both_tensors():
+    with pytest.raises(ValueError, match=r"rationale_logprob\[2, 3\].*answer_logprob\[2, 4\]"):
+        garl(torch.zeros(2, 3), torch.zeros(2, 4), 0.5)
+    with pytest.raises(ValueError, match=r"\[B, M\].*\[6\]"):
+        paft(torch.zeros(6), torch.zeros(6), 0.5)
+
+
+def test_nan_inputs_and_bad_options_are_rejected():
+    with pytest.raises(ValueError, match="answer_logprob contains NaN"):
+        garl(torch.zeros(2, 3), torch.full((2, 3), math.nan), 0.5)
+    with pytest.raises(ValueError, match="baseline"):
+        garl(torch.zeros(2, 3), torch.zeros(2, 3), 0.5, baseline="mean")
+    with pytest.raises(ValueError, match="num_resamples"):
+        paft(torch.zeros(2, 3), torch.zeros(2, 3), 0.5, num_resamples=0)
+
+
+def test_paft_resampling_is_reproducible_with_a_generator():
+    rlp, alp = torch.randn(4, 8), torch.randn(4, 8)
+    a = paft(rlp, alp, 0.5, generator=torch.Generator().manual_seed(3)).metrics
+    b = paft(rlp, alp, 0.5, generator=torch.Generator().manual_seed(3)).metrics
+    assert a == b
+    assert 1.0 <= a["ess"] <= 8.0
