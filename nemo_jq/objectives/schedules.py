@@ -39,11 +39,6 @@ class _StepOnly:
         del state
 
 
-def _check_steps(num_steps: int) -> None:
-    if int(num_steps) < 1:
-        raise ValueError(f"num_steps must be >= 1; got num_steps={num_steps!r}")
-
-
 @dataclass
 class ConstantQ(_StepOnly):
     q: float
@@ -71,8 +66,8 @@ class StepQ(_StepOnly):
 
 
 @dataclass
-class LinearQ(_StepOnly):
-    """Straight line from ``q_start`` at step 0 to ``q_end`` at ``num_steps``, then flat."""
+class _Anneal(_StepOnly):
+    """From ``q_start`` at step 0 to ``q_end`` at ``num_steps``, then flat; subclasses shape the path."""
 
     num_steps: int
     q_start: float = 1.0
@@ -80,28 +75,27 @@ class LinearQ(_StepOnly):
 
     def __post_init__(self) -> None:
         self.q_start, self.q_end = check_q(self.q_start), check_q(self.q_end)
-        _check_steps(self.num_steps)
+        if int(self.num_steps) < 1:
+            raise ValueError(f"num_steps must be >= 1; got num_steps={self.num_steps!r}")
 
-    def __call__(self, step: int) -> float:
-        frac = min(max(step / self.num_steps, 0.0), 1.0)
-        return self.q_start + (self.q_end - self.q_start) * frac
+    def progress(self, step: int) -> float:
+        return min(max(step / self.num_steps, 0.0), 1.0)
 
 
 @dataclass
-class CosineQ(_StepOnly):
-    """Half-cosine from ``q_start`` at step 0 to ``q_end`` at ``num_steps``, then flat."""
-
-    num_steps: int
-    q_start: float = 1.0
-    q_end: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.q_start, self.q_end = check_q(self.q_start), check_q(self.q_end)
-        _check_steps(self.num_steps)
+class LinearQ(_Anneal):
+    """Straight line from ``q_start`` to ``q_end``."""
 
     def __call__(self, step: int) -> float:
-        frac = min(max(step / self.num_steps, 0.0), 1.0)
-        return self.q_end + (self.q_start - self.q_end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+        return self.q_start + (self.q_end - self.q_start) * self.progress(step)
+
+
+@dataclass
+class CosineQ(_Anneal):
+    """Half-cosine from ``q_start`` to ``q_end``: stays near ``q_start`` longer than linear."""
+
+    def __call__(self, step: int) -> float:
+        return self.q_end + (self.q_start - self.q_end) * 0.5 * (1.0 + math.cos(math.pi * self.progress(step)))
 
 
 @dataclass
