@@ -1,22 +1,85 @@
-"""The ``nemo-jq`` command."""
+"""The ``nemo-jq`` command: train, eval, export, theory."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nemo-jq", description="Post-train reasoning LLMs on the J_Q loss continuum.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser(
+        "train",
+        help="train one run; with no arguments, the embedded CPU cold-start comparison",
+        description="nemo-jq train --config configs/x.yaml objective.name=paft objective.q=0.75",
+    )
+    train.add_argument("--config", type=Path, help="YAML config (defaults: the embedded CPU demo settings)")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    train.add_argument("--demo-dir", type=Path, default=Path("runs/cold_start"), help="output of the no-argument demo")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides")
+
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint on a split")
+    evaluate.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
+    evaluate.add_argument("--split", default="test", choices=("train", "validation", "test"))
+    evaluate.add_argument("overrides", nargs="*", help="e.g. eval.num_samples=16")
+
+    export = commands.add_parser("export", help="export a checkpoint to an HF folder")
+    export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
+    export.add_argument("--out", type=Path, required=True)
+
     theory = commands.add_parser("theory", help="print the paper's stylised results and plot escape times")
     theory.add_argument("--out", type=Path, default=Path("runs/theory"), help="directory for theory.json and escape_time.png")
-    args = parser.parse_args(argv)
 
+    args, extra = parser.parse_known_args(argv)
+    stray = [word for word in extra if word.startswith("-") or "=" not in word]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:  # key=value words after an option land here
+        args.overrides = [*args.overrides, *extra]
+    try:
+        return _dispatch(args)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        print(f"nemo-jq {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "theory":
         from nemo_jq.theory.report import run
 
         run(args.out)
+        return 0
+
+    from nemo_jq.runs import load_for_inference
+
+    if args.command == "train":
+        if args.resume is not None:
+            from nemo_jq.trainer import Trainer
+
+            result = Trainer.resume(args.resume).fit()
+        elif args.config is None and not args.overrides:
+            from nemo_jq.demo import run_demo
+
+            run_demo(args.demo_dir)
+            return 0
+        else:
+            from nemo_jq.config import load_config
+            from nemo_jq.trainer import Trainer
+
+            result = Trainer(load_config(args.config, args.overrides)).fit()
+        print(json.dumps(result, indent=2))
+        return 0
+
+    trainer = load_for_inference(args.checkpoint, getattr(args, "overrides", ()))
+    if args.command == "eval":
+        print(json.dumps({"split": args.split, **trainer.evaluate(args.split)}, indent=2))
+    else:
+        trainer.policy.export(args.out, trainer.tokenizer)
+        print(f"exported to {args.out}")
     return 0
 
 

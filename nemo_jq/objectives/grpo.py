@@ -31,6 +31,7 @@ def grpo(
     clip_eps_high: float | None = None,
     normalize_std: bool = True,
     aggregation: str = "token_mean",
+    tokens_per_example: float | None = None,
 ) -> ObjectiveOutput:
     """GRPO loss for B prompts x M sampled completions of up to T tokens.
 
@@ -43,6 +44,9 @@ def grpo(
         clip_eps, clip_eps_high: the PPO clip range ``[1 - clip_eps, 1 + clip_eps_high]``.
         aggregation: ``"token_mean"`` (every token of the batch weighs the same) or
             ``"sequence_mean"`` (token mean within a completion, then mean over completions).
+        tokens_per_example: for ``token_mean``, the completion tokens per prompt averaged over the
+            whole optimizer batch. A trainer that splits a batch into micro-batches passes it so
+            that the summed micro-batch gradients equal the full batch's; default: this call's own.
     """
     batch, samples = check_group_tensors(rewards=rewards)
     check_min_samples(samples, 2, "GRPO's group normalisation")
@@ -62,7 +66,9 @@ def grpo(
     token_loss = torch.maximum(-ratio * advantages, -clipped * advantages) * mask
 
     if aggregation == "token_mean":
-        per_example = token_loss.sum((-1, -2)) * batch / mask.sum().clamp(min=1.0)
+        if tokens_per_example is None:
+            tokens_per_example = mask.sum().clamp(min=1.0) / batch
+        per_example = token_loss.sum((-1, -2)) / tokens_per_example
     else:
         per_sequence = token_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)
         per_example = per_sequence.mean(-1)

@@ -1,0 +1,66 @@
+"""What the trainer needs from a task: examples, chat messages, a reward and a correctness test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+FORMATS = ("cold", "warm")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One supervised pair (x*, y*).
+
+    ``rationale`` is a gold rationale, used only by the SFT baseline; ``aliases`` are extra
+    answers that evaluation also accepts.
+    """
+
+    id: str
+    question: str
+    answer: str
+    context: str = ""
+    rationale: str | None = None
+    aliases: tuple[str, ...] = ()
+
+
+class Task(Protocol):
+    """A dataset's formatting and scoring rules."""
+
+    def messages(self, example: Example, prompt_format: str) -> list[dict[str, str]]:
+        """Chat messages for ``prompt_format`` "cold" (linearised x*, no instructions) or "warm"."""
+        ...
+
+    def extract_answer(self, output: str) -> str:
+        """The answer a sampled output commits to."""
+        ...
+
+    def normalize(self, text: str) -> str:
+        """Canonical form for exact match and majority voting."""
+        ...
+
+    def reward(self, output: str, example: Example) -> float:
+        """Training reward: exact match of the normalised extracted answer (1.0 or 0.0)."""
+        ...
+
+    def is_correct(self, output: str, example: Example) -> bool:
+        """Evaluation: normalised y* (or an alias) is a substring of the normalised output."""
+        ...
+
+
+@dataclass
+class Splits:
+    train: list[Example]
+    validation: list[Example]
+    test: list[Example]
+
+    def get(self, name: str) -> list[Example]:
+        if name not in ("train", "validation", "test"):
+            raise ValueError(f"split must be 'train', 'validation' or 'test'; got {name!r}")
+        return getattr(self, name)
+
+
+def check_format(prompt_format: str) -> str:
+    if prompt_format not in FORMATS:
+        raise ValueError(f"prompt format must be one of {FORMATS}; got {prompt_format!r}")
+    return prompt_format

@@ -1,0 +1,76 @@
+"""The embedded default task: sums of single digits, written as a linearised expression.
+
+``x* = "7+5+8"``, ``y* = "20"``. The answer needs intermediate results that a rationale can
+hold (``7+5=12 12+8=20``, the gold rationale given only to SFT). In the cold format the
+prompt is the bare expression, so a model must discover both the task and the answer format.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from nemo_jq.data.base import Example, Splits, check_format
+
+WARM_SYSTEM = (
+    "You add single-digit numbers. Think step by step inside the thinking block, "
+    "then reply with the sum as digits only."
+)
+
+
+@dataclass
+class SyntheticArithmetic:
+    num_operands: int = 3
+
+    def __post_init__(self) -> None:
+        if self.num_operands < 2:
+            raise ValueError(f"num_operands must be >= 2; got {self.num_operands}")
+
+    def splits(self, train_size: int, validation_size: int, test_size: int, seed: int) -> Splits:
+        """Disjoint splits of distinct expressions, deterministic in ``seed``."""
+        total = train_size + validation_size + test_size
+        available = 10**self.num_operands
+        if total > available:
+            raise ValueError(
+                f"{total} distinct examples requested but only {available} exist with num_operands={self.num_operands}"
+            )
+        codes = random.Random(seed).sample(range(available), total)
+        examples = [self._example(code) for code in codes]
+        return Splits(
+            train=examples[:train_size],
+            validation=examples[train_size : train_size + validation_size],
+            test=examples[train_size + validation_size :],
+        )
+
+    def _example(self, code: int) -> Example:
+        digits = [int(c) for c in f"{code:0{self.num_operands}d}"]
+        steps, total = [], digits[0]
+        for d in digits[1:]:
+            steps.append(f"{total}+{d}={total + d}")
+            total += d
+        question = "+".join(map(str, digits))
+        return Example(id=f"sum-{question}", question=question, answer=str(total), rationale=" ".join(steps))
+
+    def corpus(self) -> list[str]:
+        """Texts to train the tokenizer on: expressions, rationales, answers and the warm prompt."""
+        samples = [self._example(code) for code in range(0, 10**self.num_operands, 7)]
+        return [WARM_SYSTEM] + [f"{e.question}\n{e.rationale}\n\n{e.answer}" for e in samples]
+
+    def messages(self, example: Example, prompt_format: str) -> list[dict[str, str]]:
+        if check_format(prompt_format) == "cold":
+            return [{"role": "user", "content": example.question}]
+        return [{"role": "system", "content": WARM_SYSTEM}, {"role": "user", "content": f"What is {example.question}?"}]
+
+    def extract_answer(self, output: str) -> str:
+        lines = [line for line in output.strip().splitlines() if line.strip()]
+        return lines[-1].strip() if lines else ""
+
+    def normalize(self, text: str) -> str:
+        return re.sub(r"\s+", "", text)
+
+    def reward(self, output: str, example: Example) -> float:
+        return float(self.normalize(self.extract_answer(output)) == self.normalize(example.answer))
+
+    def is_correct(self, output: str, example: Example) -> bool:
+        return self.normalize(example.answer) in self.normalize(output)

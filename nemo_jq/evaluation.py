@@ -1,0 +1,68 @@
+"""Evaluation as in the paper: p@1, unbiased p@k, m@k (majority vote), substring correctness."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import torch
+
+from nemo_jq.chat import ChatFormat
+from nemo_jq.data.base import Example, Task
+from nemo_jq.models.interfaces import RolloutEngine
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased p@k = 1 - C(n-c, k) / C(n, k) (Chen et al., 2021), as a stable product."""
+    if not 1 <= k <= num_samples:
+        raise ValueError(f"k must lie in [1, n={num_samples}]; got k={k}")
+    if num_samples - num_correct < k:
+        return 1.0
+    miss = 1.0
+    for i in range(num_samples - num_correct + 1, num_samples + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def majority_answer(answers: Sequence[str]) -> str:
+    """The most frequent answer; ties go to the one seen first."""
+    counts = Counter(answers)
+    return max(answers, key=lambda a: (counts[a], -answers.index(a))) if answers else ""
+
+
+def score_outputs(task: Task, examples: Sequence[Example], outputs: Sequence[Sequence[str]], k: int) -> dict[str, float]:
+    """``outputs[i]`` holds the n sampled answers for ``examples[i]``; returns p@1, p@k, m@k (percent)."""
+    p1, pk, mk = [], [], []
+    for example, samples in zip(examples, outputs):
+        correct = [task.is_correct(o, example) for o in samples]
+        p1.append(pass_at_k(len(samples), sum(correct), 1))
+        pk.append(pass_at_k(len(samples), sum(correct), k))
+        extracted = [task.extract_answer(o) for o in samples[:k]]
+        normalized = [task.normalize(a) for a in extracted]
+        winner = majority_answer(normalized)
+        mk.append(float(bool(winner) and task.is_correct(extracted[normalized.index(winner)], example)))
+    count = max(len(p1), 1)
+    return {"p@1": 100 * sum(p1) / count, f"p@{k}": 100 * sum(pk) / count, f"m@{k}": 100 * sum(mk) / count}
+
+
+def sample_outputs(
+    engine: RolloutEngine,
+    chat: ChatFormat,
+    task: Task,
+    examples: Sequence[Example],
+    prompt_format: str,
+    num_samples: int,
+    batch_size: int,
+    generator: torch.Generator,
+    progress=None,
+) -> list[list[str]]:
+    """Decoded answers, ``num_samples`` per example, generated ``batch_size`` prompts at a time."""
+    outputs: list[list[str]] = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        prompts = [chat.prompt_ids(task.messages(e, prompt_format)) for e in chunk]
+        for group in engine.generate(prompts, num_samples, sample_answers=True, generator=generator):
+            outputs.append([chat.decode_answer(r.answer_ids or []) for r in group])
+        if progress is not None:
+            progress.update(len(chunk))
+    return outputs

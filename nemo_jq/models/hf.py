@@ -1,0 +1,237 @@
+"""HF transformers backend: a Policy and a RolloutEngine for any causal LM (Qwen3 first)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from nemo_jq.models.interfaces import LossFn, Rollout, TokenBatch
+from nemo_jq.models.logprobs import chunked_token_logprobs
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def autocast_context(device: torch.device, precision: str):
+    """bf16 autocast over fp32 master weights on GPU ("auto" or "bf16"); plain fp32 otherwise."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if use_bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def tiny_qwen3(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+               intermediate_size: int, max_position_embeddings: int, seed: int) -> Any:
+    """A randomly initialised Qwen3 (tied embeddings), for tests and the CPU demo."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(config)
+
+
+def load_causal_lm(path: str) -> Any:
+    """An HF causal LM from a local folder (or a hub name where a network is available), in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    local = Path(path)
+    if local.exists() and not (local / "config.json").exists():
+        raise FileNotFoundError(f"model folder {local} has no config.json")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+class HFPolicy:
+    """Trains an HF causal LM: chunked log-probs, AdamW, gradient clipping, bf16 autocast on GPU."""
+
+    def __init__(self, model: Any, *, device: torch.device, precision: str = "auto", lr: float = 1e-6,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 grad_clip: float = 1.0, logprob_chunk_size: int = 1024):
+        if getattr(model.get_output_embeddings(), "bias", None) is not None:
+            raise ValueError("LM heads with a bias are not supported by the chunked log-prob kernel")
+        self.model = model.to(device)
+        self.device = device
+        self.precision = precision
+        self.grad_clip = grad_clip
+        self.logprob_chunk_size = logprob_chunk_size
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+    def autocast(self):
+        return autocast_context(self.device, self.precision)
+
+    def token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        batch = batch.to(self.device)
+        targets = batch.target_mask
+        with self.autocast():
+            hidden = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+            picked = chunked_token_logprobs(
+                hidden[:, :-1][targets],
+                self.model.get_output_embeddings().weight,
+                batch.input_ids[:, 1:][targets],
+                self.logprob_chunk_size,
+            )
+        out = torch.zeros(targets.shape, dtype=torch.float32, device=self.device)
+        return out.index_put((targets,), picked.float())
+
+    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
+        self.model.train()
+        for index, micro in enumerate(micro_batches):
+            loss_fn(self.token_logprobs(micro), index).backward()
+
+    def optimizer_step(self) -> dict[str, float]:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_weights(self, path: Path) -> None:
+        from safetensors.torch import save_model
+
+        save_model(self.model, str(path))
+
+    def load_weights(self, path: Path) -> None:
+        from safetensors.torch import load_model
+
+        if not Path(path).exists():
+            raise FileNotFoundError(f"no weights at {path}")
+        load_model(self.model, str(path), device=str(self.device))
+
+    def export(self, out_dir: Path, tokenizer: Any) -> None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+
+
+# Roles of generated tokens in the decode loop's buffer.
+_NONE, _RATIONALE, _THINK_END, _ANSWER = 0, 1, 2, 3
+
+
+class HFRolloutEngine:
+    """Batched sampling with a thinking budget, in one decode loop over an HF model.
+
+    Each row thinks until it samples ``</think>`` or reaches ``max_thinking_tokens``, where
+    ``</think>`` is forced (s1-style budget forcing); then, only if asked, it samples an answer
+    until end-of-turn or ``max_answer_tokens``. Rows finish independently; the loop ends when
+    all have. Sampling uses the caller's ``torch.Generator``, so rollouts are reproducible.
+    """
+
+    def __init__(self, model: Any, *, think_end_id: int, end_of_turn_id: int, pad_id: int, device: torch.device,
+                 max_thinking_tokens: int, max_answer_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, precision: str = "auto"):
+        if max_thinking_tokens < 0 or max_answer_tokens < 1:
+            raise ValueError(
+                f"need max_thinking_tokens >= 0 and max_answer_tokens >= 1; got {max_thinking_tokens}, {max_answer_tokens}"
+            )
+        self.model = model
+        self.think_end_id, self.end_of_turn_id, self.pad_id = think_end_id, end_of_turn_id, pad_id
+        self.device = device
+        self.max_thinking_tokens, self.max_answer_tokens = max_thinking_tokens, max_answer_tokens
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.precision = precision
+        self.tokens_generated = 0
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
+                 generator: torch.Generator) -> list[list[Rollout]]:
+        rows = [list(p) for p in prompts for _ in range(num_samples)]
+        n = len(rows)
+        width = max(map(len, rows))
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(rows):  # left padding, so every row's next token is at the end
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+        phase = torch.zeros(n, dtype=torch.long, device=self.device)  # 0 thinking, 1 answering, 2 done
+        thought = torch.zeros(n, dtype=torch.long, device=self.device)
+        answered = torch.zeros(n, dtype=torch.long, device=self.device)
+        forced = torch.zeros(n, dtype=torch.bool, device=self.device)
+        max_steps = self.max_thinking_tokens + 1 + (self.max_answer_tokens if sample_answers else 0)
+        tokens = torch.full((n, max_steps), self.pad_id, dtype=torch.long, device=self.device)
+        roles = torch.zeros((n, max_steps), dtype=torch.long, device=self.device)
+
+        self.model.eval()
+        cache, step_input = None, ids
+        for step in range(max_steps):
+            with autocast_context(self.device, self.precision):
+                out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            token = self._sample(out.logits[:, -1], generator)
+
+            thinking, answering = phase == 0, phase == 1
+            force = thinking & (thought >= self.max_thinking_tokens)
+            token = torch.where(force, self.think_end_id, token)
+            ends_thinking = thinking & (token == self.think_end_id)
+            forced |= force
+            roles[:, step] = torch.where(
+                ends_thinking, _THINK_END, torch.where(thinking, _RATIONALE, torch.where(answering, _ANSWER, _NONE))
+            )
+            tokens[:, step] = torch.where(phase == 2, self.pad_id, token)
+            thought += thinking & ~ends_thinking
+            answered += answering
+            finished_answer = answering & ((token == self.end_of_turn_id) | (answered >= self.max_answer_tokens))
+            phase = torch.where(ends_thinking, 1 if sample_answers else 2, torch.where(finished_answer, 2, phase))
+            if bool((phase == 2).all()):
+                break
+            step_input = tokens[:, step : step + 1]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+
+        tokens, roles, forced = tokens.cpu(), roles.cpu(), forced.cpu()
+        self.tokens_generated += int((roles != _NONE).sum())
+        rollouts = [
+            Rollout(
+                prompt_ids=rows[i],
+                rationale_ids=tokens[i][roles[i] == _RATIONALE].tolist(),
+                think_end_forced=bool(forced[i]),
+                answer_ids=tokens[i][roles[i] == _ANSWER].tolist() if sample_answers else None,
+            )
+            for i in range(n)
+        ]
+        return [rollouts[b * num_samples : (b + 1) * num_samples] for b in range(len(prompts))]
+
+    def _sample(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        logits = logits.float()
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        logits = logits / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+            probs = torch.softmax(sorted_logits, -1)
+            drop = probs.cumsum(-1) - probs > self.top_p  # keep the smallest prefix with mass >= top_p
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(logits, -1)
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(logits.device)

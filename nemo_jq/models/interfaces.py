@@ -1,0 +1,105 @@
+"""The two seams a backend implements: a Policy that trains, a RolloutEngine that samples.
+
+Both speak token ids and padded tensors only, so a Megatron policy or a vLLM engine can
+replace the HF ones without the recipe changing. The engine returns each rollout's spans
+(prompt, sampled rationale, whether ``</think>`` was forced, sampled answer); the recipe
+splices training sequences from those ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    #: Sampled thinking tokens, without ``</think>``.
+    rationale_ids: list[int]
+    #: True when the thinking budget ran out and ``</think>`` was inserted rather than sampled.
+    think_end_forced: bool
+    #: Sampled answer tokens after ``</think>`` (ending in end-of-turn unless the answer budget ran
+    #: out), or None when the estimator needs no sampled answer.
+    answer_ids: list[int] | None = None
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded sequences with their target spans.
+
+    ``rationale_mask[i, t]`` / ``answer_mask[i, t]`` mark the tokens ``input_ids[i, t + 1]`` that
+    belong to the rationale / answer span: position t predicts token t + 1.
+    """
+
+    input_ids: torch.Tensor  # [N, L]
+    attention_mask: torch.Tensor  # [N, L]
+    rationale_mask: torch.Tensor  # [N, L-1] bool
+    answer_mask: torch.Tensor  # [N, L-1] bool
+
+    @property
+    def target_mask(self) -> torch.Tensor:
+        return self.rationale_mask | self.answer_mask
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, start: int, end: int) -> "TokenBatch":
+        """Rows ``start:end``, trimmed to their longest sequence."""
+        length = int(self.attention_mask[start:end].sum(1).max())
+        return TokenBatch(
+            self.input_ids[start:end, :length],
+            self.attention_mask[start:end, :length],
+            self.rationale_mask[start:end, : length - 1],
+            self.answer_mask[start:end, : length - 1],
+        )
+
+    def to(self, device: torch.device | str) -> "TokenBatch":
+        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.rationale_mask, self.answer_mask)))
+
+
+#: ``loss_fn(token_logprobs [n, L-1], micro_batch_index) -> scalar`` to backpropagate.
+LossFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+class Policy(Protocol):
+    def token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """``[N, L-1]`` fp32 log-probs of the target tokens (0 elsewhere); differentiable under grad."""
+        ...
+
+    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
+        """Accumulate gradients of ``loss_fn`` over the micro-batches (no optimizer step)."""
+        ...
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, zero the gradients; return e.g. the pre-clip gradient norm."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def save_weights(self, path: Path) -> None: ...
+
+    def load_weights(self, path: Path) -> None: ...
+
+    def export(self, out_dir: Path, tokenizer: Any) -> None:
+        """Write an HF folder that ``AutoModelForCausalLM.from_pretrained`` loads unchanged."""
+        ...
+
+
+class RolloutEngine(Protocol):
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        num_samples: int,
+        *,
+        sample_answers: bool,
+        generator: torch.Generator,
+    ) -> list[list[Rollout]]:
+        """``num_samples`` rollouts per prompt (``[B][M]``) under the thinking and answer budgets."""
+        ...

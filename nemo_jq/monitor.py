@@ -1,0 +1,80 @@
+"""Run outputs people read: metrics JSONL, TensorBoard events, and the Figure-3 style plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+#: The paper's Figure 3 panels: (record kind, key, panel title).
+PANELS = (
+    ("train", "train_reward", "train reward"),
+    ("train", "log_p_hat", "log P̂ (mean log w̄)"),
+    ("train", "max_amplified_advantage", "max amplified advantage |c_m|/M^q"),
+    ("validation", "m@16", "validation m@16"),
+)
+
+
+class RunLogger:
+    """Appends records to ``metrics.jsonl`` (and TensorBoard); on resume, drops records after ``resume_step``."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0):
+        self.path = run_dir / METRICS_FILE
+        if resume_step and self.path.exists():
+            kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step and r["kind"] != "test"]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step or None)
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
+                    self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """One panel per Figure-3 quantity against step, one line per run (label -> records)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}  # one colour per run in every panel
+    for ax, (kind, key, title) in zip(axes.flat, PANELS):
+        for label, records in runs.items():
+            points = [(r["step"], r[key]) for r in records if r["kind"] == kind and r.get(key) is not None]
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, label=label, color=colors[label], marker="o" if kind == "validation" else None, ms=3)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    handles = [plt.Line2D([], [], color=colors[label], label=label) for label in runs]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(runs), 5), fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

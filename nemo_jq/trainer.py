@@ -1,0 +1,365 @@
+"""The J_Q training recipe: rollouts, one estimator from the registry, evaluation, checkpoints.
+
+Per step: take a batch of prompts; sample M rationales each under the thinking budget (and
+answers, only for estimators that need a reward); splice token-level sequences; run one
+forward/backward per micro-batch of whole prompt groups, feeding the estimator exactly the
+log-prob sums it asks for; step AdamW. Every ``eval.every`` steps: p@1/p@k/m@k on the
+validation split, keeping the best checkpoint by m@16; at the end, that checkpoint on test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_jq.chat import ChatFormat, build_tokenizer
+from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
+from nemo_jq.config import Config, ConfigError, load_config, save_config
+from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
+from nemo_jq.evaluation import sample_outputs, score_outputs
+from nemo_jq.models.hf import HFPolicy, HFRolloutEngine, load_causal_lm, resolve_device, tiny_qwen3
+from nemo_jq.models.interfaces import TokenBatch
+from nemo_jq.monitor import RunLogger, plot_runs, read_metrics
+from nemo_jq.objectives import Need, ObjectiveSpec, build_schedule, get_objective
+from nemo_jq.sequences import given_target_batch, reference_answer_batch, sampled_answer_batch
+
+CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
+SELECTION_METRIC = "m@16"
+
+
+def build_task(config: Config) -> tuple[Task, Splits]:
+    data = config.data
+    if data.name != "synthetic":
+        raise ConfigError(f"data.name={data.name!r} is not available; known: ['synthetic']")
+    task = SyntheticArithmetic(num_operands=data.num_operands)
+    return task, task.splits(data.train_size, data.validation_size, data.test_size, data.seed)
+
+
+def estimator_inputs(
+    spec: ObjectiveSpec, logprobs: torch.Tensor, batch: TokenBatch, num_prompts: int, rewards: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The estimator's tensor arguments, by parameter name, from one micro-batch's token log-probs.
+
+    Rows are prompt-major (``b * M + m``), so ``view(num_prompts, M)`` recovers the groups.
+    """
+    params = inspect.signature(spec.fn).parameters
+    per_token = "logprob" in params  # GRPO's token-level [B, M, T] form
+    candidates = {
+        "rationale_logprob": lambda: (logprobs * batch.rationale_mask).sum(-1).view(num_prompts, -1),
+        "answer_logprob": lambda: (logprobs * batch.answer_mask).sum(-1).view(num_prompts, -1),
+        "sequence_logprob": lambda: (logprobs * batch.target_mask).sum(-1).view(num_prompts, -1),
+        "logprob": lambda: logprobs.view(num_prompts, -1, logprobs.shape[-1]),
+        "token_logprob": lambda: logprobs,
+        "mask": lambda: batch.target_mask.view(num_prompts, -1, logprobs.shape[-1]) if per_token else batch.target_mask,
+        "rewards": lambda: rewards,
+    }
+    return {name: make() for name, make in candidates.items() if name in params}
+
+
+class Trainer:
+    def __init__(self, config: Config, *, run_dir: Path | None = None):
+        self.config = config.validate()
+        self.run_dir = Path(run_dir or config.train.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        seed = config.train.seed
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+        self.task, self.splits = build_task(config)
+        self.tokenizer = self._tokenizer()
+        self.chat = ChatFormat(self.tokenizer)
+        self.device = resolve_device(config.train.device)
+        model = self._model()
+        optim = config.optim
+        self.policy = HFPolicy(
+            model, device=self.device, precision=config.model.precision, lr=optim.lr, weight_decay=optim.weight_decay,
+            betas=tuple(optim.betas), eps=optim.eps, grad_clip=optim.grad_clip,
+            logprob_chunk_size=config.model.logprob_chunk_size,
+        )
+        rollout = config.rollout
+        self.engine = HFRolloutEngine(
+            self.policy.model, think_end_id=self.chat.think_end_id, end_of_turn_id=self.chat.end_of_turn_id,
+            pad_id=self.chat.pad_id, device=self.device, max_thinking_tokens=rollout.max_thinking_tokens,
+            max_answer_tokens=rollout.max_answer_tokens, temperature=rollout.temperature, top_k=rollout.top_k,
+            top_p=rollout.top_p, precision=config.model.precision,
+        )
+        self.spec = get_objective(config.objective.name)
+        objective = config.objective
+        self.schedule = build_schedule(objective.q_schedule or objective.q) if self.spec.uses_q else None
+        self.rollout_generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.estimator_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.state: dict[str, Any] = {"step": 0, "epoch": 0, "position": 0, "best_metric": None, "best_step": None}
+        self._stop_signal: int | None = None
+
+    # ----------------------------------------------------------------- construction
+    def _tokenizer(self):
+        saved = self.run_dir / TOKENIZER_DIR
+        if saved.exists():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(saved)
+        if self.config.model.path:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
+        else:
+            tokenizer = build_tokenizer(self.task.corpus(), self.config.model.tiny.tokenizer_vocab_size)
+        tokenizer.save_pretrained(saved)
+        return tokenizer
+
+    def _model(self):
+        if self.config.model.path:
+            return load_causal_lm(self.config.model.path)
+        tiny = self.config.model.tiny
+        return tiny_qwen3(
+            len(self.tokenizer), hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+            num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
+            max_position_embeddings=tiny.max_position_embeddings, seed=self.config.train.seed,
+        )
+
+    @classmethod
+    def resume(cls, run_dir: Path) -> "Trainer":
+        """Rebuild a run from its saved config and continue from its latest checkpoint."""
+        run_dir = Path(run_dir)
+        if not (run_dir / CONFIG_FILE).exists():
+            raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}")
+        trainer = cls(load_config(run_dir / CONFIG_FILE), run_dir=run_dir)
+        checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
+        if checkpoint is None:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from")
+        trainer.restore(checkpoint)
+        return trainer
+
+    # ----------------------------------------------------------------- the loop
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.splits.train) / self.config.train.batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        total = self.config.train.epochs * self.steps_per_epoch
+        return min(total, self.config.train.max_steps) if self.config.train.max_steps else total
+
+    def fit(self, max_steps: int | None = None) -> dict[str, Any]:
+        """Train until the configured end (or ``max_steps``, or a SIGTERM/SIGUSR1), then evaluate.
+
+        On a signal the current step finishes, a checkpoint is written, and fit returns with
+        ``{"preempted": signum}``; ``nemo-jq train`` then exits 0 for the scheduler to requeue.
+        """
+        from tqdm import tqdm
+
+        end = min(self.total_steps, max_steps or self.total_steps)
+        save_config(self.config, self.run_dir / CONFIG_FILE)
+        logger = RunLogger(self.run_dir, tensorboard=self.config.train.tensorboard, resume_step=self.state["step"])
+        bar = tqdm(total=self.total_steps, initial=self.state["step"], desc=f"train {self.run_dir.name}", dynamic_ncols=True)
+        previous = self._install_signal_handlers()
+        try:
+            while self.state["step"] < end and self._stop_signal is None:
+                record = self.train_step(self._next_batch())
+                self.state["step"] += 1
+                logger.log({"kind": "train", "step": self.state["step"], **record})
+                bar.update(1)
+                shown = {k: record.get(k) for k in ("loss", "train_reward", "q")}
+                bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items() if v is not None})
+                step = self.state["step"]
+                if step % self.config.eval.every == 0 or step == self.total_steps:
+                    self._validate(logger)
+                if step % self.config.train.save_every == 0 or step == end or self._stop_signal is not None:
+                    self.save()
+            if self._stop_signal is not None:
+                self.save()
+                return {"preempted": self._stop_signal, "step": self.state["step"]}
+            if self.state["step"] >= self.total_steps:
+                return self._finish(logger)
+            return {"step": self.state["step"]}
+        finally:
+            bar.close()
+            logger.close()
+            self._restore_signal_handlers(previous)
+
+    def _next_batch(self) -> list[Example]:
+        """The next prompts of the current epoch's permutation (deterministic in seed and epoch)."""
+        train = self.splits.train
+        size = self.config.train.batch_size
+        if self.state["position"] >= len(train):
+            self.state["epoch"] += 1
+            self.state["position"] = 0
+        order = np.random.default_rng([self.config.train.seed, self.state["epoch"]]).permutation(len(train))
+        start = self.state["position"]
+        self.state["position"] = start + size
+        return [train[i] for i in order[start : start + size]]
+
+    def prompt_ids(self, examples: list[Example]) -> list[list[int]]:
+        return [self.chat.prompt_ids(self.task.messages(e, self.config.data.format)) for e in examples]
+
+    def train_step(self, examples: list[Example]) -> dict[str, Any]:
+        started = time.perf_counter()
+        q = self.schedule(self.state["step"]) if self.schedule is not None else None
+        prompts = self.prompt_ids(examples)
+        group, rewards = 1, None
+        rollout_tokens_before = self.engine.tokens_generated
+
+        if Need.GIVEN_TARGET in self.spec.needs:
+            batch = given_target_batch(
+                prompts,
+                [self.chat.rationale_ids(e.rationale or "") for e in examples],
+                [self.chat.answer_ids(e.answer) for e in examples],
+                self.chat.think_end_id,
+                self.chat.pad_id,
+            )
+        else:
+            group = self.config.rollout.num_samples
+            sample_answers = Need.SAMPLED_ANSWER_REWARD in self.spec.needs
+            rollouts = self.engine.generate(prompts, group, sample_answers=sample_answers, generator=self.rollout_generator)
+            if sample_answers:
+                batch = sampled_answer_batch(rollouts, self.chat.think_end_id, self.chat.pad_id)
+                rewards = torch.tensor(
+                    [[self.task.reward(self.chat.decode_answer(r.answer_ids), e) for r in rs] for rs, e in zip(rollouts, examples)],
+                    device=self.device,
+                )
+            else:
+                batch = reference_answer_batch(
+                    rollouts, [self.chat.answer_ids(e.answer) for e in examples], self.chat.think_end_id, self.chat.pad_id
+                )
+        rollout_seconds = time.perf_counter() - started
+        rollout_tokens = self.engine.tokens_generated - rollout_tokens_before
+
+        micro_metrics = self._forward_backward(batch, group, len(examples), rewards, q)
+        record = {"epoch": self.state["epoch"], "q": q, **_merge_metrics(micro_metrics), **self.policy.optimizer_step()}
+        if self.schedule is not None and "log_p_hat" in record:
+            self.schedule.observe(record["log_p_hat"])
+        record["train_reward"] = record.get("reward", record.get("p_hat"))
+        record["rollout_tokens"] = rollout_tokens
+        record["rollout_tokens_per_s"] = rollout_tokens / rollout_seconds if rollout_tokens else None
+        record["step_time"] = time.perf_counter() - started
+        return record
+
+    def _forward_backward(self, batch: TokenBatch, group: int, num_prompts: int, rewards, q) -> list[tuple[int, dict]]:
+        """One forward/backward per micro-batch of whole groups; gradients sum to the full batch's."""
+        per_micro = self.config.train.micro_batch_size
+        bounds = [(s, min(s + per_micro, num_prompts)) for s in range(0, num_prompts, per_micro)]
+        micro_batches = [batch.rows(s * group, e * group) for s, e in bounds]
+        options = dict(self.config.objective.options)
+        params = inspect.signature(self.spec.fn).parameters
+        if "tokens_per_example" in params:
+            options.setdefault("tokens_per_example", float(batch.target_mask.sum()) / num_prompts)
+        if "generator" in params:
+            options["generator"] = self.estimator_generator
+        if q is not None:
+            options["q"] = q
+        collected: list[tuple[int, dict]] = []
+
+        def loss_fn(logprobs: torch.Tensor, index: int) -> torch.Tensor:
+            start, end = bounds[index]
+            micro = micro_batches[index].to(self.device)
+            micro_rewards = rewards[start:end] if rewards is not None else None
+            out = self.spec.fn(**estimator_inputs(self.spec, logprobs, micro, end - start, micro_rewards), **options)
+            collected.append((end - start, {"loss": float(out.per_example.detach().mean()), **out.metrics}))
+            return out.per_example.sum() / num_prompts
+
+        self.policy.forward_backward(micro_batches, loss_fn)
+        return collected
+
+    # ----------------------------------------------------------------- evaluation
+    def evaluate(self, split: str, seed_offset: int = 0) -> dict[str, float]:
+        """p@1, p@k and m@k (k = eval.num_samples) on ``split``; sampling has its own seeded RNG."""
+        from tqdm import tqdm
+
+        examples = self.splits.get(split)
+        generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed + 10_000 + seed_offset)
+        with tqdm(total=len(examples), desc=f"eval {split}", leave=False, dynamic_ncols=True) as bar:
+            outputs = sample_outputs(
+                self.engine, self.chat, self.task, examples, self.config.data.format,
+                self.config.eval.num_samples, self.config.eval.batch_size, generator, bar,
+            )
+        return score_outputs(self.task, examples, outputs, self.config.eval.num_samples)
+
+    def _validate(self, logger: RunLogger) -> None:
+        scores = self.evaluate("validation", seed_offset=self.state["step"])
+        logger.log({"kind": "validation", "step": self.state["step"], **scores})
+        value = scores.get(SELECTION_METRIC, scores["p@1"])
+        if self.state["best_metric"] is None or value > self.state["best_metric"]:
+            self.state["best_metric"], self.state["best_step"] = value, self.state["step"]
+            self.save()
+
+    def _finish(self, logger: RunLogger) -> dict[str, Any]:
+        """Evaluate the best validation checkpoint on the test split and write results.json."""
+        best = self.state["best_step"]
+        if best is not None and best != self.state["step"]:
+            self.policy.load_weights(self.run_dir / CHECKPOINT_DIR / step_dir_name(best) / "model.safetensors")
+        scores = self.evaluate("test")
+        logger.log({"kind": "test", "step": self.state["step"], "best_step": best, **scores})
+        results = {"objective": self.config.objective.name, "q": self.config.objective.q if self.spec.uses_q else None,
+                   "best_step": best, "best_validation": self.state["best_metric"], "test": scores}
+        (self.run_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+        plot_runs({self.run_dir.name: read_metrics(self.run_dir)}, self.run_dir / "training.png")
+        return results
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self) -> Path:
+        state = {**self.state, "schedule": self.schedule.state_dict() if self.schedule is not None else None}
+        rng = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "rollout": self.rollout_generator.get_state(),
+            "estimator": self.estimator_generator.get_state(),
+        }
+        root = self.run_dir / CHECKPOINT_DIR
+        path = save_checkpoint(root, self.state["step"], self.policy, state, rng)
+        best = self.state["best_step"]
+        prune_checkpoints(root, self.config.train.keep_checkpoints, {path.name} | ({step_dir_name(best)} if best is not None else set()))
+        return path
+
+    def restore(self, checkpoint: Path) -> None:
+        state, rng = load_checkpoint(checkpoint, self.policy)
+        schedule_state = state.pop("schedule")
+        if self.schedule is not None and schedule_state is not None:
+            self.schedule.load_state_dict(schedule_state)
+        self.state = state
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        self.rollout_generator.set_state(rng["rollout"])
+        self.estimator_generator.set_state(rng["estimator"])
+
+    # ----------------------------------------------------------------- preemption
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            previous[signum] = signal.signal(signum, self._on_signal)
+        return previous
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._stop_signal = signum
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Prompt-weighted means across micro-batches; ``max_*`` metrics take the maximum."""
+    total = sum(n for n, _ in micro_metrics)
+    merged: dict[str, float] = {}
+    for key in micro_metrics[0][1]:
+        values = [(n, m[key]) for n, m in micro_metrics if key in m]
+        if key.startswith("max_"):
+            merged[key] = max(v for _, v in values)
+        else:
+            merged[key] = sum(n * v for n, v in values) / total
+    return merged

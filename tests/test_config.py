@@ -1,0 +1,45 @@
+"""Typed config: YAML, overrides, and errors that name the key."""
+
+import pytest
+import yaml
+
+from nemo_jq.config import Config, ConfigError, load_config, save_config
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text(yaml.safe_dump({"objective": {"name": "paft", "q": 0.25}, "rollout": {"num_samples": 4}}))
+    config = load_config(path, ["objective.q=0.75", "optim.lr=1e-6", "objective.options={num_resamples: 2}"])
+    assert config.objective.name == "paft" and config.objective.q == 0.75
+    assert config.optim.lr == 1e-6 and config.rollout.num_samples == 4
+    assert config.objective.options == {"num_resamples": 2}
+    save_config(config, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == config
+    assert isinstance(load_config(), Config)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["objective.nmae=garl"], "unknown config key 'objective.nmae'; did you mean 'objective.name'"),
+        (["rollout.num_sample=4"], "did you mean 'rollout.num_samples'"),
+        (["optimm.lr=1"], "unknown config key 'optimm'; did you mean 'optim'"),
+        (["objective.q=1.5"], r"objective.q.*q must lie in \[0, 1\].*1.5"),
+        (["objective.name=gerl"], "objective.name: unknown objective 'gerl'.*Did you mean 'garl'"),
+        (["rollout.num_samples=1"], "rollout.num_samples=1 but 'garl' needs at least 2"),
+        (["objective.options={baseline: mean}", "objective.name=paft"], "objective.options.baseline is not an option of 'paft'"),
+        (["train.batch_size=many"], "train.batch_size must be int; got 'many'"),
+        (["data.format=tepid"], "data.format must be 'cold' or 'warm'"),
+        (["objective.q_schedule={name: linear, steps: 3}"], r"unknown key\(s\) \['steps'\]"),
+        (["justakey"], "must look like section.key=value"),
+        (["train.batch_size.x=1"], "train.batch_size is not a section|train.batch_size must be"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml does not exist"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,99 @@
+"""Chunked log-probs, the HF policy, export round trip, and the evaluation metrics."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import tiny_setup
+from nemo_jq.data import Example, SyntheticArithmetic
+from nemo_jq.evaluation import majority_answer, pass_at_k, score_outputs
+from nemo_jq.models.hf import HFPolicy
+from nemo_jq.models.logprobs import chunked_token_logprobs
+from nemo_jq.sequences import collate
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+def test_chunked_logprobs_equal_naive_log_softmax_gather(chunk_size):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(97, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(97, (40,), generator=gen)
+    upstream = torch.randn(40, generator=gen, dtype=torch.float64)
+    ours = chunked_token_logprobs(hidden, weight, targets, chunk_size)
+    naive = torch.log_softmax(hidden @ weight.T, -1).gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(ours, naive)
+    ours_grads = torch.autograd.grad((ours * upstream).sum(), (hidden, weight))
+    naive_grads = torch.autograd.grad((naive * upstream).sum(), (hidden, weight))
+    for a, b in zip(ours_grads, naive_grads):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_token_logprobs(hidden, weight, targets, 0)
+
+
+def _batch(chat, task):
+    rows = []
+    for example, extra in zip(task.splits(3, 0, 0, seed=4).train, ([], [7, 8], [9])):
+        prompt = chat.prompt_ids(task.messages(example, "cold"))
+        rows.append((prompt + extra + chat.answer_ids(example.answer),
+                     [False] * (len(prompt) - 1) + [True] * len(extra) + [False] * 3,
+                     [False] * (len(prompt) - 1 + len(extra)) + [True] * 3))
+    return collate([(ids, r[: len(ids) - 1], a[: len(ids) - 1]) for ids, r, a in rows], chat.pad_id)
+
+
+def test_policy_logprobs_equal_the_models_own_logits():
+    task, _, chat, model = tiny_setup()
+    policy = HFPolicy(model, device=torch.device("cpu"), logprob_chunk_size=5)
+    batch = _batch(chat, task)
+    ours = policy.token_logprobs(batch)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    naive = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(ours.detach(), naive * batch.target_mask, atol=1e-5, rtol=1e-5)
+    assert ours[~batch.target_mask].eq(0).all()
+
+
+def test_policy_step_changes_weights_and_clips():
+    task, _, chat, model = tiny_setup()
+    policy = HFPolicy(model, device=torch.device("cpu"), lr=1e-2, grad_clip=0.5)
+    before = model.get_output_embeddings().weight.detach().clone()
+    policy.forward_backward([_batch(chat, task)], lambda lp, _i: -lp.sum())
+    stats = policy.optimizer_step()
+    assert stats["grad_norm"] > 0.5  # reported before clipping
+    assert not torch.equal(before, model.get_output_embeddings().weight)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_export_round_trip_gives_the_same_logits(tmp_path):
+    task, tokenizer, chat, model = tiny_setup()
+    policy = HFPolicy(model, device=torch.device("cpu"))
+    policy.export(tmp_path / "hf", tokenizer)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    batch = _batch(chat, task)
+    with torch.no_grad():
+        a = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        b = loaded(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    torch.testing.assert_close(a, b)
+    assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    for n, c, k in [(16, 0, 1), (16, 16, 16), (16, 3, 1), (16, 3, 4), (10, 2, 9), (5, 5, 2)]:
+        brute = sum(any(s) for s in itertools.combinations([True] * c + [False] * (n - c), k)) / math.comb(n, k)
+        assert pass_at_k(n, c, k) == pytest.approx(brute)
+    with pytest.raises(ValueError, match="k must lie"):
+        pass_at_k(4, 1, 5)
+
+
+def test_majority_vote_and_scores():
+    assert majority_answer(["1", "2", "2", "1"]) == "1"  # tie: first seen
+    assert majority_answer(["3", "2", "2"]) == "2"
+    task = SyntheticArithmetic()
+    examples = [Example("a", "1+2+3", "6"), Example("b", "9+9+9", "27")]
+    outputs = [["6", "5", "the answer is 6", "7"], ["2 7", "72", "27", "0"]]
+    scores = score_outputs(task, examples, outputs, k=4)
+    # a: 2/4 correct by substring, majority "6"; b: "27" and "2 7" match after normalisation, majority "27".
+    assert scores == {"p@1": pytest.approx(100 * (0.5 + 0.5) / 2), "p@4": 100.0, "m@4": 100.0}
+    assert task.reward("6", examples[0]) == 1.0 and task.reward("the answer is 6", examples[0]) == 0.0

@@ -1,0 +1,203 @@
+"""The recipe: estimator inputs, exact micro-batching, runs per estimator, resume, preemption."""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY_RUN
+from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from nemo_jq.config import load_config, save_config
+from nemo_jq.monitor import read_metrics
+from nemo_jq.objectives import garl, get_objective, list_objectives
+from nemo_jq.sequences import reference_answer_batch
+from nemo_jq.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = {"step_time", "rollout_tokens_per_s"}
+
+
+def make_trainer(tmp_path, *overrides, name="run"):
+    return Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={tmp_path / name}", *overrides]))
+
+
+def test_trainer_passes_the_estimator_what_a_direct_call_gets(tmp_path):
+    trainer = make_trainer(tmp_path, "objective.name=garl", "objective.q=0.5", "train.micro_batch_size=4")
+    calls = []
+
+    @functools.wraps(garl)
+    def recording(*args, **kwargs):
+        calls.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+        return garl(*args, **kwargs)
+
+    trainer.spec = dataclasses.replace(trainer.spec, fn=recording)
+    batches = []
+    original = trainer.policy.forward_backward
+    trainer.policy.forward_backward = lambda micro, fn: (batches.extend(micro), original(micro, fn))[1]
+    examples = trainer.splits.train[:4]
+    weights_before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
+    trainer.train_step(examples)
+    trainer.policy.model.load_state_dict(weights_before)  # the step has updated them
+
+    (call,) = calls
+    assert call["q"] == 0.5 and set(call) == {"rationale_logprob", "answer_logprob", "q"}
+    (batch,) = batches
+    m = trainer.config.rollout.num_samples
+    # Direct: score every row with the model's own logits and sum each span.
+    with torch.no_grad():
+        logits = trainer.policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    token_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    direct_rationale = (token_lp * batch.rationale_mask).sum(-1).view(4, m)
+    direct_answer = (token_lp * batch.answer_mask).sum(-1).view(4, m)
+    torch.testing.assert_close(call["rationale_logprob"], direct_rationale, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(call["answer_logprob"], direct_answer, atol=1e-4, rtol=1e-5)
+    # Each answer span is exactly its prompt's formatted y*.
+    for row in range(batch.num_rows):
+        targets = batch.input_ids[row, 1:][batch.answer_mask[row]].tolist()
+        assert targets == trainer.chat.answer_ids(examples[row // m].answer)
+
+
+@pytest.mark.parametrize("name", ["garl", "grpo", "sft"])
+def test_micro_batching_gives_the_full_batch_gradient(tmp_path, name):
+    trainer = make_trainer(tmp_path, f"objective.name={name}")
+    examples = trainer.splits.train[:4]
+    prompts = trainer.prompt_ids(examples)
+    rollouts = trainer.engine.generate(prompts, 4, sample_answers=True, generator=torch.Generator().manual_seed(0))
+    answers = [trainer.chat.answer_ids(e.answer) for e in examples]
+    if name == "garl":
+        batch, group, rewards = reference_answer_batch(rollouts, answers, trainer.chat.think_end_id, trainer.chat.pad_id), 4, None
+    elif name == "grpo":
+        from nemo_jq.sequences import sampled_answer_batch
+
+        batch, group = sampled_answer_batch(rollouts, trainer.chat.think_end_id, trainer.chat.pad_id), 4
+        rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    else:
+        from nemo_jq.sequences import given_target_batch
+
+        rationales = [trainer.chat.rationale_ids(e.rationale) for e in examples]
+        batch, group, rewards = given_target_batch(prompts, rationales, answers, trainer.chat.think_end_id, trainer.chat.pad_id), 1, None
+
+    def gradient(micro_batch_size):
+        trainer.config.train.micro_batch_size = micro_batch_size
+        trainer._forward_backward(batch, group, 4, rewards, 0.5 if get_objective(name).uses_q else None)
+        grads = [p.grad.clone() for p in trainer.policy.model.parameters()]
+        trainer.policy.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    for full, split in zip(gradient(4), gradient(1)):
+        torch.testing.assert_close(full, split, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", list_objectives())
+def test_three_step_run_per_estimator(tmp_path, name):
+    trainer = make_trainer(tmp_path, f"objective.name={name}", "train.max_steps=3")
+    result = trainer.fit()
+    records = read_metrics(trainer.run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["step_time"] > 0
+    if get_objective(name).uses_q or name == "rb_rloo":
+        assert all(math.isfinite(r["log_p_hat"]) and "max_amplified_advantage" in r for r in train)
+    if name in ("grpo", "rloo"):
+        assert all(0.0 <= r["train_reward"] <= 1.0 for r in train)
+    assert [r["step"] for r in records if r["kind"] == "validation"] == [3]
+    assert set(result["test"]) == {"p@1", "p@4", "m@4"}
+    assert json.loads((trainer.run_dir / "results.json").read_text())["best_step"] == 3
+    assert latest_checkpoint(trainer.run_dir / "checkpoints").name == "step_00000003"
+    assert (trainer.run_dir / "training.png").exists() and (trainer.run_dir / "config.yaml").exists()
+
+
+def _without_timing(records):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+@pytest.mark.parametrize("name", ["paft", "grpo"])
+def test_resume_continues_exactly(tmp_path, name):
+    uninterrupted = make_trainer(tmp_path, f"objective.name={name}", "train.max_steps=5", name="a")
+    uninterrupted.fit()
+    interrupted = make_trainer(tmp_path, f"objective.name={name}", "train.max_steps=5", name="b")
+    assert interrupted.fit(max_steps=3) == {"step": 3}
+    del interrupted
+    Trainer.resume(tmp_path / "b").fit()
+    assert _without_timing(read_metrics(tmp_path / "a")) == _without_timing(read_metrics(tmp_path / "b"))
+    a = load_checkpoint(latest_checkpoint(tmp_path / "a" / "checkpoints"), uninterrupted.policy, with_optimizer=False)
+    assert a[0]["step"] == 5
+
+
+def test_sigterm_writes_a_loadable_checkpoint_and_exits_zero(tmp_path):
+    run_dir = tmp_path / "preempted"
+    args = [sys.executable, "-m", "nemo_jq.cli", "train", *TINY_RUN, "train.epochs=50", "train.save_every=1000",
+            "eval.every=1000", f"train.run_dir={run_dir}"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(r["kind"] == "train" for r in read_metrics(run_dir)):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert '"preempted": 15' in out.decode()
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    trainer = Trainer.resume(run_dir)
+    assert trainer.state["step"] == int(checkpoint.name.split("_")[1]) >= 1
+    assert trainer.state["step"] < trainer.total_steps
+
+
+def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
+    trainer = make_trainer(tmp_path)
+    good = trainer.save()
+    trainer.state["step"] = 7
+
+    def crash(path):
+        Path(path).write_bytes(b"partial")
+        raise KeyboardInterrupt  # as if killed while writing
+
+    trainer.policy.save_weights = crash
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save()
+    root = trainer.run_dir / "checkpoints"
+    assert latest_checkpoint(root) == good
+    assert list(root.glob(".tmp-*"))  # the partial write is only in a temporary directory
+    state, _ = load_checkpoint(good, make_trainer(tmp_path, name="other").policy)
+    assert state["step"] == 0
+
+
+def test_missing_checkpoint_files_are_named(tmp_path):
+    trainer = make_trainer(tmp_path)
+    path = save_checkpoint(tmp_path / "ck", 1, trainer.policy, {"step": 1}, {})
+    (path / "optimizer.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="optimizer.pt"):
+        load_checkpoint(path, trainer.policy)
+    with pytest.raises(FileNotFoundError, match="not a run directory: no config.yaml"):
+        Trainer.resume(trainer.run_dir)
+    save_config(trainer.config, trainer.run_dir / "config.yaml")
+    with pytest.raises(FileNotFoundError, match="has no checkpoint"):
+        Trainer.resume(trainer.run_dir)
+
+
+def test_eval_and_export_commands(tmp_path):
+    trainer = make_trainer(tmp_path, "train.max_steps=2")
+    trainer.fit()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "nemo_jq.cli", *a], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = run("eval", str(trainer.run_dir), "--split", "validation", "eval.num_samples=2")
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)) == {"split", "p@1", "p@2", "m@2"}
+    result = run("export", str(trainer.run_dir), "--out", str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("</think>") == trainer.chat.think_end_id
+    torch.testing.assert_close(model.state_dict()["lm_head.weight"], trainer.policy.model.state_dict()["lm_head.weight"])
+    result = run("eval", str(tmp_path / "nowhere"))
+    assert result.returncode == 2 and "neither a checkpoint" in result.stderr
