@@ -43,7 +43,7 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     #: auto = bf16 autocast on GPU, fp32 on CPU.
     precision: str = "auto"
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int = 256
 
 
 @dataclass
@@ -150,6 +150,10 @@ class Config:
             raise ConfigError(
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
+        from nemo_jq.models.hf import PRECISIONS
+
+        if self.model.precision not in PRECISIONS:
+            raise ConfigError(f"model.precision must be one of {PRECISIONS}; got {self.model.precision!r}")
         if self.data.format not in ("cold", "warm"):
             raise ConfigError(f"data.format must be 'cold' or 'warm'; got {self.data.format!r}")
         for key in ("batch_size", "micro_batch_size", "epochs"):

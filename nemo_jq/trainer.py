@@ -4,7 +4,7 @@ Per step: take a batch of prompts; sample M rationales each under the thinking b
 answers, only for estimators that need a reward); splice token-level sequences; run one
 forward/backward per micro-batch of whole prompt groups, feeding the estimator exactly the
 log-prob sums it asks for; step AdamW. Every ``eval.every`` steps: p@1/p@k/m@k on the
-validation split, keeping the best checkpoint by m@16; at the end, that checkpoint on test.
+validation split, keeping the best checkpoint by m@k (k = eval.num_samples, 16 by default); at the end, that checkpoint on test.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from nemo_jq.objectives import Need, ObjectiveSpec, build_schedule, get_objectiv
 from nemo_jq.sequences import given_target_batch, reference_answer_batch, sampled_answer_batch
 
 CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
-SELECTION_METRIC = "m@16"
 
 
 def build_task(config: Config) -> tuple[Task, Splits]:
@@ -288,7 +287,7 @@ class Trainer:
     def _validate(self, logger: RunLogger) -> None:
         scores = self.evaluate("validation", seed_offset=self.state["step"])
         logger.log({"kind": "validation", "step": self.state["step"], **scores})
-        value = scores.get(SELECTION_METRIC, scores["p@1"])
+        value = scores[f"m@{self.config.eval.num_samples}"]  # the paper selects by m@16
         if self.state["best_metric"] is None or value > self.state["best_metric"]:
             self.state["best_metric"], self.state["best_step"] = value, self.state["step"]
             self.save()

@@ -30,6 +30,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (["objective.options={baseline: mean}", "objective.name=paft"], "objective.options.baseline is not an option of 'paft'"),
         (["train.batch_size=many"], "train.batch_size must be int; got 'many'"),
         (["data.format=tepid"], "data.format must be 'cold' or 'warm'"),
+        (["model.precision=fp8"], "model.precision must be one of"),
         (["objective.q_schedule={name: linear, steps: 3}"], r"unknown key\(s\) \['steps'\]"),
         (["justakey"], "must look like section.key=value"),
         (["train.batch_size.x=1"], "train.batch_size is not a section|train.batch_size must be"),
@@ -43,3 +44,13 @@ def test_config_errors_name_the_key(overrides, message):
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_every_example_config_loads():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs" / "examples").glob("*.yaml"))
+    assert files
+    for path in files:
+        config = load_config(path)
+        assert config.train.run_dir.startswith("runs/")

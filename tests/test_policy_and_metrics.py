@@ -97,3 +97,19 @@ def test_majority_vote_and_scores():
     # a: 2/4 correct by substring, majority "6"; b: "27" and "2 7" match after normalisation, majority "27".
     assert scores == {"p@1": pytest.approx(100 * (0.5 + 0.5) / 2), "p@4": 100.0, "m@4": 100.0}
     assert task.reward("6", examples[0]) == 1.0 and task.reward("the answer is 6", examples[0]) == 0.0
+
+
+def test_bf16_autocast_path_runs_on_cpu():
+    """The GPU precision path (bf16 autocast over fp32 master weights), exercised with CPU autocast."""
+    task, _, chat, model = tiny_setup()
+    policy = HFPolicy(model, device=torch.device("cpu"), precision="bf16", lr=1e-3)
+    batch = _batch(chat, task)
+    logprobs = policy.token_logprobs(batch)
+    assert logprobs.dtype == torch.float32
+    fp32 = HFPolicy(tiny_setup()[3], device=torch.device("cpu"), precision="fp32").token_logprobs(batch)
+    torch.testing.assert_close(logprobs, fp32, atol=0.1, rtol=0.05)  # bf16 rounding only
+    policy.forward_backward([batch], lambda lp, _i: -lp.sum())
+    assert all(p.grad is None or (p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()) for p in model.parameters())
+    assert policy.optimizer_step()["grad_norm"] > 0
+    with pytest.raises(ValueError, match="precision"):
+        HFPolicy(model, device=torch.device("cpu"), precision="fp8")

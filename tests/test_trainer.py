@@ -186,8 +186,9 @@ def test_missing_checkpoint_files_are_named(tmp_path):
 
 
 def test_eval_and_export_commands(tmp_path):
-    trainer = make_trainer(tmp_path, "train.max_steps=2")
+    trainer = make_trainer(tmp_path, "train.max_steps=2", "train.tensorboard=true")
     trainer.fit()
+    assert list((trainer.run_dir / "tensorboard").glob("events.out.tfevents.*"))
     run = lambda *a: subprocess.run([sys.executable, "-m", "nemo_jq.cli", *a], cwd=ROOT, capture_output=True, text=True, timeout=300)
     result = run("eval", str(trainer.run_dir), "--split", "validation", "eval.num_samples=2")
     assert result.returncode == 0, result.stderr

@@ -20,10 +20,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def autocast_context(device: torch.device, precision: str):
-    """bf16 autocast over fp32 master weights on GPU ("auto" or "bf16"); plain fp32 otherwise."""
+def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    return precision
+
+
+def autocast_context(device: torch.device, precision: str):
+    """bf16 autocast over fp32 master weights on GPU ("auto" or "bf16"); plain fp32 otherwise."""
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     if use_bf16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -66,12 +70,12 @@ class HFPolicy:
 
     def __init__(self, model: Any, *, device: torch.device, precision: str = "auto", lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 grad_clip: float = 1.0, logprob_chunk_size: int = 1024):
+                 grad_clip: float = 1.0, logprob_chunk_size: int = 256):
         if getattr(model.get_output_embeddings(), "bias", None) is not None:
             raise ValueError("LM heads with a bias are not supported by the chunked log-prob kernel")
         self.model = model.to(device)
         self.device = device
-        self.precision = precision
+        self.precision = check_precision(precision)
         self.grad_clip = grad_clip
         self.logprob_chunk_size = logprob_chunk_size
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
@@ -152,9 +156,9 @@ class HFRolloutEngine:
         self.model = model
         self.think_end_id, self.end_of_turn_id, self.pad_id = think_end_id, end_of_turn_id, pad_id
         self.device = device
+        self.precision = check_precision(precision)
         self.max_thinking_tokens, self.max_answer_tokens = max_thinking_tokens, max_answer_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.precision = precision
         self.tokens_generated = 0
 
     @torch.inference_mode()

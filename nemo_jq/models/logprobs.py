@@ -14,14 +14,26 @@ import torch
 from nemo_jq.objectives.precision import compute_dtype, upcast
 
 
+def _exponentiate_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, ``logits <- exp(logits - max)``; returns ``(max, sum)`` so that
+    ``logsumexp = max + log(sum)`` and ``softmax = logits / sum``. One buffer per chunk, where
+    ``torch.logsumexp`` or ``torch.softmax`` would allocate a second."""
+    top = logits.max(1, keepdim=True).values
+    total = logits.sub_(top).exp_().sum(1, keepdim=True)
+    return top, total
+
+
 class _ChunkedTokenLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
         out = torch.empty(hidden.shape[0], dtype=compute_dtype(hidden), device=hidden.device)
+        projection = weight.to(hidden.dtype)  # under bf16 autocast: bf16 hidden states, fp32 master weight
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
-            logits = upcast(hidden[start:end] @ weight.T)
-            out[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1) - torch.logsumexp(logits, 1)
+            logits = upcast(hidden[start:end] @ projection.T)
+            chosen = logits.gather(1, targets[start:end, None])
+            top, total = _exponentiate_(logits)
+            out[start:end] = (chosen - top - total.log()).squeeze(1)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk_size = chunk_size
         return out
@@ -31,24 +43,26 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=compute_dtype(weight), device=weight.device) if ctx.needs_input_grad[1] else None
+        projection = weight.to(hidden.dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h, g = hidden[start:end], upcast(grad_out[start:end, None])
-            # d logp_t / d logits = onehot(target) - softmax(logits)
-            grad_logits = -torch.softmax(upcast(h @ weight.T), 1) * g
+            # d logp_t / d logits = onehot(target) - softmax(logits), formed in place: one chunk-sized buffer
+            logits = upcast(h @ projection.T)
+            _, total = _exponentiate_(logits)
+            grad_logits = logits.div_(total).mul_(-g)
             grad_logits.scatter_add_(1, targets[start:end, None], g)
-            grad_logits = grad_logits.to(hidden.dtype)
+            if grad_weight is not None:  # accumulate without a [V, H] temporary
+                grad_weight.addmm_(grad_logits.T, upcast(h))
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += upcast(grad_logits.T @ h)
+                grad_hidden[start:end] = grad_logits.to(hidden.dtype) @ projection
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
 
 
 def chunked_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = 256
 ) -> torch.Tensor:
     """``[N]`` log-probs (fp32, or fp64 for fp64 inputs) of ``targets`` (``[N]``) under ``softmax(hidden @ weight.T)``.
 

@@ -1,0 +1,22 @@
+"""The benchmark script stays runnable (timings are not asserted: they belong to bench/, not tests)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_step_overhead_quick_run_writes_every_ratio(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "bench/step_overhead.py", "--quick", "--skip-trl", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["step_seconds"]) == {"rb_rloo", "garl_q0.75", "paft_q0.75", "grpo"}
+    assert all(v > 0 for v in report["ratios"].values())
+    assert report["memory"]["naive_peak_gb"] > report["memory"]["chunked_peak_gb"] > 0
+    assert "garl_within_2pct_of_rb_rloo" in report["targets_met"]
