@@ -31,6 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
     export.add_argument("--out", type=Path, required=True)
 
+    data = commands.add_parser("data", help="dataset tools")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    prep = data_commands.add_parser(
+        "prepare", help="write deterministic train/validation/test subsets as JSONL with a manifest"
+    )
+    prep.add_argument("--dataset", required=True, help="finqa, hotpotqa, musique or jsonl")
+    prep.add_argument("--source", help="local file, folder of split files, or hub name (default: the paper's hub name)")
+    prep.add_argument("--hub-config", help="hub dataset config (hotpotqa: distractor)")
+    prep.add_argument("--out", type=Path, required=True)
+    prep.add_argument("--sizes", help="train,validation,test sizes (default: the paper's for its datasets)")
+    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--on-bad-row", default="skip", choices=("skip", "fail"))
+    prep.add_argument("--template", help="jsonl: user-turn template over {question} and {context}")
+    prep.add_argument("--system", help="jsonl: system message for the warm format")
+
     theory = commands.add_parser("theory", help="print the paper's stylised results and plot escape times")
     theory.add_argument("--out", type=Path, default=Path("runs/theory"), help="directory for theory.json and escape_time.png")
 
@@ -53,6 +68,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         run(args.out)
         return 0
+    if args.command == "data":
+        return _prepare_data(args)
 
     from nemo_jq.runs import load_for_inference
 
@@ -80,6 +97,28 @@ def _dispatch(args: argparse.Namespace) -> int:
     else:
         trainer.policy.export(args.out, trainer.tokenizer)
         print(f"exported to {args.out}")
+    return 0
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from nemo_jq.data.prepare import PAPER_SIZES, make_task, prepare, write_prepared
+
+    if args.sizes:
+        sizes = tuple(int(n) for n in args.sizes.split(","))
+        if len(sizes) != 3:
+            raise ValueError(f"--sizes needs three numbers (train,validation,test); got {args.sizes!r}")
+    elif args.dataset in PAPER_SIZES:
+        sizes = PAPER_SIZES[args.dataset]
+    else:
+        raise ValueError(f"--sizes is required for dataset {args.dataset!r}")
+    options = {"template": args.template, "system": args.system} if args.dataset == "jsonl" else {}
+    task = make_task(args.dataset, **{k: v for k, v in options.items() if v is not None})
+    splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row)
+    write_prepared(splits, manifest, args.out)
+    for name, entry in manifest["sources"].items():
+        print(f"{name}: {entry['rows']} rows, {len(entry['bad'])} bad, {len(entry['over_cap'])} over the cap, "
+              f"selected {entry['selected']}, {entry['unused']} unused")
+    print(f"wrote {args.out}/{{train,validation,test}}.jsonl and manifest.json")
     return 0
 
 

@@ -48,6 +48,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    #: synthetic (the embedded task), finqa, hotpotqa, musique, or jsonl (your own data).
     name: str = "synthetic"
     #: cold: linearised x*, no task description or formatting hint; warm: instructions.
     format: str = "cold"
@@ -55,7 +56,19 @@ class DataConfig:
     validation_size: int = 32
     test_size: int = 128
     seed: int = 0
+    #: synthetic only: operands per expression.
     num_operands: int = 3
+    #: A local file, a folder of split files (train/dev/validation/test .json/.jsonl/.parquet) or a
+    #: hub name; null = the paper's hub name (hotpotqa, musique). Ignored when prepared_dir is set.
+    source: str | None = None
+    hub_config: str | None = None
+    #: A folder written by `nemo-jq data prepare`.
+    prepared_dir: str | None = None
+    #: Malformed rows: skip (counted in the manifest) or fail on the first.
+    on_bad_row: str = "skip"
+    #: jsonl only: user-turn template over {question} and {context}, and the warm system message.
+    template: str | None = None
+    system_prompt: str | None = None
 
 
 @dataclass
@@ -150,7 +163,14 @@ class Config:
             raise ConfigError(
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
+        from nemo_jq.data.prepare import BAD_ROW_POLICIES
+        from nemo_jq.data.qa import DATASETS
         from nemo_jq.models.hf import PRECISIONS
+
+        if self.data.name != "synthetic" and self.data.name not in DATASETS:
+            raise ConfigError(f"data.name must be 'synthetic' or one of {sorted(DATASETS)}; got {self.data.name!r}")
+        if self.data.on_bad_row not in BAD_ROW_POLICIES:
+            raise ConfigError(f"data.on_bad_row must be one of {BAD_ROW_POLICIES}; got {self.data.on_bad_row!r}")
 
         if self.model.precision not in PRECISIONS:
             raise ConfigError(f"model.precision must be one of {PRECISIONS}; got {self.model.precision!r}")

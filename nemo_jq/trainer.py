@@ -24,8 +24,9 @@ import torch
 
 from nemo_jq.chat import ChatFormat, build_tokenizer
 from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
-from nemo_jq.config import Config, ConfigError, load_config, save_config
+from nemo_jq.config import Config, load_config, save_config
 from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
+from nemo_jq.data.prepare import load_prepared, make_task, prepare
 from nemo_jq.evaluation import sample_outputs, score_outputs
 from nemo_jq.models.hf import HFPolicy, HFRolloutEngine, load_causal_lm, resolve_device, tiny_qwen3
 from nemo_jq.models.interfaces import TokenBatch
@@ -37,11 +38,18 @@ CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "token
 
 
 def build_task(config: Config) -> tuple[Task, Splits]:
+    """The task and its splits: the synthetic sums, a prepared folder, or a dataset prepared in memory."""
     data = config.data
-    if data.name != "synthetic":
-        raise ConfigError(f"data.name={data.name!r} is not available; known: ['synthetic']")
-    task = SyntheticArithmetic(num_operands=data.num_operands)
-    return task, task.splits(data.train_size, data.validation_size, data.test_size, data.seed)
+    sizes = (data.train_size, data.validation_size, data.test_size)
+    if data.name == "synthetic":
+        task = SyntheticArithmetic(num_operands=data.num_operands)
+        return task, task.splits(*sizes, data.seed)
+    options = {"template": data.template, "system": data.system_prompt} if data.name == "jsonl" else {}
+    task = make_task(data.name, **{k: v for k, v in options.items() if v is not None})
+    if data.prepared_dir:
+        return task, load_prepared(Path(data.prepared_dir))
+    splits, _ = prepare(task, data.source, sizes, data.seed, hub_config=data.hub_config, on_bad_row=data.on_bad_row)
+    return task, splits
 
 
 def estimator_inputs(
@@ -113,7 +121,7 @@ class Trainer:
 
             tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
         else:
-            tokenizer = build_tokenizer(self.task.corpus(), self.config.model.tiny.tokenizer_vocab_size)
+            tokenizer = build_tokenizer(self.task.corpus(self.splits.train), self.config.model.tiny.tokenizer_vocab_size)
         tokenizer.save_pretrained(saved)
         return tokenizer
 

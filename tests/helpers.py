@@ -31,7 +31,7 @@ TINY_RUN = [
 
 def tiny_setup(seed: int = 0):
     task = SyntheticArithmetic(num_operands=3)
-    tokenizer = build_tokenizer(task.corpus())
+    tokenizer = build_tokenizer(task.corpus([]))
     model = tiny_qwen3(len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                        intermediate_size=64, max_position_embeddings=128, seed=seed)
     return task, tokenizer, ChatFormat(tokenizer), model

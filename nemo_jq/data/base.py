@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 FORMATS = ("cold", "warm")
 
@@ -13,7 +13,8 @@ class Example:
     """One supervised pair (x*, y*).
 
     ``rationale`` is a gold rationale, used only by the SFT baseline; ``aliases`` are extra
-    answers that evaluation also accepts.
+    answers that evaluation also accepts; ``meta`` keeps dataset-specific fields (FinQA's
+    executed answer ``exe_ans``).
     """
 
     id: str
@@ -22,6 +23,7 @@ class Example:
     context: str = ""
     rationale: str | None = None
     aliases: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 class Task(Protocol):
@@ -45,6 +47,10 @@ class Task(Protocol):
 
     def is_correct(self, output: str, example: Example) -> bool:
         """Evaluation: normalised y* (or an alias) is a substring of the normalised output."""
+        ...
+
+    def corpus(self, examples: list[Example]) -> list[str]:
+        """Texts to train a tokenizer on when a model is built from scratch."""
         ...
 
 

@@ -52,8 +52,10 @@ class SyntheticArithmetic:
         question = "+".join(map(str, digits))
         return Example(id=f"sum-{question}", question=question, answer=str(total), rationale=" ".join(steps))
 
-    def corpus(self) -> list[str]:
-        """Texts to train the tokenizer on: expressions, rationales, answers and the warm prompt."""
+    def corpus(self, examples: list[Example]) -> list[str]:
+        """Texts to train a tokenizer on: a grid of expressions with rationales and answers (covering
+        every digit pattern, so ``examples`` adds nothing), and the warm prompt."""
+        del examples
         samples = [self._example(code) for code in range(0, 10**self.num_operands, 7)]
         return [WARM_SYSTEM] + [f"{e.question}\n{e.rationale}\n\n{e.answer}" for e in samples]
 

@@ -1,0 +1,129 @@
+"""Deterministic train/validation/test subsets with a manifest that accounts for every input row.
+
+Rows are parsed in their native schema; malformed ones are counted with their ids and reasons
+(``on_bad_row="fail"`` stops at the first instead); rows whose linearised input reaches the
+dataset's character cap are dropped and listed; the rest are shuffled with the seed and the
+requested sizes taken in order, so validation and test drawn from one source split are disjoint.
+For every source split the manifest satisfies ``rows = bad + over_cap + selected + unused``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from nemo_jq.data.base import Example, Splits
+from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
+from nemo_jq.data.sources import find_split_file, read_file, read_hub, sha256
+
+SPLITS = ("train", "validation", "test")
+#: The paper's subset sizes (Appendix F): train / validation / test.
+PAPER_SIZES = {"finqa": (6145, 872, 1132), "hotpotqa": (9067, 342, 343), "musique": (9985, 579, 445)}
+BAD_ROW_POLICIES = ("skip", "fail")
+
+
+def make_task(name: str, **options: Any) -> QATask:
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known: {sorted(DATASETS)} (and 'synthetic')")
+    return DATASETS[name](**options)
+
+
+def _read_source_split(task: QATask, source: str, hub_config: str | None, names: tuple[str, ...]):
+    path = Path(source)
+    if path.is_file():
+        return read_file(path), {"file": str(path), "sha256": sha256(path)}
+    if path.is_dir():
+        found = find_split_file(path, names)
+        return read_file(found), {"file": str(found), "sha256": sha256(found)}
+    if source.startswith((".", "/")) or path.suffix in (".json", ".jsonl", ".parquet"):
+        raise FileNotFoundError(f"data source {source} does not exist")
+    return read_hub(source, hub_config, names[0]), {"hub": source, "config": hub_config, "split": names[0]}
+
+
+def prepare(
+    task: QATask,
+    source: str | None,
+    sizes: tuple[int, int, int],
+    seed: int,
+    *,
+    hub_config: str | None = None,
+    on_bad_row: str = "skip",
+) -> tuple[Splits, dict[str, Any]]:
+    """Build the splits of ``task`` from ``source`` (a file, a folder of split files, or a hub name)."""
+    if on_bad_row not in BAD_ROW_POLICIES:
+        raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}; got {on_bad_row!r}")
+    if source is None:
+        if task.name not in HUB_SOURCES:
+            raise ValueError(f"dataset {task.name!r} needs a source: a local file or folder of split files")
+        source, hub_config = HUB_SOURCES[task.name]
+    single_file = Path(source).is_file()
+    plan = dict(zip(SPLITS, sizes))
+    source_of = {target: ("all",) if single_file else names for target, names in task.source_splits}
+
+    pools: dict[tuple[str, ...], list[Example]] = {}
+    manifest: dict[str, Any] = {
+        "dataset": task.name, "source": source, "seed": seed, "max_input_chars": task.max_input_chars,
+        "on_bad_row": on_bad_row, "sizes": plan, "sources": {},
+    }
+    for names in dict.fromkeys(source_of.values()):
+        records, origin = _read_source_split(task, source, hub_config, names)
+        entry = {**origin, "rows": len(records), "bad": [], "over_cap": []}
+        pool = []
+        for index, record in enumerate(records):
+            row_id = record_id(record, f"{names[0]}:{index}")
+            try:
+                example = dataclasses.replace(task.parse(record), id=row_id)
+            except BadRow as err:
+                if on_bad_row == "fail":
+                    raise ValueError(f"{entry.get('file', source)}: row {index} (id {row_id}): {err}") from None
+                entry["bad"].append({"id": row_id, "row": index, "reason": str(err)})
+                continue
+            length = len(task.linearize(example))
+            if task.max_input_chars is not None and length >= task.max_input_chars:
+                entry["over_cap"].append({"id": row_id, "chars": length})
+                continue
+            pool.append(example)
+        random.Random(f"{seed}:{names[0]}").shuffle(pool)
+        pools[names] = pool
+        entry.update(eligible=len(pool), selected={}, unused=len(pool))
+        manifest["sources"][names[0]] = entry
+
+    chosen: dict[str, list[Example]] = {}
+    for target in SPLITS:
+        names = source_of[target]
+        entry = manifest["sources"][names[0]]
+        taken = sum(entry["selected"].values())
+        if taken + plan[target] > len(pools[names]):
+            raise ValueError(
+                f"{task.name}: {target} needs {plan[target]} rows from source split {names[0]!r}, but only "
+                f"{len(pools[names]) - taken} eligible rows remain (of {entry['rows']}: {len(entry['bad'])} bad, "
+                f"{len(entry['over_cap'])} over the {task.max_input_chars}-character cap)"
+            )
+        chosen[target] = pools[names][taken : taken + plan[target]]
+        entry["selected"][target] = plan[target]
+        entry["unused"] -= plan[target]
+    manifest["splits"] = {t: {"source": source_of[t][0], "count": len(chosen[t])} for t in SPLITS}
+    return Splits(**chosen), manifest
+
+
+def write_prepared(splits: Splits, manifest: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in SPLITS:
+        lines = [json.dumps(dataclasses.asdict(e)) for e in splits.get(name)]
+        (out_dir / f"{name}.jsonl").write_text("".join(line + "\n" for line in lines))
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def load_prepared(folder: Path) -> Splits:
+    """Splits written by ``nemo-jq data prepare``."""
+    folder = Path(folder)
+    if not (folder / "manifest.json").exists():
+        raise FileNotFoundError(f"{folder} is not a prepared dataset: no manifest.json (run nemo-jq data prepare)")
+    loaded = {}
+    for name in SPLITS:
+        rows = read_file(folder / f"{name}.jsonl")
+        loaded[name] = [Example(**{**row, "aliases": tuple(row.get("aliases", ()))}) for row in rows]
+    return Splits(**loaded)

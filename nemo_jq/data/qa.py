@@ -1,0 +1,262 @@
+"""FinQA, HotPotQA, MuSiQue and your own question-answer JSONL, as in the paper.
+
+Each dataset parses its native schema into :class:`Example` rows (raising :class:`BadRow` with
+the reason for a malformed one), linearises the input x*, and scores answers:
+
+* training reward: exact match of the normalised extracted answer (SQuAD normalisation for
+  HotPotQA, MuSiQue and custom data; FinQA's number conventions for FinQA);
+* evaluation: the normalised y* (or, for MuSiQue, any alias) is a substring of the normalised
+  output, as the paper does.
+
+Formats: **cold** is the linearised x* alone (no task description, no formatting hint);
+**warm** adds a system message with the task and the answer format. Both go through the
+tokenizer's chat template with thinking on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_jq.data.base import Example, check_format
+from nemo_jq.data.normalize import extract_final_answer, finqa_answers_match, finqa_normalize, squad_normalize
+
+
+class BadRow(ValueError):
+    """A source record that cannot become an example; the message says why."""
+
+
+def _field(record: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in record or record[key] is None:
+        raise BadRow(f"missing field {key!r}")
+    value = record[key]
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise BadRow(f"field {key!r} must be {names}, got {type(value).__name__}")
+    return value
+
+
+def _answer(record: dict[str, Any], key: str = "answer") -> str:
+    answer = _field(record, key, (str, int, float))
+    answer = str(answer).strip()
+    if not answer:
+        raise BadRow(f"empty {key!r}")
+    return answer
+
+
+def record_id(record: Any, fallback: str) -> str:
+    if isinstance(record, dict):
+        for key in ("id", "_id"):
+            if isinstance(record.get(key), (str, int)):
+                return str(record[key])
+    return fallback
+
+
+@dataclass
+class QATask:
+    """Shared formatting and SQuAD-style scoring; subclasses parse their schema."""
+
+    name: str = "qa"
+    #: Character cap on the linearised input (the paper's subset rule); None = no cap.
+    max_input_chars: int | None = None
+    warm_system: str = "Answer the question. Think step by step, then reply with only the final answer."
+    #: Which source split each of our splits is drawn from (validation and test draws are disjoint).
+    source_splits: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("train", ("train",)),
+        ("validation", ("validation", "dev")),
+        ("test", ("validation", "dev")),
+    )
+
+    def parse(self, record: Any) -> Example:
+        raise NotImplementedError
+
+    def linearize(self, example: Example) -> str:
+        """x* as one string: the context (if any), then the question."""
+        return f"{example.context}\n\nQuestion: {example.question}" if example.context else example.question
+
+    def messages(self, example: Example, prompt_format: str) -> list[dict[str, str]]:
+        user = {"role": "user", "content": self.linearize(example)}
+        if check_format(prompt_format) == "cold":
+            return [user]
+        return [{"role": "system", "content": self.warm_system}, user]
+
+    def extract_answer(self, output: str) -> str:
+        return extract_final_answer(output)
+
+    def corpus(self, examples: list[Example]) -> list[str]:
+        return [self.warm_system] + [f"{self.linearize(e)}\n\n{e.answer}" for e in examples[:2000]]
+
+    def normalize(self, text: str) -> str:
+        return squad_normalize(text)
+
+    def references(self, example: Example) -> tuple[str, ...]:
+        return (example.answer,)
+
+    def reward(self, output: str, example: Example) -> float:
+        guess = self.normalize(self.extract_answer(output))
+        return float(bool(guess) and any(guess == self.normalize(ref) for ref in self.references(example)))
+
+    def is_correct(self, output: str, example: Example) -> bool:
+        text = self.normalize(output)
+        return any(self.normalize(ref) and self.normalize(ref) in text for ref in self.references(example))
+
+
+@dataclass
+class HotPotQA(QATask):
+    """``hotpotqa/hotpot_qa`` (distractor): HF column-list context or the raw ``[[title, sentences]]`` form."""
+
+    name: str = "hotpotqa"
+    max_input_chars: int | None = 4000
+    warm_system: str = (
+        "Answer the question using the Wikipedia paragraphs. Think step by step, then reply with only "
+        "the answer: a short span from the paragraphs, or yes or no."
+    )
+
+    def parse(self, record: Any) -> Example:
+        if not isinstance(record, dict):
+            raise BadRow(f"record must be an object, got {type(record).__name__}")
+        context = _field(record, "context", (dict, list))
+        if isinstance(context, dict):  # HF columns: {"title": [...], "sentences": [[...], ...]}
+            titles, sentences = _field(context, "title", list), _field(context, "sentences", list)
+            if len(titles) != len(sentences):
+                raise BadRow("context.title and context.sentences differ in length")
+            pairs = list(zip(titles, sentences))
+        else:  # raw: [[title, [sentences]], ...]
+            if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in context):
+                raise BadRow("context must be a list of [title, sentences] pairs")
+            pairs = [tuple(p) for p in context]
+        for title, sents in pairs:
+            if not isinstance(title, str) or not isinstance(sents, list) or not all(isinstance(s, str) for s in sents):
+                raise BadRow("each context paragraph needs a title string and a list of sentence strings")
+        paragraphs = "\n\n".join(f"{title}\n{''.join(sents).strip()}" for title, sents in pairs)
+        return Example(
+            id=record_id(record, ""),
+            question=_field(record, "question", str).strip(),
+            answer=_answer(record),
+            context=paragraphs,
+        )
+
+
+@dataclass
+class MuSiQue(QATask):
+    """``bdsaglam/musique``: 20 titled paragraphs, ``answer`` and ``answer_aliases`` (unanswerable rows are bad rows)."""
+
+    name: str = "musique"
+    max_input_chars: int | None = 10000
+    warm_system: str = (
+        "Answer the multi-hop question using the paragraphs; it needs facts from several of them. "
+        "Think step by step, then reply with only the short answer."
+    )
+
+    def parse(self, record: Any) -> Example:
+        if not isinstance(record, dict):
+            raise BadRow(f"record must be an object, got {type(record).__name__}")
+        if record.get("answerable") is False:
+            raise BadRow("unanswerable question (answerable=false)")
+        paragraphs = _field(record, "paragraphs", list)
+        texts = []
+        for p in paragraphs:
+            if not isinstance(p, dict) or not isinstance(p.get("title"), str) or not isinstance(p.get("paragraph_text"), str):
+                raise BadRow("each paragraph needs string 'title' and 'paragraph_text'")
+            texts.append(f"{p['title']}\n{p['paragraph_text'].strip()}")
+        aliases = record.get("answer_aliases") or []
+        if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+            raise BadRow("field 'answer_aliases' must be a list of strings")
+        return Example(
+            id=record_id(record, ""),
+            question=_field(record, "question", str).strip(),
+            answer=_answer(record),
+            context="\n\n".join(texts),
+            aliases=tuple(a.strip() for a in aliases if a.strip()),
+        )
+
+    def references(self, example: Example) -> tuple[str, ...]:
+        return (example.answer, *example.aliases)
+
+
+@dataclass
+class FinQA(QATask):
+    """FinQA's raw ``train/dev/test.json``: ``pre_text``, ``table``, ``post_text``, ``qa{question, answer, exe_ans}``."""
+
+    name: str = "finqa"
+    max_input_chars: int | None = 8000
+    warm_system: str = (
+        "Answer the question about the financial report excerpt (text and table). Think step by step, "
+        "then reply with only the final answer: a number (write percentages with %), or yes or no."
+    )
+    source_splits: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("train", ("train",)),
+        ("validation", ("dev", "validation")),
+        ("test", ("test",)),
+    )
+
+    def parse(self, record: Any) -> Example:
+        if not isinstance(record, dict):
+            raise BadRow(f"record must be an object, got {type(record).__name__}")
+        pre = _field(record, "pre_text", list)
+        post = _field(record, "post_text", list)
+        table = _field(record, "table", list)
+        qa = _field(record, "qa", dict)
+        if not all(isinstance(s, str) for s in pre + post):
+            raise BadRow("pre_text and post_text must be lists of strings")
+        if not all(isinstance(row, list) for row in table):
+            raise BadRow("table must be a list of rows")
+        rows = "\n".join(" | ".join(str(cell).strip() for cell in row) for row in table)
+        context = "\n".join([" ".join(s.strip() for s in pre), rows, " ".join(s.strip() for s in post)]).strip()
+        executed = qa.get("exe_ans")
+        return Example(
+            id=record_id(record, ""),
+            question=_field(qa, "question", str).strip(),
+            answer=_answer(qa),
+            context=context,
+            meta={"exe_ans": executed, "program": qa.get("program")},
+        )
+
+    def normalize(self, text: str) -> str:
+        return finqa_normalize(text)
+
+    def reward(self, output: str, example: Example) -> float:
+        return float(finqa_answers_match(self.extract_answer(output), example.answer, example.meta.get("exe_ans")))
+
+
+@dataclass
+class CustomQA(QATask):
+    """Your own JSONL with ``question`` and ``answer`` (optional ``context``, ``id``) and a prompt template.
+
+    ``template`` is a ``str.format`` pattern over ``question`` and ``context`` for the user turn;
+    ``system`` is the warm-format system message.
+    """
+
+    name: str = "jsonl"
+    template: str = "{context}\n\nQuestion: {question}"
+    system: str = "Answer the question. Think step by step, then reply with only the final answer."
+
+    def __post_init__(self) -> None:
+        try:
+            self.template.format(question="", context="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"prompt template {self.template!r} may only use {{question}} and {{context}}: {err}") from None
+        self.warm_system = self.system
+
+    def parse(self, record: Any) -> Example:
+        if not isinstance(record, dict):
+            raise BadRow(f"record must be an object, got {type(record).__name__}")
+        context = record.get("context", "")
+        if not isinstance(context, str):
+            raise BadRow(f"field 'context' must be str, got {type(context).__name__}")
+        return Example(
+            id=record_id(record, ""),
+            question=_field(record, "question", str).strip(),
+            answer=_answer(record),
+            context=context.strip(),
+        )
+
+    def linearize(self, example: Example) -> str:
+        return self.template.format(question=example.question, context=example.context).strip()
+
+
+DATASETS: dict[str, type[QATask]] = {"hotpotqa": HotPotQA, "musique": MuSiQue, "finqa": FinQA, "jsonl": CustomQA}
+
+#: Hub names the paper uses, with their configs (FinQA's hub entry is a script dataset that current
+#: ``datasets`` no longer runs: use its raw JSON files).
+HUB_SOURCES = {"hotpotqa": ("hotpotqa/hotpot_qa", "distractor"), "musique": ("bdsaglam/musique", None)}

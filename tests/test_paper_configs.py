@@ -1,0 +1,57 @@
+"""Every paper run config loads and carries the paper's settings (Section 5, Appendix F)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_jq.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PAPER_FILES = sorted((CONFIGS / "qwen3_0p6b").glob("*.yaml")) + sorted((CONFIGS / "qwen3_8b").glob("*.yaml"))
+THINKING = {"finqa": 4096, "hotpotqa": 3072, "musique": 2048}
+SIZES = {"finqa": (6145, 872, 1132), "hotpotqa": (9067, 342, 343), "musique": (9985, 579, 445)}
+
+
+def test_the_papers_runs_are_all_there():
+    names = {f"{p.parent.name}/{p.stem}" for p in PAPER_FILES}
+    for required in ("qwen3_0p6b/hotpotqa_warm_paft_q0.75", "qwen3_0p6b/finqa_cold_garl_q0.75", "qwen3_8b/musique_cold_garl_q0.85",
+                     "qwen3_0p6b/musique_cold_grpo", "qwen3_8b/finqa_warm_grpo", "qwen3_0p6b/hotpotqa_warm_garl_q0.25"):
+        assert required in names
+    assert len(PAPER_FILES) == 3 * (12 + 6)
+
+
+@pytest.mark.parametrize("path", PAPER_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_paper_config_values(path):
+    config = load_config(path)
+    small = path.parent.name == "qwen3_0p6b"
+    dataset = path.stem.split("_")[0]
+    assert config.model.path == ("Qwen/Qwen3-0.6B" if small else "Qwen/Qwen3-8B")
+    assert config.train.batch_size == 64 and config.train.epochs == 2
+    assert config.optim.lr == (5e-7 if small else 1e-6)
+    assert config.rollout.num_samples == (32 if small else 16)
+    assert config.rollout.temperature == 1.0 and config.rollout.top_k == 0 and config.rollout.top_p == 1.0
+    assert config.rollout.max_thinking_tokens == THINKING[dataset] and config.rollout.max_answer_tokens == 128
+    assert config.eval.every == 50 and config.eval.num_samples == 16
+    assert (config.data.train_size, config.data.validation_size, config.data.test_size) == SIZES[dataset]
+    assert config.data.name == dataset and config.data.format == path.stem.split("_")[1]
+    assert config.objective.name == path.stem.split("_")[2]
+    if config.objective.name == "paft":
+        assert config.objective.options == {"num_resamples": config.rollout.num_samples}  # K = M
+    if "_q" in path.stem:
+        assert config.objective.q == float(path.stem.split("_q")[1])
+    raw = yaml.safe_load(path.read_text())
+    # No warm-up, decay or KL: the optimiser section holds only a constant lr (and no weight decay).
+    assert set(raw["optim"]) == {"lr", "weight_decay"} and raw["optim"]["weight_decay"] == 0.0
+    assert "kl" not in path.read_text().lower()
+
+
+def test_generator_and_files_agree(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("paper_runs", CONFIGS / "paper_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    for written in module.write_all():
+        assert written.read_text() == (CONFIGS / written.parent.name / written.name).read_text()
