@@ -68,6 +68,12 @@ class QATask:
     )
 
     def parse(self, record: Any) -> Example:
+        """One source record as an :class:`Example`; raises :class:`BadRow` saying what is wrong."""
+        if not isinstance(record, dict):
+            raise BadRow(f"record must be an object, got {type(record).__name__}")
+        return self.build(record)
+
+    def build(self, record: dict[str, Any]) -> Example:
         raise NotImplementedError
 
     def linearize(self, example: Example) -> str:
@@ -112,9 +118,7 @@ class HotPotQA(QATask):
         "the answer: a short span from the paragraphs, or yes or no."
     )
 
-    def parse(self, record: Any) -> Example:
-        if not isinstance(record, dict):
-            raise BadRow(f"record must be an object, got {type(record).__name__}")
+    def build(self, record: dict[str, Any]) -> Example:
         context = _field(record, "context", (dict, list))
         if isinstance(context, dict):  # HF columns: {"title": [...], "sentences": [[...], ...]}
             titles, sentences = _field(context, "title", list), _field(context, "sentences", list)
@@ -148,9 +152,7 @@ class MuSiQue(QATask):
         "Think step by step, then reply with only the short answer."
     )
 
-    def parse(self, record: Any) -> Example:
-        if not isinstance(record, dict):
-            raise BadRow(f"record must be an object, got {type(record).__name__}")
+    def build(self, record: dict[str, Any]) -> Example:
         if record.get("answerable") is False:
             raise BadRow("unanswerable question (answerable=false)")
         paragraphs = _field(record, "paragraphs", list)
@@ -190,9 +192,7 @@ class FinQA(QATask):
         ("test", ("test",)),
     )
 
-    def parse(self, record: Any) -> Example:
-        if not isinstance(record, dict):
-            raise BadRow(f"record must be an object, got {type(record).__name__}")
+    def build(self, record: dict[str, Any]) -> Example:
         pre = _field(record, "pre_text", list)
         post = _field(record, "post_text", list)
         table = _field(record, "table", list)
@@ -238,9 +238,7 @@ class CustomQA(QATask):
             raise ValueError(f"prompt template {self.template!r} may only use {{question}} and {{context}}: {err}") from None
         self.warm_system = self.system
 
-    def parse(self, record: Any) -> Example:
-        if not isinstance(record, dict):
-            raise BadRow(f"record must be an object, got {type(record).__name__}")
+    def build(self, record: dict[str, Any]) -> Example:
         context = record.get("context", "")
         if not isinstance(context, str):
             raise BadRow(f"field 'context' must be str, got {type(context).__name__}")
