@@ -27,7 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from nemo_jq.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

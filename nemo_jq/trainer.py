@@ -28,7 +28,7 @@ from nemo_jq.config import Config, load_config, save_config
 from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
 from nemo_jq.data.prepare import load_prepared, make_task, prepare
 from nemo_jq.evaluation import sample_outputs, score_outputs
-from nemo_jq.models.hf import HFPolicy, HFRolloutEngine, load_causal_lm, resolve_device, tiny_qwen3
+from nemo_jq.models.hf import HFPolicy, HFRolloutEngine, load_causal_lm, resolve_device, resolve_pretrained, tiny_qwen3
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.monitor import RunLogger, plot_runs, read_metrics
 from nemo_jq.objectives import Need, ObjectiveSpec, build_schedule, get_objective
@@ -119,7 +119,7 @@ class Trainer:
         if self.config.model.path:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
+            tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.config.model.path))
         else:
             tokenizer = build_tokenizer(self.task.corpus(self.splits.train), self.config.model.tiny.tokenizer_vocab_size)
         tokenizer.save_pretrained(saved)

@@ -202,3 +202,14 @@ def test_eval_and_export_commands(tmp_path):
     torch.testing.assert_close(model.state_dict()["lm_head.weight"], trainer.policy.model.state_dict()["lm_head.weight"])
     result = run("eval", str(tmp_path / "nowhere"))
     assert result.returncode == 2 and "neither a checkpoint" in result.stderr
+
+
+def test_training_from_a_local_hf_folder(tmp_path):
+    source = make_trainer(tmp_path, name="source")
+    source.policy.export(tmp_path / "hf", source.tokenizer)
+    trainer = make_trainer(tmp_path, f"model.path={tmp_path / 'hf'}", "train.max_steps=1", name="from_folder")
+    torch.testing.assert_close(trainer.policy.model.state_dict()["lm_head.weight"], source.policy.model.state_dict()["lm_head.weight"])
+    assert trainer.tokenizer.get_vocab() == source.tokenizer.get_vocab()
+    trainer.fit()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        make_trainer(tmp_path, f"model.path={tmp_path / 'absent_model'}", name="missing")

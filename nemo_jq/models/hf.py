@@ -55,14 +55,23 @@ def tiny_qwen3(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads:
         return Qwen3ForCausalLM(config)
 
 
+def resolve_pretrained(path: str) -> str:
+    """A local HF folder (checked to exist and hold config.json), or a hub name passed through."""
+    local = Path(path).expanduser()
+    if local.exists():
+        if not (local / "config.json").exists():
+            raise FileNotFoundError(f"model folder {local} has no config.json")
+        return str(local)
+    if path.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"model folder {local} does not exist")
+    return path
+
+
 def load_causal_lm(path: str) -> Any:
     """An HF causal LM from a local folder (or a hub name where a network is available), in fp32."""
     from transformers import AutoModelForCausalLM
 
-    local = Path(path)
-    if local.exists() and not (local / "config.json").exists():
-        raise FileNotFoundError(f"model folder {local} has no config.json")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(resolve_pretrained(path), dtype=torch.float32)
 
 
 class HFPolicy:
