@@ -4,7 +4,8 @@ Per step: take a batch of prompts; sample M rationales each under the thinking b
 answers, only for estimators that need a reward); splice token-level sequences; run one
 forward/backward per micro-batch of whole prompt groups, feeding the estimator exactly the
 log-prob sums it asks for; step AdamW. Every ``eval.every`` steps: p@1/p@k/m@k on the
-validation split, keeping the best checkpoint by m@k (k = eval.num_samples, 16 by default); at the end, that checkpoint on test.
+validation split, keeping the best checkpoint by m@k (k = eval.num_samples, 16 by default);
+at the end, that checkpoint on test.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class Trainer:
                 step = self.state["step"]
                 if step % self.config.eval.every == 0 or step == self.total_steps:
                     self._validate(logger)
-                if step % self.config.train.save_every == 0 or step == end or self._stop_signal is not None:
+                if step % self.config.train.save_every == 0 or step == end:
                     self.save()
             if self._stop_signal is not None:
                 self.save()
