@@ -210,10 +210,11 @@ def test_hub_sources_are_the_papers(monkeypatch):
     def fake_hub(name, config, split):
         calls.append((name, config, split))
         folder = FIXTURES / "hotpotqa_hf"
-        return [json.loads(line) for line in (folder / f"{split}.jsonl").read_text().splitlines()]
+        return [json.loads(line) for line in (folder / f"{split}.jsonl").read_text().splitlines()], f"fp-{split}"
 
     monkeypatch.setattr("nemo_jq.data.prepare.read_hub", fake_hub)
-    prepare(HotPotQA(), None, (1, 1, 1), seed=0)
+    _, manifest = prepare(HotPotQA(), None, (1, 1, 1), seed=0)
+    assert manifest["sources"]["train"]["fingerprint"] == "fp-train"
     assert calls == [("hotpotqa/hotpot_qa", "distractor", "train"), ("hotpotqa/hotpot_qa", "distractor", "validation")]
     with pytest.raises(ValueError, match="needs a source"):
         prepare(FinQA(), None, (1, 1, 1), seed=0)

@@ -40,7 +40,8 @@ def _read_source_split(task: QATask, source: str, hub_config: str | None, names:
         return read_file(found), {"file": str(found), "sha256": sha256(found)}
     if source.startswith((".", "/")) or path.suffix in (".json", ".jsonl", ".parquet"):
         raise FileNotFoundError(f"data source {source} does not exist")
-    return read_hub(source, hub_config, names[0]), {"hub": source, "config": hub_config, "split": names[0]}
+    records, fingerprint = read_hub(source, hub_config, names[0])
+    return records, {"hub": source, "config": hub_config, "split": names[0], "fingerprint": fingerprint}
 
 
 def prepare(

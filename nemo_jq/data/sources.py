@@ -45,11 +45,12 @@ def read_file(path: Path) -> list[dict[str, Any]]:
     raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use one of {list(SUFFIXES)}")
 
 
-def read_hub(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
-    """Records of a hub dataset split (needs a network, or a populated HF cache)."""
+def read_hub(name: str, config: str | None, split: str) -> tuple[list[dict[str, Any]], str]:
+    """Records of a hub dataset split and its ``datasets`` fingerprint (needs a network or an HF cache)."""
     from datasets import load_dataset
 
-    return list(load_dataset(name, config, split=split))
+    dataset = load_dataset(name, config, split=split)
+    return list(dataset), dataset._fingerprint
 
 
 def sha256(path: Path) -> str:
