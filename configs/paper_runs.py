@@ -13,9 +13,10 @@ from pathlib import Path
 
 import yaml
 
+from nemo_jq.data.prepare import PAPER_SIZES
+
 ROOT = Path(__file__).resolve().parent
 THINKING = {"finqa": 4096, "hotpotqa": 3072, "musique": 2048}
-SIZES = {"finqa": (6145, 872, 1132), "hotpotqa": (9067, 342, 343), "musique": (9985, 579, 445)}
 #: FinQA has no loadable hub dataset: point this at the raw train.json / dev.json / test.json.
 FINQA_SOURCE = "data/finqa"
 MODELS = {
@@ -37,7 +38,7 @@ def run_name(dataset: str, prompt_format: str, estimator: str, q: float | None) 
 
 def config(model: str, dataset: str, prompt_format: str, estimator: str, q: float | None) -> dict:
     spec = MODELS[model]
-    train, validation, test = SIZES[dataset]
+    train, validation, test = PAPER_SIZES[dataset]
     objective = {"name": estimator}
     if q is not None:
         objective["q"] = q

@@ -111,8 +111,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
         sizes = PAPER_SIZES[args.dataset]
     else:
         raise ValueError(f"--sizes is required for dataset {args.dataset!r}")
-    options = {"template": args.template, "system": args.system} if args.dataset == "jsonl" else {}
-    task = make_task(args.dataset, **{k: v for k, v in options.items() if v is not None})
+    task = make_task(args.dataset, template=args.template, system=args.system)
     splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row)
     write_prepared(splits, manifest, args.out)
     for name, entry in manifest["sources"].items():

@@ -45,8 +45,7 @@ def build_task(config: Config) -> tuple[Task, Splits]:
     if data.name == "synthetic":
         task = SyntheticArithmetic(num_operands=data.num_operands)
         return task, task.splits(*sizes, data.seed)
-    options = {"template": data.template, "system": data.system_prompt} if data.name == "jsonl" else {}
-    task = make_task(data.name, **{k: v for k, v in options.items() if v is not None})
+    task = make_task(data.name, template=data.template, system=data.system_prompt)
     if data.prepared_dir:
         return task, load_prepared(Path(data.prepared_dir))
     splits, _ = prepare(task, data.source, sizes, data.seed, hub_config=data.hub_config, on_bad_row=data.on_bad_row)

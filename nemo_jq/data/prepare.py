@@ -25,10 +25,12 @@ PAPER_SIZES = {"finqa": (6145, 872, 1132), "hotpotqa": (9067, 342, 343), "musiqu
 BAD_ROW_POLICIES = ("skip", "fail")
 
 
-def make_task(name: str, **options: Any) -> QATask:
+def make_task(name: str, *, template: str | None = None, system: str | None = None) -> QATask:
+    """The dataset's task; ``template`` and ``system`` (when given) shape custom ``jsonl`` prompts only."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known: {sorted(DATASETS)} (and 'synthetic')")
-    return DATASETS[name](**options)
+    options = {"template": template, "system": system} if name == "jsonl" else {}
+    return DATASETS[name](**{k: v for k, v in options.items() if v is not None})
 
 
 def _read_source_split(task: QATask, source: str, hub_config: str | None, names: tuple[str, ...]):
