@@ -115,8 +115,10 @@ def _prepare_data(args: argparse.Namespace) -> int:
     splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row)
     write_prepared(splits, manifest, args.out)
     for name, entry in manifest["sources"].items():
+        derived = {k: v for k, v in entry["reference_sources"].items() if k != "answer"}
         print(f"{name}: {entry['rows']} rows, {len(entry['bad'])} bad, {len(entry['over_cap'])} over the cap, "
-              f"selected {entry['selected']}, {entry['unused']} unused")
+              f"selected {entry['selected']}, {entry['unused']} unused"
+              + "".join(f", y* from {k} in {v}" for k, v in derived.items()))
     print(f"wrote {args.out}/{{train,validation,test}}.jsonl and manifest.json")
     return 0
 

@@ -261,6 +261,8 @@ class Trainer:
         params = inspect.signature(self.spec.fn).parameters
         if "tokens_per_example" in params:
             options.setdefault("tokens_per_example", float(batch.target_mask.sum()) / num_prompts)
+        if "batch_rewards" in params and rewards is not None:  # GRPO's scale_rewards="batch" sees all of them
+            options["batch_rewards"] = rewards
         if "generator" in params:
             options["generator"] = self.estimator_generator
         if q is not None:

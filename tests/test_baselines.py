@@ -20,7 +20,52 @@ def test_group_advantages_are_normalised_per_group():
     adv = group_advantages(rewards)
     torch.testing.assert_close(adv[0], (rewards[0] - 0.5) / (rewards[0].std() + 1e-6))
     assert torch.equal(adv[1], torch.zeros(4))
-    torch.testing.assert_close(group_advantages(rewards, normalize_std=False)[0], rewards[0] - 0.5)
+    torch.testing.assert_close(group_advantages(rewards, scale_rewards="none")[0], rewards[0] - 0.5)
+
+
+def _trl_advantages(rewards, group, scale_rewards, eps=1e-4):
+    """TRL 1.16 GRPOTrainer._generate_and_score_completions, written out over flat rewards."""
+    flat = rewards.reshape(-1)
+    mean = flat.view(-1, group).mean(dim=1).repeat_interleave(group)
+    if scale_rewards == "batch":
+        std = flat.std().expand_as(flat)
+    else:
+        std = flat.view(-1, group).std(dim=1).repeat_interleave(group)
+    advantages = flat - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + eps)
+    return advantages.view_as(rewards)
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+@pytest.mark.parametrize("aggregation, loss_type", [("token_mean", "dapo"), ("sequence_mean", "grpo")])
+def test_grpo_reproduces_trl_losses_and_scalings(scale_rewards, aggregation, loss_type):
+    logprob, rewards, mask = _grpo_inputs(seed=3, b=3, m=4)
+    rewards = rewards + torch.arange(3, dtype=torch.float64)[:, None]  # batch std differs from group std
+    out = grpo(logprob, rewards, mask, scale_rewards=scale_rewards, eps=1e-4, aggregation=aggregation)
+    out.loss.backward()
+    # TRL's on-policy per-token loss is -A * ratio with ratio = 1, reduced by loss_type.
+    trl_logprob = logprob.detach().clone().requires_grad_()
+    per_token = -torch.exp(trl_logprob - trl_logprob.detach()) * _trl_advantages(rewards, 4, scale_rewards)[..., None]
+    flat_loss, flat_mask = per_token.view(12, -1), mask.view(12, -1)
+    if loss_type == "dapo":  # normalised by the number of completion tokens in the whole batch
+        trl_loss = (flat_loss * flat_mask).sum() / flat_mask.sum()
+    else:
+        trl_loss = ((flat_loss * flat_mask).sum(-1) / flat_mask.sum(-1).clamp(min=1.0)).mean()
+    trl_loss.backward()
+    torch.testing.assert_close(logprob.grad, trl_logprob.grad)
+
+
+def test_grpo_batch_scaling_uses_the_whole_batch_under_micro_batching():
+    logprob, rewards, mask = _grpo_inputs(seed=4, b=4, m=4)
+    rewards = rewards * torch.tensor([[1.0], [2.0], [3.0], [4.0]], dtype=torch.float64)
+    whole = group_advantages(rewards, scale_rewards="batch")
+    halves = torch.cat([group_advantages(rewards[i : i + 2], scale_rewards="batch", batch_rewards=rewards) for i in (0, 2)])
+    torch.testing.assert_close(whole, halves)
+    alone = group_advantages(rewards[:2], scale_rewards="batch")
+    assert not torch.allclose(alone, whole[:2])  # without batch_rewards a micro-batch would scale by its own std
+    with pytest.raises(ValueError, match="scale_rewards"):
+        group_advantages(rewards, scale_rewards="global")
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from nemo_jq.data.base import Example
-from nemo_jq.data.normalize import extract_final_answer, finqa_answers_match, parse_number, squad_normalize
+from nemo_jq.data.answers import extract_final_answer, finqa_answer_match, parse_number, squad_normalize
 from nemo_jq.data.prepare import load_prepared, make_task, prepare, write_prepared
 from nemo_jq.data.qa import CustomQA, FinQA, HotPotQA, MuSiQue
 
@@ -109,12 +109,12 @@ def test_squad_normalisation(text, normalized):
     ],
 )
 def test_finqa_number_conventions(predicted, answer, executed, match):
-    assert finqa_answers_match(predicted, answer, executed) is match
+    assert finqa_answer_match(predicted, answer, executed) is match
 
 
 def test_number_parsing_and_answer_extraction():
-    assert parse_number("-1,234.50%") == (-1234.5, True, 2)
-    assert parse_number("12 percent") == (12.0, True, 0)
+    assert parse_number("-1,234.50%") == (-1234.5, True, 2, "")
+    assert parse_number("12 percent") == (12.0, True, 0, "")
     assert parse_number("about 12") is None
     assert extract_final_answer("I think so.\n\nAnswer: Paris") == "Paris"
     assert extract_final_answer("\n  Final answer: 12%\n") == "12%"
@@ -253,3 +253,12 @@ def test_trainer_runs_on_a_prepared_dataset(tmp_path):
     assert trainer.splits.train == splits.train
     result = trainer.fit()
     assert set(result["test"]) == {"p@1", "p@4", "m@4"}
+
+
+def test_finqa_rows_without_an_annotated_answer_are_kept_and_counted():
+    splits, manifest = prepare(FinQA(), str(FIXTURES / "finqa"), (3, 4, 1), seed=0)
+    dev = manifest["sources"]["dev"]
+    assert dev["bad"] == [] and dev["reference_sources"] == {"answer": 3, "exe_ans": 1}
+    assert manifest["splits"]["validation"]["reference_sources"] == {"answer": 3, "exe_ans": 1}
+    derived = next(e for e in splits.validation if e.id == "ADI/2009/page_49.pdf-13")
+    assert derived.answer == "1.12" and FinQA().reward("Answer: 1.122", derived) == 1.0

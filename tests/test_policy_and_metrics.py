@@ -92,11 +92,12 @@ def test_majority_vote_and_scores():
     assert majority_answer(["3", "2", "2"]) == "2"
     task = SyntheticArithmetic()
     examples = [Example("a", "1+2+3", "6"), Example("b", "9+9+9", "27")]
-    outputs = [["6", "5", "the answer is 6", "7"], ["2 7", "72", "27", "0"]]
+    outputs = [["6", "5", "the answer is 6", "7"], ["27 ", "127", " 27", "2 7"]]
     scores = score_outputs(task, examples, outputs, k=4)
-    # a: 2/4 correct by substring, majority "6"; b: "27" and "2 7" match after normalisation, majority "27".
+    # a: 2/4 hold the whole number 6, majority "6"; b: only "27" (twice, spaces aside) is 27, and it wins the vote.
     assert scores == {"p@1": pytest.approx(100 * (0.5 + 0.5) / 2), "p@4": 100.0, "m@4": 100.0}
     assert task.reward("6", examples[0]) == 1.0 and task.reward("the answer is 6", examples[0]) == 0.0
+    assert task.reward("2 7", examples[1]) == 0.0 and task.reward(" 27\n", examples[1]) == 1.0
 
 
 def test_bf16_autocast_path_runs_on_cpu():

@@ -66,9 +66,9 @@ def test_trainer_passes_the_estimator_what_a_direct_call_gets(tmp_path):
         assert targets == trainer.chat.answer_ids(examples[row // m].answer)
 
 
-@pytest.mark.parametrize("name", ["garl", "grpo", "sft"])
-def test_micro_batching_gives_the_full_batch_gradient(tmp_path, name):
-    trainer = make_trainer(tmp_path, f"objective.name={name}")
+@pytest.mark.parametrize("name, options", [("garl", ""), ("grpo", ""), ("grpo", "{scale_rewards: batch}"), ("sft", "")])
+def test_micro_batching_gives_the_full_batch_gradient(tmp_path, name, options):
+    trainer = make_trainer(tmp_path, f"objective.name={name}", *([f"objective.options={options}"] if options else []))
     examples = trainer.splits.train[:4]
     prompts = trainer.prompt_ids(examples)
     rollouts = trainer.engine.generate(prompts, 4, sample_answers=True, generator=torch.Generator().manual_seed(0))

@@ -4,7 +4,8 @@ Rows are parsed in their native schema; malformed ones are counted with their id
 (``on_bad_row="fail"`` stops at the first instead); rows whose linearised input reaches the
 dataset's character cap are dropped and listed; the rest are shuffled with the seed and the
 requested sizes taken in order, so validation and test drawn from one source split are disjoint.
-For every source split the manifest satisfies ``rows = bad + over_cap + selected + unused``.
+For every source split the manifest satisfies ``rows = bad + over_cap + selected + unused``, and
+``reference_sources`` counts where each valid row's y* came from (FinQA: ``answer`` or ``exe_ans``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,7 @@ def prepare(
     for names in dict.fromkeys(source_of.values()):
         records, origin = _read_source_split(task, source, hub_config, names)
         entry = {**origin, "rows": len(records), "bad": [], "over_cap": []}
-        pool = []
+        pool, sources = [], Counter()
         for index, record in enumerate(records):
             row_id = record_id(record, f"{names[0]}:{index}")
             try:
@@ -84,6 +86,7 @@ def prepare(
                     raise ValueError(f"{entry.get('file', source)}: row {index} (id {row_id}): {err}") from None
                 entry["bad"].append({"id": row_id, "row": index, "reason": str(err)})
                 continue
+            sources[reference_source(example)] += 1
             length = len(task.linearize(example))
             if task.max_input_chars is not None and length >= task.max_input_chars:
                 entry["over_cap"].append({"id": row_id, "chars": length})
@@ -91,7 +94,7 @@ def prepare(
             pool.append(example)
         random.Random(f"{seed}:{names[0]}").shuffle(pool)
         pools[names] = pool
-        entry.update(eligible=len(pool), selected={}, unused=len(pool))
+        entry.update(eligible=len(pool), selected={}, unused=len(pool), reference_sources=dict(sources))
         manifest["sources"][names[0]] = entry
 
     chosen: dict[str, list[Example]] = {}
@@ -108,8 +111,17 @@ def prepare(
         chosen[target] = pools[names][taken : taken + plan[target]]
         entry["selected"][target] = plan[target]
         entry["unused"] -= plan[target]
-    manifest["splits"] = {t: {"source": source_of[t][0], "count": len(chosen[t])} for t in SPLITS}
+    manifest["splits"] = {
+        t: {"source": source_of[t][0], "count": len(chosen[t]),
+            "reference_sources": dict(Counter(reference_source(e) for e in chosen[t]))}
+        for t in SPLITS
+    }
     return Splits(**chosen), manifest
+
+
+def reference_source(example: Example) -> str:
+    """Which field y* came from: ``answer`` unless the task says otherwise (FinQA's ``exe_ans``)."""
+    return example.meta.get("reference_source", "answer")
 
 
 def write_prepared(splits: Splits, manifest: dict[str, Any], out_dir: Path) -> None:

@@ -3,10 +3,12 @@
 Each dataset parses its native schema into :class:`Example` rows (raising :class:`BadRow` with
 the reason for a malformed one), linearises the input x*, and scores answers:
 
-* training reward: exact match of the normalised extracted answer (SQuAD normalisation for
-  HotPotQA, MuSiQue and custom data; FinQA's number conventions for FinQA);
-* evaluation: the normalised y* (or, for MuSiQue, any alias) is a substring of the normalised
-  output, as the paper does.
+* training reward: exact match of the extracted answer (:func:`~nemo_jq.data.answers.text_exact_match`
+  after SQuAD normalisation for HotPotQA, MuSiQue and custom data;
+  :func:`~nemo_jq.data.answers.finqa_number_match` for FinQA's numbers);
+* evaluation: the paper's substring match, by token: the normalised y* (or, for MuSiQue, any
+  alias) is a contiguous run of the normalised output's tokens; for FinQA, any number in the
+  output passes the number rule.
 
 Formats: **cold** is the linearised x* alone (no task description, no formatting hint);
 **warm** adds a system message with the task and the answer format. Both go through the
@@ -19,7 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_jq.data.base import Example, check_format
-from nemo_jq.data.normalize import extract_final_answer, finqa_answers_match, finqa_normalize, squad_normalize
+from nemo_jq.data.answers import (
+    extract_final_answer,
+    finqa_answer_match,
+    finqa_normalize,
+    finqa_output_match,
+    finqa_reference,
+    squad_normalize,
+    text_exact_match,
+    token_substring_match,
+)
 
 
 class BadRow(ValueError):
@@ -41,6 +52,8 @@ def _answer(record: dict[str, Any], key: str = "answer") -> str:
     answer = str(answer).strip()
     if not answer:
         raise BadRow(f"empty {key!r}")
+    if not squad_normalize(answer):
+        raise BadRow(f"{key!r} {answer!r} is empty once normalised (only punctuation or articles): no output could match it")
     return answer
 
 
@@ -99,12 +112,10 @@ class QATask:
         return (example.answer,)
 
     def reward(self, output: str, example: Example) -> float:
-        guess = self.normalize(self.extract_answer(output))
-        return float(bool(guess) and any(guess == self.normalize(ref) for ref in self.references(example)))
+        return float(text_exact_match(self.extract_answer(output), self.references(example)))
 
     def is_correct(self, output: str, example: Example) -> bool:
-        text = self.normalize(output)
-        return any(self.normalize(ref) and self.normalize(ref) in text for ref in self.references(example))
+        return token_substring_match(output, self.references(example))
 
 
 @dataclass
@@ -178,7 +189,12 @@ class MuSiQue(QATask):
 
 @dataclass
 class FinQA(QATask):
-    """FinQA's raw ``train/dev/test.json``: ``pre_text``, ``table``, ``post_text``, ``qa{question, answer, exe_ans}``."""
+    """FinQA's raw ``train/dev/test.json``: ``pre_text``, ``table``, ``post_text``, ``qa{question, answer, exe_ans}``.
+
+    A row whose ``qa.answer`` is empty is valid when its program's ``exe_ans`` is set (FinQA's own
+    evaluation scores against ``exe_ans``): y* is then :func:`~nemo_jq.data.answers.finqa_reference`
+    of it, and ``meta["reference_source"]`` says ``"exe_ans"``.
+    """
 
     name: str = "finqa"
     max_input_chars: int | None = 8000
@@ -204,19 +220,27 @@ class FinQA(QATask):
         rows = "\n".join(" | ".join(str(cell).strip() for cell in row) for row in table)
         context = "\n".join([" ".join(s.strip() for s in pre), rows, " ".join(s.strip() for s in post)]).strip()
         executed = qa.get("exe_ans")
+        annotated = str(_field(qa, "answer", (str, int, float))).strip()
+        answer = finqa_reference(annotated, executed)
+        if not answer:
+            raise BadRow(f"empty 'answer' and no usable 'exe_ans' (got {executed!r})")
         return Example(
             id=record_id(record, ""),
             question=_field(qa, "question", str).strip(),
-            answer=_answer(qa),
+            answer=answer,
             context=context,
-            meta={"exe_ans": executed, "program": qa.get("program")},
+            meta={"exe_ans": executed, "program": qa.get("program"),
+                  "reference_source": "answer" if annotated else "exe_ans"},
         )
 
     def normalize(self, text: str) -> str:
         return finqa_normalize(text)
 
     def reward(self, output: str, example: Example) -> float:
-        return float(finqa_answers_match(self.extract_answer(output), example.answer, example.meta.get("exe_ans")))
+        return float(finqa_answer_match(self.extract_answer(output), example.answer, example.meta.get("exe_ans")))
+
+    def is_correct(self, output: str, example: Example) -> bool:
+        return finqa_output_match(output, example.answer, example.meta.get("exe_ans"))
 
 
 @dataclass

@@ -69,10 +69,12 @@ class SyntheticArithmetic:
         return lines[-1].strip() if lines else ""
 
     def normalize(self, text: str) -> str:
-        return re.sub(r"\s+", "", text)
+        """Outer white space only: ``2 7`` is two numbers, not 27."""
+        return text.strip()
 
     def reward(self, output: str, example: Example) -> float:
         return float(self.normalize(self.extract_answer(output)) == self.normalize(example.answer))
 
     def is_correct(self, output: str, example: Example) -> bool:
-        return self.normalize(example.answer) in self.normalize(output)
+        """Correct when the sum is one of the whole numbers written in the output (``120`` does not hold ``20``)."""
+        return example.answer in re.findall(r"\d+", output)

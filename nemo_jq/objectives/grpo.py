@@ -10,14 +10,28 @@ from nemo_jq.objectives.registry import register_objective
 from nemo_jq.objectives.precision import upcast
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
+#: What the centred rewards are divided by: each group's std, the whole batch's std, or nothing.
+SCALINGS = ("group", "batch", "none")
 
 
-def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """``[B, M]`` advantages ``(r - mean_M r) / (std_M r + eps)``; ``normalize_std=False`` keeps ``r - mean``."""
+def group_advantages(
+    rewards: torch.Tensor, *, scale_rewards: str = "group", eps: float = 1e-6, batch_rewards: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[B, M]`` advantages ``(r - mean_M r) / (std + eps)`` with std (unbiased) per ``scale_rewards``.
+
+    ``"group"``: each prompt's std over its M rewards; ``"batch"``: the std of every reward in
+    ``batch_rewards`` (default ``rewards``: pass the whole optimizer batch's when this call sees a
+    micro-batch); ``"none"``: ``r - mean`` unscaled (Dr. GRPO). These are TRL's ``scale_rewards``.
+    """
+    if scale_rewards not in SCALINGS:
+        raise ValueError(f"scale_rewards must be one of {SCALINGS}; got scale_rewards={scale_rewards!r}")
     centred = rewards - rewards.mean(-1, keepdim=True)
-    if not normalize_std:
+    if scale_rewards == "none":
         return centred
-    return centred / (rewards.std(-1, keepdim=True) + eps)
+    if scale_rewards == "group":
+        return centred / (rewards.std(-1, keepdim=True) + eps)
+    pool = rewards if batch_rewards is None else batch_rewards.to(rewards)
+    return centred / (pool.std() + eps)
 
 
 @register_objective("grpo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2)
@@ -29,9 +43,11 @@ def grpo(
     old_logprob: torch.Tensor | None = None,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
-    normalize_std: bool = True,
+    scale_rewards: str = "group",
+    eps: float = 1e-6,
     aggregation: str = "token_mean",
     tokens_per_example: float | None = None,
+    batch_rewards: torch.Tensor | None = None,
 ) -> ObjectiveOutput:
     """GRPO loss for B prompts x M sampled completions of up to T tokens.
 
@@ -42,11 +58,19 @@ def grpo(
         old_logprob: ``[B, M, T]`` log-probs under the sampling policy; ``None`` means on-policy,
             where the ratio is 1 and the gradient is exactly ``-A ∇log p`` averaged over tokens.
         clip_eps, clip_eps_high: the PPO clip range ``[1 - clip_eps, 1 + clip_eps_high]``.
+        scale_rewards, eps: advantages ``(r - group mean) / (std + eps)``, std per group
+            (``"group"``), over the batch (``"batch"``) or none (``"none"``); see
+            :func:`group_advantages`. TRL 1.16's defaults are ``scale_rewards="group", eps=1e-4``.
         aggregation: ``"token_mean"`` (every token of the batch weighs the same) or
             ``"sequence_mean"`` (token mean within a completion, then mean over completions).
         tokens_per_example: for ``token_mean``, the completion tokens per prompt averaged over the
             whole optimizer batch. A trainer that splits a batch into micro-batches passes it so
             that the summed micro-batch gradients equal the full batch's; default: this call's own.
+        batch_rewards: ``[B_total, M]`` rewards of the whole optimizer batch, for
+            ``scale_rewards="batch"`` under micro-batching; default: ``rewards``.
+
+    TRL's ``loss_type``: ``aggregation="token_mean"`` with a trainer-supplied global
+    ``tokens_per_example`` is TRL's ``"dapo"``; ``"sequence_mean"`` is TRL's ``"grpo"``.
     """
     batch, samples = check_group_tensors(rewards=rewards)
     check_min_samples(samples, 2, "GRPO's group normalisation")
@@ -59,7 +83,9 @@ def grpo(
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got aggregation={aggregation!r}")
 
     mask = upcast(mask)
-    advantages = group_advantages(upcast(rewards), normalize_std=normalize_std).unsqueeze(-1)
+    advantages = group_advantages(
+        upcast(rewards), scale_rewards=scale_rewards, eps=eps, batch_rewards=batch_rewards
+    ).unsqueeze(-1)
     ratio = torch.exp(upcast(logprob) - upcast(old_logprob))
     high = clip_eps if clip_eps_high is None else clip_eps_high
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high)

@@ -1,0 +1,244 @@
+"""Answers: what an output commits to, canonical forms, and the match rules behind rewards and evaluation.
+
+Each rule is one function whose docstring states it in a sentence:
+
+* :func:`extract_final_answer` — the answer an output commits to;
+* :func:`text_exact_match` — training reward for text answers (HotPotQA, MuSiQue, your data);
+* :func:`token_substring_match` — evaluation for text answers (the paper's substring match, by token);
+* :func:`finqa_number_match` — FinQA's numbers, for both reward and evaluation;
+* :func:`finqa_reference` — the teacher-forced y* of a FinQA row.
+
+A reward is what RL optimises, so each rule accepts nothing but a right answer: prose around an
+answer, a number in the wrong unit, or a gold's characters inside another word earn nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from decimal import Decimal
+from typing import NamedTuple
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+_LABEL = re.compile(r"^(?:final\s+)?answer\s*[:：]\s*", re.IGNORECASE)
+_WRAPPERS = (("`", "`"), ("*", "*"), ("_", "_"), ("\\text{", "}"), ("\\textbf{", "}"), ("\\mathrm{", "}"))
+_DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
+_SCALE_WORDS = "thousand|million|billion|trillion"
+_NUMBER = re.compile(
+    rf"^(\()?([-−])?\$?\s*([-−])?\s*({_DIGITS})\s*(%|percent)?\s*({_SCALE_WORDS})?(\))?$", re.IGNORECASE
+)
+_YES_NO = ("yes", "no")
+
+
+def squad_normalize(text: str) -> str:
+    """Lower case, drop punctuation and the articles a/an/the, collapse white space (SQuAD v1.1)."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def extract_final_answer(output: str) -> str:
+    """The content of the last ``\\boxed{…}`` in the output, else its last non-empty line without an answer label.
+
+    Accepted forms: ``Answer: X``, ``Final answer: X``, ``**Answer:** X``, ``Answer: **X**``,
+    ``\\boxed{X}`` (``\\text{X}`` inside it unwrapped), and X wrapped whole in ``*``, ``_`` or
+    backticks. Anything else on the line stays part of the answer, so prose around an answer
+    does not match it.
+    """
+    boxed = _last_boxed(output)
+    if boxed is not None:
+        return _unwrap(boxed)
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[-1].replace("**", "").replace("__", "").strip()
+    return _unwrap(_LABEL.sub("", line))
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth < 0:
+            return text[begin:index]
+    return None  # unbalanced: no committed answer
+
+
+def _unwrap(text: str) -> str:
+    text = text.strip()
+    changed = True
+    while changed:
+        changed = False
+        for left, right in _WRAPPERS:
+            if len(text) > len(left) + len(right) - 1 and text.startswith(left) and text.endswith(right):
+                text, changed = text[len(left) : len(text) - len(right)].strip(), True
+    return text
+
+
+def text_exact_match(output_answer: str, references: tuple[str, ...]) -> bool:
+    """An extracted answer is right when its SQuAD normalisation is non-empty and equals a reference's."""
+    guess = squad_normalize(output_answer)
+    return bool(guess) and any(guess == squad_normalize(ref) for ref in references)
+
+
+def token_substring_match(output: str, references: tuple[str, ...]) -> bool:
+    """An output is correct when a non-empty normalised reference's tokens appear as a contiguous run of its tokens."""
+    tokens = squad_normalize(output).split()
+    for reference in references:
+        wanted = squad_normalize(reference).split()
+        if wanted and any(tokens[i : i + len(wanted)] == wanted for i in range(len(tokens) - len(wanted) + 1)):
+            return True
+    return False
+
+
+class StatedNumber(NamedTuple):
+    """A number as written: its value, whether it carried a percent sign, its decimals, and a scale word.
+
+    ``scale`` is ``million`` in ``$ 2.33 million``: part of the unit, so the value stays 2.33.
+    """
+
+    value: float
+    percent: bool
+    decimals: int
+    scale: str = ""
+
+    def readings(self, gold_is_percent: bool) -> list[tuple[float, float]]:
+        """``(value, resolution)`` in base units (a percent as its fraction) for every unit it may mean.
+
+        A percent sign divides by 100; a bare number for a percent gold may be the fraction or the
+        percent with its sign left out. Resolution is one unit of the last stated digit.
+        """
+        own = (self.value, 10.0 ** -self.decimals)
+        as_percent = (self.value / 100.0, 10.0 ** -self.decimals / 100.0)
+        if self.percent:
+            return [as_percent]
+        return [own, as_percent] if gold_is_percent else [own]
+
+
+def parse_number(text: str) -> StatedNumber | None:
+    """A FinQA-style number, or None when ``text`` is anything else.
+
+    Accepts well-formed thousands separators (``1,234.5``), a dollar sign before or after the
+    sign (``-$2.40``, ``$-2.40``), a percent sign or the word percent, accounting parentheses
+    (``(3.2)`` is −3.2), a scale word (``$ 2.33 million``) and a trailing period.
+    """
+    cleaned = text.strip().rstrip(".").strip()
+    match = _NUMBER.match(cleaned)
+    if not match:
+        return None
+    opened, sign, late_sign, digits, percent, scale, closed = match.groups()
+    if bool(opened) != bool(closed) or (sign and late_sign):
+        return None
+    digits = digits.replace(",", "")
+    negative = bool(sign or late_sign or opened)
+    decimals = len(digits.split(".")[1]) if "." in digits else 0
+    return StatedNumber(float(digits) * (-1.0 if negative else 1.0), percent is not None, decimals, (scale or "").lower())
+
+
+def numbers_in(text: str) -> list[StatedNumber]:
+    """Every number written in ``text`` (``12.2 %`` and ``$ 1,234`` included), in order."""
+    text = re.sub(r"\$\s+", "$", text)
+    text = re.sub(rf"(\d)\s+(%|percent\b|(?:{_SCALE_WORDS})\b)", r"\1\2", text, flags=re.IGNORECASE)
+    found = []
+    for word in text.split():
+        word = word.replace("**", "").strip("\"'`*_,;:!?[]{}")
+        if word.count("(") != word.count(")"):
+            word = word.strip("()")
+        number = parse_number(word)
+        if number is not None:
+            found.append(number)
+    return found
+
+
+def _decimals_of(value: float) -> int:
+    return max(0, -Decimal(repr(float(value))).as_tuple().exponent)
+
+
+def _close(a: float, b: float, tolerance: float) -> bool:
+    return abs(a - b) <= tolerance * (1 + 1e-9) + 1e-12
+
+
+def executed_number(executed: object) -> float | None:
+    """FinQA's ``exe_ans`` as a finite float, or None (yes/no answers, missing values)."""
+    if isinstance(executed, bool) or not isinstance(executed, (int, float)):
+        return None
+    return float(executed) if math.isfinite(executed) else None
+
+
+def finqa_reference(answer: str, executed: object) -> str:
+    """y* of a FinQA row: its annotated answer, else ``exe_ans`` at 2 decimals (3 significant digits below 1, at most 5 decimals), trailing zeros removed.
+
+    Yes/no programs give ``yes``/``no``. Returns "" when neither gives an answer.
+    """
+    if answer.strip():
+        return answer.strip()
+    if isinstance(executed, str) and executed.strip().lower() in _YES_NO:
+        return executed.strip().lower()
+    value = executed_number(executed)
+    if value is None:
+        return ""
+    magnitude = math.floor(math.log10(abs(value))) if value else 0
+    decimals = 2 if abs(value) >= 1 else min(5, max(2, 2 - magnitude))
+    text = f"{value:.{decimals}f}"
+    text = text.rstrip("0").rstrip(".") if "." in text else text
+    return "0" if text in ("-0", "") else text
+
+
+def finqa_number_match(output: StatedNumber, gold: StatedNumber, executed: float | None = None) -> bool:
+    """A number is right when it equals the gold within half a unit of the gold's last stated digit in the gold's unit, or equals ``exe_ans`` rounded at its own stated precision when that precision is at least the gold's.
+
+    Percent and fraction convert into each other with their tolerance (``14.1%`` accepts ``0.141``,
+    never a wider window); a bare number for a percent gold may also be the percent without its sign.
+    A scale word is part of the unit: ``2.33`` answers ``$ 2.33 million``, ``2.33 billion`` does not.
+    """
+    if output.scale and output.scale != gold.scale:
+        return False
+    scale = 100.0 if gold.percent else 1.0
+    gold_value, gold_resolution = gold.value / scale, 10.0 ** -gold.decimals / scale
+    readings = output.readings(gold.percent)
+    if any(_close(value, gold_value, gold_resolution / 2) for value, _ in readings):
+        return True
+    if executed is None:
+        return False
+    # exe_ans is a plain float: a fraction for most percent golds, the percent itself where a program
+    # multiplies by 100, a fraction where the annotator wrote a percent without its sign. Read it in the
+    # gold's base unit at the scale whose ratio to the gold is nearest 1 (as is, for a zero gold); it is
+    # known to FinQA's five decimals (more where its value shows more).
+    scales = (1.0, 0.01) if gold.percent else (1.0, 100.0)
+    scale = min(scales, key=lambda s: abs(math.log(abs(executed * s / gold_value)))) if executed and gold_value else 1.0
+    executed_value, executed_resolution = executed * scale, 10.0 ** -max(5, _decimals_of(executed)) * scale
+    return any(
+        resolution <= gold_resolution * (1 + 1e-9)
+        and _close(value, executed_value, max(resolution, executed_resolution) / 2)
+        for value, resolution in readings
+    )
+
+
+def finqa_answer_match(output_answer: str, reference: str, executed: object = None) -> bool:
+    """An extracted FinQA answer is right when it is one number that passes :func:`finqa_number_match`, or, for a yes/no question, the same word."""
+    gold = parse_number(reference)
+    if gold is None:
+        return text_exact_match(output_answer, (reference,))
+    guess = parse_number(output_answer)
+    return guess is not None and finqa_number_match(guess, gold, executed_number(executed))
+
+
+def finqa_output_match(output: str, reference: str, executed: object = None) -> bool:
+    """A FinQA output is correct when any number written in it passes :func:`finqa_number_match` (yes/no: by token)."""
+    gold = parse_number(reference)
+    if gold is None:
+        return token_substring_match(output, (reference,))
+    value = executed_number(executed)
+    return any(finqa_number_match(number, gold, value) for number in numbers_in(output))
+
+
+def finqa_normalize(text: str) -> str:
+    """Canonical form for majority voting: the number in base units when ``text`` is one, else SQuAD-normalised text."""
+    number = parse_number(text)
+    if number is None:
+        return squad_normalize(text)
+    return repr(number.value / 100.0 if number.percent else number.value)
