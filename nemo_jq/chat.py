@@ -33,6 +33,22 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
+#: Appended to a tokenizer's chat template so that, with thinking on (Qwen3's default), the
+#: generation prompt ends in the ``<think>\\n`` opening that training prompts end in; with
+#: ``enable_thinking=False`` it adds nothing. Its tags do not strip whitespace (no ``{%-``), so
+#: the original template's output is kept verbatim.
+THINKING_OPENING_TEMPLATE = (
+    "{% if add_generation_prompt and not (enable_thinking is defined and enable_thinking is false) %}"
+    "{{ '" + THINK_START + "\\n' }}{% endif %}"
+)
+
+
+def with_thinking_opening(chat_template: str) -> str:
+    """The template training renders prompts with; idempotent, so an exported tokenizer's template is kept."""
+    if chat_template.rstrip().endswith(THINKING_OPENING_TEMPLATE):
+        return chat_template
+    return chat_template + THINKING_OPENING_TEMPLATE
+
 
 def build_tokenizer(corpus: Iterable[str], vocab_size: int = 320) -> Any:
     """A byte-level BPE with Qwen3's split rule and special tokens, trained on ``corpus`` (~0.1 s)."""
@@ -80,12 +96,17 @@ class ChatFormat:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.end_of_turn_id
 
+    @property
+    def chat_template(self) -> str:
+        """The tokenizer's template with the thinking opening: what prompts are rendered with, and what export writes."""
+        return with_thinking_opening(self.tokenizer.get_chat_template())
+
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The chat-rendered prompt with thinking on, ending in ``<think>\\n``: the rationale comes next."""
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, enable_thinking=True, tokenize=False
+            messages, add_generation_prompt=True, enable_thinking=True, tokenize=False, chat_template=self.chat_template
         )
-        return self.encode(text + THINK_START + "\n")
+        return self.encode(text)
 
     def rationale_ids(self, rationale: str) -> list[int]:
         """A given rationale as the thinking tokens before ``</think>`` (SFT targets)."""

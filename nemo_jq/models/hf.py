@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from nemo_jq.chat import ChatFormat
 from nemo_jq.models.interfaces import LossFn, Rollout, TokenBatch
 from nemo_jq.models.logprobs import chunked_token_logprobs
 
@@ -74,6 +77,39 @@ def load_causal_lm(path: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(resolve_pretrained(path), dtype=torch.float32)
 
 
+#: Marks a folder as written by ``HFPolicy.export`` and lists its files, so a later export may replace them.
+EXPORT_MARKER = "nemo_jq_export.json"
+
+#: The rollouts' sampling (the paper's and the config's default: temperature 1, no top-k or top-p
+#: truncation), written out because ``generate``'s own defaults are greedy decoding, and top_k=50
+#: when sampling. Pass ``do_sample=False`` to ``generate`` for greedy decoding.
+ROLLOUT_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+def files_of_earlier_export(out_dir: Path) -> list[str]:
+    """The files an earlier export left in ``out_dir`` (none if it is missing or empty).
+
+    Refuses anything else, so an export never overwrites or mixes with a user's own files.
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"export target {out_dir} is a file: choose another --out or remove it")
+    present = {path.name for path in out_dir.iterdir()} if out_dir.exists() else set()
+    if not present:
+        return []
+    marker = out_dir / EXPORT_MARKER
+    earlier = [EXPORT_MARKER, *json.loads(marker.read_text())["files"]] if marker.is_file() else []
+    if not present <= set(earlier):
+        raise ValueError(f"export target {out_dir} holds files that are not from an earlier export: choose another --out or remove it")
+    return earlier
+
+
+def make_readable(folder: Path) -> None:
+    """Give group and others read access to ``folder`` and its files, whatever the umask or writer chose."""
+    folder.chmod(folder.stat().st_mode | 0o755)
+    for path in folder.iterdir():
+        path.chmod(path.stat().st_mode | 0o644)
+
+
 class HFPolicy:
     """Trains an HF causal LM: chunked log-probs, AdamW, gradient clipping, bf16 autocast on GPU."""
 
@@ -136,10 +172,41 @@ class HFPolicy:
         load_model(self.model, str(path), device=str(self.device))
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
+        """Write an HF folder where plain ``apply_chat_template`` + ``generate`` behave like training's rollouts.
+
+        The chat template ends the generation prompt in ``<think>\\n`` (thinking on), as training
+        prompts do; ``config.json`` and ``generation_config.json`` stop at ``<|im_end|>`` and pad;
+        the generation config samples as the rollouts did (``ROLLOUT_SAMPLING``);
+        every file is readable by group and others. ``out_dir`` must be missing, empty or an
+        earlier export (which is replaced); anything else raises ``ValueError``, untouched.
+        """
+        from transformers import GenerationConfig
+
         out_dir = Path(out_dir)
+        earlier_files = files_of_earlier_export(out_dir)
+        chat = ChatFormat(tokenizer)
+        for name in earlier_files:
+            (out_dir / name).unlink(missing_ok=True)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out_dir, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
+
+        self.model.save_pretrained(out_dir)
+        stop_ids = [chat.end_of_turn_id]  # and the tokenizer's own eos, where it differs (Qwen3's convention)
+        if tokenizer.eos_token_id not in (None, chat.end_of_turn_id):
+            stop_ids.append(tokenizer.eos_token_id)
+        config = copy.deepcopy(self.model.config)
+        config.eos_token_id, config.pad_token_id = stop_ids, chat.pad_id
+        config.save_pretrained(out_dir)
+        GenerationConfig(eos_token_id=stop_ids, pad_token_id=chat.pad_id, **ROLLOUT_SAMPLING).save_pretrained(out_dir)
+        original_template = tokenizer.chat_template
+        tokenizer.chat_template = chat.chat_template
+        try:
+            tokenizer.save_pretrained(out_dir)
+        finally:
+            tokenizer.chat_template = original_template
+
+        written = sorted(path.name for path in out_dir.iterdir() if path.name != EXPORT_MARKER)
+        (out_dir / EXPORT_MARKER).write_text(json.dumps({"files": written}, indent=2) + "\n")
+        make_readable(out_dir)
 
 
 # Roles of generated tokens in the decode loop's buffer.
