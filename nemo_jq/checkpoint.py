@@ -7,6 +7,7 @@ the ``latest`` pointer file is replaced atomically. A kill -9 at any moment ther
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -32,13 +33,19 @@ def save_checkpoint(root: Path, step: int, policy: Policy, state: dict[str, Any]
         tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        policy.save_weights(tmp / WEIGHTS)
-        torch.save(policy.state_dict(), tmp / OPTIMIZER)
-        torch.save(rng, tmp / RNG)
-        (tmp / STATE).write_text(json.dumps(state, indent=2))
-        for path in tmp.iterdir():
-            _fsync(path)
-        _fsync(tmp)
+        try:
+            policy.save_weights(tmp / WEIGHTS)
+            torch.save(policy.state_dict(), tmp / OPTIMIZER)
+            torch.save(rng, tmp / RNG)
+            (tmp / STATE).write_text(json.dumps(state, indent=2))
+            for path in tmp.iterdir():
+                _fsync(path)
+            _fsync(tmp)
+        except Exception as err:  # torch reports a full disk as a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            if _disk_full(err, root):
+                raise OSError(errno.ENOSPC, "No space left on device", str(final)) from err
+            raise
         os.rename(tmp, final)
     _write_atomic(root / "latest", final.name)
     _fsync(root)
@@ -75,6 +82,10 @@ def prune_checkpoints(root: Path, keep: int, protect: set[str]) -> None:
     for path in steps[: max(len(steps) - keep, 0)]:
         if path.name not in protect:
             shutil.rmtree(path)
+
+
+def _disk_full(err: BaseException, root: Path) -> bool:
+    return getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or shutil.disk_usage(root).free < 1 << 20
 
 
 def _write_atomic(path: Path, text: str) -> None:

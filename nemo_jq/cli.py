@@ -3,22 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
+#: Set to 1 (or pass --debug) to see the traceback behind an error message.
+DEBUG_ENV = "NEMO_JQ_DEBUG"
+
 
 def main(argv: list[str] | None = None) -> int:
+    from nemo_jq.config import describe_keys
+
     parser = argparse.ArgumentParser(prog="nemo-jq", description="Post-train reasoning LLMs on the J_Q loss continuum.")
+    parser.add_argument("--debug", action="store_true", help=f"show the traceback behind an error (or set {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser(
         "train",
         help="train one run; with no arguments, the embedded CPU cold-start comparison",
-        description="nemo-jq train --config configs/x.yaml objective.name=paft objective.q=0.75",
+        description="nemo-jq train --config configs/x.yaml objective.name=paft objective.q=0.75\n\n"
+        "A run directory (train.run_dir) holds one run: a new run refuses a directory that already\n"
+        "holds one; --resume continues it; --overwrite moves it aside to RUN_DIR.old-<time> first.",
+        epilog="config keys (section.key = default; allowed values; meaning):\n" + describe_keys(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", type=Path, help="YAML config (defaults: the embedded CPU demo settings)")
-    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                       help="continue a run from its latest checkpoint; overrides may change only how long it runs "
+                            "and how it is evaluated and saved (train.epochs, train.max_steps, eval.*, ...)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="if the run directory (or --demo-dir) holds a run, move it aside to NAME.old-<time> first")
     train.add_argument("--demo-dir", type=Path, default=Path("runs/cold_start"), help="output of the no-argument demo")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
 
@@ -41,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--hub-config", help="hub dataset config (hotpotqa: distractor)")
     prep.add_argument("--out", type=Path, required=True)
     prep.add_argument("--sizes", help="train,validation,test sizes (default: the paper's for its datasets)")
-    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--seed", type=_whole_number, default=0)
     prep.add_argument("--on-bad-row", default="skip", choices=("skip", "fail"))
     prep.add_argument("--template", help="jsonl: user-turn template over {question} and {context}")
     prep.add_argument("--system", help="jsonl: system message for the warm format")
@@ -57,9 +73,39 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return _dispatch(args)
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        print(f"nemo-jq {args.command}: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"nemo-jq {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        message = user_error_message(err)
+        if message is None or args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(f"nemo-jq {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def user_error_message(err: BaseException) -> str | None:
+    """One line for an error that ordinary bad input causes (None for a bug: its traceback is shown)."""
+    if isinstance(err, OSError) and err.errno is not None and err.filename is not None:
+        hints = {
+            errno.ENOSPC: "free some space or choose another train.run_dir / --out; the last good checkpoint "
+                          "(checkpoints/latest) is still loadable, so `nemo-jq train --resume RUN_DIR` continues",
+            errno.EACCES: "make it writable or choose another train.run_dir / --out",
+            errno.EROFS: "choose a writable train.run_dir / --out",
+            errno.EPERM: "make it writable or choose another train.run_dir / --out",
+        }
+        reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err)).lower()
+        return f"{reason}: {err.filename}" + (f"; {hints[err.errno]}" if err.errno in hints else "")
+    if isinstance(err, (ValueError, OSError, KeyError)):
+        text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        return " ".join(str(text).split())
+    return None
+
+
+def _whole_number(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0; got {text!r}")
+    return int(text)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -74,20 +120,22 @@ def _dispatch(args: argparse.Namespace) -> int:
     from nemo_jq.runs import load_for_inference
 
     if args.command == "train":
-        if args.resume is not None:
-            from nemo_jq.trainer import Trainer
+        from nemo_jq.trainer import Trainer
 
-            result = Trainer.resume(args.resume).fit()
+        if args.resume is not None:
+            if args.config is not None or args.overwrite:
+                raise ValueError("--resume continues a run with its own config.yaml: drop --config/--overwrite "
+                                 "(key=value overrides of how long it runs and how it is evaluated are allowed)")
+            result = Trainer.resume(args.resume, args.overrides).fit()
         elif args.config is None and not args.overrides:
             from nemo_jq.demo import run_demo
 
-            run_demo(args.demo_dir)
+            run_demo(args.demo_dir, overwrite=args.overwrite)
             return 0
         else:
             from nemo_jq.config import load_config
-            from nemo_jq.trainer import Trainer
 
-            result = Trainer(load_config(args.config, args.overrides)).fit()
+            result = Trainer(load_config(args.config, args.overrides), overwrite=args.overwrite).fit()
         print(json.dumps(result, indent=2))
         return 0
 
@@ -104,9 +152,10 @@ def _prepare_data(args: argparse.Namespace) -> int:
     from nemo_jq.data.prepare import PAPER_SIZES, make_task, prepare, write_prepared
 
     if args.sizes:
-        sizes = tuple(int(n) for n in args.sizes.split(","))
-        if len(sizes) != 3:
-            raise ValueError(f"--sizes needs three numbers (train,validation,test); got {args.sizes!r}")
+        parts = args.sizes.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(f"--sizes needs three whole numbers >= 1 (train,validation,test), e.g. 800,100,100; got {args.sizes!r}")
+        sizes = tuple(int(p) for p in parts)
     elif args.dataset in PAPER_SIZES:
         sizes = PAPER_SIZES[args.dataset]
     else:

@@ -18,114 +18,118 @@ from typing import Any
 
 import yaml
 
+from nemo_jq.data.base import FORMATS
+from nemo_jq.data.prepare import BAD_ROW_POLICIES
+
+#: Compute precisions of the policy and rollouts.
+PRECISIONS = ("auto", "fp32", "bf16")
 
 class ConfigError(ValueError):
     pass
+
+
+def option(default: Any = None, help: str = "", *, factory: Any = None, ge: float | None = None,
+           gt: float | None = None, le: float | None = None, lt: float | None = None,
+           choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its help text and the range or choices every value is checked against at load time."""
+    metadata = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class TinyModelConfig:
     """Shape of the randomly initialised Qwen3 used when ``model.path`` is null."""
 
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 192
-    max_position_embeddings: int = 512
-    tokenizer_vocab_size: int = 320
+    hidden_size: int = option(64, ge=1)
+    num_layers: int = option(2, ge=1)
+    num_heads: int = option(4, ge=1)
+    num_kv_heads: int = option(2, ge=1)
+    intermediate_size: int = option(192, ge=1)
+    max_position_embeddings: int = option(512, ge=1)
+    tokenizer_vocab_size: int = option(320, ge=1, help="BPE vocabulary trained on the task's texts")
 
 
 @dataclass
 class ModelConfig:
-    #: Local HF folder (or hub name, where a network is available); null = tiny Qwen3 from scratch.
-    path: str | None = None
+    path: str | None = option(None, "local HF folder (or hub name, where a network is available); null = tiny Qwen3 from scratch")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    #: auto = bf16 autocast on GPU, fp32 on CPU.
-    precision: str = "auto"
-    logprob_chunk_size: int = 256
+    precision: str = option("auto", "auto = bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
+    logprob_chunk_size: int = option(256, "positions per chunk of the log-prob kernel", ge=1)
 
 
 @dataclass
 class DataConfig:
-    #: synthetic (the embedded task), finqa, hotpotqa, musique, or jsonl (your own data).
-    name: str = "synthetic"
-    #: cold: linearised x*, no task description or formatting hint; warm: instructions.
-    format: str = "cold"
-    train_size: int = 768
-    validation_size: int = 32
-    test_size: int = 128
-    seed: int = 0
-    #: synthetic only: operands per expression.
-    num_operands: int = 3
-    #: A local file, a folder of split files (train/dev/validation/test .json/.jsonl/.parquet) or a
-    #: hub name; null = the paper's hub name (hotpotqa, musique). Ignored when prepared_dir is set.
-    source: str | None = None
-    hub_config: str | None = None
-    #: A folder written by `nemo-jq data prepare`.
-    prepared_dir: str | None = None
-    #: Malformed rows: skip (counted in the manifest) or fail on the first.
-    on_bad_row: str = "skip"
-    #: jsonl only: user-turn template over {question} and {context}, and the warm system message.
-    template: str | None = None
-    system_prompt: str | None = None
+    name: str | None = option(
+        None, "synthetic, finqa, hotpotqa, musique or jsonl; null = synthetic, or the dataset a prepared_dir holds"
+    )
+    format: str = option("cold", "cold: linearised x*, no task description or format hint; warm: instructions",
+                         choices=FORMATS)
+    train_size: int = option(768, "ignored with prepared_dir", ge=1)
+    validation_size: int = option(32, "ignored with prepared_dir", ge=1)
+    test_size: int = option(128, "ignored with prepared_dir", ge=1)
+    seed: int = option(0, "subset draw (and the synthetic expressions)", ge=0)
+    num_operands: int = option(3, "synthetic only: operands per expression", ge=2)
+    source: str | None = option(
+        None, "local file, folder of split files (train/dev/validation/test .json/.jsonl/.parquet) or hub name; "
+        "null = the paper's hub name; ignored with prepared_dir")
+    hub_config: str | None = option(None, "hub dataset config (hotpotqa: distractor)")
+    prepared_dir: str | None = option(
+        None, "a folder written by `nemo-jq data prepare`; its manifest sets the dataset, template and system prompt")
+    on_bad_row: str = option("skip", "malformed rows: skip (counted in the manifest) or fail on the first",
+                             choices=BAD_ROW_POLICIES)
+    template: str | None = option(None, "jsonl only: user-turn template over {question} and {context}")
+    system_prompt: str | None = option(None, "jsonl only: the warm format's system message")
 
 
 @dataclass
 class RolloutConfig:
-    #: M, rollouts per prompt.
-    num_samples: int = 8
-    max_thinking_tokens: int = 6
-    max_answer_tokens: int = 4
-    temperature: float = 1.0
-    #: 0 and 1.0 switch top-k and top-p off (the paper's setting).
-    top_k: int = 0
-    top_p: float = 1.0
+    num_samples: int = option(8, "M, rollouts per prompt", ge=1)
+    max_thinking_tokens: int = option(6, "thinking budget; </think> is forced when it is reached", ge=0)
+    max_answer_tokens: int = option(4, "answer budget (sampled answers: GRPO, RLOO, evaluation)", ge=1)
+    temperature: float = option(1.0, "0 = greedy", ge=0.0)
+    top_k: int = option(0, "0 = off (the paper's setting)", ge=0)
+    top_p: float = option(1.0, "1.0 = off (the paper's setting)", gt=0.0, le=1.0)
 
 
 @dataclass
 class ObjectiveConfig:
-    #: An estimator from the registry: garl, paft, rb_rloo, grpo, rloo, sft.
-    name: str = "garl"
-    q: float = 0.75
-    #: A q schedule mapping (nemo_jq.objectives.schedules); when set it replaces q.
-    q_schedule: dict[str, Any] | None = None
-    #: Keyword options of the estimator, e.g. {baseline: none} for garl, {num_resamples: 4} for paft.
-    options: dict[str, Any] = field(default_factory=dict)
+    name: str = option("garl", "an estimator from the registry: garl, paft, rb_rloo, grpo, rloo, sft")
+    q: float = option(0.75, "the commitment, in [0, 1]", ge=0.0, le=1.0)
+    q_schedule: dict[str, Any] | None = option(None, "a q schedule mapping (nemo_jq.objectives.schedules); replaces q")
+    options: dict[str, Any] = option(
+        help="the estimator's keyword options, e.g. {baseline: none} (garl), {num_resamples: 4} (paft)", factory=dict)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    lr: float = option(3e-3, "AdamW learning rate (constant; 0 freezes the weights, as the benchmarks do)", ge=0.0)
+    weight_decay: float = option(0.0, ge=0.0)
+    betas: list[float] = option(help="AdamW betas, each in [0, 1)", factory=lambda: [0.9, 0.999])
+    eps: float = option(1e-8, gt=0.0)
+    grad_clip: float = option(1.0, "max global gradient norm", gt=0.0)
 
 
 @dataclass
 class EvalConfig:
-    every: int = 25
-    num_samples: int = 16
-    #: Prompts per generation call.
-    batch_size: int = 32
+    every: int = option(25, "validate every this many steps", ge=1)
+    num_samples: int = option(16, "k of p@k and m@k; the best checkpoint is chosen by validation m@k", ge=1)
+    batch_size: int = option(32, "prompts per generation call", ge=1)
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 4
-    #: Prompts per optimizer step.
-    batch_size: int = 16
-    #: Prompts per forward/backward; whole groups of M rollouts stay together.
-    micro_batch_size: int = 16
-    #: Stop after this many steps (null: run all epochs).
-    max_steps: int | None = None
-    seed: int = 0
-    device: str = "auto"
-    save_every: int = 25
-    keep_checkpoints: int = 2
-    run_dir: str = "runs/train"
-    tensorboard: bool = True
+    epochs: int = option(4, ge=1)
+    batch_size: int = option(16, "prompts per optimizer step", ge=1)
+    micro_batch_size: int = option(16, "prompts per forward/backward; whole groups of M rollouts stay together", ge=1)
+    max_steps: int | None = option(None, "stop after this many steps; null = all epochs", ge=1)
+    seed: int = option(0, ge=0)
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    save_every: int = option(25, "checkpoint every this many steps", ge=1)
+    keep_checkpoints: int = option(2, "newest checkpoints kept (the best one is always kept)", ge=1)
+    run_dir: str = option("runs/train", "where the run is written; one run per directory")
+    tensorboard: bool = option(True, "write TensorBoard events under RUN_DIR/tensorboard")
 
 
 @dataclass
@@ -139,22 +143,23 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> "Config":
-        """Cross-field checks that need the registry (done before any model is built)."""
+        """Cross-field checks that need the registry or the prepared data (done before any model is built).
+
+        Resolves ``data.name``, ``data.template`` and ``data.system_prompt`` from a prepared
+        folder's manifest, so the saved config says what the run trained on.
+        """
         from nemo_jq.objectives import get_objective
-        from nemo_jq.objectives.checks import check_q
         from nemo_jq.objectives.schedules import build_schedule
 
         try:
             spec = get_objective(self.objective.name)
         except KeyError as err:
             raise ConfigError(f"objective.name: {err.args[0]}") from None
-        if spec.uses_q:
+        if spec.uses_q and self.objective.q_schedule is not None:
             try:
-                check_q(self.objective.q)
-                if self.objective.q_schedule is not None:
-                    build_schedule(self.objective.q_schedule)
+                build_schedule(self.objective.q_schedule)
             except ValueError as err:
-                raise ConfigError(f"objective.q / objective.q_schedule: {err}") from None
+                raise ConfigError(f"objective.q_schedule: {err}") from None
         accepted = set(inspect.signature(spec.fn).parameters)
         for key in self.objective.options:
             if key not in accepted or key in ("q", "generator"):
@@ -163,23 +168,64 @@ class Config:
             raise ConfigError(
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
-        from nemo_jq.data.prepare import BAD_ROW_POLICIES
-        from nemo_jq.data.qa import DATASETS
-        from nemo_jq.models.hf import PRECISIONS
-
-        if self.data.name != "synthetic" and self.data.name not in DATASETS:
-            raise ConfigError(f"data.name must be 'synthetic' or one of {sorted(DATASETS)}; got {self.data.name!r}")
-        if self.data.on_bad_row not in BAD_ROW_POLICIES:
-            raise ConfigError(f"data.on_bad_row must be one of {BAD_ROW_POLICIES}; got {self.data.on_bad_row!r}")
-
-        if self.model.precision not in PRECISIONS:
-            raise ConfigError(f"model.precision must be one of {PRECISIONS}; got {self.model.precision!r}")
-        if self.data.format not in ("cold", "warm"):
-            raise ConfigError(f"data.format must be 'cold' or 'warm'; got {self.data.format!r}")
-        for key in ("batch_size", "micro_batch_size", "epochs"):
-            if getattr(self.train, key) < 1:
-                raise ConfigError(f"train.{key} must be >= 1; got {getattr(self.train, key)}")
+        if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")
+        self._resolve_data()
         return self
+
+    def _resolve_data(self) -> None:
+        from nemo_jq.data.prepare import read_manifest
+        from nemo_jq.data.qa import DATASETS
+
+        data = self.data
+        if data.prepared_dir:
+            manifest = read_manifest(Path(data.prepared_dir))
+            recorded = {"name": manifest["dataset"], "template": manifest.get("template"),
+                        "system_prompt": manifest.get("system")}
+            for key, value in recorded.items():
+                given = getattr(data, key)
+                if given is not None and given != value:
+                    raise ConfigError(
+                        f"data.{key}={given!r} but data.prepared_dir={data.prepared_dir} was prepared with {value!r} "
+                        f"(its manifest.json): drop data.{key}, or prepare the data again with it"
+                    )
+                setattr(data, key, value)
+        elif data.name is None:
+            data.name = "synthetic"
+        if data.name != "synthetic" and data.name not in DATASETS:
+            raise ConfigError(f"data.name must be 'synthetic' or one of {sorted(DATASETS)}; got {data.name!r}")
+
+
+def describe_keys() -> str:
+    """Every config key with its type, default, allowed range and help: the ``nemo-jq train --help`` listing."""
+    lines = []
+
+    def walk(cls: type, instance: Any, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            value = getattr(instance, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(type(value), value, f"{prefix}{f.name}.")
+                continue
+            bounds = _bounds_text(f.metadata)
+            hint = f.metadata.get("help", "")
+            text = f"  {prefix}{f.name} = {yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+            extras = "; ".join(part for part in (bounds, hint) if part)
+            lines.append(f"{text:<44} {extras}" if extras else text)
+
+    defaults = Config()
+    for section in dataclasses.fields(Config):
+        lines.append(f"{section.name}:")
+        value = getattr(defaults, section.name)
+        walk(type(value), value, f"{section.name}.")
+    return "\n".join(lines)
+
+
+def _bounds_text(metadata: Any) -> str:
+    if metadata.get("choices"):
+        return "one of " + ", ".join(metadata["choices"])
+    parts = [f"{symbol} {metadata[key]}" for key, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+             if metadata.get(key) is not None]
+    return " and ".join(parts)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -189,15 +235,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _parse_yaml(path.read_text(), str(path)) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_path(raw, key.split("."), yaml.safe_load(value))
+        _set_path(raw, key.split("."), _parse_yaml(value, f"override {item!r}"))
     return _build(Config, raw, prefix="").validate()
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        place = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{place}: invalid YAML ({problem}); fix the syntax there") from None
 
 
 def save_config(config: Config, path: Path) -> None:
@@ -229,8 +285,23 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(hint):
             values[name] = _build(hint, value, f"{prefix}{name}.")
         else:
-            values[name] = _check_type(value, hint, f"{prefix}{name}")
+            values[name] = _check_range(_check_type(value, hint, f"{prefix}{name}"), fields[name].metadata, f"{prefix}{name}")
     return cls(**values)
+
+
+def _check_range(value: Any, metadata: Any, key: str) -> Any:
+    """The value, if it lies in the field's range or choices; else an error naming the key and what is allowed."""
+    if value is None or isinstance(value, bool):
+        return value
+    choices = metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+    checks = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b, "lt": lambda v, b: v < b}
+    if isinstance(value, (int, float)) and not all(
+        check(value, metadata[name]) for name, check in checks.items() if metadata.get(name) is not None
+    ):
+        raise ConfigError(f"{key} must be {_bounds_text(metadata)}; got {value!r}")
+    return value
 
 
 def _check_type(value: Any, hint: Any, key: str) -> Any:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nemo_jq.config import load_config
 from nemo_jq.monitor import plot_runs, read_metrics
-from nemo_jq.trainer import Trainer
+from nemo_jq.trainer import Trainer, move_aside
 
 DEMO_RUNS = (
     ("GRPO", "grpo", ["objective.name=grpo"]),
@@ -25,7 +25,18 @@ DEMO_RUNS = (
 )
 
 
-def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, dict]:
+SUMMARY_FILE, FIGURE_FILE = "summary.json", "figure3.png"
+
+
+def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, overwrite: bool = False) -> dict[str, dict]:
+    """Run the five methods into ``out_dir/<slug>``; an earlier demo there is refused, or moved aside with ``overwrite``."""
+    out_dir = Path(out_dir)
+    if any((out_dir / name).exists() for name in (SUMMARY_FILE, FIGURE_FILE, *(slug for _, slug, _ in DEMO_RUNS))):
+        if not overwrite:
+            raise FileExistsError(
+                f"{out_dir} holds an earlier demo: pass --demo-dir DIR for a new one, or --overwrite to move it aside first"
+            )
+        move_aside(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results, curves = {}, {}
     for label, slug, method in DEMO_RUNS:
@@ -37,9 +48,9 @@ def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> dict
         results[label]["initial_log_p_hat"] = first.get("log_p_hat")
     num_samples = config.rollout.num_samples
     print(format_table(results, num_samples))
-    plot_runs(curves, out_dir / "figure3.png")
-    (out_dir / "summary.json").write_text(json.dumps(results, indent=2))
-    print(f"wrote {out_dir / 'figure3.png'} and {out_dir / 'summary.json'}")
+    plot_runs(curves, out_dir / FIGURE_FILE)
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(results, indent=2))
+    print(f"wrote {out_dir / FIGURE_FILE} and {out_dir / SUMMARY_FILE}")
     return results
 
 

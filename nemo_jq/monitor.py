@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,29 +19,42 @@ PANELS = (
 
 
 class RunLogger:
-    """Appends records to ``metrics.jsonl`` (and TensorBoard); on resume, drops records after ``resume_step``."""
+    """Appends records to ``metrics.jsonl`` (and TensorBoard).
+
+    On resume it drops the records after ``resume_step`` (the steps between the last checkpoint
+    and the stop, which the resumed run logs again) and rebuilds the TensorBoard events from the
+    records it keeps, so no step shows twice. A new run starts both afresh.
+    """
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0):
         self.path = run_dir / METRICS_FILE
-        if resume_step and self.path.exists():
-            kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step and r["kind"] != "test"]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        elif self.path.exists():
-            self.path.unlink()
+        kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step and r["kind"] != "test"] if resume_step else []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step or None)
+            events = run_dir / "tensorboard"
+            shutil.rmtree(events, ignore_errors=True)  # derived from metrics.jsonl, rebuilt just below
+            self.writer = SummaryWriter(log_dir=str(events))
+            for record in kept:
+                self._add_scalars(record)
+            self.writer.flush()
 
     def log(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:  # a failed write names no file: say which
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
         if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                    self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+            self._add_scalars(record)
             self.writer.flush()
+
+    def _add_scalars(self, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
+                self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
     def close(self) -> None:
         if self.writer is not None:

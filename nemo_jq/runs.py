@@ -28,6 +28,6 @@ def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
 def load_for_inference(path: Path, overrides=()) -> Trainer:
     """A Trainer whose policy holds the checkpoint's weights (optimizer state not loaded)."""
     run_dir, checkpoint = resolve_checkpoint(path)
-    trainer = Trainer(load_config(run_dir / CONFIG_FILE, list(overrides)), run_dir=run_dir)
+    trainer = Trainer(load_config(run_dir / CONFIG_FILE, list(overrides)), run_dir=run_dir, existing=True)
     load_checkpoint(checkpoint, trainer.policy, with_optimizer=False)
     return trainer

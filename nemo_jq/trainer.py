@@ -31,11 +31,45 @@ from nemo_jq.data.prepare import load_prepared, make_task, prepare
 from nemo_jq.evaluation import sample_outputs, score_outputs
 from nemo_jq.models.hf import HFPolicy, HFRolloutEngine, load_causal_lm, resolve_device, resolve_pretrained, tiny_qwen3
 from nemo_jq.models.interfaces import TokenBatch
-from nemo_jq.monitor import RunLogger, plot_runs, read_metrics
+from nemo_jq.monitor import METRICS_FILE, RunLogger, plot_runs, read_metrics
 from nemo_jq.objectives import Need, ObjectiveSpec, build_schedule, get_objective
 from nemo_jq.sequences import given_target_batch, reference_answer_batch, sampled_answer_batch
 
 CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
+#: What a run writes into its directory; any of them there means the directory holds a run.
+RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, "tensorboard", "training.png")
+#: Keys a resumed run may change: how long it goes on and how it is evaluated and saved, never what it trains.
+RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.tensorboard",
+                  "eval.every", "eval.num_samples", "eval.batch_size")
+
+
+def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:
+    """Make sure a new run never writes over an earlier one; returns where an overwritten run was moved.
+
+    A directory that holds any run file is refused with what to do, unless ``overwrite``, which
+    first moves the earlier run aside to ``RUN_DIR.old-YYYYmmdd-HHMMSS`` (nothing is deleted).
+    """
+    run_dir = Path(run_dir)
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not found:
+        return None
+    if not overwrite:
+        raise FileExistsError(
+            f"{run_dir} already holds a run ({', '.join(found)}): continue it with `nemo-jq train --resume {run_dir}`, "
+            f"write the new run elsewhere (train.run_dir=...), or pass --overwrite to move the old run aside first"
+        )
+    return move_aside(run_dir)
+
+
+def move_aside(path: Path) -> Path:
+    """Rename ``path`` to a fresh ``NAME.old-YYYYmmdd-HHMMSS[-N]`` beside it and say so; nothing is deleted."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, suffix = path.with_name(f"{path.name}.old-{stamp}"), 1
+    while aside.exists():
+        aside, suffix = path.with_name(f"{path.name}.old-{stamp}-{suffix}"), suffix + 1
+    path.rename(aside)
+    print(f"moved the earlier run in {path} to {aside}")
+    return aside
 
 
 def build_task(config: Config) -> tuple[Task, Splits]:
@@ -74,9 +108,14 @@ def estimator_inputs(
 
 
 class Trainer:
-    def __init__(self, config: Config, *, run_dir: Path | None = None):
+    """One run in one directory. A new run refuses a directory that already holds one (see
+    :func:`claim_run_dir`); :meth:`resume` and inference reopen their own with ``existing=True``."""
+
+    def __init__(self, config: Config, *, run_dir: Path | None = None, existing: bool = False, overwrite: bool = False):
         self.config = config.validate()
         self.run_dir = Path(run_dir or config.train.run_dir)
+        if not existing:
+            claim_run_dir(self.run_dir, overwrite=overwrite)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         seed = config.train.seed
         random.seed(seed)
@@ -108,6 +147,7 @@ class Trainer:
         self.estimator_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.state: dict[str, Any] = {"step": 0, "epoch": 0, "position": 0, "best_metric": None, "best_step": None}
         self._stop_signal: int | None = None
+        self.resumed_with: list[str] = []
 
     # ----------------------------------------------------------------- construction
     def _tokenizer(self):
@@ -136,16 +176,26 @@ class Trainer:
         )
 
     @classmethod
-    def resume(cls, run_dir: Path) -> "Trainer":
-        """Rebuild a run from its saved config and continue from its latest checkpoint."""
+    def resume(cls, run_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> "Trainer":
+        """Rebuild a run from its saved config and continue from its latest checkpoint.
+
+        ``overrides`` may change only :data:`RESUMABLE_KEYS`; the run's ``config.yaml`` records them.
+        """
         run_dir = Path(run_dir)
         if not (run_dir / CONFIG_FILE).exists():
             raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}")
-        trainer = cls(load_config(run_dir / CONFIG_FILE), run_dir=run_dir)
+        refused = [item for item in overrides if item.partition("=")[0] not in RESUMABLE_KEYS]
+        if refused:
+            raise ValueError(
+                f"a resumed run keeps what it trains; {', '.join(refused)} cannot change mid-run. "
+                f"Overrides allowed with --resume: {', '.join(RESUMABLE_KEYS)}"
+            )
         checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
         if checkpoint is None:
-            raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from")
+            raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from: start it again with --overwrite")
+        trainer = cls(load_config(run_dir / CONFIG_FILE, list(overrides)), run_dir=run_dir, existing=True)
         trainer.restore(checkpoint)
+        trainer.resumed_with = list(overrides)
         return trainer
 
     # ----------------------------------------------------------------- the loop
@@ -159,16 +209,19 @@ class Trainer:
         return min(total, self.config.train.max_steps) if self.config.train.max_steps else total
 
     def fit(self, max_steps: int | None = None) -> dict[str, Any]:
-        """Train until the configured end (or ``max_steps``, or a SIGTERM/SIGUSR1), then evaluate.
+        """Train until the configured end (or ``max_steps``, or SIGTERM/SIGUSR1/SIGINT), then evaluate.
 
         On a signal the current step finishes, a checkpoint is written, and fit returns with
         ``{"preempted": signum}``; ``nemo-jq train`` then exits 0 for the scheduler to requeue.
+        A second Ctrl-C stops at once (the last checkpoint stays loadable).
         """
         from tqdm import tqdm
 
         end = min(self.total_steps, max_steps or self.total_steps)
         save_config(self.config, self.run_dir / CONFIG_FILE)
         logger = RunLogger(self.run_dir, tensorboard=self.config.train.tensorboard, resume_step=self.state["step"])
+        if self.resumed_with:
+            logger.log({"kind": "resume", "step": self.state["step"], "overrides": self.resumed_with})
         bar = tqdm(total=self.total_steps, initial=self.state["step"], desc=f"train {self.run_dir.name}", dynamic_ncols=True)
         previous = self._install_signal_handlers()
         try:
@@ -348,11 +401,15 @@ class Trainer:
         if threading.current_thread() is not threading.main_thread():
             return {}
         previous = {}
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
+        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             previous[signum] = signal.signal(signum, self._on_signal)
         return previous
 
     def _on_signal(self, signum: int, _frame) -> None:
+        if signum == signal.SIGINT and self._stop_signal is not None:
+            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            print("\nCtrl-C: finishing this step and writing a checkpoint (press again to stop at once)", flush=True)
         self._stop_signal = signum
 
     @staticmethod

@@ -180,15 +180,15 @@ def test_manifest_accounts_for_every_row(tmp_path, name, folder, sizes):
 def test_bad_rows_are_reported_with_ids_or_stop_the_run():
     _, manifest = prepare(MuSiQue(), str(FIXTURES / "musique"), (2, 1, 1), seed=0)
     assert manifest["sources"]["train"]["bad"] == [
-        {"id": "2hop__3", "row": 2, "reason": "unanswerable question (answerable=false)"},
-        {"id": "2hop__4", "row": 3, "reason": "empty 'answer'"},
+        {"id": "2hop__3", "row": 3, "reason": "unanswerable question (answerable=false)"},
+        {"id": "2hop__4", "row": 4, "reason": "empty 'answer'"},
     ]
     _, manifest = prepare(FinQA(), str(FIXTURES / "finqa"), (3, 1, 1), seed=0)
     assert manifest["sources"]["train"]["bad"][0]["reason"] == "field 'pre_text' must be list, got str"
-    with pytest.raises(ValueError, match=r"row 3 \(id 2hop__4\): empty 'answer'|row 2 \(id 2hop__3\): unanswerable"):
+    with pytest.raises(ValueError, match=r"train.jsonl: row 3 \(id 2hop__3\): unanswerable question \(answerable=false\); fix the row, or pass --on-bad-row skip"):
         prepare(MuSiQue(), str(FIXTURES / "musique"), (2, 1, 1), seed=0, on_bad_row="fail")
     _, manifest = prepare(HotPotQA(), str(FIXTURES / "hotpotqa_hf"), (3, 1, 1), seed=0)
-    assert manifest["sources"]["train"]["bad"] == [{"id": "hp5", "row": 4, "reason": "missing field 'answer'"}]
+    assert manifest["sources"]["train"]["bad"] == [{"id": "hp5", "row": 5, "reason": "missing field 'answer'"}]
 
 
 def test_parquet_source_in_the_hf_schema(tmp_path):
@@ -229,7 +229,7 @@ def test_custom_jsonl_with_a_template(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = CustomQA(template="{context}\nQ: {question}", system="Reply with a number.")
     splits, manifest = prepare(task, str(path), (2, 2, 2), seed=0)
-    assert manifest["sources"]["all"]["bad"] == [{"id": "c-bad", "row": 6, "reason": "field 'question' must be str, got int"}]
+    assert manifest["sources"]["all"]["bad"] == [{"id": "c-bad", "row": 7, "reason": "field 'question' must be str, got int"}]
     example = splits.train[0]
     assert task.messages(example, "warm") == [
         {"role": "system", "content": "Reply with a number."},

@@ -19,7 +19,7 @@ from typing import Any
 
 from nemo_jq.data.base import Example, Splits
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
-from nemo_jq.data.sources import find_split_file, read_file, read_hub, sha256
+from nemo_jq.data.sources import UnreadableRow, find_split_file, read_file, read_hub, read_rows, sha256
 
 SPLITS = ("train", "validation", "test")
 #: The paper's subset sizes (Appendix F): train / validation / test.
@@ -38,14 +38,14 @@ def make_task(name: str, *, template: str | None = None, system: str | None = No
 def _read_source_split(task: QATask, source: str, hub_config: str | None, names: tuple[str, ...]):
     path = Path(source)
     if path.is_file():
-        return read_file(path), {"file": str(path), "sha256": sha256(path)}
+        return read_rows(path), {"file": str(path), "sha256": sha256(path)}
     if path.is_dir():
         found = find_split_file(path, names)
-        return read_file(found), {"file": str(found), "sha256": sha256(found)}
+        return read_rows(found), {"file": str(found), "sha256": sha256(found)}
     if source.startswith((".", "/")) or path.suffix in (".json", ".jsonl", ".parquet"):
         raise FileNotFoundError(f"data source {source} does not exist")
     records, fingerprint = read_hub(source, hub_config, names[0])
-    return records, {"hub": source, "config": hub_config, "split": names[0], "fingerprint": fingerprint}
+    return list(enumerate(records, 1)), {"hub": source, "config": hub_config, "split": names[0], "fingerprint": fingerprint}
 
 
 def prepare(
@@ -60,6 +60,8 @@ def prepare(
     """Build the splits of ``task`` from ``source`` (a file, a folder of split files, or a hub name)."""
     if on_bad_row not in BAD_ROW_POLICIES:
         raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}; got {on_bad_row!r}")
+    if len(sizes) != 3 or any(not isinstance(n, int) or n < 0 for n in sizes):
+        raise ValueError(f"sizes must be three whole numbers >= 0 (train, validation, test); got {tuple(sizes)}")
     if source is None:
         if task.name not in HUB_SOURCES:
             raise ValueError(f"dataset {task.name!r} needs a source: a local file or folder of split files")
@@ -70,21 +72,26 @@ def prepare(
 
     pools: dict[tuple[str, ...], list[Example]] = {}
     manifest: dict[str, Any] = {
-        "dataset": task.name, "source": source, "seed": seed, "max_input_chars": task.max_input_chars,
-        "on_bad_row": on_bad_row, "sizes": plan, "sources": {},
+        "dataset": task.name, **prompt_options(task), "source": source, "seed": seed,
+        "max_input_chars": task.max_input_chars, "on_bad_row": on_bad_row, "sizes": plan, "sources": {},
     }
     for names in dict.fromkeys(source_of.values()):
-        records, origin = _read_source_split(task, source, hub_config, names)
-        entry = {**origin, "rows": len(records), "bad": [], "over_cap": []}
+        rows, origin = _read_source_split(task, source, hub_config, names)
+        entry = {**origin, "rows": len(rows), "bad": [], "over_cap": []}
         pool, sources = [], Counter()
-        for index, record in enumerate(records):
-            row_id = record_id(record, f"{names[0]}:{index}")
+        for number, record in rows:
+            row_id = record_id(record, f"{names[0]}:{number}")
             try:
+                if isinstance(record, UnreadableRow):
+                    raise BadRow(record.reason)
                 example = dataclasses.replace(task.parse(record), id=row_id)
             except BadRow as err:
                 if on_bad_row == "fail":
-                    raise ValueError(f"{entry.get('file', source)}: row {index} (id {row_id}): {err}") from None
-                entry["bad"].append({"id": row_id, "row": index, "reason": str(err)})
+                    raise ValueError(
+                        f"{entry.get('file', source)}: row {number} (id {row_id}): {err}; "
+                        "fix the row, or pass --on-bad-row skip to count it in the manifest and go on"
+                    ) from None
+                entry["bad"].append({"id": row_id, "row": number, "reason": str(err)})
                 continue
             sources[reference_source(example)] += 1
             length = len(task.linearize(example))
@@ -124,6 +131,11 @@ def reference_source(example: Example) -> str:
     return example.meta.get("reference_source", "answer")
 
 
+def prompt_options(task: QATask) -> dict[str, str | None]:
+    """The prompt options a prepared folder was built with (custom ``jsonl`` only), for training to reuse."""
+    return {"template": getattr(task, "template", None), "system": getattr(task, "system", None)}
+
+
 def write_prepared(splits: Splits, manifest: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in SPLITS:
@@ -132,13 +144,25 @@ def write_prepared(splits: Splits, manifest: dict[str, Any], out_dir: Path) -> N
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """A prepared folder's manifest; says which dataset it holds and with which prompt options."""
+    path = Path(folder) / "manifest.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{folder} is not a prepared dataset: no manifest.json (run nemo-jq data prepare --out {folder})")
+    manifest = json.loads(path.read_text())
+    if not isinstance(manifest, dict) or "dataset" not in manifest:
+        raise ValueError(f"{path} does not say which dataset it holds (no 'dataset' key): prepare the data again")
+    return manifest
+
+
 def load_prepared(folder: Path) -> Splits:
-    """Splits written by ``nemo-jq data prepare``."""
+    """Splits written by ``nemo-jq data prepare``; every split must hold at least one example."""
     folder = Path(folder)
-    if not (folder / "manifest.json").exists():
-        raise FileNotFoundError(f"{folder} is not a prepared dataset: no manifest.json (run nemo-jq data prepare)")
+    read_manifest(folder)
     loaded = {}
     for name in SPLITS:
         rows = read_file(folder / f"{name}.jsonl")
+        if not rows:
+            raise ValueError(f"{folder / f'{name}.jsonl'} is empty: prepare the data again with a {name} size of at least 1")
         loaded[name] = [Example(**{**row, "aliases": tuple(row.get("aliases", ()))}) for row in rows]
     return Splits(**loaded)

@@ -20,36 +20,87 @@ def find_split_file(folder: Path, names: tuple[str, ...]) -> Path:
     raise FileNotFoundError(f"no file named {list(names)} with suffix {list(SUFFIXES)} in {folder}")
 
 
-def read_file(path: Path) -> list[dict[str, Any]]:
-    """Records from one local file; a JSON file may hold a list of records or ``{"data": [...]}``."""
+class UnreadableRow:
+    """A line of a JSONL file that is not UTF-8 or not JSON: a bad row like any other, with its reason."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def read_rows(path: Path) -> list[tuple[int, Any]]:
+    """``(row, record)`` pairs from one local file, ``row`` counted from 1 (a JSONL file's line number).
+
+    A JSONL line that is not UTF-8 or not valid JSON comes back as an :class:`UnreadableRow`; a JSON
+    file may hold a list of records or ``{"data": [...]}``.
+    """
     if path.suffix == ".jsonl":
-        records = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        rows = []
+        for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                rows.append((number, UnreadableRow(f"not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1})")))
+                continue
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    rows.append((number, json.loads(line)))
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        return records
+                    rows.append((number, UnreadableRow(f"not valid JSON ({err.msg} at column {err.colno})")))
+        return rows
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
+        data = json.loads(_utf8_text(path))
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
             raise ValueError(f"{path} must hold a list of records (or {{'data': [...]}})")
-        return data
+        return list(enumerate(data, 1))
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return list(enumerate(pq.read_table(path).to_pylist(), 1))
     raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use one of {list(SUFFIXES)}")
 
 
+def read_file(path: Path) -> list[dict[str, Any]]:
+    """The records of one local file; any unreadable line is an error naming the file and line."""
+    records = []
+    for number, record in read_rows(path):
+        if isinstance(record, UnreadableRow):
+            raise ValueError(f"{path}:{number}: {record.reason}")
+        records.append(record)
+    return records
+
+
+def _utf8_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x}); re-encode the file as UTF-8") from None
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); fix the file there") from None
+    return text
+
+
 def read_hub(name: str, config: str | None, split: str) -> tuple[list[dict[str, Any]], str]:
-    """Records of a hub dataset split and its ``datasets`` fingerprint (needs a network or an HF cache)."""
+    """Records of a hub dataset split and its ``datasets`` fingerprint (needs a network or an HF cache).
+
+    Any failure to load becomes one line that says ``--source`` takes local files.
+    """
     from datasets import load_dataset
 
-    dataset = load_dataset(name, config, split=split)
+    try:
+        dataset = load_dataset(name, config, split=split)
+    except Exception as err:  # connection, cache and hub errors come from several libraries
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ValueError(
+            f"cannot load {name} (split {split}) from the Hugging Face hub: {type(err).__name__}: {reason}. "
+            "Without a network, pass --source (data.source) with local files: a file, or a folder of "
+            "train/validation .json/.jsonl/.parquet files"
+        ) from None
     return list(dataset), dataset._fingerprint
 
 

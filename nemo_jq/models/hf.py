@@ -11,10 +11,10 @@ from typing import Any, Sequence
 import torch
 
 from nemo_jq.chat import ChatFormat
+from nemo_jq.config import PRECISIONS
 from nemo_jq.models.interfaces import LossFn, Rollout, TokenBatch
 from nemo_jq.models.logprobs import chunked_token_logprobs
 
-PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def resolve_device(name: str) -> torch.device:
