@@ -55,12 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--dataset", required=True, help="finqa, hotpotqa, musique or jsonl")
     prep.add_argument("--source", help="local file, folder of split files, or hub name (default: the paper's hub name)")
     prep.add_argument("--hub-config", help="hub dataset config (hotpotqa: distractor)")
-    prep.add_argument("--out", type=Path, required=True)
+    prep.add_argument("--out", type=Path, required=True, help="a new folder (one that holds prepared data is refused)")
+    prep.add_argument("--overwrite", action="store_true", help="if --out holds prepared data, move it aside to NAME.old-<time> first")
     prep.add_argument("--sizes", help="train,validation,test sizes (default: the paper's for its datasets)")
     prep.add_argument("--seed", type=_whole_number, default=0)
     prep.add_argument("--on-bad-row", default="skip", choices=("skip", "fail"))
-    prep.add_argument("--template", help="jsonl: user-turn template over {question} and {context}")
-    prep.add_argument("--system", help="jsonl: system message for the warm format")
+    prep.add_argument("--template", type=_with_escapes,
+                      help="jsonl: user-turn template over {question} and {context}; \\n is a new line")
+    prep.add_argument("--system", type=_with_escapes, help="jsonl: system message for the warm format; \\n is a new line")
 
     theory = commands.add_parser("theory", help="print the paper's stylised results and plot escape times")
     theory.add_argument("--out", type=Path, default=Path("runs/theory"), help="directory for theory.json and escape_time.png")
@@ -100,6 +102,11 @@ def user_error_message(err: BaseException) -> str | None:
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         return " ".join(str(text).split())
     return None
+
+
+def _with_escapes(text: str) -> str:
+    """``\\n`` and ``\\t`` typed in a shell argument mean a new line and a tab."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
 def _whole_number(text: str) -> int:
@@ -149,7 +156,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from nemo_jq.data.prepare import PAPER_SIZES, make_task, prepare, write_prepared
+    from nemo_jq.data.prepare import PAPER_SIZES, PREPARED_FILES, make_task, prepare, write_prepared
 
     if args.sizes:
         parts = args.sizes.split(",")
@@ -161,7 +168,15 @@ def _prepare_data(args: argparse.Namespace) -> int:
     else:
         raise ValueError(f"--sizes is required for dataset {args.dataset!r}")
     task = make_task(args.dataset, template=args.template, system=args.system)
+    held = [name for name in PREPARED_FILES if (args.out / name).exists()]
+    if held and not args.overwrite:
+        raise FileExistsError(f"{args.out} already holds prepared data ({', '.join(held)}): choose another --out, "
+                              "or pass --overwrite to move it aside first")
     splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row)
+    if held:
+        from nemo_jq.trainer import move_aside
+
+        move_aside(args.out)
     write_prepared(splits, manifest, args.out)
     for name, entry in manifest["sources"].items():
         derived = {k: v for k, v in entry["reference_sources"].items() if k != "answer"}

@@ -42,11 +42,11 @@ def option(default: Any = None, help: str = "", *, factory: Any = None, ge: floa
 class TinyModelConfig:
     """Shape of the randomly initialised Qwen3 used when ``model.path`` is null."""
 
-    hidden_size: int = option(64, ge=1)
+    hidden_size: int = option(128, ge=1)
     num_layers: int = option(2, ge=1)
     num_heads: int = option(4, ge=1)
     num_kv_heads: int = option(2, ge=1)
-    intermediate_size: int = option(192, ge=1)
+    intermediate_size: int = option(384, ge=1)
     max_position_embeddings: int = option(512, ge=1)
     tokenizer_vocab_size: int = option(320, ge=1, help="BPE vocabulary trained on the task's texts")
 
@@ -67,7 +67,7 @@ class DataConfig:
     format: str = option("cold", "cold: linearised x*, no task description or format hint; warm: instructions",
                          choices=FORMATS)
     train_size: int = option(768, "ignored with prepared_dir", ge=1)
-    validation_size: int = option(32, "ignored with prepared_dir", ge=1)
+    validation_size: int = option(64, "ignored with prepared_dir", ge=1)
     test_size: int = option(128, "ignored with prepared_dir", ge=1)
     seed: int = option(0, "subset draw (and the synthetic expressions)", ge=0)
     num_operands: int = option(3, "synthetic only: operands per expression", ge=2)
@@ -85,7 +85,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    num_samples: int = option(8, "M, rollouts per prompt", ge=1)
+    num_samples: int = option(4, "M, rollouts per prompt", ge=1)
     max_thinking_tokens: int = option(6, "thinking budget; </think> is forced when it is reached", ge=0)
     max_answer_tokens: int = option(4, "answer budget (sampled answers: GRPO, RLOO, evaluation)", ge=1)
     temperature: float = option(1.0, "0 = greedy", ge=0.0)
@@ -104,7 +104,7 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = option(3e-3, "AdamW learning rate (constant; 0 freezes the weights, as the benchmarks do)", ge=0.0)
+    lr: float = option(5e-3, "AdamW learning rate (constant; 0 freezes the weights, as the benchmarks do)", ge=0.0)
     weight_decay: float = option(0.0, ge=0.0)
     betas: list[float] = option(help="AdamW betas, each in [0, 1)", factory=lambda: [0.9, 0.999])
     eps: float = option(1e-8, gt=0.0)
@@ -113,16 +113,16 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = option(25, "validate every this many steps", ge=1)
+    every: int = option(64, "validate every this many steps", ge=1)
     num_samples: int = option(16, "k of p@k and m@k; the best checkpoint is chosen by validation m@k", ge=1)
     batch_size: int = option(32, "prompts per generation call", ge=1)
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = option(4, ge=1)
-    batch_size: int = option(16, "prompts per optimizer step", ge=1)
-    micro_batch_size: int = option(16, "prompts per forward/backward; whole groups of M rollouts stay together", ge=1)
+    epochs: int = option(8, ge=1)
+    batch_size: int = option(8, "prompts per optimizer step", ge=1)
+    micro_batch_size: int = option(8, "prompts per forward/backward; whole groups of M rollouts stay together", ge=1)
     max_steps: int | None = option(None, "stop after this many steps; null = all epochs", ge=1)
     seed: int = option(0, ge=0)
     device: str = option("auto", "auto, cpu, cuda or cuda:N")

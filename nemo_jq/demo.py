@@ -54,6 +54,15 @@ def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, over
     return results
 
 
+def markdown_table(results: dict[str, dict]) -> str:
+    """The README's demo table (test split, percent, one decimal): CI checks the README against it."""
+    lines = ["| method | p@1 | p@16 | m@16 |", "| --- | --- | --- | --- |"]
+    for label, result in results.items():
+        test = result["test"]
+        lines.append(f"| {label} | {test['p@1']:.1f} | {test['p@16']:.1f} | {test['m@16']:.1f} |")
+    return "\n".join(lines)
+
+
 def format_table(results: dict[str, dict], num_samples: int) -> str:
     lines = [
         f"Cold start (test split, best validation m@16 checkpoint; log(1/M) = {math.log(1 / num_samples):.2f})",

@@ -276,7 +276,40 @@ def test_train_help_lists_every_config_key_with_its_default():
     result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "train", "--help"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0
-    for line in ("train.save_every = 25", "optim.lr = 0.003", "rollout.top_p = 1.0", "data.format = cold",
-                 "model.tiny.hidden_size = 64", "eval.num_samples = 16"):
+    for line in ("train.save_every = 25", "optim.lr = 0.005", "rollout.top_p = 1.0", "data.format = cold",
+                 "model.tiny.hidden_size = 128", "eval.num_samples = 16"):
         assert line in result.stdout, line
     assert "one of cold, warm" in result.stdout and "--resume" in result.stdout and "--overwrite" in result.stdout
+
+
+def test_data_prepare_never_writes_over_prepared_data(tmp_path, capsys):
+    args = ["data", "prepare", "--dataset", "hotpotqa", "--source", FIXTURES / "hotpotqa_hf", "--sizes", "3,1,1",
+            "--out", tmp_path / "out"]
+    assert run_cli(capsys, *args)[0] == 0
+    before = (tmp_path / "out" / "manifest.json").read_text()
+    code, _, err = run_cli(capsys, *args[:-4], "--sizes", "2,1,1", "--seed", "3", "--out", tmp_path / "out")
+    one_line_error(code, err, str(tmp_path / "out"), "--overwrite")
+    assert (tmp_path / "out" / "manifest.json").read_text() == before
+    assert run_cli(capsys, *args[:-4], "--sizes", "2,1,1", "--out", tmp_path / "out", "--overwrite")[0] == 0
+    (aside,) = tmp_path.glob("out.old-*")
+    assert (aside / "manifest.json").read_text() == before
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["sizes"]["train"] == 2
+
+
+def test_prompt_options_typed_in_a_shell_keep_their_new_lines(tmp_path, capsys):
+    source = tmp_path / "mine.jsonl"
+    source.write_text("".join(json.dumps({"question": f"q{i}?", "answer": str(i), "context": "c"}) + "\n" for i in range(4)))
+    assert run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", source, "--sizes", "2,1,1",
+                   "--template", r"{context}\n\nQ: {question}", "--system", r"Digits.\tOnly.", "--out", tmp_path / "p")[0] == 0
+    manifest = json.loads((tmp_path / "p" / "manifest.json").read_text())
+    assert (manifest["template"], manifest["system"]) == ("{context}\n\nQ: {question}", "Digits.\tOnly.")
+
+
+def test_the_readme_shows_the_demo_table_ci_checks():
+    from nemo_jq.demo import DEMO_RUNS, markdown_table
+
+    readme = (ROOT / "README.md").read_text()
+    header = markdown_table({}).splitlines()[0]
+    assert header in readme
+    table = readme[readme.index(header):].split("\n\n")[0].splitlines()
+    assert [row.split("|")[1].strip() for row in table[2:]] == [label for label, _, _ in DEMO_RUNS]

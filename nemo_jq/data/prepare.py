@@ -25,6 +25,8 @@ SPLITS = ("train", "validation", "test")
 #: The paper's subset sizes (Appendix F): train / validation / test.
 PAPER_SIZES = {"finqa": (6145, 872, 1132), "hotpotqa": (9067, 342, 343), "musique": (9985, 579, 445)}
 BAD_ROW_POLICIES = ("skip", "fail")
+#: What ``write_prepared`` writes into a prepared folder.
+PREPARED_FILES = ("manifest.json", *(f"{split}.jsonl" for split in SPLITS))
 
 
 def make_task(name: str, *, template: str | None = None, system: str | None = None) -> QATask:
