@@ -1,0 +1,212 @@
+"""HF Qwen3 ``config.json`` -> megatron-core ``TransformerConfig`` and ``GPTModel`` (as Bridge's GPTModelProvider).
+
+Qwen3 on megatron-core is a GPT with RMSNorm, RMSNorm on each head's queries and keys
+(``qk_layernorm``), SwiGLU, no biases, rotary embeddings with base ``rope_theta`` over
+``kv_channels = head_dim`` (which Qwen3 sets explicitly: 128 at every size, not hidden/heads), and
+embeddings tied to the LM head at 0.6B but not at 8B. Reading the config imports no megatron,
+so ``mapping`` can use the architecture without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from nemo_jq.models.megatron import transformer_engine_usable
+
+#: config.json keys every Qwen3 config has, and the architecture field each fills.
+REQUIRED_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "max_position_embeddings": "max_position_embeddings",
+    "rms_norm_eps": "rms_norm_eps",
+}
+
+
+@dataclass(frozen=True)
+class Qwen3Architecture:
+    """What fixes the Megatron model and the weight layout, read from an HF Qwen3 config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    initializer_range: float = 0.02
+    attention_dropout: float = 0.0
+    #: The config as read, to write back on export.
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+def read_qwen3_config(config: Mapping[str, Any] | str | Path | Any) -> Qwen3Architecture:
+    """Parse an HF Qwen3 config: a dict, a ``PretrainedConfig``, a config.json or a folder holding one.
+
+    Raises ``ValueError`` naming every missing key, or the key whose value this backend cannot
+    map (another model type, a non-SiLU activation, attention biases, rope scaling, sliding window).
+    """
+    values, source = _config_dict(config)
+    missing = [key for key in REQUIRED_KEYS if key not in values]
+    rope_theta = values.get("rope_theta", (values.get("rope_parameters") or {}).get("rope_theta"))
+    if rope_theta is None:
+        missing.append("rope_theta (or rope_parameters.rope_theta)")
+    if missing:
+        raise ValueError(f"{source} is not a Qwen3-like config: missing {', '.join(missing)}")
+    _check_supported(values, source)
+    return Qwen3Architecture(
+        **{field_name: values[key] for key, field_name in REQUIRED_KEYS.items()},
+        head_dim=values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"],
+        rope_theta=float(rope_theta),
+        tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),  # Qwen3Config's default
+        initializer_range=values.get("initializer_range", 0.02),
+        attention_dropout=values.get("attention_dropout", 0.0),
+        hf_config=values,
+    )
+
+
+def _config_dict(config: Any) -> tuple[dict[str, Any], str]:
+    if hasattr(config, "to_dict"):
+        return config.to_dict(), f"{type(config).__name__}"
+    if isinstance(config, Mapping):
+        return dict(config), "config"
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no HF config at {path}")
+    return json.loads(path.read_text()), str(path)
+
+
+def _check_supported(values: Mapping[str, Any], source: str) -> None:
+    model_type = values.get("model_type", "qwen3")
+    if model_type != "qwen3":
+        raise ValueError(f"{source} has model_type {model_type!r}; the Megatron backend maps Qwen3 ('qwen3') only")
+    if values.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source} has hidden_act {values['hidden_act']!r}; Qwen3 uses 'silu' (SwiGLU)")
+    if values.get("attention_bias"):
+        raise ValueError(f"{source} has attention_bias=true; the Qwen3 mapping has no attention biases")
+    if values.get("use_sliding_window"):
+        raise ValueError(f"{source} has use_sliding_window=true; sliding-window attention is not supported")
+    scaling = values.get("rope_scaling") or values.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{source} has rope type {rope_type!r}; only unscaled rotary embeddings are supported")
+
+
+def check_parallel_layout(arch: Qwen3Architecture, tensor_parallel: int, sequence_parallel: bool = False) -> None:
+    """Raise ``ValueError`` for a TP size that cannot split this model.
+
+    Megatron gives each TP rank whole query heads and whole KV groups (the fused QKV weight is
+    cut per group) and an equal slice of the MLP, so TP must divide all three counts.
+    """
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be >= 1; got {tensor_parallel}")
+    if arch.num_attention_heads % arch.num_key_value_heads:
+        raise ValueError(f"num_attention_heads={arch.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads={arch.num_key_value_heads}")
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(arch, name) % tensor_parallel:
+            raise ValueError(f"tensor_parallel={tensor_parallel} does not divide {name}={getattr(arch, name)}: "
+                             f"choose a TP size that divides num_attention_heads, num_key_value_heads and intermediate_size")
+    if sequence_parallel and tensor_parallel == 1:
+        raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    """The embedding rows Megatron allocates: the vocabulary rounded up to split evenly over TP.
+
+    Qwen3's 151936 already splits over 2, 4 and 8 ranks; small tokenizers may not. The padding
+    rows are zeros that no input selects and whose logits ``logprobs`` masks out.
+    """
+    return math.ceil(vocab_size / tensor_parallel) * tensor_parallel
+
+
+def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
+                       params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True):
+    """The megatron-core ``TransformerConfig`` of a Qwen3 (as Bridge's Qwen3 bridge sets it).
+
+    Fusions that need CUDA kernels are off, and weights are not initialised: they come from the
+    HF checkpoint. ``use_cpu_initialization`` allocates the weights on CPU (else on the current
+    CUDA device).
+    """
+    check_parallel_layout(arch, tensor_parallel, sequence_parallel)
+    transformer_engine_usable()  # before importing megatron.core
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        layernorm_epsilon=arch.rms_norm_eps,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=arch.attention_dropout,
+        init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=tensor_parallel,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def uses_transformer_engine() -> bool:
+    """TE layers on GPU when TE imports; megatron-core's local (pure torch) layers otherwise."""
+    return torch.cuda.is_available() and transformer_engine_usable()
+
+
+def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
+                    use_cpu_initialization: bool = True):
+    """This rank's ``GPTModel`` shard; ``parallel_state`` must be initialised with the same TP size.
+
+    The LM head is vocab-parallel (``parallel_output``): logits come back ``[b, s, V_padded / TP]``.
+    """
+    config = transformer_config(arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+                                use_cpu_initialization=use_cpu_initialization)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if uses_transformer_engine():
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, tensor_parallel),
+        max_sequence_length=arch.max_position_embeddings,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+    )

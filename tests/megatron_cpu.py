@@ -1,0 +1,84 @@
+"""Run megatron-core on CPU in N gloo processes, for tests only.
+
+megatron-core assumes CUDA in a few places that a CPU forward and backward reach. The patches
+below replace exactly those, in the spawned test processes only (never in the package):
+
+* ``RotaryEmbedding.get_emb`` moves its frequencies to the current CUDA device;
+* ``CudaRNGStatesTracker.fork`` (around dropout) swaps CUDA RNG states;
+* ``GlobalMemoryBuffer.get_tensor`` (sequence-parallel all-gathers) allocates on CUDA;
+* ``torch.cuda.current_device`` places sequence-parallel reduce-scatter outputs;
+* the local spec's torch norm refuses sequence parallelism, which only needs its weight gradient
+  summed over the TP ranks: the replacement marks the weight ``sequence_parallel`` as
+  Transformer Engine's norms do, and the policy sums such gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+def _rotary_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+    """``RotaryEmbedding.get_emb`` (non-interleaved) without the move to CUDA: ``[s, 1, 1, d]``."""
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def _buffer_on_cpu(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
+    return torch.empty(tensor_shape, dtype=dtype)
+
+
+def _norm_accepting_sequence_parallel(cls, config, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+    norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+    norm.weight.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+def patch_megatron_for_cpu() -> None:
+    """Apply the CPU patches to this process (irreversibly: call it in spawned workers only)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    RotaryEmbedding.get_emb = _rotary_emb_on_cpu
+    CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    GlobalMemoryBuffer.get_tensor = _buffer_on_cpu
+    torch.cuda.current_device = lambda: "cpu"
+    WrappedTorchNorm.__new__ = staticmethod(_norm_accepting_sequence_parallel)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, results: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    patch_megatron_for_cpu()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(*args), Path(results) / f"{rank}.pt")
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run_in_processes(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """``fn(*args)`` in ``world_size`` spawned gloo processes; returns each rank's result, by rank.
+
+    ``fn`` must be importable by name (a module-level function). An exception in any rank is
+    re-raised here with that rank's traceback, and the other ranks are stopped.
+    """
+    with tempfile.TemporaryDirectory() as results:
+        torch.multiprocessing.spawn(_worker, args=(world_size, _free_port(), results, fn, args), nprocs=world_size)
+        return [torch.load(Path(results) / f"{rank}.pt", weights_only=False) for rank in range(world_size)]

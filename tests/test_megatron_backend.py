@@ -1,0 +1,346 @@
+"""The Megatron-core backend against the HF backend on tiny Qwen3s, on CPU.
+
+Parallel runs use gloo processes (``megatron_cpu.run_in_processes``); each worker compares
+against ``HFPolicy`` on the same weights and returns max abs differences, asserted here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import torch.distributed as dist  # noqa: E402
+
+from helpers import tiny_setup  # noqa: E402
+from megatron_cpu import run_in_processes  # noqa: E402
+from nemo_jq.models.hf import HFPolicy  # noqa: E402
+from nemo_jq.models.interfaces import TokenBatch  # noqa: E402
+from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs  # noqa: E402
+from nemo_jq.models.megatron.mapping import hf_to_megatron, megatron_to_hf  # noqa: E402
+from nemo_jq.models.megatron.provider import check_parallel_layout, read_qwen3_config  # noqa: E402
+from nemo_jq.objectives import garl  # noqa: E402
+
+CPU = torch.device("cpu")
+PROMPTS, SAMPLES, LENGTH = 2, 4, 14  # one micro-batch per prompt group
+#: Optimizer settings for the step comparison: clipping active, and an Adam eps that keeps the
+#: first step (~ lr * g / (|g| + eps)) smooth in g, so float-level gradient differences stay small.
+OPTIM = {"lr": 1e-2, "eps": 1e-3, "grad_clip": 0.1}
+
+
+def untied_qwen3(seed: int = 0):
+    """Like Qwen3-8B in the ways that matter here: untied LM head, head_dim != hidden/heads, rope base 1e6;
+    and a vocabulary (317) that TP=2 must pad."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=317, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+                         max_position_embeddings=128, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(config)
+
+
+def megatron_names(num_layers: int, tied: bool, fused_norms: bool = False) -> list[str]:
+    """The GPTModel parameter names of a Qwen3: the local spec's, or Transformer Engine's (norms fused into linears)."""
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", *([] if tied else ["output_layer.weight"])]
+    for layer in range(num_layers):
+        prefix = f"decoder.layers.{layer}."
+        names += [prefix + name for name in (
+            "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight",
+            "self_attention.linear_qkv.weight", "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
+            "self_attention.linear_proj.weight",
+            "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight",
+            "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
+        )]
+    return names
+
+
+def garl_batch(vocab_size: int, seed: int = 1) -> TokenBatch:
+    """``PROMPTS x SAMPLES`` right-padded rows: a 3-token prompt, rationale targets at 3..7, answer targets from 8."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = PROMPTS * SAMPLES
+    lengths = torch.randint(LENGTH - 4, LENGTH + 1, (rows,), generator=generator)
+    attention = (torch.arange(LENGTH) < lengths[:, None]).long()
+    input_ids = torch.randint(vocab_size, (rows, LENGTH), generator=generator) * attention
+    predicted = torch.arange(1, LENGTH)  # the position each target token sits at
+    real = attention[:, 1:].bool()
+    return TokenBatch(input_ids, attention, real & (predicted >= 3) & (predicted < 8), real & (predicted >= 8))
+
+
+def garl_loss_fn(micro_batches: list[TokenBatch], losses: list[float]):
+    """The trainer's loss: GARL(q=0.75) per prompt group, summed and divided by all prompts (over all DP ranks)."""
+    def loss_fn(logprobs: torch.Tensor, index: int) -> torch.Tensor:
+        micro = micro_batches[index]
+        rationale = (logprobs * micro.rationale_mask).sum(-1).view(-1, SAMPLES)
+        answer = (logprobs * micro.answer_mask).sum(-1).view(-1, SAMPLES)
+        loss = garl(rationale, answer, q=0.75).per_example.sum() / PROMPTS
+        losses.append(float(loss.detach()))
+        return loss
+    return loss_fn
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def full_vocab_logits(policy, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[N, L, V]`` logits of a MegatronPolicy, gathered over its TP ranks."""
+    length = input_ids.shape[1]
+    positions = torch.arange(length).expand_as(input_ids)
+    local = policy.model(input_ids, positions, torch.ones(length, length, dtype=torch.bool).triu(1)[None, None])
+    pieces = [torch.empty_like(local) for _ in range(policy.tp_size)]
+    dist.all_gather(pieces, local.contiguous(), group=policy.tp_group)
+    return torch.cat(pieces, dim=-1)[..., : policy.arch.vocab_size]
+
+
+# ----------------------------------------------------------------- workers (run in gloo processes)
+def parity_worker(tensor_parallel: int, sequence_parallel: bool, weights_dir: str) -> dict[str, float]:
+    """Logits, log-probs, GARL loss and gradients, one optimizer step, and weight files, against HFPolicy.
+
+    Data-parallel ranks (world size / TP) each take their share of the prompt-group micro-batches.
+    """
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    _, _, _, model = tiny_setup()
+    hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
+    policy = MegatronPolicy.from_hf_model(model, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel, **OPTIM)
+    assert sorted(name for name, _ in policy.model.named_parameters()) == sorted(megatron_names(2, tied=True))
+    batch = garl_batch(model.config.vocab_size)
+    real = batch.attention_mask.bool()
+    diffs = {}
+    with torch.no_grad():
+        hf_logits = hf.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        diffs["logits"] = float((full_vocab_logits(policy, batch.input_ids) - hf_logits)[real].abs().max())
+        diffs["logprobs"] = float((policy.token_logprobs(batch) - hf.token_logprobs(batch)).abs().max())
+
+    micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
+    hf_losses, losses = [], []
+    hf.forward_backward(micro_batches, garl_loss_fn(micro_batches, hf_losses))
+    dp_rank, dp_size = dist.get_rank() // tensor_parallel, dist.get_world_size() // tensor_parallel
+    mine = micro_batches[dp_rank::dp_size]
+    policy.forward_backward(mine, garl_loss_fn(mine, losses))
+    diffs["loss"] = max(abs(a - b) for a, b in zip(losses, hf_losses[dp_rank::dp_size]))
+    hf_grads = {name: param.grad for name, param in hf.model.named_parameters()}
+    diffs["grads"] = max_diff(policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
+
+    diffs["grad_norm"] = abs(policy.optimizer_step()["grad_norm"] - hf.optimizer_step()["grad_norm"])
+    diffs["weights_after_step"] = max_diff(policy.hf_state_dict(), dict(hf.model.named_parameters()))
+
+    # HFPolicy's weight file (a tied model stores lm_head.weight only) loads into every shard, bit-exact.
+    if dist.get_rank() == 0:
+        hf.save_weights(f"{weights_dir}/hf.safetensors")
+    dist.barrier()
+    policy.load_weights(f"{weights_dir}/hf.safetensors")
+    diffs["hf_weight_file"] = max_diff(policy.hf_state_dict(), dict(hf.model.named_parameters()))
+    if tensor_parallel > 1:
+        diffs.update(split_vocab_logprobs(policy.tp_group, policy.tp_rank, tensor_parallel))
+    return diffs
+
+
+def split_vocab_logprobs(group, rank: int, size: int) -> dict[str, float]:
+    """The kernel on vocabulary slices (11 columns padded to 12) against log_softmax + gather on the whole."""
+    torch.manual_seed(0)
+    logits = torch.randn(9, 11, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(11, (9,))
+    expected = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    expected.sum().backward()
+    width = -(-11 // size)
+    local = torch.nn.functional.pad(logits.detach(), (0, width * size - 11))[:, rank * width : (rank + 1) * width]
+    local.requires_grad_(True)
+    got = vocab_parallel_token_logprobs(local, targets, vocab_start=rank * width, vocab_size=11, group=group, chunk_size=4)
+    got.sum().backward()
+    own = slice(rank * width, min((rank + 1) * width, 11))
+    return {"split_logprobs": float((got - expected).abs().max()),
+            "split_grads": float((local.grad[:, : own.stop - own.start] - logits.grad[:, own]).abs().max())}
+
+
+def export_worker(out_dir: str, scratch_dir: str) -> dict[str, float | bool]:
+    """Untied odd-vocabulary model at TP=2: log-probs, HF -> shards -> HF round trip, export, state dicts."""
+    from transformers import AutoModelForCausalLM
+
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    _, tokenizer, _, _ = tiny_setup()
+    model = untied_qwen3()
+    policy = MegatronPolicy.from_hf_model(model, tensor_parallel=2)
+    assert sorted(name for name, _ in policy.model.named_parameters()) == sorted(megatron_names(2, tied=False))
+    batch = garl_batch(model.config.vocab_size)
+    hf_state, round_trip = model.state_dict(), policy.hf_state_dict()
+    results = {
+        "logprobs": float((policy.token_logprobs(batch) - HFPolicy(model, device=CPU).token_logprobs(batch)).abs().max()),
+        "round_trip_bit_exact": round_trip.keys() == hf_state.keys()
+        and all(torch.equal(tensor, hf_state[name]) for name, tensor in round_trip.items()),
+    }
+    policy.export(out_dir, tokenizer)
+    if dist.get_rank() == 0:
+        exported = AutoModelForCausalLM.from_pretrained(out_dir)
+        results["export_bit_exact"] = all(torch.equal(a, hf_state[name]) for name, a in exported.state_dict().items())
+        with torch.no_grad():
+            results["export_logits"] = float((exported(batch.input_ids).logits - model(batch.input_ids).logits).abs().max())
+
+    state = policy.state_dict()
+    policy.load_state_dict(state)
+    with pytest.raises(ValueError, match="tensor-parallel rank/size"):
+        policy.load_state_dict({**state, "tensor_parallel": [0, 1]})
+    refuse_foreign_weights(policy, scratch_dir, hf_state)
+    return results
+
+
+def refuse_foreign_weights(policy, scratch_dir: str, hf_state: dict[str, torch.Tensor]) -> None:
+    """Weight files that do not fit the policy's model are errors that name the weight."""
+    from safetensors.torch import save_file
+
+    path = f"{scratch_dir}/rank{dist.get_rank()}.safetensors"
+    save_file({name: tensor for name, tensor in hf_state.items() if name != "lm_head.weight"}, path)
+    with pytest.raises(ValueError, match="missing 'lm_head.weight'"):  # an untied model needs its own head
+        policy.load_weights(path)
+    save_file({**hf_state, "model.layers.0.self_attn.o_proj.weight": torch.zeros(32, 48)}, path)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.o_proj.weight' has shape \[32, 48\]; the config implies \[32, 64\]"):
+        policy.load_weights(path)
+
+
+# ----------------------------------------------------------------- parity over processes
+@pytest.mark.parametrize("tensor_parallel, sequence_parallel, world_size", [(1, False, 2), (2, False, 2), (2, True, 2)],
+                         ids=["tp1-dp2", "tp2", "tp2-sp"])
+def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, sequence_parallel, world_size, tmp_path):
+    for rank, diffs in enumerate(run_in_processes(parity_worker, world_size, tensor_parallel, sequence_parallel, str(tmp_path))):
+        assert diffs["logits"] < 2e-5 and diffs["logprobs"] < 2e-5, (rank, diffs)
+        assert diffs["loss"] < 2e-5 and diffs["grads"] < 2e-6, (rank, diffs)
+        assert diffs["grad_norm"] < 1e-5 and diffs["weights_after_step"] < 1e-6, (rank, diffs)
+        assert diffs["hf_weight_file"] == 0, (rank, diffs)
+        if tensor_parallel > 1:
+            assert diffs["split_logprobs"] < 1e-12 and diffs["split_grads"] < 1e-12, (rank, diffs)
+
+
+def test_untied_tp2_round_trip_and_export_are_bit_exact(tmp_path):
+    out_dir = tmp_path / "hf"
+    results = run_in_processes(export_worker, 2, str(out_dir), str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["logprobs"] < 2e-5 and result["round_trip_bit_exact"], (rank, result)
+    assert results[0]["export_bit_exact"] and results[0]["export_logits"] == 0, results[0]
+    assert json.loads((out_dir / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+# ----------------------------------------------------------------- single process: mapping, kernel, errors
+@pytest.mark.parametrize("fused_norms", [False, True], ids=["local-spec", "te-spec"])
+def test_mapping_layouts_and_bit_exact_round_trip(fused_norms):
+    model = untied_qwen3()
+    arch = read_qwen3_config(model.config)
+    hf_state = model.state_dict()
+    names = megatron_names(2, tied=False, fused_norms=fused_norms)
+    shards = [hf_to_megatron(hf_state, names, arch, tp_size=2, tp_rank=rank) for rank in range(2)]
+
+    attention, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    d, q = arch.head_dim, hf_state[attention + "q_proj.weight"]
+    k, v = hf_state[attention + "k_proj.weight"], hf_state[attention + "v_proj.weight"]
+    # rank 1 holds query group 1: its two query heads, then its key head, then its value head
+    assert torch.equal(shards[1]["decoder.layers.0.self_attention.linear_qkv.weight"],
+                       torch.cat([q[2 * d : 4 * d], k[d : 2 * d], v[d : 2 * d]]))
+    gate, up = hf_state[mlp + "gate_proj.weight"], hf_state[mlp + "up_proj.weight"]
+    assert torch.equal(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate[32:], up[32:]]))
+    assert torch.equal(shards[0]["decoder.layers.0.mlp.linear_fc2.weight"], hf_state[mlp + "down_proj.weight"][:, :32])
+    # 317 rows pad to 318: rank 1 ends in one zero row
+    embedding = shards[1]["embedding.word_embeddings.weight"]
+    assert embedding.shape[0] == 159 and not embedding[-1].any()
+
+    back = megatron_to_hf(shards, arch)
+    assert back.keys() == hf_state.keys() and all(torch.equal(back[name], hf_state[name]) for name in back)
+
+
+def test_mapping_names_missing_misshapen_and_unused_weights():
+    _, _, _, model = tiny_setup()
+    arch = read_qwen3_config(model.config)
+    hf_state = {name: t for name, t in model.state_dict().items() if name != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing 'model\.layers\.1\.mlp\.up_proj\.weight' .*decoder\.layers\.1\.mlp\.linear_fc1\.weight"):
+        hf_to_megatron(hf_state, megatron_names(2, tied=True), arch, tp_size=2, tp_rank=0)
+    with pytest.raises(ValueError, match=r"does not use: \['model\.layers\.2\.mlp\.down_proj\.weight'\]"):
+        hf_to_megatron({**model.state_dict(), "model.layers.2.mlp.down_proj.weight": torch.zeros(1)},
+                       megatron_names(2, tied=True), arch)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_norm.weight' has shape \[16\]; the config implies \[8\]"):
+        hf_to_megatron({**model.state_dict(), "model.layers.0.self_attn.q_norm.weight": torch.ones(16)},
+                       megatron_names(2, tied=True), arch)
+    with pytest.raises(ValueError, match="no HF mapping for Megatron parameter 'decoder.layers.0.mlp.router.weight'"):
+        hf_to_megatron(model.state_dict(), ["decoder.layers.0.mlp.router.weight"], arch)
+
+
+def test_logprobs_equal_log_softmax_gather_without_tensor_parallelism():
+    torch.manual_seed(0)
+    logits = torch.randn(23, 13, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(10, (23,))
+    expected = torch.log_softmax(logits[:, :10], -1).gather(1, targets[:, None]).squeeze(1)
+    # the last 3 columns are vocabulary padding
+    got = vocab_parallel_token_logprobs(logits, targets, vocab_size=10, chunk_size=5)
+    assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(lambda x: vocab_parallel_token_logprobs(x, targets, vocab_size=10, chunk_size=4), (logits,))
+    fp32 = logits.detach().float()
+    assert got.dtype == torch.float64 and vocab_parallel_token_logprobs(fp32, targets, vocab_size=10).dtype == torch.float32
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        vocab_parallel_token_logprobs(fp32, targets, chunk_size=0)
+
+
+def test_config_errors_name_what_is_missing_or_unsupported(tmp_path):
+    _, _, _, model = tiny_setup()
+    config = model.config.to_dict()
+    for name in ("hidden_size", "rope_parameters"):
+        del config[name]
+    with pytest.raises(ValueError, match=r"not a Qwen3-like config: missing hidden_size, rope_theta"):
+        read_qwen3_config(config)
+
+    good = model.config.to_dict()
+    for change, message in [({"model_type": "llama"}, "model_type 'llama'"), ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                            ({"attention_bias": True}, "attention_bias"), ({"use_sliding_window": True}, "sliding"),
+                            ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope type 'yarn'")]:
+        with pytest.raises(ValueError, match=message):
+            read_qwen3_config({**good, **change})
+
+    (tmp_path / "config.json").write_text(json.dumps({**good, "rope_theta": 5e5, "rope_parameters": None}))
+    assert read_qwen3_config(tmp_path).rope_theta == 5e5  # a folder, and the transformers 4 form of the rope base
+    with pytest.raises(FileNotFoundError, match="no HF config"):
+        read_qwen3_config(tmp_path / "absent")
+
+
+def test_impossible_tensor_parallel_layouts_are_refused():
+    arch = read_qwen3_config(untied_qwen3().config)  # 4 heads, 2 KV groups, intermediate 64
+    with pytest.raises(ValueError, match="tensor_parallel=3 does not divide num_attention_heads=4"):
+        check_parallel_layout(arch, 3)
+    with pytest.raises(ValueError, match="tensor_parallel=4 does not divide num_key_value_heads=2"):
+        check_parallel_layout(arch, 4)
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
+        check_parallel_layout(arch, 1, sequence_parallel=True)
+
+
+def test_policy_needs_torch_distributed():
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    _, _, _, model = tiny_setup()
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        MegatronPolicy.from_hf_model(model)
+
+
+def test_package_import_is_lazy_and_a_broken_transformer_engine_is_survived(tmp_path):
+    """A TE that raises RuntimeError on import (a CUDA mismatch) must leave megatron.core importable."""
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("raise RuntimeError('CUDA driver too old')\n")
+    script = textwrap.dedent("""
+        import sys, warnings
+        import nemo_jq.models.megatron as backend
+        assert "megatron.core" not in sys.modules
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert backend.transformer_engine_usable() is False
+        assert any("CUDA driver too old" in str(w.message) for w in caught)
+        import megatron.core.models.gpt.gpt_layer_specs
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
