@@ -4,7 +4,9 @@ All in one run, on one model, batch, M and lengths:
 
 1. step time of GARL(q) and PAFT(q) relative to RB-RLOO and to GRPO (our trainer's full step:
    rollout + forward/backward + AdamW); lr=0 keeps the weights, hence the rollouts, identical
-   across repeats, and the estimators are timed round-robin so drift hits all alike;
+   across repeats, and the estimators are timed interleaved (A B C D, B C D A, ...) so drift hits
+   all alike. Each ratio is the median of the per-round ratios with a bootstrap 95% interval over
+   rounds, and the estimator's own share of the step (its forward call) is reported beside it;
 2. our RB-RLOO step relative to TRL's GRPOTrainer on the same weights, prompts and completion
    length (TRL generates, scores and steps inside ``training_step``);
 3. rollout tokens/s of our HF engine relative to plain ``model.generate``;
@@ -48,7 +50,35 @@ def tiny_overrides(args, run_dir: Path) -> list[str]:
     ]
 
 
-def estimator_step_times(args, work: Path) -> tuple[dict[str, float], "Trainer"]:
+def paired_ratio(numerator: list[float], denominator: list[float], resamples: int = 2000) -> dict[str, float]:
+    """Median of the per-round ratios, with a bootstrap 95% interval over rounds (seeded)."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.randint(len(ratios), (resamples, len(ratios)), generator=generator)
+    medians = torch.tensor(ratios, dtype=torch.float64)[picks].median(dim=1).values
+    low, high = torch.quantile(medians, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"median": statistics.median(ratios), "ci95_low": low, "ci95_high": high}
+
+
+def timed_estimator(trainer, seconds: list[float]) -> None:
+    """Make ``trainer`` record how long each call of its estimator takes (the forward part of its work)."""
+    import dataclasses
+    import functools
+
+    estimator = trainer.spec.fn
+
+    @functools.wraps(estimator)  # the trainer reads the estimator's parameters from its signature
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        out = estimator(*args, **kwargs)
+        seconds[-1] += time.perf_counter() - started
+        return out
+
+    trainer.spec = dataclasses.replace(trainer.spec, fn=timed)
+
+
+def estimator_step_times(args, work: Path) -> tuple[dict[str, list[float]], dict[str, list[float]], "Trainer"]:
+    """Per-round step seconds and estimator seconds of each method, measured interleaved."""
     from nemo_jq.config import load_config
     from nemo_jq.trainer import Trainer
 
@@ -61,17 +91,22 @@ def estimator_step_times(args, work: Path) -> tuple[dict[str, float], "Trainer"]
     trainers = {name: Trainer(load_config(None, tiny_overrides(args, work / name) + extra)) for name, extra in methods.items()}
     examples = trainers["rb_rloo"].splits.train[: args.prompts]
     times: dict[str, list[float]] = {name: [] for name in trainers}
+    estimator: dict[str, list[float]] = {name: [] for name in trainers}
+    for name, trainer in trainers.items():
+        timed_estimator(trainer, estimator[name])
     names = list(trainers)
     for repeat in range(args.warmup + args.repeats):
         for name in names[repeat % len(names) :] + names[: repeat % len(names)]:  # rotate who goes first
             trainer = trainers[name]
             trainer.rollout_generator.manual_seed(0)
             trainer.estimator_generator.manual_seed(1)
+            estimator[name].append(0.0)
             started = time.perf_counter()
             trainer.train_step(examples)
-            if repeat >= args.warmup:
-                times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}, trainers["rb_rloo"]
+            times[name].append(time.perf_counter() - started)
+    warm = slice(args.warmup, None)
+    return ({name: values[warm] for name, values in times.items()},
+            {name: values[warm] for name, values in estimator.items()}, trainers["rb_rloo"])
 
 
 def trl_step_time(args, trainer, work: Path) -> tuple[float, float]:
@@ -205,21 +240,30 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        steps, reference = estimator_step_times(args, work)
+        rounds, estimator_rounds, reference = estimator_step_times(args, work)
         trl, trl_length = (None, None) if args.skip_trl else trl_step_time(args, reference, work)
         rollout = rollout_throughput(args, reference)
     memory = memory_comparison(args)
 
     q = args.q
-    garl, paft, rb, grpo = steps[f"garl_q{q}"], steps[f"paft_q{q}"], steps["rb_rloo"], steps["grpo"]
+    steps = {name: statistics.median(values) for name, values in rounds.items()}
+    rb = steps["rb_rloo"]
+    paired = {f"{a}_over_{b}": paired_ratio(rounds[a], rounds[b])
+              for a, b in ((f"garl_q{q}", "rb_rloo"), (f"paft_q{q}", "rb_rloo"), (f"garl_q{q}", "grpo"), (f"paft_q{q}", "grpo"))}
+    estimator_share = {name: statistics.median(e / s for e, s in zip(estimator_rounds[name], rounds[name]))
+                       for name in rounds}
     result = {
         "setup": {k: getattr(args, k) for k in ("prompts", "samples", "thinking", "answer", "hidden", "q", "repeats",
                                               "threads", "mem_tokens", "mem_vocab", "mem_hidden", "chunk")},
         "torch": torch.__version__,
         "step_seconds": {**steps, **({"trl_grpo": trl} if trl is not None else {})},
+        "paired_step_ratios": paired,
+        "estimator_share_of_step": estimator_share,
         "ratios": {
-            "garl_over_rb_rloo": garl / rb, "paft_over_rb_rloo": paft / rb,
-            "garl_over_grpo": garl / grpo, "paft_over_grpo": paft / grpo,
+            "garl_over_rb_rloo": paired[f"garl_q{q}_over_rb_rloo"]["median"],
+            "paft_over_rb_rloo": paired[f"paft_q{q}_over_rb_rloo"]["median"],
+            "garl_over_grpo": paired[f"garl_q{q}_over_grpo"]["median"],
+            "paft_over_grpo": paired[f"paft_q{q}_over_grpo"]["median"],
             **({"rb_rloo_over_trl_grpo": rb / trl} if trl is not None else {}),
             "engine_over_generate_tokens_per_s": rollout["ours_tokens_per_s"] / rollout["generate_tokens_per_s"],
             "chunked_over_naive_memory": memory["chunked_over_naive"],
@@ -238,6 +282,10 @@ def main() -> None:
     for key, value in {**{f"step s {k}": v for k, v in result["step_seconds"].items()}, **result["ratios"],
                        **rollout, **memory}.items():
         print(f"{key:<44}{value:>14.4f}")
+    for key, value in paired.items():
+        print(f"{'paired ' + key:<44}{value['median']:>14.4f}  95% CI [{value['ci95_low']:.4f}, {value['ci95_high']:.4f}]")
+    for key, value in estimator_share.items():
+        print(f"{'estimator share of step ' + key:<44}{value:>14.4f}")
     for key, value in result["targets_met"].items():
         print(f"{'target ' + key:<44}{'met' if value else 'MISSED':>14}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

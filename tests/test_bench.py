@@ -20,3 +20,6 @@ def test_step_overhead_quick_run_writes_every_ratio(tmp_path):
     assert all(v > 0 for v in report["ratios"].values())
     assert report["memory"]["naive_peak_gb"] > report["memory"]["chunked_peak_gb"] > 0
     assert "garl_within_2pct_of_rb_rloo" in report["targets_met"]
+    for ratio in report["paired_step_ratios"].values():
+        assert 0 < ratio["ci95_low"] <= ratio["median"] <= ratio["ci95_high"]
+    assert all(0 < share < 1 for share in report["estimator_share_of_step"].values())

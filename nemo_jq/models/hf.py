@@ -172,41 +172,46 @@ class HFPolicy:
         load_model(self.model, str(path), device=str(self.device))
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
-        """Write an HF folder where plain ``apply_chat_template`` + ``generate`` behave like training's rollouts.
+        """Write the model as an HF folder that plain ``transformers`` code uses as training did (:func:`export_hf_model`)."""
+        export_hf_model(self.model, out_dir, tokenizer)
 
-        The chat template ends the generation prompt in ``<think>\\n`` (thinking on), as training
-        prompts do; ``config.json`` and ``generation_config.json`` stop at ``<|im_end|>`` and pad;
-        the generation config samples as the rollouts did (``ROLLOUT_SAMPLING``);
-        every file is readable by group and others. ``out_dir`` must be missing, empty or an
-        earlier export (which is replaced); anything else raises ``ValueError``, untouched.
-        """
-        from transformers import GenerationConfig
 
-        out_dir = Path(out_dir)
-        earlier_files = files_of_earlier_export(out_dir)
-        chat = ChatFormat(tokenizer)
-        for name in earlier_files:
-            (out_dir / name).unlink(missing_ok=True)
-        out_dir.mkdir(parents=True, exist_ok=True)
+def export_hf_model(model: Any, out_dir: Path, tokenizer: Any) -> None:
+    """Write an HF folder where plain ``apply_chat_template`` + ``generate`` behave like training's rollouts.
 
-        self.model.save_pretrained(out_dir)
-        stop_ids = [chat.end_of_turn_id]  # and the tokenizer's own eos, where it differs (Qwen3's convention)
-        if tokenizer.eos_token_id not in (None, chat.end_of_turn_id):
-            stop_ids.append(tokenizer.eos_token_id)
-        config = copy.deepcopy(self.model.config)
-        config.eos_token_id, config.pad_token_id = stop_ids, chat.pad_id
-        config.save_pretrained(out_dir)
-        GenerationConfig(eos_token_id=stop_ids, pad_token_id=chat.pad_id, **ROLLOUT_SAMPLING).save_pretrained(out_dir)
-        original_template = tokenizer.chat_template
-        tokenizer.chat_template = chat.chat_template
-        try:
-            tokenizer.save_pretrained(out_dir)
-        finally:
-            tokenizer.chat_template = original_template
+    The chat template ends the generation prompt in ``<think>\\n`` (thinking on), as training
+    prompts do; ``config.json`` and ``generation_config.json`` stop at ``<|im_end|>`` and pad;
+    the generation config samples as the rollouts did (``ROLLOUT_SAMPLING``);
+    every file is readable by group and others. ``out_dir`` must be missing, empty or an
+    earlier export (which is replaced); anything else raises ``ValueError``, untouched.
+    """
+    from transformers import GenerationConfig
 
-        written = sorted(path.name for path in out_dir.iterdir() if path.name != EXPORT_MARKER)
-        (out_dir / EXPORT_MARKER).write_text(json.dumps({"files": written}, indent=2) + "\n")
-        make_readable(out_dir)
+    out_dir = Path(out_dir)
+    earlier_files = files_of_earlier_export(out_dir)
+    chat = ChatFormat(tokenizer)
+    for name in earlier_files:
+        (out_dir / name).unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    model.save_pretrained(out_dir)
+    stop_ids = [chat.end_of_turn_id]  # and the tokenizer's own eos, where it differs (Qwen3's convention)
+    if tokenizer.eos_token_id not in (None, chat.end_of_turn_id):
+        stop_ids.append(tokenizer.eos_token_id)
+    config = copy.deepcopy(model.config)
+    config.eos_token_id, config.pad_token_id = stop_ids, chat.pad_id
+    config.save_pretrained(out_dir)
+    GenerationConfig(eos_token_id=stop_ids, pad_token_id=chat.pad_id, **ROLLOUT_SAMPLING).save_pretrained(out_dir)
+    original_template = tokenizer.chat_template
+    tokenizer.chat_template = chat.chat_template
+    try:
+        tokenizer.save_pretrained(out_dir)
+    finally:
+        tokenizer.chat_template = original_template
+
+    written = sorted(path.name for path in out_dir.iterdir() if path.name != EXPORT_MARKER)
+    (out_dir / EXPORT_MARKER).write_text(json.dumps({"files": written}, indent=2) + "\n")
+    make_readable(out_dir)
 
 
 # Roles of generated tokens in the decode loop's buffer.

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_jq.models.hf import HFPolicy, autocast_context, check_precision
+from nemo_jq.models.hf import autocast_context, check_precision, export_hf_model
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs
@@ -206,9 +206,9 @@ class MegatronPolicy:
         self._load_hf_state(load_file(str(path), device=str(self.device)))
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
-        """Gather the weights into an HF model and write it as ``HFPolicy.export`` does (on global rank 0)."""
+        """Gather the weights into an HF model and write it with ``export_hf_model`` (on global rank 0)."""
         hf_state = {name: tensor.cpu() for name, tensor in self.hf_state_dict().items()}
-        _on_rank_zero(lambda: HFPolicy(hf_model(self.arch, hf_state), device=torch.device("cpu")).export(out_dir, tokenizer))
+        _on_rank_zero(lambda: export_hf_model(hf_model(self.arch, hf_state), out_dir, tokenizer))
 
 
 def hf_model(arch: Qwen3Architecture, hf_state: Mapping[str, torch.Tensor]) -> Any:
