@@ -68,7 +68,7 @@ def move_aside(path: Path) -> Path:
     while aside.exists():
         aside, suffix = path.with_name(f"{path.name}.old-{stamp}-{suffix}"), suffix + 1
     path.rename(aside)
-    print(f"moved the earlier run in {path} to {aside}")
+    print(f"moved the earlier {path} to {aside}")
     return aside
 
 
