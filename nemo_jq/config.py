@@ -23,6 +23,8 @@ from nemo_jq.data.prepare import BAD_ROW_POLICIES
 
 #: Compute precisions of the policy and rollouts.
 PRECISIONS = ("auto", "fp32", "bf16")
+#: The registered backends (nemo_jq.models.backends); named here so loading a config imports no torch.
+BACKEND_NAMES = ("hf", "megatron")
 
 class ConfigError(ValueError):
     pass
@@ -55,6 +57,8 @@ class TinyModelConfig:
 class ModelConfig:
     path: str | None = option(None, "local HF folder (or hub name, where a network is available); null = tiny Qwen3 from scratch")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    backend: str = option("hf", "hf (transformers, one process) or megatron (megatron-core GPTModel; one process "
+                          "for now)", choices=BACKEND_NAMES)
     precision: str = option("auto", "auto = bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     logprob_chunk_size: int = option(256, "positions per chunk of the log-prob kernel", ge=1)
 

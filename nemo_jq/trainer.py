@@ -29,7 +29,8 @@ from nemo_jq.config import Config, load_config, save_config
 from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
 from nemo_jq.data.prepare import load_prepared, make_task, prepare
 from nemo_jq.evaluation import sample_outputs, score_outputs
-from nemo_jq.models.hf import HFPolicy, HFRolloutEngine, load_causal_lm, resolve_device, resolve_pretrained, tiny_qwen3
+from nemo_jq.models.backends import BackendRequest, build_backend
+from nemo_jq.models.hf import load_causal_lm, resolve_device, resolve_pretrained, tiny_qwen3
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.monitor import METRICS_FILE, RunLogger, plot_runs, read_metrics
 from nemo_jq.objectives import Need, ObjectiveSpec, build_schedule, get_objective
@@ -123,22 +124,12 @@ class Trainer:
         torch.manual_seed(seed)
 
         self.task, self.splits = build_task(config)
-        self.tokenizer = self._tokenizer()
+        self.tokenizer = self._tokenizer(existing)
         self.chat = ChatFormat(self.tokenizer)
         self.device = resolve_device(config.train.device)
         model = self._model()
-        optim = config.optim
-        self.policy = HFPolicy(
-            model, device=self.device, precision=config.model.precision, lr=optim.lr, weight_decay=optim.weight_decay,
-            betas=tuple(optim.betas), eps=optim.eps, grad_clip=optim.grad_clip,
-            logprob_chunk_size=config.model.logprob_chunk_size,
-        )
-        rollout = config.rollout
-        self.engine = HFRolloutEngine(
-            self.policy.model, think_end_id=self.chat.think_end_id, end_of_turn_id=self.chat.end_of_turn_id,
-            pad_id=self.chat.pad_id, device=self.device, max_thinking_tokens=rollout.max_thinking_tokens,
-            max_answer_tokens=rollout.max_answer_tokens, temperature=rollout.temperature, top_k=rollout.top_k,
-            top_p=rollout.top_p, precision=config.model.precision,
+        self.policy, self.engine = build_backend(
+            config.model.backend, BackendRequest(model=model, config=config, chat=self.chat, device=self.device)
         )
         self.spec = get_objective(config.objective.name)
         objective = config.objective
@@ -150,20 +141,18 @@ class Trainer:
         self.resumed_with: list[str] = []
 
     # ----------------------------------------------------------------- construction
-    def _tokenizer(self):
+    def _tokenizer(self, existing: bool):
+        """The run's own saved tokenizer when reopening it; else a new one (saved when training starts)."""
         saved = self.run_dir / TOKENIZER_DIR
-        if saved.exists():
+        if existing and saved.exists():
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(saved)
         if self.config.model.path:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.config.model.path))
-        else:
-            tokenizer = build_tokenizer(self.task.corpus(self.splits.train), self.config.model.tiny.tokenizer_vocab_size)
-        tokenizer.save_pretrained(saved)
-        return tokenizer
+            return AutoTokenizer.from_pretrained(resolve_pretrained(self.config.model.path))
+        return build_tokenizer(self.task.corpus(self.splits.train), self.config.model.tiny.tokenizer_vocab_size)
 
     def _model(self):
         if self.config.model.path:
@@ -219,6 +208,8 @@ class Trainer:
 
         end = min(self.total_steps, max_steps or self.total_steps)
         save_config(self.config, self.run_dir / CONFIG_FILE)
+        if not (self.run_dir / TOKENIZER_DIR).exists():
+            self.tokenizer.save_pretrained(self.run_dir / TOKENIZER_DIR)
         logger = RunLogger(self.run_dir, tensorboard=self.config.train.tensorboard, resume_step=self.state["step"])
         if self.resumed_with:
             logger.log({"kind": "resume", "step": self.state["step"], "overrides": self.resumed_with})

@@ -15,6 +15,7 @@ below replace exactly those, in the spawned test processes only (never in the pa
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import tempfile
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from nemo_jq.models.backends import MEGATRON_ON_CPU
 
 
 def _rotary_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
@@ -63,6 +66,7 @@ def _free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, results: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
     patch_megatron_for_cpu()
+    os.environ[MEGATRON_ON_CPU] = "1"  # the recipe's megatron backend may now run on CPU
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.save(fn(*args), Path(results) / f"{rank}.pt")

@@ -313,3 +313,12 @@ def test_the_readme_shows_the_demo_table_ci_checks():
     assert header in readme
     table = readme[readme.index(header):].split("\n\n")[0].splitlines()
     assert [row.split("|")[1].strip() for row in table[2:]] == [label for label, _, _ in DEMO_RUNS]
+
+
+def test_a_run_that_fails_to_start_leaves_nothing_that_blocks_the_next(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", *QUICK, "model.path=./no/such/model", f"train.run_dir={run_dir}")
+    assert code == 2 and "no/such/model" in err
+    assert not any((run_dir / name).exists() for name in ("config.yaml", "tokenizer", "checkpoints", "metrics.jsonl"))
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    assert (run_dir / "tokenizer").is_dir()

@@ -75,6 +75,8 @@ class MegatronPolicy:
         self._counted_in_norm = [param for name, param in self.model.named_parameters()
                                  if is_tensor_parallel(name) or self.tp_rank == 0]
         self._load_hf_state(hf_state)
+        #: Moves whenever the weights change, so an engine sampling from a copy knows to refit.
+        self.weights_version = 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
     @classmethod
@@ -141,6 +143,7 @@ class MegatronPolicy:
             grad.mul_(clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.weights_version += 1
         return {"grad_norm": float(grad_norm)}
 
     def _grad_norm(self) -> torch.Tensor:
@@ -204,6 +207,7 @@ class MegatronPolicy:
         if not Path(path).exists():
             raise FileNotFoundError(f"no weights at {path}")
         self._load_hf_state(load_file(str(path), device=str(self.device)))
+        self.weights_version += 1
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
         """Gather the weights into an HF model and write it with ``export_hf_model`` (on global rank 0)."""

@@ -1,0 +1,124 @@
+"""Backends by name: each builds the policy and the rollout engine the recipe trains with.
+
+The recipe (``nemo_jq.trainer``) asks for ``model.backend`` here and never branches on which one
+it got, as the estimators come from ``nemo_jq.objectives``' registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Any, Callable
+
+import torch
+
+from nemo_jq.chat import ChatFormat
+from nemo_jq.models.hf import HFPolicy, HFRolloutEngine
+from nemo_jq.models.interfaces import Policy, RolloutEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendRequest:
+    """What every backend builds from: an HF causal LM (its config and starting weights) and the run's settings."""
+
+    model: Any
+    config: Any  # nemo_jq.config.Config
+    chat: ChatFormat
+    device: torch.device
+
+
+#: Set to 1 by code that has patched megatron-core's CUDA calls for CPU (the tests do, in ``tests/megatron_cpu.py``).
+MEGATRON_ON_CPU = "NEMO_JQ_MEGATRON_ON_CPU"
+
+BackendBuilder = Callable[[BackendRequest], "tuple[Policy, RolloutEngine]"]
+BACKENDS: dict[str, BackendBuilder] = {}
+
+
+def register_backend(name: str) -> Callable[[BackendBuilder], BackendBuilder]:
+    def register(builder: BackendBuilder) -> BackendBuilder:
+        BACKENDS[name] = builder
+        return builder
+
+    return register
+
+
+def build_backend(name: str, request: BackendRequest) -> tuple[Policy, RolloutEngine]:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown model.backend {name!r}; known: {sorted(BACKENDS)}")
+    return BACKENDS[name](request)
+
+
+def _policy_options(config: Any) -> dict[str, Any]:
+    optim = config.optim
+    return {"precision": config.model.precision, "lr": optim.lr, "weight_decay": optim.weight_decay,
+            "betas": tuple(optim.betas), "eps": optim.eps, "grad_clip": optim.grad_clip,
+            "logprob_chunk_size": config.model.logprob_chunk_size}
+
+
+def _rollout_engine(model: Any, request: BackendRequest) -> HFRolloutEngine:
+    rollout, chat = request.config.rollout, request.chat
+    return HFRolloutEngine(
+        model, think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id, pad_id=chat.pad_id,
+        device=request.device, max_thinking_tokens=rollout.max_thinking_tokens,
+        max_answer_tokens=rollout.max_answer_tokens, temperature=rollout.temperature, top_k=rollout.top_k,
+        top_p=rollout.top_p, precision=request.config.model.precision,
+    )
+
+
+@register_backend("hf")
+def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
+    """One process, one device: the policy trains the HF model in place and the engine samples from it."""
+    policy = HFPolicy(request.model, device=request.device, **_policy_options(request.config))
+    return policy, _rollout_engine(policy.model, request)
+
+
+class RefittedRolloutEngine:
+    """An HF engine over a copy of a policy's weights, refitted from ``policy.hf_state_dict()``
+    whenever ``policy.weights_version`` has moved (after an optimizer step or a weight load)."""
+
+    def __init__(self, engine: HFRolloutEngine, policy: Any):
+        self.engine, self.policy, self._version = engine, policy, None
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.engine.tokens_generated
+
+    def generate(self, prompts, num_samples, *, sample_answers, generator):
+        if self._version != self.policy.weights_version:
+            missing, unexpected = self.engine.model.load_state_dict(self.policy.hf_state_dict(), strict=False)
+            if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is the embedding, loaded already
+                raise RuntimeError(f"refit from the policy: missing {missing}, unexpected {unexpected}")
+            self._version = self.policy.weights_version
+        return self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator)
+
+
+@register_backend("megatron")
+def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
+    """megatron-core's GPTModel in one process (TP=1); rollouts from an HF copy refitted after each step.
+
+    Multi-rank training (TP/DP over torchrun) needs rank-aware metrics and checkpoints, which the
+    recipe does not have yet, so a world larger than one process is refused.
+    """
+    import torch.distributed as dist
+
+    from nemo_jq.models.megatron import MegatronPolicy
+
+    if request.device.type != "cuda" and os.environ.get(MEGATRON_ON_CPU) != "1":
+        raise ValueError(
+            "model.backend=megatron needs a CUDA device (train.device): megatron-core 0.16.1 calls CUDA in its "
+            "rotary embeddings and RNG tracker; on CPU it runs only under the test suite's patches"
+        )
+    if not dist.is_initialized():
+        if "RANK" in os.environ:  # started by torchrun
+            dist.init_process_group("nccl" if request.device.type == "cuda" else "gloo")
+        else:
+            store = tempfile.NamedTemporaryFile(prefix="nemo_jq_pg_", delete=False).name
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    if dist.get_world_size() > 1:
+        raise ValueError(
+            f"model.backend=megatron runs in one process for now (this world has {dist.get_world_size()}): "
+            "multi-rank training is not wired into the recipe yet"
+        )
+    policy = MegatronPolicy.from_hf_model(request.model, device=request.device, **_policy_options(request.config))
+    return policy, RefittedRolloutEngine(_rollout_engine(request.model, request), policy)
