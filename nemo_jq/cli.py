@@ -157,6 +157,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _prepare_data(args: argparse.Namespace) -> int:
     from nemo_jq.data.prepare import PAPER_SIZES, PREPARED_FILES, make_task, prepare, write_prepared
+    from nemo_jq.outputs import claim_dir
 
     if args.sizes:
         parts = args.sizes.split(",")
@@ -168,15 +169,9 @@ def _prepare_data(args: argparse.Namespace) -> int:
     else:
         raise ValueError(f"--sizes is required for dataset {args.dataset!r}")
     task = make_task(args.dataset, template=args.template, system=args.system)
-    held = [name for name in PREPARED_FILES if (args.out / name).exists()]
-    if held and not args.overwrite:
-        raise FileExistsError(f"{args.out} already holds prepared data ({', '.join(held)}): choose another --out, "
-                              "or pass --overwrite to move it aside first")
     splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row)
-    if held:
-        from nemo_jq.trainer import move_aside
-
-        move_aside(args.out)
+    claim_dir(args.out, PREPARED_FILES, overwrite=args.overwrite, what="prepared data",
+              advice="choose another --out, or pass --overwrite to move it aside first")
     write_prepared(splits, manifest, args.out)
     for name, entry in manifest["sources"].items():
         derived = {k: v for k, v in entry["reference_sources"].items() if k != "answer"}

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from nemo_jq.config import load_config
 from nemo_jq.monitor import plot_runs, read_metrics
-from nemo_jq.trainer import Trainer, move_aside
+from nemo_jq.outputs import claim_dir
+from nemo_jq.trainer import Trainer
 
 DEMO_RUNS = (
     ("GRPO", "grpo", ["objective.name=grpo"]),
@@ -31,12 +32,8 @@ SUMMARY_FILE, FIGURE_FILE = "summary.json", "figure3.png"
 def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, overwrite: bool = False) -> dict[str, dict]:
     """Run the five methods into ``out_dir/<slug>``; an earlier demo there is refused, or moved aside with ``overwrite``."""
     out_dir = Path(out_dir)
-    if any((out_dir / name).exists() for name in (SUMMARY_FILE, FIGURE_FILE, *(slug for _, slug, _ in DEMO_RUNS))):
-        if not overwrite:
-            raise FileExistsError(
-                f"{out_dir} holds an earlier demo: pass --demo-dir DIR for a new one, or --overwrite to move it aside first"
-            )
-        move_aside(out_dir)
+    claim_dir(out_dir, (SUMMARY_FILE, FIGURE_FILE, *(slug for _, slug, _ in DEMO_RUNS)), overwrite=overwrite,
+              what="an earlier demo", advice="pass --demo-dir DIR for a new one, or --overwrite to move it aside first")
     out_dir.mkdir(parents=True, exist_ok=True)
     results, curves = {}, {}
     for label, slug, method in DEMO_RUNS:

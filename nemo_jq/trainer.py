@@ -33,6 +33,7 @@ from nemo_jq.models.backends import BackendRequest, build_backend
 from nemo_jq.models.hf import load_causal_lm, resolve_device, resolve_pretrained, tiny_qwen3
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.monitor import METRICS_FILE, RunLogger, plot_runs, read_metrics
+from nemo_jq.outputs import claim_dir
 from nemo_jq.objectives import Need, ObjectiveSpec, build_schedule, get_objective
 from nemo_jq.sequences import given_target_batch, reference_answer_batch, sampled_answer_batch
 
@@ -45,32 +46,10 @@ RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.
 
 
 def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:
-    """Make sure a new run never writes over an earlier one; returns where an overwritten run was moved.
-
-    A directory that holds any run file is refused with what to do, unless ``overwrite``, which
-    first moves the earlier run aside to ``RUN_DIR.old-YYYYmmdd-HHMMSS`` (nothing is deleted).
-    """
-    run_dir = Path(run_dir)
-    found = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not found:
-        return None
-    if not overwrite:
-        raise FileExistsError(
-            f"{run_dir} already holds a run ({', '.join(found)}): continue it with `nemo-jq train --resume {run_dir}`, "
-            f"write the new run elsewhere (train.run_dir=...), or pass --overwrite to move the old run aside first"
-        )
-    return move_aside(run_dir)
-
-
-def move_aside(path: Path) -> Path:
-    """Rename ``path`` to a fresh ``NAME.old-YYYYmmdd-HHMMSS[-N]`` beside it and say so; nothing is deleted."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside, suffix = path.with_name(f"{path.name}.old-{stamp}"), 1
-    while aside.exists():
-        aside, suffix = path.with_name(f"{path.name}.old-{stamp}-{suffix}"), suffix + 1
-    path.rename(aside)
-    print(f"moved the earlier {path} to {aside}")
-    return aside
+    """Make sure a new run never writes over an earlier one (:func:`claim_dir` with the run's files)."""
+    return claim_dir(run_dir, RUN_FILES, overwrite=overwrite, what="a run",
+                     advice=f"continue it with `nemo-jq train --resume {run_dir}`, write the new run elsewhere "
+                            "(train.run_dir=...), or pass --overwrite to move the old run aside first")
 
 
 def build_task(config: Config) -> tuple[Task, Splits]:

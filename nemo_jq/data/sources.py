@@ -48,7 +48,7 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
                     rows.append((number, UnreadableRow(f"not valid JSON ({err.msg} at column {err.colno})")))
         return rows
     if path.suffix == ".json":
-        data = json.loads(_utf8_text(path))
+        data = _load_json(path)
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
@@ -71,7 +71,8 @@ def read_file(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _utf8_text(path: Path) -> str:
+def _load_json(path: Path) -> Any:
+    """A JSON file's content; bad bytes or bad syntax is an error naming the file and line."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -79,10 +80,9 @@ def _utf8_text(path: Path) -> str:
         line = data[: err.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x}); re-encode the file as UTF-8") from None
     try:
-        json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); fix the file there") from None
-    return text
 
 
 def read_hub(name: str, config: str | None, split: str) -> tuple[list[dict[str, Any]], str]:
