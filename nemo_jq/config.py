@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
@@ -224,12 +225,14 @@ def describe_keys() -> str:
     return "\n".join(lines)
 
 
+#: The bounds an ``option`` may declare: how each reads and how each is checked.
+_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
+
+
 def _bounds_text(metadata: Any) -> str:
     if metadata.get("choices"):
         return "one of " + ", ".join(metadata["choices"])
-    parts = [f"{symbol} {metadata[key]}" for key, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-             if metadata.get(key) is not None]
-    return " and ".join(parts)
+    return " and ".join(f"{symbol} {metadata[key]}" for key, (symbol, _) in _BOUNDS.items() if metadata.get(key) is not None)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -300,9 +303,8 @@ def _check_range(value: Any, metadata: Any, key: str) -> Any:
     choices = metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
-    checks = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b, "lt": lambda v, b: v < b}
     if isinstance(value, (int, float)) and not all(
-        check(value, metadata[name]) for name, check in checks.items() if metadata.get(name) is not None
+        check(value, metadata[key]) for key, (_, check) in _BOUNDS.items() if metadata.get(key) is not None
     ):
         raise ConfigError(f"{key} must be {_bounds_text(metadata)}; got {value!r}")
     return value
