@@ -1,4 +1,4 @@
-"""Atomic checkpoints: weights (safetensors), optimizer, RNG states and trainer state.
+"""Atomic checkpoints: the policy's weights and optimizer state, RNG states and trainer state.
 
 A checkpoint is written into a temporary directory, flushed, and renamed into place; then
 the ``latest`` pointer file is replaced atomically. A kill -9 at any moment therefore leaves
@@ -16,40 +16,67 @@ from typing import Any
 
 import torch
 
+from nemo_jq import distributed
+from nemo_jq.models.hf import require_files
 from nemo_jq.models.interfaces import Policy
 
-WEIGHTS, OPTIMIZER, RNG, STATE = "model.safetensors", "optimizer.pt", "rng.pt", "state.json"
+RNG, STATE = "rng.pt", "state.json"
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def rng_file(rank: int) -> str:
+    """Each rank's RNG states (rank 0's keeps the one-process name)."""
+    return RNG if rank == 0 else f"rng-rank{rank}.pt"
+
+
 def save_checkpoint(root: Path, step: int, policy: Policy, state: dict[str, Any], rng: dict[str, Any]) -> Path:
-    """Write checkpoint ``step`` under ``root`` and point ``latest`` at it; returns its directory."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Write checkpoint ``step`` under ``root`` and point ``latest`` at it; returns its directory.
+
+    A collective: every rank writes its part (the policy's shards, its RNG states) into one
+    temporary directory, which rank 0 completes with the trainer state and renames into place.
+    """
     final = root / step_dir_name(step)
-    if not final.exists():
-        tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            policy.save_weights(tmp / WEIGHTS)
-            torch.save(policy.state_dict(), tmp / OPTIMIZER)
-            torch.save(rng, tmp / RNG)
-            (tmp / STATE).write_text(json.dumps(state, indent=2))
-            for path in tmp.iterdir():
-                _fsync(path)
-            _fsync(tmp)
-        except Exception as err:  # torch reports a full disk as a RuntimeError
-            shutil.rmtree(tmp, ignore_errors=True)
-            if _disk_full(err, root):
-                raise OSError(errno.ENOSPC, "No space left on device", str(final)) from err
-            raise
-        os.rename(tmp, final)
+    tmp = root / f".tmp-{final.name}"
+    if not distributed.on_writer(lambda: _begin(root, final, tmp)):
+        return final
+    try:
+        distributed.everywhere(lambda: policy.save(tmp))
+        distributed.everywhere(lambda: torch.save(rng, tmp / rng_file(distributed.rank())))
+        distributed.on_writer(lambda: _complete(tmp, final, state))
+    except Exception as err:  # torch reports a full disk as a RuntimeError
+        distributed.on_writer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        if _disk_full(err, root):
+            raise OSError(errno.ENOSPC, "No space left on device", str(final)) from err
+        raise
+    return final
+
+
+def _begin(root: Path, final: Path, tmp: Path) -> bool:
+    """Make an empty ``tmp``; False (and ``latest`` pointed at it) when ``final`` exists already."""
+    root.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        _point_latest(root, final)
+        return False
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return True
+
+
+def _complete(tmp: Path, final: Path, state: dict[str, Any]) -> None:
+    (tmp / STATE).write_text(json.dumps(state, indent=2))
+    for path in tmp.rglob("*"):
+        _fsync(path)
+    _fsync(tmp)
+    os.rename(tmp, final)
+    _point_latest(final.parent, final)
+
+
+def _point_latest(root: Path, final: Path) -> None:
     _write_atomic(root / "latest", final.name)
     _fsync(root)
-    return final
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -63,15 +90,16 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, policy: Policy, *, with_optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load weights (and optimizer) into ``policy``; return (trainer state, RNG states)."""
+    """Load weights (and optimizer) into ``policy``; return (trainer state, this rank's RNG states).
+
+    A rank with no RNG file of its own (the run was saved with fewer ranks) gets rank 0's.
+    """
     path = Path(path)
-    missing = [name for name in (WEIGHTS, STATE, RNG) + ((OPTIMIZER,) if with_optimizer else ()) if not (path / name).exists()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {path} is missing {missing}")
-    policy.load_weights(path / WEIGHTS)
-    if with_optimizer:
-        policy.load_state_dict(torch.load(path / OPTIMIZER, weights_only=False))
-    return json.loads((path / STATE).read_text()), torch.load(path / RNG, weights_only=False)
+    require_files(path, [STATE, RNG])
+    policy.load(path, with_optimizer=with_optimizer)
+    own = path / rng_file(distributed.rank())
+    rng = torch.load(own if own.exists() else path / RNG, weights_only=False)
+    return json.loads((path / STATE).read_text()), rng
 
 
 def prune_checkpoints(root: Path, keep: int, protect: set[str]) -> None:

@@ -79,15 +79,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nemo-jq {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as err:
+        from nemo_jq import distributed
+
         message = user_error_message(err)
         if message is None or args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
-        print(f"nemo-jq {args.command}: error: {message}", file=sys.stderr)
+        if not distributed.is_writer() and isinstance(err, distributed.OtherRankFailed):
+            return 2  # rank 0 names the failed rank; that rank prints its own message
+        where = "" if distributed.is_writer() else f" (rank {distributed.rank()})"
+        print(f"nemo-jq {args.command}{where}: error: {message}", file=sys.stderr)
         return 2
 
 
 def user_error_message(err: BaseException) -> str | None:
-    """One line for an error that ordinary bad input causes (None for a bug: its traceback is shown)."""
+    """One line for an error that ordinary bad input causes (None for a bug: its traceback is shown).
+
+    Under torchrun, rank 0 also names any other rank that failed, and each failed rank prints its own.
+    """
+    from nemo_jq import distributed
+
     if isinstance(err, OSError) and err.errno is not None and err.filename is not None:
         hints = {
             errno.ENOSPC: "free some space or choose another train.run_dir / --out; the last good checkpoint "
@@ -98,7 +108,7 @@ def user_error_message(err: BaseException) -> str | None:
         }
         reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err)).lower()
         return f"{reason}: {err.filename}" + (f"; {hints[err.errno]}" if err.errno in hints else "")
-    if isinstance(err, (ValueError, OSError, KeyError)):
+    if isinstance(err, (ValueError, OSError, KeyError, distributed.OtherRankFailed)):
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         return " ".join(str(text).split())
     return None
@@ -124,6 +134,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "data":
         return _prepare_data(args)
 
+    from nemo_jq import distributed
     from nemo_jq.runs import load_for_inference
 
     if args.command == "train":
@@ -143,15 +154,19 @@ def _dispatch(args: argparse.Namespace) -> int:
             from nemo_jq.config import load_config
 
             result = Trainer(load_config(args.config, args.overrides), overwrite=args.overwrite).fit()
-        print(json.dumps(result, indent=2))
+        if distributed.is_writer():
+            print(json.dumps(result, indent=2))
         return 0
 
     trainer = load_for_inference(args.checkpoint, getattr(args, "overrides", ()))
     if args.command == "eval":
-        print(json.dumps({"split": args.split, **trainer.evaluate(args.split)}, indent=2))
+        metrics = trainer.evaluate(args.split)
+        if distributed.is_writer():
+            print(json.dumps({"split": args.split, **metrics}, indent=2))
     else:
         trainer.policy.export(args.out, trainer.tokenizer)
-        print(f"exported to {args.out}")
+        if distributed.is_writer():
+            print(f"exported to {args.out}")
     return 0
 
 

@@ -58,8 +58,12 @@ class TinyModelConfig:
 class ModelConfig:
     path: str | None = option(None, "local HF folder (or hub name, where a network is available); null = tiny Qwen3 from scratch")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    backend: str = option("hf", "hf (transformers, one process) or megatron (megatron-core GPTModel; one process "
-                          "for now)", choices=BACKEND_NAMES)
+    backend: str = option("hf", "hf (transformers, one process) or megatron (megatron-core GPTModel; any number "
+                          "of processes under torchrun)", choices=BACKEND_NAMES)
+    tensor_parallel: int = option(1, "megatron: ranks that split each layer (must divide the attention heads, "
+                                  "KV heads and MLP width)", ge=1)
+    sequence_parallel: bool = option(False, "megatron: split the norms' and dropouts' activations over the "
+                                     "tensor-parallel ranks too (needs tensor_parallel > 1)")
     precision: str = option("auto", "auto = bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     logprob_chunk_size: int = option(256, "positions per chunk of the log-prob kernel", ge=1)
 
@@ -173,6 +177,9 @@ class Config:
             raise ConfigError(
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
+        if self.model.backend != "megatron" and (self.model.tensor_parallel > 1 or self.model.sequence_parallel):
+            raise ConfigError(f"model.tensor_parallel/sequence_parallel need model.backend=megatron "
+                              f"(model.backend={self.model.backend} trains in one process)")
         if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")
         self._resolve_data()

@@ -26,11 +26,12 @@ class RunLogger:
     records it keeps, so no step shows twice. A new run starts both afresh.
     """
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0):
-        self.path = run_dir / METRICS_FILE
+    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0, writes: bool = True):
+        self.path, self.writes, self.writer = run_dir / METRICS_FILE, writes, None
+        if not writes:  # another rank of a multi-process run writes them
+            return
         kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step and r["kind"] != "test"] if resume_step else []
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -42,6 +43,8 @@ class RunLogger:
             self.writer.flush()
 
     def log(self, record: dict[str, Any]) -> None:
+        if not self.writes:
+            return
         try:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

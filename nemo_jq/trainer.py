@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_jq import distributed
 from nemo_jq.chat import ChatFormat, build_tokenizer
 from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
 from nemo_jq.config import Config, load_config, save_config
@@ -94,9 +95,8 @@ class Trainer:
     def __init__(self, config: Config, *, run_dir: Path | None = None, existing: bool = False, overwrite: bool = False):
         self.config = config.validate()
         self.run_dir = Path(run_dir or config.train.run_dir)
-        if not existing:
-            claim_run_dir(self.run_dir, overwrite=overwrite)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.device = distributed.init_from_env(resolve_device(config.train.device))
+        distributed.on_writer(lambda: self._claim_run_dir(existing, overwrite))
         seed = config.train.seed
         random.seed(seed)
         np.random.seed(seed)
@@ -105,21 +105,33 @@ class Trainer:
         self.task, self.splits = build_task(config)
         self.tokenizer = self._tokenizer(existing)
         self.chat = ChatFormat(self.tokenizer)
-        self.device = resolve_device(config.train.device)
         model = self._model()
         self.policy, self.engine = build_backend(
             config.model.backend, BackendRequest(model=model, config=config, chat=self.chat, device=self.device)
         )
+        self.data_parallel = self.policy.data_parallel
+        if config.train.batch_size % self.data_parallel.size:
+            raise ValueError(f"train.batch_size={config.train.batch_size} does not split over {self.data_parallel.size} "
+                             "data-parallel replicas: make it a multiple of world size / (tensor_parallel x pipeline_parallel)")
         self.spec = get_objective(config.objective.name)
         objective = config.objective
         self.schedule = build_schedule(objective.q_schedule or objective.q) if self.spec.uses_q else None
-        self.rollout_generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.estimator_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.rollout_generator = torch.Generator(device=self.device).manual_seed(self._replica_seed(seed))
+        self.estimator_generator = torch.Generator(device=self.device).manual_seed(self._replica_seed(seed + 1))
         self.state: dict[str, Any] = {"step": 0, "epoch": 0, "position": 0, "best_metric": None, "best_step": None}
         self._stop_signal: int | None = None
         self.resumed_with: list[str] = []
 
     # ----------------------------------------------------------------- construction
+    def _claim_run_dir(self, existing: bool, overwrite: bool) -> None:
+        if not existing:
+            claim_run_dir(self.run_dir, overwrite=overwrite)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _replica_seed(self, seed: int) -> int:
+        """Data-parallel replicas sample their own prompts with their own streams; replica 0 keeps ``seed``."""
+        return seed + 1_000_003 * self.data_parallel.rank
+
     def _tokenizer(self, existing: bool):
         """The run's own saved tokenizer when reopening it; else a new one (saved when training starts)."""
         saved = self.run_dir / TOKENIZER_DIR
@@ -186,16 +198,16 @@ class Trainer:
         from tqdm import tqdm
 
         end = min(self.total_steps, max_steps or self.total_steps)
-        save_config(self.config, self.run_dir / CONFIG_FILE)
-        if not (self.run_dir / TOKENIZER_DIR).exists():
-            self.tokenizer.save_pretrained(self.run_dir / TOKENIZER_DIR)
-        logger = RunLogger(self.run_dir, tensorboard=self.config.train.tensorboard, resume_step=self.state["step"])
+        distributed.on_writer(self._write_run_files)
+        logger = RunLogger(self.run_dir, tensorboard=self.config.train.tensorboard, resume_step=self.state["step"],
+                           writes=distributed.is_writer())
         if self.resumed_with:
             logger.log({"kind": "resume", "step": self.state["step"], "overrides": self.resumed_with})
-        bar = tqdm(total=self.total_steps, initial=self.state["step"], desc=f"train {self.run_dir.name}", dynamic_ncols=True)
+        bar = tqdm(total=self.total_steps, initial=self.state["step"], desc=f"train {self.run_dir.name}",
+                   dynamic_ncols=True, disable=not distributed.is_writer())
         previous = self._install_signal_handlers()
         try:
-            while self.state["step"] < end and self._stop_signal is None:
+            while self.state["step"] < end and not self._stopping():
                 record = self.train_step(self._next_batch())
                 self.state["step"] += 1
                 logger.log({"kind": "train", "step": self.state["step"], **record})
@@ -207,7 +219,7 @@ class Trainer:
                     self._validate(logger)
                 if step % self.config.train.save_every == 0 or step == end:
                     self.save()
-            if self._stop_signal is not None:
+            if self._stopping():
                 self.save()
                 return {"preempted": self._stop_signal, "step": self.state["step"]}
             if self.state["step"] >= self.total_steps:
@@ -217,6 +229,16 @@ class Trainer:
             bar.close()
             logger.close()
             self._restore_signal_handlers(previous)
+
+    def _write_run_files(self) -> None:
+        save_config(self.config, self.run_dir / CONFIG_FILE)
+        if not (self.run_dir / TOKENIZER_DIR).exists():
+            self.tokenizer.save_pretrained(self.run_dir / TOKENIZER_DIR)
+
+    def _stopping(self) -> bool:
+        """Whether a stop signal reached any rank; all ranks then agree on the largest signal number."""
+        self._stop_signal = distributed.largest(self._stop_signal or 0) or None
+        return self._stop_signal is not None
 
     def _next_batch(self) -> list[Example]:
         """The next prompts of the current epoch's permutation (deterministic in seed and epoch)."""
@@ -233,9 +255,11 @@ class Trainer:
     def prompt_ids(self, examples: list[Example]) -> list[list[int]]:
         return [self.chat.prompt_ids(self.task.messages(e, self.config.data.format)) for e in examples]
 
-    def train_step(self, examples: list[Example]) -> dict[str, Any]:
+    def train_step(self, batch_examples: list[Example]) -> dict[str, Any]:
+        """One optimizer step on a global batch; this replica samples and trains on its share of the prompts."""
         started = time.perf_counter()
         q = self.schedule(self.state["step"]) if self.schedule is not None else None
+        examples = self.data_parallel.shard(batch_examples)
         prompts = self.prompt_ids(examples)
         group, rewards = 1, None
         rollout_tokens_before = self.engine.tokens_generated
@@ -265,27 +289,35 @@ class Trainer:
         rollout_seconds = time.perf_counter() - started
         rollout_tokens = self.engine.tokens_generated - rollout_tokens_before
 
-        micro_metrics = self._forward_backward(batch, group, len(examples), rewards, q)
-        record = {"epoch": self.state["epoch"], "q": q, **_merge_metrics(micro_metrics), **self.policy.optimizer_step()}
+        micro_metrics = self._forward_backward(batch, group, len(batch_examples), rewards, q)
+        record = {"epoch": self.state["epoch"], "q": q, **_merge_metrics(self.data_parallel.gather(micro_metrics)),
+                  **self.policy.optimizer_step()}
         if self.schedule is not None and "log_p_hat" in record:
             self.schedule.observe(record["log_p_hat"])
         record["train_reward"] = record.get("reward", record.get("p_hat"))
+        rollout_tokens = int(self.data_parallel.sum(rollout_tokens))
         record["rollout_tokens"] = rollout_tokens
         record["rollout_tokens_per_s"] = rollout_tokens / rollout_seconds if rollout_tokens else None
         record["step_time"] = time.perf_counter() - started
         return record
 
-    def _forward_backward(self, batch: TokenBatch, group: int, num_prompts: int, rewards, q) -> list[tuple[int, dict]]:
-        """One forward/backward per micro-batch of whole groups; gradients sum to the full batch's."""
+    def _forward_backward(self, batch: TokenBatch, group: int, batch_prompts: int, rewards, q) -> list[tuple[int, dict]]:
+        """One forward/backward per micro-batch of whole groups of this replica's share.
+
+        Each prompt's loss is divided by the global batch's prompt count, so the replicas'
+        gradients sum to the full batch's mean; batch-level statistics (GRPO's token count and
+        reward scale) are taken over the global batch too.
+        """
+        num_prompts = batch.num_rows // group
         per_micro = self.config.train.micro_batch_size
         bounds = [(s, min(s + per_micro, num_prompts)) for s in range(0, num_prompts, per_micro)]
         micro_batches = [batch.rows(s * group, e * group) for s, e in bounds]
         options = dict(self.config.objective.options)
         params = inspect.signature(self.spec.fn).parameters
         if "tokens_per_example" in params:
-            options.setdefault("tokens_per_example", float(batch.target_mask.sum()) / num_prompts)
+            options.setdefault("tokens_per_example", self.data_parallel.sum(float(batch.target_mask.sum())) / batch_prompts)
         if "batch_rewards" in params and rewards is not None:  # GRPO's scale_rewards="batch" sees all of them
-            options["batch_rewards"] = rewards
+            options["batch_rewards"] = torch.tensor(self.data_parallel.gather(rewards.tolist()), device=self.device)
         if "generator" in params:
             options["generator"] = self.estimator_generator
         if q is not None:
@@ -298,7 +330,7 @@ class Trainer:
             micro_rewards = rewards[start:end] if rewards is not None else None
             out = self.spec.fn(**estimator_inputs(self.spec, logprobs, micro, end - start, micro_rewards), **options)
             collected.append((end - start, {"loss": float(out.per_example.detach().mean()), **out.metrics}))
-            return out.per_example.sum() / num_prompts
+            return out.per_example.sum() / batch_prompts
 
         self.policy.forward_backward(micro_batches, loss_fn)
         return collected
@@ -309,13 +341,15 @@ class Trainer:
         from tqdm import tqdm
 
         examples = self.splits.get(split)
-        generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed + 10_000 + seed_offset)
-        with tqdm(total=len(examples), desc=f"eval {split}", leave=False, dynamic_ncols=True) as bar:
+        mine = self.data_parallel.shard(examples)
+        generator = torch.Generator(device=self.device).manual_seed(self._replica_seed(self.config.train.seed + 10_000 + seed_offset))
+        with tqdm(total=len(mine), desc=f"eval {split}", leave=False, dynamic_ncols=True,
+                  disable=not distributed.is_writer()) as bar:
             outputs = sample_outputs(
-                self.engine, self.chat, self.task, examples, self.config.data.format,
+                self.engine, self.chat, self.task, mine, self.config.data.format,
                 self.config.eval.num_samples, self.config.eval.batch_size, generator, bar,
             )
-        return score_outputs(self.task, examples, outputs, self.config.eval.num_samples)
+        return score_outputs(self.task, examples, self.data_parallel.gather(outputs), self.config.eval.num_samples)
 
     def _validate(self, logger: RunLogger) -> None:
         scores = self.evaluate("validation", seed_offset=self.state["step"])
@@ -329,14 +363,17 @@ class Trainer:
         """Evaluate the best validation checkpoint on the test split and write results.json."""
         best = self.state["best_step"]
         if best is not None and best != self.state["step"]:
-            self.policy.load_weights(self.run_dir / CHECKPOINT_DIR / step_dir_name(best) / "model.safetensors")
+            self.policy.load(self.run_dir / CHECKPOINT_DIR / step_dir_name(best), with_optimizer=False)
         scores = self.evaluate("test")
         logger.log({"kind": "test", "step": self.state["step"], "best_step": best, **scores})
         results = {"objective": self.config.objective.name, "q": self.config.objective.q if self.spec.uses_q else None,
                    "best_step": best, "best_validation": self.state["best_metric"], "test": scores}
+        distributed.on_writer(lambda: self._write_results(results))
+        return results
+
+    def _write_results(self, results: dict[str, Any]) -> None:
         (self.run_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
         plot_runs({self.run_dir.name: read_metrics(self.run_dir)}, self.run_dir / "training.png")
-        return results
 
     # ----------------------------------------------------------------- checkpoints
     def save(self) -> Path:
@@ -347,11 +384,13 @@ class Trainer:
             "torch": torch.get_rng_state(),
             "rollout": self.rollout_generator.get_state(),
             "estimator": self.estimator_generator.get_state(),
+            "replica": self.data_parallel.rank,
         }
         root = self.run_dir / CHECKPOINT_DIR
         path = save_checkpoint(root, self.state["step"], self.policy, state, rng)
         best = self.state["best_step"]
-        prune_checkpoints(root, self.config.train.keep_checkpoints, {path.name} | ({step_dir_name(best)} if best is not None else set()))
+        protect = {path.name} | ({step_dir_name(best)} if best is not None else set())
+        distributed.on_writer(lambda: prune_checkpoints(root, self.config.train.keep_checkpoints, protect))
         return path
 
     def restore(self, checkpoint: Path) -> None:
@@ -363,8 +402,13 @@ class Trainer:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
-        self.rollout_generator.set_state(rng["rollout"])
-        self.estimator_generator.set_state(rng["estimator"])
+        if rng.get("replica", 0) == self.data_parallel.rank:
+            self.rollout_generator.set_state(rng["rollout"])
+            self.estimator_generator.set_state(rng["estimator"])
+        else:  # saved with fewer replicas: this one starts its own streams, fixed by the seed and the step
+            seed = self.config.train.seed + 7919 * state["step"]
+            self.rollout_generator.manual_seed(self._replica_seed(seed))
+            self.estimator_generator.manual_seed(self._replica_seed(seed + 1))
 
     # ----------------------------------------------------------------- preemption
     def _install_signal_handlers(self) -> dict[int, Any]:

@@ -1,5 +1,8 @@
 """Run megatron-core on CPU in N gloo processes, for tests only.
 
+``python tests/megatron_cpu.py ARGS`` is ``nemo-jq ARGS`` with the patches below applied, for
+``torchrun`` to start on CPU.
+
 megatron-core assumes CUDA in a few places that a CPU forward and backward reach. The patches
 below replace exactly those, in the spawned test processes only (never in the package):
 
@@ -57,7 +60,7 @@ def patch_megatron_for_cpu() -> None:
     WrappedTorchNorm.__new__ = staticmethod(_norm_accepting_sequence_parallel)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -84,5 +87,15 @@ def run_in_processes(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     re-raised here with that rank's traceback, and the other ranks are stopped.
     """
     with tempfile.TemporaryDirectory() as results:
-        torch.multiprocessing.spawn(_worker, args=(world_size, _free_port(), results, fn, args), nprocs=world_size)
+        torch.multiprocessing.spawn(_worker, args=(world_size, free_port(), results, fn, args), nprocs=world_size)
         return [torch.load(Path(results) / f"{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from nemo_jq.cli import main
+
+    patch_megatron_for_cpu()
+    os.environ[MEGATRON_ON_CPU] = "1"
+    raise SystemExit(main(sys.argv[1:]))

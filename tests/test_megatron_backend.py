@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -138,9 +140,9 @@ def parity_worker(tensor_parallel: int, sequence_parallel: bool, weights_dir: st
 
     # HFPolicy's weight file (a tied model stores lm_head.weight only) loads into every shard, bit-exact.
     if dist.get_rank() == 0:
-        hf.save_weights(f"{weights_dir}/hf.safetensors")
+        hf.save(weights_dir)
     dist.barrier()
-    policy.load_weights(f"{weights_dir}/hf.safetensors")
+    policy.load(weights_dir, with_optimizer=False)
     diffs["hf_weight_file"] = max_diff(policy.hf_state_dict(), dict(hf.model.named_parameters()))
     if tensor_parallel > 1:
         diffs.update(split_vocab_logprobs(policy.tp_group, policy.tp_rank, tensor_parallel))
@@ -187,11 +189,6 @@ def export_worker(out_dir: str, scratch_dir: str) -> dict[str, float | bool]:
         results["export_bit_exact"] = all(torch.equal(a, hf_state[name]) for name, a in exported.state_dict().items())
         with torch.no_grad():
             results["export_logits"] = float((exported(batch.input_ids).logits - model(batch.input_ids).logits).abs().max())
-
-    state = policy.state_dict()
-    policy.load_state_dict(state)
-    with pytest.raises(ValueError, match="tensor-parallel rank/size"):
-        policy.load_state_dict({**state, "tensor_parallel": [0, 1]})
     refuse_foreign_weights(policy, scratch_dir, hf_state)
     return results
 
@@ -200,13 +197,14 @@ def refuse_foreign_weights(policy, scratch_dir: str, hf_state: dict[str, torch.T
     """Weight files that do not fit the policy's model are errors that name the weight."""
     from safetensors.torch import save_file
 
-    path = f"{scratch_dir}/rank{dist.get_rank()}.safetensors"
-    save_file({name: tensor for name, tensor in hf_state.items() if name != "lm_head.weight"}, path)
+    directory = Path(scratch_dir) / f"rank{dist.get_rank()}"
+    directory.mkdir()
+    save_file({name: tensor for name, tensor in hf_state.items() if name != "lm_head.weight"}, directory / "model.safetensors")
     with pytest.raises(ValueError, match="missing 'lm_head.weight'"):  # an untied model needs its own head
-        policy.load_weights(path)
-    save_file({**hf_state, "model.layers.0.self_attn.o_proj.weight": torch.zeros(32, 48)}, path)
+        policy.load(directory, with_optimizer=False)
+    save_file({**hf_state, "model.layers.0.self_attn.o_proj.weight": torch.zeros(32, 48)}, directory / "model.safetensors")
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.o_proj.weight' has shape \[32, 48\]; the config implies \[32, 64\]"):
-        policy.load_weights(path)
+        policy.load(directory, with_optimizer=False)
 
 
 # ----------------------------------------------------------------- parity over processes
@@ -346,45 +344,99 @@ def test_package_import_is_lazy_and_a_broken_transformer_engine_is_survived(tmp_
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def train_three_steps(run_dir, backend: str) -> list[dict[str, float]]:
-    """Three GARL steps of the recipe with ``model.backend=backend``; the per-step training metrics."""
+def train_steps(run_dir, overrides: list[str], steps: int = 3, resume: bool = False) -> list[dict[str, float]]:
+    """``steps`` steps of the recipe (a new run, or ``resume``d); the per-step training metrics from metrics.jsonl."""
     from helpers import TINY_RUN
     from nemo_jq.config import load_config
     from nemo_jq.monitor import read_metrics
     from nemo_jq.trainer import Trainer
 
-    Trainer(load_config(None, [*TINY_RUN, "train.max_steps=3", "eval.every=1000", "objective.name=garl",
-                               f"model.backend={backend}", f"train.run_dir={run_dir}"])).fit()
-    keys = ("loss", "log_p_hat", "grad_norm", "rollout_tokens")
-    return [{key: record[key] for key in keys} for record in read_metrics(run_dir) if record["kind"] == "train"]
+    if resume:
+        Trainer.resume(run_dir, [f"train.max_steps={steps}"]).fit()
+    else:
+        Trainer(load_config(None, [*TINY_RUN, f"train.max_steps={steps}", "eval.every=1000", f"train.run_dir={run_dir}",
+                                   *overrides])).fit()
+    keys = ("loss", "grad_norm", "rollout_tokens")
+    return [{key: record.get(key) for key in keys} for record in read_metrics(run_dir) if record["kind"] == "train"]
 
 
-def test_the_recipe_trains_alike_on_either_backend(tmp_path):
-    """The trainer never branches on the backend: three steps (rollouts from the refitted HF copy) match."""
+def assert_same_training(ours: list[dict], theirs: list[dict]) -> None:
+    assert [r["rollout_tokens"] for r in ours] == [r["rollout_tokens"] for r in theirs]
+    for mine, other in zip(ours, theirs, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert mine[key] == pytest.approx(other[key], rel=1e-4, abs=1e-5), (key, mine, other)
+
+
+@pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["model.tensor_parallel=2"])], ids=["one-process", "tp2"])
+def test_the_recipe_trains_alike_on_either_backend(world_size, layout, tmp_path):
+    """The trainer never branches on the backend: three GARL steps match the HF backend's, in one process and
+    at TP=2 (where the replica's first rank samples the rollouts from its refitted HF copy and shares them)."""
     from nemo_jq.config import BACKEND_NAMES
     from nemo_jq.models.backends import BACKENDS
 
     assert set(BACKEND_NAMES) == set(BACKENDS)
-    hf = train_three_steps(tmp_path / "hf", "hf")
-    (megatron,) = run_in_processes(train_three_steps, 1, tmp_path / "megatron", "megatron")
-    assert [r["rollout_tokens"] for r in megatron] == [r["rollout_tokens"] for r in hf]
-    for ours, theirs in zip(megatron, hf, strict=True):
-        for key in ("loss", "log_p_hat", "grad_norm"):
-            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), (key, ours, theirs)
+    hf = train_steps(tmp_path / "hf", ["objective.name=garl"])
+    ranks = run_in_processes(train_steps, world_size, tmp_path / "megatron", ["objective.name=garl", "model.backend=megatron", *layout])
+    assert all(metrics == ranks[0] for metrics in ranks)  # every rank reads the one metrics.jsonl rank 0 wrote
+    assert_same_training(ranks[0], hf)
 
 
-def build_megatron_backend_in_two_processes(run_dir) -> None:
+def test_data_parallel_recipe_equals_one_process_and_resumes_in_one(tmp_path):
+    """SFT trains on given targets, so no sampling differs: at DP=2 each replica takes half of each batch,
+    losses are divided by the global prompt count, and two steps equal the HF backend's two steps. The
+    checkpoint then resumes in one process for a third step that equals the HF run's third."""
+    hf = train_steps(tmp_path / "hf", ["objective.name=sft"])
+    megatron = ["objective.name=sft", "model.backend=megatron"]
+    ranks = run_in_processes(train_steps, 2, tmp_path / "dp2", megatron, 2)
+    assert ranks[0] == ranks[1] and len(ranks[0]) == 2  # logged once, by rank 0
+    assert_same_training(ranks[0], hf[:2])
+    checkpoint = tmp_path / "dp2" / "checkpoints" / "step_00000002"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "model.safetensors", "optimizer-tp0of1.pt", "rng-rank1.pt", "rng.pt", "state.json"]
+    (resumed,) = run_in_processes(train_steps, 1, tmp_path / "dp2", [], 3, True)
+    assert_same_training(resumed, hf)
+
+
+def garl_at_two_replicas(run_dir) -> dict[str, Any]:
+    """One GARL step at DP=2: what each replica trained on, and its weights before and after."""
     from helpers import TINY_RUN
     from nemo_jq.config import load_config
     from nemo_jq.trainer import Trainer
 
-    own_dir = run_dir / f"rank{dist.get_rank()}"  # the recipe's files are not rank-aware yet either
-    Trainer(load_config(None, [*TINY_RUN, "model.backend=megatron", f"train.run_dir={own_dir}"]))
+    trainer = Trainer(load_config(None, [*TINY_RUN, "train.max_steps=1", "eval.every=1000", "objective.name=garl",
+                                         "model.backend=megatron", f"train.run_dir={run_dir}"]))
+    examples, before = trainer._next_batch(), trainer.policy.hf_state_dict()
+    trainer.state["position"] = 0
+    trainer.fit()
+    return {"ids": [e.id for e in trainer.data_parallel.shard(examples)], "before": before,
+            "after": trainer.policy.hf_state_dict()}
 
 
-def test_the_megatron_backend_refuses_more_than_one_process_until_the_recipe_is_rank_aware(tmp_path):
-    with pytest.raises(Exception, match="model.backend=megatron runs in one process for now"):
-        run_in_processes(build_megatron_backend_in_two_processes, 2, tmp_path / "run")
+def test_data_parallel_replicas_split_each_batch_and_stay_identical(tmp_path):
+    first, second = run_in_processes(garl_at_two_replicas, 2, tmp_path / "run")
+    assert len(first["ids"]) == len(second["ids"]) == 2 and not set(first["ids"]) & set(second["ids"])
+    assert max_diff(first["after"], first["before"]) > 1e-4
+    assert max_diff(first["after"], second["after"]) == 0.0
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "checkpoints", "config.yaml", "metrics.jsonl", "results.json", "tokenizer", "training.png"]
+
+
+def refuse_a_layout(run_dir, overrides: list[str]) -> None:
+    from helpers import TINY_RUN
+    from nemo_jq.config import load_config
+    from nemo_jq.trainer import Trainer
+
+    Trainer(load_config(None, [*TINY_RUN, "model.backend=megatron", f"train.run_dir={run_dir}", *overrides]))
+
+
+@pytest.mark.parametrize("world_size, overrides, message", [
+    (2, ["model.tensor_parallel=3"], "tensor_parallel=3 does not divide num_attention_heads=4"),
+    (3, ["model.tensor_parallel=2"], "model.tensor_parallel=2 does not divide the 3 processes"),
+    (2, ["train.batch_size=3"], "train.batch_size=3 does not split over 2 data-parallel replicas"),
+])
+def test_impossible_layouts_are_named(world_size, overrides, message, tmp_path):
+    with pytest.raises(Exception, match=message):
+        run_in_processes(refuse_a_layout, world_size, tmp_path / "run", overrides)
 
 
 def test_the_megatron_backend_on_cpu_without_the_patches_is_a_clear_error(tmp_path, capsys):
@@ -393,3 +445,31 @@ def test_the_megatron_backend_on_cpu_without_the_patches_is_a_clear_error(tmp_pa
 
     code = main(["train", *TINY_RUN, "model.backend=megatron", f"train.run_dir={tmp_path / 'run'}"])
     assert code == 2 and "model.backend=megatron needs a CUDA device" in capsys.readouterr().err
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 nemo-jq train ARGS`` on CPU (``megatron_cpu`` applies the test patches first)."""
+    from helpers import TINY_RUN
+    from megatron_cpu import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+               "tests/megatron_cpu.py", "train", *TINY_RUN, "model.backend=megatron", "eval.every=1000", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(["tests", *sys.path])}
+    return subprocess.run(command, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_torchrun_trains_a_data_parallel_run_and_names_a_bad_layout_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    result = torchrun("train.max_steps=2", f"train.run_dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count('"best_step": 2') == 1  # the summary, printed by rank 0 only
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2]
+    assert (run_dir / "checkpoints" / "step_00000002" / "rng-rank1.pt").exists()
+
+    result = torchrun("train.batch_size=3", f"train.run_dir={tmp_path / 'bad'}")
+    assert result.returncode != 0
+    errors = sorted(line for line in result.stderr.splitlines() if line.startswith("nemo-jq train"))
+    assert len(errors) == 2 and errors[0].startswith("nemo-jq train (rank 1): error: train.batch_size=3 "), errors
+    assert errors[1].startswith("nemo-jq train: error: train.batch_size=3 "), errors

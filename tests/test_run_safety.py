@@ -216,7 +216,7 @@ def test_the_debug_environment_variable_shows_the_traceback(tmp_path, monkeypatc
 def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_stays(tmp_path, capsys, monkeypatch):
     from nemo_jq.models.hf import HFPolicy
 
-    original, calls = HFPolicy.save_weights, []
+    original, calls = HFPolicy.save, []
 
     def fill_up(self, path):
         calls.append(path)
@@ -224,7 +224,7 @@ def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_stays(tmp_path, ca
             raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos: file write failed")
         original(self, path)
 
-    monkeypatch.setattr(HFPolicy, "save_weights", fill_up)
+    monkeypatch.setattr(HFPolicy, "save", fill_up)
     monkeypatch.setattr("nemo_jq.checkpoint.shutil.disk_usage", lambda _path: SimpleNamespace(total=1 << 30, used=1 << 30, free=0))
     run_dir = tmp_path / "run"
     code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=4", "train.save_every=2", "eval.every=1000",

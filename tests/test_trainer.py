@@ -159,11 +159,11 @@ def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     good = trainer.save()
     trainer.state["step"] = 7
 
-    def crash(path):
-        Path(path).write_bytes(b"partial")
+    def crash(directory):
+        (Path(directory) / "model.safetensors").write_bytes(b"partial")
         raise KeyboardInterrupt  # as if killed while writing
 
-    trainer.policy.save_weights = crash
+    trainer.policy.save = crash
     with pytest.raises(KeyboardInterrupt):
         trainer.save()
     root = trainer.run_dir / "checkpoints"

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from nemo_jq import distributed
 from nemo_jq.chat import ChatFormat
 from nemo_jq.models.hf import HFPolicy, HFRolloutEngine
 from nemo_jq.models.interfaces import Policy, RolloutEngine
@@ -69,13 +70,20 @@ def _rollout_engine(model: Any, request: BackendRequest) -> HFRolloutEngine:
 @register_backend("hf")
 def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     """One process, one device: the policy trains the HF model in place and the engine samples from it."""
+    if distributed.world_size() > 1:
+        raise ValueError(f"model.backend=hf trains in one process, but this run has {distributed.world_size()}: "
+                         "use model.backend=megatron under torchrun")
     policy = HFPolicy(request.model, device=request.device, **_policy_options(request.config))
     return policy, _rollout_engine(policy.model, request)
 
 
 class RefittedRolloutEngine:
     """An HF engine over a copy of a policy's weights, refitted from ``policy.hf_state_dict()``
-    whenever ``policy.weights_version`` has moved (after an optimizer step or a weight load)."""
+    whenever ``policy.weights_version`` has moved (after an optimizer step or a weight load).
+
+    The ranks of one model replica (``policy.model_parallel_group``) must train on the same
+    rollouts: the group's first rank samples and sends them to the others.
+    """
 
     def __init__(self, engine: HFRolloutEngine, policy: Any):
         self.engine, self.policy, self._version = engine, policy, None
@@ -85,40 +93,47 @@ class RefittedRolloutEngine:
         return self.engine.tokens_generated
 
     def generate(self, prompts, num_samples, *, sample_answers, generator):
-        if self._version != self.policy.weights_version:
+        import torch.distributed as dist
+
+        if self._version != self.policy.weights_version:  # a collective over the replica's ranks
             missing, unexpected = self.engine.model.load_state_dict(self.policy.hf_state_dict(), strict=False)
             if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is the embedding, loaded already
                 raise RuntimeError(f"refit from the policy: missing {missing}, unexpected {unexpected}")
             self._version = self.policy.weights_version
-        return self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator)
+        group = self.policy.model_parallel_group
+        source = dist.get_global_rank(group, 0)
+        rollouts = [None]
+        if dist.get_rank() == source:
+            rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator)]
+        if dist.get_world_size(group) > 1:
+            dist.broadcast_object_list(rollouts, src=source, group=group)
+        return rollouts[0]
 
 
 @register_backend("megatron")
 def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
-    """megatron-core's GPTModel in one process (TP=1); rollouts from an HF copy refitted after each step.
-
-    Multi-rank training (TP/DP over torchrun) needs rank-aware metrics and checkpoints, which the
-    recipe does not have yet, so a world larger than one process is refused.
+    """megatron-core's GPTModel on every rank of the world (one rank without torchrun), tensor- and
+    data-parallel; rollouts from an HF copy refitted after each step (until the rollout engines of
+    issue 11 land, every rank holds such a copy).
     """
     import torch.distributed as dist
 
     from nemo_jq.models.megatron import MegatronPolicy
+    from nemo_jq.models.megatron.provider import check_parallel_layout, read_qwen3_config
 
+    model = request.config.model
+    check_parallel_layout(read_qwen3_config(request.model.config), model.tensor_parallel, model.sequence_parallel)
     if request.device.type != "cuda" and os.environ.get(MEGATRON_ON_CPU) != "1":
         raise ValueError(
             "model.backend=megatron needs a CUDA device (train.device): megatron-core 0.16.1 calls CUDA in its "
             "rotary embeddings and RNG tracker; on CPU it runs only under the test suite's patches"
         )
-    if not dist.is_initialized():
-        if "RANK" in os.environ:  # started by torchrun
-            dist.init_process_group("nccl" if request.device.type == "cuda" else "gloo")
-        else:
-            store = tempfile.NamedTemporaryFile(prefix="nemo_jq_pg_", delete=False).name
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    if dist.get_world_size() > 1:
-        raise ValueError(
-            f"model.backend=megatron runs in one process for now (this world has {dist.get_world_size()}): "
-            "multi-rank training is not wired into the recipe yet"
-        )
-    policy = MegatronPolicy.from_hf_model(request.model, device=request.device, **_policy_options(request.config))
+    if not dist.is_initialized():  # one process, not started by torchrun
+        store = tempfile.NamedTemporaryFile(prefix="nemo_jq_pg_", delete=False).name
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    if dist.get_world_size() % model.tensor_parallel:
+        raise ValueError(f"model.tensor_parallel={model.tensor_parallel} does not divide the {dist.get_world_size()} "
+                         f"processes: start a multiple of {model.tensor_parallel} (torchrun --nproc-per-node)")
+    policy = MegatronPolicy.from_hf_model(request.model, device=request.device, tensor_parallel=model.tensor_parallel,
+                                          sequence_parallel=model.sequence_parallel, **_policy_options(request.config))
     return policy, RefittedRolloutEngine(_rollout_engine(request.model, request), policy)

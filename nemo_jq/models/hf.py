@@ -12,6 +12,7 @@ import torch
 
 from nemo_jq.chat import ChatFormat
 from nemo_jq.config import PRECISIONS
+from nemo_jq.distributed import DataParallel
 from nemo_jq.models.interfaces import LossFn, Rollout, TokenBatch
 from nemo_jq.models.logprobs import chunked_token_logprobs
 
@@ -110,8 +111,21 @@ def make_readable(folder: Path) -> None:
         path.chmod(path.stat().st_mode | 0o644)
 
 
+#: The files of an HF policy's checkpoint: weights in HF layout, and the optimizer's state.
+WEIGHTS_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.pt"
+
+
+def require_files(directory: Path, names: Sequence[str]) -> None:
+    """Raise ``FileNotFoundError`` naming every file of ``names`` that ``directory`` lacks."""
+    missing = [name for name in names if not (Path(directory) / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {directory} is missing {', '.join(missing)}")
+
+
 class HFPolicy:
-    """Trains an HF causal LM: chunked log-probs, AdamW, gradient clipping, bf16 autocast on GPU."""
+    """Trains an HF causal LM in one process: chunked log-probs, AdamW, gradient clipping, bf16 autocast on GPU."""
+
+    data_parallel = DataParallel()
 
     def __init__(self, model: Any, *, device: torch.device, precision: str = "auto", lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -153,23 +167,21 @@ class HFPolicy:
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(grad_norm)}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    def save_weights(self, path: Path) -> None:
+    def save(self, directory: Path) -> None:
+        """``model.safetensors`` and ``optimizer.pt``."""
         from safetensors.torch import save_model
 
-        save_model(self.model, str(path))
+        save_model(self.model, str(Path(directory) / WEIGHTS_FILE))
+        torch.save(self.optimizer.state_dict(), Path(directory) / OPTIMIZER_FILE)
 
-    def load_weights(self, path: Path) -> None:
+    def load(self, directory: Path, *, with_optimizer: bool = True) -> None:
         from safetensors.torch import load_model
 
-        if not Path(path).exists():
-            raise FileNotFoundError(f"no weights at {path}")
-        load_model(self.model, str(path), device=str(self.device))
+        directory = Path(directory)
+        require_files(directory, [WEIGHTS_FILE, *([OPTIMIZER_FILE] if with_optimizer else [])])
+        load_model(self.model, str(directory / WEIGHTS_FILE), device=str(self.device))
+        if with_optimizer:
+            self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
         """Write the model as an HF folder that plain ``transformers`` code uses as training did (:func:`export_hf_model`)."""

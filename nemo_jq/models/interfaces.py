@@ -14,6 +14,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from nemo_jq.distributed import DataParallel
+
 
 @dataclass
 class Rollout:
@@ -67,6 +69,9 @@ LossFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 class Policy(Protocol):
+    #: This rank's share of the data (``DataParallel()``: all of it, in one process).
+    data_parallel: DataParallel
+
     def token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """``[N, L-1]`` fp32 log-probs of the target tokens (0 elsewhere); differentiable under grad."""
         ...
@@ -79,13 +84,13 @@ class Policy(Protocol):
         """Clip, step, zero the gradients; return e.g. the pre-clip gradient norm."""
         ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def save(self, directory: Path) -> None:
+        """Write the weights and optimizer state into ``directory`` (a collective: every rank calls it)."""
+        ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def save_weights(self, path: Path) -> None: ...
-
-    def load_weights(self, path: Path) -> None: ...
+    def load(self, directory: Path, *, with_optimizer: bool = True) -> None:
+        """Read what ``save`` wrote (a collective); ``FileNotFoundError`` names what is missing."""
+        ...
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
         """Write an HF folder that ``AutoModelForCausalLM.from_pretrained`` loads unchanged."""

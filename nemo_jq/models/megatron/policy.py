@@ -10,12 +10,14 @@ the same files as ``HFPolicy``'s, whatever the TP size; optimizer state stays pe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from nemo_jq.models.hf import autocast_context, check_precision, export_hf_model
+from nemo_jq import distributed
+from nemo_jq.distributed import DataParallel
+from nemo_jq.models.hf import WEIGHTS_FILE, autocast_context, check_precision, export_hf_model, require_files
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs
@@ -67,6 +69,10 @@ class MegatronPolicy:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size, self.tp_rank = tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.data_parallel = DataParallel(parallel_state.get_data_parallel_rank(),
+                                          parallel_state.get_data_parallel_world_size(), self.dp_group)
+        #: The ranks holding one replica (its TP ranks): they see the same data.
+        self.model_parallel_group = parallel_state.get_model_parallel_group()
         self.uses_transformer_engine = uses_transformer_engine()
         self.model = build_gpt_model(self.arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
                                      use_cpu_initialization=self.device.type == "cpu")
@@ -157,16 +163,6 @@ class MegatronPolicy:
         return squares.sqrt()
 
     # ----------------------------------------------------------------- weights
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (moments of its own shard)."""
-        return {"optimizer": self.optimizer.state_dict(), "tensor_parallel": [self.tp_rank, self.tp_size]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("tensor_parallel") != [self.tp_rank, self.tp_size]:
-            raise ValueError(f"optimizer state is for tensor-parallel rank/size {state.get('tensor_parallel')}; "
-                             f"this rank is {[self.tp_rank, self.tp_size]}")
-        self.optimizer.load_state_dict(state["optimizer"])
-
     def gather_hf(self, per_parameter: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-parameter tensors (weights, gradients, ...) of this rank's shard, gathered over TP into HF layout.
 
@@ -193,26 +189,40 @@ class MegatronPolicy:
             for name, param in params.items():
                 param.copy_(shards[name])
 
-    def save_weights(self, path: Path) -> None:
-        """HF-layout safetensors (loadable by ``HFPolicy.load_weights`` too), written by global rank 0."""
+    def save(self, directory: Path) -> None:
+        """HF-layout ``model.safetensors`` (written by global rank 0, loadable by ``HFPolicy`` too) and
+        each tensor-parallel rank's optimizer state (written by data-parallel rank 0)."""
         from safetensors.torch import save_file
 
         hf_state = {name: tensor.cpu().contiguous() for name, tensor in self.hf_state_dict().items()}
-        _on_rank_zero(lambda: save_file(hf_state, str(path)))
+        if dist.get_rank() == 0:
+            save_file(hf_state, str(Path(directory) / WEIGHTS_FILE))
+        if self.data_parallel.rank == 0:
+            torch.save({"optimizer": self.optimizer.state_dict(), "tensor_parallel": [self.tp_rank, self.tp_size]},
+                       Path(directory) / self._optimizer_file())
 
-    def load_weights(self, path: Path) -> None:
-        """HF-layout safetensors (from ``save_weights`` or ``HFPolicy.save_weights``), each rank taking its shard."""
+    def load(self, directory: Path, *, with_optimizer: bool = True) -> None:
+        """Each rank takes its shard of ``model.safetensors`` (from ``save`` or ``HFPolicy.save``) and its optimizer state."""
         from safetensors.torch import load_file
 
-        if not Path(path).exists():
-            raise FileNotFoundError(f"no weights at {path}")
-        self._load_hf_state(load_file(str(path), device=str(self.device)))
+        directory = Path(directory)
+        require_files(directory, [WEIGHTS_FILE, *([self._optimizer_file()] if with_optimizer else [])])
+        self._load_hf_state(load_file(str(directory / WEIGHTS_FILE), device=str(self.device)))
         self.weights_version += 1
+        if with_optimizer:
+            state = torch.load(directory / self._optimizer_file(), weights_only=True)
+            if state["tensor_parallel"] != [self.tp_rank, self.tp_size]:
+                raise ValueError(f"{directory / self._optimizer_file()} holds tensor-parallel rank/size "
+                                 f"{state['tensor_parallel']}; this rank is {[self.tp_rank, self.tp_size]}")
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def _optimizer_file(self) -> str:
+        return f"optimizer-tp{self.tp_rank}of{self.tp_size}.pt"
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
         """Gather the weights into an HF model and write it with ``export_hf_model`` (on global rank 0)."""
         hf_state = {name: tensor.cpu() for name, tensor in self.hf_state_dict().items()}
-        _on_rank_zero(lambda: export_hf_model(hf_model(self.arch, hf_state), out_dir, tokenizer))
+        distributed.on_writer(lambda: export_hf_model(hf_model(self.arch, hf_state), out_dir, tokenizer))
 
 
 def hf_model(arch: Qwen3Architecture, hf_state: Mapping[str, torch.Tensor]) -> Any:
@@ -254,19 +264,3 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> N
     dist.all_reduce(flat, group=group)
     for tensor, synced in zip(tensors, flat.split([tensor.numel() for tensor in tensors])):
         tensor.copy_(synced.view_as(tensor))
-
-
-def _on_rank_zero(write: Callable[[], None]) -> None:
-    """Run ``write`` on global rank 0 only; every rank returns when it is done, or raises if it failed."""
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            write()
-        except Exception as err:
-            error = err
-    outcome = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(outcome, src=0)
-    if error is not None:
-        raise error
-    if outcome[0] is not None:
-        raise RuntimeError(f"rank 0 failed to write: {outcome[0]}")

@@ -1,0 +1,127 @@
+"""Who this process is in a multi-process run, and the few collectives the recipe needs.
+
+The recipe is SPMD: under ``torchrun`` every rank runs the same loop over the same global
+batches. Each data-parallel (DP) rank trains on its own share of a batch's prompt groups; the
+ranks of one model replica (its tensor- and pipeline-parallel ranks) see the same share. Files
+are written by global rank 0 only. In one process every function here is a no-op, so the
+recipe reads the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class OtherRankFailed(RuntimeError):
+    """Raised on the ranks that did not fail themselves; the message says which rank failed and how."""
+
+
+def init_from_env(device: torch.device) -> torch.device:
+    """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment), once,
+    and return this rank's device: its ``LOCAL_RANK`` GPU on CUDA (NCCL), else ``device`` (gloo)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_writer() -> bool:
+    """Whether this rank writes the run's files (global rank 0)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def largest(value: int) -> int:
+    """The largest ``value`` over all ranks (e.g. a stop signal that reached only some of them)."""
+    return max(_gather_objects(value))
+
+
+def on_writer(write: Callable[[], T]) -> T:
+    """Run ``write`` on global rank 0 and return its result on every rank; if it fails, every rank raises."""
+    return everywhere(write if is_writer() else lambda: None, share_from_writer=True)
+
+
+def everywhere(action: Callable[[], T], *, share_from_writer: bool = False) -> T:
+    """Run ``action`` on every rank; if it fails on any, every rank raises, so none waits forever
+    in a later collective (a full disk seen by one rank stops them all).
+
+    Returns this rank's result, or rank 0's on every rank with ``share_from_writer``.
+    """
+    error = None
+    try:
+        result = action()
+    except Exception as err:  # re-raised below, on this rank and (as a message) on the others
+        error, result = err, None
+    if world_size() == 1:
+        if error is not None:
+            raise error
+        return result
+    outcomes = _gather_objects((None if error is None else f"{type(error).__name__}: {error}",
+                                result if share_from_writer and is_writer() else None))
+    if error is not None:
+        raise error
+    failed = [f"rank {rank}: {message}" for rank, (message, _) in enumerate(outcomes) if message is not None]
+    if failed:
+        raise OtherRankFailed("; ".join(failed))
+    return outcomes[0][1] if share_from_writer else result
+
+
+def _gather_objects(value: T, group: Any = None) -> list[T]:
+    """``value`` from every rank of ``group`` (default: the world), in rank order."""
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size == 1:
+        return [value]
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This rank's place among the model replicas, and the collectives over them.
+
+    ``group`` is the torch.distributed group of the ranks that hold the other replicas' copy of
+    this rank's shard (None: one replica).
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This replica's contiguous share; the first ``len % size`` replicas take one more."""
+        base, extra = divmod(len(items), self.size)
+        start = self.rank * base + min(self.rank, extra)
+        return list(items[start : start + base + (self.rank < extra)])
+
+    def gather(self, local: list[T]) -> list[T]:
+        """Every replica's ``local`` list, concatenated in replica order (the inverse of ``shard``)."""
+        if self.size == 1:
+            return list(local)
+        return [item for piece in _gather_objects(local, self.group) for item in piece]
+
+    def sum(self, value: float) -> float:
+        return float(sum(self.gather([value])))
