@@ -9,7 +9,9 @@ below replace exactly those, in the spawned test processes only (never in the pa
 * ``RotaryEmbedding.get_emb`` moves its frequencies to the current CUDA device;
 * ``CudaRNGStatesTracker.fork`` (around dropout) swaps CUDA RNG states;
 * ``GlobalMemoryBuffer.get_tensor`` (sequence-parallel all-gathers) allocates on CUDA;
-* ``torch.cuda.current_device`` places sequence-parallel reduce-scatter outputs;
+* ``torch.cuda.current_device`` places sequence-parallel reduce-scatter outputs (and a distributed
+  checkpoint's failure flags);
+* ``torch.cuda.synchronize`` waits for the device-to-host copies of a distributed checkpoint;
 * the local spec's torch norm refuses sequence parallelism, which only needs its weight gradient
   summed over the TP ranks: the replacement marks the weight ``sequence_parallel`` as
   Transformer Engine's norms do, and the policy sums such gradients.
@@ -57,6 +59,7 @@ def patch_megatron_for_cpu() -> None:
     CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     GlobalMemoryBuffer.get_tensor = _buffer_on_cpu
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
     WrappedTorchNorm.__new__ = staticmethod(_norm_accepting_sequence_parallel)
 
 

@@ -40,7 +40,7 @@ OPTIM = {"lr": 1e-2, "eps": 1e-3, "grad_clip": 0.1}
 
 def untied_qwen3(seed: int = 0):
     """Like Qwen3-8B in the ways that matter here: untied LM head, head_dim != hidden/heads, rope base 1e6;
-    and a vocabulary (317) that TP=2 must pad."""
+    and a vocabulary (317) that Megatron must pad."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(vocab_size=317, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -229,6 +229,75 @@ def test_untied_tp2_round_trip_and_export_are_bit_exact(tmp_path):
     assert json.loads((out_dir / "config.json").read_text())["tie_word_embeddings"] is False
 
 
+def garl_step(policy, batch: TokenBatch) -> None:
+    micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
+    policy.forward_backward(micro_batches, garl_loss_fn(micro_batches, []))
+    policy.optimizer_step()
+
+
+def train_and_save_worker(checkpoint_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Untied odd-vocabulary model at TP=2: a GARL step, a distributed checkpoint, a second step."""
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    policy = MegatronPolicy.from_hf_model(untied_qwen3(), tensor_parallel=2, **OPTIM)
+    batch = garl_batch(policy.arch.vocab_size)
+    garl_step(policy, batch)
+    policy.save(Path(checkpoint_dir))
+    after_one = policy.hf_state_dict()
+    garl_step(policy, batch)
+    return {"after_one": after_one, "after_two": policy.hf_state_dict()}
+
+
+def resume_at_tp1_worker(checkpoint_dir: str, out_dir: str, scratch_dir: str) -> dict[str, Any]:
+    """The TP=2 checkpoint resumed at TP=1 into other weights: loaded weights, the second step, the export;
+    then the errors for a checkpoint without optimizer state, one that lacks a weight, one of another model."""
+    from megatron.core import dist_checkpointing
+
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    _, tokenizer, _, tied_model = tiny_setup()
+    policy = MegatronPolicy.from_hf_model(untied_qwen3(seed=5), tensor_parallel=1, **OPTIM)
+    policy.load(Path(checkpoint_dir))
+    loaded = policy.hf_state_dict()
+    garl_step(policy, garl_batch(policy.arch.vocab_size))
+    policy.export(Path(out_dir), tokenizer)
+
+    untrained = Path(scratch_dir) / "untrained"
+    MegatronPolicy.from_hf_model(untied_qwen3(), **OPTIM).save(untrained)
+    with pytest.raises(FileNotFoundError, match="holds no optimizer state"):
+        policy.load(untrained)
+    without_final_norm = Path(scratch_dir) / "without_final_norm"
+    (without_final_norm / "megatron").mkdir(parents=True)
+    dist_checkpointing.save({"model": {key: value for key, value in policy.model.sharded_state_dict().items()
+                                       if "final_layernorm" not in key},
+                             "hf_config": policy.arch.hf_config, "has_optimizer_state": False}, str(without_final_norm / "megatron"))
+    with pytest.raises(ValueError, match=r"lacks 1 weight\(s\) this model needs: 'decoder.final_layernorm.weight'"):
+        policy.load(without_final_norm, with_optimizer=False)
+    tied = MegatronPolicy.from_hf_model(tied_model, **OPTIM)
+    with pytest.raises(ValueError, match=r"saved from another model: vocab_size 317 there, \d+ here, .*"
+                                         r"tie_word_embeddings False there, True here"):
+        tied.load(untrained, with_optimizer=False)
+    return {"loaded": loaded, "after_two": policy.hf_state_dict()}
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1_and_exports_the_same_model(tmp_path):
+    """HF -> Megatron TP=2 -> distributed checkpoint -> resume at TP=1 (weights and AdamW moments resharded)
+    -> the next step equals TP=2's own -> the export loads in plain transformers with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, out_dir = tmp_path / "checkpoint", tmp_path / "hf"
+    trained = run_in_processes(train_and_save_worker, 2, str(checkpoint))
+    assert max_diff(trained[0]["after_one"], untied_qwen3().state_dict()) > 1e-3  # the step moved the weights
+    (resumed,) = run_in_processes(resume_at_tp1_worker, 1, str(checkpoint), str(out_dir), str(tmp_path))
+    assert max_diff(resumed["loaded"], trained[0]["after_one"]) == 0
+    assert max_diff(resumed["after_two"], trained[0]["after_two"]) < 1e-6
+    exported, expected = AutoModelForCausalLM.from_pretrained(out_dir), untied_qwen3()
+    expected.load_state_dict(trained[0]["after_two"])
+    input_ids = garl_batch(317).input_ids
+    with torch.no_grad():
+        assert float((exported(input_ids).logits - expected(input_ids).logits).abs().max()) < 1e-5
+
+
 # ----------------------------------------------------------------- single process: mapping, kernel, errors
 @pytest.mark.parametrize("fused_norms", [False, True], ids=["local-spec", "te-spec"])
 def test_mapping_layouts_and_bit_exact_round_trip(fused_norms):
@@ -247,9 +316,10 @@ def test_mapping_layouts_and_bit_exact_round_trip(fused_norms):
     gate, up = hf_state[mlp + "gate_proj.weight"], hf_state[mlp + "up_proj.weight"]
     assert torch.equal(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate[32:], up[32:]]))
     assert torch.equal(shards[0]["decoder.layers.0.mlp.linear_fc2.weight"], hf_state[mlp + "down_proj.weight"][:, :32])
-    # 317 rows pad to 318: rank 1 ends in one zero row
+    # 317 rows pad to 384 (a multiple of 128, whatever the TP size): rank 1 holds rows 192..383, the last 67 zero
     embedding = shards[1]["embedding.word_embeddings.weight"]
-    assert embedding.shape[0] == 159 and not embedding[-1].any()
+    assert embedding.shape[0] == 192 and torch.equal(embedding[:125], hf_state["model.embed_tokens.weight"][192:])
+    assert not embedding[125:].any()
 
     back = megatron_to_hf(shards, arch)
     assert back.keys() == hf_state.keys() and all(torch.equal(back[name], hf_state[name]) for name in back)
@@ -392,7 +462,7 @@ def test_data_parallel_recipe_equals_one_process_and_resumes_in_one(tmp_path):
     assert_same_training(ranks[0], hf[:2])
     checkpoint = tmp_path / "dp2" / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
-        "model.safetensors", "optimizer-tp0of1.pt", "rng-rank1.pt", "rng.pt", "state.json"]
+        "megatron", "rng-rank1.pt", "rng.pt", "state.json"]
     (resumed,) = run_in_processes(train_steps, 1, tmp_path / "dp2", [], 3, True)
     assert_same_training(resumed, hf)
 

@@ -9,7 +9,7 @@ Most weights rename one to one. Four layouts differ:
   because the SwiGLU on each rank splits its own shard in halves;
 * row-parallel weights (``linear_proj``, ``linear_fc2``) split their input dimension;
 * the embedding and the untied LM head split the vocabulary, padded with zero rows to a
-  multiple of TP (``provider.padded_vocab_size``); gathering drops the padding again.
+  multiple of 128 and of TP (``provider.padded_vocab_size``); gathering drops the padding again.
 
 Norm weights are replicated on every rank. Only slicing and concatenation happen, so the round
 trip HF -> shards -> HF is bit-exact. Pure torch: no megatron import.

@@ -3,8 +3,8 @@
 It runs SPMD: every rank of the ``torch.distributed`` world builds the policy from the same HF
 config and weights and keeps its own shard. Consecutive ranks form tensor-parallel (TP) groups,
 which see the same micro-batches; the TP groups are data-parallel (DP) replicas, which see
-different ones. Weights go in and out in HF layout (``mapping``), so weight files and exports are
-the same files as ``HFPolicy``'s, whatever the TP size; optimizer state stays per rank.
+different ones. Weights come in and exports go out in HF layout (``mapping``); checkpoints are
+Megatron distributed checkpoints (``checkpoint``), which resume at any TP size.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from nemo_jq import distributed
 from nemo_jq.distributed import DataParallel
-from nemo_jq.models.hf import WEIGHTS_FILE, autocast_context, check_precision, export_hf_model, require_files
+from nemo_jq.models.hf import WEIGHTS_FILE, autocast_context, check_precision, export_hf_model
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
+from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs
 from nemo_jq.models.megatron.mapping import hf_to_megatron, is_tensor_parallel, megatron_to_hf
 from nemo_jq.models.megatron.provider import (
@@ -166,11 +167,12 @@ class MegatronPolicy:
     def gather_hf(self, per_parameter: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-parameter tensors (weights, gradients, ...) of this rank's shard, gathered over TP into HF layout.
 
-        A collective: every TP rank calls it, and each gets the full HF-named result.
+        A collective: every TP rank calls it, and each gets the full HF-named result: copies, never
+        views of the live tensors, so later training steps do not change it.
         """
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
         for name, tensor in per_parameter.items():
-            pieces = [tensor.detach()]
+            pieces = [tensor.detach().clone()]
             if self.tp_size > 1:
                 pieces = [torch.empty_like(tensor) for _ in range(self.tp_size)]
                 dist.all_gather(pieces, tensor.detach().contiguous(), group=self.tp_group)
@@ -190,34 +192,20 @@ class MegatronPolicy:
                 param.copy_(shards[name])
 
     def save(self, directory: Path) -> None:
-        """HF-layout ``model.safetensors`` (written by global rank 0, loadable by ``HFPolicy`` too) and
-        each tensor-parallel rank's optimizer state (written by data-parallel rank 0)."""
-        from safetensors.torch import save_file
-
-        hf_state = {name: tensor.cpu().contiguous() for name, tensor in self.hf_state_dict().items()}
-        if dist.get_rank() == 0:
-            save_file(hf_state, str(Path(directory) / WEIGHTS_FILE))
-        if self.data_parallel.rank == 0:
-            torch.save({"optimizer": self.optimizer.state_dict(), "tensor_parallel": [self.tp_rank, self.tp_size]},
-                       Path(directory) / self._optimizer_file())
+        """A Megatron distributed checkpoint of the weights and AdamW state (``checkpoint.save_sharded``):
+        every rank writes its own shard, and any TP size can load it."""
+        save_sharded(directory, self.model, self.optimizer, self.arch)
 
     def load(self, directory: Path, *, with_optimizer: bool = True) -> None:
-        """Each rank takes its shard of ``model.safetensors`` (from ``save`` or ``HFPolicy.save``) and its optimizer state."""
+        """From ``save`` at any TP size; or, weights only, from an HF ``model.safetensors`` (``HFPolicy.save``)."""
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        require_files(directory, [WEIGHTS_FILE, *([self._optimizer_file()] if with_optimizer else [])])
-        self._load_hf_state(load_file(str(directory / WEIGHTS_FILE), device=str(self.device)))
+        if with_optimizer or has_sharded_checkpoint(directory) or not (directory / WEIGHTS_FILE).exists():
+            load_sharded(directory, self.model, self.optimizer if with_optimizer else None, self.arch)
+        else:
+            self._load_hf_state(load_file(str(directory / WEIGHTS_FILE), device=str(self.device)))
         self.weights_version += 1
-        if with_optimizer:
-            state = torch.load(directory / self._optimizer_file(), weights_only=True)
-            if state["tensor_parallel"] != [self.tp_rank, self.tp_size]:
-                raise ValueError(f"{directory / self._optimizer_file()} holds tensor-parallel rank/size "
-                                 f"{state['tensor_parallel']}; this rank is {[self.tp_rank, self.tp_size]}")
-            self.optimizer.load_state_dict(state["optimizer"])
-
-    def _optimizer_file(self) -> str:
-        return f"optimizer-tp{self.tp_rank}of{self.tp_size}.pt"
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
         """Gather the weights into an HF model and write it with ``export_hf_model`` (on global rank 0)."""

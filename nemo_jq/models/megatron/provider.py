@@ -126,13 +126,20 @@ def check_parallel_layout(arch: Qwen3Architecture, tensor_parallel: int, sequenc
         raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
 
 
-def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
-    """The embedding rows Megatron allocates: the vocabulary rounded up to split evenly over TP.
+#: Embedding rows are allocated in multiples of this (times TP where TP does not divide it), as Megatron-LM's
+#: ``make_vocab_size_divisible_by``; so a checkpoint's padded vocabulary is the same at TP 1, 2, 4, ... 128.
+VOCAB_PADDING_MULTIPLE = 128
 
-    Qwen3's 151936 already splits over 2, 4 and 8 ranks; small tokenizers may not. The padding
-    rows are zeros that no input selects and whose logits ``logprobs`` masks out.
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    """The embedding rows Megatron allocates: the vocabulary rounded up to a multiple of
+    ``lcm(VOCAB_PADDING_MULTIPLE, TP)``, so it splits evenly over TP.
+
+    Qwen3's 151936 (= 1187 x 128) needs no padding at any power-of-two TP; small tokenizers may.
+    The padding rows are zeros that no input selects and whose logits ``logprobs`` masks out.
     """
-    return math.ceil(vocab_size / tensor_parallel) * tensor_parallel
+    multiple = math.lcm(VOCAB_PADDING_MULTIPLE, tensor_parallel)
+    return math.ceil(vocab_size / multiple) * multiple
 
 
 def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,

@@ -1,0 +1,121 @@
+"""Megatron distributed checkpoints of a ``GPTModel`` shard and its AdamW state, loadable at any TP size.
+
+Every rank writes its own shard with ``megatron.core.dist_checkpointing``; the checkpoint stores
+each tensor in its global (unsharded) layout, so a run saved at one tensor-parallel size resumes
+at another: each rank reads just the slices its new shard needs, and no rank ever holds the whole
+model. AdamW's moments are sharded exactly like their parameters (megatron-core's
+``optim_state_to_sharding_state``), and its step count, shared by all parameters, is stored once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_jq.models.megatron import transformer_engine_usable
+from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_config
+
+transformer_engine_usable()  # before importing megatron.core
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core.dist_checkpointing.optimizer import (  # noqa: E402
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
+from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory  # noqa: E402
+
+#: The distributed checkpoint's folder inside a nemo_jq checkpoint directory.
+SHARDED_DIR = "megatron"
+_MODEL, _OPTIMIZER, _ARCH, _STEP = "model", "optimizer", "hf_config", "common_step"
+_HAS_OPTIMIZER = "has_optimizer_state"
+
+
+def has_sharded_checkpoint(directory: Path) -> bool:
+    return (Path(directory) / SHARDED_DIR / "metadata.json").exists()
+
+
+def save_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer, arch: Qwen3Architecture) -> None:
+    """Write ``directory/megatron`` (a collective: every rank of the world calls it)."""
+    target = Path(directory) / SHARDED_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    model_state = model.sharded_state_dict()
+    state = {_MODEL: model_state, _ARCH: arch.hf_config, _HAS_OPTIMIZER: bool(optimizer.state)}
+    if optimizer.state:
+        state[_OPTIMIZER] = _sharded_optimizer_state(model_state, optimizer)
+    dist_checkpointing.save(state, str(target))
+
+
+def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer | None, arch: Qwen3Architecture) -> None:
+    """Fill this rank's shard of ``model`` (and ``optimizer``'s state) from ``directory/megatron``.
+
+    Raises ``ValueError`` when the checkpoint belongs to another architecture or lacks a weight
+    (naming the key), and ``FileNotFoundError`` when optimizer state is asked for but was not saved.
+    """
+    source = Path(directory) / SHARDED_DIR
+    common = _common_state(source, arch)
+    if optimizer is not None and not common[_HAS_OPTIMIZER]:
+        raise FileNotFoundError(f"checkpoint {directory} holds no optimizer state (saved before the first step)")
+    model_state = model.sharded_state_dict()
+    missing = sorted({value.key for value in nested_values(model_state) if isinstance(value, (ShardedTensor, ShardedTensorFactory))}
+                     - set(dist_checkpointing.load_tensors_metadata(str(source))))
+    if missing:
+        raise ValueError(f"checkpoint {source} lacks {len(missing)} weight(s) this model needs: "
+                         f"{', '.join(repr(name) for name in missing[:3])}{', ...' if len(missing) > 3 else ''}")
+    request = {_MODEL: model_state}
+    if optimizer is not None:
+        _initialise_adam_state(optimizer)
+        request[_OPTIMIZER] = _sharded_optimizer_state(model_state, optimizer)
+    loaded = dist_checkpointing.load(request, str(source))
+    model.load_state_dict(loaded[_MODEL], strict=True)
+    if optimizer is not None:
+        _load_optimizer_state(optimizer, loaded[_OPTIMIZER])
+
+
+def _common_state(source: Path, arch: Qwen3Architecture) -> dict[str, Any]:
+    """The checkpoint's non-tensor state, once its architecture is checked against ``arch``."""
+    if not (source / "metadata.json").exists():
+        raise FileNotFoundError(f"checkpoint {source.parent} is missing {SHARDED_DIR}/ (a Megatron distributed checkpoint)")
+    common = dist_checkpointing.load_common_state_dict(str(source))
+    saved = read_qwen3_config(common[_ARCH])
+    differing = [name for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim", "tie_word_embeddings")
+                 if getattr(saved, name) != getattr(arch, name)]
+    if differing:
+        raise ValueError(f"checkpoint {source} was saved from another model: "
+                         + ", ".join(f"{name} {getattr(saved, name)} there, {getattr(arch, name)} here" for name in differing))
+    return common
+
+
+def _sharded_optimizer_state(model_state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with each moment a ShardedTensor placed like its parameter."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    state = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own: copy before changing
+    steps = {float(entry["step"]) for entry in state["state"].values() if "step" in entry}
+    state["state"] = {index: {key: value for key, value in entry.items() if key != "step"}
+                      for index, entry in state["state"].items()}
+    if len(steps) > 1:
+        raise ValueError(f"the optimizer's parameters are at different steps {sorted(steps)}; they must share one")
+    optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_state, params))
+    state["state"][_STEP] = torch.tensor(steps.pop() if steps else 0.0)
+    return state
+
+
+def _initialise_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Zero moments for parameters that have none yet, as ``torch.optim.AdamW`` would make on its first step,
+    so that the state to load into has every tensor's shape."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not optimizer.state[param]:
+                optimizer.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+    """Load the moments and the shared step; hyperparameters stay this optimizer's own (the trainer sets the lr)."""
+    step = loaded["state"].pop(_STEP)
+    for entry in loaded["state"].values():
+        entry["step"] = step.clone()
+    loaded["param_groups"] = optimizer.state_dict()["param_groups"]
+    optimizer.load_state_dict(loaded)
