@@ -23,3 +23,17 @@ def test_step_overhead_quick_run_writes_every_ratio(tmp_path):
     for ratio in report["paired_step_ratios"].values():
         assert 0 < ratio["ci95_low"] <= ratio["median"] <= ratio["ci95_high"]
     assert all(0 < share < 1 for share in report["estimator_share_of_step"].values())
+
+
+def test_megatron_backend_quick_run_writes_memory_and_step_ratio(tmp_path):
+    out = tmp_path / "megatron.json"
+    result = subprocess.run([sys.executable, "bench/megatron_backend.py", "--quick", "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    memory = report["head_memory"]
+    assert memory["tp1_peak_gb"] > memory["tp2_peak_gb_per_rank"] > 0
+    assert memory["tp2_over_tp1"] == memory["tp2_peak_gb_per_rank"] / memory["tp1_peak_gb"]
+    ratio = report["megatron_tp1_over_hf_step"]
+    assert 0 < ratio["ci95_low"] <= ratio["median"] <= ratio["ci95_high"]
+    assert report["step_seconds"]["megatron_tp1"] > 0 and report["step_seconds"]["hf"] > 0
