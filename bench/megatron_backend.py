@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from step_overhead import paired_ratio, tiny_overrides  # noqa: E402
+from step_overhead import SETUP_KEYS, add_common_arguments, paired_ratio, tiny_overrides  # noqa: E402
 
 
 def head_peak_bytes(tokens: int, vocab: int, hidden: int, chunk: int) -> int:
@@ -96,20 +96,7 @@ def step_times(args, work: Path) -> tuple[list[float], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=8, help="M")
-    parser.add_argument("--thinking", type=int, default=24)
-    parser.add_argument("--answer", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--q", type=float, default=0.75)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--mem-tokens", type=int, default=4096)
-    parser.add_argument("--mem-vocab", type=int, default=151936)
-    parser.add_argument("--mem-hidden", type=int, default=1024)
-    parser.add_argument("--chunk", type=int, default=256)
-    parser.add_argument("--quick", action="store_true", help="few repeats and a small memory case (smoke test)")
+    add_common_arguments(parser)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "megatron_backend.json")
     args = parser.parse_args()
     if args.quick:
@@ -129,8 +116,7 @@ def main() -> None:
         megatron, hf = step_times(args, Path(tmp))
     ratio = paired_ratio(megatron, hf)
     result = {
-        "setup": {k: getattr(args, k) for k in ("prompts", "samples", "thinking", "answer", "hidden", "q", "repeats",
-                                              "threads", "mem_tokens", "mem_vocab", "mem_hidden", "chunk")},
+        "setup": {k: getattr(args, k) for k in SETUP_KEYS},
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "head_memory": memory,

@@ -210,8 +210,13 @@ def memory_comparison(args) -> dict[str, float]:
             "chunked_over_naive": results["chunked"] / results["naive"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+#: The settings every benchmark here records in its results.
+SETUP_KEYS = ("prompts", "samples", "thinking", "answer", "hidden", "q", "repeats", "threads", "mem_tokens", "mem_vocab",
+              "mem_hidden", "chunk")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tiny training setup and the memory case, shared by the benchmarks in bench/."""
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8, help="M")
     parser.add_argument("--thinking", type=int, default=24)
@@ -226,6 +231,11 @@ def main() -> None:
     parser.add_argument("--mem-hidden", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="few repeats and a small memory case (smoke test)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser)
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "step_overhead.json")
     parser.add_argument("--memory-probe", choices=("naive", "chunked"), help=argparse.SUPPRESS)
@@ -253,8 +263,7 @@ def main() -> None:
     estimator_share = {name: statistics.median(e / s for e, s in zip(estimator_rounds[name], rounds[name]))
                        for name in rounds}
     result = {
-        "setup": {k: getattr(args, k) for k in ("prompts", "samples", "thinking", "answer", "hidden", "q", "repeats",
-                                              "threads", "mem_tokens", "mem_vocab", "mem_hidden", "chunk")},
+        "setup": {k: getattr(args, k) for k in SETUP_KEYS},
         "torch": torch.__version__,
         "step_seconds": {**steps, **({"trl_grpo": trl} if trl is not None else {})},
         "paired_step_ratios": paired,
