@@ -64,6 +64,24 @@ def main(argv: list[str] | None = None) -> int:
                       help="jsonl: user-turn template over {question} and {context}; \\n is a new line")
     prep.add_argument("--system", type=_with_escapes, help="jsonl: system message for the warm format; \\n is a new line")
 
+    planner = commands.add_parser(
+        "plan", help="estimate per-GPU memory of every TP x PP x DP layout and recommend one",
+        description="nemo-jq plan --model 8b --gpus-per-node 8 --nodes 2 --gpu-memory 80",
+        epilog=_plan_assumptions(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    planner.add_argument("--model", required=True, help="a Qwen3 size (0.6b, 1.7b, 4b, 8b, 14b, 32b) or an HF config.json / folder")
+    planner.add_argument("--gpus-per-node", type=_positive, default=8)
+    planner.add_argument("--nodes", type=_positive, default=1)
+    planner.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
+    planner.add_argument("--seq-len", type=_positive, default=4096, help="prompt + thinking + answer tokens")
+    planner.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
+    planner.add_argument("--samples", type=_positive, default=32, help="M, rollouts per prompt")
+    planner.add_argument("--batch-prompts", type=_positive, default=64, help="prompts per optimizer step (train.batch_size)")
+    planner.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    planner.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    planner.add_argument("--optimizer", default="fp32-adamw", choices=("fp32-adamw", "bf16-distopt"),
+                         help="fp32-adamw: today's backend; bf16-distopt: bf16 weights, distributed optimizer")
+    planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     theory = commands.add_parser("theory", help="print the paper's stylised results and plot escape times")
     theory.add_argument("--out", type=Path, default=Path("runs/theory"), help="directory for theory.json and escape_time.png")
 
@@ -119,6 +137,31 @@ def _with_escapes(text: str) -> str:
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
+    return int(text)
+
+
+def _plan_assumptions() -> str:
+    from nemo_jq import plan
+
+    return "assumptions:\n" + plan.__doc__.split("\n", 2)[2]
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from nemo_jq import plan
+
+    arch = plan.architecture(args.model)
+    work = plan.Workload(seq_len=args.seq_len, micro_batch=args.micro_batch, samples=args.samples,
+                         batch_prompts=args.batch_prompts, recompute=args.recompute,
+                         sequence_parallel=args.sequence_parallel, optimizer=args.optimizer)
+    layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
+    result = plan.report(arch, work, layouts, args.gpu_memory, 0.9)
+    print(json.dumps(result, indent=2) if args.json else plan.format_report(result))
+    return 0
+
+
 def _whole_number(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0; got {text!r}")
@@ -133,6 +176,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "data":
         return _prepare_data(args)
+    if args.command == "plan":
+        return _plan(args)
 
     from nemo_jq import distributed
     from nemo_jq.runs import load_for_inference

@@ -1,0 +1,190 @@
+"""``nemo-jq plan``: per-GPU memory of every feasible TP x PP x DP layout, before a run is queued.
+
+An estimate from shapes, not a measurement; every assumption is printed with the table:
+
+* parameters are counted exactly from the Qwen3 config (embedding, untied head, per layer: QKV,
+  output projection, SwiGLU MLP, four norms);
+* ``fp32-adamw`` (what ``model.backend=megatron`` does today): fp32 weights and gradients and two
+  fp32 AdamW moments, 16 bytes a parameter, split over TP x PP and replicated over DP;
+  ``bf16-distopt`` (Megatron's usual recipe): bf16 weights, fp32 gradients, and fp32 master
+  weights plus moments (12 bytes) sharded over DP by the distributed optimizer;
+* activations in bf16 for one micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens per
+  layer, with fused (flash) attention, so nothing quadratic in the length is kept: the
+  tensors backward needs (norm inputs and outputs, Q/K/V before and after their norms, the
+  attention output, fc1's output and SwiGLU's); the hidden-size ones split over TP only with
+  sequence parallelism. 1F1B keeps ``min(PP, micro-batches)`` micro-batches in flight on the
+  first stage. Full recomputation keeps one bf16 layer input per layer plus one layer's working set;
+* the log-prob head holds ``[micro_batch x seq_len, V/TP]`` logits and their gradient (bf16);
+* rollouts today come from an fp32 HF copy of the whole model on each replica's first rank, with a
+  bf16 KV cache for all of that replica's prompts x M samples at ``seq_len`` tokens at once;
+* the peak is the weights, optimizer state and rollout copy plus the larger of the training
+  working set (gradients, activations, log-prob head) and the rollout KV cache, which do not
+  coexist.
+
+A layout is feasible when TP divides the heads, KV heads and MLP width and fits in a node, PP
+divides the layers, TP x PP divides the GPUs, and DP divides the batch. The recommendation is
+the fitting layout (under ``headroom`` of the GPU) with the largest DP, then the smallest TP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_config
+
+GB = 1024**3
+#: Bytes per parameter of the weights, of the gradients and of the optimizer state, and whether that state is
+#: sharded over DP.
+OPTIMIZER_MODES = {"fp32-adamw": (4, 4, 8, False), "bf16-distopt": (2, 4, 12, True)}
+
+_QWEN3_COMMON = {"model_type": "qwen3", "vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8,
+                 "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+#: The released Qwen3 dense shapes (their HF config.json values that differ between sizes).
+QWEN3_SIZES = {
+    "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "tie_word_embeddings": True},
+    "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "tie_word_embeddings": True},
+    "4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+           "tie_word_embeddings": True},
+    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+           "tie_word_embeddings": False},
+    "14b": {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40, "num_attention_heads": 40,
+            "tie_word_embeddings": False},
+    "32b": {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
+            "tie_word_embeddings": False},
+}
+
+
+def architecture(model: str) -> Qwen3Architecture:
+    """A Qwen3 size (``8b``, ``Qwen3-8B``) or a path to an HF config.json / model folder."""
+    size = model.lower().removeprefix("qwen/").removeprefix("qwen3-").removeprefix("qwen3")
+    if size in QWEN3_SIZES:
+        return read_qwen3_config({**_QWEN3_COMMON, **QWEN3_SIZES[size]})
+    try:
+        return read_qwen3_config(model)
+    except FileNotFoundError:
+        raise ValueError(f"--model {model!r} is neither a Qwen3 size ({', '.join(QWEN3_SIZES)}) nor an HF config "
+                         f"path: give a size or a config.json / model folder") from None
+
+
+def layer_parameters(arch: Qwen3Architecture) -> int:
+    h, d = arch.hidden_size, arch.head_dim
+    attention = h * arch.num_attention_heads * d * 2 + h * arch.num_key_value_heads * d * 2  # q, o; k, v
+    return attention + 3 * h * arch.intermediate_size + 2 * h + 2 * d  # + SwiGLU MLP + two norms + q/k norms
+
+
+def parameter_count(arch: Qwen3Architecture) -> int:
+    embedding = arch.vocab_size * arch.hidden_size
+    return embedding * (1 if arch.tie_word_embeddings else 2) + arch.num_layers * layer_parameters(arch) + arch.hidden_size
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int = 4096
+    micro_batch: int = 1
+    samples: int = 32  # M
+    batch_prompts: int = 64
+    recompute: bool = False
+    sequence_parallel: bool = True
+    optimizer: str = "fp32-adamw"
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    weights_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    logprob_head_gb: float
+    rollout_copy_gb: float
+    kv_cache_gb: float
+    total_gb: float
+    fits: bool
+
+
+def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
+    """bf16 bytes one layer keeps for backward, per TP rank, for one micro-batch."""
+    tokens = work.seq_len * work.micro_batch
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    hidden_terms = 4 * arch.hidden_size / (tp if work.sequence_parallel else 1)  # two norms' inputs and outputs
+    split_terms = (2 * (q + 2 * kv) + q + 3 * arch.intermediate_size) / tp  # Q/K/V twice, attention out, fc1, SwiGLU
+    return 2 * tokens * (hidden_terms + split_terms)
+
+
+def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float,
+             headroom: float) -> LayoutEstimate:
+    params_per_rank = parameter_count(arch) / (tp * pp)
+    weight_bytes, gradient_bytes, optimizer_bytes, sharded = OPTIMIZER_MODES[work.optimizer]
+    layers = arch.num_layers // pp
+    micro_batches = max(1, math.ceil(work.batch_prompts * work.samples / dp / work.micro_batch))
+    in_flight = min(pp, micro_batches)
+    per_layer = layer_activation_bytes(arch, work, tp)
+    if work.recompute:
+        inputs = 2 * work.seq_len * work.micro_batch * arch.hidden_size / (tp if work.sequence_parallel else 1)
+        activations = in_flight * layers * inputs + per_layer
+    else:
+        activations = in_flight * layers * per_layer
+    parts = {
+        "weights": weight_bytes * params_per_rank,
+        "gradients": gradient_bytes * params_per_rank,
+        "optimizer": optimizer_bytes * params_per_rank / (dp if sharded else 1),
+        "activations": activations,
+        "logprob_head": 2 * 2 * work.seq_len * work.micro_batch * math.ceil(arch.vocab_size / tp),
+        "rollout_copy": 4 * parameter_count(arch),
+        "kv_cache": 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim * work.seq_len
+        * (work.batch_prompts // dp * work.samples),
+    }
+    # Gradients, activations and the head live during forward/backward, the KV cache during rollouts only.
+    training = parts["gradients"] + parts["activations"] + parts["logprob_head"]
+    total = (parts["weights"] + parts["optimizer"] + parts["rollout_copy"] + max(training, parts["kv_cache"])) / GB
+    return LayoutEstimate(tp, pp, dp, *(round(part / GB, 2) for part in parts.values()), round(total, 2),
+                          total <= gpu_gb * headroom)
+
+
+def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: int, gpu_gb: float,
+         headroom: float = 0.9) -> list[LayoutEstimate]:
+    """Every feasible layout's estimate, in recommendation order (fitting ones first)."""
+    if work.optimizer not in OPTIMIZER_MODES:
+        raise ValueError(f"--optimizer {work.optimizer!r}: choose one of {', '.join(OPTIMIZER_MODES)}")
+    gpus = gpus_per_node * nodes
+    layouts = []
+    for tp in range(1, gpus_per_node + 1):
+        if any(count % tp for count in (arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size)):
+            continue
+        for pp in range(1, arch.num_layers + 1):
+            if arch.num_layers % pp or gpus % (tp * pp) or work.batch_prompts % (gpus // (tp * pp)):
+                continue
+            layouts.append(estimate(arch, work, tp, pp, gpus // (tp * pp), gpu_gb, headroom))
+    if not layouts:
+        raise ValueError(f"no TP x PP x DP layout of {gpus} GPUs divides this model and a batch of "
+                         f"{work.batch_prompts} prompts: change --nodes/--gpus-per-node or --batch-prompts")
+    return sorted(layouts, key=lambda e: (not e.fits, -e.data_parallel, e.tensor_parallel, e.total_gb))
+
+
+def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate], gpu_gb: float,
+           headroom: float) -> dict[str, Any]:
+    best = layouts[0] if layouts[0].fits else None
+    return {"parameters": parameter_count(arch), "workload": asdict(work), "gpu_memory_gb": gpu_gb,
+            "headroom": headroom, "recommended": asdict(best) if best else None,
+            "layouts": [asdict(layout) for layout in layouts]}
+
+
+def format_report(result: dict[str, Any]) -> str:
+    keys = [name for name in LayoutEstimate.__dataclass_fields__]
+    columns = ["TP", "PP", "DP", *(key.removesuffix("_gb").replace("_", " ") for key in keys[3:-2]), "total GB", "fits"]
+    lines = [f"{result['parameters'] / 1e9:.3f}B parameters; {result['workload']}",
+             " ".join(f"{c:>12}" for c in columns)]
+    lines += [" ".join(f"{str(layout[k]):>12}" for k in keys) for layout in result["layouts"]]
+    best = result["recommended"]
+    budget = result["gpu_memory_gb"] * result["headroom"]
+    lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']} DP={best['data_parallel']} "
+                 f"({best['total_gb']} of {budget:.0f} GB)" if best else
+                 f"nothing fits in {budget:.0f} GB: try --recompute, --optimizer bf16-distopt, a shorter --seq-len or more nodes")
+    lines.append("assumptions: see `nemo-jq plan --help` (estimates from shapes, not measurements)")
+    return "\n".join(lines)
