@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                          help="fp32-adamw: today's backend; bf16-distopt: bf16 weights, distributed optimizer")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    doctor = commands.add_parser("doctor", help="print torch/CUDA/NCCL, GPUs, TE/apex/megatron, the layer spec "
+                                 "and the world size/rank this process sees")
+    doctor.add_argument("--json", action="store_true")
+
     theory = commands.add_parser("theory", help="print the paper's stylised results and plot escape times")
     theory.add_argument("--out", type=Path, default=Path("runs/theory"), help="directory for theory.json and escape_time.png")
 
@@ -178,6 +182,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _prepare_data(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "doctor":
+        from nemo_jq import doctor
+
+        info = doctor.report()
+        print(json.dumps(info, indent=2) if args.json else doctor.format_report(info))
+        return 0
 
     from nemo_jq import distributed
     from nemo_jq.runs import load_for_inference

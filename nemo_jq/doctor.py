@@ -1,0 +1,77 @@
+"""``nemo-jq doctor``: what this process sees, for a user inside a container or under torchrun/srun.
+
+Every probe reports instead of raising, so the command works on a broken install too (that is
+when it is needed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+from importlib import metadata
+from typing import Any
+
+#: The launcher's view of this process: torchrun's variables, then SLURM's.
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES",
+                    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME",
+                    "NCCL_IB_HCA")
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _imports(module: str) -> str:
+    try:
+        importlib.import_module(module)
+        return "yes"
+    except Exception as err:  # a broken TE raises RuntimeError, not ImportError
+        return f"no ({type(err).__name__}: {' '.join(str(err).split())[:160]})"
+
+
+def report() -> dict[str, Any]:
+    import torch
+
+    from nemo_jq.models.megatron import transformer_engine_usable
+
+    cuda = torch.cuda.is_available()
+    transformer_engine = _imports("transformer_engine")  # first, so a broken TE's own error is what we report
+    transformer_engine_usable()  # and then megatron.core survives it
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "nemo_jq": _version("nemo_jq"),
+        "torch": torch.__version__,
+        "cuda available": cuda,
+        "cuda (torch built with)": torch.version.cuda or "none (CPU build)",
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else "n/a without CUDA",
+        "gpus": [f"{torch.cuda.get_device_name(i)}, {torch.cuda.get_device_properties(i).total_memory / 1024**3:.0f} GB"
+                 for i in range(torch.cuda.device_count())] if cuda else [],
+        "bf16 supported": cuda and torch.cuda.is_bf16_supported(),
+        "transformers": _version("transformers"),
+        "megatron-core": _version("megatron-core"),
+        "transformer engine imports": transformer_engine,
+        "apex imports": _imports("apex.normalization") if _version("apex") != "not installed" else "not installed",
+    }
+    info["megatron.core imports"] = _imports("megatron.core") if info["megatron-core"] != "not installed" else "not installed"
+    info["megatron layer spec"] = ("transformer_engine" if cuda and info["transformer engine imports"] == "yes"
+                                   else "local (megatron-core's torch layers)")
+    info["model.backend=megatron usable"] = cuda and info["megatron.core imports"] == "yes"
+    info["launch"] = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
+    info["world size / rank"] = f"{os.environ.get('WORLD_SIZE', '1')} / {os.environ.get('RANK', '0')}"
+    return info
+
+
+def format_report(info: dict[str, Any]) -> str:
+    width = max(map(len, info)) + 1
+    lines = []
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "no launcher variables (a single process)"
+        elif isinstance(value, list):
+            value = "; ".join(value) or "none"
+        lines.append(f"{key + ':':<{width}} {value}")
+    return "\n".join(lines)

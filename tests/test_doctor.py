@@ -1,0 +1,31 @@
+"""`nemo-jq doctor` reports what the process sees, and survives a broken Transformer Engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_doctor_reports_versions_devices_spec_and_launch(tmp_path):
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("raise RuntimeError('CUDA driver too old')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "WORLD_SIZE": "4", "RANK": "3",
+           "SLURM_NNODES": "2"}
+    result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "doctor", "--json"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    info = json.loads(result.stdout)
+    import torch
+
+    assert info["torch"] == torch.__version__ and info["cuda available"] == torch.cuda.is_available()
+    assert info["transformer engine imports"] == "no (RuntimeError: CUDA driver too old)"
+    assert info["megatron.core imports"] == "yes"  # the broken TE is survived
+    assert info["megatron layer spec"].startswith("local")
+    assert info["world size / rank"] == "4 / 3" and info["launch"]["SLURM_NNODES"] == "2"
+    text = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "doctor"], env=env, capture_output=True, text=True,
+                          timeout=120).stdout
+    usable = str(info["model.backend=megatron usable"])
+    assert any(line.startswith("model.backend=megatron usable:") and line.split()[-1] == usable
+               for line in text.splitlines()), text
