@@ -82,6 +82,16 @@ def main(argv: list[str] | None = None) -> int:
                          help="fp32-adamw: today's backend; bf16-distopt: bf16 weights, distributed optimizer")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    launcher = commands.add_parser(
+        "launch", help="run a nemo-jq command through NeMo-Run (SLURM, Docker or local), under torchrun",
+        description="nemo-jq launch launch.yaml [--dryrun] train --config /abs/config.yaml model.backend=megatron ...\n\n"
+        "launch.yaml keys: executor (slurm, docker, local), account, partition, nodes, gpus_per_node, time,\n"
+        "container_image, container_mounts (host:container), env, job_dir, signal. Needs the launch extra.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    launcher.add_argument("launch_config", type=Path, help="launch YAML")
+    launcher.add_argument("--dryrun", action="store_true", help="print the sbatch script (SLURM) instead of submitting")
+    launcher.add_argument("launched", nargs=argparse.REMAINDER, help="a nemo-jq command and its arguments")
+
     doctor = commands.add_parser("doctor", help="print torch/CUDA/NCCL, GPUs, TE/apex/megatron, the layer spec "
                                  "and the world size/rank this process sees")
     doctor.add_argument("--json", action="store_true")
@@ -166,6 +176,19 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from nemo_jq import launch
+
+    while args.launched and args.launched[0] in ("--dryrun", "--"):  # argparse's remainder keeps options after the config
+        args.dryrun |= args.launched.pop(0) == "--dryrun"
+    if not args.launched:
+        raise ValueError("nemo-jq launch needs the command to run after the launch config, e.g. train --config C.yaml")
+    script = launch.launch(launch.load_launch_config(args.launch_config), args.launched, dryrun=args.dryrun)
+    if script is not None:
+        print(script)
+    return 0
+
+
 def _whole_number(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0; got {text!r}")
@@ -182,6 +205,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _prepare_data(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "launch":
+        return _launch(args)
     if args.command == "doctor":
         from nemo_jq import doctor
 
