@@ -129,3 +129,41 @@ def test_export_refuses_a_file_or_foreign_folder_and_replaces_an_earlier_export(
     with refusal(earlier):
         policy.export(earlier, tokenizer)
     assert (earlier / "my_notes.txt").read_text() == "mine" and (earlier / "model.safetensors").exists()
+
+
+def test_a_streamed_export_writes_shards_and_an_index_that_load_as_the_same_model(trained, tmp_path):
+    """HF-named tensors arriving one at a time (as from a sharded policy) become size-capped shards plus
+    their index; plain transformers loads them to the same weights and logits as the whole-model export."""
+    from nemo_jq.models.hf import export_hf_stream
+
+    tokenizer, policy = trained[0], trained[2]
+    model = policy.model
+    whole, streamed = tmp_path / "whole", tmp_path / "streamed"
+    policy.export(whole, tokenizer)
+    state = {name: t for name, t in model.state_dict().items() if name != "lm_head.weight"}  # tied, as save_pretrained
+    export_hf_stream(model.config, iter(state.items()), streamed, tokenizer, max_shard_bytes=16 * 1024)
+    index = json.loads((streamed / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and sorted(index["weight_map"]) == sorted(state)
+    for name in shards:  # at most the cap, unless one tensor alone is larger
+        held = [k for k, v in index["weight_map"].items() if v == name]
+        assert len(held) == 1 or sum(state[k].numel() * state[k].element_size() for k in held) <= 16 * 1024
+    a, b = AutoModelForCausalLM.from_pretrained(whole), AutoModelForCausalLM.from_pretrained(streamed)
+    assert all(torch.equal(t, b.state_dict()[name]) for name, t in a.state_dict().items())
+    ids = torch.randint(len(tokenizer), (2, 7))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+    assert sorted(p.name for p in streamed.iterdir() if p.name.endswith(".safetensors")) == shards  # no temporaries
+
+
+def test_a_streamed_export_consumes_its_stream_even_when_it_fails(trained, tmp_path):
+    from nemo_jq.models.hf import export_hf_stream
+
+    tokenizer, policy = trained[0], trained[2]
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    consumed = []
+    stream = ((consumed.append(name) or name, t) for name, t in policy.model.state_dict().items())
+    with pytest.raises(ValueError, match="holds files that are not from an earlier export"):
+        export_hf_stream(policy.model.config, stream, tmp_path / "foreign", tokenizer)
+    assert len(consumed) == len(policy.model.state_dict())  # collective producers are never left waiting

@@ -6,7 +6,7 @@ import contextlib
 import copy
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -197,6 +197,54 @@ def export_hf_model(model: Any, out_dir: Path, tokenizer: Any) -> None:
     every file is readable by group and others. ``out_dir`` must be missing, empty or an
     earlier export (which is replaced); anything else raises ``ValueError``, untouched.
     """
+    _export(out_dir, tokenizer, model.config, model.save_pretrained)
+
+
+def export_hf_stream(config: Any, tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, tokenizer: Any,
+                     max_shard_bytes: int = 5 * 1024**3) -> None:
+    """As :func:`export_hf_model`, from HF-named tensors that arrive one at a time (a model that never
+    exists whole in this process): safetensors shards of at most ``max_shard_bytes`` and their index,
+    as ``save_pretrained`` writes them. ``tensors`` is always consumed to the end, even on an error,
+    since other ranks may be producing it collectively."""
+    tensors = iter(tensors)
+    try:
+        _export(out_dir, tokenizer, config, lambda folder: write_safetensors_shards(tensors, folder, max_shard_bytes))
+    finally:
+        for _ in tensors:
+            pass
+
+
+def write_safetensors_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, max_shard_bytes: int) -> None:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    files, weight_map, shard, shard_bytes, total = [], {}, {}, 0, 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard:
+            files.append(out_dir / f".shard-{len(files)}.safetensors")
+            save_file(shard, str(files[-1]), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, len(files) - 1))
+            shard, shard_bytes = {}, 0
+
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:
+            flush()
+        shard[name], shard_bytes, total = tensor.detach().cpu().contiguous(), shard_bytes + size, total + size
+    flush()
+    names = ([WEIGHTS_FILE] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    for path, name in zip(files, names):
+        path.rename(out_dir / name)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in sorted(weight_map.items())}}
+        (out_dir / f"{WEIGHTS_FILE}.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _export(out_dir: Path, tokenizer: Any, config: Any, write_weights: Callable[[Path], None]) -> None:
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
@@ -206,11 +254,11 @@ def export_hf_model(model: Any, out_dir: Path, tokenizer: Any) -> None:
         (out_dir / name).unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    model.save_pretrained(out_dir)
+    write_weights(out_dir)
     stop_ids = [chat.end_of_turn_id]  # and the tokenizer's own eos, where it differs (Qwen3's convention)
     if tokenizer.eos_token_id not in (None, chat.end_of_turn_id):
         stop_ids.append(tokenizer.eos_token_id)
-    config = copy.deepcopy(model.config)
+    config = copy.deepcopy(config)
     config.eos_token_id, config.pad_token_id = stop_ids, chat.pad_id
     config.save_pretrained(out_dir)
     GenerationConfig(eos_token_id=stop_ids, pad_token_id=chat.pad_id, **ROLLOUT_SAMPLING).save_pretrained(out_dir)
