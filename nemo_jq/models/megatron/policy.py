@@ -9,22 +9,22 @@ Megatron distributed checkpoints (``checkpoint``), which resume at any TP size.
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from nemo_jq import distributed
 from nemo_jq.distributed import DataParallel
-from nemo_jq.models.hf import WEIGHTS_FILE, autocast_context, check_precision, export_hf_model
+from nemo_jq.models.hf import WEIGHTS_FILE, autocast_context, check_precision, export_hf_stream
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs
 from nemo_jq.models.megatron.mapping import hf_to_megatron, is_tensor_parallel, megatron_to_hf
 from nemo_jq.models.megatron.provider import (
-    Qwen3Architecture,
     build_gpt_model,
     check_parallel_layout,
     padded_vocab_size,
@@ -170,15 +170,18 @@ class MegatronPolicy:
         A collective: every TP rank calls it, and each gets the full HF-named result: copies, never
         views of the live tensors, so later training steps do not change it.
         """
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
-        for name, tensor in per_parameter.items():
+        return dict(self.iter_hf(per_parameter))
+
+    def iter_hf(self, per_parameter: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``gather_hf`` one parameter at a time (default: the weights), so at most one full tensor is held
+        at once: for exports and weight refits of models that do not fit one rank. Every TP rank must
+        consume it to the end, in step (each item is an all-gather)."""
+        for name, tensor in (per_parameter or dict(self.model.named_parameters())).items():
             pieces = [tensor.detach().clone()]
             if self.tp_size > 1:
                 pieces = [torch.empty_like(tensor) for _ in range(self.tp_size)]
                 dist.all_gather(pieces, tensor.detach().contiguous(), group=self.tp_group)
-            for shard, piece in zip(shards, pieces):
-                shard[name] = piece
-        return megatron_to_hf(shards, self.arch)
+            yield from megatron_to_hf([{name: piece} for piece in pieces], self.arch).items()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights in HF layout (a collective, as ``gather_hf``)."""
@@ -208,27 +211,16 @@ class MegatronPolicy:
         self.weights_version += 1
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
-        """Gather the weights into an HF model and write it with ``export_hf_model`` (on global rank 0)."""
-        hf_state = {name: tensor.cpu() for name, tensor in self.hf_state_dict().items()}
-        distributed.on_writer(lambda: export_hf_model(hf_model(self.arch, hf_state), out_dir, tokenizer))
+        """Stream the weights, gathered one tensor at a time, into an HF folder written by global rank 0
+        (:func:`export_hf_stream`); the model is never whole in one process."""
+        from transformers import Qwen3Config
 
-
-def hf_model(arch: Qwen3Architecture, hf_state: Mapping[str, torch.Tensor]) -> Any:
-    """An HF ``Qwen3ForCausalLM`` holding ``hf_state`` (fp32, CPU), built without random initialisation."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers < 5
-        from transformers.modeling_utils import no_init_weights
-
-    with no_init_weights():
-        model = Qwen3ForCausalLM(Qwen3Config.from_dict(arch.hf_config))
-    model.tie_weights()  # no_init_weights skips the tying too
-    if arch.tie_word_embeddings:
-        hf_state = {**hf_state, "lm_head.weight": hf_state["model.embed_tokens.weight"]}
-    model.load_state_dict(hf_state, strict=True)
-    return model
+        tensors = ((name, tensor.cpu()) for name, tensor in self.iter_hf())
+        if distributed.is_writer():
+            config = Qwen3Config.from_dict(self.arch.hf_config)
+            distributed.everywhere(lambda: export_hf_stream(config, tensors, out_dir, tokenizer))
+        else:
+            distributed.everywhere(lambda: collections.deque(tensors, maxlen=0))
 
 
 def _initialize_model_parallel(tensor_parallel: int) -> None:
