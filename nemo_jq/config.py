@@ -64,6 +64,8 @@ class ModelConfig:
                                   "KV heads and MLP width)", ge=1)
     sequence_parallel: bool = option(False, "megatron: split the norms' and dropouts' activations over the "
                                      "tensor-parallel ranks too (needs tensor_parallel > 1)")
+    recompute_activations: bool = option(False, "megatron: keep only each layer's input and recompute the layer in "
+                                         "backward (less activation memory, about a third more compute)")
     precision: str = option("auto", "auto = bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     logprob_chunk_size: int = option(256, "positions per chunk of the log-prob kernel", ge=1)
 
@@ -177,8 +179,9 @@ class Config:
             raise ConfigError(
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
-        if self.model.backend != "megatron" and (self.model.tensor_parallel > 1 or self.model.sequence_parallel):
-            raise ConfigError(f"model.tensor_parallel/sequence_parallel need model.backend=megatron "
+        if self.model.backend != "megatron" and (self.model.tensor_parallel > 1 or self.model.sequence_parallel
+                                                 or self.model.recompute_activations):
+            raise ConfigError(f"model.tensor_parallel/sequence_parallel/recompute_activations need model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
         if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")

@@ -11,6 +11,7 @@ below replace exactly those, in the spawned test processes only (never in the pa
 * ``GlobalMemoryBuffer.get_tensor`` (sequence-parallel all-gathers) allocates on CUDA;
 * ``torch.cuda.current_device`` places sequence-parallel reduce-scatter outputs (and a distributed
   checkpoint's failure flags);
+* activation recomputation saves and restores the CUDA RNG state around each recomputed layer;
 * ``torch.cuda.synchronize`` waits for the device-to-host copies of a distributed checkpoint;
 * the local spec's torch norm refuses sequence parallelism, which only needs its weight gradient
   summed over the TP ranks: the replacement marks the weight ``sequence_parallel`` as
@@ -51,12 +52,15 @@ def _norm_accepting_sequence_parallel(cls, config, hidden_size: int, eps: float 
 def patch_megatron_for_cpu() -> None:
     """Apply the CPU patches to this process (irreversibly: call it in spawned workers only)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel import random
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.utils import GlobalMemoryBuffer
 
     RotaryEmbedding.get_emb = _rotary_emb_on_cpu
     CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
     GlobalMemoryBuffer.get_tensor = _buffer_on_cpu
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None

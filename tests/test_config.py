@@ -34,6 +34,8 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (["objective.q_schedule={name: linear, steps: 3}"], r"unknown key\(s\) \['steps'\]"),
         (["justakey"], "must look like section.key=value"),
         (["train.batch_size.x=1"], "train.batch_size is not a section|train.batch_size must be"),
+        (["model.recompute_activations=true"], "recompute_activations need model.backend=megatron"),
+        (["model.tensor_parallel=2"], "model.tensor_parallel/.* need model.backend=megatron"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

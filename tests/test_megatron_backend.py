@@ -106,7 +106,8 @@ def full_vocab_logits(policy, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------- workers (run in gloo processes)
-def parity_worker(tensor_parallel: int, sequence_parallel: bool, weights_dir: str) -> dict[str, float]:
+def parity_worker(tensor_parallel: int, sequence_parallel: bool, weights_dir: str,
+                  recompute_activations: bool = False) -> dict[str, float]:
     """Logits, log-probs, GARL loss and gradients, one optimizer step, and weight files, against HFPolicy.
 
     Data-parallel ranks (world size / TP) each take their share of the prompt-group micro-batches.
@@ -115,8 +116,10 @@ def parity_worker(tensor_parallel: int, sequence_parallel: bool, weights_dir: st
 
     _, _, _, model = tiny_setup()
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
-    policy = MegatronPolicy.from_hf_model(model, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel, **OPTIM)
+    policy = MegatronPolicy.from_hf_model(model, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+                                          recompute_activations=recompute_activations, **OPTIM)
     assert sorted(name for name, _ in policy.model.named_parameters()) == sorted(megatron_names(2, tied=True))
+    assert policy.model.config.recompute_granularity == ("full" if recompute_activations else None)
     batch = garl_batch(model.config.vocab_size)
     real = batch.attention_mask.bool()
     diffs = {}
@@ -208,10 +211,12 @@ def refuse_foreign_weights(policy, scratch_dir: str, hf_state: dict[str, torch.T
 
 
 # ----------------------------------------------------------------- parity over processes
-@pytest.mark.parametrize("tensor_parallel, sequence_parallel, world_size", [(1, False, 2), (2, False, 2), (2, True, 2)],
-                         ids=["tp1-dp2", "tp2", "tp2-sp"])
-def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, sequence_parallel, world_size, tmp_path):
-    for rank, diffs in enumerate(run_in_processes(parity_worker, world_size, tensor_parallel, sequence_parallel, str(tmp_path))):
+@pytest.mark.parametrize("tensor_parallel, sequence_parallel, recompute, world_size",
+                         [(1, False, False, 2), (2, False, False, 2), (2, True, False, 2), (2, True, True, 2)],
+                         ids=["tp1-dp2", "tp2", "tp2-sp", "tp2-sp-recompute"])
+def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, sequence_parallel, recompute, world_size, tmp_path):
+    for rank, diffs in enumerate(run_in_processes(parity_worker, world_size, tensor_parallel, sequence_parallel, str(tmp_path),
+                                                  recompute)):
         assert diffs["logits"] < 2e-5 and diffs["logprobs"] < 2e-5, (rank, diffs)
         assert diffs["loss"] < 2e-5 and diffs["grads"] < 2e-6, (rank, diffs)
         assert diffs["grad_norm"] < 1e-5 and diffs["weights_after_step"] < 1e-6, (rank, diffs)

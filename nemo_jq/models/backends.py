@@ -135,5 +135,6 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
         raise ValueError(f"model.tensor_parallel={model.tensor_parallel} does not divide the {dist.get_world_size()} "
                          f"processes: start a multiple of {model.tensor_parallel} (torchrun --nproc-per-node)")
     policy = MegatronPolicy.from_hf_model(request.model, device=request.device, tensor_parallel=model.tensor_parallel,
-                                          sequence_parallel=model.sequence_parallel, **_policy_options(request.config))
+                                          sequence_parallel=model.sequence_parallel,
+                                          recompute_activations=model.recompute_activations, **_policy_options(request.config))
     return policy, RefittedRolloutEngine(_rollout_engine(request.model, request), policy)

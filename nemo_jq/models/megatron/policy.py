@@ -51,7 +51,8 @@ class MegatronPolicy:
     """
 
     def __init__(self, hf_config: Any, hf_state: Mapping[str, torch.Tensor], *, tensor_parallel: int = 1,
-                 sequence_parallel: bool = False, device: torch.device | str = "cpu", precision: str = "auto",
+                 sequence_parallel: bool = False, recompute_activations: bool = False,
+                 device: torch.device | str = "cpu", precision: str = "auto",
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, grad_clip: float = 1.0, logprob_chunk_size: int = 256):
         self.arch = read_qwen3_config(hf_config)
@@ -76,6 +77,7 @@ class MegatronPolicy:
         self.model_parallel_group = parallel_state.get_model_parallel_group()
         self.uses_transformer_engine = uses_transformer_engine()
         self.model = build_gpt_model(self.arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+                                     recompute_activations=recompute_activations,
                                      use_cpu_initialization=self.device.type == "cpu")
         self.vocab_start = self.tp_rank * padded_vocab_size(self.arch.vocab_size, tensor_parallel) // tensor_parallel
         #: The parameters whose gradient this rank adds to the norm: its TP slices, and replicated ones on rank 0 only.

@@ -143,12 +143,14 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 
 def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                       params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True):
+                       recompute_activations: bool = False, params_dtype: torch.dtype = torch.float32,
+                       use_cpu_initialization: bool = True):
     """The megatron-core ``TransformerConfig`` of a Qwen3 (as Bridge's Qwen3 bridge sets it).
 
     Fusions that need CUDA kernels are off, and weights are not initialised: they come from the
     HF checkpoint. ``use_cpu_initialization`` allocates the weights on CPU (else on the current
-    CUDA device).
+    CUDA device). ``recompute_activations`` keeps only each layer's input and recomputes the layer
+    in backward (megatron-core's full, uniform recomputation): activation memory for compute.
     """
     check_parallel_layout(arch, tensor_parallel, sequence_parallel)
     transformer_engine_usable()  # before importing megatron.core
@@ -181,6 +183,8 @@ def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, seq
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+           if recompute_activations else {}),
     )
 
 
@@ -190,13 +194,13 @@ def uses_transformer_engine() -> bool:
 
 
 def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                    use_cpu_initialization: bool = True):
+                    recompute_activations: bool = False, use_cpu_initialization: bool = True):
     """This rank's ``GPTModel`` shard; ``parallel_state`` must be initialised with the same TP size.
 
     The LM head is vocab-parallel (``parallel_output``): logits come back ``[b, s, V_padded / TP]``.
     """
     config = transformer_config(arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-                                use_cpu_initialization=use_cpu_initialization)
+                                recompute_activations=recompute_activations, use_cpu_initialization=use_cpu_initialization)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
