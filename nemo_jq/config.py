@@ -62,6 +62,8 @@ class ModelConfig:
                           "of processes under torchrun)", choices=BACKEND_NAMES)
     tensor_parallel: int = option(1, "megatron: ranks that split each layer (must divide the attention heads, "
                                   "KV heads and MLP width)", ge=1)
+    pipeline_parallel: int = option(1, "megatron: pipeline stages, each an equal run of layers (must divide the "
+                                    "layer count), scheduled 1F1B", ge=1)
     sequence_parallel: bool = option(False, "megatron: split the norms' and dropouts' activations over the "
                                      "tensor-parallel ranks too (needs tensor_parallel > 1)")
     recompute_activations: bool = option(False, "megatron: keep only each layer's input and recompute the layer in "
@@ -179,9 +181,10 @@ class Config:
             raise ConfigError(
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
-        if self.model.backend != "megatron" and (self.model.tensor_parallel > 1 or self.model.sequence_parallel
-                                                 or self.model.recompute_activations):
-            raise ConfigError(f"model.tensor_parallel/sequence_parallel/recompute_activations need model.backend=megatron "
+        if self.model.backend != "megatron" and (self.model.tensor_parallel > 1 or self.model.pipeline_parallel > 1
+                                                 or self.model.sequence_parallel or self.model.recompute_activations):
+            raise ConfigError(f"model.tensor_parallel/pipeline_parallel/sequence_parallel/recompute_activations need "
+                              f"model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
         if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")

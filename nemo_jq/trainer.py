@@ -333,7 +333,7 @@ class Trainer:
             return out.per_example.sum() / batch_prompts
 
         self.policy.forward_backward(micro_batches, loss_fn)
-        return collected
+        return self.policy.from_loss_stage(collected)
 
     # ----------------------------------------------------------------- evaluation
     def evaluate(self, split: str, seed_offset: int = 0) -> dict[str, float]:

@@ -13,6 +13,10 @@ below replace exactly those, in the spawned test processes only (never in the pa
   checkpoint's failure flags);
 * activation recomputation saves and restores the CUDA RNG state around each recomputed layer;
 * ``torch.cuda.synchronize`` waits for the device-to-host copies of a distributed checkpoint;
+* pipelines: the schedules count tokens in a tensor made with ``device="cuda"``, and a tied
+  model's last stage moves its copy of the embedding with ``.cuda()`` before the all-reduce that
+  initialises it (``p2p_communication`` places its buffers with ``torch.cuda.current_device``
+  and waits with ``torch.cuda.synchronize``, both replaced above);
 * the local spec's torch norm refuses sequence parallelism, which only needs its weight gradient
   summed over the TP ranks: the replacement marks the weight ``sequence_parallel`` as
   Transformer Engine's norms do, and the policy sums such gradients.
@@ -49,9 +53,21 @@ def _norm_accepting_sequence_parallel(cls, config, hidden_size: int, eps: float 
     return norm
 
 
+class _TorchWithCpuZeros:
+    """``torch`` for megatron-core's ``schedules`` module, whose ``torch.zeros`` calls name ``device="cuda"``."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, **kwargs)
+
+
 def patch_megatron_for_cpu() -> None:
     """Apply the CPU patches to this process (irreversibly: call it in spawned workers only)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -65,6 +81,8 @@ def patch_megatron_for_cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
     WrappedTorchNorm.__new__ = staticmethod(_norm_accepting_sequence_parallel)
+    schedules.torch = _TorchWithCpuZeros()
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def free_port() -> int:

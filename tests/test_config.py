@@ -36,6 +36,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (["train.batch_size.x=1"], "train.batch_size is not a section|train.batch_size must be"),
         (["model.recompute_activations=true"], "recompute_activations need model.backend=megatron"),
         (["model.tensor_parallel=2"], "model.tensor_parallel/.* need model.backend=megatron"),
+        (["model.pipeline_parallel=2"], "pipeline_parallel/.* need model.backend=megatron"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

@@ -225,6 +225,50 @@ def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, seq
             assert diffs["split_logprobs"] < 1e-12 and diffs["split_grads"] < 1e-12, (rank, diffs)
 
 
+def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch_dir: str) -> dict[str, float]:
+    """One replica of the tied tiny model in pipeline stages against HFPolicy: log-probs, GARL loss, gradients and a
+    step (as ``parity_worker``); then a distributed checkpoint, loaded back after a further step, and that step again."""
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    _, _, _, model = tiny_setup()
+    hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
+    policy = MegatronPolicy.from_hf_model(model, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                                          **OPTIM)
+    batch = garl_batch(model.config.vocab_size)
+    with torch.no_grad():
+        diffs = {"logprobs": float((policy.token_logprobs(batch) - hf.token_logprobs(batch)).abs().max())}
+
+    micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]  # of different lengths
+    hf_losses, losses = [], []
+    hf.forward_backward(micro_batches, garl_loss_fn(micro_batches, hf_losses))
+    policy.forward_backward(micro_batches, garl_loss_fn(micro_batches, losses))
+    diffs["loss_calls"] = len(losses)  # the last stage's
+    diffs["loss"] = max((abs(a - b) for a, b in zip(losses, hf_losses)), default=0.0)
+    hf_grads = {name: param.grad for name, param in hf.model.named_parameters()}
+    diffs["grads"] = max_diff(policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
+    diffs["grad_norm"] = abs(policy.optimizer_step()["grad_norm"] - hf.optimizer_step()["grad_norm"])
+    diffs["weights_after_step"] = max_diff(policy.hf_state_dict(), dict(hf.model.named_parameters()))
+
+    checkpoint = Path(scratch_dir) / "checkpoint"
+    policy.save(checkpoint)
+    garl_step(policy, batch)
+    policy.load(checkpoint)
+    diffs["checkpoint_round_trip"] = max_diff(policy.hf_state_dict(), dict(hf.model.named_parameters()))
+    garl_step(policy, batch)
+    garl_step(hf, batch)
+    diffs["weights_after_resumed_step"] = max_diff(policy.hf_state_dict(), dict(hf.model.named_parameters()))
+    return diffs
+
+
+def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tmp_path):
+    ranks = run_in_processes(pipeline_parity_worker, 2, 1, 2, str(tmp_path))
+    for rank, diffs in enumerate(ranks):
+        assert diffs["logprobs"] < 2e-5 and diffs["loss"] < 2e-5 and diffs["grads"] < 2e-6, (rank, diffs)
+        assert diffs["grad_norm"] < 1e-5 and diffs["weights_after_step"] < 1e-6, (rank, diffs)
+        assert diffs["checkpoint_round_trip"] < 1e-6 and diffs["weights_after_resumed_step"] < 1e-6, (rank, diffs)
+    assert [diffs["loss_calls"] for diffs in ranks] == [0, PROMPTS]  # the loss runs on the last stage
+
+
 def test_untied_tp2_round_trip_and_export_are_bit_exact(tmp_path):
     out_dir = tmp_path / "hf"
     results = run_in_processes(export_worker, 2, str(out_dir), str(tmp_path))
@@ -390,6 +434,8 @@ def test_impossible_tensor_parallel_layouts_are_refused():
         check_parallel_layout(arch, 4)
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
         check_parallel_layout(arch, 1, sequence_parallel=True)
+    with pytest.raises(ValueError, match="pipeline_parallel=3 does not divide num_hidden_layers=2"):
+        check_parallel_layout(arch, 1, pipeline_parallel=3)
 
 
 def test_policy_needs_torch_distributed():
@@ -442,7 +488,8 @@ def assert_same_training(ours: list[dict], theirs: list[dict]) -> None:
             assert mine[key] == pytest.approx(other[key], rel=1e-4, abs=1e-5), (key, mine, other)
 
 
-@pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["model.tensor_parallel=2"])], ids=["one-process", "tp2"])
+@pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["model.tensor_parallel=2"]), (2, ["model.pipeline_parallel=2"])],
+                         ids=["one-process", "tp2", "pp2"])
 def test_the_recipe_trains_alike_on_either_backend(world_size, layout, tmp_path):
     """The trainer never branches on the backend: three GARL steps match the HF backend's, in one process and
     at TP=2 (where the replica's first rank samples the rollouts from its refitted HF copy and shares them)."""
@@ -506,7 +553,7 @@ def refuse_a_layout(run_dir, overrides: list[str]) -> None:
 
 @pytest.mark.parametrize("world_size, overrides, message", [
     (2, ["model.tensor_parallel=3"], "tensor_parallel=3 does not divide num_attention_heads=4"),
-    (3, ["model.tensor_parallel=2"], "model.tensor_parallel=2 does not divide the 3 processes"),
+    (3, ["model.tensor_parallel=2"], "model.tensor_parallel=2 x model.pipeline_parallel=1 does not divide the 3 processes"),
     (2, ["train.batch_size=3"], "train.batch_size=3 does not split over 2 data-parallel replicas"),
 ])
 def test_impossible_layouts_are_named(world_size, overrides, message, tmp_path):

@@ -122,7 +122,8 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     from nemo_jq.models.megatron.provider import check_parallel_layout, read_qwen3_config
 
     model = request.config.model
-    check_parallel_layout(read_qwen3_config(request.model.config), model.tensor_parallel, model.sequence_parallel)
+    check_parallel_layout(read_qwen3_config(request.model.config), model.tensor_parallel, model.sequence_parallel,
+                          model.pipeline_parallel)
     if request.device.type != "cuda" and os.environ.get(MEGATRON_ON_CPU) != "1":
         raise ValueError(
             "model.backend=megatron needs a CUDA device (train.device): megatron-core 0.16.1 calls CUDA in its "
@@ -131,10 +132,12 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     if not dist.is_initialized():  # one process, not started by torchrun
         store = tempfile.NamedTemporaryFile(prefix="nemo_jq_pg_", delete=False).name
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    if dist.get_world_size() % model.tensor_parallel:
-        raise ValueError(f"model.tensor_parallel={model.tensor_parallel} does not divide the {dist.get_world_size()} "
-                         f"processes: start a multiple of {model.tensor_parallel} (torchrun --nproc-per-node)")
+    replica = model.tensor_parallel * model.pipeline_parallel
+    if dist.get_world_size() % replica:
+        raise ValueError(f"model.tensor_parallel={model.tensor_parallel} x model.pipeline_parallel={model.pipeline_parallel} "
+                         f"does not divide the {dist.get_world_size()} processes: start a multiple of {replica} "
+                         f"(torchrun --nproc-per-node)")
     policy = MegatronPolicy.from_hf_model(request.model, device=request.device, tensor_parallel=model.tensor_parallel,
-                                          sequence_parallel=model.sequence_parallel,
+                                          pipeline_parallel=model.pipeline_parallel, sequence_parallel=model.sequence_parallel,
                                           recompute_activations=model.recompute_activations, **_policy_options(request.config))
     return policy, RefittedRolloutEngine(_rollout_engine(request.model, request), policy)

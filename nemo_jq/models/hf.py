@@ -167,6 +167,9 @@ class HFPolicy:
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(grad_norm)}
 
+    def from_loss_stage(self, value: Any) -> Any:
+        return value  # one process runs every loss_fn call
+
     def save(self, directory: Path) -> None:
         """``model.safetensors`` and ``optimizer.pt``."""
         from safetensors.torch import save_model

@@ -77,7 +77,15 @@ class Policy(Protocol):
         ...
 
     def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
-        """Accumulate gradients of ``loss_fn`` over the micro-batches (no optimizer step)."""
+        """Accumulate gradients of ``loss_fn`` over the micro-batches (no optimizer step).
+
+        Under pipeline parallelism only the last stage calls ``loss_fn``; what it records there
+        reaches the other stages through ``from_loss_stage``.
+        """
+        ...
+
+    def from_loss_stage(self, value: Any) -> Any:
+        """``value`` as the ranks that ran ``loss_fn`` have it (a collective; identity in one stage)."""
         ...
 
     def optimizer_step(self) -> dict[str, float]:

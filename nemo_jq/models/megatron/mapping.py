@@ -70,6 +70,11 @@ def _resolve(megatron_name: str) -> tuple[ParamMapping, tuple[str, ...]]:
     raise ValueError(f"no HF mapping for Megatron parameter {megatron_name!r}")
 
 
+def hf_names(megatron_name: str) -> tuple[str, ...]:
+    """The HF tensors a Megatron parameter is made of, in the order ``megatron_to_hf`` yields them."""
+    return _resolve(megatron_name)[1]
+
+
 def is_tensor_parallel(megatron_name: str) -> bool:
     """Whether TP ranks hold different slices of the parameter (else each holds the same full copy).
 
@@ -79,7 +84,7 @@ def is_tensor_parallel(megatron_name: str) -> bool:
     return _resolve(megatron_name)[0].layout != REPLICATED
 
 
-def _hf_shape(name: str, arch: Qwen3Architecture) -> tuple[int, ...]:
+def hf_shape(name: str, arch: Qwen3Architecture) -> tuple[int, ...]:
     """The shape the config implies for HF weight ``name`` (keyed by its module's name)."""
     hidden, head, ffn = arch.hidden_size, arch.head_dim, arch.intermediate_size
     queries, keys = arch.num_attention_heads * head, arch.num_key_value_heads * head
@@ -92,34 +97,40 @@ def _hf_shape(name: str, arch: Qwen3Architecture) -> tuple[int, ...]:
     }[name.split(".")[-2]]
 
 
+_TIED = {"model.embed_tokens.weight": "lm_head.weight", "lm_head.weight": "model.embed_tokens.weight"}
+
+
 def _hf_tensor(hf_state: Mapping[str, torch.Tensor], name: str, arch: Qwen3Architecture, needed_by: str) -> torch.Tensor:
     """``hf_state[name]``, checked against the config's shape, so a checkpoint of another size fails by name."""
     stored = name
-    # A tied checkpoint may store the shared matrix under either name (safetensors' save_model keeps lm_head).
-    if arch.tie_word_embeddings and name == "model.embed_tokens.weight" and name not in hf_state:
-        stored = "lm_head.weight"
+    # A tied checkpoint may store the shared matrix under either name (safetensors' save_model keeps lm_head),
+    # and a tied model's last pipeline stage keeps its own copy of it as its LM head.
+    if arch.tie_word_embeddings and name in _TIED and name not in hf_state:
+        stored = _TIED[name]
     if stored not in hf_state:
         raise ValueError(f"checkpoint is missing {name!r} (needed for Megatron parameter {needed_by!r})")
-    tensor, expected = hf_state[stored], _hf_shape(name, arch)
+    tensor, expected = hf_state[stored], hf_shape(name, arch)
     if tuple(tensor.shape) != expected:
         raise ValueError(f"checkpoint weight {stored!r} has shape {list(tensor.shape)}; the config implies {list(expected)}")
     return tensor
 
 
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], megatron_names: Iterable[str], arch: Qwen3Architecture,
-                   *, tp_size: int = 1, tp_rank: int = 0) -> dict[str, torch.Tensor]:
+                   *, tp_size: int = 1, tp_rank: int = 0, all_names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """Rank ``tp_rank``'s shard of each Megatron parameter in ``megatron_names``, from an HF state dict.
 
     Raises ``ValueError`` naming a missing HF weight, one whose shape the config does not imply, or
-    HF weights that no parameter uses (a tied model's ``lm_head.weight`` excepted: HF state dicts
-    list the shared matrix twice).
+    HF weights that no parameter of the model (``all_names``: every pipeline stage's; by default
+    ``megatron_names``) uses, a tied model's ``lm_head.weight`` excepted: HF state dicts list the
+    shared matrix twice.
     """
-    shards, used = {}, set()
+    shards = {}
+    megatron_names = list(megatron_names)
     for megatron_name in megatron_names:
-        entry, hf_names = _resolve(megatron_name)
-        tensors = [_hf_tensor(hf_state, name, arch, megatron_name) for name in hf_names]
-        used.update(hf_names)
+        entry, names = _resolve(megatron_name)
+        tensors = [_hf_tensor(hf_state, name, arch, megatron_name) for name in names]
         shards[megatron_name] = _split(entry.layout, tensors, arch, tp_size, tp_rank)
+    used = {name for megatron_name in (all_names or megatron_names) for name in hf_names(megatron_name)}
     unused = set(hf_state) - used - ({"lm_head.weight"} if arch.tie_word_embeddings else set())
     if unused:
         raise ValueError(f"checkpoint has weights the Megatron Qwen3 model does not use: {sorted(unused)}")
@@ -133,9 +144,9 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], arch: Qwen3Arch
     """
     hf_state = {}
     for megatron_name in shards[0]:
-        entry, hf_names = _resolve(megatron_name)
+        entry, names = _resolve(megatron_name)
         merged = _merge(entry.layout, [shard[megatron_name] for shard in shards], arch)
-        hf_state.update(zip(hf_names, merged))
+        hf_state.update(zip(names, merged))
     return hf_state
 
 

@@ -1,15 +1,17 @@
-"""``MegatronPolicy``: the ``Policy`` protocol on a megatron-core ``GPTModel``, tensor- and data-parallel.
+"""``MegatronPolicy``: the ``Policy`` protocol on a megatron-core ``GPTModel``, tensor-, pipeline- and data-parallel.
 
 It runs SPMD: every rank of the ``torch.distributed`` world builds the policy from the same HF
-config and weights and keeps its own shard. Consecutive ranks form tensor-parallel (TP) groups,
-which see the same micro-batches; the TP groups are data-parallel (DP) replicas, which see
-different ones. Weights come in and exports go out in HF layout (``mapping``); checkpoints are
-Megatron distributed checkpoints (``checkpoint``), which resume at any TP size.
+config and weights and keeps its own shard. Consecutive ranks form tensor-parallel (TP) groups;
+TP groups form pipeline (PP) stages, each holding a run of the layers; together they hold one
+replica and see the same micro-batches. Replicas are data-parallel (DP): they see different ones.
+Weights come in and exports go out in HF layout (``mapping``); checkpoints are Megatron
+distributed checkpoints (``checkpoint``), which resume at any TP size.
 """
 
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -23,7 +25,7 @@ from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs
-from nemo_jq.models.megatron.mapping import hf_to_megatron, is_tensor_parallel, megatron_to_hf
+from nemo_jq.models.megatron.mapping import hf_names, hf_shape, hf_to_megatron, is_tensor_parallel, megatron_to_hf
 from nemo_jq.models.megatron.provider import (
     build_gpt_model,
     check_parallel_layout,
@@ -34,35 +36,40 @@ from nemo_jq.models.megatron.provider import (
 
 transformer_engine_usable()  # a broken Transformer Engine must not break the megatron.core import below
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 
 
 class MegatronPolicy:
-    """Trains Qwen3 as a megatron-core ``GPTModel``: TP-sharded, DP-replicated, AdamW on each shard.
+    """Trains Qwen3 as a megatron-core ``GPTModel``: TP-sharded, PP-staged, DP-replicated, AdamW on each shard.
 
     fp32 weights; on GPU, ``precision`` "auto"/"bf16" runs under bf16 autocast as ``HFPolicy`` does.
 
     Gradients are synchronised at the end of ``forward_backward``: replicated weights whose
     gradient each TP rank sees only in part (the q/k norms, which act on the rank's own heads,
     and under sequence parallelism every norm, which sees the rank's own positions) are summed
-    over TP, then every gradient is summed over DP. Summing, not averaging, means a DP rank's
+    over TP, a tied embedding's gradient is summed with its LM-head copy on the last pipeline stage,
+    then every gradient is summed over DP. Summing, not averaging, means a DP rank's
     ``loss_fn`` must return its share of the global loss (normalised by the global batch, as the
     trainer's is), so that the result equals ``HFPolicy`` accumulating all micro-batches.
+
+    With ``pipeline_parallel > 1`` micro-batches run through megatron-core's 1F1B schedule and
+    ``loss_fn`` runs on the last stage; ``token_logprobs`` is broadcast from it to every stage.
     """
 
     def __init__(self, hf_config: Any, hf_state: Mapping[str, torch.Tensor], *, tensor_parallel: int = 1,
-                 sequence_parallel: bool = False, recompute_activations: bool = False,
+                 pipeline_parallel: int = 1, sequence_parallel: bool = False, recompute_activations: bool = False,
                  device: torch.device | str = "cpu", precision: str = "auto",
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, grad_clip: float = 1.0, logprob_chunk_size: int = 256):
         self.arch = read_qwen3_config(hf_config)
-        check_parallel_layout(self.arch, tensor_parallel, sequence_parallel)
+        check_parallel_layout(self.arch, tensor_parallel, sequence_parallel, pipeline_parallel)
         self.device = torch.device(device)
         self.precision = check_precision(precision)
         self.sequence_parallel = sequence_parallel
         self.grad_clip = grad_clip
         self.logprob_chunk_size = logprob_chunk_size
-        _initialize_model_parallel(tensor_parallel)
+        _initialize_model_parallel(tensor_parallel, pipeline_parallel)
         if self.device.type == "cuda":
             if self.device.index is None:  # the launcher has picked this rank's GPU
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -70,19 +77,30 @@ class MegatronPolicy:
             model_parallel_cuda_manual_seed(0)  # Qwen3 has no dropout; megatron's RNG tracker only has to exist
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size, self.tp_rank = tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_size, self.pp_rank = pipeline_parallel, parallel_state.get_pipeline_model_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.data_parallel = DataParallel(parallel_state.get_data_parallel_rank(),
                                           parallel_state.get_data_parallel_world_size(), self.dp_group)
-        #: The ranks holding one replica (its TP ranks): they see the same data.
+        #: The ranks holding one replica (its TP ranks of every stage): they see the same data.
         self.model_parallel_group = parallel_state.get_model_parallel_group()
         self.uses_transformer_engine = uses_transformer_engine()
         self.model = build_gpt_model(self.arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-                                     recompute_activations=recompute_activations,
+                                     pipeline_parallel=pipeline_parallel, recompute_activations=recompute_activations,
                                      use_cpu_initialization=self.device.type == "cpu")
         self.vocab_start = self.tp_rank * padded_vocab_size(self.arch.vocab_size, tensor_parallel) // tensor_parallel
-        #: The parameters whose gradient this rank adds to the norm: its TP slices, and replicated ones on rank 0 only.
+        #: Megatron numbers a stage's layers from 0; HF names them by their index in the whole model.
+        self._layer_offset = self.model.decoder.layers[0].layer_number - 1
+        #: A tied model's last stage (when not also the first) holds a copy of the embedding as its LM head.
+        self._tied_copy = self.model.shared_embedding_or_output_weight() if (
+            self.arch.tie_word_embeddings and self.pp_size > 1 and self.model.post_process) else None
+        #: The parameters whose gradient this rank adds to the norm: its TP slices, and replicated ones on TP rank 0
+        #: only; a tied embedding once, on the first stage.
         self._counted_in_norm = [param for name, param in self.model.named_parameters()
-                                 if is_tensor_parallel(name) or self.tp_rank == 0]
+                                 if (is_tensor_parallel(name) or self.tp_rank == 0) and param is not self._tied_copy]
+        #: Every stage's parameters, by global name, so that loading can name HF weights that no stage uses.
+        self._all_names = [name for stage in self._gather_over_stages(
+            [self._global_name(name) for name, _ in self.model.named_parameters()]) for name in stage]
         self._load_hf_state(hf_state)
         #: Moves whenever the weights change, so an engine sampling from a copy knows to refit.
         self.weights_version = 0
@@ -95,12 +113,22 @@ class MegatronPolicy:
 
     # ----------------------------------------------------------------- training
     def token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """``[N, L-1]`` fp32 log-probs of the target tokens (0 elsewhere), the same on every TP rank."""
+        """``[N, L-1]`` fp32 log-probs of the target tokens (0 elsewhere), the same on every TP rank and stage."""
         batch = batch.to(self.device)
-        targets = batch.target_mask
+        if self.pp_size > 1:
+            out = torch.empty(batch.target_mask.shape, dtype=torch.float32, device=self.device)
+            with torch.no_grad():
+                for logprobs in self._run_pipeline([batch]):  # on the last stage only
+                    out.copy_(logprobs)
+            dist.broadcast(out, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+            return out
         input_ids = batch.input_ids
         if self.sequence_parallel:  # the sequence is split evenly over the TP ranks; padding goes at the end
             input_ids = torch.nn.functional.pad(input_ids, (0, -input_ids.shape[1] % self.tp_size))
+        return self._logprobs(self._forward(input_ids), batch)
+
+    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This stage's output: logits ``[N, L, V_padded / TP]`` on the last stage, hidden states before it."""
         length = input_ids.shape[1]
         positions = torch.arange(length, device=self.device).expand_as(input_ids)
         # Rows are right-padded, so the causal mask alone keeps padding out of every real token's view.
@@ -108,7 +136,11 @@ class MegatronPolicy:
         causal_mask = None if self.uses_transformer_engine else (
             torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)[None, None])  # True: masked
         with autocast_context(self.device, self.precision):
-            logits = self.model(input_ids, positions, causal_mask)  # [N, length, V_padded / TP]
+            return self.model(input_ids, positions, causal_mask)
+
+    def _logprobs(self, logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+        """``token_logprobs`` from the logits of ``batch``'s rows (which may run past its length)."""
+        targets = batch.target_mask
         picked = vocab_parallel_token_logprobs(
             logits[:, : targets.shape[1]][targets], batch.input_ids[:, 1:][targets], vocab_start=self.vocab_start,
             vocab_size=self.arch.vocab_size, group=self.tp_group, chunk_size=self.logprob_chunk_size,
@@ -117,16 +149,48 @@ class MegatronPolicy:
         return out.index_put((targets,), picked.float())
 
     def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
-        """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP and DP."""
+        """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP and DP."""
         self.model.train()
         earlier = {param: param.grad for param in self.model.parameters()}
         self.optimizer.zero_grad(set_to_none=True)
-        for index, micro in enumerate(micro_batches):
-            loss_fn(self.token_logprobs(micro), index).backward()
+        if self.pp_size > 1:
+            self._run_pipeline([micro.to(self.device) for micro in micro_batches], loss_fn)
+        else:
+            for index, micro in enumerate(micro_batches):
+                loss_fn(self.token_logprobs(micro), index).backward()
         self._synchronise_gradients()
         for param, grad in earlier.items():  # gradients of earlier calls are synchronised already
             if grad is not None:
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    def _run_pipeline(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn | None = None) -> list[Any]:
+        """Megatron-core's 1F1B schedule over the micro-batches: backward of ``loss_fn`` of each one's log-probs,
+        or with ``loss_fn=None`` forward only, returning the log-probs (on the last stage; ``[]`` elsewhere).
+
+        Stages exchange activations of one fixed shape, so every micro-batch is right-padded to the
+        most rows and the longest sequence (to a multiple of TP under sequence parallelism).
+        """
+        rows = max(micro.num_rows for micro in micro_batches)
+        length = max(micro.input_ids.shape[1] for micro in micro_batches)
+        length += -length % self.tp_size if self.sequence_parallel else 0
+
+        def forward_step(data: Iterator[tuple[int, TokenBatch]], model: Any) -> tuple[torch.Tensor, Any]:
+            index, micro = next(data)
+            padded = _right_padded(micro, rows, length)
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                logprobs = self._logprobs(logits, padded)[: micro.num_rows, : micro.input_ids.shape[1] - 1]
+                if loss_fn is None:
+                    return logprobs.new_zeros(()), logprobs
+                # The schedule averages the micro-batches' losses; the protocol sums them.
+                return loss_fn(logprobs, index) * len(micro_batches), None
+
+            return self._forward(padded.input_ids), loss_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(enumerate(micro_batches)), model=self.model,
+            num_microbatches=len(micro_batches), seq_length=length, micro_batch_size=rows, forward_only=loss_fn is None,
+        )
 
     def _synchronise_gradients(self) -> None:
         params = [param for param in self.model.parameters() if param.requires_grad]
@@ -135,6 +199,9 @@ class MegatronPolicy:
                 param.grad = torch.zeros_like(param)
         tp_summed = [param.grad for name, param in self.model.named_parameters() if self._grad_is_partial_over_tp(name, param)]
         _all_reduce_flat(tp_summed, self.tp_group)
+        if self.arch.tie_word_embeddings and self.pp_size > 1 and parallel_state.is_rank_in_embedding_group():
+            # the embedding (first stage) and its LM-head copy (last stage) are one HF weight
+            _all_reduce_flat([self.model.shared_embedding_or_output_weight().grad], parallel_state.get_embedding_group())
         _all_reduce_flat([param.grad for param in params], self.dp_group)
 
     def _grad_is_partial_over_tp(self, name: str, param: torch.nn.Parameter) -> bool:
@@ -142,6 +209,14 @@ class MegatronPolicy:
         return (self.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
             "q_layernorm" in name or "k_layernorm" in name
         )
+
+    def from_loss_stage(self, value: Any) -> Any:
+        """``value`` from the last pipeline stage (where ``loss_fn`` runs), on every stage."""
+        if self.pp_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        return box[0]
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip to ``grad_clip`` by the norm over the whole model (as ``clip_grad_norm_``), step, zero."""
@@ -156,42 +231,73 @@ class MegatronPolicy:
         return {"grad_norm": float(grad_norm)}
 
     def _grad_norm(self) -> torch.Tensor:
-        """The L2 norm of the full model's gradient: shards summed over TP, replicated weights counted once."""
+        """The L2 norm of the full model's gradient: shards summed over TP and PP, replicated weights counted once."""
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for param in self._counted_in_norm:
             if param.grad is not None:
                 squares += param.grad.float().square().sum()
-        if self.tp_size > 1:
-            dist.all_reduce(squares, group=self.tp_group)
+        if self.tp_size * self.pp_size > 1:
+            dist.all_reduce(squares, group=self.model_parallel_group)
         return squares.sqrt()
 
     # ----------------------------------------------------------------- weights
     def gather_hf(self, per_parameter: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per-parameter tensors (weights, gradients, ...) of this rank's shard, gathered over TP into HF layout.
+        """Per-parameter tensors (weights, gradients, ...) of this rank's shard, gathered over TP and PP into HF layout.
 
-        A collective: every TP rank calls it, and each gets the full HF-named result: copies, never
+        A collective: every rank of the replica calls it, and each gets the full HF-named result: copies, never
         views of the live tensors, so later training steps do not change it.
         """
         return dict(self.iter_hf(per_parameter))
 
     def iter_hf(self, per_parameter: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``gather_hf`` one parameter at a time (default: the weights), so at most one full tensor is held
-        at once: for exports and weight refits of models that do not fit one rank. Every TP rank must
-        consume it to the end, in step (each item is an all-gather)."""
-        for name, tensor in (per_parameter or dict(self.model.named_parameters())).items():
+        at once: for exports and weight refits of models that do not fit one rank. Every rank of the
+        replica must consume it to the end, in step (each item is an all-gather over TP, then a
+        broadcast from its stage over PP)."""
+        per_parameter = {self._global_name(name): tensor for name, tensor in
+                         (per_parameter or dict(self.model.named_parameters())).items()
+                         if self._tied_copy is None or name != "output_layer.weight"}  # HF has no tied head
+        mine = self._iter_hf_of_stage(per_parameter)
+        if self.pp_size == 1:
+            yield from mine
+            return
+        stages = self._gather_over_stages([(name, tensor.dtype) for name, tensor in per_parameter.items()])
+        for stage, entries in enumerate(stages):
+            for megatron_name, dtype in entries:
+                for name in hf_names(megatron_name):
+                    tensor = next(mine)[1].contiguous() if stage == self.pp_rank else (
+                        torch.empty(hf_shape(name, self.arch), dtype=dtype, device=self.device))
+                    dist.broadcast(tensor, dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
+                    yield name, tensor
+
+    def _iter_hf_of_stage(self, per_parameter: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in per_parameter.items():
             pieces = [tensor.detach().clone()]
             if self.tp_size > 1:
                 pieces = [torch.empty_like(tensor) for _ in range(self.tp_size)]
                 dist.all_gather(pieces, tensor.detach().contiguous(), group=self.tp_group)
             yield from megatron_to_hf([{name: piece} for piece in pieces], self.arch).items()
 
+    def _global_name(self, name: str) -> str:
+        """A parameter's name with its layer numbered in the whole model, as the mapping expects."""
+        return re.sub(r"^decoder\.layers\.(\d+)\.", lambda match: f"decoder.layers.{int(match[1]) + self._layer_offset}.", name)
+
+    def _gather_over_stages(self, value: Any) -> list[Any]:
+        """Every pipeline stage's ``value`` (small picklable metadata), by stage."""
+        if self.pp_size == 1:
+            return [value]
+        values = [None] * self.pp_size
+        dist.all_gather_object(values, value, group=self.pp_group)
+        return values
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights in HF layout (a collective, as ``gather_hf``)."""
         return self.gather_hf(dict(self.model.named_parameters()))
 
     def _load_hf_state(self, hf_state: Mapping[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
-        shards = hf_to_megatron(hf_state, params, self.arch, tp_size=self.tp_size, tp_rank=self.tp_rank)
+        params = {self._global_name(name): param for name, param in self.model.named_parameters()}
+        shards = hf_to_megatron(hf_state, params, self.arch, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                                all_names=self._all_names)
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(shards[name])
@@ -225,17 +331,29 @@ class MegatronPolicy:
             distributed.everywhere(lambda: collections.deque(tensors, maxlen=0))
 
 
-def _initialize_model_parallel(tensor_parallel: int) -> None:
+def _initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int) -> None:
     if not dist.is_initialized():
         raise RuntimeError("MegatronPolicy needs torch.distributed initialised first (e.g. run under torchrun)")
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
-            raise ValueError(f"megatron parallel state has tensor-parallel size "
-                             f"{parallel_state.get_tensor_model_parallel_world_size()}; asked for {tensor_parallel}")
+        sizes = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+        if sizes != (tensor_parallel, pipeline_parallel):
+            raise ValueError(f"megatron parallel state has tensor- and pipeline-parallel sizes {sizes}; "
+                             f"asked for {(tensor_parallel, pipeline_parallel)}")
         return
-    if dist.get_world_size() % tensor_parallel:
-        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tensor_parallel={tensor_parallel}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    if dist.get_world_size() % (tensor_parallel * pipeline_parallel):
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of "
+                         f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                             pipeline_model_parallel_size=pipeline_parallel)
+
+
+def _right_padded(batch: TokenBatch, rows: int, length: int) -> TokenBatch:
+    """``batch`` padded with zeros (no tokens, no targets) to ``rows`` rows of ``length`` tokens."""
+    def pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+        return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1], 0, rows - tensor.shape[0]))
+
+    return TokenBatch(pad(batch.input_ids, length), pad(batch.attention_mask, length),
+                      pad(batch.rationale_mask, length - 1), pad(batch.answer_mask, length - 1))
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

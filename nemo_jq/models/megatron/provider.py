@@ -107,11 +107,13 @@ def _check_supported(values: Mapping[str, Any], source: str) -> None:
         raise ValueError(f"{source} has rope type {rope_type!r}; only unscaled rotary embeddings are supported")
 
 
-def check_parallel_layout(arch: Qwen3Architecture, tensor_parallel: int, sequence_parallel: bool = False) -> None:
-    """Raise ``ValueError`` for a TP size that cannot split this model.
+def check_parallel_layout(arch: Qwen3Architecture, tensor_parallel: int, sequence_parallel: bool = False,
+                          pipeline_parallel: int = 1) -> None:
+    """Raise ``ValueError`` for a TP or PP size that cannot split this model.
 
     Megatron gives each TP rank whole query heads and whole KV groups (the fused QKV weight is
-    cut per group) and an equal slice of the MLP, so TP must divide all three counts.
+    cut per group) and an equal slice of the MLP, so TP must divide all three counts; and each
+    pipeline stage an equal run of whole layers, so PP must divide the layer count.
     """
     if tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be >= 1; got {tensor_parallel}")
@@ -124,6 +126,9 @@ def check_parallel_layout(arch: Qwen3Architecture, tensor_parallel: int, sequenc
                              f"choose a TP size that divides num_attention_heads, num_key_value_heads and intermediate_size")
     if sequence_parallel and tensor_parallel == 1:
         raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
+    if pipeline_parallel < 1 or arch.num_layers % pipeline_parallel:
+        raise ValueError(f"pipeline_parallel={pipeline_parallel} does not divide num_hidden_layers={arch.num_layers}: "
+                         f"choose a PP size that divides num_hidden_layers (each stage holds an equal run of layers)")
 
 
 #: Embedding rows are allocated in multiples of this (times TP where TP does not divide it), as Megatron-LM's
@@ -143,7 +148,7 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 
 def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                       recompute_activations: bool = False, params_dtype: torch.dtype = torch.float32,
+                       pipeline_parallel: int = 1, recompute_activations: bool = False, params_dtype: torch.dtype = torch.float32,
                        use_cpu_initialization: bool = True):
     """The megatron-core ``TransformerConfig`` of a Qwen3 (as Bridge's Qwen3 bridge sets it).
 
@@ -151,8 +156,9 @@ def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, seq
     HF checkpoint. ``use_cpu_initialization`` allocates the weights on CPU (else on the current
     CUDA device). ``recompute_activations`` keeps only each layer's input and recomputes the layer
     in backward (megatron-core's full, uniform recomputation): activation memory for compute.
+    Pipeline stages exchange activations in ``params_dtype`` (``pipeline_dtype``).
     """
-    check_parallel_layout(arch, tensor_parallel, sequence_parallel)
+    check_parallel_layout(arch, tensor_parallel, sequence_parallel, pipeline_parallel)
     transformer_engine_usable()  # before importing megatron.core
     from megatron.core.transformer import TransformerConfig
 
@@ -175,6 +181,8 @@ def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, seq
         init_method_std=arch.initializer_range,
         tensor_model_parallel_size=tensor_parallel,
         sequence_parallel=sequence_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=False,
@@ -194,13 +202,17 @@ def uses_transformer_engine() -> bool:
 
 
 def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                    recompute_activations: bool = False, use_cpu_initialization: bool = True):
-    """This rank's ``GPTModel`` shard; ``parallel_state`` must be initialised with the same TP size.
+                    pipeline_parallel: int = 1, recompute_activations: bool = False, use_cpu_initialization: bool = True):
+    """This rank's ``GPTModel`` shard; ``parallel_state`` must be initialised with the same TP and PP sizes.
 
     The LM head is vocab-parallel (``parallel_output``): logits come back ``[b, s, V_padded / TP]``.
+    A pipeline stage holds its own layers, the first the embedding, the last the final norm and
+    LM head (tied: a copy of the embedding); other stages return hidden states ``[s, b, H]``.
     """
     config = transformer_config(arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-                                recompute_activations=recompute_activations, use_cpu_initialization=use_cpu_initialization)
+                                pipeline_parallel=pipeline_parallel, recompute_activations=recompute_activations,
+                                use_cpu_initialization=use_cpu_initialization)
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -220,4 +232,6 @@ def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequen
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
