@@ -78,7 +78,7 @@ def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
 
 
 class RefittedRolloutEngine:
-    """An HF engine over a copy of a policy's weights, refitted from ``policy.hf_state_dict()``
+    """An HF engine over a copy of a policy's weights, refitted from ``policy.iter_hf()``
     whenever ``policy.weights_version`` has moved (after an optimizer step or a weight load).
 
     The ranks of one model replica (``policy.model_parallel_group``) must train on the same
@@ -95,19 +95,31 @@ class RefittedRolloutEngine:
     def generate(self, prompts, num_samples, *, sample_answers, generator):
         import torch.distributed as dist
 
-        if self._version != self.policy.weights_version:  # a collective over the replica's ranks
-            missing, unexpected = self.engine.model.load_state_dict(self.policy.hf_state_dict(), strict=False)
-            if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is the embedding, loaded already
-                raise RuntimeError(f"refit from the policy: missing {missing}, unexpected {unexpected}")
-            self._version = self.policy.weights_version
         group = self.policy.model_parallel_group
         source = dist.get_global_rank(group, 0)
+        if self._version != self.policy.weights_version:
+            self._refit(samples=dist.get_rank() == source)
+            self._version = self.policy.weights_version
         rollouts = [None]
         if dist.get_rank() == source:
             rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator)]
         if dist.get_world_size(group) > 1:
             dist.broadcast_object_list(rollouts, src=source, group=group)
         return rollouts[0]
+
+
+    def _refit(self, *, samples: bool) -> None:
+        """Copy the policy's weights into the engine's model, one gathered tensor at a time (a collective over
+        the replica's ranks, which all take part); only the rank that ``samples`` keeps them."""
+        target = self.engine.model.state_dict()  # views of the engine's parameters
+        received = set()
+        for name, tensor in self.policy.iter_hf():
+            received.add(name)
+            if samples and name in target:
+                target[name].copy_(tensor)
+        missing, unexpected = set(target) - received - {"lm_head.weight"}, received - set(target)
+        if unexpected or missing:  # (a tied head is the embedding, copied already)
+            raise RuntimeError(f"refit from the policy: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
 
 
 @register_backend("megatron")

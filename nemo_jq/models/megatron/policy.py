@@ -323,7 +323,8 @@ class MegatronPolicy:
         (:func:`export_hf_stream`); the model is never whole in one process."""
         from transformers import Qwen3Config
 
-        tensors = ((name, tensor.cpu()) for name, tensor in self.iter_hf())
+        # Only the writer's replica gathers (its ranks must all take part); the other replicas hold the same weights.
+        tensors = ((name, tensor.cpu()) for name, tensor in self.iter_hf()) if self.data_parallel.rank == 0 else iter(())
         if distributed.is_writer():
             config = Qwen3Config.from_dict(self.arch.hf_config)
             distributed.everywhere(lambda: export_hf_stream(config, tensors, out_dir, tokenizer))
