@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--model", required=True, help="a Qwen3 size (0.6b, 1.7b, 4b, 8b, 14b, 32b) or an HF config.json / folder")
     planner.add_argument("--gpus-per-node", type=_positive, default=8)
     planner.add_argument("--nodes", type=_positive, default=1)
-    planner.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
+    planner.add_argument("--gpu-memory", type=_positive_gb, default=80.0, help="GB per GPU")
     planner.add_argument("--seq-len", type=_positive, default=4096, help="prompt + thinking + answer tokens")
     planner.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
     planner.add_argument("--samples", type=_positive, default=32, help="M, rollouts per prompt")
@@ -155,6 +155,16 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
     return int(text)
+
+
+def _positive_gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of GB > 0; got {text!r}")
+    return value
 
 
 def _plan_assumptions() -> str:

@@ -52,8 +52,9 @@ def load_launch_config(path: Path) -> LaunchConfig:
     if config.executor == "slurm" and not config.account:
         raise ValueError(f"{path}: executor=slurm needs account (the SLURM account to charge)")
     for key in ("nodes", "gpus_per_node"):
-        if not isinstance(getattr(config, key), int) or getattr(config, key) < 1:
-            raise ValueError(f"{path}: {key}={getattr(config, key)!r} must be a whole number >= 1")
+        value = getattr(config, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{path}: {key}={value!r} must be a whole number >= 1")
     return config
 
 

@@ -58,6 +58,8 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("executor: k8s\n", "executor='k8s'; choose one of slurm, docker, local"),
     ("executor: slurm\n", "executor=slurm needs account"),
     ("account: a\nnodes: 0\n", "nodes=0 must be a whole number >= 1"),
+    ("account: a\ngpus_per_node: true\n", "gpus_per_node=True must be a whole number >= 1"),
+    ("account: a\nnodes: '2'\n", "nodes='2' must be a whole number >= 1"),
 ])
 def test_bad_launch_configs_are_one_line_errors(tmp_path, capsys, text, message):
     assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train"]) == 2

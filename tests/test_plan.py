@@ -66,3 +66,7 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
     assert "--model '9b' is neither a Qwen3 size" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--model", "8b", "--nodes", "0"])
+    for memory in ("-1", "0", "nan", "inf", "eighty"):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "8b", "--gpu-memory", memory])
+        assert f"--gpu-memory: must be a number of GB > 0; got '{memory}'" in capsys.readouterr().err
