@@ -1,4 +1,4 @@
-"""Step overhead of the J_Q estimators, against TRL, plus rollout throughput and log-prob memory.
+"""Step overhead of the J_Q estimators, against TRL, plus log-prob memory.
 
 All in one run, on one model, batch, M and lengths:
 
@@ -9,8 +9,7 @@ All in one run, on one model, batch, M and lengths:
    rounds, and the estimator's own share of the step (its forward call) is reported beside it;
 2. our RB-RLOO step relative to TRL's GRPOTrainer on the same weights, prompts and completion
    length (TRL generates, scores and steps inside ``training_step``);
-3. rollout tokens/s of our HF engine relative to plain ``model.generate``;
-4. peak memory of the chunked log-probs vs a full log_softmax at V=151936, T=4096, H=1024
+3. peak memory of the chunked log-probs vs a full log_softmax at V=151936, T=4096, H=1024
    (a one-layer stand-in: hidden states and LM head only), each in a fresh process.
 
 Targets: GARL and PAFT within 2% of RB-RLOO; chunked log-probs <= 15% of the naive peak;
@@ -144,35 +143,6 @@ def trl_step_time(args, trainer, work: Path) -> tuple[float, float]:
     return statistics.median(durations[args.warmup :]), statistics.mean(lengths)
 
 
-def rollout_throughput(args, trainer) -> dict[str, float]:
-    engine, model = trainer.engine, trainer.policy.model
-    prompts = trainer.prompt_ids(trainer.splits.train[: args.prompts])
-    new_tokens = args.thinking + 1 + args.answer
-    rows = [p for p in prompts for _ in range(args.samples)]
-    width = max(map(len, rows))
-    ids = torch.tensor([[trainer.chat.pad_id] * (width - len(p)) + p for p in rows])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
-    ours, plain, ours_lengths, plain_lengths = [], [], [], []
-    for repeat in range(args.warmup + args.repeats):
-        generator = torch.Generator().manual_seed(repeat)
-        before, started = engine.tokens_generated, time.perf_counter()
-        engine.generate(prompts, args.samples, sample_answers=True, generator=generator)
-        ours.append((engine.tokens_generated - before) / (time.perf_counter() - started))
-        ours_lengths.append((engine.tokens_generated - before) / len(rows))
-        started = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens,
-                                 temperature=1.0, top_k=None, top_p=1.0, pad_token_id=trainer.chat.pad_id)
-        generated = out[:, width:]
-        count = int((generated != trainer.chat.pad_id).sum())
-        plain.append(count / (time.perf_counter() - started))
-        plain_lengths.append(count / len(rows))
-    return {"ours_tokens_per_s": statistics.median(ours[args.warmup :]),
-            "generate_tokens_per_s": statistics.median(plain[args.warmup :]),
-            "ours_mean_completion_tokens": statistics.mean(ours_lengths),
-            "generate_mean_completion_tokens": statistics.mean(plain_lengths)}
-
-
 def memory_probe(variant: str, tokens: int, vocab: int, hidden: int, chunk: int) -> None:
     """Run in a fresh process: print the peak extra memory (bytes) of one forward+backward."""
     from nemo_jq.models.logprobs import chunked_token_logprobs
@@ -252,7 +222,6 @@ def main() -> None:
         work = Path(tmp)
         rounds, estimator_rounds, reference = estimator_step_times(args, work)
         trl, trl_length = (None, None) if args.skip_trl else trl_step_time(args, reference, work)
-        rollout = rollout_throughput(args, reference)
     memory = memory_comparison(args)
 
     q = args.q
@@ -274,10 +243,8 @@ def main() -> None:
             "garl_over_grpo": paired[f"garl_q{q}_over_grpo"]["median"],
             "paft_over_grpo": paired[f"paft_q{q}_over_grpo"]["median"],
             **({"rb_rloo_over_trl_grpo": rb / trl} if trl is not None else {}),
-            "engine_over_generate_tokens_per_s": rollout["ours_tokens_per_s"] / rollout["generate_tokens_per_s"],
             "chunked_over_naive_memory": memory["chunked_over_naive"],
         },
-        "rollout": rollout,
         "trl_mean_completion_tokens": trl_length,
         "memory": memory,
     }
@@ -289,7 +256,7 @@ def main() -> None:
     }
     print(f"{'quantity':<44}{'value':>14}")
     for key, value in {**{f"step s {k}": v for k, v in result["step_seconds"].items()}, **result["ratios"],
-                       **rollout, **memory}.items():
+                       **memory}.items():
         print(f"{key:<44}{value:>14.4f}")
     for key, value in paired.items():
         print(f"{'paired ' + key:<44}{value['median']:>14.4f}  95% CI [{value['ci95_low']:.4f}, {value['ci95_high']:.4f}]")

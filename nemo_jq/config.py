@@ -26,6 +26,8 @@ from nemo_jq.data.prepare import BAD_ROW_POLICIES
 PRECISIONS = ("auto", "fp32", "bf16")
 #: The registered backends (nemo_jq.models.backends); named here so loading a config imports no torch.
 BACKEND_NAMES = ("hf", "megatron")
+#: The registered rollout samplers (nemo_jq.rollouts), likewise.
+ROLLOUT_ENGINE_NAMES = ("native", "hf", "vllm")
 
 class ConfigError(ValueError):
     pass
@@ -104,6 +106,10 @@ class RolloutConfig:
     temperature: float = option(1.0, "0 = greedy", ge=0.0)
     top_k: int = option(0, "0 = off (the paper's setting)", ge=0)
     top_p: float = option(1.0, "1.0 = off (the paper's setting)", gt=0.0, le=1.0)
+    engine: str = option("native", "native (shared prefill, compaction; this process), hf (the plain decode loop), "
+                         "or vllm (optional extra, GPU; needs model.path)", choices=ROLLOUT_ENGINE_NAMES)
+    max_logprob_gap: float = option(
+        1.0, "warn when an engine's log-prob of a sampled token differs from the policy's by more than this", gt=0.0)
 
 
 @dataclass
@@ -186,6 +192,9 @@ class Config:
             raise ConfigError(f"model.tensor_parallel/pipeline_parallel/sequence_parallel/recompute_activations need "
                               f"model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
+        if self.rollout.engine == "vllm" and not self.model.path:
+            raise ConfigError("rollout.engine=vllm needs model.path (an HF folder vLLM can load; the policy's weights "
+                              "replace its own after each step): set model.path, or use rollout.engine=native")
         if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")
         self._resolve_data()

@@ -60,6 +60,9 @@ def report() -> dict[str, Any]:
     info["megatron layer spec"] = ("transformer_engine" if cuda and info["transformer engine imports"] == "yes"
                                    else "local (megatron-core's torch layers)")
     info["model.backend=megatron usable"] = cuda and info["megatron.core imports"] == "yes"
+    info["vllm"] = _version("vllm")
+    info["vllm imports"] = _imports("vllm") if info["vllm"] != "not installed" else "not installed"
+    info["rollout.engine=vllm usable"] = cuda and info["vllm imports"] == "yes"
     info["launch"] = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
     info["world size / rank"] = f"{os.environ.get('WORLD_SIZE', '1')} / {os.environ.get('RANK', '0')}"
     return info

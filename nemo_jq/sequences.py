@@ -10,6 +10,7 @@ one belongs to no span, since the model did not choose it.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -25,8 +26,19 @@ def splice(prompt: list[int], rationale: list[int], think_end_id: int, think_end
     return ids, in_rationale[1:], in_answer[1:]
 
 
-def collate(rows: Sequence[tuple[list[int], list[bool], list[bool]]], pad_id: int) -> TokenBatch:
-    """Right-pad spliced rows into a :class:`TokenBatch`."""
+def engine_logprobs(rollout: Rollout, with_answer: bool) -> list[float] | None:
+    """The engine's log-probs of the rollout's spliced targets (over ids[1:]), NaN where it has none
+    (the prompt, a forced ``</think>``, a reference answer); None when it reported none at all."""
+    if rollout.rationale_logprobs is None:
+        return None
+    answer = (rollout.answer_logprobs or [math.nan] * len(rollout.answer_ids)) if with_answer else []
+    after_think = len(rollout.rationale_ids) + 1 - len(rollout.rationale_logprobs)  # the forced </think>, if any
+    return [math.nan] * (len(rollout.prompt_ids) - 1) + rollout.rationale_logprobs + [math.nan] * after_think + answer
+
+
+def collate(rows: Sequence[tuple[list[int], list[bool], list[bool]]], pad_id: int,
+            engine_rows: Sequence[list[float] | None] = ()) -> TokenBatch:
+    """Right-pad spliced rows into a :class:`TokenBatch` (with the engine's log-probs where every row has them)."""
     length = max(len(ids) for ids, _, _ in rows)
     n = len(rows)
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
@@ -38,7 +50,12 @@ def collate(rows: Sequence[tuple[list[int], list[bool], list[bool]]], pad_id: in
         attention[i, : len(ids)] = 1
         rationale_mask[i, : len(in_rationale)] = torch.tensor(in_rationale, dtype=torch.bool)
         answer_mask[i, : len(in_answer)] = torch.tensor(in_answer, dtype=torch.bool)
-    return TokenBatch(input_ids, attention, rationale_mask, answer_mask)
+    engine = None
+    if engine_rows and all(row is not None for row in engine_rows):
+        engine = torch.full((n, length - 1), math.nan)
+        for i, row in enumerate(engine_rows):
+            engine[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return TokenBatch(input_ids, attention, rationale_mask, answer_mask, engine)
 
 
 def reference_answer_batch(
@@ -50,7 +67,7 @@ def reference_answer_batch(
         for group, answer in zip(rollouts, reference_answers)
         for r in group
     ]
-    return collate(rows, pad_id)
+    return collate(rows, pad_id, [engine_logprobs(r, with_answer=False) for group in rollouts for r in group])
 
 
 def sampled_answer_batch(rollouts: Sequence[Sequence[Rollout]], think_end_id: int, pad_id: int) -> TokenBatch:
@@ -61,7 +78,7 @@ def sampled_answer_batch(rollouts: Sequence[Sequence[Rollout]], think_end_id: in
             if r.answer_ids is None:
                 raise ValueError("rollout has no sampled answer; generate with sample_answers=True")
             rows.append(splice(r.prompt_ids, r.rationale_ids, think_end_id, r.think_end_forced, r.answer_ids))
-    return collate(rows, pad_id)
+    return collate(rows, pad_id, [engine_logprobs(r, with_answer=True) for group in rollouts for r in group])
 
 
 def given_target_batch(

@@ -295,6 +295,11 @@ class Trainer:
         if self.schedule is not None and "log_p_hat" in record:
             self.schedule.observe(record["log_p_hat"])
         record["train_reward"] = record.get("reward", record.get("p_hat"))
+        if record.get("max_logprob_gap", 0.0) > self.config.rollout.max_logprob_gap and distributed.is_writer():
+            print(f"warning: step {self.state['step'] + 1}: the rollout engine's log-probs differ from the policy's by up to "
+                  f"{record['max_logprob_gap']:.3g} (mean {record['logprob_gap']:.3g}; rollout.max_logprob_gap="
+                  f"{self.config.rollout.max_logprob_gap}): the samples are off-policy; check the engine's precision "
+                  "and its refit", flush=True)
         rollout_tokens = int(self.data_parallel.sum(rollout_tokens))
         record["rollout_tokens"] = rollout_tokens
         record["rollout_tokens_per_s"] = rollout_tokens / rollout_seconds if rollout_tokens else None
@@ -329,7 +334,8 @@ class Trainer:
             micro = micro_batches[index].to(self.device)
             micro_rewards = rewards[start:end] if rewards is not None else None
             out = self.spec.fn(**estimator_inputs(self.spec, logprobs, micro, end - start, micro_rewards), **options)
-            collected.append((end - start, {"loss": float(out.per_example.detach().mean()), **out.metrics}))
+            collected.append((end - start, {"loss": float(out.per_example.detach().mean()), **out.metrics,
+                                            **logprob_gap(logprobs.detach(), micro)}))
             return out.per_example.sum() / batch_prompts
 
         self.policy.forward_backward(micro_batches, loss_fn)
@@ -430,6 +436,16 @@ class Trainer:
     def _restore_signal_handlers(previous: dict[int, Any]) -> None:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def logprob_gap(policy_logprobs: torch.Tensor, batch: TokenBatch) -> dict[str, float]:
+    """Mean and largest |engine − policy| log-prob over the sampled tokens the engine scored
+    (how off-policy the rollouts are; the loss always uses the policy's own log-probs)."""
+    if batch.engine_logprobs is None:
+        return {}
+    engine = batch.engine_logprobs.to(policy_logprobs.device)
+    gaps = (policy_logprobs - engine)[~engine.isnan()].abs()
+    return {"logprob_gap": float(gaps.mean()), "max_logprob_gap": float(gaps.max())} if gaps.numel() else {}
 
 
 def _merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
+import torch
+
 from nemo_jq.chat import ChatFormat, build_tokenizer
 from nemo_jq.data import SyntheticArithmetic
 from nemo_jq.models.hf import tiny_qwen3
@@ -35,6 +37,18 @@ def tiny_setup(seed: int = 0):
     model = tiny_qwen3(len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                        intermediate_size=64, max_position_embeddings=128, seed=seed)
     return task, tokenizer, ChatFormat(tokenizer), model
+
+
+def rollout_engine(model, chat, *, budget: int, answers: int = 3, sampler: str = "native", **settings):
+    """A budgeted rollout engine on CPU over ``model`` with the named sampler (``hf`` or ``native``)."""
+    from nemo_jq.rollouts import BudgetedRollouts, SamplingSettings
+    from nemo_jq.rollouts.hf import HFSampler, NativeSampler
+
+    sampler_class = {"hf": HFSampler, "native": NativeSampler}[sampler]
+    return BudgetedRollouts(sampler_class(model, pad_id=chat.pad_id, device=torch.device("cpu"),
+                                          settings=SamplingSettings(**settings)),
+                            think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id,
+                            max_thinking_tokens=budget, max_answer_tokens=answers)
 
 
 def qwen3_tokenizer_dir() -> Path:

@@ -8,14 +8,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_step_overhead_quick_run_writes_every_ratio(tmp_path):
+def quick_run(tmp_path, script: str, *options: str) -> dict:
+    """Run ``bench/SCRIPT --quick`` and return the JSON it wrote."""
     out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "bench/step_overhead.py", "--quick", "--skip-trl", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
+    result = subprocess.run([sys.executable, f"bench/{script}", "--quick", *options, "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_step_overhead_quick_run_writes_every_ratio(tmp_path):
+    report = quick_run(tmp_path, "step_overhead.py", "--skip-trl")
     assert set(report["step_seconds"]) == {"rb_rloo", "garl_q0.75", "paft_q0.75", "grpo"}
     assert all(v > 0 for v in report["ratios"].values())
     assert report["memory"]["naive_peak_gb"] > report["memory"]["chunked_peak_gb"] > 0
@@ -26,14 +29,21 @@ def test_step_overhead_quick_run_writes_every_ratio(tmp_path):
 
 
 def test_megatron_backend_quick_run_writes_memory_and_step_ratio(tmp_path):
-    out = tmp_path / "megatron.json"
-    result = subprocess.run([sys.executable, "bench/megatron_backend.py", "--quick", "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = quick_run(tmp_path, "megatron_backend.py")
     memory = report["head_memory"]
     assert memory["tp1_peak_gb"] > memory["tp2_peak_gb_per_rank"] > 0
     assert memory["tp2_over_tp1"] == memory["tp2_peak_gb_per_rank"] / memory["tp1_peak_gb"]
     ratio = report["megatron_tp1_over_hf_step"]
     assert 0 < ratio["ci95_low"] <= ratio["median"] <= ratio["ci95_high"]
     assert report["step_seconds"]["megatron_tp1"] > 0 and report["step_seconds"]["hf"] > 0
+
+
+def test_rollouts_quick_run_writes_every_engines_rate_and_ratio(tmp_path):
+    report = quick_run(tmp_path, "rollouts.py")
+    [case] = report["models"][0]["cases"].values()
+    assert set(case["tokens_per_s"]) == {"native", "hf", "generate"} and all(v > 0 for v in case["tokens_per_s"].values())
+    for key in ("native_over_hf", "native_over_generate", "hf_over_generate"):
+        assert 0 < case[key]["ci95_low"] <= case[key]["median"] <= case[key]["ci95_high"]
+    # the engines sample the same distribution: their mean lengths agree (native and hf exactly, same seeds)
+    assert case["mean_rationale_tokens"]["native"] == case["mean_rationale_tokens"]["hf"]
+    assert report["sampling_step"]["inverse_cdf_s"] > 0

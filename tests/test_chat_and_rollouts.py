@@ -4,9 +4,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from helpers import qwen3_tokenizer_dir, tiny_setup
+from helpers import qwen3_tokenizer_dir, rollout_engine, tiny_setup
 from nemo_jq.chat import ChatFormat
-from nemo_jq.models.hf import HFRolloutEngine
 from nemo_jq.models.interfaces import Rollout
 from nemo_jq.sequences import collate, reference_answer_batch, sampled_answer_batch, splice
 
@@ -74,19 +73,15 @@ def test_padded_batch_keeps_each_rows_spans():
     assert collate([([1, 2], [True], [False])], 0).rows(0, 1).input_ids.tolist() == [[1, 2]]
 
 
-def _engine(model, chat, budget, answers=3):
-    return HFRolloutEngine(model, think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id, pad_id=chat.pad_id,
-                           device=torch.device("cpu"), max_thinking_tokens=budget, max_answer_tokens=answers)
-
-
-def test_budget_inserts_think_end_exactly_at_the_budget():
+@pytest.mark.parametrize("sampler", ["hf", "native"])
+def test_budget_inserts_think_end_exactly_at_the_budget(sampler):
     task, _, chat, model = tiny_setup()
     examples = task.splits(6, 0, 0, seed=1).train
     prompts = [chat.prompt_ids(task.messages(e, "cold")) for e in examples]
     with torch.no_grad():  # point </think>'s output row along the mean hidden state: some rows end on their own
         hidden = model.get_decoder()(input_ids=torch.tensor([prompts[0]])).last_hidden_state.mean((0, 1))
         model.get_output_embeddings().weight[chat.think_end_id] = 2.0 * hidden / hidden.norm()
-    groups = _engine(model, chat, budget=4).generate(prompts, 8, sample_answers=True, generator=torch.Generator().manual_seed(0))
+    groups = rollout_engine(model, chat, budget=4, sampler=sampler).generate(prompts, 8, sample_answers=True, generator=torch.Generator().manual_seed(0))
     rollouts = [r for g in groups for r in g]
     assert len(groups) == 6 and all(len(g) == 8 for g in groups)
     assert {r.think_end_forced for r in rollouts} == {True, False}
@@ -102,13 +97,14 @@ def test_budget_inserts_think_end_exactly_at_the_budget():
     assert row.input_ids.shape[0] == 1
 
 
-def test_zero_budget_forces_think_end_at_once_and_sampling_is_reproducible():
+@pytest.mark.parametrize("sampler", ["hf", "native"])
+def test_zero_budget_forces_think_end_at_once_and_sampling_is_reproducible(sampler):
     task, _, chat, model = tiny_setup()
     prompts = [chat.prompt_ids(task.messages(e, "cold")) for e in task.splits(3, 0, 0, seed=2).train]
-    engine = _engine(model, chat, budget=0)
+    engine = rollout_engine(model, chat, budget=0, sampler=sampler)
     groups = engine.generate(prompts, 2, sample_answers=False, generator=torch.Generator().manual_seed(0))
     assert all(r.think_end_forced and r.rationale_ids == [] and r.answer_ids is None for g in groups for r in g)
-    engine = _engine(model, chat, budget=5)
+    engine = rollout_engine(model, chat, budget=5, sampler=sampler)
     a = engine.generate(prompts, 3, sample_answers=True, generator=torch.Generator().manual_seed(7))
     b = engine.generate(prompts, 3, sample_answers=True, generator=torch.Generator().manual_seed(7))
     assert a == b

@@ -37,6 +37,9 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (["model.recompute_activations=true"], "recompute_activations need model.backend=megatron"),
         (["model.tensor_parallel=2"], "model.tensor_parallel/.* need model.backend=megatron"),
         (["model.pipeline_parallel=2"], "pipeline_parallel/.* need model.backend=megatron"),
+        (["rollout.engine=sglang"], "rollout.engine must be one of native, hf, vllm"),
+        (["rollout.engine=vllm"], "rollout.engine=vllm needs model.path"),
+        (["rollout.max_logprob_gap=0"], "rollout.max_logprob_gap must be > 0.0"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

@@ -11,6 +11,10 @@ import sys
 def test_doctor_reports_versions_devices_spec_and_launch(tmp_path):
     (tmp_path / "transformer_engine").mkdir()
     (tmp_path / "transformer_engine" / "__init__.py").write_text("raise RuntimeError('CUDA driver too old')\n")
+    (tmp_path / "vllm").mkdir()  # a vLLM that installs and imports (only its version and import are checked)
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "vllm-0.33.0.dist-info").mkdir()
+    (tmp_path / "vllm-0.33.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "WORLD_SIZE": "4", "RANK": "3",
            "SLURM_NNODES": "2"}
     result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "doctor", "--json"], env=env, capture_output=True,
@@ -23,6 +27,8 @@ def test_doctor_reports_versions_devices_spec_and_launch(tmp_path):
     assert info["transformer engine imports"] == "no (RuntimeError: CUDA driver too old)"
     assert info["megatron.core imports"] == "yes"  # the broken TE is survived
     assert info["megatron layer spec"].startswith("local")
+    assert (info["vllm"], info["vllm imports"]) == ("0.33.0", "yes")
+    assert info["rollout.engine=vllm usable"] == torch.cuda.is_available()
     assert info["world size / rank"] == "4 / 3" and info["launch"]["SLURM_NNODES"] == "2"
     text = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "doctor"], env=env, capture_output=True, text=True,
                           timeout=120).stdout

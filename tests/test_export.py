@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from helpers import qwen3_tokenizer_dir, tiny_setup
+from helpers import qwen3_tokenizer_dir, rollout_engine, tiny_setup
 from nemo_jq.chat import ChatFormat
-from nemo_jq.models.hf import EXPORT_MARKER, HFPolicy, HFRolloutEngine
+from nemo_jq.models.hf import EXPORT_MARKER, HFPolicy
 from nemo_jq.sequences import given_target_batch
 
 CPU = torch.device("cpu")
@@ -44,9 +44,7 @@ def test_plain_generate_from_the_export_stops_at_end_of_turn_like_the_engine(tra
     assert inputs["input_ids"][0].tolist() == prompt
     generated = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)[0, len(prompt):].tolist()
 
-    engine = HFRolloutEngine(policy.model, think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id,
-                             pad_id=chat.pad_id, device=CPU, max_thinking_tokens=MAX_NEW_TOKENS,
-                             max_answer_tokens=MAX_NEW_TOKENS, top_k=1)
+    engine = rollout_engine(policy.model, chat, budget=MAX_NEW_TOKENS, answers=MAX_NEW_TOKENS, top_k=1)
     [[rollout]] = engine.generate([prompt], 1, sample_answers=True, generator=torch.Generator().manual_seed(0))
     assert not rollout.think_end_forced
     assert generated == rollout.rationale_ids + [chat.think_end_id] + rollout.answer_ids == completion

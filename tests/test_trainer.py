@@ -110,11 +110,18 @@ def test_three_step_run_per_estimator(tmp_path, name):
         assert all(math.isfinite(r["log_p_hat"]) and "max_amplified_advantage" in r for r in train)
     if name in ("grpo", "rloo"):
         assert all(0.0 <= r["train_reward"] <= 1.0 for r in train)
+    if name != "sft":  # sampled rollouts: the engine's log-probs agree with the policy's (fp32, same weights)
+        assert all(0 <= r["logprob_gap"] <= r["max_logprob_gap"] < 1e-4 for r in train)
     assert [r["step"] for r in records if r["kind"] == "validation"] == [3]
     assert set(result["test"]) == {"p@1", "p@4", "m@4"}
     assert json.loads((trainer.run_dir / "results.json").read_text())["best_step"] == 3
     assert latest_checkpoint(trainer.run_dir / "checkpoints").name == "step_00000003"
     assert (trainer.run_dir / "training.png").exists() and (trainer.run_dir / "config.yaml").exists()
+
+
+def test_an_off_policy_gap_above_the_threshold_warns(tmp_path, capsys):
+    make_trainer(tmp_path, "rollout.engine=hf", "rollout.max_logprob_gap=1e-12", "train.max_steps=1").fit()
+    assert "the rollout engine's log-probs differ from the policy's" in capsys.readouterr().out
 
 
 def _without_timing(records):

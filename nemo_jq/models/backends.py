@@ -15,8 +15,9 @@ import torch
 
 from nemo_jq import distributed
 from nemo_jq.chat import ChatFormat
-from nemo_jq.models.hf import HFPolicy, HFRolloutEngine
+from nemo_jq.models.hf import HFPolicy
 from nemo_jq.models.interfaces import Policy, RolloutEngine
+from nemo_jq.rollouts import IN_PLACE, BudgetedRollouts, build_rollouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,35 +58,27 @@ def _policy_options(config: Any) -> dict[str, Any]:
             "logprob_chunk_size": config.model.logprob_chunk_size}
 
 
-def _rollout_engine(model: Any, request: BackendRequest) -> HFRolloutEngine:
-    rollout, chat = request.config.rollout, request.chat
-    return HFRolloutEngine(
-        model, think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id, pad_id=chat.pad_id,
-        device=request.device, max_thinking_tokens=rollout.max_thinking_tokens,
-        max_answer_tokens=rollout.max_answer_tokens, temperature=rollout.temperature, top_k=rollout.top_k,
-        top_p=rollout.top_p, precision=request.config.model.precision,
-    )
-
-
 @register_backend("hf")
 def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
-    """One process, one device: the policy trains the HF model in place and the engine samples from it."""
+    """One process, one device: the policy trains the HF model in place; the native and hf samplers
+    decode that same model, vLLM a copy refitted after each step."""
     if distributed.world_size() > 1:
         raise ValueError(f"model.backend=hf trains in one process, but this run has {distributed.world_size()}: "
                          "use model.backend=megatron under torchrun")
     policy = HFPolicy(request.model, device=request.device, **_policy_options(request.config))
-    return policy, _rollout_engine(policy.model, request)
+    engine = build_rollouts(policy.model, request.config, request.chat, request.device)
+    return policy, engine if request.config.rollout.engine in IN_PLACE else RefittedRolloutEngine(engine, policy)
 
 
 class RefittedRolloutEngine:
-    """An HF engine over a copy of a policy's weights, refitted from ``policy.iter_hf()``
+    """A rollout engine over its own copy of a policy's weights, refitted from ``policy.iter_hf()``
     whenever ``policy.weights_version`` has moved (after an optimizer step or a weight load).
 
-    The ranks of one model replica (``policy.model_parallel_group``) must train on the same
-    rollouts: the group's first rank samples and sends them to the others.
+    The ranks of one model replica (``policy.model_parallel_group``; None in one process) must train
+    on the same rollouts: the group's first rank samples and sends them to the others.
     """
 
-    def __init__(self, engine: HFRolloutEngine, policy: Any):
+    def __init__(self, engine: BudgetedRollouts, policy: Any):
         self.engine, self.policy, self._version = engine, policy, None
 
     @property
@@ -96,37 +89,27 @@ class RefittedRolloutEngine:
         import torch.distributed as dist
 
         group = self.policy.model_parallel_group
-        source = dist.get_global_rank(group, 0)
+        source = dist.get_global_rank(group, 0) if group is not None else None
+        samples = group is None or dist.get_rank() == source
         if self._version != self.policy.weights_version:
-            self._refit(samples=dist.get_rank() == source)
+            tensors = self.policy.iter_hf()  # a collective over the replica's ranks: all of them consume it
+            if samples:
+                self.engine.load_weights(tensors)
+            for _ in tensors:
+                pass
             self._version = self.policy.weights_version
-        rollouts = [None]
-        if dist.get_rank() == source:
-            rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator)]
-        if dist.get_world_size(group) > 1:
+        rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator)
+                    if samples else None]
+        if group is not None and dist.get_world_size(group) > 1:
             dist.broadcast_object_list(rollouts, src=source, group=group)
         return rollouts[0]
-
-
-    def _refit(self, *, samples: bool) -> None:
-        """Copy the policy's weights into the engine's model, one gathered tensor at a time (a collective over
-        the replica's ranks, which all take part); only the rank that ``samples`` keeps them."""
-        target = self.engine.model.state_dict()  # views of the engine's parameters
-        received = set()
-        for name, tensor in self.policy.iter_hf():
-            received.add(name)
-            if samples and name in target:
-                target[name].copy_(tensor)
-        missing, unexpected = set(target) - received - {"lm_head.weight"}, received - set(target)
-        if unexpected or missing:  # (a tied head is the embedding, copied already)
-            raise RuntimeError(f"refit from the policy: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
 
 
 @register_backend("megatron")
 def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     """megatron-core's GPTModel on every rank of the world (one rank without torchrun), tensor- and
-    data-parallel; rollouts from an HF copy refitted after each step (until the rollout engines of
-    issue 11 land, every rank holds such a copy).
+    data-parallel; rollouts from the replica's first rank, its sampler refitted after each step (the
+    native and hf samplers decode an HF copy that every rank still builds).
     """
     import torch.distributed as dist
 
@@ -152,4 +135,4 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     policy = MegatronPolicy.from_hf_model(request.model, device=request.device, tensor_parallel=model.tensor_parallel,
                                           pipeline_parallel=model.pipeline_parallel, sequence_parallel=model.sequence_parallel,
                                           recompute_activations=model.recompute_activations, **_policy_options(request.config))
-    return policy, RefittedRolloutEngine(_rollout_engine(request.model, request), policy)
+    return policy, RefittedRolloutEngine(build_rollouts(request.model, request.config, request.chat, request.device), policy)

@@ -126,6 +126,8 @@ class HFPolicy:
     """Trains an HF causal LM in one process: chunked log-probs, AdamW, gradient clipping, bf16 autocast on GPU."""
 
     data_parallel = DataParallel()
+    #: One process holds the whole model (a refitted rollout engine samples here).
+    model_parallel_group = None
 
     def __init__(self, model: Any, *, device: torch.device, precision: str = "auto", lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -138,6 +140,12 @@ class HFPolicy:
         self.grad_clip = grad_clip
         self.logprob_chunk_size = logprob_chunk_size
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        #: Moves whenever the weights change, so an engine with its own copy knows to refit.
+        self.weights_version = 0
+
+    def iter_hf(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights under their HF names, one tensor at a time (what a refitted engine loads)."""
+        return iter(self.model.state_dict().items())
 
     def autocast(self):
         return autocast_context(self.device, self.precision)
@@ -165,6 +173,7 @@ class HFPolicy:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.weights_version += 1
         return {"grad_norm": float(grad_norm)}
 
     def from_loss_stage(self, value: Any) -> Any:
@@ -183,6 +192,7 @@ class HFPolicy:
         directory = Path(directory)
         require_files(directory, [WEIGHTS_FILE, *([OPTIMIZER_FILE] if with_optimizer else [])])
         load_model(self.model, str(directory / WEIGHTS_FILE), device=str(self.device))
+        self.weights_version += 1
         if with_optimizer:
             self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
 
@@ -275,111 +285,3 @@ def _export(out_dir: Path, tokenizer: Any, config: Any, write_weights: Callable[
     written = sorted(path.name for path in out_dir.iterdir() if path.name != EXPORT_MARKER)
     (out_dir / EXPORT_MARKER).write_text(json.dumps({"files": written}, indent=2) + "\n")
     make_readable(out_dir)
-
-
-# Roles of generated tokens in the decode loop's buffer.
-_NONE, _RATIONALE, _THINK_END, _ANSWER = 0, 1, 2, 3
-
-
-class HFRolloutEngine:
-    """Batched sampling with a thinking budget, in one decode loop over an HF model.
-
-    Each row thinks until it samples ``</think>`` or reaches ``max_thinking_tokens``, where
-    ``</think>`` is forced (s1-style budget forcing); then, only if asked, it samples an answer
-    until end-of-turn or ``max_answer_tokens``. Rows finish independently; the loop ends when
-    all have. Sampling uses the caller's ``torch.Generator``, so rollouts are reproducible.
-    """
-
-    def __init__(self, model: Any, *, think_end_id: int, end_of_turn_id: int, pad_id: int, device: torch.device,
-                 max_thinking_tokens: int, max_answer_tokens: int, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, precision: str = "auto"):
-        if max_thinking_tokens < 0 or max_answer_tokens < 1:
-            raise ValueError(
-                f"need max_thinking_tokens >= 0 and max_answer_tokens >= 1; got {max_thinking_tokens}, {max_answer_tokens}"
-            )
-        self.model = model
-        self.think_end_id, self.end_of_turn_id, self.pad_id = think_end_id, end_of_turn_id, pad_id
-        self.device = device
-        self.precision = check_precision(precision)
-        self.max_thinking_tokens, self.max_answer_tokens = max_thinking_tokens, max_answer_tokens
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.tokens_generated = 0
-
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
-                 generator: torch.Generator) -> list[list[Rollout]]:
-        rows = [list(p) for p in prompts for _ in range(num_samples)]
-        n = len(rows)
-        width = max(map(len, rows))
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(rows):  # left padding, so every row's next token is at the end
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-
-        phase = torch.zeros(n, dtype=torch.long, device=self.device)  # 0 thinking, 1 answering, 2 done
-        thought = torch.zeros(n, dtype=torch.long, device=self.device)
-        answered = torch.zeros(n, dtype=torch.long, device=self.device)
-        forced = torch.zeros(n, dtype=torch.bool, device=self.device)
-        max_steps = self.max_thinking_tokens + 1 + (self.max_answer_tokens if sample_answers else 0)
-        tokens = torch.full((n, max_steps), self.pad_id, dtype=torch.long, device=self.device)
-        roles = torch.zeros((n, max_steps), dtype=torch.long, device=self.device)
-
-        self.model.eval()
-        cache, step_input = None, ids
-        for step in range(max_steps):
-            with autocast_context(self.device, self.precision):
-                out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions,
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            token = self._sample(out.logits[:, -1], generator)
-
-            thinking, answering = phase == 0, phase == 1
-            force = thinking & (thought >= self.max_thinking_tokens)
-            token = torch.where(force, self.think_end_id, token)
-            ends_thinking = thinking & (token == self.think_end_id)
-            forced |= force
-            roles[:, step] = torch.where(
-                ends_thinking, _THINK_END, torch.where(thinking, _RATIONALE, torch.where(answering, _ANSWER, _NONE))
-            )
-            tokens[:, step] = torch.where(phase == 2, self.pad_id, token)
-            thought += thinking & ~ends_thinking
-            answered += answering
-            finished_answer = answering & ((token == self.end_of_turn_id) | (answered >= self.max_answer_tokens))
-            phase = torch.where(ends_thinking, 1 if sample_answers else 2, torch.where(finished_answer, 2, phase))
-            if bool((phase == 2).all()):
-                break
-            step_input = tokens[:, step : step + 1]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-
-        tokens, roles, forced = tokens.cpu(), roles.cpu(), forced.cpu()
-        self.tokens_generated += int((roles != _NONE).sum())
-        rollouts = [
-            Rollout(
-                prompt_ids=rows[i],
-                rationale_ids=tokens[i][roles[i] == _RATIONALE].tolist(),
-                think_end_forced=bool(forced[i]),
-                answer_ids=tokens[i][roles[i] == _ANSWER].tolist() if sample_answers else None,
-            )
-            for i in range(n)
-        ]
-        return [rollouts[b * num_samples : (b + 1) * num_samples] for b in range(len(prompts))]
-
-    def _sample(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        logits = logits.float()
-        if self.temperature == 0:
-            return logits.argmax(-1)
-        logits = logits / self.temperature
-        if self.top_k > 0:
-            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-            probs = torch.softmax(sorted_logits, -1)
-            drop = probs.cumsum(-1) - probs > self.top_p  # keep the smallest prefix with mass >= top_p
-            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(logits, -1)
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(logits.device)

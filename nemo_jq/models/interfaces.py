@@ -27,6 +27,11 @@ class Rollout:
     #: Sampled answer tokens after ``</think>`` (ending in end-of-turn unless the answer budget ran
     #: out), or None when the estimator needs no sampled answer.
     answer_ids: list[int] | None = None
+    #: The sampling engine's own log-probs of the rationale span's targets (each rationale token, then a
+    #: sampled ``</think>``), and of the answer's; None where the engine has none. Training recomputes
+    #: them with the policy and only logs the gap (an off-policy check).
+    rationale_logprobs: list[float] | None = None
+    answer_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -41,6 +46,9 @@ class TokenBatch:
     attention_mask: torch.Tensor  # [N, L]
     rationale_mask: torch.Tensor  # [N, L-1] bool
     answer_mask: torch.Tensor  # [N, L-1] bool
+    #: The rollout engine's own log-probs of the target tokens where it reported them, NaN elsewhere
+    #: ([N, L-1] fp32), for the off-policy gap; None when it reported none.
+    engine_logprobs: torch.Tensor | None = None
 
     @property
     def target_mask(self) -> torch.Tensor:
@@ -53,15 +61,15 @@ class TokenBatch:
     def rows(self, start: int, end: int) -> "TokenBatch":
         """Rows ``start:end``, trimmed to their longest sequence."""
         length = int(self.attention_mask[start:end].sum(1).max())
-        return TokenBatch(
-            self.input_ids[start:end, :length],
-            self.attention_mask[start:end, :length],
-            self.rationale_mask[start:end, : length - 1],
-            self.answer_mask[start:end, : length - 1],
-        )
+        ids, targets = (slice(start, end), slice(0, length)), (slice(start, end), slice(0, length - 1))
+        return TokenBatch(self.input_ids[ids], self.attention_mask[ids], self.rationale_mask[targets],
+                          self.answer_mask[targets], None if self.engine_logprobs is None else self.engine_logprobs[targets])
 
     def to(self, device: torch.device | str) -> "TokenBatch":
-        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.rationale_mask, self.answer_mask)))
+        return TokenBatch(*(None if t is None else t.to(device) for t in self._tensors()))
+
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.input_ids, self.attention_mask, self.rationale_mask, self.answer_mask, self.engine_logprobs
 
 
 #: ``loss_fn(token_logprobs [n, L-1], micro_batch_index) -> scalar`` to backpropagate.

@@ -1,0 +1,62 @@
+"""Thinking budgets, once, over any :class:`~nemo_jq.rollouts.sampling.Sampler`.
+
+Phase 1 samples the rationale: up to ``max_thinking_tokens`` tokens, stopping at ``</think>``.
+A row that reaches the budget without it gets ``</think>`` forced (s1-style budget forcing).
+Phase 2, only when asked, samples the answer after ``prompt + rationale + </think>``, up to
+``max_answer_tokens``, stopping at end-of-turn. Every engine (HF, native, vLLM) gets exactly
+these semantics because none of them implements them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from nemo_jq.models.interfaces import Rollout
+from nemo_jq.rollouts.sampling import Sample, Sampler, as_groups
+
+
+class BudgetedRollouts:
+    """A :class:`~nemo_jq.models.interfaces.RolloutEngine` from a sampler and the budgets."""
+
+    def __init__(self, sampler: Sampler, *, think_end_id: int, end_of_turn_id: int, max_thinking_tokens: int,
+                 max_answer_tokens: int):
+        if max_thinking_tokens < 0 or max_answer_tokens < 1:
+            raise ValueError(
+                f"need max_thinking_tokens >= 0 and max_answer_tokens >= 1; got {max_thinking_tokens}, {max_answer_tokens}"
+            )
+        self.sampler = sampler
+        self.think_end_id, self.end_of_turn_id = think_end_id, end_of_turn_id
+        self.max_thinking_tokens, self.max_answer_tokens = max_thinking_tokens, max_answer_tokens
+        #: Tokens the rollouts hold beyond their prompts (a forced ``</think>`` included), for throughput logging.
+        self.tokens_generated = 0
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.sampler.load_weights(tensors)
+
+    def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
+                 generator: torch.Generator) -> list[list[Rollout]]:
+        if self.max_thinking_tokens == 0:  # no thinking: </think> forced at once
+            thoughts = as_groups([Sample([], False, []) for _ in range(len(prompts) * num_samples)], num_samples)
+        else:
+            thoughts = self.sampler.sample(prompts, num_samples, stop_ids=[self.think_end_id],
+                                           max_new_tokens=self.max_thinking_tokens, generator=generator)
+        rollouts = []
+        for prompt, group in zip(prompts, thoughts):
+            for thought in group:
+                ends = thought.stopped and thought.token_ids[-1] == self.think_end_id
+                rollouts.append(Rollout(
+                    prompt_ids=list(prompt),
+                    rationale_ids=thought.token_ids[:-1] if ends else thought.token_ids,
+                    think_end_forced=not ends,
+                    rationale_logprobs=thought.logprobs,
+                ))
+        if sample_answers:
+            contexts = [r.prompt_ids + r.rationale_ids + [self.think_end_id] for r in rollouts]
+            answers = self.sampler.sample(contexts, 1, stop_ids=[self.end_of_turn_id],
+                                          max_new_tokens=self.max_answer_tokens, generator=generator)
+            for rollout, [answer] in zip(rollouts, answers):
+                rollout.answer_ids, rollout.answer_logprobs = answer.token_ids, answer.logprobs
+        self.tokens_generated += sum(len(r.rationale_ids) + 1 + len(r.answer_ids or ()) for r in rollouts)
+        return as_groups(rollouts, num_samples)

@@ -1,0 +1,167 @@
+"""The sampling primitive, the budget core over it, the native sampler's equivalence to the plain loop,
+the engines' own log-probs, refits, and the vLLM request/response conversion (vLLM itself is not here)."""
+
+import copy
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import rollout_engine, tiny_setup
+from nemo_jq.models.backends import RefittedRolloutEngine
+from nemo_jq.models.hf import HFPolicy
+from nemo_jq.rollouts import BudgetedRollouts, Sample, SamplingSettings
+from nemo_jq.rollouts.hf import HFSampler, NativeSampler
+from nemo_jq.rollouts.vllm import sample_from_completion, sampling_params_kwargs
+from nemo_jq.sequences import reference_answer_batch, sampled_answer_batch
+
+CPU = torch.device("cpu")
+THINK_END, END_OF_TURN = 99, 2
+
+
+class ScriptedSampler:
+    """Returns queued continuations (cut at the first stop id or the budget, as a real sampler) and records requests."""
+
+    def __init__(self, script):
+        self.script, self.requests = list(script), []
+
+    def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator):
+        self.requests.append((prompts, num_samples, list(stop_ids), max_new_tokens))
+        groups = []
+        for _ in prompts:
+            group = []
+            for _ in range(num_samples):
+                ids = self.script.pop(0)
+                cut = next((i + 1 for i, t in enumerate(ids) if t in stop_ids), None)
+                ids = ids[:cut] if cut is not None and cut <= max_new_tokens else ids[:max_new_tokens]
+                group.append(Sample(ids, ids[-1:] != [] and ids[-1] in stop_ids, [-0.5 - t / 100 for t in ids]))
+            groups.append(group)
+        return groups
+
+
+def test_budget_core_over_ragged_stops_splits_spans_and_forces_think_end_at_the_budget():
+    script = [[5, 6, THINK_END], [7, 8, 9, 10, 11], [THINK_END], [12, 13, 14, 15],  # thinking (budget 4)
+              [40, END_OF_TURN], [41, 42, 43], [END_OF_TURN], [44, END_OF_TURN]]  # answers (budget 3)
+    sampler = ScriptedSampler(script)
+    engine = BudgetedRollouts(sampler, think_end_id=THINK_END, end_of_turn_id=END_OF_TURN, max_thinking_tokens=4,
+                              max_answer_tokens=3)
+    groups = engine.generate([[1, 2], [3]], 2, sample_answers=True, generator=torch.Generator())
+    rollouts = [r for g in groups for r in g]
+    assert [r.rationale_ids for r in rollouts] == [[5, 6], [7, 8, 9, 10], [], [12, 13, 14, 15]]
+    assert [r.think_end_forced for r in rollouts] == [False, True, False, True]
+    assert [r.answer_ids for r in rollouts] == [[40, END_OF_TURN], [41, 42, 43], [END_OF_TURN], [44, END_OF_TURN]]
+    assert [len(r.rationale_logprobs) for r in rollouts] == [3, 4, 1, 4]  # a sampled </think> is scored, a forced one not
+    thinking, answering = sampler.requests
+    assert thinking == ([[1, 2], [3]], 2, [THINK_END], 4)
+    assert answering[0] == [[1, 2, 5, 6, THINK_END], [1, 2, 7, 8, 9, 10, THINK_END], [3, THINK_END],
+                            [3, 12, 13, 14, 15, THINK_END]]
+    assert answering[1:] == (1, [END_OF_TURN], 3)
+    assert engine.tokens_generated == sum(len(r.rationale_ids) + 1 + len(r.answer_ids) for r in rollouts) == 22
+
+
+def test_budget_core_asks_nothing_at_budget_zero_and_no_answers_unless_asked():
+    sampler = ScriptedSampler([])
+    engine = BudgetedRollouts(sampler, think_end_id=THINK_END, end_of_turn_id=END_OF_TURN, max_thinking_tokens=0,
+                              max_answer_tokens=3)
+    [[a, b]] = engine.generate([[1]], 2, sample_answers=False, generator=torch.Generator())
+    assert sampler.requests == [] and a.think_end_forced and a.rationale_ids == [] and a.answer_ids is None
+    with pytest.raises(ValueError, match="max_thinking_tokens >= 0"):
+        BudgetedRollouts(sampler, think_end_id=THINK_END, end_of_turn_id=END_OF_TURN, max_thinking_tokens=-1,
+                         max_answer_tokens=3)
+
+
+def _ragged_setup(seed=0):
+    """The tiny model with ``</think>`` made likely, so rows stop at different steps."""
+    task, _, chat, model = tiny_setup(seed)
+    examples = task.splits(5, 0, 0, seed=3).train
+    prompts = [chat.prompt_ids(task.messages(e, "cold")) for e in examples][:4] + [[chat.pad_id + 1] * 3]
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=torch.tensor([prompts[0]])).last_hidden_state.mean((0, 1))
+        model.get_output_embeddings().weight[chat.think_end_id] = 1.5 * hidden / hidden.norm()
+    return chat, model, prompts
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(), SamplingSettings(temperature=1.5, top_k=40, top_p=0.95)])
+def test_native_sampler_gives_the_plain_loops_samples_under_the_same_seed(settings):
+    chat, model, prompts = _ragged_setup()
+    kwargs = dict(stop_ids=[chat.think_end_id], max_new_tokens=24)
+    plain = HFSampler(model, pad_id=chat.pad_id, device=CPU, settings=settings).sample(
+        prompts, 8, generator=torch.Generator().manual_seed(11), **kwargs)
+    native = NativeSampler(model, pad_id=chat.pad_id, device=CPU, settings=settings).sample(
+        prompts, 8, generator=torch.Generator().manual_seed(11), **kwargs)
+    lengths = [len(s.token_ids) for g in native for s in g]
+    assert len(set(lengths)) > 3 and any(s.stopped for g in native for s in g)  # ragged: compaction ran
+    assert [[s.token_ids for s in g] for g in native] == [[s.token_ids for s in g] for g in plain]
+    assert [[s.stopped for s in g] for g in native] == [[s.stopped for s in g] for g in plain]
+    gaps = [abs(a - b) for g, h in zip(native, plain) for s, t in zip(g, h) for a, b in zip(s.logprobs, t.logprobs)]
+    assert max(gaps) < 1e-4
+
+
+@pytest.mark.parametrize("sampler", ["hf", "native"])
+def test_engine_logprobs_are_the_policys_teacher_forced_logprobs(sampler):
+    chat, model, prompts = _ragged_setup(seed=1)
+    policy = HFPolicy(model, device=CPU)
+    engine = rollout_engine(model, chat, budget=12, answers=4, sampler=sampler)
+    groups = engine.generate(prompts, 3, sample_answers=True, generator=torch.Generator().manual_seed(2))
+    batch = sampled_answer_batch(groups, chat.think_end_id, chat.pad_id)
+    known = ~batch.engine_logprobs.isnan()
+    rationale_known = (batch.rationale_mask & known).sum()
+    assert torch.equal(known, batch.target_mask) and rationale_known == batch.rationale_mask.sum()
+    with torch.no_grad():
+        policy_logprobs = policy.token_logprobs(batch)
+    assert (policy_logprobs - batch.engine_logprobs)[known].abs().max() < 1e-4
+    garl = reference_answer_batch(groups, [chat.answer_ids("7")] * len(groups), chat.think_end_id, chat.pad_id)
+    assert torch.equal(~garl.engine_logprobs.isnan(), garl.rationale_mask)  # the reference answer is not the engine's
+
+
+def test_sampling_is_reproducible_and_samples_by_the_inverse_cdf():
+    settings = SamplingSettings()
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]])
+    logits = probs.log()
+    for u, token in [(0.0, 0), (0.0999, 0), (0.1001, 2), (0.6999, 2), (0.7001, 3), (0.99999, 3)]:
+        tokens, logprobs = settings.next_tokens(logits, torch.tensor([u]))
+        assert int(tokens) == token and math.isclose(float(logprobs), math.log(probs[0, token]), rel_tol=1e-5)
+    rng = random.Random(0)
+    for _ in range(50):  # property: never a token outside the top-k / top-p set, whatever the draw
+        logits = torch.randn(3, 30)
+        truncated = SamplingSettings(top_k=rng.randint(1, 10), top_p=rng.uniform(0.2, 1.0)).truncate(logits)
+        tokens, _ = SamplingSettings(top_k=1).next_tokens(logits, torch.rand(3))
+        assert torch.equal(tokens, logits.argmax(-1))
+        tokens, _ = SamplingSettings(temperature=1.0).next_tokens(truncated, torch.rand(3))
+        assert truncated.gather(1, tokens[:, None]).isfinite().all()
+
+
+def test_refitted_engine_samples_from_the_policys_weights_after_each_step():
+    chat, model, prompts = _ragged_setup()
+    policy = HFPolicy(model, device=CPU, lr=1e-2)
+    copy_engine = RefittedRolloutEngine(rollout_engine(copy.deepcopy(model), chat, budget=10), policy)
+    in_place = rollout_engine(policy.model, chat, budget=10)
+    for _ in range(2):
+        batch = reference_answer_batch(in_place.generate(prompts, 2, sample_answers=False, generator=torch.Generator()),
+                                       [chat.answer_ids("3")] * len(prompts), chat.think_end_id, chat.pad_id)
+        policy.forward_backward([batch], lambda logprobs, _: -logprobs.sum())
+        policy.optimizer_step()
+        ours = copy_engine.generate(prompts, 4, sample_answers=True, generator=torch.Generator().manual_seed(5))
+        theirs = in_place.generate(prompts, 4, sample_answers=True, generator=torch.Generator().manual_seed(5))
+        assert ours == theirs
+    with pytest.raises(RuntimeError, match="missing"):
+        copy_engine.engine.load_weights(iter([("model.norm.weight", model.model.norm.weight)]))
+
+
+def test_vllm_requests_truncate_only_when_asked_and_outputs_keep_their_stop_id():
+    plain = sampling_params_kwargs(SamplingSettings(), num_samples=8, stop_ids=[7], max_new_tokens=32, seed=3)
+    assert plain == {"n": 8, "stop_token_ids": [7], "max_tokens": 32, "seed": 3, "temperature": 1.0, "logprobs": 0,
+                     "skip_special_tokens": False}
+    assert sampling_params_kwargs(SamplingSettings(0.5, 20, 0.9), num_samples=1, stop_ids=[], max_new_tokens=1,
+                                  seed=0).keys() >= {"top_k", "top_p"}
+
+    def completion(ids, reason, stop, scored=True):
+        logprobs = [{t: SimpleNamespace(logprob=-0.1 * t)} for t in ids + ([stop] if reason == "stop" and stop not in ids else [])]
+        return SimpleNamespace(token_ids=ids, finish_reason=reason, stop_reason=stop, logprobs=logprobs if scored else None)
+
+    assert sample_from_completion(completion([4, 5, 7], "stop", 7)) == Sample([4, 5, 7], True, pytest.approx([-0.4, -0.5, -0.7]))
+    assert sample_from_completion(completion([4, 5], "stop", 7)).token_ids == [4, 5, 7]
+    assert sample_from_completion(completion([4, 5], "length", None)) == Sample([4, 5], False, pytest.approx([-0.4, -0.5]))
+    assert sample_from_completion(completion([4], "length", None, scored=False)).logprobs is None
