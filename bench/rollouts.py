@@ -15,7 +15,11 @@ stopping at ``</think>``). Tokens/s counts generated tokens only (a finished row
 token). Ratios: median of per-round ratios with a bootstrap 95% interval. Target: native / hf >= 1.5
 at M=32. Also the sampling step alone on [rows, 151936] logits: inverse CDF against ``torch.multinomial``.
 
-Usage: python bench/rollouts.py [--quick]
+On a GPU (``--gpu``): decode tokens/s of the native sampler for a Qwen3-0.6B-shaped model in bf16 at
+batch B×M, relative to the memory-bandwidth bound (every step reads all weights and every live row's
+KV cache once: Σ_steps (weight bytes + KV bytes) / bandwidth), reported as bound time / measured time.
+
+Usage: python bench/rollouts.py [--quick | --gpu [--bandwidth-tbs X]]
 """
 
 from __future__ import annotations
@@ -43,24 +47,73 @@ from nemo_jq.rollouts.sampling import SamplingSettings  # noqa: E402
 ENGINES = ("native", "hf", "generate")
 
 
+#: Qwen3-0.6B's shape (its config.json), for the GPU measurement.
+QWEN3_0P6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960)
+#: HBM bandwidth by device name (TB/s, the vendors' datasheets); anything else needs --bandwidth-tbs.
+BANDWIDTH_TBS = {"H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "H200": 4.8}
+
+
+def bandwidth_bound_seconds(model, prompt_tokens: int, lengths: list[int], bytes_per_value: int, bandwidth: float) -> float:
+    """The least time a decode of rows with these ``lengths`` (new tokens each) can take when every step
+    reads all weights once and each live row's KV cache once, at ``bandwidth`` bytes/s."""
+    config = model.config
+    weight_bytes = sum(p.numel() for p in model.parameters()) * bytes_per_value
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * bytes_per_value
+    total = 0.0
+    for step in range(max(lengths)):
+        live = sum(1 for length in lengths if length > step)
+        total += weight_bytes + kv_bytes_per_token * live * (prompt_tokens + step)
+    return total / bandwidth
+
+
+def measure_gpu(args, chat, prompts) -> dict:
+    """Native-sampler decode on the GPU against the bandwidth bound (bf16, Qwen3-0.6B shape, random weights)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    tbs = args.bandwidth_tbs or next((v for k, v in BANDWIDTH_TBS.items() if k in name), None)
+    if tbs is None:
+        raise SystemExit(f"error: no known bandwidth for {name!r}: pass --bandwidth-tbs (its HBM bandwidth in TB/s)")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0P6B)).to(device=device, dtype=torch.bfloat16).eval()
+    reached = tilt_stop_row(model, prompts, chat.think_end_id, chat.pad_id, args.budget, device)
+    sampler = NativeSampler(model, pad_id=chat.pad_id, device=device, precision="bf16")
+    samples = min(args.samples)
+    sampler.sample(prompts, samples, stop_ids=[chat.think_end_id], max_new_tokens=8, generator=torch.Generator(device).manual_seed(0))
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    groups = sampler.sample(prompts, samples, stop_ids=[chat.think_end_id], max_new_tokens=args.budget,
+                            generator=torch.Generator(device).manual_seed(1))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    lengths = [len(s.token_ids) for g in groups for s in g]
+    prompt_tokens = max(map(len, prompts))
+    bound = bandwidth_bound_seconds(model, prompt_tokens, lengths, 2, tbs * 1e12)
+    return {"device": name, "bandwidth_tbs": tbs, "rows": len(lengths), "budget": args.budget,
+            "budget_fraction_reached_at_calibration": reached, "tokens": sum(lengths), "seconds": seconds,
+            "tokens_per_s": sum(lengths) / seconds, "bound_seconds": bound, "bound_over_measured": bound / seconds}
+
+
 def build_model(vocab: int, hidden: int, layers: int):
     return tiny_qwen3(vocab, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2,
                       intermediate_size=3 * hidden, max_position_embeddings=2048, seed=0).eval()
 
 
-def tilt_stop_row(model, prompts, stop_id: int, pad_id: int, budget: int) -> float:
+def tilt_stop_row(model, prompts, stop_id: int, pad_id: int, budget: int, device=torch.device("cpu")) -> float:
     """Point ``stop_id``'s output row along the mean hidden state, scaled (by bisection) so that the
     mean rationale is about half the budget; return the mean fraction reached."""
     with torch.no_grad():
-        hidden = model.get_decoder()(input_ids=torch.tensor([prompts[0]])).last_hidden_state.mean((0, 1))
+        hidden = model.get_decoder()(input_ids=torch.tensor([prompts[0]], device=device)).last_hidden_state.mean((0, 1))
         direction, row = hidden / hidden.norm(), model.get_output_embeddings().weight[stop_id]
-        sampler = NativeSampler(model, pad_id=pad_id, device=torch.device("cpu"))
+        sampler = NativeSampler(model, pad_id=pad_id, device=device)
         low, high, fraction = 0.0, 64.0, 1.0
         for _ in range(10):
             scale = (low + high) / 2
             row.copy_(scale * direction)
             samples = sampler.sample(prompts[:2], 8, stop_ids=[stop_id], max_new_tokens=budget,
-                                     generator=torch.Generator().manual_seed(0))
+                                     generator=torch.Generator(device).manual_seed(0))
             fraction = statistics.mean(len(s.token_ids) for g in samples for s in g) / budget
             if abs(fraction - 0.5) < 0.08:
                 break
@@ -105,12 +158,15 @@ def sampling_step_seconds(rows: int, vocab: int, repeats: int) -> dict[str, floa
     return {"inverse_cdf_s": statistics.median(ours), "multinomial_s": statistics.median(multinomial)}
 
 
-def measure(args, label: str, vocab: int | None, hidden: int) -> dict:
+def task_prompts(count: int) -> tuple[ChatFormat, list[list[int]]]:
     task = SyntheticArithmetic(num_operands=3)
-    tokenizer = build_tokenizer(task.corpus([]))
-    chat = ChatFormat(tokenizer)
-    prompts = [chat.prompt_ids(task.messages(e, "cold")) for e in task.splits(args.prompts, 0, 0, seed=0).train]
-    model = build_model(vocab or len(tokenizer), hidden, args.layers)
+    chat = ChatFormat(build_tokenizer(task.corpus([])))
+    return chat, [chat.prompt_ids(task.messages(e, "cold")) for e in task.splits(count, 0, 0, seed=0).train]
+
+
+def measure(args, label: str, vocab: int | None, hidden: int) -> dict:
+    chat, prompts = task_prompts(args.prompts)
+    model = build_model(vocab or len(chat.tokenizer), hidden, args.layers)
     reached = tilt_stop_row(model, prompts, chat.think_end_id, chat.pad_id, args.budget)
     cases = {}
     for samples in args.samples:
@@ -146,11 +202,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny budget, M=4, one repeat")
+    parser.add_argument("--gpu", action="store_true", help="the GPU measurement only: Qwen3-0.6B shape, bf16, B=64 x M=8")
+    parser.add_argument("--bandwidth-tbs", type=float, help="the GPU's memory bandwidth in TB/s (known H100/H200 names: looked up)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rollouts.json")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.samples, args.budget, args.repeats, args.warmup = 2, [4], 12, 2, 0
     torch.set_num_threads(args.threads)
+    if args.gpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --gpu needs a CUDA device; run without --gpu for the CPU comparison")
+        chat, prompts = task_prompts(64)
+        gpu = measure_gpu(args, chat, prompts)
+        print(json.dumps(gpu, indent=2))
+        args.out.with_name("rollouts_gpu.json").write_text(json.dumps({"torch": torch.__version__, **gpu}, indent=2) + "\n")
+        return
 
     models = [measure(args, "demo-sized", None, 128)]
     if not args.quick:

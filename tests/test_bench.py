@@ -47,3 +47,19 @@ def test_rollouts_quick_run_writes_every_engines_rate_and_ratio(tmp_path):
     # the engines sample the same distribution: their mean lengths agree (native and hf exactly, same seeds)
     assert case["mean_rationale_tokens"]["native"] == case["mean_rationale_tokens"]["hf"]
     assert report["sampling_step"]["inverse_cdf_s"] > 0
+
+
+def test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mode_needs_cuda():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rollouts import bandwidth_bound_seconds, build_model
+
+    model = build_model(vocab=40, hidden=16, layers=2)
+    weights = sum(p.numel() for p in model.parameters()) * 2
+    kv_per_token = 2 * 2 * model.config.num_key_value_heads * model.config.head_dim * 2
+    # rows of 2 and 1 new tokens after a 3-token prompt: step 0 reads both rows' 3 cached tokens, step 1 one row's 4
+    expected = (weights + kv_per_token * 2 * 3) + (weights + kv_per_token * 1 * 4)
+    assert bandwidth_bound_seconds(model, 3, [2, 1], 2, 10.0) == expected / 10.0
+    if not __import__("torch").cuda.is_available():
+        result = subprocess.run([sys.executable, "bench/rollouts.py", "--gpu"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode != 0 and "--gpu needs a CUDA device" in result.stderr

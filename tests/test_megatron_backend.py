@@ -260,13 +260,15 @@ def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch
     return diffs
 
 
-def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tmp_path):
-    ranks = run_in_processes(pipeline_parity_worker, 2, 1, 2, str(tmp_path))
+@pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["pp2", "tp2xpp2"])
+def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_parallel, tmp_path):
+    ranks = run_in_processes(pipeline_parity_worker, 2 * tensor_parallel, tensor_parallel, 2, str(tmp_path))
     for rank, diffs in enumerate(ranks):
         assert diffs["logprobs"] < 2e-5 and diffs["loss"] < 2e-5 and diffs["grads"] < 2e-6, (rank, diffs)
         assert diffs["grad_norm"] < 1e-5 and diffs["weights_after_step"] < 1e-6, (rank, diffs)
         assert diffs["checkpoint_round_trip"] < 1e-6 and diffs["weights_after_resumed_step"] < 1e-6, (rank, diffs)
-    assert [diffs["loss_calls"] for diffs in ranks] == [0, PROMPTS]  # the loss runs on the last stage
+    # the loss runs on the last stage (ranks are TP-major: stage 0 holds the first tensor_parallel ranks)
+    assert [diffs["loss_calls"] for diffs in ranks] == [0] * tensor_parallel + [PROMPTS] * tensor_parallel
 
 
 def test_untied_tp2_round_trip_and_export_are_bit_exact(tmp_path):
