@@ -53,6 +53,14 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:
                             "(train.run_dir=...), or pass --overwrite to move the old run aside first")
 
 
+def local_model_dir(path: str | None) -> Path | None:
+    """``model.path`` as a local HF folder, or None (no path, or a hub name)."""
+    if not path:
+        return None
+    resolved = Path(resolve_pretrained(path))
+    return resolved if resolved.is_dir() else None
+
+
 def build_task(config: Config) -> tuple[Task, Splits]:
     """The task and its splits: the synthetic sums, a prepared folder, or a dataset prepared in memory."""
     data = config.data
@@ -105,10 +113,9 @@ class Trainer:
         self.task, self.splits = build_task(config)
         self.tokenizer = self._tokenizer(existing)
         self.chat = ChatFormat(self.tokenizer)
-        model = self._model()
-        self.policy, self.engine = build_backend(
-            config.model.backend, BackendRequest(model=model, config=config, chat=self.chat, device=self.device)
-        )
+        self.policy, self.engine = build_backend(config.model.backend, BackendRequest(
+            load_model=self._model, model_dir=local_model_dir(config.model.path), config=config, chat=self.chat,
+            device=self.device))
         self.data_parallel = self.policy.data_parallel
         if config.train.batch_size % self.data_parallel.size:
             raise ValueError(f"train.batch_size={config.train.batch_size} does not split over {self.data_parallel.size} "

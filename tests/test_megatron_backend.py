@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -597,3 +598,59 @@ def test_torchrun_trains_a_data_parallel_run_and_names_a_bad_layout_in_one_line(
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("nemo-jq train"))
     assert len(errors) == 2 and errors[0].startswith("nemo-jq train (rank 1): error: train.batch_size=3 "), errors
     assert errors[1].startswith("nemo-jq train: error: train.batch_size=3 "), errors
+
+
+# ----------------------------------------------------------------- HF folders read shard by shard
+def sharded_hf_folder(folder: Path, model, tokenizer=None) -> Path:
+    """``model`` as an HF folder whose weights are split over several safetensors files and an index."""
+    from nemo_jq.models.hf import write_safetensors_shards
+
+    folder.mkdir(parents=True)
+    model.config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    write_safetensors_shards(((n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"), folder, 10_000)
+    assert len(list(folder.glob("model-*.safetensors"))) > 5
+    return folder
+
+
+def folder_import_worker(folder: str) -> dict[str, float]:
+    """The policy from the sharded folder against the one from the in-memory model, at TP=2; then broken folders."""
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    _, _, _, model = tiny_setup()
+    from_folder = MegatronPolicy.from_hf_folder(Path(folder), tensor_parallel=2, **OPTIM)
+    from_model = MegatronPolicy.from_hf_model(model, tensor_parallel=2, **OPTIM)
+    diffs = {"weights": max_diff(from_folder.hf_state_dict(), from_model.hf_state_dict())}
+    broken = Path(folder).parent / f"broken{dist.get_rank()}"
+    shutil.copytree(folder, broken)
+    index_path = broken / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.norm.weight"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="checkpoint is missing 'model.norm.weight'"):
+        MegatronPolicy.from_hf_folder(broken, tensor_parallel=2, **OPTIM)
+    (broken / index["weight_map"]["model.embed_tokens.weight"]).unlink()
+    with pytest.raises(FileNotFoundError, match="lists weight files that do not exist: .*model-00001-of"):
+        MegatronPolicy.from_hf_folder(broken, tensor_parallel=2, **OPTIM)
+    return diffs
+
+
+def test_an_hf_folder_is_read_shard_by_shard_bit_exact_and_names_what_is_missing(tmp_path):
+    _, _, _, model = tiny_setup()
+    folder = sharded_hf_folder(tmp_path / "hf", model)
+    for rank, diffs in enumerate(run_in_processes(folder_import_worker, 2, str(folder))):
+        assert diffs["weights"] == 0, (rank, diffs)
+
+
+def test_the_recipe_from_a_sharded_hf_folder_at_tp2_trains_as_the_hf_backend(tmp_path):
+    from helpers import TINY_RUN
+    from nemo_jq.config import load_config
+    from nemo_jq.trainer import Trainer
+
+    source = Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={tmp_path / 'source'}"]))
+    folder = sharded_hf_folder(tmp_path / "hf", source.policy.model, source.tokenizer)
+    hf = train_steps(tmp_path / "hf_run", ["objective.name=garl", f"model.path={folder}"])
+    ranks = run_in_processes(train_steps, 2, tmp_path / "megatron", ["objective.name=garl", "model.backend=megatron",
+                                                                    "model.tensor_parallel=2", f"model.path={folder}"])
+    assert_same_training(ranks[0], hf)

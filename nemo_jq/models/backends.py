@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -22,9 +23,14 @@ from nemo_jq.rollouts import IN_PLACE, BudgetedRollouts, build_rollouts
 
 @dataclasses.dataclass(frozen=True)
 class BackendRequest:
-    """What every backend builds from: an HF causal LM (its config and starting weights) and the run's settings."""
+    """What every backend builds from: the HF causal LM the run starts from, and the run's settings.
 
-    model: Any
+    ``load_model()`` builds that model whole in this process; ``model_dir`` is its local HF folder,
+    when it has one, which a backend may read shard by shard instead.
+    """
+
+    load_model: Callable[[], Any]
+    model_dir: Path | None
     config: Any  # nemo_jq.config.Config
     chat: ChatFormat
     device: torch.device
@@ -65,7 +71,7 @@ def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     if distributed.world_size() > 1:
         raise ValueError(f"model.backend=hf trains in one process, but this run has {distributed.world_size()}: "
                          "use model.backend=megatron under torchrun")
-    policy = HFPolicy(request.model, device=request.device, **_policy_options(request.config))
+    policy = HFPolicy(request.load_model(), device=request.device, **_policy_options(request.config))
     engine = build_rollouts(policy.model, request.config, request.chat, request.device)
     return policy, engine if request.config.rollout.engine in IN_PLACE else RefittedRolloutEngine(engine, policy)
 
@@ -107,17 +113,20 @@ class RefittedRolloutEngine:
 
 @register_backend("megatron")
 def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
-    """megatron-core's GPTModel on every rank of the world (one rank without torchrun), tensor- and
-    data-parallel; rollouts from the replica's first rank, its sampler refitted after each step (the
-    native and hf samplers decode an HF copy that every rank still builds).
+    """megatron-core's GPTModel on every rank of the world (one rank without torchrun), tensor-, pipeline- and
+    data-parallel. From a local HF folder each rank reads only its shard; the rollouts come from the first rank
+    of each replica, whose sampler holds the one HF copy (refitted after each step; other ranks hold none).
     """
     import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from nemo_jq.models.megatron import MegatronPolicy
     from nemo_jq.models.megatron.provider import check_parallel_layout, read_qwen3_config
 
     model = request.config.model
-    check_parallel_layout(read_qwen3_config(request.model.config), model.tensor_parallel, model.sequence_parallel,
+    in_memory = request.load_model() if request.model_dir is None else None
+    hf_config = in_memory.config if in_memory is not None else AutoConfig.from_pretrained(request.model_dir)
+    check_parallel_layout(read_qwen3_config(hf_config), model.tensor_parallel, model.sequence_parallel,
                           model.pipeline_parallel)
     if request.device.type != "cuda" and os.environ.get(MEGATRON_ON_CPU) != "1":
         raise ValueError(
@@ -132,7 +141,15 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
         raise ValueError(f"model.tensor_parallel={model.tensor_parallel} x model.pipeline_parallel={model.pipeline_parallel} "
                          f"does not divide the {dist.get_world_size()} processes: start a multiple of {replica} "
                          f"(torchrun --nproc-per-node)")
-    policy = MegatronPolicy.from_hf_model(request.model, device=request.device, tensor_parallel=model.tensor_parallel,
-                                          pipeline_parallel=model.pipeline_parallel, sequence_parallel=model.sequence_parallel,
-                                          recompute_activations=model.recompute_activations, **_policy_options(request.config))
-    return policy, RefittedRolloutEngine(build_rollouts(request.model, request.config, request.chat, request.device), policy)
+    layout = dict(device=request.device, tensor_parallel=model.tensor_parallel, pipeline_parallel=model.pipeline_parallel,
+                  sequence_parallel=model.sequence_parallel, recompute_activations=model.recompute_activations,
+                  **_policy_options(request.config))
+    if in_memory is not None:
+        policy = MegatronPolicy.from_hf_model(in_memory, **layout)
+        sampler_model = in_memory
+    else:
+        policy = MegatronPolicy.from_hf_folder(request.model_dir, **layout)
+        samples = dist.get_rank() == dist.get_global_rank(policy.model_parallel_group, 0)
+        with torch.device(request.device if samples else "meta"):  # its weights arrive with the first refit
+            sampler_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return policy, RefittedRolloutEngine(build_rollouts(sampler_model, request.config, request.chat, request.device), policy)

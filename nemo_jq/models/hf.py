@@ -6,7 +6,7 @@ import contextlib
 import copy
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -113,6 +113,39 @@ def make_readable(folder: Path) -> None:
 
 #: The files of an HF policy's checkpoint: weights in HF layout, and the optimizer's state.
 WEIGHTS_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.pt"
+
+
+class SafetensorsFolder(Mapping[str, torch.Tensor]):
+    """An HF folder's weights by name (``model.safetensors``, or the shards its index lists), each read
+    from its file only when asked for: a model too large for one process is loaded tensor by tensor."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        index = folder / f"{WEIGHTS_FILE}.index.json"
+        if index.exists():
+            self.files = {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        elif (folder / WEIGHTS_FILE).exists():
+            with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as weights:
+                self.files = dict.fromkeys(weights.keys(), folder / WEIGHTS_FILE)
+        else:
+            raise FileNotFoundError(f"{folder} has neither {WEIGHTS_FILE} nor {WEIGHTS_FILE}.index.json")
+        absent = sorted({str(path) for path in self.files.values() if not path.exists()})
+        if absent:
+            raise FileNotFoundError(f"{index} lists weight files that do not exist: {', '.join(absent)}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as weights:
+            return weights.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
 
 
 def require_files(directory: Path, names: Sequence[str]) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -117,24 +117,31 @@ def _hf_tensor(hf_state: Mapping[str, torch.Tensor], name: str, arch: Qwen3Archi
 
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], megatron_names: Iterable[str], arch: Qwen3Architecture,
                    *, tp_size: int = 1, tp_rank: int = 0, all_names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """Rank ``tp_rank``'s shard of each Megatron parameter in ``megatron_names``, from an HF state dict.
+    """Rank ``tp_rank``'s shard of each Megatron parameter in ``megatron_names``, from an HF state dict
+    (:func:`iter_hf_to_megatron`, collected)."""
+    return dict(iter_hf_to_megatron(hf_state, megatron_names, arch, tp_size=tp_size, tp_rank=tp_rank, all_names=all_names))
+
+
+def iter_hf_to_megatron(hf_state: Mapping[str, torch.Tensor], megatron_names: Iterable[str], arch: Qwen3Architecture,
+                        *, tp_size: int = 1, tp_rank: int = 0,
+                        all_names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank ``tp_rank``'s shard of each Megatron parameter, one at a time: with a lazy ``hf_state`` (an HF
+    folder read tensor by tensor) a consumer that copies each shard away holds one HF tensor at a time.
 
     Raises ``ValueError`` naming a missing HF weight, one whose shape the config does not imply, or
     HF weights that no parameter of the model (``all_names``: every pipeline stage's; by default
     ``megatron_names``) uses, a tied model's ``lm_head.weight`` excepted: HF state dicts list the
     shared matrix twice.
     """
-    shards = {}
     megatron_names = list(megatron_names)
     for megatron_name in megatron_names:
         entry, names = _resolve(megatron_name)
         tensors = [_hf_tensor(hf_state, name, arch, megatron_name) for name in names]
-        shards[megatron_name] = _split(entry.layout, tensors, arch, tp_size, tp_rank)
+        yield megatron_name, _split(entry.layout, tensors, arch, tp_size, tp_rank)
     used = {name for megatron_name in (all_names or megatron_names) for name in hf_names(megatron_name)}
     unused = set(hf_state) - used - ({"lm_head.weight"} if arch.tie_word_embeddings else set())
     if unused:
         raise ValueError(f"checkpoint has weights the Megatron Qwen3 model does not use: {sorted(unused)}")
-    return shards
 
 
 def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], arch: Qwen3Architecture) -> dict[str, torch.Tensor]:

@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from nemo_jq import distributed
 from nemo_jq.distributed import DataParallel
-from nemo_jq.models.hf import WEIGHTS_FILE, autocast_context, check_precision, export_hf_stream
+from nemo_jq.models.hf import WEIGHTS_FILE, SafetensorsFolder, autocast_context, check_precision, export_hf_stream
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs
-from nemo_jq.models.megatron.mapping import hf_names, hf_shape, hf_to_megatron, is_tensor_parallel, megatron_to_hf
+from nemo_jq.models.megatron.mapping import hf_names, hf_shape, is_tensor_parallel, iter_hf_to_megatron, megatron_to_hf
 from nemo_jq.models.megatron.provider import (
     build_gpt_model,
     check_parallel_layout,
@@ -110,6 +110,14 @@ class MegatronPolicy:
     def from_hf_model(cls, model: Any, **kwargs: Any) -> "MegatronPolicy":
         """From an HF ``Qwen3ForCausalLM`` (its config and weights); ``kwargs`` as for the constructor."""
         return cls(model.config, model.state_dict(), **kwargs)
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path, **kwargs: Any) -> "MegatronPolicy":
+        """From an HF folder (``config.json`` and safetensors weights, sharded or not), each rank reading one
+        tensor at a time and keeping only its own shard: the model is never whole in one process."""
+        from transformers import AutoConfig
+
+        return cls(AutoConfig.from_pretrained(folder), SafetensorsFolder(folder), **kwargs)
 
     # ----------------------------------------------------------------- training
     def token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
@@ -295,12 +303,12 @@ class MegatronPolicy:
         return self.gather_hf(dict(self.model.named_parameters()))
 
     def _load_hf_state(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of each weight in as it is read (one HF tensor alive at a time)."""
         params = {self._global_name(name): param for name, param in self.model.named_parameters()}
-        shards = hf_to_megatron(hf_state, params, self.arch, tp_size=self.tp_size, tp_rank=self.tp_rank,
-                                all_names=self._all_names)
         with torch.no_grad():
-            for name, param in params.items():
-                param.copy_(shards[name])
+            for name, shard in iter_hf_to_megatron(hf_state, params, self.arch, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                                                   all_names=self._all_names):
+                params[name].copy_(shard)
 
     def save(self, directory: Path) -> None:
         """A Megatron distributed checkpoint of the weights and AdamW state (``checkpoint.save_sharded``):
@@ -309,13 +317,11 @@ class MegatronPolicy:
 
     def load(self, directory: Path, *, with_optimizer: bool = True) -> None:
         """From ``save`` at any TP size; or, weights only, from an HF ``model.safetensors`` (``HFPolicy.save``)."""
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         if with_optimizer or has_sharded_checkpoint(directory) or not (directory / WEIGHTS_FILE).exists():
             load_sharded(directory, self.model, self.optimizer if with_optimizer else None, self.arch)
         else:
-            self._load_hf_state(load_file(str(directory / WEIGHTS_FILE), device=str(self.device)))
+            self._load_hf_state(SafetensorsFolder(directory))
         self.weights_version += 1
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
