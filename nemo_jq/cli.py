@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--batch-prompts", type=_positive, default=64, help="prompts per optimizer step (train.batch_size)")
     planner.add_argument("--recompute", action="store_true", help="full activation recomputation")
     planner.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
-    planner.add_argument("--optimizer", default="fp32-adamw", choices=("fp32-adamw", "bf16-distopt"),
-                         help="fp32-adamw: today's backend; bf16-distopt: bf16 weights, distributed optimizer")
+    planner.add_argument("--optimizer", default="fp32-adamw", choices=("fp32-adamw", "fp32-distopt", "bf16-distopt"),
+                         help="fp32-adamw: the backend's default; fp32-distopt: model.distributed_optimizer=true; "
+                              "bf16-distopt: bf16 weights as well (not in the backend yet)")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     launcher = commands.add_parser(

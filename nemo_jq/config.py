@@ -70,6 +70,8 @@ class ModelConfig:
                                      "tensor-parallel ranks too (needs tensor_parallel > 1)")
     recompute_activations: bool = option(False, "megatron: keep only each layer's input and recompute the layer in "
                                          "backward (less activation memory, about a third more compute)")
+    distributed_optimizer: bool = option(False, "megatron: split AdamW's fp32 master weights and moments over the "
+                                         "data-parallel ranks (ZeRO-1: 12/DP bytes of optimizer state per parameter)")
     precision: str = option("auto", "auto = bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     logprob_chunk_size: int = option(256, "positions per chunk of the log-prob kernel", ge=1)
 
@@ -188,8 +190,10 @@ class Config:
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
         if self.model.backend != "megatron" and (self.model.tensor_parallel > 1 or self.model.pipeline_parallel > 1
-                                                 or self.model.sequence_parallel or self.model.recompute_activations):
-            raise ConfigError(f"model.tensor_parallel/pipeline_parallel/sequence_parallel/recompute_activations need "
+                                                 or self.model.sequence_parallel or self.model.recompute_activations
+                                                 or self.model.distributed_optimizer):
+            raise ConfigError(f"model.tensor_parallel/pipeline_parallel/sequence_parallel/recompute_activations/"
+                              f"distributed_optimizer need "
                               f"model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
         if self.rollout.engine == "vllm" and not self.model.path:

@@ -4,10 +4,12 @@ An estimate from shapes, not a measurement; every assumption is printed with the
 
 * parameters are counted exactly from the Qwen3 config (embedding, untied head, per layer: QKV,
   output projection, SwiGLU MLP, four norms);
-* ``fp32-adamw`` (what ``model.backend=megatron`` does today): fp32 weights and gradients and two
+* ``fp32-adamw`` (``model.backend=megatron``'s default): fp32 weights and gradients and two
   fp32 AdamW moments, 16 bytes a parameter, split over TP x PP and replicated over DP;
-  ``bf16-distopt`` (Megatron's usual recipe): bf16 weights, fp32 gradients, and fp32 master
-  weights plus moments (12 bytes) sharded over DP by the distributed optimizer;
+  ``fp32-distopt`` (``model.distributed_optimizer=true``): fp32 weights and gradients, and fp32
+  master weights plus moments (12 bytes) sharded over DP;
+  ``bf16-distopt`` (Megatron's usual recipe; not in this backend yet): bf16 weights, fp32 gradients,
+  and the 12 bytes of master weights and moments sharded over DP;
 * activations in bf16 for one micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens per
   layer, with fused (flash) attention, so nothing quadratic in the length is kept: the
   tensors backward needs (norm inputs and outputs, Q/K/V before and after their norms, the
@@ -37,7 +39,7 @@ from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_confi
 GB = 1024**3
 #: Bytes per parameter of the weights, of the gradients and of the optimizer state, and whether that state is
 #: sharded over DP.
-OPTIMIZER_MODES = {"fp32-adamw": (4, 4, 8, False), "bf16-distopt": (2, 4, 12, True)}
+OPTIMIZER_MODES = {"fp32-adamw": (4, 4, 8, False), "fp32-distopt": (4, 4, 12, True), "bf16-distopt": (2, 4, 12, True)}
 
 _QWEN3_COMMON = {"model_type": "qwen3", "vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8,
                  "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}

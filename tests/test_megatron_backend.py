@@ -506,12 +506,14 @@ def test_the_recipe_trains_alike_on_either_backend(world_size, layout, tmp_path)
     assert_same_training(ranks[0], hf)
 
 
-def test_data_parallel_recipe_equals_one_process_and_resumes_in_one(tmp_path):
+@pytest.mark.parametrize("optimizer", [[], ["model.distributed_optimizer=true"]], ids=["adamw", "distributed-optimizer"])
+def test_data_parallel_recipe_equals_one_process_and_resumes_in_one(optimizer, tmp_path):
     """SFT trains on given targets, so no sampling differs: at DP=2 each replica takes half of each batch,
-    losses are divided by the global prompt count, and two steps equal the HF backend's two steps. The
-    checkpoint then resumes in one process for a third step that equals the HF run's third."""
+    losses are divided by the global prompt count, and two steps equal the HF backend's two steps (with the
+    distributed optimizer too: each replica steps half of AdamW's state). The checkpoint then resumes in one
+    process for a third step that equals the HF run's third."""
     hf = train_steps(tmp_path / "hf", ["objective.name=sft"])
-    megatron = ["objective.name=sft", "model.backend=megatron"]
+    megatron = ["objective.name=sft", "model.backend=megatron", *optimizer]
     ranks = run_in_processes(train_steps, 2, tmp_path / "dp2", megatron, 2)
     assert ranks[0] == ranks[1] and len(ranks[0]) == 2  # logged once, by rank 0
     assert_same_training(ranks[0], hf[:2])

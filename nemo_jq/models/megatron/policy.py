@@ -33,6 +33,7 @@ from nemo_jq.models.megatron.provider import (
     read_qwen3_config,
     uses_transformer_engine,
 )
+from nemo_jq.models.megatron.zero import DistributedAdamW
 
 transformer_engine_usable()  # a broken Transformer Engine must not break the megatron.core import below
 from megatron.core import parallel_state  # noqa: E402
@@ -59,7 +60,7 @@ class MegatronPolicy:
 
     def __init__(self, hf_config: Any, hf_state: Mapping[str, torch.Tensor], *, tensor_parallel: int = 1,
                  pipeline_parallel: int = 1, sequence_parallel: bool = False, recompute_activations: bool = False,
-                 device: torch.device | str = "cpu", precision: str = "auto",
+                 distributed_optimizer: bool = False, device: torch.device | str = "cpu", precision: str = "auto",
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, grad_clip: float = 1.0, logprob_chunk_size: int = 256):
         self.arch = read_qwen3_config(hf_config)
@@ -104,7 +105,13 @@ class MegatronPolicy:
         self._load_hf_state(hf_state)
         #: Moves whenever the weights change, so an engine sampling from a copy knows to refit.
         self.weights_version = 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        if distributed_optimizer:
+            counted = {id(param) for param in self._counted_in_norm}
+            params = list(self.model.parameters())
+            self.optimizer = DistributedAdamW(params, self.dp_group, counted_in_norm=[id(p) in counted for p in params], **adamw)
+        else:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)
 
     @classmethod
     def from_hf_model(cls, model: Any, **kwargs: Any) -> "MegatronPolicy":
@@ -210,7 +217,8 @@ class MegatronPolicy:
         if self.arch.tie_word_embeddings and self.pp_size > 1 and parallel_state.is_rank_in_embedding_group():
             # the embedding (first stage) and its LM-head copy (last stage) are one HF weight
             _all_reduce_flat([self.model.shared_embedding_or_output_weight().grad], parallel_state.get_embedding_group())
-        _all_reduce_flat([param.grad for param in params], self.dp_group)
+        if not isinstance(self.optimizer, DistributedAdamW):  # which reduce-scatters them at its step instead
+            _all_reduce_flat([param.grad for param in params], self.dp_group)
 
     def _grad_is_partial_over_tp(self, name: str, param: torch.nn.Parameter) -> bool:
         """As megatron-core's ``finalize_model_grads``: sequence-parallel norms and the q/k norms."""
@@ -228,6 +236,10 @@ class MegatronPolicy:
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip to ``grad_clip`` by the norm over the whole model (as ``clip_grad_norm_``), step, zero."""
+        if isinstance(self.optimizer, DistributedAdamW):
+            grad_norm = self.optimizer.step(self.grad_clip, self.model_parallel_group if self.tp_size * self.pp_size > 1 else None)
+            self.weights_version += 1
+            return {"grad_norm": float(grad_norm)}
         grads = [param.grad for param in self.model.parameters() if param.grad is not None]
         grad_norm = self._grad_norm()
         clip = (self.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
@@ -313,15 +325,20 @@ class MegatronPolicy:
     def save(self, directory: Path) -> None:
         """A Megatron distributed checkpoint of the weights and AdamW state (``checkpoint.save_sharded``):
         every rank writes its own shard, and any TP size can load it."""
-        save_sharded(directory, self.model, self.optimizer, self.arch)
+        replicated = self.optimizer.replicated() if isinstance(self.optimizer, DistributedAdamW) else self.optimizer
+        save_sharded(directory, self.model, replicated, self.arch)
 
     def load(self, directory: Path, *, with_optimizer: bool = True) -> None:
         """From ``save`` at any TP size; or, weights only, from an HF ``model.safetensors`` (``HFPolicy.save``)."""
         directory = Path(directory)
+        distributed_optimizer = isinstance(self.optimizer, DistributedAdamW)
+        optimizer = (torch.optim.AdamW(self.optimizer.params) if distributed_optimizer else self.optimizer) if with_optimizer else None
         if with_optimizer or has_sharded_checkpoint(directory) or not (directory / WEIGHTS_FILE).exists():
-            load_sharded(directory, self.model, self.optimizer if with_optimizer else None, self.arch)
+            load_sharded(directory, self.model, optimizer, self.arch)
         else:
             self._load_hf_state(SafetensorsFolder(directory))
+        if distributed_optimizer:
+            self.optimizer.load_replicated(optimizer)
         self.weights_version += 1
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
