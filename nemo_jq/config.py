@@ -88,6 +88,8 @@ class DataConfig:
     test_size: int = option(128, "ignored with prepared_dir", ge=1)
     seed: int = option(0, "subset draw (and the synthetic expressions)", ge=0)
     num_operands: int = option(3, "synthetic only: operands per expression", ge=2)
+    label_noise: float = option(0.0, "share of training labels replaced by wrong answers (seeded by data.seed; "
+                                "validation and test stay clean)", ge=0.0, lt=1.0)
     source: str | None = option(
         None, "local file, folder of split files (train/dev/validation/test .json/.jsonl/.parquet) or hub name; "
         "null = the paper's hub name; ignored with prepared_dir")

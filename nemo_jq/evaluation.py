@@ -55,14 +55,26 @@ def sample_outputs(
     batch_size: int,
     generator: torch.Generator,
     progress=None,
+    greedy: bool = False,
 ) -> list[list[str]]:
     """Decoded answers, ``num_samples`` per example, generated ``batch_size`` prompts at a time."""
     outputs: list[list[str]] = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         prompts = [chat.prompt_ids(task.messages(e, prompt_format)) for e in chunk]
-        for group in engine.generate(prompts, num_samples, sample_answers=True, generator=generator):
+        for group in engine.generate(prompts, num_samples, sample_answers=True, generator=generator, greedy=greedy):
             outputs.append([chat.decode_answer(r.answer_ids or []) for r in group])
         if progress is not None:
             progress.update(len(chunk))
     return outputs
+
+
+def memorised(task: Task, noisy: Sequence[Example], outputs: Sequence[Sequence[str]]) -> list[bool]:
+    """Whether each noisy example's (first) output reproduces its corrupted label: correct by the task's rule
+    against the corrupted label and not against the clean one (``meta[CLEAN_ANSWER]``), so an output naming
+    both does not count."""
+    from nemo_jq.data.noise import CLEAN_ANSWER
+
+    return [task.is_correct(samples[0], example)
+            and not task.is_correct(samples[0], Example(example.id, example.question, example.meta[CLEAN_ANSWER]))
+            for example, samples in zip(noisy, outputs)]

@@ -10,6 +10,7 @@ at the end, that checkpoint on test.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -28,8 +29,9 @@ from nemo_jq.chat import ChatFormat, build_tokenizer
 from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
 from nemo_jq.config import Config, load_config, save_config
 from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
+from nemo_jq.data.noise import corrupt_labels, noisy_examples
 from nemo_jq.data.prepare import load_prepared, make_task, prepare
-from nemo_jq.evaluation import sample_outputs, score_outputs
+from nemo_jq.evaluation import memorised, sample_outputs, score_outputs
 from nemo_jq.models.backends import BackendRequest, build_backend
 from nemo_jq.models.hf import load_causal_lm, resolve_device, resolve_pretrained, tiny_qwen3
 from nemo_jq.models.interfaces import TokenBatch
@@ -62,7 +64,15 @@ def local_model_dir(path: str | None) -> Path | None:
 
 
 def build_task(config: Config) -> tuple[Task, Splits]:
-    """The task and its splits: the synthetic sums, a prepared folder, or a dataset prepared in memory."""
+    """The task and its splits (the synthetic sums, a prepared folder, or a dataset prepared in memory), with
+    ``data.label_noise`` of the training labels corrupted."""
+    task, splits = _clean_task(config)
+    if config.data.label_noise:
+        splits = dataclasses.replace(splits, train=corrupt_labels(splits.train, config.data.label_noise, config.data.seed, task))
+    return task, splits
+
+
+def _clean_task(config: Config) -> tuple[Task, Splits]:
     data = config.data
     sizes = (data.train_size, data.validation_size, data.test_size)
     if data.name == "synthetic":
@@ -364,6 +374,18 @@ class Trainer:
             )
         return score_outputs(self.task, examples, self.data_parallel.gather(outputs), self.config.eval.num_samples)
 
+    def memorisation(self) -> float | None:
+        """Percent of the noisy training prompts (``data.label_noise``) whose corrupted label the model's greedy
+        answer reproduces; None without label noise."""
+        noisy = noisy_examples(self.splits.train)
+        if not noisy:
+            return None
+        unused = torch.Generator(device=self.device)  # greedy decoding draws nothing
+        outputs = sample_outputs(self.engine, self.chat, self.task, self.data_parallel.shard(noisy), self.config.data.format,
+                                 1, self.config.eval.batch_size, unused, greedy=True)
+        flags = memorised(self.task, noisy, self.data_parallel.gather(outputs))
+        return 100 * sum(flags) / len(flags)
+
     def _validate(self, logger: RunLogger) -> None:
         scores = self.evaluate("validation", seed_offset=self.state["step"])
         logger.log({"kind": "validation", "step": self.state["step"], **scores})
@@ -375,12 +397,16 @@ class Trainer:
     def _finish(self, logger: RunLogger) -> dict[str, Any]:
         """Evaluate the best validation checkpoint on the test split and write results.json."""
         best = self.state["best_step"]
+        final_memorisation = self.memorisation()
         if best is not None and best != self.state["step"]:
             self.policy.load(self.run_dir / CHECKPOINT_DIR / step_dir_name(best), with_optimizer=False)
         scores = self.evaluate("test")
-        logger.log({"kind": "test", "step": self.state["step"], "best_step": best, **scores})
+        memorisation = {"final": final_memorisation, "tested": self.memorisation()} if final_memorisation is not None else None
+        logger.log({"kind": "test", "step": self.state["step"], "best_step": best, **scores,
+                    **({"memorisation": memorisation["tested"]} if memorisation else {})})
         results = {"objective": self.config.objective.name, "q": self.config.objective.q if self.spec.uses_q else None,
-                   "best_step": best, "best_validation": self.state["best_metric"], "test": scores}
+                   "best_step": best, "best_validation": self.state["best_metric"], "test": scores,
+                   **({"memorisation": memorisation} if memorisation else {})}
         distributed.on_writer(lambda: self._write_results(results))
         return results
 

@@ -27,7 +27,7 @@ class ScriptedSampler:
     def __init__(self, script):
         self.script, self.requests = list(script), []
 
-    def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator):
+    def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
         self.requests.append((prompts, num_samples, list(stop_ids), max_new_tokens))
         groups = []
         for _ in prompts:

@@ -91,7 +91,7 @@ class RefittedRolloutEngine:
     def tokens_generated(self) -> int:
         return self.engine.tokens_generated
 
-    def generate(self, prompts, num_samples, *, sample_answers, generator):
+    def generate(self, prompts, num_samples, *, sample_answers, generator, greedy=False):
         import torch.distributed as dist
 
         group = self.policy.model_parallel_group
@@ -104,8 +104,8 @@ class RefittedRolloutEngine:
             for _ in tensors:
                 pass
             self._version = self.policy.weights_version
-        rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator)
-                    if samples else None]
+        rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
+                                         greedy=greedy) if samples else None]
         if group is not None and dist.get_world_size(group) > 1:
             dist.broadcast_object_list(rollouts, src=source, group=group)
         return rollouts[0]

@@ -121,6 +121,8 @@ class RolloutEngine(Protocol):
         *,
         sample_answers: bool,
         generator: torch.Generator,
+        greedy: bool = False,
     ) -> list[list[Rollout]]:
-        """``num_samples`` rollouts per prompt (``[B][M]``) under the thinking and answer budgets."""
+        """``num_samples`` rollouts per prompt (``[B][M]``) under the thinking and answer budgets
+        (``greedy``: the most likely token at each step instead of the run's sampling)."""
         ...

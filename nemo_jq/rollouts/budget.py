@@ -36,12 +36,12 @@ class BudgetedRollouts:
         self.sampler.load_weights(tensors)
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
-                 generator: torch.Generator) -> list[list[Rollout]]:
+                 generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
         if self.max_thinking_tokens == 0:  # no thinking: </think> forced at once
             thoughts = as_groups([Sample([], False, []) for _ in range(len(prompts) * num_samples)], num_samples)
         else:
             thoughts = self.sampler.sample(prompts, num_samples, stop_ids=[self.think_end_id],
-                                           max_new_tokens=self.max_thinking_tokens, generator=generator)
+                                           max_new_tokens=self.max_thinking_tokens, generator=generator, greedy=greedy)
         rollouts = []
         for prompt, group in zip(prompts, thoughts):
             for thought in group:
@@ -55,7 +55,7 @@ class BudgetedRollouts:
         if sample_answers:
             contexts = [r.prompt_ids + r.rationale_ids + [self.think_end_id] for r in rollouts]
             answers = self.sampler.sample(contexts, 1, stop_ids=[self.end_of_turn_id],
-                                          max_new_tokens=self.max_answer_tokens, generator=generator)
+                                          max_new_tokens=self.max_answer_tokens, generator=generator, greedy=greedy)
             for rollout, [answer] in zip(rollouts, answers):
                 rollout.answer_ids, rollout.answer_logprobs = answer.token_ids, answer.logprobs
         self.tokens_generated += sum(len(r.rationale_ids) + 1 + len(r.answer_ids or ()) for r in rollouts)

@@ -68,8 +68,9 @@ class HFSampler:
 
     @torch.inference_mode()
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
-               generator: torch.Generator) -> list[list[Sample]]:
+               generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
         check_request(prompts, num_samples, max_new_tokens)
+        settings = SamplingSettings(temperature=0.0) if greedy else self.settings
         n = len(prompts) * num_samples
         self.model.eval()
         tokens = torch.full((n, max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
@@ -83,7 +84,7 @@ class HFSampler:
         live = torch.ones(n, dtype=torch.bool, device=self.device)  # per batch row: still decoding
         for step in range(max_new_tokens):
             uniforms = torch.rand(n, generator=generator, device=generator.device).to(self.device)[rows]
-            token, logprob = self.settings.next_tokens(logits, uniforms)
+            token, logprob = settings.next_tokens(logits, uniforms)
             tokens[rows[live], step], logprobs[rows[live], step] = token[live], logprob[live]
             ends = live & torch.isin(token, stops)
             stopped[rows[ends]] = True

@@ -75,11 +75,12 @@ class VLLMSampler:
         self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(tensors)
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
-               generator: torch.Generator) -> list[list[Sample]]:
+               generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
         from vllm import SamplingParams
 
         check_request(prompts, num_samples, max_new_tokens)
-        params = [SamplingParams(**sampling_params_kwargs(self.settings, num_samples=num_samples, stop_ids=stop_ids,
+        settings = SamplingSettings(temperature=0.0) if greedy else self.settings
+        params = [SamplingParams(**sampling_params_kwargs(settings, num_samples=num_samples, stop_ids=stop_ids,
                                                           max_new_tokens=max_new_tokens, seed=seed_from(generator)))
                   for _ in prompts]
         self._wake("weights", "kv_cache")
