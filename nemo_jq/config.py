@@ -21,6 +21,7 @@ import yaml
 
 from nemo_jq.data.base import FORMATS
 from nemo_jq.data.prepare import BAD_ROW_POLICIES
+from nemo_jq.guard import GUARD_ACTIONS
 
 #: Compute precisions of the policy and rollouts.
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -142,6 +143,23 @@ class EvalConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The collapse guard (nemo_jq/guard.py): off unless enabled."""
+
+    enabled: bool = option(False, "watch for a collapse; on one, restore the best checkpoint and apply guard.action")
+    min_fraction_of_best: float = option(0.5, "trigger when validation m@k falls below this fraction of its best ...",
+                                         gt=0.0, le=1.0)
+    patience: int = option(2, "... for this many evaluations in a row", ge=1)
+    logp_drop: float = option(5.0, "or when the train log P̂ (mean of guard.window steps) falls this many nats below its "
+                              "best such mean; 0 = off", ge=0.0)
+    window: int = option(16, "steps in the log P̂ mean", ge=1)
+    action: str = option("paft", "paft (switch the estimator to PAFT at the same q), lower_q, or lower_lr",
+                         choices=GUARD_ACTIONS)
+    factor: float = option(0.5, "lower_q / lower_lr: multiply q / the learning rate by this", gt=0.0, lt=1.0)
+    max_triggers: int = option(3, "act at most this many times in a run", ge=1)
+
+
+@dataclass
 class TrainConfig:
     epochs: int = option(8, ge=1)
     batch_size: int = option(8, "prompts per optimizer step", ge=1)
@@ -163,6 +181,7 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> "Config":
@@ -201,6 +220,9 @@ class Config:
         if self.rollout.engine == "vllm" and not self.model.path:
             raise ConfigError("rollout.engine=vllm needs model.path (an HF folder vLLM can load; the policy's weights "
                               "replace its own after each step): set model.path, or use rollout.engine=native")
+        if self.guard.enabled and self.guard.action == "lower_q" and not spec.uses_q:
+            raise ConfigError(f"guard.action=lower_q needs an estimator with a q; {spec.name!r} has none: "
+                              "use guard.action=lower_lr")
         if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")
         self._resolve_data()

@@ -72,7 +72,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """One panel per Figure-3 quantity against step, one line per run (label -> records)."""
+    """One panel per Figure-3 quantity against step, one line per run (label -> records); a dashed vertical
+    line where the collapse guard acted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,6 +87,9 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
             if points:
                 steps, values = zip(*points)
                 ax.plot(steps, values, label=label, color=colors[label], marker="o" if kind == "validation" else None, ms=3)
+            for record in records:  # the collapse guard's interventions
+                if record["kind"] == "guard":
+                    ax.axvline(record["step"], color=colors[label], linestyle="--", linewidth=1)
         ax.set_title(title)
         ax.grid(alpha=0.3)
     for ax in axes[1]:

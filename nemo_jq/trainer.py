@@ -32,6 +32,7 @@ from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
 from nemo_jq.data.noise import corrupt_labels, noisy_examples
 from nemo_jq.data.prepare import load_prepared, make_task, prepare
 from nemo_jq.evaluation import memorised, sample_outputs, score_outputs
+from nemo_jq.guard import CollapseGuard
 from nemo_jq.models.backends import BackendRequest, build_backend
 from nemo_jq.models.hf import load_causal_lm, resolve_device, resolve_pretrained, tiny_qwen3
 from nemo_jq.models.interfaces import TokenBatch
@@ -131,11 +132,17 @@ class Trainer:
             raise ValueError(f"train.batch_size={config.train.batch_size} does not split over {self.data_parallel.size} "
                              "data-parallel replicas: make it a multiple of world size / (tensor_parallel x pipeline_parallel)")
         self.spec = get_objective(config.objective.name)
+        self.objective_options = dict(config.objective.options)
         objective = config.objective
         self.schedule = build_schedule(objective.q_schedule or objective.q) if self.spec.uses_q else None
+        guard = config.guard
+        self.guard = CollapseGuard(min_fraction_of_best=guard.min_fraction_of_best, patience=guard.patience,
+                                   logp_drop=guard.logp_drop, window=guard.window) if guard.enabled else None
         self.rollout_generator = torch.Generator(device=self.device).manual_seed(self._replica_seed(seed))
         self.estimator_generator = torch.Generator(device=self.device).manual_seed(self._replica_seed(seed + 1))
-        self.state: dict[str, Any] = {"step": 0, "epoch": 0, "position": 0, "best_metric": None, "best_step": None}
+        self.state: dict[str, Any] = {"step": 0, "epoch": 0, "position": 0, "best_metric": None, "best_step": None,
+                                      "course": {"objective": config.objective.name, "q_scale": 1.0, "lr_scale": 1.0,
+                                                 "guard_triggers": 0}}
         self._stop_signal: int | None = None
         self.resumed_with: list[str] = []
 
@@ -232,6 +239,8 @@ class Trainer:
                 shown = {k: record.get(k) for k in ("loss", "train_reward", "q")}
                 bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items() if v is not None})
                 step = self.state["step"]
+                if self.guard is not None:
+                    self._watch(self.guard.train(record.get("log_p_hat")), logger)
                 if step % self.config.eval.every == 0 or step == self.total_steps:
                     self._validate(logger)
                 if step % self.config.train.save_every == 0 or step == end:
@@ -275,7 +284,7 @@ class Trainer:
     def train_step(self, batch_examples: list[Example]) -> dict[str, Any]:
         """One optimizer step on a global batch; this replica samples and trains on its share of the prompts."""
         started = time.perf_counter()
-        q = self.schedule(self.state["step"]) if self.schedule is not None else None
+        q = self.schedule(self.state["step"]) * self.state["course"]["q_scale"] if self.schedule is not None else None
         examples = self.data_parallel.shard(batch_examples)
         prompts = self.prompt_ids(examples)
         group, rewards = 1, None
@@ -334,7 +343,7 @@ class Trainer:
         per_micro = self.config.train.micro_batch_size
         bounds = [(s, min(s + per_micro, num_prompts)) for s in range(0, num_prompts, per_micro)]
         micro_batches = [batch.rows(s * group, e * group) for s, e in bounds]
-        options = dict(self.config.objective.options)
+        options = dict(self.objective_options)
         params = inspect.signature(self.spec.fn).parameters
         if "tokens_per_example" in params:
             options.setdefault("tokens_per_example", self.data_parallel.sum(float(batch.target_mask.sum())) / batch_prompts)
@@ -393,6 +402,40 @@ class Trainer:
         if self.state["best_metric"] is None or value > self.state["best_metric"]:
             self.state["best_metric"], self.state["best_step"] = value, self.state["step"]
             self.save()
+        if self.guard is not None:
+            self._watch(self.guard.validation(value), logger)
+
+    # ----------------------------------------------------------------- the collapse guard
+    def _watch(self, reason: str | None, logger: RunLogger) -> None:
+        """On the guard's signal: restore the best checkpoint (weights and optimizer), change course by
+        ``guard.action``, and log a ``guard`` record; at most ``guard.max_triggers`` times."""
+        course, guard = self.state["course"], self.config.guard
+        if reason is None or course["guard_triggers"] >= guard.max_triggers:
+            return
+        best = self.state["best_step"]
+        if best is not None:
+            self.policy.load(self.run_dir / CHECKPOINT_DIR / step_dir_name(best), with_optimizer=True)
+        course["guard_triggers"] += 1
+        if guard.action == "paft":
+            course["objective"] = "paft"
+        elif guard.action == "lower_q":
+            course["q_scale"] *= guard.factor
+        else:
+            course["lr_scale"] *= guard.factor
+        self._follow_course()
+        self.guard.restart()
+        logger.log({"kind": "guard", "step": self.state["step"], "reason": reason, "action": guard.action,
+                    "restored_step": best, **course})
+
+    def _follow_course(self) -> None:
+        """Apply the guard's changes so far (the estimator, q's scale, the learning rate's), also after a resume."""
+        course = self.state["course"]
+        if course["objective"] != self.spec.name:
+            self.spec = get_objective(course["objective"])
+            self.objective_options = {}  # the earlier estimator's options need not be this one's
+            if self.schedule is None and self.spec.uses_q:
+                self.schedule = build_schedule(self.config.objective.q)
+        self.policy.set_learning_rate(self.config.optim.lr * course["lr_scale"])
 
     def _finish(self, logger: RunLogger) -> dict[str, Any]:
         """Evaluate the best validation checkpoint on the test split and write results.json."""
@@ -416,7 +459,8 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self) -> Path:
-        state = {**self.state, "schedule": self.schedule.state_dict() if self.schedule is not None else None}
+        state = {**self.state, "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+                 "guard": self.guard.state_dict() if self.guard is not None else None}
         rng = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
@@ -434,10 +478,13 @@ class Trainer:
 
     def restore(self, checkpoint: Path) -> None:
         state, rng = load_checkpoint(checkpoint, self.policy)
-        schedule_state = state.pop("schedule")
+        schedule_state, guard_state = state.pop("schedule"), state.pop("guard", None)
+        self.state = {"course": self.state["course"], **state}
+        self._follow_course()
         if self.schedule is not None and schedule_state is not None:
             self.schedule.load_state_dict(schedule_state)
-        self.state = state
+        if self.guard is not None and guard_state is not None:
+            self.guard.load_state_dict(guard_state)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])

@@ -209,6 +209,10 @@ class HFPolicy:
         self.weights_version += 1
         return {"grad_norm": float(grad_norm)}
 
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def from_loss_stage(self, value: Any) -> Any:
         return value  # one process runs every loss_fn call
 

@@ -100,6 +100,10 @@ class Policy(Protocol):
         """Clip, step, zero the gradients; return e.g. the pre-clip gradient norm."""
         ...
 
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the following steps."""
+        ...
+
     def save(self, directory: Path) -> None:
         """Write the weights and optimizer state into ``directory`` (a collective: every rank calls it)."""
         ...

@@ -226,6 +226,10 @@ class MegatronPolicy:
             "q_layernorm" in name or "k_layernorm" in name
         )
 
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def from_loss_stage(self, value: Any) -> Any:
         """``value`` from the last pipeline stage (where ``loss_fn`` runs), on every stage."""
         if self.pp_size == 1:

@@ -36,6 +36,10 @@ class DistributedAdamW:
     def state(self) -> dict:
         return self.optimizer.state
 
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
     def _flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The tensors flattened into one fp32 vector, zero-padded to ``shard * size`` elements."""
         flat = torch.cat([tensor.reshape(-1).float() for tensor in tensors])

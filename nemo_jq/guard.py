@@ -1,0 +1,63 @@
+"""The collapse guard: notice a run falling apart, so the trainer can restore its best checkpoint and change course.
+
+Two signals, either one enough: validation m@k below ``min_fraction_of_best`` of its best so far for
+``patience`` evaluations in a row (what a collapse onto a wrong or constant answer looks like), or the
+training log P̂ (averaged over ``window`` steps) ``logp_drop`` nats below its best such average (the
+estimate of P falling, before validation sees it). The guard only decides; the trainer acts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+#: What the trainer may do after restoring the best checkpoint.
+GUARD_ACTIONS = ("paft", "lower_q", "lower_lr")
+
+
+class CollapseGuard:
+    def __init__(self, *, min_fraction_of_best: float, patience: int, logp_drop: float, window: int):
+        self.min_fraction_of_best, self.patience = min_fraction_of_best, patience
+        self.logp_drop, self.window = logp_drop, window
+        self.best_validation: float | None = None
+        self.below = 0
+        self.best_logp: float | None = None
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def validation(self, value: float) -> str | None:
+        """Record one validation m@k; the reason to act, if it is time."""
+        if self.best_validation is None or value > self.best_validation:
+            self.best_validation, self.below = value, 0
+            return None
+        self.below = self.below + 1 if value < self.min_fraction_of_best * self.best_validation else 0
+        if self.below >= self.patience:
+            return (f"validation m@k {value:.3g} below {self.min_fraction_of_best:g} x its best {self.best_validation:.3g} "
+                    f"for {self.below} evaluations")
+        return None
+
+    def train(self, log_p_hat: float | None) -> str | None:
+        """Record one step's training log P̂ (None for estimators without it); the reason to act, if it is time."""
+        if log_p_hat is None or self.logp_drop <= 0:
+            return None
+        self.recent.append(log_p_hat)
+        if len(self.recent) < self.window:
+            return None
+        mean = sum(self.recent) / self.window
+        if self.best_logp is None or mean > self.best_logp:
+            self.best_logp = mean
+        elif mean < self.best_logp - self.logp_drop:
+            return f"train log P̂ (mean of {self.window} steps) {mean:.3g}, {self.best_logp - mean:.3g} below its best {self.best_logp:.3g}"
+        return None
+
+    def restart(self) -> None:
+        """After the trainer restored the best checkpoint: streaks and the log P̂ window start over (bests stay)."""
+        self.below = 0
+        self.recent.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_validation": self.best_validation, "below": self.below, "best_logp": self.best_logp,
+                "recent": list(self.recent)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_validation, self.below, self.best_logp = state["best_validation"], state["below"], state["best_logp"]
+        self.recent = deque(state["recent"], maxlen=self.window)
