@@ -47,6 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
     export.add_argument("--out", type=Path, required=True)
 
+    experiment = commands.add_parser("experiment", help="multi-run studies (not tests): noisy-cold-start")
+    experiment.add_argument("name", choices=("noisy-cold-start",))
+    experiment.add_argument("--out", type=Path, default=Path("runs/noisy_cold_start"), help="a new folder for the runs")
+    experiment.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    experiment.add_argument("--label-noise", type=float, default=0.2, help="share of training labels made wrong")
+    experiment.add_argument("--quick", action="store_true", help="a few-second smoke size (not a result)")
+    experiment.add_argument("--overwrite", action="store_true", help="if --out holds an experiment, move it aside first")
+    experiment.add_argument("overrides", nargs="*", help="section.key=value overrides for every run (e.g. guard.enabled=true)")
+
     data = commands.add_parser("data", help="dataset tools")
     data_commands = data.add_subparsers(dest="data_command", required=True)
     prep = data_commands.add_parser(
@@ -223,6 +232,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         info = doctor.report()
         print(json.dumps(info, indent=2) if args.json else doctor.format_report(info))
+        return 0
+
+    if args.command == "experiment":
+        from nemo_jq.experiments.noisy_cold_start import run_experiment
+
+        run_experiment(args.out, args.seeds, args.label_noise, quick=args.quick, overrides=args.overrides,
+                       overwrite=args.overwrite)
         return 0
 
     from nemo_jq import distributed

@@ -1,0 +1,1 @@
+"""Experiments: multi-run studies users run in one command (not tests)."""

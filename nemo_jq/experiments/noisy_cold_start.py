@@ -1,0 +1,166 @@
+"""``nemo-jq experiment noisy-cold-start``: can a q schedule escape cold start and still resist label noise?
+
+The synthetic sums, cold format (initial P far below 1/M), with ``label_noise`` of the training labels
+replaced by wrong answers (validation and test clean). Every method trains with the same settings
+(:data:`SETTINGS`; ``--quick``: a smoke-test size) over each seed; only the estimator and its q change:
+GRPO, GARL at fixed q, SFT-then-RLVR (q=1 then q=0), linear and cosine annealing from 1 to 0, and
+the adaptive rule (q from log P̂, cold_p = 1/M). Per run: test p@1 / p@16 / m@16, steps to escape
+(the first step whose log P̂ exceeds log(1/M)), and memorisation (the share of noisy training
+prompts whose corrupted label the final model's greedy answer reproduces). Writes ``summary.json``,
+``table.md``, ``tradeoff.png`` (test m@16 against memorisation, a point per method and seed) and
+``figure3_seed<S>.png`` (the Figure-3 panels of the first seed) to the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from nemo_jq.config import load_config
+from nemo_jq.monitor import plot_runs, read_metrics
+from nemo_jq.outputs import claim_dir
+
+#: The one configuration every method trains with: the demo's task and model, 384 steps of 8 prompts x M=4.
+SETTINGS = ["data.format=cold", "train.epochs=4", "eval.every=64", "train.tensorboard=false", "train.save_every=64",
+            "train.keep_checkpoints=1"]
+#: A few-second version for the smoke test.
+QUICK = ["data.train_size=24", "data.validation_size=4", "data.test_size=4", "train.batch_size=4",
+         "train.micro_batch_size=4", "train.epochs=1", "eval.every=3", "eval.num_samples=4", "rollout.max_thinking_tokens=3",
+         "rollout.max_answer_tokens=3", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
+         "train.tensorboard=false", "train.save_every=3"]
+
+
+def methods(num_samples: int, steps: int) -> dict[str, list[str]]:
+    """Method name -> its overrides; the schedules span the run's ``steps``."""
+    garl = ["objective.name=garl"]
+    schedule = lambda spec: [*garl, f"objective.q_schedule={spec}"]  # noqa: E731
+    return {
+        "GRPO": ["objective.name=grpo"],
+        **{f"q={q:g}": [*garl, f"objective.q={q}"] for q in (0.25, 0.5, 0.75, 1.0)},
+        "SFT-then-RLVR": schedule(f"{{name: step, switch_step: {max(1, steps // 4)}, q_before: 1.0, q_after: 0.0}}"),
+        "linear 1->0": schedule(f"{{name: linear, num_steps: {steps}, q_start: 1.0, q_end: 0.0}}"),
+        "cosine 1->0": schedule(f"{{name: cosine, num_steps: {steps}, q_start: 1.0, q_end: 0.0}}"),
+        "adaptive": schedule(f"{{name: adaptive, q_max: 1.0, q_min: 0.0, cold_p: {1.0 / num_samples}}}"),
+    }
+
+
+SUMMARY_FILE, TABLE_FILE, TRADEOFF_FILE = "summary.json", "table.md", "tradeoff.png"
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in ".=" else "_" for c in name).strip("_")
+
+
+def steps_to_escape(records: Sequence[dict[str, Any]], num_samples: int) -> int | None:
+    """The first step whose mean log P̂ exceeds log(1/M); None if none did (or the method logs no P̂)."""
+    threshold = -math.log(num_samples)
+    return next((r["step"] for r in records if r["kind"] == "train" and (r.get("log_p_hat") or -math.inf) > threshold), None)
+
+
+def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, quick: bool = False,
+                   overrides: Sequence[str] = (), overwrite: bool = False) -> dict[str, Any]:
+    """Every method over every seed into ``out_dir/<method>/seed<S>``, then the table and figures."""
+    from nemo_jq.trainer import Trainer
+
+    out_dir = Path(out_dir)
+    base = [*(QUICK if quick else SETTINGS), f"data.label_noise={label_noise}", *overrides]
+    probe = load_config(None, base)
+    steps = probe.train.epochs * math.ceil(probe.data.train_size / probe.train.batch_size)
+    if probe.train.max_steps:
+        steps = min(steps, probe.train.max_steps)
+    plan = methods(probe.rollout.num_samples, steps)
+    claim_dir(out_dir, (SUMMARY_FILE, TABLE_FILE, TRADEOFF_FILE, *map(slug, plan)), overwrite=overwrite,
+              what="an earlier experiment", advice="pass --out DIR for a new one, or --overwrite to move it aside first")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in plan}
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for seed in seeds:
+        for name, method in plan.items():
+            run_dir = out_dir / slug(name) / f"seed{seed}"
+            config = load_config(None, [*base, *method, f"train.seed={seed}", f"data.seed={seed}", f"train.run_dir={run_dir}"])
+            result = Trainer(config).fit()
+            records = read_metrics(run_dir)
+            if seed == seeds[0]:
+                curves[name] = records
+            runs[name].append({"seed": seed, "test": result["test"], "memorisation": result["memorisation"]["final"],
+                               "memorisation_tested": result["memorisation"]["tested"], "best_step": result["best_step"],
+                               "steps_to_escape": steps_to_escape(records, config.rollout.num_samples),
+                               "guard_events": sum(r["kind"] == "guard" for r in records)})
+    k = probe.eval.num_samples
+    summary = {"settings": base, "seeds": list(seeds), "label_noise": label_noise, "steps": steps,
+               "num_samples": probe.rollout.num_samples, "k": k, "runs": runs,
+               "aggregate": {name: aggregate(per_seed, k) for name, per_seed in runs.items()},
+               "theory": theory(probe.rollout.num_samples, label_noise)}
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / TABLE_FILE).write_text(markdown_table(summary) + "\n")
+    plot_tradeoff(runs, k, out_dir / TRADEOFF_FILE)
+    plot_runs(curves, out_dir / f"figure3_seed{seeds[0]}.png")
+    print(markdown_table(summary))
+    print(f"wrote {out_dir / SUMMARY_FILE}, {out_dir / TABLE_FILE}, {out_dir / TRADEOFF_FILE} and the Figure-3 panels")
+    return summary
+
+
+def _mean_sd(values: Sequence[float | None]) -> dict[str, float | None]:
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"mean": None, "sd": None, "n": 0}
+    return {"mean": statistics.mean(present), "sd": statistics.stdev(present) if len(present) > 1 else 0.0, "n": len(present)}
+
+
+def aggregate(per_seed: Sequence[dict[str, Any]], k: int) -> dict[str, dict[str, float | None]]:
+    """Mean ± sd over seeds of each reported quantity (escape: over the seeds that escaped; ``n`` says how many)."""
+    return {"p@1": _mean_sd([r["test"]["p@1"] for r in per_seed]), f"p@{k}": _mean_sd([r["test"][f"p@{k}"] for r in per_seed]),
+            f"m@{k}": _mean_sd([r["test"][f"m@{k}"] for r in per_seed]),
+            "steps_to_escape": _mean_sd([r["steps_to_escape"] for r in per_seed]),
+            "memorisation": _mean_sd([r["memorisation"] for r in per_seed])}
+
+
+def theory(num_samples: int, label_noise: float) -> dict[str, Any]:
+    """The theory module's predictions for fixed q: the noise-fitting equilibrium p̃*(q) at ε = label_noise
+    (the stable mass on a wrong label when a prompt's labels are wrong at rate ε), where it exists."""
+    from nemo_jq.theory.landscape import noise_equilibrium
+
+    if not 0.0 < label_noise < 0.5:
+        return {}
+    return {f"q={q:g}": {"noise_equilibrium": noise_equilibrium(q, label_noise)} for q in (0.25, 0.5, 0.75, 1.0)}
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    k = summary["k"]
+
+    def cell(stats: dict[str, float | None], digits: int = 1) -> str:
+        if stats["mean"] is None:
+            return "n/a"
+        text = f"{stats['mean']:.{digits}f} ± {stats['sd']:.{digits}f}"
+        return text if stats["n"] == len(summary["seeds"]) else f"{text} ({stats['n']}/{len(summary['seeds'])})"
+
+    lines = [f"| method | test p@1 | test p@{k} | test m@{k} | steps to escape | memorisation % | theory p̃*(q, ε={summary['label_noise']:g}) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, stats in summary["aggregate"].items():
+        predicted = summary["theory"].get(name, {}).get("noise_equilibrium")
+        lines.append(f"| {name} | {cell(stats['p@1'])} | {cell(stats[f'p@{k}'])} | {cell(stats[f'm@{k}'])} | "
+                     f"{cell(stats['steps_to_escape'], 0)} | {cell(stats['memorisation'])} | "
+                     f"{'' if predicted is None else f'{100 * predicted:.2g}%'} |")
+    return "\n".join(lines)
+
+
+def plot_tradeoff(runs: dict[str, list[dict[str, Any]]], k: int, path: Path) -> None:
+    """Test m@k against memorisation, one point per method and seed (up and left is better)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for index, (name, per_seed) in enumerate(runs.items()):
+        ax.scatter([r["memorisation"] for r in per_seed], [r["test"][f"m@{k}"] for r in per_seed], label=name,
+                   color=f"C{index % 10}", marker="os^D"[index // 10 % 4])
+    ax.set_xlabel("memorisation of noisy training labels (%, greedy)")
+    ax.set_ylabel(f"test m@{k} (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
