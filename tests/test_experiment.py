@@ -1,0 +1,48 @@
+"""`nemo-jq experiment noisy-cold-start`: its bookkeeping, and a smoke run at the quick size (not a result)."""
+
+import json
+import math
+import subprocess
+import sys
+
+from nemo_jq.experiments.noisy_cold_start import aggregate, methods, steps_to_escape
+
+
+def test_steps_to_escape_is_the_first_step_above_log_one_over_m():
+    records = [{"kind": "train", "step": 1, "log_p_hat": -20.0}, {"kind": "validation", "step": 1},
+               {"kind": "train", "step": 2, "log_p_hat": -math.log(4)}, {"kind": "train", "step": 3, "log_p_hat": -1.0},
+               {"kind": "train", "step": 4, "log_p_hat": -0.5}]
+    assert steps_to_escape(records, 4) == 3  # strictly above log(1/M)
+    assert steps_to_escape(records[:3], 4) is None and steps_to_escape([{"kind": "train", "step": 1}], 4) is None
+
+
+def test_aggregate_is_mean_and_sd_over_seeds_and_counts_the_seeds_that_escaped():
+    runs = [{"test": {"p@1": p, "p@4": p, "m@4": p}, "steps_to_escape": s, "memorisation": m}
+            for p, s, m in [(10.0, 5, 20.0), (20.0, None, 40.0), (30.0, 7, 60.0)]]
+    stats = aggregate(runs, 4)
+    assert stats["p@1"] == {"mean": 20.0, "sd": 10.0, "n": 3}
+    assert stats["steps_to_escape"] == {"mean": 6.0, "sd": math.sqrt(2.0), "n": 2}
+    assert stats["memorisation"]["mean"] == 40.0
+
+
+def test_every_method_shares_the_settings_and_schedules_span_the_run():
+    plan = methods(num_samples=4, steps=384)
+    assert list(plan) == ["GRPO", "q=0.25", "q=0.5", "q=0.75", "q=1", "SFT-then-RLVR", "linear 1->0", "cosine 1->0", "adaptive"]
+    assert "num_steps: 384" in plan["linear 1->0"][-1] and "cold_p: 0.25" in plan["adaptive"][-1]
+
+
+def test_quick_run_writes_table_summary_and_figures_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "experiment"
+    command = [sys.executable, "-m", "nemo_jq.cli", "experiment", "noisy-cold-start", "--quick", "--seeds", "0",
+               "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["runs"]) == 9 and all(len(per_seed) == 1 for per_seed in summary["runs"].values())
+    for per_seed in summary["runs"].values():
+        assert 0 <= per_seed[0]["memorisation"] <= 100 and set(per_seed[0]["test"]) == {"p@1", "p@4", "m@4"}
+    assert summary["theory"]["q=1"]["noise_equilibrium"] > summary["theory"]["q=0.25"]["noise_equilibrium"]
+    assert (out / "table.md").read_text().startswith("| method |")
+    assert (out / "tradeoff.png").exists() and (out / "figure3_seed0.png").exists()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "an earlier experiment" in again.stderr
