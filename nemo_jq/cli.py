@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     experiment.add_argument("--label-noise", type=float, default=0.2, help="share of training labels made wrong")
     experiment.add_argument("--quick", action="store_true", help="a few-second smoke size (not a result)")
     experiment.add_argument("--overwrite", action="store_true", help="if --out holds an experiment, move it aside first")
+    experiment.add_argument("--methods", type=lambda text: [name.strip() for name in text.split(",")], default=[],
+                            metavar="NAME,NAME", help="run only these methods (e.g. adaptive,q=1); default: all")
+    experiment.add_argument("--adaptive", type=_knobs, default={}, metavar="KNOB=VALUE,...",
+                            help="the adaptive rule's knobs: q_max, q_min, cold_p (default 1/M), ema_decay")
     experiment.add_argument("overrides", nargs="*", help="section.key=value overrides for every run (e.g. guard.enabled=true)")
 
     data = commands.add_parser("data", help="dataset tools")
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
     planner.add_argument("--optimizer", default="fp32-adamw", choices=("fp32-adamw", "fp32-distopt", "bf16-distopt"),
                          help="fp32-adamw: the backend's default; fp32-distopt: model.distributed_optimizer=true; "
-                              "bf16-distopt: bf16 weights as well (not in the backend yet)")
+                              "bf16-distopt: model.bf16_weights=true as well")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     launcher = commands.add_parser(
@@ -177,6 +181,18 @@ def _positive_gb(text: str) -> float:
     return value
 
 
+def _knobs(text: str) -> dict[str, float]:
+    """``name=number,...``, as ``--adaptive cold_p=0.0625,q_min=0.25`` gives it."""
+    knobs = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            knobs[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be KNOB=NUMBER,... (e.g. cold_p=0.0625,q_min=0.25); got {item!r}") from None
+    return knobs
+
+
 def _plan_assumptions() -> str:
     from nemo_jq import plan
 
@@ -238,7 +254,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from nemo_jq.experiments.noisy_cold_start import run_experiment
 
         run_experiment(args.out, args.seeds, args.label_noise, quick=args.quick, overrides=args.overrides,
-                       overwrite=args.overwrite)
+                       overwrite=args.overwrite, only=args.methods, adaptive=args.adaptive)
         return 0
 
     from nemo_jq import distributed

@@ -73,6 +73,9 @@ class ModelConfig:
                                          "backward (less activation memory, about a third more compute)")
     distributed_optimizer: bool = option(False, "megatron: split AdamW's fp32 master weights and moments over the "
                                          "data-parallel ranks (ZeRO-1: 12/DP bytes of optimizer state per parameter)")
+    bf16_weights: bool = option(False, "megatron: bf16 parameters and activations, with fp32 gradient accumulation "
+                                "and the fp32 master weights in the distributed optimizer (needs "
+                                "distributed_optimizer=true)")
     precision: str = option("auto", "auto = bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     logprob_chunk_size: int = option(256, "positions per chunk of the log-prob kernel", ge=1)
 
@@ -212,11 +215,14 @@ class Config:
             )
         if self.model.backend != "megatron" and (self.model.tensor_parallel > 1 or self.model.pipeline_parallel > 1
                                                  or self.model.sequence_parallel or self.model.recompute_activations
-                                                 or self.model.distributed_optimizer):
+                                                 or self.model.distributed_optimizer or self.model.bf16_weights):
             raise ConfigError(f"model.tensor_parallel/pipeline_parallel/sequence_parallel/recompute_activations/"
-                              f"distributed_optimizer need "
+                              f"distributed_optimizer/bf16_weights need "
                               f"model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
+        if self.model.bf16_weights and not self.model.distributed_optimizer:
+            raise ConfigError("model.bf16_weights=true keeps the fp32 master weights in the distributed optimizer: "
+                              "set model.distributed_optimizer=true too (it is plain AdamW on fp32 masters at DP=1)")
         if self.rollout.engine == "vllm" and not self.model.path:
             raise ConfigError("rollout.engine=vllm needs model.path (an HF folder vLLM can load; the policy's weights "
                               "replace its own after each step): set model.path, or use rollout.engine=native")

@@ -8,7 +8,7 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   fp32 AdamW moments, 16 bytes a parameter, split over TP x PP and replicated over DP;
   ``fp32-distopt`` (``model.distributed_optimizer=true``): fp32 weights and gradients, and fp32
   master weights plus moments (12 bytes) sharded over DP;
-  ``bf16-distopt`` (Megatron's usual recipe; not in this backend yet): bf16 weights, fp32 gradients,
+  ``bf16-distopt`` (``model.bf16_weights=true``, Megatron's usual recipe): bf16 weights, fp32 gradients,
   and the 12 bytes of master weights and moments sharded over DP;
 * activations in bf16 for one micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens per
   layer, with fused (flash) attention, so nothing quadratic in the length is kept: the

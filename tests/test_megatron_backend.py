@@ -656,3 +656,93 @@ def test_the_recipe_from_a_sharded_hf_folder_at_tp2_trains_as_the_hf_backend(tmp
     ranks = run_in_processes(train_steps, 2, tmp_path / "megatron", ["objective.name=garl", "model.backend=megatron",
                                                                     "model.tensor_parallel=2", f"model.path={folder}"])
     assert_same_training(ranks[0], hf)
+
+
+# ----------------------------------------------------------------- bf16 weights, fp32 masters
+def bf16_weights_worker(scratch_dir: str) -> dict[str, Any]:
+    """DP=2, bf16 weights: against HFPolicy in fp32, the masters' precision, and a checkpoint round trip."""
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    _, _, _, model = tiny_setup()
+    hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
+    policy = MegatronPolicy.from_hf_model(model, distributed_optimizer=True, bf16_weights=True, **OPTIM)
+    batch = garl_batch(model.config.vocab_size)
+    out: dict[str, Any] = {"dtypes": {param.dtype for param in policy.model.parameters()},
+                           "master_dtype": policy.optimizer.master.dtype}
+    with torch.no_grad():
+        real = batch.target_mask
+        out["logprobs"] = float((policy.token_logprobs(batch) - hf.token_logprobs(batch))[real].abs().max())
+    micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
+    hf.forward_backward(micro_batches, garl_loss_fn(micro_batches, []))
+    mine = micro_batches[dist.get_rank()::2]
+    policy.forward_backward(mine, garl_loss_fn(mine, []))
+    out["grad_dtypes"] = {param.main_grad.dtype for param in policy.model.parameters()}
+    out["bf16_grads_left"] = sum(param.grad is not None for param in policy.model.parameters())
+    grads = policy.gather_hf({name: param.main_grad for name, param in policy.model.named_parameters()})
+    for grad in grads.values():  # the distributed optimizer sums over DP only at its step
+        dist.all_reduce(grad)
+    out["grad_error"] = max(float((grads[name] - param.grad).norm() / param.grad.norm())
+                            for name, param in hf.model.named_parameters())
+    policy.optimizer_step()
+    hf.optimizer_step()
+    masters = policy.gather_hf(_masters(policy))
+    out["master_after_step"] = max_diff(masters, dict(hf.model.named_parameters()))
+    # A step far below bf16's resolution: the fp32 masters move, the bf16 weights are those masters rounded.
+    policy.set_learning_rate(1e-6)
+    policy.forward_backward(mine, garl_loss_fn(mine, []))
+    policy.optimizer_step()
+    small = policy.gather_hf(_masters(policy))
+    out["small_step_master_moved"] = max_diff(small, masters)
+    out["weights_are_rounded_masters"] = max_diff(policy.hf_state_dict(), {n: t.to(torch.bfloat16) for n, t in small.items()})
+
+    checkpoint = Path(scratch_dir) / "bf16"
+    policy.save(checkpoint)
+    policy.forward_backward(mine, garl_loss_fn(mine, []))
+    policy.optimizer_step()
+    after = policy.gather_hf(_masters(policy))
+    other = MegatronPolicy.from_hf_model(tiny_setup(seed=3)[3], distributed_optimizer=True, bf16_weights=True, **OPTIM)
+    other.load(checkpoint)
+    other.set_learning_rate(1e-6)
+    out["resumed_masters"] = max_diff(other.gather_hf(_masters(other)), small)
+    other.forward_backward(mine, garl_loss_fn(mine, []))
+    other.optimizer_step()
+    out["resumed_step"] = max_diff(other.gather_hf(_masters(other)), after)
+    return out
+
+
+def _masters(policy) -> dict[str, torch.Tensor]:
+    """The distributed optimizer's fp32 master weights, gathered over DP, per parameter (megatron names)."""
+    optimizer = policy.optimizer
+    full = optimizer._gather(optimizer.master.detach())[:optimizer.total]
+    pieces = full.split([param.numel() for param in optimizer.params])
+    by_param = {id(param): piece.view_as(param) for param, piece in zip(optimizer.params, pieces)}
+    return {name: by_param[id(param)] for name, param in policy.model.named_parameters()}
+
+
+def test_bf16_weights_train_on_fp32_masters_and_resume_them_bit_exact(tmp_path):
+    """bf16 parameters with fp32 gradient accumulation and fp32 master weights in the distributed optimizer, at DP=2:
+    log-probs and gradients within bf16's precision of HFPolicy in fp32, the masters after a step within a few bf16
+    ulps of HF's weights; a step of 1e-6 moves the masters while the weights stay their bf16 rounding; a checkpoint
+    restores the masters bit for bit, and the step after it equals the uninterrupted run's."""
+    ranks = run_in_processes(bf16_weights_worker, 2, str(tmp_path))
+    for out in ranks:
+        assert out["dtypes"] == {torch.bfloat16} and out["master_dtype"] == torch.float32
+        assert out["grad_dtypes"] == {torch.float32} and out["bf16_grads_left"] == 0
+        assert out["logprobs"] < 0.02, out
+        assert out["grad_error"] < 0.05, out
+        assert out["master_after_step"] < 1e-3, out
+        assert 5e-7 < out["small_step_master_moved"] < 2e-5, out
+        assert out["weights_are_rounded_masters"] == 0
+        assert out["resumed_masters"] == 0 and out["resumed_step"] == 0, out
+
+
+def test_the_recipe_trains_with_bf16_weights_close_to_fp32(tmp_path):
+    """The recipe with model.bf16_weights=true (one process): the steps' losses and gradient norms within bf16's
+    precision of the HF backend's fp32 steps; the refit carries the bf16 weights into the fp32 rollout copy."""
+    hf = train_steps(tmp_path / "hf", ["objective.name=sft"], 2)
+    (bf16,) = run_in_processes(train_steps, 1, tmp_path / "bf16", ["objective.name=sft", "model.backend=megatron",
+                                                                   "model.distributed_optimizer=true", "model.bf16_weights=true"], 2)
+    for mine, other in zip(bf16, hf, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert mine[key] == pytest.approx(other[key], rel=0.03), (key, mine, other)
+            assert mine[key] != other[key]  # bf16 did run

@@ -143,7 +143,7 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
                          f"(torchrun --nproc-per-node)")
     layout = dict(device=request.device, tensor_parallel=model.tensor_parallel, pipeline_parallel=model.pipeline_parallel,
                   sequence_parallel=model.sequence_parallel, recompute_activations=model.recompute_activations,
-                  distributed_optimizer=model.distributed_optimizer,
+                  distributed_optimizer=model.distributed_optimizer, bf16_weights=model.bf16_weights,
                   **_policy_options(request.config))
     if in_memory is not None:
         policy = MegatronPolicy.from_hf_model(in_memory, **layout)

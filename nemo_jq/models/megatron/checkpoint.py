@@ -58,14 +58,15 @@ def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer |
     if optimizer is not None and not common[_HAS_OPTIMIZER]:
         raise FileNotFoundError(f"checkpoint {directory} holds no optimizer state (saved before the first step)")
     model_state = model.sharded_state_dict()
+    saved = set(dist_checkpointing.load_tensors_metadata(str(source)))
     missing = sorted({value.key for value in nested_values(model_state) if isinstance(value, (ShardedTensor, ShardedTensorFactory))}
-                     - set(dist_checkpointing.load_tensors_metadata(str(source))))
+                     - saved)
     if missing:
         raise ValueError(f"checkpoint {source} lacks {len(missing)} weight(s) this model needs: "
                          f"{', '.join(repr(name) for name in missing[:3])}{', ...' if len(missing) > 3 else ''}")
     request = {_MODEL: model_state}
     if optimizer is not None:
-        _initialise_adam_state(optimizer)
+        _initialise_adam_state(optimizer, with_master=any(key.startswith(f"{_OPTIMIZER}.state.master.") for key in saved))
         request[_OPTIMIZER] = _sharded_optimizer_state(model_state, optimizer)
     loaded = dist_checkpointing.load(request, str(source))
     model.load_state_dict(loaded[_MODEL], strict=True)
@@ -102,20 +103,22 @@ def _sharded_optimizer_state(model_state: dict[str, Any], optimizer: torch.optim
     return state
 
 
-def _initialise_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Zero moments for parameters that have none yet, as ``torch.optim.AdamW`` would make on its first step,
-    so that the state to load into has every tensor's shape."""
+def _initialise_adam_state(optimizer: torch.optim.Optimizer, *, with_master: bool) -> None:
+    """fp32 zero moments (and master weights, where the checkpoint has them: a bf16-weights run's) for parameters
+    that have none yet, as ``torch.optim.AdamW`` would make on its first step, so that the state to load into has
+    every tensor's shape."""
+    keys = ("exp_avg", "exp_avg_sq", *(("master",) if with_master else ()))
     for group in optimizer.param_groups:
         for param in group["params"]:
             if not optimizer.state[param]:
-                optimizer.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
-                                          "exp_avg_sq": torch.zeros_like(param)}
+                optimizer.state[param] = {"step": torch.tensor(0.0),
+                                          **{key: torch.zeros_like(param, dtype=torch.float32) for key in keys}}
 
 
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
-    """Load the moments and the shared step; hyperparameters stay this optimizer's own (the trainer sets the lr)."""
+    """Load the moments and the shared step; hyperparameters stay this optimizer's own (the trainer sets the lr).
+    Assigned as loaded, in fp32 (``Optimizer.load_state_dict`` would cast them to a bf16 parameter's dtype)."""
     step = loaded["state"].pop(_STEP)
-    for entry in loaded["state"].values():
-        entry["step"] = step.clone()
-    loaded["param_groups"] = optimizer.state_dict()["param_groups"]
-    optimizer.load_state_dict(loaded)
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, entry in loaded["state"].items():
+        optimizer.state[params[index]] = {**entry, "step": step.clone()}

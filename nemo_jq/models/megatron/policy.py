@@ -45,6 +45,10 @@ class MegatronPolicy:
     """Trains Qwen3 as a megatron-core ``GPTModel``: TP-sharded, PP-staged, DP-replicated, AdamW on each shard.
 
     fp32 weights; on GPU, ``precision`` "auto"/"bf16" runs under bf16 autocast as ``HFPolicy`` does.
+    With ``bf16_weights`` (Megatron's usual mixed precision) the parameters and activations are bf16,
+    each micro-batch's gradient is added into an fp32 ``main_grad`` as soon as backward produces it
+    (so accumulation over micro-batches and the DP reduction are fp32), and AdamW steps the fp32 master
+    weights that the distributed optimizer keeps, rounding them into the parameters after each step.
 
     Gradients are synchronised at the end of ``forward_backward``: replicated weights whose
     gradient each TP rank sees only in part (the q/k norms, which act on the rank's own heads,
@@ -60,13 +64,18 @@ class MegatronPolicy:
 
     def __init__(self, hf_config: Any, hf_state: Mapping[str, torch.Tensor], *, tensor_parallel: int = 1,
                  pipeline_parallel: int = 1, sequence_parallel: bool = False, recompute_activations: bool = False,
-                 distributed_optimizer: bool = False, device: torch.device | str = "cpu", precision: str = "auto",
+                 distributed_optimizer: bool = False, bf16_weights: bool = False, device: torch.device | str = "cpu",
+                 precision: str = "auto",
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, grad_clip: float = 1.0, logprob_chunk_size: int = 256):
         self.arch = read_qwen3_config(hf_config)
         check_parallel_layout(self.arch, tensor_parallel, sequence_parallel, pipeline_parallel)
         self.device = torch.device(device)
         self.precision = check_precision(precision)
+        if bf16_weights and not distributed_optimizer:
+            raise ValueError("bf16_weights keeps the fp32 master weights in the distributed optimizer: "
+                             "pass distributed_optimizer=True too")
+        self.bf16_weights = bf16_weights
         self.sequence_parallel = sequence_parallel
         self.grad_clip = grad_clip
         self.logprob_chunk_size = logprob_chunk_size
@@ -88,7 +97,13 @@ class MegatronPolicy:
         self.uses_transformer_engine = uses_transformer_engine()
         self.model = build_gpt_model(self.arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
                                      pipeline_parallel=pipeline_parallel, recompute_activations=recompute_activations,
+                                     params_dtype=torch.bfloat16 if bf16_weights else torch.float32,
                                      use_cpu_initialization=self.device.type == "cpu")
+        if bf16_weights:
+            self.model.to(torch.bfloat16)  # as Megatron's Float16Module: the local spec's torch norms are built in fp32
+            for param in self.model.parameters():
+                param.main_grad = None
+                param.register_post_accumulate_grad_hook(_accumulate_in_fp32)
         self.vocab_start = self.tp_rank * padded_vocab_size(self.arch.vocab_size, tensor_parallel) // tensor_parallel
         #: Megatron numbers a stage's layers from 0; HF names them by their index in the whole model.
         self._layer_offset = self.model.decoder.layers[0].layer_number - 1
@@ -166,8 +181,7 @@ class MegatronPolicy:
     def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
         """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP and DP."""
         self.model.train()
-        earlier = {param: param.grad for param in self.model.parameters()}
-        self.optimizer.zero_grad(set_to_none=True)
+        earlier = {param: self._take_grad(param) for param in self.model.parameters()}
         if self.pp_size > 1:
             self._run_pipeline([micro.to(self.device) for micro in micro_batches], loss_fn)
         else:
@@ -176,7 +190,7 @@ class MegatronPolicy:
         self._synchronise_gradients()
         for param, grad in earlier.items():  # gradients of earlier calls are synchronised already
             if grad is not None:
-                param.grad = grad if param.grad is None else param.grad.add_(grad)
+                self.grad_of(param).add_(grad)
 
     def _run_pipeline(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn | None = None) -> list[Any]:
         """Megatron-core's 1F1B schedule over the micro-batches: backward of ``loss_fn`` of each one's log-probs,
@@ -207,18 +221,34 @@ class MegatronPolicy:
             num_microbatches=len(micro_batches), seq_length=length, micro_batch_size=rows, forward_only=loss_fn is None,
         )
 
+    def grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The gradient accumulated for ``param`` (fp32 ``main_grad`` under ``bf16_weights``), zeros if none yet."""
+        if self.bf16_weights:
+            if param.main_grad is None:
+                param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+            return param.main_grad
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
+    def _take_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """Remove and return ``param``'s accumulated gradient."""
+        grad = param.main_grad if self.bf16_weights else param.grad
+        param.grad = None
+        if self.bf16_weights:
+            param.main_grad = None
+        return grad
+
     def _synchronise_gradients(self) -> None:
         params = [param for param in self.model.parameters() if param.requires_grad]
-        for param in params:
-            if param.grad is None:  # so every rank takes part in the same all-reduces
-                param.grad = torch.zeros_like(param)
-        tp_summed = [param.grad for name, param in self.model.named_parameters() if self._grad_is_partial_over_tp(name, param)]
+        grads = [self.grad_of(param) for param in params]  # zeros where none, so every rank joins the same all-reduces
+        tp_summed = [self.grad_of(param) for name, param in self.model.named_parameters() if self._grad_is_partial_over_tp(name, param)]
         _all_reduce_flat(tp_summed, self.tp_group)
         if self.arch.tie_word_embeddings and self.pp_size > 1 and parallel_state.is_rank_in_embedding_group():
             # the embedding (first stage) and its LM-head copy (last stage) are one HF weight
-            _all_reduce_flat([self.model.shared_embedding_or_output_weight().grad], parallel_state.get_embedding_group())
+            _all_reduce_flat([self.grad_of(self.model.shared_embedding_or_output_weight())], parallel_state.get_embedding_group())
         if not isinstance(self.optimizer, DistributedAdamW):  # which reduce-scatters them at its step instead
-            _all_reduce_flat([param.grad for param in params], self.dp_group)
+            _all_reduce_flat(grads, self.dp_group)
 
     def _grad_is_partial_over_tp(self, name: str, param: torch.nn.Parameter) -> bool:
         """As megatron-core's ``finalize_model_grads``: sequence-parallel norms and the q/k norms."""
@@ -241,7 +271,9 @@ class MegatronPolicy:
     def optimizer_step(self) -> dict[str, float]:
         """Clip to ``grad_clip`` by the norm over the whole model (as ``clip_grad_norm_``), step, zero."""
         if isinstance(self.optimizer, DistributedAdamW):
-            grad_norm = self.optimizer.step(self.grad_clip, self.model_parallel_group if self.tp_size * self.pp_size > 1 else None)
+            grads = [self._take_grad(param) for param in self.optimizer.params]
+            grad_norm = self.optimizer.step(grads, self.grad_clip,
+                                            self.model_parallel_group if self.tp_size * self.pp_size > 1 else None)
             self.weights_version += 1
             return {"grad_norm": float(grad_norm)}
         grads = [param.grad for param in self.model.parameters() if param.grad is not None]
@@ -382,6 +414,15 @@ def _right_padded(batch: TokenBatch, rows: int, length: int) -> TokenBatch:
 
     return TokenBatch(pad(batch.input_ids, length), pad(batch.attention_mask, length),
                       pad(batch.rationale_mask, length - 1), pad(batch.answer_mask, length - 1))
+
+
+def _accumulate_in_fp32(param: torch.nn.Parameter) -> None:
+    """Backward hook under ``bf16_weights``: move the bf16 gradient just produced into the fp32 ``main_grad``."""
+    if param.main_grad is None:
+        param.main_grad = param.grad.float()
+    else:
+        param.main_grad.add_(param.grad)
+    param.grad = None
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

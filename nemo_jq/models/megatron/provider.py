@@ -202,7 +202,8 @@ def uses_transformer_engine() -> bool:
 
 
 def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                    pipeline_parallel: int = 1, recompute_activations: bool = False, use_cpu_initialization: bool = True):
+                    pipeline_parallel: int = 1, recompute_activations: bool = False, params_dtype: torch.dtype = torch.float32,
+                    use_cpu_initialization: bool = True):
     """This rank's ``GPTModel`` shard; ``parallel_state`` must be initialised with the same TP and PP sizes.
 
     The LM head is vocab-parallel (``parallel_output``): logits come back ``[b, s, V_padded / TP]``.
@@ -211,7 +212,7 @@ def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequen
     """
     config = transformer_config(arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
                                 pipeline_parallel=pipeline_parallel, recompute_activations=recompute_activations,
-                                use_cpu_initialization=use_cpu_initialization)
+                                params_dtype=params_dtype, use_cpu_initialization=use_cpu_initialization)
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (

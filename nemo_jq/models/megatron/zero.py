@@ -33,6 +33,11 @@ class DistributedAdamW:
         self.optimizer = torch.optim.AdamW([self.master], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
     @property
+    def holds_more_than_params(self) -> bool:
+        """Whether the fp32 master weights are more precise than the parameters (bf16 weights)."""
+        return any(param.dtype != torch.float32 for param in self.params)
+
+    @property
     def state(self) -> dict:
         return self.optimizer.state
 
@@ -49,10 +54,12 @@ class DistributedAdamW:
         for param in self.params:
             param.grad = None
 
-    def step(self, max_norm: float, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
-        """Reduce-scatter the gradients, clip by the global norm (over DP, then ``norm_group``: the replica's
-        TP and PP ranks), step this rank's slice and all-gather the weights; return the pre-clip norm."""
-        grads = self._flat([param.grad if param.grad is not None else torch.zeros_like(param) for param in self.params])
+    def step(self, grads: Sequence[torch.Tensor | None], max_norm: float, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
+        """Reduce-scatter ``grads`` (one per parameter, this rank's replica's; None for none), clip by the global
+        norm (over DP, then ``norm_group``: the replica's TP and PP ranks), step this rank's fp32 slice of the
+        master weights and all-gather it into the parameters (rounded to their dtype); return the pre-clip norm."""
+        grads = self._flat([grad if grad is not None else torch.zeros_like(param, dtype=torch.float32)
+                            for param, grad in zip(self.params, grads)])
         mine = torch.empty(self.shard, dtype=torch.float32, device=grads.device)
         dist.reduce_scatter_tensor(mine, grads, group=self.group)
         squares = (mine.square() * self.norm_mask).sum()
@@ -79,13 +86,16 @@ class DistributedAdamW:
 
     def replicated(self) -> torch.optim.AdamW:
         """The equivalent replicated AdamW over the parameters, its moments gathered (a collective): what a
-        checkpoint stores, so it resumes with or without this optimizer, at any DP size."""
+        checkpoint stores, so it resumes with or without this optimizer, at any DP size. Parameters that are
+        not fp32 (bf16 weights) also get their fp32 master weights, as ``master``, which they cannot hold."""
         replicated = torch.optim.AdamW(self.params, **{key: value for key, value in self.optimizer.param_groups[0].items()
                                                         if key in ("lr", "weight_decay", "betas", "eps")})
         mine = self.optimizer.state.get(self.master)
         if mine:
             numels = [param.numel() for param in self.params]
-            moments = {key: self._gather(mine[key])[:self.total].split(numels) for key in ("exp_avg", "exp_avg_sq")}
+            keys = ("exp_avg", "exp_avg_sq", *(("master",) if self.holds_more_than_params else ()))
+            slices = {**mine, "master": self.master.detach()}
+            moments = {key: self._gather(slices[key])[:self.total].split(numels) for key in keys}
             for index, param in enumerate(self.params):
                 replicated.state[param] = {"step": mine["step"].clone(),
                                            **{key: pieces[index].view_as(param).clone() for key, pieces in moments.items()}}
@@ -93,10 +103,11 @@ class DistributedAdamW:
 
     def load_replicated(self, replicated: torch.optim.Optimizer | None) -> None:
         """After the parameters were loaded: take this rank's slice of them as the master weights and, given a
-        replicated AdamW filled from a checkpoint, of its moments."""
-        self.master.data.copy_(self._flat([param.detach() for param in self.params])[self.start:self.start + self.shard])
+        replicated AdamW filled from a checkpoint, of its moments (and of the master weights, where it has them)."""
+        states = [replicated.state[param] for param in self.params] if replicated is not None else []
+        masters = [state["master"] for state in states] if states and "master" in states[0] else self.params
+        self.master.data.copy_(self._flat([master.detach() for master in masters])[self.start:self.start + self.shard])
         if replicated is not None:
-            states = [replicated.state[param] for param in self.params]
             self.optimizer.state[self.master] = {
                 "step": states[0]["step"].clone(),
                 **{key: self._flat([state[key] for state in states])[self.start:self.start + self.shard].clone()
