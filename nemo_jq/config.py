@@ -116,6 +116,8 @@ class RolloutConfig:
     top_p: float = option(1.0, "1.0 = off (the paper's setting)", gt=0.0, le=1.0)
     engine: str = option("native", "native (shared prefill, compaction; this process), hf (the plain decode loop), "
                          "or vllm (optional extra, GPU; needs model.path)", choices=ROLLOUT_ENGINE_NAMES)
+    tensor_parallel: int = option(1, "vllm only: ranks that hold one vLLM engine, tensor-parallel (torchrun's own "
+                                  "processes, vLLM's external launcher; must divide model.tensor_parallel)", ge=1)
     max_logprob_gap: float = option(
         1.0, "warn when an engine's log-prob of a sampled token differs from the policy's by more than this", gt=0.0)
 
@@ -153,6 +155,8 @@ class GuardConfig:
     min_fraction_of_best: float = option(0.5, "trigger when validation m@k falls below this fraction of its best ...",
                                          gt=0.0, le=1.0)
     patience: int = option(2, "... for this many evaluations in a row", ge=1)
+    min_drop_se: float = option(2.0, "... and by more than this many binomial standard errors of a difference over the "
+                                "validation prompts (so sampling noise alone does not trigger it; 0 = off)", ge=0.0)
     logp_drop: float = option(5.0, "or when the train log P̂ (mean of guard.window steps) falls this many nats below its "
                               "best such mean; 0 = off", ge=0.0)
     window: int = option(16, "steps in the log P̂ mean", ge=1)
@@ -223,6 +227,12 @@ class Config:
         if self.model.bf16_weights and not self.model.distributed_optimizer:
             raise ConfigError("model.bf16_weights=true keeps the fp32 master weights in the distributed optimizer: "
                               "set model.distributed_optimizer=true too (it is plain AdamW on fp32 masters at DP=1)")
+        if self.rollout.tensor_parallel > 1 and (self.rollout.engine != "vllm" or self.model.backend != "megatron"
+                                                 or self.model.tensor_parallel % self.rollout.tensor_parallel):
+            raise ConfigError(f"rollout.tensor_parallel={self.rollout.tensor_parallel} splits a vLLM engine over the ranks of "
+                              "one model replica: it needs rollout.engine=vllm, model.backend=megatron and a "
+                              f"model.tensor_parallel it divides (got {self.rollout.engine}, {self.model.backend}, "
+                              f"{self.model.tensor_parallel})")
         if self.rollout.engine == "vllm" and not self.model.path:
             raise ConfigError("rollout.engine=vllm needs model.path (an HF folder vLLM can load; the policy's weights "
                               "replace its own after each step): set model.path, or use rollout.engine=native")

@@ -137,7 +137,8 @@ class Trainer:
         self.schedule = build_schedule(objective.q_schedule or objective.q) if self.spec.uses_q else None
         guard = config.guard
         self.guard = CollapseGuard(min_fraction_of_best=guard.min_fraction_of_best, patience=guard.patience,
-                                   logp_drop=guard.logp_drop, window=guard.window) if guard.enabled else None
+                                   logp_drop=guard.logp_drop, window=guard.window,
+                                   min_drop_se=guard.min_drop_se) if guard.enabled else None
         self.rollout_generator = torch.Generator(device=self.device).manual_seed(self._replica_seed(seed))
         self.estimator_generator = torch.Generator(device=self.device).manual_seed(self._replica_seed(seed + 1))
         self.state: dict[str, Any] = {"step": 0, "epoch": 0, "position": 0, "best_metric": None, "best_step": None,
@@ -403,7 +404,7 @@ class Trainer:
             self.state["best_metric"], self.state["best_step"] = value, self.state["step"]
             self.save()
         if self.guard is not None:
-            self._watch(self.guard.validation(value), logger)
+            self._watch(self.guard.validation(value, len(self.splits.get("validation"))), logger)
 
     # ----------------------------------------------------------------- the collapse guard
     def _watch(self, reason: str | None, logger: RunLogger) -> None:

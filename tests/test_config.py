@@ -44,6 +44,9 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (["rollout.engine=sglang"], "rollout.engine must be one of native, hf, vllm"),
         (["rollout.engine=vllm"], "rollout.engine=vllm needs model.path"),
         (["rollout.max_logprob_gap=0"], "rollout.max_logprob_gap must be > 0.0"),
+        (["rollout.tensor_parallel=2"], "rollout.tensor_parallel=2 splits a vLLM engine .*got native, hf, 1"),
+        (["rollout.tensor_parallel=3", "rollout.engine=vllm", "model.path=m", "model.backend=megatron",
+          "model.tensor_parallel=4"], "a model.tensor_parallel it divides"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

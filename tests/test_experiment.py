@@ -12,8 +12,9 @@ def test_steps_to_escape_is_the_first_step_above_log_one_over_m():
     records = [{"kind": "train", "step": 1, "log_p_hat": -20.0}, {"kind": "validation", "step": 1},
                {"kind": "train", "step": 2, "log_p_hat": -math.log(4)}, {"kind": "train", "step": 3, "log_p_hat": -1.0},
                {"kind": "train", "step": 4, "log_p_hat": -0.5}]
-    assert steps_to_escape(records, 4) == 3  # strictly above log(1/M)
-    assert steps_to_escape(records[:3], 4) is None and steps_to_escape([{"kind": "train", "step": 1}], 4) is None
+    assert steps_to_escape(records, -math.log(4)) == 3  # strictly above log(1/M)
+    assert steps_to_escape(records, -5.0) == 2
+    assert steps_to_escape(records[:3], -math.log(4)) is None and steps_to_escape([{"kind": "train", "step": 1}], -5.0) is None
 
 
 def test_aggregate_is_mean_and_sd_over_seeds_and_counts_the_seeds_that_escaped():
@@ -26,9 +27,10 @@ def test_aggregate_is_mean_and_sd_over_seeds_and_counts_the_seeds_that_escaped()
 
 
 def test_every_method_shares_the_settings_and_schedules_span_the_run():
-    plan = methods(num_samples=4, steps=384)
+    plan = methods(steps=384)
     assert list(plan) == ["GRPO", "q=0.25", "q=0.5", "q=0.75", "q=1", "SFT-then-RLVR", "linear 1->0", "cosine 1->0", "adaptive"]
-    assert "num_steps: 384" in plan["linear 1->0"][-1] and "cold_p: 0.25" in plan["adaptive"][-1]
+    assert "num_steps: 384" in plan["linear 1->0"][-1] and "cold_p: 0.015625" in plan["adaptive"][-1]
+    assert "cold_p: 0.25, ema_decay: 0.5" in methods(steps=384, adaptive={"cold_p": 0.25, "ema_decay": 0.5})["adaptive"][-1]
 
 
 def test_quick_run_writes_table_summary_and_figures_and_refuses_to_overwrite(tmp_path):

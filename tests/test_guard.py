@@ -32,6 +32,20 @@ def test_validation_streams(stream, fires_at):
 
 
 @pytest.mark.parametrize("stream, fires_at", [
+    ([17.2, 6.25, 7.81, 6.25], None),  # the clean demo's GARL q=0.5: 64 prompts' noise, not a collapse
+    ([1.56, 0.0, 0.0, 0.0], None),     # GRPO's one lucky prompt
+    ([17.2, 3.0, 3.0], 2),             # beyond 2 standard errors (13.3 points) twice
+    ([40.0, 10.0, 30.0, 10.0, 10.0], 4),
+])
+def test_validation_streams_over_64_prompts_ignore_sampling_noise(stream, fires_at):
+    watcher = guard(min_drop_se=2.0)
+    fired = [i for i, value in enumerate(stream) if watcher.validation(value, 64)]
+    assert (fired[0] if fired else None) == fires_at
+    plain = guard(min_drop_se=0.0)  # without the test, the demo's noise fires
+    assert any(plain.validation(value, 64) for value in [17.2, 6.25, 7.81]) and guard().validation(17.2, 64) is None
+
+
+@pytest.mark.parametrize("stream, fires_at", [
     ([-5, -5, -5, -4, -4, -4, -7, -7, -7], 8),  # the 3-step mean falls from -4 to -7: 3 nats
     ([-5, -4, -6, -4, -5, -6, -4, -5], None),   # noise within the margin
     ([-3, -3, -3, None, -9, -9, -9], 5),          # steps without log P̂ are skipped: [-3, -9, -9] is 4 down
@@ -61,7 +75,7 @@ def test_improving_streams_never_trigger_and_a_restored_guard_continues_alike():
 
 def scripted_trainer(tmp_path, validation, *overrides):
     """A tiny run whose validation m@4 follows ``validation`` (one value per step)."""
-    trainer = Trainer(load_config(None, [*TINY_RUN, "guard.enabled=true", "guard.logp_drop=0", "eval.every=1",
+    trainer = Trainer(load_config(None, [*TINY_RUN, "guard.enabled=true", "guard.logp_drop=0", "guard.min_drop_se=0", "eval.every=1",
                                          f"train.max_steps={len(validation)}", f"train.run_dir={tmp_path / 'run'}",
                                          *overrides]))
     scores = iter(validation)
@@ -108,6 +122,13 @@ def test_lower_lr_and_lower_q_scale_by_the_factor_at_each_trigger(tmp_path, acti
         assert q[3] == q[4] == 0.75
     else:
         assert (q[3], q[4], q[6]) == (0.75, pytest.approx(0.75 * 0.25), pytest.approx(0.75 * 0.25))
+
+
+def test_the_trainer_weighs_a_drop_against_its_validation_prompts(tmp_path):
+    """On TINY_RUN's 4 validation prompts, 50% -> 10% is within 2 standard errors (70 points): no trigger."""
+    trainer, _ = scripted_trainer(tmp_path, [50, 10, 10, 10], "guard.min_drop_se=2")
+    trainer.fit()
+    assert not [r for r in read_metrics(trainer.run_dir) if r["kind"] == "guard"]
 
 
 def test_a_run_that_does_not_collapse_is_left_alone_and_lower_q_needs_a_q(tmp_path):

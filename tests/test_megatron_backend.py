@@ -31,6 +31,7 @@ from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs  # no
 from nemo_jq.models.megatron.mapping import hf_to_megatron, megatron_to_hf  # noqa: E402
 from nemo_jq.models.megatron.provider import check_parallel_layout, read_qwen3_config  # noqa: E402
 from nemo_jq.objectives import garl  # noqa: E402
+from nemo_jq.rollouts import Sample  # noqa: E402
 
 CPU = torch.device("cpu")
 PROMPTS, SAMPLES, LENGTH = 2, 4, 14  # one micro-batch per prompt group
@@ -226,7 +227,8 @@ def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, seq
             assert diffs["split_logprobs"] < 1e-12 and diffs["split_grads"] < 1e-12, (rank, diffs)
 
 
-def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch_dir: str) -> dict[str, float]:
+def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch_dir: str,
+                           sequence_parallel: bool = False) -> dict[str, float]:
     """One replica of the tied tiny model in pipeline stages against HFPolicy: log-probs, GARL loss, gradients and a
     step (as ``parity_worker``); then a distributed checkpoint, loaded back after a further step, and that step again."""
     from nemo_jq.models.megatron.policy import MegatronPolicy
@@ -234,7 +236,7 @@ def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch
     _, _, _, model = tiny_setup()
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
     policy = MegatronPolicy.from_hf_model(model, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                          **OPTIM)
+                                          sequence_parallel=sequence_parallel, **OPTIM)
     batch = garl_batch(model.config.vocab_size)
     with torch.no_grad():
         diffs = {"logprobs": float((policy.token_logprobs(batch) - hf.token_logprobs(batch)).abs().max())}
@@ -261,9 +263,11 @@ def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch
     return diffs
 
 
-@pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["pp2", "tp2xpp2"])
-def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_parallel, tmp_path):
-    ranks = run_in_processes(pipeline_parity_worker, 2 * tensor_parallel, tensor_parallel, 2, str(tmp_path))
+@pytest.mark.parametrize("tensor_parallel, sequence_parallel", [(1, False), (2, False), (2, True)],
+                         ids=["pp2", "tp2xpp2", "tp2-sp-x-pp2"])
+def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_parallel, sequence_parallel, tmp_path):
+    ranks = run_in_processes(pipeline_parity_worker, 2 * tensor_parallel, tensor_parallel, 2, str(tmp_path),
+                             sequence_parallel)
     for rank, diffs in enumerate(ranks):
         assert diffs["logprobs"] < 2e-5 and diffs["loss"] < 2e-5 and diffs["grads"] < 2e-6, (rank, diffs)
         assert diffs["grad_norm"] < 1e-5 and diffs["weights_after_step"] < 1e-6, (rank, diffs)
@@ -746,3 +750,57 @@ def test_the_recipe_trains_with_bf16_weights_close_to_fp32(tmp_path):
         for key in ("loss", "grad_norm"):
             assert mine[key] == pytest.approx(other[key], rel=0.03), (key, mine, other)
             assert mine[key] != other[key]  # bf16 did run
+
+
+# ----------------------------------------------------------------- a tensor-parallel rollout engine's refit and sampling
+class ScriptedSampler:
+    """Stands for one rank of a tensor-parallel engine (vLLM's external launcher): samples drawn from the
+    generator and shifted by the weights it was refitted with, so both the draws and the refit show."""
+
+    def __init__(self, tensor_parallel: int):
+        self.tensor_parallel, self.weights, self.calls = tensor_parallel, None, 0
+
+    def load_weights(self, tensors):
+        self.weights = {name: tensor.clone() for name, tensor in tensors}
+
+    def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
+        self.calls += 1
+        shift = int(self.weights["w"].sum())
+        return [[Sample([int(torch.randint(5, (1,), generator=generator)) + shift + len(prompt), stop_ids[0]], True)
+                 for _ in range(num_samples)] for prompt in prompts]
+
+
+class ScriptedPolicy:
+    """The refit's view of a policy: one replica over the whole world, its weights streamed under HF names."""
+
+    weights_version = 1
+    model_parallel_group = None
+
+    def iter_hf(self):
+        for name, value in (("w", 20.0), ("v", 1.0)):
+            yield name, torch.full((2,), value)
+
+
+def tensor_parallel_refit_worker(tensor_parallel: int) -> dict[str, Any]:
+    from nemo_jq.models.backends import RefittedRolloutEngine
+    from nemo_jq.rollouts import BudgetedRollouts
+
+    policy = ScriptedPolicy()
+    policy.model_parallel_group = dist.group.WORLD
+    sampler = ScriptedSampler(tensor_parallel)
+    engine = RefittedRolloutEngine(BudgetedRollouts(sampler, think_end_id=1, end_of_turn_id=2, max_thinking_tokens=4,
+                                                    max_answer_tokens=3), policy)
+    rollouts = engine.generate([[5, 6], [7]], 3, sample_answers=True, generator=torch.Generator().manual_seed(0))
+    return {"calls": sampler.calls, "refitted": sampler.weights is not None, "rollouts": rollouts}
+
+
+def test_a_tensor_parallel_rollout_engine_refits_and_samples_on_each_of_its_ranks():
+    """rollout.tensor_parallel=2: both ranks of the replica take the refit and sample in step (as vLLM's external
+    launcher needs), and the replica trains on the first one's rollouts; with one sampling rank only rank 0 does."""
+    spread = run_in_processes(tensor_parallel_refit_worker, 2, 2)
+    single = run_in_processes(tensor_parallel_refit_worker, 2, 1)
+    assert [(r["calls"], r["refitted"]) for r in spread] == [(2, True), (2, True)]  # thinking, then answers
+    assert [(r["calls"], r["refitted"]) for r in single] == [(2, True), (0, False)]
+    rollouts = [r["rollouts"] for r in spread + single]
+    assert all(r == rollouts[0] for r in rollouts)
+    assert all(20 * 2 + 2 <= rollout.rationale_ids[0] < 20 * 2 + 2 + 5 for rollout in rollouts[0][0])  # refitted weights

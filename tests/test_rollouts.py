@@ -14,7 +14,7 @@ from nemo_jq.models.backends import RefittedRolloutEngine
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.rollouts import BudgetedRollouts, Sample, SamplingSettings
 from nemo_jq.rollouts.hf import HFSampler, NativeSampler
-from nemo_jq.rollouts.vllm import sample_from_completion, sampling_params_kwargs
+from nemo_jq.rollouts.vllm import llm_kwargs, sample_from_completion, sampling_params_kwargs
 from nemo_jq.sequences import reference_answer_batch, sampled_answer_batch
 
 CPU = torch.device("cpu")
@@ -148,6 +148,14 @@ def test_refitted_engine_samples_from_the_policys_weights_after_each_step():
         assert ours == theirs
     with pytest.raises(RuntimeError, match="missing"):
         copy_engine.engine.load_weights(iter([("model.norm.weight", model.model.norm.weight)]))
+
+
+def test_vllm_engine_spans_ranks_through_the_external_launcher_only_when_tensor_parallel():
+    single = llm_kwargs("m", tensor_parallel=1, gpu_memory_utilization=0.5, max_model_len=None, seed=3)
+    spread = llm_kwargs("m", tensor_parallel=4, gpu_memory_utilization=0.5, max_model_len=None, seed=3)
+    assert single["tensor_parallel_size"] == 1 and "distributed_executor_backend" not in single
+    assert spread["tensor_parallel_size"] == 4 and spread["distributed_executor_backend"] == "external_launcher"
+    assert single["enable_sleep_mode"] and single["seed"] == spread["seed"] == 3
 
 
 def test_vllm_requests_truncate_only_when_asked_and_outputs_keep_their_stop_id():

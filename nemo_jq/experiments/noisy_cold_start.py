@@ -4,7 +4,7 @@ The synthetic sums, cold format (initial P far below 1/M), with ``label_noise`` 
 replaced by wrong answers (validation and test clean). Every method trains with the same settings
 (:data:`SETTINGS`; ``--quick``: a smoke-test size) over each seed; only the estimator and its q change:
 GRPO, GARL at fixed q, SFT-then-RLVR (q=1 then q=0), linear and cosine annealing from 1 to 0, and
-the adaptive rule (q from log P̂, cold_p = 1/M). Per run: test p@1 / p@16 / m@16, steps to escape
+the adaptive rule (q from log P̂; knobs :data:`TUNED_ADAPTIVE`). Per run: test p@1 / p@16 / m@16, steps to escape
 (the first step whose log P̂ exceeds log(1/M)), and memorisation (the share of noisy training
 prompts whose corrupted label the final model's greedy answer reproduces). Writes ``summary.json``,
 ``table.md``, ``tradeoff.png`` (test m@16 against memorisation, a point per method and seed) and
@@ -19,12 +19,15 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from nemo_jq.config import load_config
+from nemo_jq.config import ConfigError, load_config
 from nemo_jq.monitor import plot_runs, read_metrics
 from nemo_jq.outputs import claim_dir
 
-#: The one configuration every method trains with: the demo's task and model, 384 steps of 8 prompts x M=4.
-SETTINGS = ["data.format=cold", "train.epochs=4", "eval.every=64", "train.tensorboard=false", "train.save_every=64",
+#: The one configuration every method trains with: the demo's model, M=4 and budgets on sums of two digits, 64
+#: training prompts (13 of them noisy at rho=0.2) seen 64 times (512 steps of 8 prompts), so that a method can
+#: memorise labels; validation (16) and test (20) take the rest of the 100 expressions.
+SETTINGS = ["data.format=cold", "data.num_operands=2", "data.train_size=64", "data.validation_size=16",
+            "data.test_size=20", "train.epochs=64", "eval.every=64", "train.tensorboard=false", "train.save_every=64",
             "train.keep_checkpoints=1"]
 #: A few-second version for the smoke test.
 QUICK = ["data.train_size=24", "data.validation_size=4", "data.test_size=4", "train.batch_size=4",
@@ -33,9 +36,16 @@ QUICK = ["data.train_size=24", "data.validation_size=4", "data.test_size=4", "tr
          "train.tensorboard=false", "train.save_every=3"]
 
 
-def methods(num_samples: int, steps: int) -> dict[str, list[str]]:
-    """Method name -> its overrides; the schedules span the run's ``steps``."""
+#: The adaptive rule's knobs, tuned once on seed 0 at :data:`SETTINGS` over cold_p in {1/4, 1/16, 1/64} x q_min in
+#: {0, 0.25} (best validation m@16 minus memorisation; ties: mean validation m@16); README.md, "Noisy cold start".
+TUNED_ADAPTIVE = {"q_max": 1.0, "q_min": 0.0, "cold_p": 1.0 / 64}
+
+
+def methods(steps: int, adaptive: dict[str, float] | None = None) -> dict[str, list[str]]:
+    """Method name -> its overrides; the schedules span the run's ``steps``. ``adaptive`` overrides the adaptive
+    rule's knobs (``q_max``, ``q_min``, ``cold_p``, ``ema_decay``; default :data:`TUNED_ADAPTIVE`, ema_decay 0.9)."""
     garl = ["objective.name=garl"]
+    knobs = {**TUNED_ADAPTIVE, **(adaptive or {})}
     schedule = lambda spec: [*garl, f"objective.q_schedule={spec}"]  # noqa: E731
     return {
         "GRPO": ["objective.name=grpo"],
@@ -43,7 +53,7 @@ def methods(num_samples: int, steps: int) -> dict[str, list[str]]:
         "SFT-then-RLVR": schedule(f"{{name: step, switch_step: {max(1, steps // 4)}, q_before: 1.0, q_after: 0.0}}"),
         "linear 1->0": schedule(f"{{name: linear, num_steps: {steps}, q_start: 1.0, q_end: 0.0}}"),
         "cosine 1->0": schedule(f"{{name: cosine, num_steps: {steps}, q_start: 1.0, q_end: 0.0}}"),
-        "adaptive": schedule(f"{{name: adaptive, q_max: 1.0, q_min: 0.0, cold_p: {1.0 / num_samples}}}"),
+        "adaptive": schedule("{name: adaptive, " + ", ".join(f"{key}: {value:g}" for key, value in knobs.items()) + "}"),
     }
 
 
@@ -54,15 +64,21 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in ".=" else "_" for c in name).strip("_")
 
 
-def steps_to_escape(records: Sequence[dict[str, Any]], num_samples: int) -> int | None:
-    """The first step whose mean log P̂ exceeds log(1/M); None if none did (or the method logs no P̂)."""
-    threshold = -math.log(num_samples)
+#: log P̂ above which a run has left P̂ ≈ 0 (the demo's reading uses it too): e^-5 ≈ 0.7%, where the initial is ~e^-21.
+LEFT_COLD = -5.0
+
+
+def steps_to_escape(records: Sequence[dict[str, Any]], threshold: float) -> int | None:
+    """The first step whose mean log P̂ exceeds ``threshold`` (the escape: log(1/M)); None if none did (or the
+    method logs no P̂)."""
     return next((r["step"] for r in records if r["kind"] == "train" and (r.get("log_p_hat") or -math.inf) > threshold), None)
 
 
 def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, quick: bool = False,
-                   overrides: Sequence[str] = (), overwrite: bool = False) -> dict[str, Any]:
-    """Every method over every seed into ``out_dir/<method>/seed<S>``, then the table and figures."""
+                   overrides: Sequence[str] = (), overwrite: bool = False, only: Sequence[str] = (),
+                   adaptive: dict[str, float] | None = None) -> dict[str, Any]:
+    """Every method (or those named in ``only``) over every seed into ``out_dir/<method>/seed<S>``, then the
+    table and figures. ``adaptive``: the adaptive rule's knobs (see :func:`methods`)."""
     from nemo_jq.trainer import Trainer
 
     out_dir = Path(out_dir)
@@ -71,7 +87,11 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
     steps = probe.train.epochs * math.ceil(probe.data.train_size / probe.train.batch_size)
     if probe.train.max_steps:
         steps = min(steps, probe.train.max_steps)
-    plan = methods(probe.rollout.num_samples, steps)
+    plan = methods(steps, adaptive)
+    unknown = sorted(set(only) - set(plan))
+    if unknown:
+        raise ConfigError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, plan))}")
+    plan = {name: overrides_of for name, overrides_of in plan.items() if not only or name in only}
     claim_dir(out_dir, (SUMMARY_FILE, TABLE_FILE, TRADEOFF_FILE, *map(slug, plan)), overwrite=overwrite,
               what="an earlier experiment", advice="pass --out DIR for a new one, or --overwrite to move it aside first")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in plan}
@@ -86,10 +106,12 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
                 curves[name] = records
             runs[name].append({"seed": seed, "test": result["test"], "memorisation": result["memorisation"]["final"],
                                "memorisation_tested": result["memorisation"]["tested"], "best_step": result["best_step"],
-                               "steps_to_escape": steps_to_escape(records, config.rollout.num_samples),
+                               "best_validation": result["best_validation"], "final_q": next((r.get("q") for r in reversed(records) if r["kind"] == "train"), None),
+                               "steps_to_escape": steps_to_escape(records, -math.log(config.rollout.num_samples)),
+                               "steps_to_leave_cold": steps_to_escape(records, LEFT_COLD),
                                "guard_events": sum(r["kind"] == "guard" for r in records)})
     k = probe.eval.num_samples
-    summary = {"settings": base, "seeds": list(seeds), "label_noise": label_noise, "steps": steps,
+    summary = {"settings": base, "methods": plan, "seeds": list(seeds), "label_noise": label_noise, "steps": steps,
                "num_samples": probe.rollout.num_samples, "k": k, "runs": runs,
                "aggregate": {name: aggregate(per_seed, k) for name, per_seed in runs.items()},
                "theory": theory(probe.rollout.num_samples, label_noise)}
@@ -114,6 +136,7 @@ def aggregate(per_seed: Sequence[dict[str, Any]], k: int) -> dict[str, dict[str,
     return {"p@1": _mean_sd([r["test"]["p@1"] for r in per_seed]), f"p@{k}": _mean_sd([r["test"][f"p@{k}"] for r in per_seed]),
             f"m@{k}": _mean_sd([r["test"][f"m@{k}"] for r in per_seed]),
             "steps_to_escape": _mean_sd([r["steps_to_escape"] for r in per_seed]),
+            "steps_to_leave_cold": _mean_sd([r.get("steps_to_leave_cold") for r in per_seed]),
             "memorisation": _mean_sd([r["memorisation"] for r in per_seed])}
 
 
@@ -136,12 +159,13 @@ def markdown_table(summary: dict[str, Any]) -> str:
         text = f"{stats['mean']:.{digits}f} ± {stats['sd']:.{digits}f}"
         return text if stats["n"] == len(summary["seeds"]) else f"{text} ({stats['n']}/{len(summary['seeds'])})"
 
-    lines = [f"| method | test p@1 | test p@{k} | test m@{k} | steps to escape | memorisation % | theory p̃*(q, ε={summary['label_noise']:g}) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| method | test p@1 | test p@{k} | test m@{k} | steps to log P̂ > {LEFT_COLD:g} | steps to escape (log P̂ > log 1/M) "
+             f"| memorisation % | theory p̃*(q, ε={summary['label_noise']:g}) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, stats in summary["aggregate"].items():
         predicted = summary["theory"].get(name, {}).get("noise_equilibrium")
         lines.append(f"| {name} | {cell(stats['p@1'])} | {cell(stats[f'p@{k}'])} | {cell(stats[f'm@{k}'])} | "
-                     f"{cell(stats['steps_to_escape'], 0)} | {cell(stats['memorisation'])} | "
+                     f"{cell(stats['steps_to_leave_cold'], 0)} | {cell(stats['steps_to_escape'], 0)} | {cell(stats['memorisation'])} | "
                      f"{'' if predicted is None else f'{100 * predicted:.2g}%'} |")
     return "\n".join(lines)
 
@@ -155,8 +179,11 @@ def plot_tradeoff(runs: dict[str, list[dict[str, Any]]], k: int, path: Path) -> 
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for index, (name, per_seed) in enumerate(runs.items()):
-        ax.scatter([r["memorisation"] for r in per_seed], [r["test"][f"m@{k}"] for r in per_seed], label=name,
-                   color=f"C{index % 10}", marker="os^D"[index // 10 % 4])
+        x, y = [r["memorisation"] for r in per_seed], [r["test"][f"m@{k}"] for r in per_seed]
+        color, nudge = f"C{index % 10}", 0.4 * (index - (len(runs) - 1) / 2)  # seeds share values: spread the methods
+        ax.scatter([v + nudge for v in x], [v + nudge for v in y], color=color, alpha=0.45, s=18)
+        ax.errorbar(statistics.mean(x), statistics.mean(y), xerr=statistics.pstdev(x), yerr=statistics.pstdev(y),
+                    fmt="os^D"[index // 10 % 4], color=color, markersize=8, capsize=3, label=f"{name} (mean ± sd)")
     ax.set_xlabel("memorisation of noisy training labels (%, greedy)")
     ax.set_ylabel(f"test m@{k} (%)")
     ax.grid(alpha=0.3)

@@ -81,7 +81,9 @@ class RefittedRolloutEngine:
     whenever ``policy.weights_version`` has moved (after an optimizer step or a weight load).
 
     The ranks of one model replica (``policy.model_parallel_group``; None in one process) must train
-    on the same rollouts: the group's first rank samples and sends them to the others.
+    on the same rollouts: the group's first ``engine.tensor_parallel`` ranks (consecutive: the first
+    stage's first tensor-parallel ranks) refit and sample together, in step, and the first of them
+    sends the rollouts to the others.
     """
 
     def __init__(self, engine: BudgetedRollouts, policy: Any):
@@ -95,8 +97,9 @@ class RefittedRolloutEngine:
         import torch.distributed as dist
 
         group = self.policy.model_parallel_group
-        source = dist.get_global_rank(group, 0) if group is not None else None
-        samples = group is None or dist.get_rank() == source
+        samplers = [dist.get_global_rank(group, index) for index in range(self.engine.tensor_parallel)] if group is not None else []
+        source = samplers[0] if samplers else None
+        samples = group is None or dist.get_rank() in samplers
         if self._version != self.policy.weights_version:
             tensors = self.policy.iter_hf()  # a collective over the replica's ranks: all of them consume it
             if samples:

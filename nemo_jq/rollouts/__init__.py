@@ -33,7 +33,8 @@ def _in_this_process(sampler_class: type) -> SamplerBuilder:
 def _vllm(model, config, pad_id, device):
     from nemo_jq.rollouts.vllm import VLLMSampler
 
-    return VLLMSampler(config.model.path, settings=_settings(config), seed=config.train.seed)
+    return VLLMSampler(config.model.path, settings=_settings(config), seed=config.train.seed,
+                       tensor_parallel=config.rollout.tensor_parallel)
 
 
 SAMPLERS: dict[str, SamplerBuilder] = {"native": _in_this_process(NativeSampler), "hf": _in_this_process(HFSampler),

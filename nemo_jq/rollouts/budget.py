@@ -32,6 +32,11 @@ class BudgetedRollouts:
         #: Tokens the rollouts hold beyond their prompts (a forced ``</think>`` included), for throughput logging.
         self.tokens_generated = 0
 
+    @property
+    def tensor_parallel(self) -> int:
+        """How many ranks run this engine together (its sampler's ``tensor_parallel``)."""
+        return self.sampler.tensor_parallel
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sampler.load_weights(tensors)
 

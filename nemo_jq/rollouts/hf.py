@@ -30,6 +30,8 @@ class HFSampler:
     """The plain decode loop: every prompt copied M times, prefilled, and decoded to the longest row
     over HF's growing cache (what the trainer used before the native sampler; the benchmark's baseline)."""
 
+    tensor_parallel = 1
+
     def __init__(self, model: Any, *, pad_id: int, device: torch.device, precision: str = "auto",
                  settings: SamplingSettings = SamplingSettings()):
         self.model, self.pad_id, self.device = model, pad_id, device

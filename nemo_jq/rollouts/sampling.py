@@ -24,6 +24,10 @@ class Sample:
 
 
 class Sampler(Protocol):
+    #: How many ranks sample together, each calling ``sample`` with the same arguments and getting the same
+    #: result (a tensor-parallel engine); 1 for an engine that samples in one process.
+    tensor_parallel: int
+
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
                generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
         """``[B][num_samples]`` continuations; the same ``generator`` state gives the same samples

@@ -42,21 +42,36 @@ def sample_from_completion(completion: Any) -> Sample:
     return Sample(token_ids, stopped, logprobs)
 
 
+def llm_kwargs(model_dir: str, *, tensor_parallel: int, gpu_memory_utilization: float, max_model_len: int | None,
+               seed: int) -> dict[str, Any]:
+    """``vllm.LLM`` arguments. Tensor parallel uses vLLM's external launcher: every torchrun process builds
+    its own ``LLM`` and vLLM joins ``tensor_parallel`` consecutive ranks into one engine (its workers are
+    those processes, not new ones), so each of them must call ``generate`` with the same requests."""
+    kwargs = {"model": model_dir, "enable_sleep_mode": True, "gpu_memory_utilization": gpu_memory_utilization,
+              "max_model_len": max_model_len, "seed": seed, "dtype": "bfloat16", "logprobs_mode": "raw_logprobs",
+              "tensor_parallel_size": tensor_parallel}
+    if tensor_parallel > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    return kwargs
+
+
 class VLLMSampler:
-    """``vllm.LLM`` inside the sampling rank's process (one GPU per model replica, as the HF samplers),
-    asleep while the policy trains: ``load_weights`` wakes its weights and loads the policy's (vLLM
-    shards and casts them itself), ``sample`` wakes the KV cache, generates, and puts both back to sleep."""
+    """``vllm.LLM`` inside this training process, on this rank's GPU, asleep while the policy trains:
+    ``load_weights`` wakes its weights and loads the policy's (full tensors; vLLM shards and casts them
+    itself), ``sample`` wakes the KV cache, generates, and puts both back to sleep. With
+    ``tensor_parallel`` > 1 the engine spans that many consecutive ranks (:func:`llm_kwargs`), which
+    refit and sample in step (``RefittedRolloutEngine`` sees to it)."""
 
     def __init__(self, model_dir: str, *, settings: SamplingSettings, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, seed: int = 0):
+                 max_model_len: int | None = None, seed: int = 0, tensor_parallel: int = 1):
         import os
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its model is reachable
         from vllm import LLM
 
-        self.settings = settings
-        self.llm = LLM(model=model_dir, enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, seed=seed, dtype="bfloat16", logprobs_mode="raw_logprobs")
+        self.settings, self.tensor_parallel = settings, tensor_parallel
+        self.llm = LLM(**llm_kwargs(model_dir, tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
+                                    max_model_len=max_model_len, seed=seed))
         self._awake = {"weights", "kv_cache"}
         self._sleep()
 
