@@ -228,12 +228,12 @@ def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, seq
 
 
 def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch_dir: str,
-                           sequence_parallel: bool = False) -> dict[str, float]:
+                           sequence_parallel: bool = False, untied: bool = False) -> dict[str, float]:
     """One replica of the tied tiny model in pipeline stages against HFPolicy: log-probs, GARL loss, gradients and a
     step (as ``parity_worker``); then a distributed checkpoint, loaded back after a further step, and that step again."""
     from nemo_jq.models.megatron.policy import MegatronPolicy
 
-    _, _, _, model = tiny_setup()
+    model = untied_qwen3() if untied else tiny_setup()[3]
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
     policy = MegatronPolicy.from_hf_model(model, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                           sequence_parallel=sequence_parallel, **OPTIM)
@@ -263,11 +263,12 @@ def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch
     return diffs
 
 
-@pytest.mark.parametrize("tensor_parallel, sequence_parallel", [(1, False), (2, False), (2, True)],
-                         ids=["pp2", "tp2xpp2", "tp2-sp-x-pp2"])
-def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_parallel, sequence_parallel, tmp_path):
+@pytest.mark.parametrize("tensor_parallel, sequence_parallel, untied", [(1, False, False), (1, False, True), (2, False, False),
+                                                                      (2, True, False)],
+                         ids=["pp2", "pp2-untied", "tp2xpp2", "tp2-sp-x-pp2"])
+def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_parallel, sequence_parallel, untied, tmp_path):
     ranks = run_in_processes(pipeline_parity_worker, 2 * tensor_parallel, tensor_parallel, 2, str(tmp_path),
-                             sequence_parallel)
+                             sequence_parallel, untied)
     for rank, diffs in enumerate(ranks):
         assert diffs["logprobs"] < 2e-5 and diffs["loss"] < 2e-5 and diffs["grads"] < 2e-6, (rank, diffs)
         assert diffs["grad_norm"] < 1e-5 and diffs["weights_after_step"] < 1e-6, (rank, diffs)
