@@ -48,3 +48,14 @@ def test_quick_run_writes_table_summary_and_figures_and_refuses_to_overwrite(tmp
     assert (out / "tradeoff.png").exists() and (out / "figure3_seed0.png").exists()
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "an earlier experiment" in again.stderr
+
+
+def test_unknown_methods_and_malformed_knobs_are_one_line_errors(tmp_path):
+    base = [sys.executable, "-m", "nemo_jq.cli", "experiment", "noisy-cold-start", "--quick", "--out", str(tmp_path / "x")]
+    unknown = subprocess.run([*base, "--methods", "q=1,adaptiv"], capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "unknown method(s) 'adaptiv'; choose from" in unknown.stderr
+    malformed = subprocess.run([*base, "--adaptive", "cold_p=x"], capture_output=True, text=True, timeout=120)
+    assert malformed.returncode == 2 and "must be KNOB=NUMBER" in malformed.stderr
+    misspelt = subprocess.run([*base, "--adaptive", "cold=0.1"], capture_output=True, text=True, timeout=120)
+    assert misspelt.returncode == 2 and "unknown key(s) ['cold'] for q schedule 'adaptive'" in misspelt.stderr
+    assert not (tmp_path / "x").exists()  # nothing was started

@@ -92,6 +92,8 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
     if unknown:
         raise ConfigError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, plan))}")
     plan = {name: overrides_of for name, overrides_of in plan.items() if not only or name in only}
+    for method in plan.values():  # every run's config is checked before anything is written or trained
+        load_config(None, [*base, *method])
     claim_dir(out_dir, (SUMMARY_FILE, TABLE_FILE, TRADEOFF_FILE, *map(slug, plan)), overwrite=overwrite,
               what="an earlier experiment", advice="pass --out DIR for a new one, or --overwrite to move it aside first")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in plan}
