@@ -1,6 +1,7 @@
 """q schedules: shapes over steps, the adaptive rule, resume state, and config loading."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,16 @@ def test_build_schedule_rejects_unknown_names_and_keys():
         build_schedule({"name": "exponential"})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['steps'\]"):
         build_schedule({"name": "linear", "steps": 10})
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"name": "adaptive", "cold_p": "abc"}, "'adaptive': cold_p must be a finite number; got 'abc'"),
+    ({"name": "adaptive", "q_max": float("nan")}, "'adaptive': q_max must be a finite number; got nan"),
+    ({"name": "adaptive", "monotone": "yes"}, "'adaptive': monotone must be true or false; got 'yes'"),
+    ({"name": "linear", "num_steps": 2.5}, "'linear': num_steps must be a whole number; got 2.5"),
+    ({"name": "step", "switch_step": True}, "'step': switch_step must be a whole number; got True"),
+    ({"name": "cosine", "num_steps": 10, "q_end": None}, "'cosine': q_end must be a finite number; got None"),
+])
+def test_build_schedule_names_a_value_of_the_wrong_kind(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_schedule(spec)

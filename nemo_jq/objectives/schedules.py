@@ -175,7 +175,20 @@ def build_schedule(spec: dict[str, Any] | float) -> QSchedule:
     unknown = sorted(set(params) - allowed)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} for q schedule {name!r}; allowed: {sorted(allowed)}")
+    for f in fields(cls):
+        if f.name in params and not _is_a(params[f.name], f.type):
+            raise ValueError(f"q schedule {name!r}: {f.name} must be {_KINDS[f.type][1]}; got {params[f.name]!r}")
     return cls(**params)
+
+
+#: A schedule field's annotation -> (accepts the value, what it must be), so a wrong value is named, not a TypeError.
+_KINDS = {"float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a finite number"),
+          "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+          "bool": (lambda v: isinstance(v, bool), "true or false")}
+
+
+def _is_a(value: Any, annotation: str) -> bool:
+    return annotation not in _KINDS or _KINDS[annotation][0](value)
 
 
 def describe(schedule: QSchedule) -> dict[str, Any]:
