@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     experiment.add_argument("--methods", type=lambda text: [name.strip() for name in text.split(",")], default=[],
                             metavar="NAME,NAME", help="run only these methods (e.g. adaptive,q=1); default: all")
     experiment.add_argument("--adaptive", type=_knobs, default={}, metavar="KNOB=VALUE,...",
-                            help="the adaptive rule's knobs: q_max, q_min, cold_p (default 1/M), ema_decay")
+                            help="the adaptive rule's knobs: q_max, q_min, cold_p, ema_decay (default: the tuned ones, TUNED_ADAPTIVE)")
     experiment.add_argument("overrides", nargs="*", help="section.key=value overrides for every run (e.g. guard.enabled=true)")
 
     data = commands.add_parser("data", help="dataset tools")
@@ -187,6 +187,8 @@ def _knobs(text: str) -> dict[str, float]:
     for item in text.split(","):
         name, _, value = item.partition("=")
         try:
+            if not name.strip():
+                raise ValueError
             knobs[name.strip()] = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be KNOB=NUMBER,... (e.g. cold_p=0.0625,q_min=0.25); got {item!r}") from None

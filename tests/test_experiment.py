@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+from nemo_jq.config import load_config
 from nemo_jq.experiments.noisy_cold_start import aggregate, methods, steps_to_escape
 
 
@@ -18,11 +19,12 @@ def test_steps_to_escape_is_the_first_step_above_log_one_over_m():
 
 
 def test_aggregate_is_mean_and_sd_over_seeds_and_counts_the_seeds_that_escaped():
-    runs = [{"test": {"p@1": p, "p@4": p, "m@4": p}, "steps_to_escape": s, "memorisation": m}
-            for p, s, m in [(10.0, 5, 20.0), (20.0, None, 40.0), (30.0, 7, 60.0)]]
+    runs = [{"test": {"p@1": p, "p@4": p, "m@4": p}, "steps_to_escape": s, "steps_to_leave_cold": c, "memorisation": m}
+            for p, s, c, m in [(10.0, 5, 2, 20.0), (20.0, None, 3, 40.0), (30.0, 7, 4, 60.0)]]
     stats = aggregate(runs, 4)
     assert stats["p@1"] == {"mean": 20.0, "sd": 10.0, "n": 3}
     assert stats["steps_to_escape"] == {"mean": 6.0, "sd": math.sqrt(2.0), "n": 2}
+    assert stats["steps_to_leave_cold"] == {"mean": 3.0, "sd": 1.0, "n": 3}
     assert stats["memorisation"]["mean"] == 40.0
 
 
@@ -31,6 +33,8 @@ def test_every_method_shares_the_settings_and_schedules_span_the_run():
     assert list(plan) == ["GRPO", "q=0.25", "q=0.5", "q=0.75", "q=1", "SFT-then-RLVR", "linear 1->0", "cosine 1->0", "adaptive"]
     assert "num_steps: 384" in plan["linear 1->0"][-1] and "cold_p: 0.015625" in plan["adaptive"][-1]
     assert "cold_p: 0.25, ema_decay: 0.5" in methods(steps=384, adaptive={"cold_p": 0.25, "ema_decay": 0.5})["adaptive"][-1]
+    tiny = methods(steps=384, adaptive={"cold_p": 1e-5})["adaptive"][-1]  # written so that YAML reads a number back
+    assert load_config(None, [tiny]).objective.q_schedule["cold_p"] == 1e-5
 
 
 def test_quick_run_writes_table_summary_and_figures_and_refuses_to_overwrite(tmp_path):
@@ -56,6 +60,9 @@ def test_unknown_methods_and_malformed_knobs_are_one_line_errors(tmp_path):
     assert unknown.returncode == 2 and "unknown method(s) 'adaptiv'; choose from" in unknown.stderr
     malformed = subprocess.run([*base, "--adaptive", "cold_p=x"], capture_output=True, text=True, timeout=120)
     assert malformed.returncode == 2 and "must be KNOB=NUMBER" in malformed.stderr
+    for knobs, message in [("=3", "must be KNOB=NUMBER"), ("cold_p=nan", "cold_p must be a finite number; got nan")]:
+        hostile = subprocess.run([*base, "--adaptive", knobs], capture_output=True, text=True, timeout=120)
+        assert hostile.returncode == 2 and message in hostile.stderr and "Traceback" not in hostile.stderr
     misspelt = subprocess.run([*base, "--adaptive", "cold=0.1"], capture_output=True, text=True, timeout=120)
     assert misspelt.returncode == 2 and "unknown key(s) ['cold'] for q schedule 'adaptive'" in misspelt.stderr
     assert not (tmp_path / "x").exists()  # nothing was started

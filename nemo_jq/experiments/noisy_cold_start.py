@@ -4,8 +4,8 @@ The synthetic sums, cold format (initial P far below 1/M), with ``label_noise`` 
 replaced by wrong answers (validation and test clean). Every method trains with the same settings
 (:data:`SETTINGS`; ``--quick``: a smoke-test size) over each seed; only the estimator and its q change:
 GRPO, GARL at fixed q, SFT-then-RLVR (q=1 then q=0), linear and cosine annealing from 1 to 0, and
-the adaptive rule (q from log P̂; knobs :data:`TUNED_ADAPTIVE`). Per run: test p@1 / p@16 / m@16, steps to escape
-(the first step whose log P̂ exceeds log(1/M)), and memorisation (the share of noisy training
+the adaptive rule (q from log P̂; knobs :data:`TUNED_ADAPTIVE`). Per run: test p@1 / p@16 / m@16, steps to
+leave P̂ ≈ 0 (log P̂ > :data:`LEFT_COLD`) and to escape (the first step whose log P̂ exceeds log(1/M)), and memorisation (the share of noisy training
 prompts whose corrupted label the final model's greedy answer reproduces). Writes ``summary.json``,
 ``table.md``, ``tradeoff.png`` (test m@16 against memorisation, a point per method and seed) and
 ``figure3_seed<S>.png`` (the Figure-3 panels of the first seed) to the output folder.
@@ -18,6 +18,8 @@ import math
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
+
+import yaml
 
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.monitor import plot_runs, read_metrics
@@ -53,7 +55,7 @@ def methods(steps: int, adaptive: dict[str, float] | None = None) -> dict[str, l
         "SFT-then-RLVR": schedule(f"{{name: step, switch_step: {max(1, steps // 4)}, q_before: 1.0, q_after: 0.0}}"),
         "linear 1->0": schedule(f"{{name: linear, num_steps: {steps}, q_start: 1.0, q_end: 0.0}}"),
         "cosine 1->0": schedule(f"{{name: cosine, num_steps: {steps}, q_start: 1.0, q_end: 0.0}}"),
-        "adaptive": schedule("{name: adaptive, " + ", ".join(f"{key}: {value:g}" for key, value in knobs.items()) + "}"),
+        "adaptive": schedule(yaml.safe_dump({"name": "adaptive", **knobs}, default_flow_style=True, sort_keys=False).strip()),
     }
 
 
@@ -138,7 +140,7 @@ def aggregate(per_seed: Sequence[dict[str, Any]], k: int) -> dict[str, dict[str,
     return {"p@1": _mean_sd([r["test"]["p@1"] for r in per_seed]), f"p@{k}": _mean_sd([r["test"][f"p@{k}"] for r in per_seed]),
             f"m@{k}": _mean_sd([r["test"][f"m@{k}"] for r in per_seed]),
             "steps_to_escape": _mean_sd([r["steps_to_escape"] for r in per_seed]),
-            "steps_to_leave_cold": _mean_sd([r.get("steps_to_leave_cold") for r in per_seed]),
+            "steps_to_leave_cold": _mean_sd([r["steps_to_leave_cold"] for r in per_seed]),
             "memorisation": _mean_sd([r["memorisation"] for r in per_seed])}
 
 

@@ -190,7 +190,7 @@ class MegatronPolicy:
         self._synchronise_gradients()
         for param, grad in earlier.items():  # gradients of earlier calls are synchronised already
             if grad is not None:
-                self.grad_of(param).add_(grad)
+                self._grad_of(param).add_(grad)
 
     def _run_pipeline(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn | None = None) -> list[Any]:
         """Megatron-core's 1F1B schedule over the micro-batches: backward of ``loss_fn`` of each one's log-probs,
@@ -221,7 +221,7 @@ class MegatronPolicy:
             num_microbatches=len(micro_batches), seq_length=length, micro_batch_size=rows, forward_only=loss_fn is None,
         )
 
-    def grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+    def _grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The gradient accumulated for ``param`` (fp32 ``main_grad`` under ``bf16_weights``), zeros if none yet."""
         if self.bf16_weights:
             if param.main_grad is None:
@@ -241,12 +241,12 @@ class MegatronPolicy:
 
     def _synchronise_gradients(self) -> None:
         params = [param for param in self.model.parameters() if param.requires_grad]
-        grads = [self.grad_of(param) for param in params]  # zeros where none, so every rank joins the same all-reduces
-        tp_summed = [self.grad_of(param) for name, param in self.model.named_parameters() if self._grad_is_partial_over_tp(name, param)]
+        grads = [self._grad_of(param) for param in params]  # zeros where none, so every rank joins the same all-reduces
+        tp_summed = [self._grad_of(param) for name, param in self.model.named_parameters() if self._grad_is_partial_over_tp(name, param)]
         _all_reduce_flat(tp_summed, self.tp_group)
         if self.arch.tie_word_embeddings and self.pp_size > 1 and parallel_state.is_rank_in_embedding_group():
             # the embedding (first stage) and its LM-head copy (last stage) are one HF weight
-            _all_reduce_flat([self.grad_of(self.model.shared_embedding_or_output_weight())], parallel_state.get_embedding_group())
+            _all_reduce_flat([self._grad_of(self.model.shared_embedding_or_output_weight())], parallel_state.get_embedding_group())
         if not isinstance(self.optimizer, DistributedAdamW):  # which reduce-scatters them at its step instead
             _all_reduce_flat(grads, self.dp_group)
 
