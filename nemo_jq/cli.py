@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.add_argument("--config", type=Path, help="YAML config (defaults: the embedded CPU demo settings)")
     train.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                       help="continue a run from its latest checkpoint; overrides may change only how long it runs "
-                            "and how it is evaluated and saved (train.epochs, train.max_steps, eval.*, ...)")
+                       help="continue a run from its latest checkpoint; overrides may change only how long it runs, "
+                            "how it is evaluated and saved (train.epochs, train.max_steps, eval.*, ...) and the megatron "
+                            "layout (model.tensor_parallel, pipeline_parallel, context_parallel, ...)")
     train.add_argument("--overwrite", action="store_true",
                        help="if the run directory (or --demo-dir) holds a run, move it aside to NAME.old-<time> first")
     train.add_argument("--demo-dir", type=Path, default=Path("runs/cold_start"), help="output of the no-argument demo")
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--system", type=_with_escapes, help="jsonl: system message for the warm format; \\n is a new line")
 
     planner = commands.add_parser(
-        "plan", help="estimate per-GPU memory of every TP x PP x DP layout and recommend one",
+        "plan", help="estimate per-GPU memory of every TP x PP x DP layout (at a CP size) and recommend one",
         description="nemo-jq plan --model 8b --gpus-per-node 8 --nodes 2 --gpu-memory 80",
         epilog=_plan_assumptions(), formatter_class=argparse.RawDescriptionHelpFormatter)
     planner.add_argument("--model", required=True, help="a Qwen3 size (0.6b, 1.7b, 4b, 8b, 14b, 32b) or an HF config.json / folder")
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--batch-prompts", type=_positive, default=64, help="prompts per optimizer step (train.batch_size)")
     planner.add_argument("--recompute", action="store_true", help="full activation recomputation")
     planner.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    planner.add_argument("--context-parallel", type=_positive, default=1,
+                         help="CP: ranks that split every sequence (model.context_parallel; GPU only, with TE)")
     planner.add_argument("--optimizer", default="fp32-adamw", choices=("fp32-adamw", "fp32-distopt", "bf16-distopt"),
                          help="fp32-adamw: the backend's default; fp32-distopt: model.distributed_optimizer=true; "
                               "bf16-distopt: model.bf16_weights=true as well")
@@ -207,7 +210,8 @@ def _plan(args: argparse.Namespace) -> int:
     arch = plan.architecture(args.model)
     work = plan.Workload(seq_len=args.seq_len, micro_batch=args.micro_batch, samples=args.samples,
                          batch_prompts=args.batch_prompts, recompute=args.recompute,
-                         sequence_parallel=args.sequence_parallel, optimizer=args.optimizer)
+                         sequence_parallel=args.sequence_parallel, optimizer=args.optimizer,
+                         context_parallel=args.context_parallel)
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
     result = plan.report(arch, work, layouts, args.gpu_memory, 0.9)
     print(json.dumps(result, indent=2) if args.json else plan.format_report(result))

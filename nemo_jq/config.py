@@ -69,6 +69,8 @@ class ModelConfig:
                                     "layer count), scheduled 1F1B", ge=1)
     sequence_parallel: bool = option(False, "megatron: split the norms' and dropouts' activations over the "
                                      "tensor-parallel ranks too (needs tensor_parallel > 1)")
+    context_parallel: int = option(1, "megatron: ranks that split every sequence (load-balanced, 2 chunks each) for "
+                                   "long contexts; needs Transformer Engine's attention, so GPU only", ge=1)
     recompute_activations: bool = option(False, "megatron: keep only each layer's input and recompute the layer in "
                                          "backward (less activation memory, about a third more compute)")
     distributed_optimizer: bool = option(False, "megatron: split AdamW's fp32 master weights and moments over the "
@@ -218,10 +220,11 @@ class Config:
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
         if self.model.backend != "megatron" and (self.model.tensor_parallel > 1 or self.model.pipeline_parallel > 1
+                                                 or self.model.context_parallel > 1
                                                  or self.model.sequence_parallel or self.model.recompute_activations
                                                  or self.model.distributed_optimizer or self.model.bf16_weights):
-            raise ConfigError(f"model.tensor_parallel/pipeline_parallel/sequence_parallel/recompute_activations/"
-                              f"distributed_optimizer/bf16_weights need "
+            raise ConfigError(f"model.tensor_parallel/pipeline_parallel/context_parallel/sequence_parallel/"
+                              f"recompute_activations/distributed_optimizer/bf16_weights need "
                               f"model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
         if self.model.bf16_weights and not self.model.distributed_optimizer:

@@ -60,6 +60,9 @@ def report() -> dict[str, Any]:
     info["megatron layer spec"] = ("transformer_engine" if cuda and info["transformer engine imports"] == "yes"
                                    else "local (megatron-core's torch layers)")
     info["model.backend=megatron usable"] = cuda and info["megatron.core imports"] == "yes"
+    # megatron-core's local attention has no context parallelism; TE's does
+    info["model.context_parallel > 1 usable"] = (info["model.backend=megatron usable"]
+                                                 and info["megatron layer spec"] == "transformer_engine")
     info["vllm"] = _version("vllm")
     info["vllm imports"] = _imports("vllm") if info["vllm"] != "not installed" else "not installed"
     info["rollout.engine=vllm usable"] = cuda and info["vllm imports"] == "yes"

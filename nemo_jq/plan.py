@@ -1,4 +1,4 @@
-"""``nemo-jq plan``: per-GPU memory of every feasible TP x PP x DP layout, before a run is queued.
+"""``nemo-jq plan``: per-GPU memory of every feasible TP x PP x DP layout (at a given CP), before a run is queued.
 
 An estimate from shapes, not a measurement; every assumption is printed with the table:
 
@@ -16,7 +16,9 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   attention output, fc1's output and SwiGLU's); the hidden-size ones split over TP only with
   sequence parallelism. 1F1B keeps ``min(PP, micro-batches)`` micro-batches in flight on the
   first stage. Full recomputation keeps one bf16 layer input per layer plus one layer's working set;
-* the log-prob head holds ``[micro_batch x seq_len, V/TP]`` logits and their gradient (bf16);
+  context parallelism (``context_parallel``, CP) leaves each rank ``seq_len / CP`` of every sequence's tokens,
+  and shards the distributed optimizer's state over DP x CP;
+* the log-prob head holds ``[micro_batch x seq_len / CP, V/TP]`` logits and their gradient (bf16);
 * rollouts today come from an fp32 HF copy of the whole model on each replica's first rank, with a
   bf16 KV cache for all of that replica's prompts x M samples at ``seq_len`` tokens at once;
 * the peak is the weights, optimizer state and rollout copy plus the larger of the training
@@ -24,7 +26,7 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   coexist.
 
 A layout is feasible when TP divides the heads, KV heads and MLP width and fits in a node, PP
-divides the layers, TP x PP divides the GPUs, and DP divides the batch. The recommendation is
+divides the layers, TP x PP x CP divides the GPUs, and DP divides the batch. The recommendation is
 the fitting layout (under ``headroom`` of the GPU) with the largest DP, then the smallest TP.
 """
 
@@ -92,6 +94,7 @@ class Workload:
     recompute: bool = False
     sequence_parallel: bool = True
     optimizer: str = "fp32-adamw"
+    context_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -111,8 +114,8 @@ class LayoutEstimate:
 
 
 def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
-    """bf16 bytes one layer keeps for backward, per TP rank, for one micro-batch."""
-    tokens = work.seq_len * work.micro_batch
+    """bf16 bytes one layer keeps for backward, per TP and CP rank, for one micro-batch."""
+    tokens = work.seq_len * work.micro_batch / work.context_parallel
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     hidden_terms = 4 * arch.hidden_size / (tp if work.sequence_parallel else 1)  # two norms' inputs and outputs
     split_terms = (2 * (q + 2 * kv) + q + 3 * arch.intermediate_size) / tp  # Q/K/V twice, attention out, fc1, SwiGLU
@@ -127,17 +130,18 @@ def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int,
     micro_batches = max(1, math.ceil(work.batch_prompts * work.samples / dp / work.micro_batch))
     in_flight = min(pp, micro_batches)
     per_layer = layer_activation_bytes(arch, work, tp)
+    tokens = work.seq_len * work.micro_batch / work.context_parallel  # this rank's tokens of a micro-batch
     if work.recompute:
-        inputs = 2 * work.seq_len * work.micro_batch * arch.hidden_size / (tp if work.sequence_parallel else 1)
+        inputs = 2 * tokens * arch.hidden_size / (tp if work.sequence_parallel else 1)
         activations = in_flight * layers * inputs + per_layer
     else:
         activations = in_flight * layers * per_layer
     parts = {
         "weights": weight_bytes * params_per_rank,
         "gradients": gradient_bytes * params_per_rank,
-        "optimizer": optimizer_bytes * params_per_rank / (dp if sharded else 1),
+        "optimizer": optimizer_bytes * params_per_rank / (dp * work.context_parallel if sharded else 1),
         "activations": activations,
-        "logprob_head": 2 * 2 * work.seq_len * work.micro_batch * math.ceil(arch.vocab_size / tp),
+        "logprob_head": 2 * 2 * tokens * math.ceil(arch.vocab_size / tp),
         "rollout_copy": 4 * parameter_count(arch),
         "kv_cache": 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim * work.seq_len
         * (work.batch_prompts // dp * work.samples),
@@ -154,18 +158,19 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
     """Every feasible layout's estimate, in recommendation order (fitting ones first)."""
     if work.optimizer not in OPTIMIZER_MODES:
         raise ValueError(f"--optimizer {work.optimizer!r}: choose one of {', '.join(OPTIMIZER_MODES)}")
-    gpus = gpus_per_node * nodes
+    gpus, cp = gpus_per_node * nodes, work.context_parallel
     layouts = []
     for tp in range(1, gpus_per_node + 1):
         if any(count % tp for count in (arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size)):
             continue
         for pp in range(1, arch.num_layers + 1):
-            if arch.num_layers % pp or gpus % (tp * pp) or work.batch_prompts % (gpus // (tp * pp)):
+            if arch.num_layers % pp or gpus % (tp * pp * cp) or work.batch_prompts % (gpus // (tp * pp * cp)):
                 continue
-            layouts.append(estimate(arch, work, tp, pp, gpus // (tp * pp), gpu_gb, headroom))
+            layouts.append(estimate(arch, work, tp, pp, gpus // (tp * pp * cp), gpu_gb, headroom))
     if not layouts:
-        raise ValueError(f"no TP x PP x DP layout of {gpus} GPUs divides this model and a batch of "
-                         f"{work.batch_prompts} prompts: change --nodes/--gpus-per-node or --batch-prompts")
+        raise ValueError(f"no TP x PP x DP layout of {gpus} GPUs at CP={cp} divides this model and a batch of "
+                         f"{work.batch_prompts} prompts: change --nodes/--gpus-per-node, --context-parallel or "
+                         f"--batch-prompts")
     return sorted(layouts, key=lambda e: (not e.fits, -e.data_parallel, e.tensor_parallel, e.total_gb))
 
 
@@ -185,7 +190,8 @@ def format_report(result: dict[str, Any]) -> str:
     lines += [" ".join(f"{str(layout[k]):>12}" for k in keys) for layout in result["layouts"]]
     best = result["recommended"]
     budget = result["gpu_memory_gb"] * result["headroom"]
-    lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']} DP={best['data_parallel']} "
+    context = f" CP={result['workload']['context_parallel']}" if result["workload"]["context_parallel"] > 1 else ""
+    lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']}{context} DP={best['data_parallel']} "
                  f"({best['total_gb']} of {budget:.0f} GB)" if best else
                  f"nothing fits in {budget:.0f} GB: try --recompute, --optimizer bf16-distopt, a shorter --seq-len or more nodes")
     lines.append("assumptions: see `nemo-jq plan --help` (estimates from shapes, not measurements)")

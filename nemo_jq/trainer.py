@@ -44,9 +44,12 @@ from nemo_jq.sequences import given_target_batch, reference_answer_batch, sample
 CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
 #: What a run writes into its directory; any of them there means the directory holds a run.
 RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, "tensorboard", "training.png")
-#: Keys a resumed run may change: how long it goes on and how it is evaluated and saved, never what it trains.
+#: Keys a resumed run may change: how long it goes on, how it is evaluated and saved, and how the megatron backend
+#: lays the model out over the processes (its checkpoints load at any TP, PP, CP and DP size), never what it trains.
 RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.tensorboard",
-                  "eval.every", "eval.num_samples", "eval.batch_size")
+                  "eval.every", "eval.num_samples", "eval.batch_size", "model.tensor_parallel", "model.pipeline_parallel",
+                  "model.context_parallel", "model.sequence_parallel", "model.recompute_activations",
+                  "model.distributed_optimizer")
 
 
 def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:

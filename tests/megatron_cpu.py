@@ -19,7 +19,14 @@ below replace exactly those, in the spawned test processes only (never in the pa
   and waits with ``torch.cuda.synchronize``, both replaced above);
 * the local spec's torch norm refuses sequence parallelism, which only needs its weight gradient
   summed over the TP ranks: the replacement marks the weight ``sequence_parallel`` as
-  Transformer Engine's norms do, and the policy sums such gradients.
+  Transformer Engine's norms do, and the policy sums such gradients;
+* context parallelism: ``get_pos_emb_on_this_cp_rank`` pins a CPU index tensor in memory (CUDA
+  only), and megatron-core's local attention refuses CP, which only Transformer Engine's
+  attention implements (a ring of key/value exchanges on GPU). The stand-in below all-gathers
+  the keys and values over the CP group (backward: sums their gradients over it) and masks by
+  the split sequence's true positions: the same attention, so everything around it (the split
+  inputs, the rotary positions, the log-prob gather, the gradient sums over CP, checkpoints and
+  the recipe) runs here as it would on GPU.
 """
 
 from __future__ import annotations
@@ -47,6 +54,61 @@ def _buffer_on_cpu(self, tensor_shape, dtype, name, mem_alloc_context=None) -> t
     return torch.empty(tensor_shape, dtype=dtype)
 
 
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """``get_pos_emb_on_this_cp_rank`` without pinned memory."""
+    from nemo_jq.models.megatron.context_parallel import split_for_rank
+
+    return split_for_rank(pos_emb, cp_group.rank(), cp_group.size(), seq_dim)
+
+
+class _KeysValuesOfAllRanks(torch.autograd.Function):
+    """``[s / CP, ...]`` keys or values of this CP rank -> ``[s, ...]`` of all ranks, in sequence order. Every rank's
+    queries attend to them, so backward sums their gradients over CP and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        from nemo_jq.models.megatron.context_parallel import gather_sequence
+
+        ctx.group = group
+        return gather_sequence(local, group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from nemo_jq.models.megatron.context_parallel import split_for_rank
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return split_for_rank(grad, ctx.group.rank(), ctx.group.size(), dim=0), None
+
+
+def _context_parallel_attention():
+    """megatron-core's local ``DotProductAttention`` made context-parallel by all-gathering keys and values."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from nemo_jq.models.megatron.context_parallel import split_for_rank
+
+    class ContextParallelDotProductAttention(DotProductAttention):
+        def __init__(self, config, *args: Any, **kwargs: Any):
+            size, config.context_parallel_size = config.context_parallel_size, 1  # the parent refuses CP > 1
+            try:
+                super().__init__(config, *args, **kwargs)
+            finally:
+                config.context_parallel_size = size
+
+        def forward(self, query, key, value, attention_mask, *args: Any, **kwargs: Any):
+            group = parallel_state.get_context_parallel_group()
+            if group.size() == 1:
+                return super().forward(query, key, value, attention_mask, *args, **kwargs)
+            key, value = _KeysValuesOfAllRanks.apply(key, group), _KeysValuesOfAllRanks.apply(value, group)
+            positions = torch.arange(key.shape[0])
+            query_positions = split_for_rank(positions, group.rank(), group.size(), dim=0)
+            causal_mask = (positions[None, :] > query_positions[:, None])[None, None]  # True: masked
+            return super().forward(query, key, value, causal_mask, *args, **kwargs)
+
+    return ContextParallelDotProductAttention
+
+
 def _norm_accepting_sequence_parallel(cls, config, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
     norm = torch.nn.RMSNorm(hidden_size, eps=eps)
     norm.weight.sequence_parallel = config.sequence_parallel
@@ -66,7 +128,9 @@ class _TorchWithCpuZeros:
 
 def patch_megatron_for_cpu() -> None:
     """Apply the CPU patches to this process (irreversibly: call it in spawned workers only)."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models import backends
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
@@ -74,6 +138,8 @@ def patch_megatron_for_cpu() -> None:
     from megatron.core.utils import GlobalMemoryBuffer
 
     RotaryEmbedding.get_emb = _rotary_emb_on_cpu
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+    backends.DotProductAttention = _context_parallel_attention()  # the local spec's core attention
     CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     random._get_cuda_rng_state = lambda *args, **kwargs: None
     random._set_cuda_rng_state = lambda *args, **kwargs: None

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,6 +38,48 @@ def test_megatron_backend_quick_run_writes_memory_and_step_ratio(tmp_path):
     ratio = report["megatron_tp1_over_hf_step"]
     assert 0 < ratio["ci95_low"] <= ratio["median"] <= ratio["ci95_high"]
     assert report["step_seconds"]["megatron_tp1"] > 0 and report["step_seconds"]["hf"] > 0
+
+
+#: A tiny Qwen3 config for running the ``--gpu`` measurements' code on CPU.
+TINY_QWEN3 = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True}
+
+
+def gpu_measurements_on_cpu() -> dict:
+    """The ``--gpu`` measurements on the tiny Qwen3 on CPU (run in a gloo process with the test patches)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from megatron_backend import bf16_parity, measure_mfu
+
+    return {"mfu": measure_mfu(TINY_QWEN3, "cpu", 16, 2, 2, 1, 1e-3, False), "parity": bf16_parity(TINY_QWEN3, "cpu", 16, 2)}
+
+
+def test_megatron_gpu_mode_counts_model_flops_and_its_code_runs_on_a_tiny_model():
+    sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
+    from megatron_backend import training_step_flops
+    from megatron_cpu import run_in_processes
+
+    from nemo_jq.models.megatron.provider import read_qwen3_config
+    from nemo_jq.plan import architecture
+
+    # Qwen3-0.6B, one 4096-token sequence: N = 28 layers x 15,730,944 + LM head 151936 x 1024 = 596,048,896;
+    # attention 6 x 4096^2 x 16 heads x 128 x 28 layers
+    flops = 6 * 596_048_896 * 4096 + 6 * 4096**2 * 16 * 128 * 28
+    assert training_step_flops(architecture("0.6b"), 1, 4096) == flops
+    assert training_step_flops(architecture("0.6b"), 3, 4096) == 3 * flops
+
+    [result] = run_in_processes(gpu_measurements_on_cpu, 1)
+    mfu, parity = result["mfu"], result["parity"]
+    assert mfu["layer_spec"] == "local" and len(mfu["step_seconds_all"]) == 3
+    assert mfu["model_flops_per_step"] == training_step_flops(read_qwen3_config(TINY_QWEN3), 2, 16)
+    assert mfu["mfu"] == pytest.approx(mfu["model_flops_per_step"] / mfu["step_seconds"] / 1e12 / 1e-3)
+    # bf16 against fp32 on CPU: close, and not equal (bf16 really ran)
+    assert 0 < parity["logprob_max_abs_diff"] < 0.05 and 0 < parity["grad_max_rel_norm_error"] < 0.05
+    assert parity["loss_rel_diff"] < 0.01
+    if not __import__("torch").cuda.is_available():
+        result = subprocess.run([sys.executable, "bench/megatron_backend.py", "--gpu"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode != 0 and "--gpu needs a CUDA device" in result.stderr
 
 
 def test_rollouts_quick_run_writes_every_engines_rate_and_ratio(tmp_path):

@@ -109,31 +109,35 @@ def full_vocab_logits(policy, input_ids: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------- workers (run in gloo processes)
 def parity_worker(tensor_parallel: int, sequence_parallel: bool, weights_dir: str,
-                  recompute_activations: bool = False) -> dict[str, float]:
+                  recompute_activations: bool = False, context_parallel: int = 1) -> dict[str, float]:
     """Logits, log-probs, GARL loss and gradients, one optimizer step, and weight files, against HFPolicy.
 
-    Data-parallel ranks (world size / TP) each take their share of the prompt-group micro-batches.
+    Data-parallel ranks (world size / TP / CP) each take their share of the prompt-group micro-batches.
+    Under context parallelism each rank holds part of every sequence, so the logits are compared through
+    the log-probs (gathered over CP) only.
     """
     from nemo_jq.models.megatron.policy import MegatronPolicy
 
     _, _, _, model = tiny_setup()
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
     policy = MegatronPolicy.from_hf_model(model, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-                                          recompute_activations=recompute_activations, **OPTIM)
+                                          context_parallel=context_parallel, recompute_activations=recompute_activations,
+                                          **OPTIM)
     assert sorted(name for name, _ in policy.model.named_parameters()) == sorted(megatron_names(2, tied=True))
     assert policy.model.config.recompute_granularity == ("full" if recompute_activations else None)
     batch = garl_batch(model.config.vocab_size)
     real = batch.attention_mask.bool()
     diffs = {}
     with torch.no_grad():
-        hf_logits = hf.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        diffs["logits"] = float((full_vocab_logits(policy, batch.input_ids) - hf_logits)[real].abs().max())
+        if context_parallel == 1:
+            hf_logits = hf.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            diffs["logits"] = float((full_vocab_logits(policy, batch.input_ids) - hf_logits)[real].abs().max())
         diffs["logprobs"] = float((policy.token_logprobs(batch) - hf.token_logprobs(batch)).abs().max())
 
     micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
     hf_losses, losses = [], []
     hf.forward_backward(micro_batches, garl_loss_fn(micro_batches, hf_losses))
-    dp_rank, dp_size = dist.get_rank() // tensor_parallel, dist.get_world_size() // tensor_parallel
+    dp_rank, dp_size = policy.data_parallel.rank, policy.data_parallel.size
     mine = micro_batches[dp_rank::dp_size]
     policy.forward_backward(mine, garl_loss_fn(mine, losses))
     diffs["loss"] = max(abs(a - b) for a, b in zip(losses, hf_losses[dp_rank::dp_size]))
@@ -213,13 +217,17 @@ def refuse_foreign_weights(policy, scratch_dir: str, hf_state: dict[str, torch.T
 
 
 # ----------------------------------------------------------------- parity over processes
-@pytest.mark.parametrize("tensor_parallel, sequence_parallel, recompute, world_size",
-                         [(1, False, False, 2), (2, False, False, 2), (2, True, False, 2), (2, True, True, 2)],
-                         ids=["tp1-dp2", "tp2", "tp2-sp", "tp2-sp-recompute"])
-def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, sequence_parallel, recompute, world_size, tmp_path):
+@pytest.mark.parametrize("tensor_parallel, sequence_parallel, recompute, context_parallel, world_size",
+                         [(1, False, False, 1, 2), (2, False, False, 1, 2), (2, True, False, 1, 2), (2, True, True, 1, 2),
+                          (1, False, False, 2, 2), (2, True, False, 2, 4), (1, False, False, 2, 4)],
+                         ids=["tp1-dp2", "tp2", "tp2-sp", "tp2-sp-recompute", "cp2", "tp2-sp-cp2", "cp2-dp2"])
+def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, sequence_parallel, recompute, context_parallel,
+                                                            world_size, tmp_path):
+    """Context parallelism runs on CPU under the test patches' all-gather attention (TE's is GPU only)."""
     for rank, diffs in enumerate(run_in_processes(parity_worker, world_size, tensor_parallel, sequence_parallel, str(tmp_path),
-                                                  recompute)):
-        assert diffs["logits"] < 2e-5 and diffs["logprobs"] < 2e-5, (rank, diffs)
+                                                  recompute, context_parallel)):
+        assert diffs.get("logits", 0.0) < 2e-5 and diffs["logprobs"] < 2e-5, (rank, diffs)
+        assert ("logits" in diffs) == (context_parallel == 1)
         assert diffs["loss"] < 2e-5 and diffs["grads"] < 2e-6, (rank, diffs)
         assert diffs["grad_norm"] < 1e-5 and diffs["weights_after_step"] < 1e-6, (rank, diffs)
         assert diffs["hf_weight_file"] == 0, (rank, diffs)
@@ -228,7 +236,7 @@ def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, seq
 
 
 def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch_dir: str,
-                           sequence_parallel: bool = False, untied: bool = False) -> dict[str, float]:
+                           sequence_parallel: bool = False, untied: bool = False, context_parallel: int = 1) -> dict[str, float]:
     """One replica of the tied tiny model in pipeline stages against HFPolicy: log-probs, GARL loss, gradients and a
     step (as ``parity_worker``); then a distributed checkpoint, loaded back after a further step, and that step again."""
     from nemo_jq.models.megatron.policy import MegatronPolicy
@@ -236,7 +244,7 @@ def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch
     model = untied_qwen3() if untied else tiny_setup()[3]
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
     policy = MegatronPolicy.from_hf_model(model, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                          sequence_parallel=sequence_parallel, **OPTIM)
+                                          sequence_parallel=sequence_parallel, context_parallel=context_parallel, **OPTIM)
     batch = garl_batch(model.config.vocab_size)
     with torch.no_grad():
         diffs = {"logprobs": float((policy.token_logprobs(batch) - hf.token_logprobs(batch)).abs().max())}
@@ -263,18 +271,20 @@ def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch
     return diffs
 
 
-@pytest.mark.parametrize("tensor_parallel, sequence_parallel, untied", [(1, False, False), (1, False, True), (2, False, False),
-                                                                      (2, True, False)],
-                         ids=["pp2", "pp2-untied", "tp2xpp2", "tp2-sp-x-pp2"])
-def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_parallel, sequence_parallel, untied, tmp_path):
-    ranks = run_in_processes(pipeline_parity_worker, 2 * tensor_parallel, tensor_parallel, 2, str(tmp_path),
-                             sequence_parallel, untied)
+@pytest.mark.parametrize("tensor_parallel, sequence_parallel, untied, context_parallel",
+                         [(1, False, False, 1), (1, False, True, 1), (2, False, False, 1), (2, True, False, 1), (1, False, False, 2)],
+                         ids=["pp2", "pp2-untied", "tp2xpp2", "tp2-sp-x-pp2", "cp2xpp2"])
+def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_parallel, sequence_parallel, untied,
+                                                                      context_parallel, tmp_path):
+    ranks = run_in_processes(pipeline_parity_worker, 2 * tensor_parallel * context_parallel, tensor_parallel, 2,
+                             str(tmp_path), sequence_parallel, untied, context_parallel)
     for rank, diffs in enumerate(ranks):
         assert diffs["logprobs"] < 2e-5 and diffs["loss"] < 2e-5 and diffs["grads"] < 2e-6, (rank, diffs)
         assert diffs["grad_norm"] < 1e-5 and diffs["weights_after_step"] < 1e-6, (rank, diffs)
         assert diffs["checkpoint_round_trip"] < 1e-6 and diffs["weights_after_resumed_step"] < 1e-6, (rank, diffs)
-    # the loss runs on the last stage (ranks are TP-major: stage 0 holds the first tensor_parallel ranks)
-    assert [diffs["loss_calls"] for diffs in ranks] == [0] * tensor_parallel + [PROMPTS] * tensor_parallel
+    # the loss runs on the last stage (ranks are TP-, then CP-major: stage 0 holds the first TP x CP ranks)
+    stage = tensor_parallel * context_parallel
+    assert [diffs["loss_calls"] for diffs in ranks] == [0] * stage + [PROMPTS] * stage
 
 
 def test_untied_tp2_round_trip_and_export_are_bit_exact(tmp_path):
@@ -444,6 +454,56 @@ def test_impossible_tensor_parallel_layouts_are_refused():
         check_parallel_layout(arch, 1, sequence_parallel=True)
     with pytest.raises(ValueError, match="pipeline_parallel=3 does not divide num_hidden_layers=2"):
         check_parallel_layout(arch, 1, pipeline_parallel=3)
+    with pytest.raises(ValueError, match="context_parallel must be >= 1; got 0"):
+        check_parallel_layout(arch, 1, context_parallel=0)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_context_parallel_split_gives_each_rank_a_balanced_share_of_every_position(size):
+    from nemo_jq.models.megatron.context_parallel import _in_sequence_order, split_for_rank
+
+    length = 2 * size * 3
+    positions = torch.arange(length).expand(2, length)
+    parts = [split_for_rank(positions, rank, size) for rank in range(size)]
+    assert sorted(torch.cat(parts, 1)[0].tolist()) == list(range(length))  # every position once
+    # causal work (the number of earlier positions each attends to) is equal on every rank
+    assert len({int(part[0].sum()) for part in parts}) == 1
+    assert torch.equal(_in_sequence_order(parts, 1), positions)
+    if size > 1:
+        with pytest.raises(ValueError, match=f"a sequence of {length + 1} does not split into 2 x {size} equal chunks"):
+            split_for_rank(torch.arange(length + 1)[None], 0, size)
+
+
+def context_parallel_worker() -> dict[str, bool]:
+    """The split against megatron-core's own (``get_batch_on_this_cp_rank``), and the gather with its gradient."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
+
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    group = parallel_state.get_context_parallel_group()
+    whole = torch.randn(3, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    mine = split_for_rank(whole, group.rank(), 2).clone().requires_grad_()
+    gathered = gather_sequence(mine, group)
+    weights = torch.randn(3, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (gathered * weights).sum().backward()  # the same loss on both ranks
+    return {"as_megatron": torch.equal(mine, get_batch_on_this_cp_rank({"tokens": whole.clone()})["tokens"]),
+            "gathered": torch.equal(gathered, whole), "grad": torch.equal(mine.grad, split_for_rank(weights, group.rank(), 2))}
+
+
+def test_context_parallel_split_is_megatrons_and_the_gather_undoes_it():
+    assert run_in_processes(context_parallel_worker, 2) == [{"as_megatron": True, "gathered": True, "grad": True}] * 2
+
+
+def test_context_parallel_without_transformer_engine_is_a_clear_error():
+    """megatron-core's local attention asserts CP == 1 deep inside the model build; the provider says why first.
+    (This test process has none of the test patches, whose stand-in attention makes CP run on CPU.)"""
+    from nemo_jq.models.megatron.provider import build_gpt_model
+
+    with pytest.raises(ValueError, match=r"context_parallel=2 needs Transformer Engine's attention on GPU .*"
+                                         r"or set context_parallel=1"):
+        build_gpt_model(read_qwen3_config(untied_qwen3().config), context_parallel=2)
 
 
 def test_policy_needs_torch_distributed():
@@ -474,14 +534,15 @@ def test_package_import_is_lazy_and_a_broken_transformer_engine_is_survived(tmp_
 
 
 def train_steps(run_dir, overrides: list[str], steps: int = 3, resume: bool = False) -> list[dict[str, float]]:
-    """``steps`` steps of the recipe (a new run, or ``resume``d); the per-step training metrics from metrics.jsonl."""
+    """``steps`` steps of the recipe (a new run, or ``resume``d with ``overrides``); the per-step training metrics
+    from metrics.jsonl."""
     from helpers import TINY_RUN
     from nemo_jq.config import load_config
     from nemo_jq.monitor import read_metrics
     from nemo_jq.trainer import Trainer
 
     if resume:
-        Trainer.resume(run_dir, [f"train.max_steps={steps}"]).fit()
+        Trainer.resume(run_dir, [f"train.max_steps={steps}", *overrides]).fit()
     else:
         Trainer(load_config(None, [*TINY_RUN, f"train.max_steps={steps}", "eval.every=1000", f"train.run_dir={run_dir}",
                                    *overrides])).fit()
@@ -496,8 +557,9 @@ def assert_same_training(ours: list[dict], theirs: list[dict]) -> None:
             assert mine[key] == pytest.approx(other[key], rel=1e-4, abs=1e-5), (key, mine, other)
 
 
-@pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["model.tensor_parallel=2"]), (2, ["model.pipeline_parallel=2"])],
-                         ids=["one-process", "tp2", "pp2"])
+@pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["model.tensor_parallel=2"]), (2, ["model.pipeline_parallel=2"]),
+                                                (2, ["model.context_parallel=2"])],
+                         ids=["one-process", "tp2", "pp2", "cp2"])
 def test_the_recipe_trains_alike_on_either_backend(world_size, layout, tmp_path):
     """The trainer never branches on the backend: three GARL steps match the HF backend's, in one process and
     at TP=2 (where the replica's first rank samples the rollouts from its refitted HF copy and shares them)."""
@@ -511,12 +573,15 @@ def test_the_recipe_trains_alike_on_either_backend(world_size, layout, tmp_path)
     assert_same_training(ranks[0], hf)
 
 
-@pytest.mark.parametrize("optimizer", [[], ["model.distributed_optimizer=true"]], ids=["adamw", "distributed-optimizer"])
+@pytest.mark.parametrize("optimizer", [[], ["model.distributed_optimizer=true"],
+                                       ["model.distributed_optimizer=true", "model.context_parallel=2"]],
+                         ids=["adamw", "distributed-optimizer", "distributed-optimizer-cp2"])
 def test_data_parallel_recipe_equals_one_process_and_resumes_in_one(optimizer, tmp_path):
     """SFT trains on given targets, so no sampling differs: at DP=2 each replica takes half of each batch,
     losses are divided by the global prompt count, and two steps equal the HF backend's two steps (with the
-    distributed optimizer too: each replica steps half of AdamW's state). The checkpoint then resumes in one
-    process for a third step that equals the HF run's third."""
+    distributed optimizer too: each replica steps half of AdamW's state; at CP=2 the two ranks are one replica
+    that splits each sequence, and the optimizer's state is split over them). The checkpoint then resumes in
+    one process for a third step that equals the HF run's third."""
     hf = train_steps(tmp_path / "hf", ["objective.name=sft"])
     megatron = ["objective.name=sft", "model.backend=megatron", *optimizer]
     ranks = run_in_processes(train_steps, 2, tmp_path / "dp2", megatron, 2)
@@ -525,7 +590,8 @@ def test_data_parallel_recipe_equals_one_process_and_resumes_in_one(optimizer, t
     checkpoint = tmp_path / "dp2" / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         "megatron", "rng-rank1.pt", "rng.pt", "state.json"]
-    (resumed,) = run_in_processes(train_steps, 1, tmp_path / "dp2", [], 3, True)
+    one_process = ["model.context_parallel=1"] if "model.context_parallel=2" in optimizer else []
+    (resumed,) = run_in_processes(train_steps, 1, tmp_path / "dp2", one_process, 3, True)
     assert_same_training(resumed, hf)
 
 
@@ -563,7 +629,7 @@ def refuse_a_layout(run_dir, overrides: list[str]) -> None:
 
 @pytest.mark.parametrize("world_size, overrides, message", [
     (2, ["model.tensor_parallel=3"], "tensor_parallel=3 does not divide num_attention_heads=4"),
-    (3, ["model.tensor_parallel=2"], "model.tensor_parallel=2 x model.pipeline_parallel=1 does not divide the 3 processes"),
+    (3, ["model.tensor_parallel=2"], "model.tensor_parallel=2 x model.pipeline_parallel=1 x model.context_parallel=1 does not divide the 3 processes"),
     (2, ["train.batch_size=3"], "train.batch_size=3 does not split over 2 data-parallel replicas"),
 ])
 def test_impossible_layouts_are_named(world_size, overrides, message, tmp_path):

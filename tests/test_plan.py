@@ -47,6 +47,22 @@ def test_recomputation_and_sequence_parallel_shrink_activations_only():
     assert recompute.weights_gb == base.weights_gb == no_sp.weights_gb
 
 
+def test_context_parallel_splits_the_tokens_and_the_distributed_optimizer_state():
+    """CP=2 on 16 GPUs at TP=2: each rank holds half of every sequence's activations and log-prob rows, and the
+    distributed optimizer shards over DP x CP = 8; weights are whole per TP rank, as without CP."""
+    arch, work = plan.architecture("8b"), plan.Workload(optimizer="bf16-distopt", seq_len=32768)
+    base = plan.estimate(arch, work, tp=2, pp=1, dp=8, gpu_gb=80, headroom=0.9)
+    split = plan.estimate(arch, plan.Workload(optimizer="bf16-distopt", seq_len=32768, context_parallel=2), tp=2, pp=1,
+                          dp=4, gpu_gb=80, headroom=0.9)
+    assert split.weights_gb == base.weights_gb and split.optimizer_gb == base.optimizer_gb
+    assert split.activations_gb == pytest.approx(base.activations_gb / 2, abs=0.01)
+    assert split.logprob_head_gb == pytest.approx(base.logprob_head_gb / 2, abs=0.01)
+    layouts = plan.plan(arch, plan.Workload(context_parallel=4), gpus_per_node=8, nodes=2, gpu_gb=80)
+    assert all(e.tensor_parallel * e.pipeline_parallel * e.data_parallel * 4 == 16 for e in layouts)
+    with pytest.raises(ValueError, match="no TP x PP x DP layout of 8 GPUs at CP=16"):
+        plan.plan(arch, plan.Workload(context_parallel=16), gpus_per_node=8, nodes=1, gpu_gb=80)
+
+
 def test_only_feasible_layouts_are_listed_and_the_recommendation_fits():
     arch = plan.architecture("0.6b")
     layouts = plan.plan(arch, plan.Workload(samples=8, batch_prompts=8, seq_len=1024), gpus_per_node=8, nodes=1, gpu_gb=80)
@@ -62,6 +78,9 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
     assert main(["plan", "--model", "0.6b", "--gpus-per-node", "1", "--samples", "8", "--batch-prompts", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["recommended"]["total_gb"] <= 72 and result["parameters"] == 596_049_920
+    assert main(["plan", "--model", "0.6b", "--nodes", "2", "--context-parallel", "2", "--seq-len", "32768", "--samples", "4",
+                 "--batch-prompts", "8"]) == 0
+    assert "recommended: TP=1 PP=1 CP=2 DP=8" in capsys.readouterr().out
     assert main(["plan", "--model", "9b"]) == 2
     assert "--model '9b' is neither a Qwen3 size" in capsys.readouterr().err
     with pytest.raises(SystemExit):

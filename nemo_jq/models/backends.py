@@ -130,7 +130,7 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     in_memory = request.load_model() if request.model_dir is None else None
     hf_config = in_memory.config if in_memory is not None else AutoConfig.from_pretrained(request.model_dir)
     check_parallel_layout(read_qwen3_config(hf_config), model.tensor_parallel, model.sequence_parallel,
-                          model.pipeline_parallel)
+                          model.pipeline_parallel, model.context_parallel)
     if request.device.type != "cuda" and os.environ.get(MEGATRON_ON_CPU) != "1":
         raise ValueError(
             "model.backend=megatron needs a CUDA device (train.device): megatron-core 0.16.1 calls CUDA in its "
@@ -139,12 +139,13 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     if not dist.is_initialized():  # one process, not started by torchrun
         store = tempfile.NamedTemporaryFile(prefix="nemo_jq_pg_", delete=False).name
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    replica = model.tensor_parallel * model.pipeline_parallel
+    replica = model.tensor_parallel * model.pipeline_parallel * model.context_parallel
     if dist.get_world_size() % replica:
         raise ValueError(f"model.tensor_parallel={model.tensor_parallel} x model.pipeline_parallel={model.pipeline_parallel} "
-                         f"does not divide the {dist.get_world_size()} processes: start a multiple of {replica} "
-                         f"(torchrun --nproc-per-node)")
+                         f"x model.context_parallel={model.context_parallel} does not divide the {dist.get_world_size()} "
+                         f"processes: start a multiple of {replica} (torchrun --nproc-per-node)")
     layout = dict(device=request.device, tensor_parallel=model.tensor_parallel, pipeline_parallel=model.pipeline_parallel,
+                  context_parallel=model.context_parallel,
                   sequence_parallel=model.sequence_parallel, recompute_activations=model.recompute_activations,
                   distributed_optimizer=model.distributed_optimizer, bf16_weights=model.bf16_weights,
                   **_policy_options(request.config))

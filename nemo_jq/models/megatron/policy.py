@@ -1,8 +1,10 @@
-"""``MegatronPolicy``: the ``Policy`` protocol on a megatron-core ``GPTModel``, tensor-, pipeline- and data-parallel.
+"""``MegatronPolicy``: the ``Policy`` protocol on a megatron-core ``GPTModel``, tensor-, context-, pipeline- and
+data-parallel.
 
 It runs SPMD: every rank of the ``torch.distributed`` world builds the policy from the same HF
 config and weights and keeps its own shard. Consecutive ranks form tensor-parallel (TP) groups;
-TP groups form pipeline (PP) stages, each holding a run of the layers; together they hold one
+context-parallel (CP) ranks hold the same weights and each a part of every sequence; TP x CP
+groups form pipeline (PP) stages, each holding a run of the layers; together they hold one
 replica and see the same micro-batches. Replicas are data-parallel (DP): they see different ones.
 Weights come in and exports go out in HF layout (``mapping``); checkpoints are Megatron
 distributed checkpoints (``checkpoint``), which resume at any TP size.
@@ -11,6 +13,7 @@ distributed checkpoints (``checkpoint``), which resume at any TP size.
 from __future__ import annotations
 
 import collections
+import math
 import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -24,6 +27,7 @@ from nemo_jq.models.hf import WEIGHTS_FILE, SafetensorsFolder, autocast_context,
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
+from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
 from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs
 from nemo_jq.models.megatron.mapping import hf_names, hf_shape, is_tensor_parallel, iter_hf_to_megatron, megatron_to_hf
 from nemo_jq.models.megatron.provider import (
@@ -42,7 +46,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noq
 
 
 class MegatronPolicy:
-    """Trains Qwen3 as a megatron-core ``GPTModel``: TP-sharded, PP-staged, DP-replicated, AdamW on each shard.
+    """Trains Qwen3 as a megatron-core ``GPTModel``: TP-sharded, CP-split, PP-staged, DP-replicated, AdamW on each shard.
 
     fp32 weights; on GPU, ``precision`` "auto"/"bf16" runs under bf16 autocast as ``HFPolicy`` does.
     With ``bf16_weights`` (Megatron's usual mixed precision) the parameters and activations are bf16,
@@ -54,22 +58,28 @@ class MegatronPolicy:
     gradient each TP rank sees only in part (the q/k norms, which act on the rank's own heads,
     and under sequence parallelism every norm, which sees the rank's own positions) are summed
     over TP, a tied embedding's gradient is summed with its LM-head copy on the last pipeline stage,
-    then every gradient is summed over DP. Summing, not averaging, means a DP rank's
+    then every gradient is summed over DP and CP. Summing, not averaging, means a DP rank's
     ``loss_fn`` must return its share of the global loss (normalised by the global batch, as the
     trainer's is), so that the result equals ``HFPolicy`` accumulating all micro-batches.
 
     With ``pipeline_parallel > 1`` micro-batches run through megatron-core's 1F1B schedule and
     ``loss_fn`` runs on the last stage; ``token_logprobs`` is broadcast from it to every stage.
+
+    With ``context_parallel > 1`` each CP rank runs its load-balanced part of every sequence
+    (``context_parallel``) through the model, and attention exchanges keys and values over CP
+    (Transformer Engine's attention: GPU only). Each rank scores the targets at its positions;
+    the log-probs are gathered over CP before ``loss_fn``, which sees whole sequences on every CP rank.
     """
 
     def __init__(self, hf_config: Any, hf_state: Mapping[str, torch.Tensor], *, tensor_parallel: int = 1,
-                 pipeline_parallel: int = 1, sequence_parallel: bool = False, recompute_activations: bool = False,
+                 pipeline_parallel: int = 1, sequence_parallel: bool = False, context_parallel: int = 1,
+                 recompute_activations: bool = False,
                  distributed_optimizer: bool = False, bf16_weights: bool = False, device: torch.device | str = "cpu",
                  precision: str = "auto",
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, grad_clip: float = 1.0, logprob_chunk_size: int = 256):
         self.arch = read_qwen3_config(hf_config)
-        check_parallel_layout(self.arch, tensor_parallel, sequence_parallel, pipeline_parallel)
+        check_parallel_layout(self.arch, tensor_parallel, sequence_parallel, pipeline_parallel, context_parallel)
         self.device = torch.device(device)
         self.precision = check_precision(precision)
         if bf16_weights and not distributed_optimizer:
@@ -79,7 +89,7 @@ class MegatronPolicy:
         self.sequence_parallel = sequence_parallel
         self.grad_clip = grad_clip
         self.logprob_chunk_size = logprob_chunk_size
-        _initialize_model_parallel(tensor_parallel, pipeline_parallel)
+        _initialize_model_parallel(tensor_parallel, pipeline_parallel, context_parallel)
         if self.device.type == "cuda":
             if self.device.index is None:  # the launcher has picked this rank's GPU
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -89,14 +99,24 @@ class MegatronPolicy:
         self.tp_size, self.tp_rank = tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_size, self.pp_rank = pipeline_parallel, parallel_state.get_pipeline_model_parallel_rank()
+        self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp_size, self.cp_rank = context_parallel, parallel_state.get_context_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.data_parallel = DataParallel(parallel_state.get_data_parallel_rank(),
                                           parallel_state.get_data_parallel_world_size(), self.dp_group)
-        #: The ranks holding one replica (its TP ranks of every stage): they see the same data.
-        self.model_parallel_group = parallel_state.get_model_parallel_group()
+        #: Whose gradients are summed: the replicas, and each one's CP ranks (each saw its own part of the sequences).
+        self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        #: The ranks of one replica's TP ranks of every stage: each holds a different part of the weights.
+        self._weight_shards_group = parallel_state.get_model_parallel_group()
+        #: The ranks holding one replica (its TP and CP ranks of every stage): they see the same data.
+        self.model_parallel_group = _replica_group(tensor_parallel, context_parallel, pipeline_parallel)
+        #: Sequences are padded at the end to a multiple of this: 2 x CP chunks, each split over TP under SP.
+        self.sequence_multiple = (2 * context_parallel if context_parallel > 1 else 1) * (
+            tensor_parallel if sequence_parallel else 1)
         self.uses_transformer_engine = uses_transformer_engine()
         self.model = build_gpt_model(self.arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-                                     pipeline_parallel=pipeline_parallel, recompute_activations=recompute_activations,
+                                     pipeline_parallel=pipeline_parallel, context_parallel=context_parallel,
+                                     recompute_activations=recompute_activations,
                                      params_dtype=torch.bfloat16 if bf16_weights else torch.float32,
                                      use_cpu_initialization=self.device.type == "cpu")
         if bf16_weights:
@@ -124,7 +144,7 @@ class MegatronPolicy:
         if distributed_optimizer:
             counted = {id(param) for param in self._counted_in_norm}
             params = list(self.model.parameters())
-            self.optimizer = DistributedAdamW(params, self.dp_group, counted_in_norm=[id(p) in counted for p in params], **adamw)
+            self.optimizer = DistributedAdamW(params, self.dp_cp_group, counted_in_norm=[id(p) in counted for p in params], **adamw)
         else:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)
 
@@ -152,31 +172,39 @@ class MegatronPolicy:
                     out.copy_(logprobs)
             dist.broadcast(out, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
             return out
-        input_ids = batch.input_ids
-        if self.sequence_parallel:  # the sequence is split evenly over the TP ranks; padding goes at the end
-            input_ids = torch.nn.functional.pad(input_ids, (0, -input_ids.shape[1] % self.tp_size))
+        input_ids = torch.nn.functional.pad(batch.input_ids, (0, -batch.input_ids.shape[1] % self.sequence_multiple))
         return self._logprobs(self._forward(input_ids), batch)
 
     def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """This stage's output: logits ``[N, L, V_padded / TP]`` on the last stage, hidden states before it."""
+        """This stage's output for whole rows ``[N, L]`` (``L`` a multiple of ``sequence_multiple``): logits
+        ``[N, L / CP, V_padded / TP]`` of this CP rank's positions on the last stage, hidden states before it."""
         length = input_ids.shape[1]
-        positions = torch.arange(length, device=self.device).expand_as(input_ids)
+        positions = self._on_this_cp_rank(torch.arange(length, device=self.device).expand_as(input_ids))
         # Rows are right-padded, so the causal mask alone keeps padding out of every real token's view.
-        # TE builds its own; megatron-core's local attention would build its default one on CUDA.
-        causal_mask = None if self.uses_transformer_engine else (
+        # TE builds its own (under CP, over the split sequence); megatron-core's local attention would build
+        # its default one on CUDA.
+        causal_mask = None if self.uses_transformer_engine or self.cp_size > 1 else (
             torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)[None, None])  # True: masked
         with autocast_context(self.device, self.precision):
-            return self.model(input_ids, positions, causal_mask)
+            return self.model(self._on_this_cp_rank(input_ids), positions, causal_mask)
+
+    def _on_this_cp_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This CP rank's positions of ``[N, L]`` rows: chunks r and 2CP-1-r of 2CP (``context_parallel``)."""
+        return split_for_rank(tensor, self.cp_rank, self.cp_size)
 
     def _logprobs(self, logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-        """``token_logprobs`` from the logits of ``batch``'s rows (which may run past its length)."""
-        targets = batch.target_mask
+        """``token_logprobs`` of ``batch``'s rows from this CP rank's logits of them (whose padded length
+        may run past the batch's), gathered over CP: each rank scores the targets at its own positions."""
+        length = logits.shape[1] * self.cp_size
+        padding = (0, length - batch.target_mask.shape[1])
+        targets = self._on_this_cp_rank(torch.nn.functional.pad(batch.target_mask, padding))
+        target_ids = self._on_this_cp_rank(torch.nn.functional.pad(batch.input_ids[:, 1:], padding))
         picked = vocab_parallel_token_logprobs(
-            logits[:, : targets.shape[1]][targets], batch.input_ids[:, 1:][targets], vocab_start=self.vocab_start,
+            logits[targets], target_ids[targets], vocab_start=self.vocab_start,
             vocab_size=self.arch.vocab_size, group=self.tp_group, chunk_size=self.logprob_chunk_size,
         )
-        out = torch.zeros(targets.shape, dtype=torch.float32, device=self.device)
-        return out.index_put((targets,), picked.float())
+        mine = torch.zeros(targets.shape, dtype=torch.float32, device=self.device).index_put((targets,), picked.float())
+        return gather_sequence(mine, self.cp_group if self.cp_size > 1 else None)[:, : batch.target_mask.shape[1]]
 
     def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
         """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP and DP."""
@@ -197,11 +225,11 @@ class MegatronPolicy:
         or with ``loss_fn=None`` forward only, returning the log-probs (on the last stage; ``[]`` elsewhere).
 
         Stages exchange activations of one fixed shape, so every micro-batch is right-padded to the
-        most rows and the longest sequence (to a multiple of TP under sequence parallelism).
+        most rows and the longest sequence (to a multiple of ``sequence_multiple``).
         """
         rows = max(micro.num_rows for micro in micro_batches)
         length = max(micro.input_ids.shape[1] for micro in micro_batches)
-        length += -length % self.tp_size if self.sequence_parallel else 0
+        length += -length % self.sequence_multiple
 
         def forward_step(data: Iterator[tuple[int, TokenBatch]], model: Any) -> tuple[torch.Tensor, Any]:
             index, micro = next(data)
@@ -211,8 +239,9 @@ class MegatronPolicy:
                 logprobs = self._logprobs(logits, padded)[: micro.num_rows, : micro.input_ids.shape[1] - 1]
                 if loss_fn is None:
                     return logprobs.new_zeros(()), logprobs
-                # The schedule averages the micro-batches' losses; the protocol sums them.
-                return loss_fn(logprobs, index) * len(micro_batches), None
+                # The schedule averages the micro-batches' losses and multiplies by CP (for Megatron's DDP, which
+                # averages gradients over DP x CP); the protocol sums them, and so do our gradient reductions.
+                return loss_fn(logprobs, index) * len(micro_batches) / self.cp_size, None
 
             return self._forward(padded.input_ids), loss_func
 
@@ -248,7 +277,7 @@ class MegatronPolicy:
             # the embedding (first stage) and its LM-head copy (last stage) are one HF weight
             _all_reduce_flat([self._grad_of(self.model.shared_embedding_or_output_weight())], parallel_state.get_embedding_group())
         if not isinstance(self.optimizer, DistributedAdamW):  # which reduce-scatters them at its step instead
-            _all_reduce_flat(grads, self.dp_group)
+            _all_reduce_flat(grads, self.dp_cp_group)
 
     def _grad_is_partial_over_tp(self, name: str, param: torch.nn.Parameter) -> bool:
         """As megatron-core's ``finalize_model_grads``: sequence-parallel norms and the q/k norms."""
@@ -273,7 +302,7 @@ class MegatronPolicy:
         if isinstance(self.optimizer, DistributedAdamW):
             grads = [self._take_grad(param) for param in self.optimizer.params]
             grad_norm = self.optimizer.step(grads, self.grad_clip,
-                                            self.model_parallel_group if self.tp_size * self.pp_size > 1 else None)
+                                            self._weight_shards_group if self.tp_size * self.pp_size > 1 else None)
             self.weights_version += 1
             return {"grad_norm": float(grad_norm)}
         grads = [param.grad for param in self.model.parameters() if param.grad is not None]
@@ -293,7 +322,7 @@ class MegatronPolicy:
             if param.grad is not None:
                 squares += param.grad.float().square().sum()
         if self.tp_size * self.pp_size > 1:
-            dist.all_reduce(squares, group=self.model_parallel_group)
+            dist.all_reduce(squares, group=self._weight_shards_group)
         return squares.sqrt()
 
     # ----------------------------------------------------------------- weights
@@ -382,8 +411,10 @@ class MegatronPolicy:
         (:func:`export_hf_stream`); the model is never whole in one process."""
         from transformers import Qwen3Config
 
-        # Only the writer's replica gathers (its ranks must all take part); the other replicas hold the same weights.
-        tensors = ((name, tensor.cpu()) for name, tensor in self.iter_hf()) if self.data_parallel.rank == 0 else iter(())
+        # Only the writer's TP and PP ranks gather (all of them must take part): other replicas, and the writer's
+        # other CP ranks, hold the same weights.
+        writes = self.data_parallel.rank == 0 and self.cp_rank == 0
+        tensors = ((name, tensor.cpu()) for name, tensor in self.iter_hf()) if writes else iter(())
         if distributed.is_writer():
             config = Qwen3Config.from_dict(self.arch.hf_config)
             distributed.everywhere(lambda: export_hf_stream(config, tensors, out_dir, tokenizer))
@@ -391,20 +422,39 @@ class MegatronPolicy:
             distributed.everywhere(lambda: collections.deque(tensors, maxlen=0))
 
 
-def _initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int) -> None:
+def _initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, context_parallel: int) -> None:
     if not dist.is_initialized():
         raise RuntimeError("MegatronPolicy needs torch.distributed initialised first (e.g. run under torchrun)")
+    asked = (tensor_parallel, pipeline_parallel, context_parallel)
     if parallel_state.model_parallel_is_initialized():
-        sizes = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
-        if sizes != (tensor_parallel, pipeline_parallel):
-            raise ValueError(f"megatron parallel state has tensor- and pipeline-parallel sizes {sizes}; "
-                             f"asked for {(tensor_parallel, pipeline_parallel)}")
+        sizes = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_context_parallel_world_size())
+        if sizes != asked:
+            raise ValueError(f"megatron parallel state has tensor-, pipeline- and context-parallel sizes {sizes}; "
+                             f"asked for {asked}")
         return
-    if dist.get_world_size() % (tensor_parallel * pipeline_parallel):
-        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of "
-                         f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel}")
+    if dist.get_world_size() % math.prod(asked):
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tensor_parallel={tensor_parallel} x "
+                         f"pipeline_parallel={pipeline_parallel} x context_parallel={context_parallel}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                             pipeline_model_parallel_size=pipeline_parallel)
+                                             pipeline_model_parallel_size=pipeline_parallel,
+                                             context_parallel_size=context_parallel)
+
+
+def _replica_group(tensor_parallel: int, context_parallel: int, pipeline_parallel: int) -> dist.ProcessGroup:
+    """The group of this rank's replica: its TP, CP and PP ranks (megatron-core's model-parallel group has no CP).
+
+    Every rank creates every replica's group, as ``torch.distributed.new_group`` requires, with the ranks
+    megatron-core's default order (``tp-cp-ep-dp-pp``) assigns them, so the group's first ranks are the
+    first stage's TP ranks of CP rank 0.
+    """
+    if context_parallel == 1:
+        return parallel_state.get_model_parallel_group()
+    data_parallel = dist.get_world_size() // (tensor_parallel * context_parallel * pipeline_parallel)
+    ranks = parallel_state.RankGenerator(tp=tensor_parallel, ep=1, dp=data_parallel, pp=pipeline_parallel,
+                                         cp=context_parallel, order="tp-cp-ep-dp-pp").get_ranks("tp-cp-pp")
+    groups = {tuple(replica): dist.new_group(replica) for replica in ranks}
+    return next(group for replica, group in groups.items() if dist.get_rank() in replica)
 
 
 def _right_padded(batch: TokenBatch, rows: int, length: int) -> TokenBatch:

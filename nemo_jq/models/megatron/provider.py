@@ -108,12 +108,13 @@ def _check_supported(values: Mapping[str, Any], source: str) -> None:
 
 
 def check_parallel_layout(arch: Qwen3Architecture, tensor_parallel: int, sequence_parallel: bool = False,
-                          pipeline_parallel: int = 1) -> None:
-    """Raise ``ValueError`` for a TP or PP size that cannot split this model.
+                          pipeline_parallel: int = 1, context_parallel: int = 1) -> None:
+    """Raise ``ValueError`` for a TP, PP or CP size that cannot split this model.
 
     Megatron gives each TP rank whole query heads and whole KV groups (the fused QKV weight is
     cut per group) and an equal slice of the MLP, so TP must divide all three counts; and each
-    pipeline stage an equal run of whole layers, so PP must divide the layer count.
+    pipeline stage an equal run of whole layers, so PP must divide the layer count. CP splits
+    sequences, not weights: any size works (the policy pads sequences to fit it).
     """
     if tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be >= 1; got {tensor_parallel}")
@@ -129,6 +130,8 @@ def check_parallel_layout(arch: Qwen3Architecture, tensor_parallel: int, sequenc
     if pipeline_parallel < 1 or arch.num_layers % pipeline_parallel:
         raise ValueError(f"pipeline_parallel={pipeline_parallel} does not divide num_hidden_layers={arch.num_layers}: "
                          f"choose a PP size that divides num_hidden_layers (each stage holds an equal run of layers)")
+    if context_parallel < 1:
+        raise ValueError(f"context_parallel must be >= 1; got {context_parallel}")
 
 
 #: Embedding rows are allocated in multiples of this (times TP where TP does not divide it), as Megatron-LM's
@@ -148,7 +151,7 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 
 def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                       pipeline_parallel: int = 1, recompute_activations: bool = False, params_dtype: torch.dtype = torch.float32,
+                       pipeline_parallel: int = 1, context_parallel: int = 1, recompute_activations: bool = False, params_dtype: torch.dtype = torch.float32,
                        use_cpu_initialization: bool = True):
     """The megatron-core ``TransformerConfig`` of a Qwen3 (as Bridge's Qwen3 bridge sets it).
 
@@ -158,7 +161,7 @@ def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, seq
     in backward (megatron-core's full, uniform recomputation): activation memory for compute.
     Pipeline stages exchange activations in ``params_dtype`` (``pipeline_dtype``).
     """
-    check_parallel_layout(arch, tensor_parallel, sequence_parallel, pipeline_parallel)
+    check_parallel_layout(arch, tensor_parallel, sequence_parallel, pipeline_parallel, context_parallel)
     transformer_engine_usable()  # before importing megatron.core
     from megatron.core.transformer import TransformerConfig
 
@@ -182,6 +185,7 @@ def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, seq
         tensor_model_parallel_size=tensor_parallel,
         sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         use_cpu_initialization=use_cpu_initialization,
@@ -202,28 +206,36 @@ def uses_transformer_engine() -> bool:
 
 
 def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                    pipeline_parallel: int = 1, recompute_activations: bool = False, params_dtype: torch.dtype = torch.float32,
-                    use_cpu_initialization: bool = True):
-    """This rank's ``GPTModel`` shard; ``parallel_state`` must be initialised with the same TP and PP sizes.
+                    pipeline_parallel: int = 1, context_parallel: int = 1, recompute_activations: bool = False,
+                    params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True):
+    """This rank's ``GPTModel`` shard; ``parallel_state`` must be initialised with the same TP, PP and CP sizes.
 
     The LM head is vocab-parallel (``parallel_output``): logits come back ``[b, s, V_padded / TP]``.
     A pipeline stage holds its own layers, the first the embedding, the last the final norm and
     LM head (tied: a copy of the embedding); other stages return hidden states ``[s, b, H]``.
+    Under context parallelism ``s`` is this rank's part of the sequence (``context_parallel``).
     """
     config = transformer_config(arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-                                pipeline_parallel=pipeline_parallel, recompute_activations=recompute_activations,
-                                params_dtype=params_dtype, use_cpu_initialization=use_cpu_initialization)
+                                pipeline_parallel=pipeline_parallel, context_parallel=context_parallel,
+                                recompute_activations=recompute_activations, params_dtype=params_dtype,
+                                use_cpu_initialization=use_cpu_initialization)
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     if uses_transformer_engine():
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    if context_parallel > 1 and spec.submodules.self_attention.submodules.core_attention is DotProductAttention:
+        raise ValueError(f"context_parallel={context_parallel} needs Transformer Engine's attention on GPU "
+                         f"(megatron-core's local attention has no context parallelism, and TE is "
+                         f"{'not usable without CUDA' if transformer_engine_usable() else 'not importable here'}): "
+                         f"run where TE imports (nemo-jq doctor says), or set context_parallel=1")
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
