@@ -573,24 +573,26 @@ def test_the_recipe_trains_alike_on_either_backend(world_size, layout, tmp_path)
     assert_same_training(ranks[0], hf)
 
 
-@pytest.mark.parametrize("optimizer", [[], ["model.distributed_optimizer=true"],
-                                       ["model.distributed_optimizer=true", "model.context_parallel=2"]],
-                         ids=["adamw", "distributed-optimizer", "distributed-optimizer-cp2"])
-def test_data_parallel_recipe_equals_one_process_and_resumes_in_one(optimizer, tmp_path):
+@pytest.mark.parametrize("layout", [[], ["model.distributed_optimizer=true"],
+                                    ["model.distributed_optimizer=true", "model.context_parallel=2"],
+                                    ["model.pipeline_parallel=2"]],
+                         ids=["adamw", "distributed-optimizer", "distributed-optimizer-cp2", "pp2"])
+def test_a_two_process_recipe_equals_one_process_and_resumes_in_one(layout, tmp_path):
     """SFT trains on given targets, so no sampling differs: at DP=2 each replica takes half of each batch,
     losses are divided by the global prompt count, and two steps equal the HF backend's two steps (with the
     distributed optimizer too: each replica steps half of AdamW's state; at CP=2 the two ranks are one replica
-    that splits each sequence, and the optimizer's state is split over them). The checkpoint then resumes in
-    one process for a third step that equals the HF run's third."""
+    that splits each sequence, and the optimizer's state is split over them; at PP=2 each holds one layer).
+    The checkpoint then resumes in one process (``--resume`` changing the layout) for a third step that
+    equals the HF run's third."""
     hf = train_steps(tmp_path / "hf", ["objective.name=sft"])
-    megatron = ["objective.name=sft", "model.backend=megatron", *optimizer]
+    megatron = ["objective.name=sft", "model.backend=megatron", *layout]
     ranks = run_in_processes(train_steps, 2, tmp_path / "dp2", megatron, 2)
     assert ranks[0] == ranks[1] and len(ranks[0]) == 2  # logged once, by rank 0
     assert_same_training(ranks[0], hf[:2])
     checkpoint = tmp_path / "dp2" / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         "megatron", "rng-rank1.pt", "rng.pt", "state.json"]
-    one_process = ["model.context_parallel=1"] if "model.context_parallel=2" in optimizer else []
+    one_process = ["model.context_parallel=1", "model.pipeline_parallel=1"]
     (resumed,) = run_in_processes(train_steps, 1, tmp_path / "dp2", one_process, 3, True)
     assert_same_training(resumed, hf)
 
