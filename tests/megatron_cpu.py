@@ -32,6 +32,7 @@ below replace exactly those, in the spawned test processes only (never in the pa
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -171,14 +172,25 @@ def _worker(rank: int, world_size: int, port: int, results: str, fn: Callable, a
         dist.destroy_process_group()
 
 
+#: What the fork server that starts the workers imports once, so that no worker imports it again: importing
+#: transformers' Qwen3 and megatron-core costs each fresh process about 6 s of CPU. The server itself runs no
+#: torch op (no thread pool to break by forking), and each worker applies the CPU patches to its own copy.
+PRELOADED_MODULES = ["megatron_cpu", "helpers", "nemo_jq.trainer", "nemo_jq.models.megatron.policy",
+                     "transformers.models.qwen3.modeling_qwen3"]
+
+
 def run_in_processes(fn: Callable, world_size: int, *args: Any) -> list[Any]:
-    """``fn(*args)`` in ``world_size`` spawned gloo processes; returns each rank's result, by rank.
+    """``fn(*args)`` in ``world_size`` gloo processes forked from a server holding ``PRELOADED_MODULES``;
+    returns each rank's result, by rank.
 
     ``fn`` must be importable by name (a module-level function). An exception in any rank is
-    re-raised here with that rank's traceback, and the other ranks are stopped.
+    re-raised here with that rank's traceback, and the other ranks are stopped. Workers inherit the
+    server's environment, as it was at the first call: pass what a worker needs as arguments.
     """
+    multiprocessing.set_forkserver_preload(PRELOADED_MODULES)  # takes effect when the server first starts
     with tempfile.TemporaryDirectory() as results:
-        torch.multiprocessing.spawn(_worker, args=(world_size, free_port(), results, fn, args), nprocs=world_size)
+        torch.multiprocessing.start_processes(_worker, args=(world_size, free_port(), results, fn, args),
+                                              nprocs=world_size, start_method="forkserver")
         return [torch.load(Path(results) / f"{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 

@@ -7,7 +7,7 @@ context-parallel (CP) ranks hold the same weights and each a part of every seque
 groups form pipeline (PP) stages, each holding a run of the layers; together they hold one
 replica and see the same micro-batches. Replicas are data-parallel (DP): they see different ones.
 Weights come in and exports go out in HF layout (``mapping``); checkpoints are Megatron
-distributed checkpoints (``checkpoint``), which resume at any TP size.
+distributed checkpoints (``checkpoint``), which resume at any TP, PP, CP or DP size.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ class MegatronPolicy:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.data_parallel = DataParallel(parallel_state.get_data_parallel_rank(),
                                           parallel_state.get_data_parallel_world_size(), self.dp_group)
-        #: Whose gradients are summed: the replicas, and each one's CP ranks (each saw its own part of the sequences).
+        #: The ranks whose gradients of the same weights are summed: the replicas', and each replica's CP ranks'
+        #: (each CP rank's gradient comes from its own positions of the sequences).
         self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         #: The ranks of one replica's TP ranks of every stage: each holds a different part of the weights.
         self._weight_shards_group = parallel_state.get_model_parallel_group()
@@ -207,7 +208,7 @@ class MegatronPolicy:
         return gather_sequence(mine, self.cp_group if self.cp_size > 1 else None)[:, : batch.target_mask.shape[1]]
 
     def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
-        """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP and DP."""
+        """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP, CP and DP."""
         self.model.train()
         earlier = {param: self._take_grad(param) for param in self.model.parameters()}
         if self.pp_size > 1:
