@@ -133,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         message = user_error_message(err)
         if message is None or args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
-        if not distributed.is_writer() and isinstance(err, distributed.OtherRankFailed):
-            return 2  # rank 0 names the failed rank; that rank prints its own message
-        where = "" if distributed.is_writer() else f" (rank {distributed.rank()})"
-        print(f"nemo-jq {args.command}{where}: error: {message}", file=sys.stderr)
+        # rank 0 names the failed rank; that rank prints its own message
+        if distributed.is_writer() or not isinstance(err, distributed.OtherRankFailed):
+            where = "" if distributed.is_writer() else f" (rank {distributed.rank()})"
+            print(f"nemo-jq {args.command}{where}: error: {message}", file=sys.stderr, flush=True)
+        distributed.await_failing_ranks()
         return 2
 
 

@@ -10,6 +10,7 @@ recipe reads the same either way.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -87,6 +88,26 @@ def everywhere(action: Callable[[], T], *, share_from_writer: bool = False) -> T
     if failed:
         raise OtherRankFailed("; ".join(failed))
     return outcomes[0][1] if share_from_writer else result
+
+
+#: The rendezvous store's counter of ranks that have failed and said so (see ``await_failing_ranks``).
+_FAILED_RANKS_KEY = "nemo_jq/failed_ranks"
+
+
+def await_failing_ranks(timeout: float = 10.0) -> None:
+    """Before a failing rank exits: wait until every rank has failed too, or ``timeout`` seconds.
+
+    torchrun stops every rank as soon as one exits, so a rank that printed its error and exited at
+    once could cut off the others' own error lines. Counting on the rendezvous store (no collective,
+    so a rank stuck in one elsewhere costs only the timeout) lets every failing rank print first.
+    """
+    if world_size() == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    store.add(_FAILED_RANKS_KEY, 1)
+    deadline = time.monotonic() + timeout
+    while store.add(_FAILED_RANKS_KEY, 0) < world_size() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _gather_objects(value: T, group: Any = None) -> list[T]:

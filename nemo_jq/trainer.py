@@ -133,7 +133,8 @@ class Trainer:
         self.data_parallel = self.policy.data_parallel
         if config.train.batch_size % self.data_parallel.size:
             raise ValueError(f"train.batch_size={config.train.batch_size} does not split over {self.data_parallel.size} "
-                             "data-parallel replicas: make it a multiple of world size / (tensor_parallel x pipeline_parallel)")
+                             "data-parallel replicas: make it a multiple of world size / (tensor_parallel x pipeline_parallel x "
+                             "context_parallel)")
         self.spec = get_objective(config.objective.name)
         self.objective_options = dict(config.objective.options)
         objective = config.objective

@@ -673,6 +673,30 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+def failing_ranks_worker(rank1_fails_after: float | None, timeout: float) -> float:
+    """Rank 0 fails at once, rank 1 ``rank1_fails_after`` seconds later (None: never); the seconds each rank
+    then waited in ``await_failing_ranks`` before it would exit."""
+    import time
+
+    from nemo_jq import distributed
+
+    if dist.get_rank() == 1:
+        if rank1_fails_after is None:
+            return 0.0
+        time.sleep(rank1_fails_after)
+    started = time.monotonic()
+    distributed.await_failing_ranks(timeout)
+    return time.monotonic() - started
+
+
+def test_a_failing_rank_waits_for_the_others_to_fail_before_it_exits():
+    """torchrun stops every rank once one exits: the first to fail waits (up to a timeout) until all have."""
+    first, late = run_in_processes(failing_ranks_worker, 2, 1.0, 10.0)
+    assert 0.9 <= first < 5.0 and late < 0.5, (first, late)
+    alone, _ = run_in_processes(failing_ranks_worker, 2, None, 0.5)
+    assert 0.5 <= alone < 2.0, alone
+
+
 def test_torchrun_trains_a_data_parallel_run_and_names_a_bad_layout_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
     result = torchrun("train.max_steps=2", f"train.run_dir={run_dir}")
