@@ -96,6 +96,11 @@ class Workload:
     optimizer: str = "fp32-adamw"
     context_parallel: int = 1
 
+    @property
+    def tokens_per_rank(self) -> float:
+        """Tokens of one micro-batch on each rank: its sequences' share under context parallelism."""
+        return self.seq_len * self.micro_batch / self.context_parallel
+
 
 @dataclass(frozen=True)
 class LayoutEstimate:
@@ -115,7 +120,7 @@ class LayoutEstimate:
 
 def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
     """bf16 bytes one layer keeps for backward, per TP and CP rank, for one micro-batch."""
-    tokens = work.seq_len * work.micro_batch / work.context_parallel
+    tokens = work.tokens_per_rank
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     hidden_terms = 4 * arch.hidden_size / (tp if work.sequence_parallel else 1)  # two norms' inputs and outputs
     split_terms = (2 * (q + 2 * kv) + q + 3 * arch.intermediate_size) / tp  # Q/K/V twice, attention out, fc1, SwiGLU
@@ -130,7 +135,7 @@ def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int,
     micro_batches = max(1, math.ceil(work.batch_prompts * work.samples / dp / work.micro_batch))
     in_flight = min(pp, micro_batches)
     per_layer = layer_activation_bytes(arch, work, tp)
-    tokens = work.seq_len * work.micro_batch / work.context_parallel  # this rank's tokens of a micro-batch
+    tokens = work.tokens_per_rank
     if work.recompute:
         inputs = 2 * tokens * arch.hidden_size / (tp if work.sequence_parallel else 1)
         activations = in_flight * layers * inputs + per_layer

@@ -205,7 +205,7 @@ class MegatronPolicy:
             vocab_size=self.arch.vocab_size, group=self.tp_group, chunk_size=self.logprob_chunk_size,
         )
         mine = torch.zeros(targets.shape, dtype=torch.float32, device=self.device).index_put((targets,), picked.float())
-        return gather_sequence(mine, self.cp_group if self.cp_size > 1 else None)[:, : batch.target_mask.shape[1]]
+        return gather_sequence(mine, self.cp_group)[:, : batch.target_mask.shape[1]]
 
     def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
         """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP, CP and DP."""
