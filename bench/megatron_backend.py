@@ -207,14 +207,14 @@ def step_times(args, work: Path) -> tuple[list[float], list[float]]:
     trainers = {backend: Trainer(load_config(None, [*tiny_overrides(args, work / backend), *overrides,
                                                     f"model.backend={backend}"]))
                 for backend in ("megatron", "hf")}
-    examples = trainers["hf"].splits.train[: args.prompts]
+    examples = trainers["hf"].components.splits.train[: args.prompts]
     times: dict[str, list[float]] = {name: [] for name in trainers}
     for repeat in range(args.warmup + args.repeats):
         order = ["megatron", "hf"] if repeat % 2 == 0 else ["hf", "megatron"]
         for name in order:
             trainer = trainers[name]
-            trainer.rollout_generator.manual_seed(0)
-            trainer.estimator_generator.manual_seed(1)
+            trainer.random.rollout.manual_seed(0)
+            trainer.random.estimator.manual_seed(1)
             started = time.perf_counter()
             trainer.train_step(examples)
             times[name].append(time.perf_counter() - started)
@@ -248,7 +248,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not torch.cuda.is_available():
         from megatron_cpu import patch_megatron_for_cpu
-
         from nemo_jq.models.backends import MEGATRON_ON_CPU
 
         patch_megatron_for_cpu()

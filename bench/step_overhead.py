@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,18 +61,16 @@ def paired_ratio(numerator: list[float], denominator: list[float], resamples: in
 def timed_estimator(trainer, seconds: list[float]) -> None:
     """Make ``trainer`` record how long each call of its estimator takes (the forward part of its work)."""
     import dataclasses
-    import functools
 
-    estimator = trainer.spec.fn
+    estimator = trainer.estimator.fn
 
-    @functools.wraps(estimator)  # the trainer reads the estimator's parameters from its signature
-    def timed(*args, **kwargs):
+    def timed(inputs, options):
         started = time.perf_counter()
-        out = estimator(*args, **kwargs)
+        out = estimator(inputs, options)
         seconds[-1] += time.perf_counter() - started
         return out
 
-    trainer.spec = dataclasses.replace(trainer.spec, fn=timed)
+    trainer.estimator = dataclasses.replace(trainer.estimator, fn=timed)
 
 
 def estimator_step_times(args, work: Path) -> tuple[dict[str, list[float]], dict[str, list[float]], "Trainer"]:
@@ -88,7 +85,7 @@ def estimator_step_times(args, work: Path) -> tuple[dict[str, list[float]], dict
         "grpo": ["objective.name=grpo"],
     }
     trainers = {name: Trainer(load_config(None, tiny_overrides(args, work / name) + extra)) for name, extra in methods.items()}
-    examples = trainers["rb_rloo"].splits.train[: args.prompts]
+    examples = trainers["rb_rloo"].components.splits.train[: args.prompts]
     times: dict[str, list[float]] = {name: [] for name in trainers}
     estimator: dict[str, list[float]] = {name: [] for name in trainers}
     for name, trainer in trainers.items():
@@ -97,8 +94,8 @@ def estimator_step_times(args, work: Path) -> tuple[dict[str, list[float]], dict
     for repeat in range(args.warmup + args.repeats):
         for name in names[repeat % len(names) :] + names[: repeat % len(names)]:  # rotate who goes first
             trainer = trainers[name]
-            trainer.rollout_generator.manual_seed(0)
-            trainer.estimator_generator.manual_seed(1)
+            trainer.random.rollout.manual_seed(0)
+            trainer.random.estimator.manual_seed(1)
             estimator[name].append(0.0)
             started = time.perf_counter()
             trainer.train_step(examples)
@@ -115,8 +112,9 @@ def trl_step_time(args, trainer, work: Path) -> tuple[float, float]:
     from trl import GRPOConfig, GRPOTrainer
 
     model_dir = work / "trl_model"
-    trainer.policy.export(model_dir, trainer.tokenizer)
-    prompts = [trainer.tokenizer.decode(p) for p in trainer.prompt_ids(trainer.splits.train[: args.prompts])]
+    parts = trainer.components
+    parts.policy.export(model_dir, parts.tokenizer)
+    prompts = [parts.tokenizer.decode(p) for p in parts.prompt_ids(parts.splits.train[: args.prompts])]
     completion_length = args.thinking + 1 + args.answer
     durations: list[float] = []
 
@@ -135,7 +133,7 @@ def trl_step_time(args, trainer, work: Path) -> tuple[float, float]:
     )
     grpo = GRPOTrainer(
         model=str(model_dir), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
-        train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), processing_class=trainer.tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), processing_class=parts.tokenizer,
         callbacks=[StepTimer()],
     )
     grpo.train()

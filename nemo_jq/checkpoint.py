@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nemo_jq import distributed
-from nemo_jq.models.hf import require_files
+from nemo_jq.models.common import require_files
 from nemo_jq.models.interfaces import Policy
 
 RNG, STATE = "rng.pt", "state.json"

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--resume", type=Path, metavar="RUN_DIR",
                        help="continue a run from its latest checkpoint; overrides may change only how long it runs, "
                             "how it is evaluated and saved (train.epochs, train.max_steps, eval.*, ...) and the megatron "
-                            "layout (model.tensor_parallel, pipeline_parallel, context_parallel, ...)")
+                            "layout (megatron.tensor_parallel, pipeline_parallel, context_parallel, ...)")
     train.add_argument("--overwrite", action="store_true",
                        help="if the run directory (or --demo-dir) holds a run, move it aside to NAME.old-<time> first")
     train.add_argument("--demo-dir", type=Path, default=Path("runs/cold_start"), help="output of the no-argument demo")
@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--template", type=_with_escapes,
                       help="jsonl: user-turn template over {question} and {context}; \\n is a new line")
     prep.add_argument("--system", type=_with_escapes, help="jsonl: system message for the warm format; \\n is a new line")
+    prep.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                      help="a module or .py file that registers a dataset (docs/extending.md); repeatable")
 
     planner = commands.add_parser(
         "plan", help="estimate per-GPU memory of every TP x PP x DP layout (at a CP size) and recommend one",
@@ -93,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--recompute", action="store_true", help="full activation recomputation")
     planner.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
     planner.add_argument("--context-parallel", type=_positive, default=1,
-                         help="CP: ranks that split every sequence (model.context_parallel; GPU only, with TE)")
+                         help="CP: ranks that split every sequence (megatron.context_parallel; GPU only, with TE)")
     planner.add_argument("--optimizer", default="fp32-adamw", choices=("fp32-adamw", "fp32-distopt", "bf16-distopt"),
-                         help="fp32-adamw: the backend's default; fp32-distopt: model.distributed_optimizer=true; "
-                              "bf16-distopt: model.bf16_weights=true as well")
+                         help="fp32-adamw: the backend's default; fp32-distopt: megatron.distributed_optimizer=true; "
+                              "bf16-distopt: megatron.bf16_weights=true as well")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     launcher = commands.add_parser(
@@ -288,22 +290,26 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(json.dumps(result, indent=2))
         return 0
 
-    trainer = load_for_inference(args.checkpoint, getattr(args, "overrides", ()))
+    loaded = load_for_inference(args.checkpoint, getattr(args, "overrides", ()))
     if args.command == "eval":
-        metrics = trainer.evaluate(args.split)
+        from nemo_jq.evaluation import Evaluator
+
+        metrics = Evaluator(loaded.components).evaluate(args.split)
         if distributed.is_writer():
             print(json.dumps({"split": args.split, **metrics}, indent=2))
     else:
-        trainer.policy.export(args.out, trainer.tokenizer)
+        loaded.components.policy.export(args.out, loaded.components.tokenizer)
         if distributed.is_writer():
             print(f"exported to {args.out}")
     return 0
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
+    from nemo_jq.config import import_plugins
     from nemo_jq.data.prepare import PAPER_SIZES, PREPARED_FILES, make_task, prepare, write_prepared
     from nemo_jq.outputs import claim_dir
 
+    import_plugins(args.plugin)
     if args.sizes:
         parts = args.sizes.split(",")
         if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):

@@ -1,18 +1,18 @@
 """Typed run configuration: dataclasses loaded from YAML, with ``key=value`` overrides.
 
-Every key is checked: an unknown key is an error that names it and suggests the closest
-valid key, and values are checked against the field's type. The defaults are the embedded
-CPU demo (a tiny Qwen3 on the synthetic task).
+Every key is checked (:mod:`nemo_jq.typed`): an unknown key is an error that names it and suggests the
+closest valid key, and values are checked against the field's type and range. Names that registries
+hold (estimators and their options, backends, rollout engines, datasets, the guard's estimator) are
+checked against those registries once ``plugins`` are imported. The defaults are the embedded CPU demo
+(a tiny Qwen3 on the synthetic task).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import inspect
-import operator
-import types
-import typing
+import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,26 +22,11 @@ import yaml
 from nemo_jq.data.base import FORMATS
 from nemo_jq.data.prepare import BAD_ROW_POLICIES
 from nemo_jq.guard import GUARD_ACTIONS
+from nemo_jq.models import PRECISIONS
+from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
+from nemo_jq.typed import ConfigError, build, describe_fields, option
 
-#: Compute precisions of the policy and rollouts.
-PRECISIONS = ("auto", "fp32", "bf16")
-#: The registered backends (nemo_jq.models.backends); named here so loading a config imports no torch.
-BACKEND_NAMES = ("hf", "megatron")
-#: The registered rollout samplers (nemo_jq.rollouts), likewise.
-ROLLOUT_ENGINE_NAMES = ("native", "hf", "vllm")
-
-class ConfigError(ValueError):
-    pass
-
-
-def option(default: Any = None, help: str = "", *, factory: Any = None, ge: float | None = None,
-           gt: float | None = None, le: float | None = None, lt: float | None = None,
-           choices: tuple[str, ...] | None = None) -> Any:
-    """A config field with its help text and the range or choices every value is checked against at load time."""
-    metadata = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
+__all__ = ["Config", "ConfigError", "describe_keys", "load_config", "save_config"]
 
 
 @dataclass
@@ -61,23 +46,8 @@ class TinyModelConfig:
 class ModelConfig:
     path: str | None = option(None, "local HF folder (or hub name, where a network is available); null = tiny Qwen3 from scratch")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    backend: str = option("hf", "hf (transformers, one process) or megatron (megatron-core GPTModel; any number "
-                          "of processes under torchrun)", choices=BACKEND_NAMES)
-    tensor_parallel: int = option(1, "megatron: ranks that split each layer (must divide the attention heads, "
-                                  "KV heads and MLP width)", ge=1)
-    pipeline_parallel: int = option(1, "megatron: pipeline stages, each an equal run of layers (must divide the "
-                                    "layer count), scheduled 1F1B", ge=1)
-    sequence_parallel: bool = option(False, "megatron: split the norms' and dropouts' activations over the "
-                                     "tensor-parallel ranks too (needs tensor_parallel > 1)")
-    context_parallel: int = option(1, "megatron: ranks that split every sequence (load-balanced, 2 chunks each) for "
-                                   "long contexts; needs Transformer Engine's attention, so GPU only", ge=1)
-    recompute_activations: bool = option(False, "megatron: keep only each layer's input and recompute the layer in "
-                                         "backward (less activation memory, about a third more compute)")
-    distributed_optimizer: bool = option(False, "megatron: split AdamW's fp32 master weights and moments over the "
-                                         "data-parallel ranks (ZeRO-1: 12/DP bytes of optimizer state per parameter)")
-    bf16_weights: bool = option(False, "megatron: bf16 parameters and activations, with fp32 gradient accumulation "
-                                "and the fp32 master weights in the distributed optimizer (needs "
-                                "distributed_optimizer=true)")
+    backend: str = option("hf", "a registered backend: hf (transformers, one process) or megatron (megatron-core "
+                          "GPTModel; any number of processes under torchrun; its layout is the megatron section)")
     precision: str = option("auto", "auto = bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     logprob_chunk_size: int = option(256, "positions per chunk of the log-prob kernel", ge=1)
 
@@ -116,21 +86,22 @@ class RolloutConfig:
     temperature: float = option(1.0, "0 = greedy", ge=0.0)
     top_k: int = option(0, "0 = off (the paper's setting)", ge=0)
     top_p: float = option(1.0, "1.0 = off (the paper's setting)", gt=0.0, le=1.0)
-    engine: str = option("native", "native (shared prefill, compaction; this process), hf (the plain decode loop), "
-                         "or vllm (optional extra, GPU; needs model.path)", choices=ROLLOUT_ENGINE_NAMES)
+    engine: str = option("native", "a registered sampler: native (shared prefill, compaction; this process), hf (the "
+                         "plain decode loop), or vllm (optional extra; needs model.path)")
     tensor_parallel: int = option(1, "vllm only: ranks that hold one vLLM engine, tensor-parallel (torchrun's own "
-                                  "processes, vLLM's external launcher; must divide model.tensor_parallel)", ge=1)
+                                  "processes, vLLM's external launcher; must divide megatron.tensor_parallel)", ge=1)
     max_logprob_gap: float = option(
         1.0, "warn when an engine's log-prob of a sampled token differs from the policy's by more than this", gt=0.0)
 
 
 @dataclass
 class ObjectiveConfig:
-    name: str = option("garl", "an estimator from the registry: garl, paft, rb_rloo, grpo, rloo, sft")
+    name: str = option("garl", "a registered estimator: garl, paft, rb_rloo, grpo, rloo, sft (or a plugin's)")
     q: float = option(0.75, "the commitment, in [0, 1]", ge=0.0, le=1.0)
     q_schedule: dict[str, Any] | None = option(None, "a q schedule mapping (nemo_jq.objectives.schedules); replaces q")
     options: dict[str, Any] = option(
-        help="the estimator's keyword options, e.g. {baseline: none} (garl), {num_resamples: 4} (paft)", factory=dict)
+        help="the estimator's options, e.g. {baseline: none} (garl), {num_resamples: 4} (paft); each estimator's "
+        "are listed below", factory=dict)
 
 
 @dataclass
@@ -162,8 +133,9 @@ class GuardConfig:
     logp_drop: float = option(5.0, "or when the train log P̂ (mean of guard.window steps) falls this many nats below its "
                               "best such mean; 0 = off", ge=0.0)
     window: int = option(16, "steps in the log P̂ mean", ge=1)
-    action: str = option("paft", "paft (switch the estimator to PAFT at the same q), lower_q, or lower_lr",
-                         choices=GUARD_ACTIONS)
+    action: str = option("switch_estimator", "switch_estimator (to guard.estimator, at the same q), lower_q, or "
+                         "lower_lr", choices=GUARD_ACTIONS)
+    estimator: str = option("paft", "switch_estimator: the registered estimator to switch to")
     factor: float = option(0.5, "lower_q / lower_lr: multiply q / the learning rate by this", gt=0.0, lt=1.0)
     max_triggers: int = option(3, "act at most this many times in a run", ge=1)
 
@@ -185,6 +157,7 @@ class TrainConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    megatron: MegatronLayout = field(default_factory=MegatronLayout)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -192,13 +165,27 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    plugins: list[str] = option(help="modules or .py files imported before the config is checked: they register "
+                                "estimators, backends, rollout engines or datasets (docs/extending.md)", factory=list)
 
     def validate(self) -> "Config":
-        """Cross-field checks that need the registry or the prepared data (done before any model is built).
+        """Cross-field checks that need the registries or the prepared data (done before any model is built).
 
-        Resolves ``data.name``, ``data.template`` and ``data.system_prompt`` from a prepared
-        folder's manifest, so the saved config says what the run trained on.
+        Imports ``plugins`` first. Resolves ``data.name``, ``data.template`` and ``data.system_prompt`` from
+        a prepared folder's manifest, so the saved config says what the run trained on.
         """
+        import_plugins(self.plugins)
+        spec = self._check_estimators()
+        self._check_backend_and_rollouts()
+        if self.guard.enabled and self.guard.action == "lower_q" and not spec.uses_q:
+            raise ConfigError(f"guard.action=lower_q needs an estimator with a q; {spec.name!r} has none: "
+                              "use guard.action=lower_lr")
+        if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")
+        self._resolve_data()
+        return self
+
+    def _check_estimators(self):
         from nemo_jq.objectives import get_objective
         from nemo_jq.objectives.schedules import build_schedule
 
@@ -211,41 +198,46 @@ class Config:
                 build_schedule(self.objective.q_schedule)
             except ValueError as err:
                 raise ConfigError(f"objective.q_schedule: {err}") from None
-        accepted = set(inspect.signature(spec.fn).parameters)
-        for key in self.objective.options:
-            if key not in accepted or key in ("q", "generator"):
-                raise ConfigError(f"objective.options.{key} is not an option of {spec.name!r}")
+        spec.parse_options(self.objective.options)
         if self.rollout.num_samples < spec.min_samples:
             raise ConfigError(
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
-        if self.model.backend != "megatron" and (self.model.tensor_parallel > 1 or self.model.pipeline_parallel > 1
-                                                 or self.model.context_parallel > 1
-                                                 or self.model.sequence_parallel or self.model.recompute_activations
-                                                 or self.model.distributed_optimizer or self.model.bf16_weights):
-            raise ConfigError(f"model.tensor_parallel/pipeline_parallel/context_parallel/sequence_parallel/"
-                              f"recompute_activations/distributed_optimizer/bf16_weights need "
-                              f"model.backend=megatron "
+        if self.guard.enabled and self.guard.action == "switch_estimator":
+            try:
+                switched = get_objective(self.guard.estimator)
+            except KeyError as err:
+                raise ConfigError(f"guard.estimator: {err.args[0]}") from None
+            if self.rollout.num_samples < switched.min_samples:
+                raise ConfigError(f"guard.estimator={switched.name!r} needs rollout.num_samples >= {switched.min_samples}")
+        return spec
+
+    def _check_backend_and_rollouts(self) -> None:
+        from nemo_jq.models.backends import BACKENDS
+        from nemo_jq.rollouts import SAMPLERS
+
+        if self.model.backend not in BACKENDS:
+            raise ConfigError(f"model.backend must be one of {', '.join(sorted(BACKENDS))}; got {self.model.backend!r}")
+        if self.rollout.engine not in SAMPLERS:
+            raise ConfigError(f"rollout.engine must be one of {', '.join(sorted(SAMPLERS))}; got {self.rollout.engine!r}")
+        try:
+            self.megatron.validate()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.model.backend != "megatron" and not self.megatron.is_single_process:
+            changed = [f"megatron.{f.name}" for f in dataclasses.fields(MegatronLayout)
+                       if getattr(self.megatron, f.name) != getattr(MegatronLayout(), f.name)]
+            raise ConfigError(f"{', '.join(changed)} need model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
-        if self.model.bf16_weights and not self.model.distributed_optimizer:
-            raise ConfigError("model.bf16_weights=true keeps the fp32 master weights in the distributed optimizer: "
-                              "set model.distributed_optimizer=true too (it is plain AdamW on fp32 masters at DP=1)")
         if self.rollout.tensor_parallel > 1 and (self.rollout.engine != "vllm" or self.model.backend != "megatron"
-                                                 or self.model.tensor_parallel % self.rollout.tensor_parallel):
+                                                 or self.megatron.tensor_parallel % self.rollout.tensor_parallel):
             raise ConfigError(f"rollout.tensor_parallel={self.rollout.tensor_parallel} splits a vLLM engine over the ranks of "
                               "one model replica: it needs rollout.engine=vllm, model.backend=megatron and a "
-                              f"model.tensor_parallel it divides (got {self.rollout.engine}, {self.model.backend}, "
-                              f"{self.model.tensor_parallel})")
+                              f"megatron.tensor_parallel it divides (got {self.rollout.engine}, {self.model.backend}, "
+                              f"{self.megatron.tensor_parallel})")
         if self.rollout.engine == "vllm" and not self.model.path:
             raise ConfigError("rollout.engine=vllm needs model.path (an HF folder vLLM can load; the policy's weights "
                               "replace its own after each step): set model.path, or use rollout.engine=native")
-        if self.guard.enabled and self.guard.action == "lower_q" and not spec.uses_q:
-            raise ConfigError(f"guard.action=lower_q needs an estimator with a q; {spec.name!r} has none: "
-                              "use guard.action=lower_lr")
-        if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
-            raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")
-        self._resolve_data()
-        return self
 
     def _resolve_data(self) -> None:
         from nemo_jq.data.prepare import read_manifest
@@ -270,38 +262,45 @@ class Config:
             raise ConfigError(f"data.name must be 'synthetic' or one of {sorted(DATASETS)}; got {data.name!r}")
 
 
-def describe_keys() -> str:
-    """Every config key with its type, default, allowed range and help: the ``nemo-jq train --help`` listing."""
-    lines = []
-
-    def walk(cls: type, instance: Any, prefix: str) -> None:
-        for f in dataclasses.fields(cls):
-            value = getattr(instance, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(type(value), value, f"{prefix}{f.name}.")
+def import_plugins(plugins: list[str]) -> None:
+    """Import each plugin (a module name, or a path to a .py file) once, so that its registrations run."""
+    for plugin in plugins:
+        path = Path(plugin)
+        if plugin.endswith(".py"):
+            name = f"nemo_jq_plugin_{path.resolve().stem}"
+            if name in sys.modules:
                 continue
-            bounds = _bounds_text(f.metadata)
-            hint = f.metadata.get("help", "")
-            text = f"  {prefix}{f.name} = {yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
-            extras = "; ".join(part for part in (bounds, hint) if part)
-            lines.append(f"{text:<44} {extras}" if extras else text)
+            if not path.is_file():
+                raise ConfigError(f"plugins: {plugin} does not exist (a plugin is a module name or a .py file)")
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            continue
+        try:
+            importlib.import_module(plugin)
+        except ModuleNotFoundError as err:
+            raise ConfigError(f"plugins: cannot import {plugin!r} ({err}); install it or add its folder to PYTHONPATH") from None
 
+
+def describe_keys() -> str:
+    """Every config key with its type, default, allowed range and help (the ``nemo-jq train --help`` listing),
+    then each registered estimator's options."""
+    from nemo_jq.objectives import get_objective, list_objectives
+
+    lines = []
     defaults = Config()
     for section in dataclasses.fields(Config):
-        lines.append(f"{section.name}:")
         value = getattr(defaults, section.name)
-        walk(type(value), value, f"{section.name}.")
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{section.name}:")
+            lines += describe_fields(type(value), value, f"{section.name}.")
+    lines += describe_fields(Config, defaults, "", only=["plugins"])
+    lines.append("objective.options, by estimator:")
+    for name in list_objectives():
+        spec = get_objective(name)
+        lines += describe_fields(spec.options, spec.options(), f"{name}: ") or [f"  {name}: (none)"]
     return "\n".join(lines)
-
-
-#: The bounds an ``option`` may declare: how each reads and how each is checked.
-_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
-
-
-def _bounds_text(metadata: Any) -> str:
-    if metadata.get("choices"):
-        return "one of " + ", ".join(metadata["choices"])
-    return " and ".join(f"{symbol} {metadata[key]}" for key, (symbol, _) in _BOUNDS.items() if metadata.get(key) is not None)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -314,12 +313,52 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raw = _parse_yaml(path.read_text(), str(path)) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    _migrate(raw)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_path(raw, key.split("."), _parse_yaml(value, f"override {item!r}"))
-    return _build(Config, raw, prefix="").validate()
+        if current_key(key) != key:
+            _deprecated(key, current_key(key))
+        _set_path(raw, current_key(key).split("."), _parse_yaml(value, f"override {item!r}"))
+    _migrate(raw)
+    return build(Config, raw, prefix="").validate()
+
+
+#: Deprecations already announced in this process (each is said once).
+_ANNOUNCED: set[str] = set()
+
+
+def _deprecated(old: str, new: str) -> None:
+    if old not in _ANNOUNCED:
+        _ANNOUNCED.add(old)
+        print(f"nemo-jq: warning: {old} is deprecated: use {new} (the old key is read until 0.3)", file=sys.stderr)
+
+
+def current_key(key: str) -> str:
+    """The key's name since 0.2 (``model.tensor_parallel`` -> ``megatron.tensor_parallel``); others unchanged."""
+    section, _, name = key.partition(".")
+    return f"megatron.{name}" if section == "model" and name in DEPRECATED_MODEL_KEYS else key
+
+
+def _migrate(raw: dict[str, Any]) -> None:
+    """Move keys renamed in 0.2 to their new place, saying so once each: ``model.<layout key>`` ->
+    ``megatron.<key>``, ``guard.action=paft`` -> ``guard.action=switch_estimator`` (``guard.estimator=paft``)."""
+    model, guard = raw.get("model"), raw.get("guard")
+    if isinstance(model, dict):
+        for key in DEPRECATED_MODEL_KEYS:
+            if key in model:
+                megatron = raw.setdefault("megatron", {})
+                if not isinstance(megatron, dict):
+                    raise ConfigError(f"megatron must be a mapping; got {megatron!r}")
+                if key in megatron:
+                    raise ConfigError(f"model.{key} and megatron.{key} are both set: keep megatron.{key} only")
+                _deprecated(f"model.{key}", f"megatron.{key}")
+                megatron[key] = model.pop(key)
+    if isinstance(guard, dict) and guard.get("action") == "paft":
+        _deprecated("guard.action=paft", "guard.action=switch_estimator (with guard.estimator=paft, its default)")
+        guard["action"] = "switch_estimator"
+        guard.setdefault("estimator", "paft")
 
 
 def _parse_yaml(text: str, where: str) -> Any:
@@ -343,57 +382,3 @@ def _set_path(tree: dict[str, Any], keys: list[str], value: Any) -> None:
             raise ConfigError(f"cannot set {'.'.join(keys)}: {key} is not a section")
         tree = node
     tree[keys[-1]] = value
-
-
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping; got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {sorted(fields)}"
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
-    values = {}
-    for name, value in raw.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, value, f"{prefix}{name}.")
-        else:
-            values[name] = _check_range(_check_type(value, hint, f"{prefix}{name}"), fields[name].metadata, f"{prefix}{name}")
-    return cls(**values)
-
-
-def _check_range(value: Any, metadata: Any, key: str) -> Any:
-    """The value, if it lies in the field's range or choices; else an error naming the key and what is allowed."""
-    if value is None or isinstance(value, bool):
-        return value
-    choices = metadata.get("choices")
-    if choices and value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
-    if isinstance(value, (int, float)) and not all(
-        check(value, metadata[key]) for key, (_, check) in _BOUNDS.items() if metadata.get(key) is not None
-    ):
-        raise ConfigError(f"{key} must be {_bounds_text(metadata)}; got {value!r}")
-    return value
-
-
-def _check_type(value: Any, hint: Any, key: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check_type(value, inner[0], key)
-    expected = origin or hint
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if expected is Any or (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
-        return value
-    raise ConfigError(f"{key} must be {getattr(expected, '__name__', expected)}; got {value!r}")

@@ -146,3 +146,7 @@ class DataParallel:
 
     def sum(self, value: float) -> float:
         return float(sum(self.gather([value])))
+
+    def replica_seed(self, seed: int) -> int:
+        """A seed of this replica's own random streams (its prompts' samples); replica 0 keeps ``seed``."""
+        return seed + 1_000_003 * self.rank

@@ -61,7 +61,7 @@ def report() -> dict[str, Any]:
                                    else "local (megatron-core's torch layers)")
     info["model.backend=megatron usable"] = cuda and info["megatron.core imports"] == "yes"
     # megatron-core's local attention has no context parallelism; TE's does
-    info["model.context_parallel > 1 usable"] = (info["model.backend=megatron usable"]
+    info["megatron.context_parallel > 1 usable"] = (info["model.backend=megatron usable"]
                                                  and info["megatron layer spec"] == "transformer_engine")
     info["vllm"] = _version("vllm")
     info["vllm imports"] = _imports("vllm") if info["vllm"] != "not installed" else "not installed"

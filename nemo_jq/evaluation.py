@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from nemo_jq.chat import ChatFormat
 from nemo_jq.data.base import Example, Task
 from nemo_jq.models.interfaces import RolloutEngine
+
+if TYPE_CHECKING:
+    from nemo_jq.components import Components
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -78,3 +81,46 @@ def memorised(task: Task, noisy: Sequence[Example], outputs: Sequence[Sequence[s
     return [task.is_correct(samples[0], example)
             and not task.is_correct(samples[0], Example(example.id, example.question, example.meta[CLEAN_ANSWER]))
             for example, samples in zip(noisy, outputs)]
+
+
+class Evaluator:
+    """A run's evaluation: scores on a split, and memorisation of noisy labels, from its rollout engine.
+
+    Sampling draws from its own generator, seeded from the run's seed (and, per call, ``seed_offset``):
+    evaluating never moves the training streams. Each data-parallel replica samples its share.
+    """
+
+    def __init__(self, components: Components):
+        self.components = components
+
+    def evaluate(self, split: str, seed_offset: int = 0) -> dict[str, float]:
+        """p@1, p@k and m@k (k = eval.num_samples) on ``split``."""
+        from tqdm import tqdm
+
+        from nemo_jq import distributed
+
+        parts, settings = self.components, self.components.config.eval
+        examples = parts.splits.get(split)
+        mine = parts.data_parallel.shard(examples)
+        seed = parts.data_parallel.replica_seed(parts.config.train.seed + 10_000 + seed_offset)
+        generator = torch.Generator(device=parts.device).manual_seed(seed)
+        with tqdm(total=len(mine), desc=f"eval {split}", leave=False, dynamic_ncols=True,
+                  disable=not distributed.is_writer()) as bar:
+            outputs = sample_outputs(parts.engine, parts.chat, parts.task, mine, parts.config.data.format,
+                                     settings.num_samples, settings.batch_size, generator, bar)
+        return score_outputs(parts.task, examples, parts.data_parallel.gather(outputs), settings.num_samples)
+
+    def memorisation(self) -> float | None:
+        """Percent of the noisy training prompts (``data.label_noise``) whose corrupted label the model's greedy
+        answer reproduces; None without label noise."""
+        from nemo_jq.data.noise import noisy_examples
+
+        parts = self.components
+        noisy = noisy_examples(parts.splits.train)
+        if not noisy:
+            return None
+        unused = torch.Generator(device=parts.device)  # greedy decoding draws nothing
+        outputs = sample_outputs(parts.engine, parts.chat, parts.task, parts.data_parallel.shard(noisy),
+                                 parts.config.data.format, 1, parts.config.eval.batch_size, unused, greedy=True)
+        flags = memorised(parts.task, noisy, parts.data_parallel.gather(outputs))
+        return 100 * sum(flags) / len(flags)

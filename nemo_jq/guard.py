@@ -18,8 +18,9 @@ import math
 from collections import deque
 from typing import Any
 
-#: What the trainer may do after restoring the best checkpoint.
-GUARD_ACTIONS = ("paft", "lower_q", "lower_lr")
+#: What the trainer may do after restoring the best checkpoint: switch to ``guard.estimator`` (a registered
+#: estimator, at the same q), or lower q or the learning rate by ``guard.factor``.
+GUARD_ACTIONS = ("switch_estimator", "lower_q", "lower_lr")
 
 
 class CollapseGuard:

@@ -99,3 +99,16 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Prompt-weighted means of ``(prompts, metrics)`` pairs (micro-batches'); ``max_*`` metrics take the maximum."""
+    total = sum(n for n, _ in micro_metrics)
+    merged: dict[str, float] = {}
+    for key in micro_metrics[0][1]:
+        values = [(n, m[key]) for n, m in micro_metrics if key in m]
+        if key.startswith("max_"):
+            merged[key] = max(v for _, v in values)
+        else:
+            merged[key] = sum(n * v for n, v in values) / total
+    return merged

@@ -6,9 +6,9 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   output projection, SwiGLU MLP, four norms);
 * ``fp32-adamw`` (``model.backend=megatron``'s default): fp32 weights and gradients and two
   fp32 AdamW moments, 16 bytes a parameter, split over TP x PP and replicated over DP;
-  ``fp32-distopt`` (``model.distributed_optimizer=true``): fp32 weights and gradients, and fp32
+  ``fp32-distopt`` (``megatron.distributed_optimizer=true``): fp32 weights and gradients, and fp32
   master weights plus moments (12 bytes) sharded over DP;
-  ``bf16-distopt`` (``model.bf16_weights=true``, Megatron's usual recipe): bf16 weights, fp32 gradients,
+  ``bf16-distopt`` (``megatron.bf16_weights=true``, Megatron's usual recipe): bf16 weights, fp32 gradients,
   and the 12 bytes of master weights and moments sharded over DP;
 * activations in bf16 for one micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens per
   layer, with fused (flash) attention, so nothing quadratic in the length is kept: the
@@ -36,6 +36,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_config
 
 GB = 1024**3
@@ -166,12 +167,12 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
     gpus, cp = gpus_per_node * nodes, work.context_parallel
     layouts = []
     for tp in range(1, gpus_per_node + 1):
-        if any(count % tp for count in (arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size)):
-            continue
         for pp in range(1, arch.num_layers + 1):
-            if arch.num_layers % pp or gpus % (tp * pp * cp) or work.batch_prompts % (gpus // (tp * pp * cp)):
+            layout = MegatronLayout(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
+                                    sequence_parallel=work.sequence_parallel and tp > 1)
+            if not layout.divides(arch, gpus) or work.batch_prompts % layout.data_parallel(gpus):
                 continue
-            layouts.append(estimate(arch, work, tp, pp, gpus // (tp * pp * cp), gpu_gb, headroom))
+            layouts.append(estimate(arch, work, tp, pp, layout.data_parallel(gpus), gpu_gb, headroom))
     if not layouts:
         raise ValueError(f"no TP x PP x DP layout of {gpus} GPUs at CP={cp} divides this model and a batch of "
                          f"{work.batch_prompts} prompts: change --nodes/--gpus-per-node, --context-parallel or "

@@ -1,13 +1,64 @@
-"""Finding and loading a run's checkpoints for evaluation and export."""
+"""A run directory: what it holds, claiming a new one safely, and loading one's checkpoint for eval and export."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from nemo_jq import distributed
 from nemo_jq.checkpoint import STATE, latest_checkpoint, load_checkpoint, step_dir_name
-from nemo_jq.config import load_config
-from nemo_jq.trainer import CHECKPOINT_DIR, CONFIG_FILE, Trainer
+from nemo_jq.components import Components, build_components
+from nemo_jq.config import Config, current_key, load_config, save_config
+from nemo_jq.models.common import resolve_device
+from nemo_jq.monitor import METRICS_FILE, plot_runs, read_metrics
+from nemo_jq.outputs import claim_dir
+
+CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
+#: What a run writes into its directory; any of them there means the directory holds a run.
+RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, "tensorboard", "training.png")
+#: Keys a resumed run may change: how long it goes on, how it is evaluated and saved, and how the megatron backend
+#: lays the model out over the processes (its checkpoints load at any TP, PP, CP and DP size), never what it trains.
+RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.tensorboard",
+                  "eval.every", "eval.num_samples", "eval.batch_size", "megatron.tensor_parallel",
+                  "megatron.pipeline_parallel", "megatron.context_parallel", "megatron.sequence_parallel",
+                  "megatron.recompute_activations", "megatron.distributed_optimizer")
+
+
+def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:
+    """Make sure a new run never writes over an earlier one (:func:`claim_dir` with the run's files)."""
+    return claim_dir(run_dir, RUN_FILES, overwrite=overwrite, what="a run",
+                     advice=f"continue it with `nemo-jq train --resume {run_dir}`, write the new run elsewhere "
+                            "(train.run_dir=...), or pass --overwrite to move the old run aside first")
+
+
+def write_run_files(run_dir: Path, config: Config, tokenizer: Any) -> None:
+    """What a run writes before its first step: its resolved config, and its tokenizer (once)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir / CONFIG_FILE)
+    if not (run_dir / TOKENIZER_DIR).exists():
+        tokenizer.save_pretrained(run_dir / TOKENIZER_DIR)
+
+
+def write_results(run_dir: Path, results: dict[str, Any]) -> None:
+    """What a finished run writes: its test results and the Figure-3 panels of its metrics."""
+    (run_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    plot_runs({run_dir.name: read_metrics(run_dir)}, run_dir / "training.png")
+
+
+def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tuple[Config, Path]:
+    """A run's saved config (with ``overrides`` of :data:`RESUMABLE_KEYS` only) and its latest checkpoint."""
+    if not (run_dir / CONFIG_FILE).exists():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}")
+    refused = [item for item in overrides if current_key(item.partition("=")[0]) not in RESUMABLE_KEYS]
+    if refused:
+        raise ValueError(f"a resumed run keeps what it trains; {', '.join(refused)} cannot change mid-run. "
+                         f"Overrides allowed with --resume: {', '.join(RESUMABLE_KEYS)}")
+    checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from: start it again with --overwrite")
+    return load_config(run_dir / CONFIG_FILE, list(overrides)), checkpoint
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -25,9 +76,21 @@ def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
     raise FileNotFoundError(f"{path} is neither a checkpoint (no {STATE}) nor a run directory (no {CONFIG_FILE})")
 
 
-def load_for_inference(path: Path, overrides=()) -> Trainer:
-    """A Trainer whose policy holds the checkpoint's weights (optimizer state not loaded)."""
+@dataclass
+class LoadedRun:
+    """A run's components holding one checkpoint's weights (its optimizer state not loaded)."""
+
+    run_dir: Path
+    checkpoint: Path
+    components: Components
+
+
+def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRun:
+    """The components of the run at ``path`` (a run directory: its best checkpoint; or a checkpoint directory),
+    with that checkpoint's weights; ``overrides`` as for the run's config (e.g. ``eval.num_samples=4``)."""
     run_dir, checkpoint = resolve_checkpoint(path)
-    trainer = Trainer(load_config(run_dir / CONFIG_FILE, list(overrides)), run_dir=run_dir, existing=True)
-    load_checkpoint(checkpoint, trainer.policy, with_optimizer=False)
-    return trainer
+    config = load_config(run_dir / CONFIG_FILE, list(overrides))
+    device = distributed.init_from_env(resolve_device(config.train.device))
+    components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)
+    load_checkpoint(checkpoint, components.policy, with_optimizer=False)
+    return LoadedRun(run_dir, checkpoint, components)

@@ -129,9 +129,9 @@ class _TorchWithCpuZeros:
 
 def patch_megatron_for_cpu() -> None:
     """Apply the CPU patches to this process (irreversibly: call it in spawned workers only)."""
+    from megatron.core.models import backends
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.models import backends
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker

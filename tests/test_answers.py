@@ -16,7 +16,6 @@ from nemo_jq.data.answers import (
     StatedNumber,
     extract_final_answer,
     finqa_answer_match,
-    finqa_output_match,
     finqa_reference,
     parse_number,
     squad_normalize,

@@ -57,8 +57,8 @@ def gpu_measurements_on_cpu() -> dict:
 def test_megatron_gpu_mode_counts_model_flops_and_its_code_runs_on_a_tiny_model():
     sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
     from megatron_backend import training_step_flops
-    from megatron_cpu import run_in_processes
 
+    from megatron_cpu import run_in_processes
     from nemo_jq.models.megatron.provider import read_qwen3_config
     from nemo_jq.plan import architecture
 

@@ -81,7 +81,8 @@ def test_budget_inserts_think_end_exactly_at_the_budget(sampler):
     with torch.no_grad():  # point </think>'s output row along the mean hidden state: some rows end on their own
         hidden = model.get_decoder()(input_ids=torch.tensor([prompts[0]])).last_hidden_state.mean((0, 1))
         model.get_output_embeddings().weight[chat.think_end_id] = 2.0 * hidden / hidden.norm()
-    groups = rollout_engine(model, chat, budget=4, sampler=sampler).generate(prompts, 8, sample_answers=True, generator=torch.Generator().manual_seed(0))
+    engine = rollout_engine(model, chat, budget=4, sampler=sampler)
+    groups = engine.generate(prompts, 8, sample_answers=True, generator=torch.Generator().manual_seed(0))
     rollouts = [r for g in groups for r in g]
     assert len(groups) == 6 and all(len(g) == 8 for g in groups)
     assert {r.think_end_forced for r in rollouts} == {True, False}

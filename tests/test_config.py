@@ -1,5 +1,7 @@
 """Typed config: YAML, overrides, and errors that name the key."""
 
+import dataclasses
+
 import pytest
 import yaml
 
@@ -28,25 +30,38 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (["objective.name=gerl"], "objective.name: unknown objective 'gerl'.*Did you mean 'garl'"),
         (["rollout.num_samples=1"], "rollout.num_samples=1 but 'garl' needs at least 2"),
         (["objective.options={baseline: mean}", "objective.name=paft"], "objective.options.baseline is not an option of 'paft'"),
+        (["objective.options={baseline: mean}"], "objective.options.baseline must be one of rloo, none; got 'mean'"),
+        (["objective.options={num_resamples: 0}", "objective.name=paft"], "objective.options.num_resamples must be >= 1"),
+        (["objective.name=grpo", "objective.options.rewards=1"],
+         "objective.options.rewards: 'rewards' is an input the trainer supplies to 'grpo', not an option; 'grpo' takes clip_eps"),
+        (["objective.name=grpo", "objective.options.tokens_per_example=3"], "'tokens_per_example' is an input the trainer supplies"),
+        (["objective.name=grpo", "objective.options.old_logprob=3"], "'old_logprob' is an input the trainer supplies"),
+        (["objective.name=grpo", "objective.options.clip_ep=0.1"], "did you mean 'clip_eps'"),
+        (["objective.name=paft", "objective.options.q=1"], "'q' is an input the trainer supplies to 'paft'"),
+        (["guard.enabled=true", "guard.estimator=paf"], "guard.estimator: unknown objective 'paf'.*Did you mean 'paft'"),
+        (["model.backend=tpu"], "model.backend must be one of hf, megatron; got 'tpu'"),
         (["train.batch_size=many"], "train.batch_size must be int; got 'many'"),
         (["data.format=tepid"], "data.format must be one of cold, warm"),
         (["model.precision=fp8"], "model.precision must be one of"),
         (["objective.q_schedule={name: linear, steps: 3}"], r"unknown key\(s\) \['steps'\]"),
         (["justakey"], "must look like section.key=value"),
         (["train.batch_size.x=1"], "train.batch_size is not a section|train.batch_size must be"),
-        (["model.recompute_activations=true"], "recompute_activations/distributed_optimizer/bf16_weights need model.backend=megatron"),
-        (["model.tensor_parallel=2"], "model.tensor_parallel/.* need model.backend=megatron"),
-        (["model.pipeline_parallel=2"], "pipeline_parallel/.* need model.backend=megatron"),
-        (["model.distributed_optimizer=true"], "distributed_optimizer/bf16_weights need model.backend=megatron"),
-        (["model.bf16_weights=true"], "bf16_weights need model.backend=megatron"),
-        (["model.backend=megatron", "model.bf16_weights=true"],
-         "model.bf16_weights=true keeps the fp32 master weights in the distributed optimizer: set model.distributed_optimizer=true"),
-        (["rollout.engine=sglang"], "rollout.engine must be one of native, hf, vllm"),
+        (["megatron.recompute_activations=true"], "megatron.recompute_activations need model.backend=megatron"),
+        (["megatron.tensor_parallel=2"], "megatron.tensor_parallel need model.backend=megatron"),
+        (["megatron.pipeline_parallel=2", "megatron.context_parallel=2"],
+         "megatron.pipeline_parallel, megatron.context_parallel need model.backend=megatron"),
+        (["megatron.distributed_optimizer=true"], "megatron.distributed_optimizer need model.backend=megatron"),
+        (["model.backend=megatron", "megatron.bf16_weights=true"],
+         "megatron.bf16_weights=true keeps the fp32 master weights in the distributed optimizer: set "
+         "megatron.distributed_optimizer=true"),
+        (["model.backend=megatron", "megatron.sequence_parallel=true"], "megatron.sequence_parallel needs megatron.tensor_parallel > 1"),
+        (["model.backend=megatron", "megatron.tensor_parallel=0"], "megatron.tensor_parallel must be >= 1"),
+        (["rollout.engine=sglang"], "rollout.engine must be one of hf, native, vllm"),
         (["rollout.engine=vllm"], "rollout.engine=vllm needs model.path"),
         (["rollout.max_logprob_gap=0"], "rollout.max_logprob_gap must be > 0.0"),
         (["rollout.tensor_parallel=2"], "rollout.tensor_parallel=2 splits a vLLM engine .*got native, hf, 1"),
         (["rollout.tensor_parallel=3", "rollout.engine=vllm", "model.path=m", "model.backend=megatron",
-          "model.tensor_parallel=4"], "a model.tensor_parallel it divides"),
+          "megatron.tensor_parallel=4"], "a megatron.tensor_parallel it divides"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
@@ -67,3 +82,38 @@ def test_every_example_config_loads():
     for path in files:
         config = load_config(path)
         assert config.train.run_dir.startswith("runs/")
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("model.tensor_parallel=2", "megatron.tensor_parallel", 2),
+    ("model.bf16_weights=true", "megatron.bf16_weights", True),
+    ("guard.action=paft", "guard.action=switch_estimator", "switch_estimator"),
+])
+def test_renamed_keys_still_load_with_one_line_naming_the_new_key(capsys, old, new, value):
+    import nemo_jq.config
+
+    nemo_jq.config._ANNOUNCED.clear()
+    extra = ["model.backend=megatron", "model.distributed_optimizer=true"] if "bf16" in old else ["model.backend=megatron"]
+    config = load_config(None, [old, *extra])
+    section, key = new.partition("=")[0].split(".")
+    assert getattr(getattr(config, section), key) == value
+    warnings = [line for line in capsys.readouterr().err.splitlines() if old.partition("=")[0] in line]
+    assert len(warnings) == 1 and f"use {new}" in warnings[0] and "deprecated" in warnings[0]
+    if old.startswith("guard"):
+        assert config.guard.estimator == "paft"
+
+
+def test_a_saved_config_with_the_old_layout_keys_reads_back_the_same(tmp_path):
+    """Run directories written before 0.2 hold model.tensor_parallel etc.: they resume with the same layout."""
+    old = dataclasses.asdict(load_config(None, ["model.backend=megatron", "megatron.tensor_parallel=2"]))
+    old["model"].update(old.pop("megatron"))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert load_config(path).megatron.tensor_parallel == 2
+
+
+def test_a_file_that_sets_a_key_under_both_names_is_refused(tmp_path):
+    path = tmp_path / "both.yaml"
+    path.write_text("model:\n  tensor_parallel: 2\nmegatron:\n  tensor_parallel: 4\n")
+    with pytest.raises(ConfigError, match="model.tensor_parallel and megatron.tensor_parallel are both set: keep megatron"):
+        load_config(path)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_jq.data.base import Example
 from nemo_jq.data.answers import extract_final_answer, finqa_answer_match, parse_number, squad_normalize
+from nemo_jq.data.base import Example
 from nemo_jq.data.prepare import load_prepared, make_task, prepare, write_prepared
 from nemo_jq.data.qa import CustomQA, FinQA, HotPotQA, MuSiQue
 
@@ -157,7 +157,8 @@ def test_splits_are_deterministic_disjoint_and_sized():
     a, _ = prepare(HotPotQA(), source, (3, 3, 3), seed=7)
     b, _ = prepare(HotPotQA(), source, (3, 3, 3), seed=7)
     c, _ = prepare(HotPotQA(), source, (3, 3, 3), seed=8)
-    ids = lambda s: [e.id for e in s.validation + s.test]
+    def ids(s):
+        return [e.id for e in s.validation + s.test]
     assert ids(a) == ids(b) and ids(a) != ids(c)
     assert not {e.id for e in a.validation} & {e.id for e in a.test}
     assert [len(a.train), len(a.validation), len(a.test)] == [3, 3, 3]
@@ -185,7 +186,8 @@ def test_bad_rows_are_reported_with_ids_or_stop_the_run():
     ]
     _, manifest = prepare(FinQA(), str(FIXTURES / "finqa"), (3, 1, 1), seed=0)
     assert manifest["sources"]["train"]["bad"][0]["reason"] == "field 'pre_text' must be list, got str"
-    with pytest.raises(ValueError, match=r"train.jsonl: row 3 \(id 2hop__3\): unanswerable question \(answerable=false\); fix the row, or pass --on-bad-row skip"):
+    with pytest.raises(ValueError, match=r"train.jsonl: row 3 \(id 2hop__3\): unanswerable question \(answerable=false\); "
+                                         r"fix the row, or pass --on-bad-row skip"):
         prepare(MuSiQue(), str(FIXTURES / "musique"), (2, 1, 1), seed=0, on_bad_row="fail")
     _, manifest = prepare(HotPotQA(), str(FIXTURES / "hotpotqa_hf"), (3, 1, 1), seed=0)
     assert manifest["sources"]["train"]["bad"] == [{"id": "hp5", "row": 5, "reason": "missing field 'answer'"}]
@@ -241,7 +243,6 @@ def test_custom_jsonl_with_a_template(tmp_path):
 
 def test_trainer_runs_on_a_prepared_dataset(tmp_path):
     from helpers import TINY_RUN
-
     from nemo_jq.config import load_config
     from nemo_jq.trainer import Trainer
 
@@ -250,7 +251,7 @@ def test_trainer_runs_on_a_prepared_dataset(tmp_path):
     config = load_config(None, [*TINY_RUN, "data.name=hotpotqa", f"data.prepared_dir={tmp_path / 'prepared'}",
                                 "data.format=warm", "train.max_steps=2", "train.batch_size=2", f"train.run_dir={tmp_path / 'run'}"])
     trainer = Trainer(config)
-    assert trainer.splits.train == splits.train
+    assert trainer.components.splits.train == splits.train
     result = trainer.fit()
     assert set(result["test"]) == {"p@1", "p@4", "m@4"}
 

@@ -27,7 +27,7 @@ def test_doctor_reports_versions_devices_spec_and_launch(tmp_path):
     assert info["transformer engine imports"] == "no (RuntimeError: CUDA driver too old)"
     assert info["megatron.core imports"] == "yes"  # the broken TE is survived
     assert info["megatron layer spec"].startswith("local")
-    assert info["model.context_parallel > 1 usable"] is False  # no TE attention
+    assert info["megatron.context_parallel > 1 usable"] is False  # no TE attention
     assert (info["vllm"], info["vllm imports"]) == ("0.33.0", "yes")
     assert info["rollout.engine=vllm usable"] == torch.cuda.is_available()
     assert info["world size / rank"] == "4 / 3" and info["launch"]["SLURM_NNODES"] == "2"

@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from helpers import qwen3_tokenizer_dir, rollout_engine, tiny_setup
 from nemo_jq.chat import ChatFormat
-from nemo_jq.models.hf import EXPORT_MARKER, HFPolicy
+from nemo_jq.models.export import EXPORT_MARKER
+from nemo_jq.models.hf import HFPolicy
 from nemo_jq.sequences import given_target_batch
 
 CPU = torch.device("cpu")
@@ -85,7 +86,8 @@ def test_exported_real_qwen3_template_renders_the_training_prompt(tmp_path):
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
 
     for messages in (MESSAGES, WARM_MESSAGES):
-        render = lambda tokenizer, **kw: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        def render(tokenizer, **kw):
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
         assert render(exported) == render(qwen3) + "<think>\n"
         assert render(exported, enable_thinking=False) == render(qwen3, enable_thinking=False)  # Qwen3's empty think block
         ids = exported.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
@@ -98,7 +100,8 @@ def test_exported_real_qwen3_template_renders_the_training_prompt(tmp_path):
 
 def test_export_refuses_a_file_or_foreign_folder_and_replaces_an_earlier_export(trained, tmp_path):
     tokenizer, _, policy, _, _ = trained
-    refusal = lambda path: pytest.raises(ValueError, match=re.escape(str(path)) + ".*choose another --out or remove it")
+    def refusal(path):
+        return pytest.raises(ValueError, match=re.escape(str(path)) + ".*choose another --out or remove it")
 
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
@@ -132,7 +135,7 @@ def test_export_refuses_a_file_or_foreign_folder_and_replaces_an_earlier_export(
 def test_a_streamed_export_writes_shards_and_an_index_that_load_as_the_same_model(trained, tmp_path):
     """HF-named tensors arriving one at a time (as from a sharded policy) become size-capped shards plus
     their index; plain transformers loads them to the same weights and logits as the whole-model export."""
-    from nemo_jq.models.hf import export_hf_stream
+    from nemo_jq.models.export import export_hf_stream
 
     tokenizer, policy = trained[0], trained[2]
     model = policy.model
@@ -155,7 +158,7 @@ def test_a_streamed_export_writes_shards_and_an_index_that_load_as_the_same_mode
 
 
 def test_a_streamed_export_consumes_its_stream_even_when_it_fails(trained, tmp_path):
-    from nemo_jq.models.hf import export_hf_stream
+    from nemo_jq.models.export import export_hf_stream
 
     tokenizer, policy = trained[0], trained[2]
     (tmp_path / "foreign").mkdir()

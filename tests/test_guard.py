@@ -11,6 +11,7 @@ from helpers import TINY_RUN
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.guard import CollapseGuard
 from nemo_jq.monitor import read_metrics
+from nemo_jq.objectives import get_objective
 from nemo_jq.trainer import Trainer
 
 
@@ -79,8 +80,8 @@ def scripted_trainer(tmp_path, validation, *overrides):
                                          f"train.max_steps={len(validation)}", f"train.run_dir={tmp_path / 'run'}",
                                          *overrides]))
     scores = iter(validation)
-    evaluate = trainer.evaluate
-    trainer.evaluate = lambda split, seed_offset=0: ({"p@1": 0.0, "p@4": 0.0, "m@4": next(scores)} if split == "validation"
+    evaluate = trainer.evaluator.evaluate
+    trainer.evaluator.evaluate = lambda split, seed_offset=0: ({"p@1": 0.0, "p@4": 0.0, "m@4": next(scores)} if split == "validation"
                                                      else evaluate(split, seed_offset))
     loads = []
     load = trainer.policy.load
@@ -94,18 +95,19 @@ def scripted_trainer(tmp_path, validation, *overrides):
 
 
 def test_a_collapse_restores_the_best_checkpoint_switches_to_paft_and_is_logged(tmp_path):
+    """The default action switches to guard.estimator (paft), named through the registry."""
     trainer, loads = scripted_trainer(tmp_path, [50, 60, 20, 10, 40])
     trainer.fit()
     [event] = [r for r in read_metrics(trainer.run_dir) if r["kind"] == "guard"]
-    assert (event["step"], event["restored_step"], event["action"], event["objective"]) == (4, 2, "paft", "paft")
+    assert (event["step"], event["restored_step"], event["action"], event["objective"]) == (4, 2, "switch_estimator", "paft")
     name, weights = loads[0]
     assert name == "step_00000002"
     saved = load_file(str(trainer.run_dir / "checkpoints" / name / "model.safetensors"))
     assert all(torch.equal(weights[key], saved[key]) for key in saved)
-    assert trainer.spec.name == "paft"
+    assert trainer.estimator.name == "paft"
     assert [r["objective"] for r in read_metrics(trainer.run_dir) if r["kind"] == "guard"] == ["paft"]
     resumed = Trainer.resume(trainer.run_dir)
-    assert resumed.spec.name == "paft" and resumed.state["course"]["guard_triggers"] == 1
+    assert resumed.estimator.name == "paft" and resumed.state.course.guard_triggers == 1
     assert (trainer.run_dir / "training.png").exists()
 
 
@@ -137,3 +139,11 @@ def test_a_run_that_does_not_collapse_is_left_alone_and_lower_q_needs_a_q(tmp_pa
     assert not [r for r in read_metrics(trainer.run_dir) if r["kind"] == "guard"] and loads == []
     with pytest.raises(ConfigError, match="guard.action=lower_q needs an estimator with a q"):
         load_config(None, ["guard.enabled=true", "guard.action=lower_q", "objective.name=grpo"])
+
+
+def test_the_guard_switches_to_any_registered_estimator_with_its_defaults(tmp_path):
+    trainer, _ = scripted_trainer(tmp_path, [50, 60, 20, 10], "guard.estimator=rb_rloo", "objective.options={baseline: none}")
+    trainer.fit()
+    [event] = [r for r in read_metrics(trainer.run_dir) if r["kind"] == "guard"]
+    assert event["objective"] == "rb_rloo" and trainer.estimator.name == "rb_rloo"
+    assert trainer.estimator_options == get_objective("rb_rloo").options()  # garl's options do not carry over

@@ -6,12 +6,13 @@ import random
 import pytest
 
 from helpers import TINY_RUN
+from nemo_jq.components import build_task
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data import SyntheticArithmetic
 from nemo_jq.data.base import Example
 from nemo_jq.data.noise import CLEAN_ANSWER, corrupt_labels, noisy_examples
 from nemo_jq.evaluation import memorised
-from nemo_jq.trainer import Trainer, build_task
+from nemo_jq.trainer import Trainer
 
 TASK = SyntheticArithmetic(num_operands=3)
 
@@ -61,14 +62,14 @@ def test_memorised_counts_only_outputs_that_reproduce_the_corrupted_label_and_no
 def test_a_noisy_run_reports_the_memorisation_of_its_final_and_tested_models(tmp_path):
     trainer = Trainer(load_config(None, [*TINY_RUN, "data.label_noise=0.25", "train.max_steps=2", f"train.run_dir={tmp_path / 'run'}"]))
     results = trainer.fit()
-    assert len(noisy_examples(trainer.splits.train)) == 6
+    assert len(noisy_examples(trainer.components.splits.train)) == 6
     assert set(results["memorisation"]) == {"final", "tested"}
     assert all(0 <= value <= 100 and value * 6 / 100 == pytest.approx(round(value * 6 / 100)) for value in results["memorisation"].values())
     assert json.loads((tmp_path / "run" / "results.json").read_text())["memorisation"] == results["memorisation"]
     # the engine's greedy answers are what the metric scores: make them the corrupted labels and it is 100
-    noisy = noisy_examples(trainer.splits.train)
-    trainer.engine.generate = _answering(trainer, {tuple(trainer.prompt_ids([e])[0]): e.answer for e in noisy})
-    assert trainer.memorisation() == 100
+    noisy = noisy_examples(trainer.components.splits.train)
+    trainer.components.engine.generate = _answering(trainer, {tuple(trainer.components.prompt_ids([e])[0]): e.answer for e in noisy})
+    assert trainer.evaluator.memorisation() == 100
 
 
 def _answering(trainer, answers):
@@ -76,6 +77,6 @@ def _answering(trainer, answers):
 
     def generate(prompts, num_samples, *, sample_answers, generator, greedy=False):
         assert greedy and num_samples == 1
-        return [[Rollout(list(p), [], True, trainer.chat.answer_ids(answers[tuple(p)]))] for p in prompts]
+        return [[Rollout(list(p), [], True, trainer.components.chat.answer_ids(answers[tuple(p)]))] for p in prompts]
 
     return generate

@@ -29,7 +29,7 @@ def write_launch(tmp_path, text: str = LAUNCH_YAML):
 
 
 def test_dryrun_prints_the_sbatch_script_nemo_run_would_submit(tmp_path, capsys):
-    command = ["train", "--config", "/lustre/me/c.yaml", "model.backend=megatron", "model.tensor_parallel=8"]
+    command = ["train", "--config", "/lustre/me/c.yaml", "model.backend=megatron", "megatron.tensor_parallel=8"]
     assert main(["launch", str(write_launch(tmp_path)), "--dryrun", *command]) == 0
     script = capsys.readouterr().out
     for line in ("#SBATCH --account=acct", "#SBATCH --partition=batch", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",

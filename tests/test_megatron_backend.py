@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,9 +28,10 @@ from helpers import tiny_setup  # noqa: E402
 from megatron_cpu import run_in_processes  # noqa: E402
 from nemo_jq.models.hf import HFPolicy  # noqa: E402
 from nemo_jq.models.interfaces import TokenBatch  # noqa: E402
+from nemo_jq.models.megatron.layout import MegatronLayout  # noqa: E402
 from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs  # noqa: E402
 from nemo_jq.models.megatron.mapping import hf_to_megatron, megatron_to_hf  # noqa: E402
-from nemo_jq.models.megatron.provider import check_parallel_layout, read_qwen3_config  # noqa: E402
+from nemo_jq.models.megatron.provider import read_qwen3_config  # noqa: E402
 from nemo_jq.objectives import garl  # noqa: E402
 from nemo_jq.rollouts import Sample  # noqa: E402
 
@@ -444,18 +446,22 @@ def test_config_errors_name_what_is_missing_or_unsupported(tmp_path):
         read_qwen3_config(tmp_path / "absent")
 
 
-def test_impossible_tensor_parallel_layouts_are_refused():
-    arch = read_qwen3_config(untied_qwen3().config)  # 4 heads, 2 KV groups, intermediate 64
-    with pytest.raises(ValueError, match="tensor_parallel=3 does not divide num_attention_heads=4"):
-        check_parallel_layout(arch, 3)
-    with pytest.raises(ValueError, match="tensor_parallel=4 does not divide num_key_value_heads=2"):
-        check_parallel_layout(arch, 4)
-    with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
-        check_parallel_layout(arch, 1, sequence_parallel=True)
-    with pytest.raises(ValueError, match="pipeline_parallel=3 does not divide num_hidden_layers=2"):
-        check_parallel_layout(arch, 1, pipeline_parallel=3)
-    with pytest.raises(ValueError, match="context_parallel must be >= 1; got 0"):
-        check_parallel_layout(arch, 1, context_parallel=0)
+def test_impossible_layouts_are_refused_by_the_one_validate():
+    arch = read_qwen3_config(untied_qwen3().config)  # 4 heads, 2 KV groups, intermediate 64, 2 layers
+    cases = [(MegatronLayout(tensor_parallel=3), "megatron.tensor_parallel=3 does not divide num_attention_heads=4"),
+             (MegatronLayout(tensor_parallel=4), "megatron.tensor_parallel=4 does not divide num_key_value_heads=2"),
+             (MegatronLayout(sequence_parallel=True), "megatron.sequence_parallel needs megatron.tensor_parallel > 1"),
+             (MegatronLayout(pipeline_parallel=3), "megatron.pipeline_parallel=3 does not divide num_hidden_layers=2"),
+             (MegatronLayout(context_parallel=0), "megatron.context_parallel must be >= 1; got 0"),
+             (MegatronLayout(bf16_weights=True), "megatron.bf16_weights=true keeps the fp32 master weights")]
+    for layout, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            layout.validate(arch)
+        assert not layout.divides(arch, 8)
+    with pytest.raises(ValueError, match=r"megatron.tensor_parallel=2 x pipeline_parallel=1 x context_parallel=1 does not "
+                                         r"divide the 3 processes"):
+        MegatronLayout(tensor_parallel=2).validate(arch, world_size=3)
+    assert MegatronLayout(tensor_parallel=2, pipeline_parallel=2).divides(arch, 8)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
@@ -503,7 +509,7 @@ def test_context_parallel_without_transformer_engine_is_a_clear_error():
 
     with pytest.raises(ValueError, match=r"context_parallel=2 needs Transformer Engine's attention on GPU .*"
                                          r"or set context_parallel=1"):
-        build_gpt_model(read_qwen3_config(untied_qwen3().config), context_parallel=2)
+        build_gpt_model(read_qwen3_config(untied_qwen3().config), MegatronLayout(context_parallel=2))
 
 
 def test_policy_needs_torch_distributed():
@@ -571,25 +577,21 @@ def assert_same_training(ours: list[dict], theirs: list[dict]) -> None:
             assert mine[key] == pytest.approx(other[key], rel=1e-4, abs=1e-5), (key, mine, other)
 
 
-@pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["model.tensor_parallel=2"]), (2, ["model.pipeline_parallel=2"]),
-                                                (2, ["model.context_parallel=2"])],
+@pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["megatron.tensor_parallel=2"]), (2, ["megatron.pipeline_parallel=2"]),
+                                                (2, ["megatron.context_parallel=2"])],
                          ids=["one-process", "tp2", "pp2", "cp2"])
 def test_the_recipe_trains_alike_on_either_backend(world_size, layout, hf_training, tmp_path):
     """The trainer never branches on the backend: three GARL steps match the HF backend's, in one process and
     at TP=2 (where the replica's first rank samples the rollouts from its refitted HF copy and shares them)."""
-    from nemo_jq.config import BACKEND_NAMES
-    from nemo_jq.models.backends import BACKENDS
-
-    assert set(BACKEND_NAMES) == set(BACKENDS)
     hf = hf_training("garl")
     ranks = run_in_processes(train_steps, world_size, tmp_path / "megatron", ["objective.name=garl", "model.backend=megatron", *layout])
     assert all(metrics == ranks[0] for metrics in ranks)  # every rank reads the one metrics.jsonl rank 0 wrote
     assert_same_training(ranks[0], hf)
 
 
-@pytest.mark.parametrize("layout", [["model.distributed_optimizer=true"],
-                                    ["model.distributed_optimizer=true", "model.context_parallel=2"],
-                                    ["model.pipeline_parallel=2"]],
+@pytest.mark.parametrize("layout", [["megatron.distributed_optimizer=true"],
+                                    ["megatron.distributed_optimizer=true", "megatron.context_parallel=2"],
+                                    ["megatron.pipeline_parallel=2"]],
                          ids=["dp2-distributed-optimizer", "cp2-distributed-optimizer", "pp2-adamw"])
 def test_a_two_process_recipe_equals_one_process_and_resumes_in_one(layout, hf_training, tmp_path):
     """SFT trains on given targets, so no sampling differs: at DP=2 each replica takes half of each batch,
@@ -606,7 +608,7 @@ def test_a_two_process_recipe_equals_one_process_and_resumes_in_one(layout, hf_t
     checkpoint = tmp_path / "dp2" / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         "megatron", "rng-rank1.pt", "rng.pt", "state.json"]
-    one_process = ["model.context_parallel=1", "model.pipeline_parallel=1"]
+    one_process = ["megatron.context_parallel=1", "megatron.pipeline_parallel=1"]
     (resumed,) = run_in_processes(train_steps, 1, tmp_path / "dp2", one_process, 3, True)
     assert_same_training(resumed, hf)
 
@@ -620,7 +622,7 @@ def garl_at_two_replicas(run_dir) -> dict[str, Any]:
     trainer = Trainer(load_config(None, [*TINY_RUN, "train.max_steps=1", "eval.every=1000", "objective.name=garl",
                                          "model.backend=megatron", f"train.run_dir={run_dir}"]))
     examples, before = trainer._next_batch(), trainer.policy.hf_state_dict()
-    trainer.state["position"] = 0
+    trainer.state.position = 0
     trainer.fit()
     return {"ids": [e.id for e in trainer.data_parallel.shard(examples)], "before": before,
             "after": trainer.policy.hf_state_dict()}
@@ -644,8 +646,9 @@ def refuse_a_layout(run_dir, overrides: list[str]) -> None:
 
 
 @pytest.mark.parametrize("world_size, overrides, message", [
-    (2, ["model.tensor_parallel=3"], "tensor_parallel=3 does not divide num_attention_heads=4"),
-    (3, ["model.tensor_parallel=2"], "model.tensor_parallel=2 x model.pipeline_parallel=1 x model.context_parallel=1 does not divide the 3 processes"),
+    (2, ["megatron.tensor_parallel=3"], "tensor_parallel=3 does not divide num_attention_heads=4"),
+    (3, ["megatron.tensor_parallel=2"],
+     "megatron.tensor_parallel=2 x pipeline_parallel=1 x context_parallel=1 does not divide the 3 processes"),
     (2, ["train.batch_size=3"], "train.batch_size=3 does not split over 2 data-parallel replicas"),
 ])
 def test_impossible_layouts_are_named(world_size, overrides, message, tmp_path):
@@ -716,7 +719,7 @@ def test_torchrun_trains_a_data_parallel_run_and_names_a_bad_layout_in_one_line(
 # ----------------------------------------------------------------- HF folders read shard by shard
 def sharded_hf_folder(folder: Path, model, tokenizer=None) -> Path:
     """``model`` as an HF folder whose weights are split over several safetensors files and an index."""
-    from nemo_jq.models.hf import write_safetensors_shards
+    from nemo_jq.models.export import write_safetensors_shards
 
     folder.mkdir(parents=True)
     model.config.save_pretrained(folder)
@@ -762,10 +765,10 @@ def test_the_recipe_from_a_sharded_hf_folder_at_tp2_trains_as_the_hf_backend(tmp
     from nemo_jq.trainer import Trainer
 
     source = Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={tmp_path / 'source'}"]))
-    folder = sharded_hf_folder(tmp_path / "hf", source.policy.model, source.tokenizer)
+    folder = sharded_hf_folder(tmp_path / "hf", source.policy.model, source.components.tokenizer)
     hf = train_steps(tmp_path / "hf_run", ["objective.name=garl", f"model.path={folder}"])
     ranks = run_in_processes(train_steps, 2, tmp_path / "megatron", ["objective.name=garl", "model.backend=megatron",
-                                                                    "model.tensor_parallel=2", f"model.path={folder}"])
+                                                                    "megatron.tensor_parallel=2", f"model.path={folder}"])
     assert_same_training(ranks[0], hf)
 
 
@@ -848,11 +851,11 @@ def test_bf16_weights_train_on_fp32_masters_and_resume_them_bit_exact(tmp_path):
 
 
 def test_the_recipe_trains_with_bf16_weights_close_to_fp32(tmp_path):
-    """The recipe with model.bf16_weights=true (one process): the steps' losses and gradient norms within bf16's
+    """The recipe with megatron.bf16_weights=true (one process): the steps' losses and gradient norms within bf16's
     precision of the HF backend's fp32 steps; the refit carries the bf16 weights into the fp32 rollout copy."""
     hf = train_steps(tmp_path / "hf", ["objective.name=sft"], 2)
     (bf16,) = run_in_processes(train_steps, 1, tmp_path / "bf16", ["objective.name=sft", "model.backend=megatron",
-                                                                   "model.distributed_optimizer=true", "model.bf16_weights=true"], 2)
+                                                                   "megatron.distributed_optimizer=true", "megatron.bf16_weights=true"], 2)
     for mine, other in zip(bf16, hf, strict=True):
         for key in ("loss", "grad_norm"):
             assert mine[key] == pytest.approx(other[key], rel=0.03), (key, mine, other)
@@ -889,8 +892,8 @@ class ScriptedPolicy:
 
 
 def tensor_parallel_refit_worker(tensor_parallel: int) -> dict[str, Any]:
-    from nemo_jq.models.backends import RefittedRolloutEngine
     from nemo_jq.rollouts import BudgetedRollouts
+    from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
     policy = ScriptedPolicy()
     policy.model_parallel_group = dist.group.WORLD

@@ -50,3 +50,9 @@ def test_readme_commands_match_ci():
     readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
     test_command = re.search(r"Run the tests.*?```bash\n(.*?)\n```", readme, flags=re.S).group(1).strip()
     assert test_command in ci.splitlines()
+
+
+def test_the_tree_is_lint_clean():
+    """ruff, configured in pyproject.toml (line length, import order, unused code), finds nothing."""
+    result = _run(["-m", "ruff", "check", "--no-cache", "."])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

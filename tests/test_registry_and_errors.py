@@ -5,7 +5,19 @@ import math
 import pytest
 import torch
 
-from nemo_jq.objectives import Need, garl, get_objective, list_objectives, paft, rb_rloo, register_objective
+from nemo_jq.objectives import (
+    EstimatorInputs,
+    Need,
+    garl,
+    get_objective,
+    grpo,
+    list_objectives,
+    paft,
+    rb_rloo,
+    register_objective,
+    rloo,
+    sft,
+)
 
 
 def test_registry_lists_every_estimator_with_its_needs():
@@ -23,12 +35,37 @@ def test_registry_lists_every_estimator_with_its_needs():
 def test_rb_rloo_is_garl_at_q0():
     rlp = torch.randn(2, 5, requires_grad=True)
     alp = torch.randn(2, 5) - 3
-    spec_out = get_objective("rb_rloo").fn(rlp, alp)
-    spec_out.loss.backward()
+    rb_rloo(rlp, alp).loss.backward()
     grad_rb = rlp.grad.clone()
     rlp.grad = None
     garl(rlp, alp, 0.0).loss.backward()
     torch.testing.assert_close(grad_rb, rlp.grad)
+
+
+def test_each_registered_estimator_reads_its_inputs_like_the_pure_function():
+    """The registry's adapters hand each pure function the spans and normalisers it documents."""
+    torch.manual_seed(0)
+    b, m, t = 2, 3, 5
+    token_logprob = -torch.rand(b * m, t)
+    rationale = torch.zeros(b * m, t, dtype=torch.bool)
+    rationale[:, :2] = True
+    answer = torch.zeros(b * m, t, dtype=torch.bool)
+    answer[:, 2:4] = True
+    rewards = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    inputs = EstimatorInputs(token_logprob, rationale, answer, m, q=0.5, rewards=rewards, tokens_per_example=7.0,
+                             batch_rewards=rewards, generator=torch.Generator().manual_seed(1))
+    r_lp, a_lp = (token_logprob * rationale).sum(-1).view(b, m), (token_logprob * answer).sum(-1).view(b, m)
+    expected = {
+        "garl": garl(r_lp, a_lp, 0.5),
+        "rb_rloo": rb_rloo(r_lp, a_lp),
+        "paft": paft(r_lp, a_lp, 0.5, generator=torch.Generator().manual_seed(1)),
+        "grpo": grpo(token_logprob.view(b, m, t), rewards, (rationale | answer).view(b, m, t), tokens_per_example=7.0),
+        "rloo": rloo(((rationale | answer) * token_logprob).sum(-1).view(b, m), rewards),
+        "sft": sft(token_logprob, rationale | answer),
+    }
+    for name, out in expected.items():
+        got = get_objective(name)(inputs)
+        assert got.loss.item() == out.loss.item() and got.metrics == out.metrics, name
 
 
 def test_unknown_objective_suggests_the_closest_name():

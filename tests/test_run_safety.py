@@ -4,8 +4,8 @@ import errno
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -111,8 +111,8 @@ def test_custom_prompts_travel_with_the_prepared_folder(tmp_path):
     assert (manifest["template"], manifest["system"]) == ("{context} | {question}", "Digits only.")
     trainer = Trainer(load_config(None, [*QUICK, f"data.prepared_dir={tmp_path / 'mine'}", "data.format=warm",
                                          "train.batch_size=2", f"train.run_dir={tmp_path / 'run'}"]))
-    example = trainer.splits.train[0]
-    assert trainer.task.messages(example, "warm") == [
+    example = trainer.components.splits.train[0]
+    assert trainer.components.task.messages(example, "warm") == [
         {"role": "system", "content": "Digits only."},
         {"role": "user", "content": f"{example.context} | {example.question}"},
     ]
@@ -128,8 +128,10 @@ def test_resume_applies_safe_overrides_and_refuses_the_rest(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "--config", ROOT / "configs/examples" / "synthetic_cold_paft_q0.75.yaml")
     one_line_error(code, err, "--resume", "--config")
     # a layout key may change (megatron checkpoints reshard), but only on the backend that has layouts
-    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "model.tensor_parallel=2")
-    one_line_error(code, err, "model.tensor_parallel", "model.backend=megatron")
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "megatron.tensor_parallel=2")
+    one_line_error(code, err, "megatron.tensor_parallel", "model.backend=megatron")
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "model.tensor_parallel=2")  # the key before 0.2
+    assert code == 2 and "megatron.tensor_parallel need model.backend=megatron" in err and "Traceback" not in err
     assert run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3", "eval.every=3")[0] == 0
     saved = load_config(run_dir / "config.yaml")
     assert saved.train.max_steps == 3 and saved.eval.every == 3

@@ -1,7 +1,6 @@
 """The recipe: estimator inputs, exact micro-batching, runs per estimator, resume, preemption."""
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -17,8 +16,9 @@ import torch
 from helpers import TINY_RUN
 from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from nemo_jq.config import load_config, save_config
+from nemo_jq.experience import Experience
 from nemo_jq.monitor import read_metrics
-from nemo_jq.objectives import garl, get_objective, list_objectives
+from nemo_jq.objectives import get_objective, list_objectives
 from nemo_jq.sequences import reference_answer_batch
 from nemo_jq.trainer import Trainer
 
@@ -33,62 +33,67 @@ def make_trainer(tmp_path, *overrides, name="run"):
 def test_trainer_passes_the_estimator_what_a_direct_call_gets(tmp_path):
     trainer = make_trainer(tmp_path, "objective.name=garl", "objective.q=0.5", "train.micro_batch_size=4")
     calls = []
+    registered = trainer.estimator.fn
 
-    @functools.wraps(garl)
-    def recording(*args, **kwargs):
-        calls.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
-        return garl(*args, **kwargs)
+    def recording(inputs, options):
+        calls.append((inputs, options))
+        return registered(inputs, options)
 
-    trainer.spec = dataclasses.replace(trainer.spec, fn=recording)
+    trainer.estimator = dataclasses.replace(trainer.estimator, fn=recording)
     batches = []
     original = trainer.policy.forward_backward
     trainer.policy.forward_backward = lambda micro, fn: (batches.extend(micro), original(micro, fn))[1]
-    examples = trainer.splits.train[:4]
+    examples = trainer.components.splits.train[:4]
     weights_before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
     trainer.train_step(examples)
     trainer.policy.model.load_state_dict(weights_before)  # the step has updated them
 
-    (call,) = calls
-    assert call["q"] == 0.5 and set(call) == {"rationale_logprob", "answer_logprob", "q"}
-    (batch,) = batches
+    ((inputs, options),) = calls
     m = trainer.config.rollout.num_samples
+    assert inputs.q == 0.5 and inputs.num_samples == m and inputs.rewards is None and inputs.generator is trainer.random.estimator
+    assert options == get_objective("garl").options()  # the defaults: objective.options is empty
+    (batch,) = batches
     # Direct: score every row with the model's own logits and sum each span.
     with torch.no_grad():
         logits = trainer.policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     token_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     direct_rationale = (token_lp * batch.rationale_mask).sum(-1).view(4, m)
     direct_answer = (token_lp * batch.answer_mask).sum(-1).view(4, m)
-    torch.testing.assert_close(call["rationale_logprob"], direct_rationale, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(call["answer_logprob"], direct_answer, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(inputs.rationale_logprob.detach(), direct_rationale, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(inputs.answer_logprob.detach(), direct_answer, atol=1e-4, rtol=1e-5)
+    # The global normaliser is the whole batch's target tokens per prompt.
+    assert inputs.tokens_per_example == pytest.approx(float(batch.target_mask.sum()) / 4)
     # Each answer span is exactly its prompt's formatted y*.
     for row in range(batch.num_rows):
         targets = batch.input_ids[row, 1:][batch.answer_mask[row]].tolist()
-        assert targets == trainer.chat.answer_ids(examples[row // m].answer)
+        assert targets == trainer.components.chat.answer_ids(examples[row // m].answer)
 
 
 @pytest.mark.parametrize("name, options", [("garl", ""), ("grpo", ""), ("grpo", "{scale_rewards: batch}"), ("sft", "")])
 def test_micro_batching_gives_the_full_batch_gradient(tmp_path, name, options):
     trainer = make_trainer(tmp_path, f"objective.name={name}", *([f"objective.options={options}"] if options else []))
-    examples = trainer.splits.train[:4]
-    prompts = trainer.prompt_ids(examples)
-    rollouts = trainer.engine.generate(prompts, 4, sample_answers=True, generator=torch.Generator().manual_seed(0))
-    answers = [trainer.chat.answer_ids(e.answer) for e in examples]
+    parts = trainer.components
+    examples = parts.splits.train[:4]
+    prompts = parts.prompt_ids(examples)
+    rollouts = parts.engine.generate(prompts, 4, sample_answers=True, generator=torch.Generator().manual_seed(0))
+    answers = [parts.chat.answer_ids(e.answer) for e in examples]
     if name == "garl":
-        batch, group, rewards = reference_answer_batch(rollouts, answers, trainer.chat.think_end_id, trainer.chat.pad_id), 4, None
+        batch, group, rewards = reference_answer_batch(rollouts, answers, parts.chat.think_end_id, parts.chat.pad_id), 4, None
     elif name == "grpo":
         from nemo_jq.sequences import sampled_answer_batch
 
-        batch, group = sampled_answer_batch(rollouts, trainer.chat.think_end_id, trainer.chat.pad_id), 4
+        batch, group = sampled_answer_batch(rollouts, parts.chat.think_end_id, parts.chat.pad_id), 4
         rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
     else:
         from nemo_jq.sequences import given_target_batch
 
-        rationales = [trainer.chat.rationale_ids(e.rationale) for e in examples]
-        batch, group, rewards = given_target_batch(prompts, rationales, answers, trainer.chat.think_end_id, trainer.chat.pad_id), 1, None
+        rationales = [parts.chat.rationale_ids(e.rationale) for e in examples]
+        batch, group, rewards = given_target_batch(prompts, rationales, answers, parts.chat.think_end_id, parts.chat.pad_id), 1, None
+    experience = Experience(batch, group, rewards, rollout_tokens=0, rollout_seconds=0.0)
 
     def gradient(micro_batch_size):
         trainer.config.train.micro_batch_size = micro_batch_size
-        trainer._forward_backward(batch, group, 4, rewards, 0.5 if get_objective(name).uses_q else None)
+        trainer._learn(experience, 0.5 if get_objective(name).uses_q else None, 4)
         grads = [p.grad.clone() for p in trainer.policy.model.parameters()]
         trainer.policy.optimizer.zero_grad(set_to_none=True)
         return grads
@@ -157,14 +162,14 @@ def test_a_signal_writes_a_loadable_checkpoint_and_exits_zero(tmp_path, signum):
     assert f'"preempted": {int(signum)}' in out.decode()
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     trainer = Trainer.resume(run_dir)
-    assert trainer.state["step"] == int(checkpoint.name.split("_")[1]) >= 1
-    assert trainer.state["step"] < trainer.total_steps
+    assert trainer.state.step == int(checkpoint.name.split("_")[1]) >= 1
+    assert trainer.state.step < trainer.total_steps
 
 
 def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path)
     good = trainer.save()
-    trainer.state["step"] = 7
+    trainer.state.step = 7
 
     def crash(directory):
         (Path(directory) / "model.safetensors").write_bytes(b"partial")
@@ -188,6 +193,7 @@ def test_missing_checkpoint_files_are_named(tmp_path):
         load_checkpoint(path, trainer.policy)
     with pytest.raises(FileNotFoundError, match="not a run directory: no config.yaml"):
         Trainer.resume(trainer.run_dir)
+    trainer.run_dir.mkdir()
     save_config(trainer.config, trainer.run_dir / "config.yaml")
     with pytest.raises(FileNotFoundError, match="has no checkpoint"):
         Trainer.resume(trainer.run_dir)
@@ -197,7 +203,8 @@ def test_eval_and_export_commands(tmp_path):
     trainer = make_trainer(tmp_path, "train.max_steps=2", "train.tensorboard=true")
     trainer.fit()
     assert list((trainer.run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "nemo_jq.cli", *a], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "nemo_jq.cli", *a], cwd=ROOT, capture_output=True, text=True, timeout=300)
     result = run("eval", str(trainer.run_dir), "--split", "validation", "eval.num_samples=2")
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout)) == {"split", "p@1", "p@2", "m@2"}
@@ -206,7 +213,7 @@ def test_eval_and_export_commands(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    assert AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("</think>") == trainer.chat.think_end_id
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("</think>") == trainer.components.chat.think_end_id
     torch.testing.assert_close(model.state_dict()["lm_head.weight"], trainer.policy.model.state_dict()["lm_head.weight"])
     result = run("eval", str(tmp_path / "nowhere"))
     assert result.returncode == 2 and "neither a checkpoint" in result.stderr
@@ -214,10 +221,10 @@ def test_eval_and_export_commands(tmp_path):
 
 def test_training_from_a_local_hf_folder(tmp_path):
     source = make_trainer(tmp_path, name="source")
-    source.policy.export(tmp_path / "hf", source.tokenizer)
+    source.policy.export(tmp_path / "hf", source.components.tokenizer)
     trainer = make_trainer(tmp_path, f"model.path={tmp_path / 'hf'}", "train.max_steps=1", name="from_folder")
     torch.testing.assert_close(trainer.policy.model.state_dict()["lm_head.weight"], source.policy.model.state_dict()["lm_head.weight"])
-    assert trainer.tokenizer.get_vocab() == source.tokenizer.get_vocab()
+    assert trainer.components.tokenizer.get_vocab() == source.components.tokenizer.get_vocab()
     trainer.fit()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         make_trainer(tmp_path, f"model.path={tmp_path / 'absent_model'}", name="missing")

@@ -170,7 +170,8 @@ def executed_number(executed: object) -> float | None:
 
 
 def finqa_reference(answer: str, executed: object) -> str:
-    """y* of a FinQA row: its annotated answer, else ``exe_ans`` at 2 decimals (3 significant digits below 1, at most 5 decimals), trailing zeros removed.
+    """y* of a FinQA row: its annotated answer, else ``exe_ans`` at 2 decimals (3 significant digits below 1, at most
+    5 decimals), trailing zeros removed.
 
     Yes/no programs give ``yes``/``no``. Returns "" when neither gives an answer.
     """
@@ -189,7 +190,8 @@ def finqa_reference(answer: str, executed: object) -> str:
 
 
 def finqa_number_match(output: StatedNumber, gold: StatedNumber, executed: float | None = None) -> bool:
-    """A number is right when it equals the gold within half a unit of the gold's last stated digit in the gold's unit, or equals ``exe_ans`` rounded at its own stated precision when that precision is at least the gold's.
+    """A number is right when it equals the gold within half a unit of the gold's last stated digit in the gold's
+    unit, or equals ``exe_ans`` rounded at its own stated precision when that precision is at least the gold's.
 
     Percent and fraction convert into each other with their tolerance (``14.1%`` accepts ``0.141``,
     never a wider window); a bare number for a percent gold may also be the percent without its sign.
@@ -219,7 +221,8 @@ def finqa_number_match(output: StatedNumber, gold: StatedNumber, executed: float
 
 
 def finqa_answer_match(output_answer: str, reference: str, executed: object = None) -> bool:
-    """An extracted FinQA answer is right when it is one number that passes :func:`finqa_number_match`, or, for a yes/no question, the same word."""
+    """An extracted FinQA answer is right when it is one number that passes :func:`finqa_number_match`, or, for a
+    yes/no question, the same word."""
     gold = parse_number(reference)
     if gold is None:
         return text_exact_match(output_answer, (reference,))

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_jq.data.base import Example, check_format
 from nemo_jq.data.answers import (
     extract_final_answer,
     finqa_answer_match,
@@ -31,13 +30,21 @@ from nemo_jq.data.answers import (
     text_exact_match,
     token_substring_match,
 )
+from nemo_jq.data.base import Example, check_format
+from nemo_jq.registry import Registry
 
 
 class BadRow(ValueError):
     """A source record that cannot become an example; the message says why."""
 
 
-def _field(record: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+#: The QA datasets by name (``data.name``, ``nemo-jq data prepare --dataset``): ``@register_dataset(name)`` on a
+#: :class:`QATask` subclass adds one (docs/extending.md).
+DATASETS = Registry("dataset")
+register_dataset = DATASETS.register
+
+
+def required_field(record: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     if key not in record or record[key] is None:
         raise BadRow(f"missing field {key!r}")
     value = record[key]
@@ -47,8 +54,8 @@ def _field(record: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> A
     return value
 
 
-def _answer(record: dict[str, Any], key: str = "answer") -> str:
-    answer = _field(record, key, (str, int, float))
+def required_answer(record: dict[str, Any], key: str = "answer") -> str:
+    answer = required_field(record, key, (str, int, float))
     answer = str(answer).strip()
     if not answer:
         raise BadRow(f"empty {key!r}")
@@ -118,6 +125,7 @@ class QATask:
         return token_substring_match(output, self.references(example))
 
 
+@register_dataset("hotpotqa")
 @dataclass
 class HotPotQA(QATask):
     """``hotpotqa/hotpot_qa`` (distractor): HF column-list context or the raw ``[[title, sentences]]`` form."""
@@ -130,9 +138,9 @@ class HotPotQA(QATask):
     )
 
     def build(self, record: dict[str, Any]) -> Example:
-        context = _field(record, "context", (dict, list))
+        context = required_field(record, "context", (dict, list))
         if isinstance(context, dict):  # HF columns: {"title": [...], "sentences": [[...], ...]}
-            titles, sentences = _field(context, "title", list), _field(context, "sentences", list)
+            titles, sentences = required_field(context, "title", list), required_field(context, "sentences", list)
             if len(titles) != len(sentences):
                 raise BadRow("context.title and context.sentences differ in length")
             pairs = list(zip(titles, sentences))
@@ -146,12 +154,13 @@ class HotPotQA(QATask):
         paragraphs = "\n\n".join(f"{title}\n{''.join(sents).strip()}" for title, sents in pairs)
         return Example(
             id=record_id(record, ""),
-            question=_field(record, "question", str).strip(),
-            answer=_answer(record),
+            question=required_field(record, "question", str).strip(),
+            answer=required_answer(record),
             context=paragraphs,
         )
 
 
+@register_dataset("musique")
 @dataclass
 class MuSiQue(QATask):
     """``bdsaglam/musique``: 20 titled paragraphs, ``answer`` and ``answer_aliases`` (unanswerable rows are bad rows)."""
@@ -166,7 +175,7 @@ class MuSiQue(QATask):
     def build(self, record: dict[str, Any]) -> Example:
         if record.get("answerable") is False:
             raise BadRow("unanswerable question (answerable=false)")
-        paragraphs = _field(record, "paragraphs", list)
+        paragraphs = required_field(record, "paragraphs", list)
         texts = []
         for p in paragraphs:
             if not isinstance(p, dict) or not isinstance(p.get("title"), str) or not isinstance(p.get("paragraph_text"), str):
@@ -177,8 +186,8 @@ class MuSiQue(QATask):
             raise BadRow("field 'answer_aliases' must be a list of strings")
         return Example(
             id=record_id(record, ""),
-            question=_field(record, "question", str).strip(),
-            answer=_answer(record),
+            question=required_field(record, "question", str).strip(),
+            answer=required_answer(record),
             context="\n\n".join(texts),
             aliases=tuple(a.strip() for a in aliases if a.strip()),
         )
@@ -187,6 +196,7 @@ class MuSiQue(QATask):
         return (example.answer, *example.aliases)
 
 
+@register_dataset("finqa")
 @dataclass
 class FinQA(QATask):
     """FinQA's raw ``train/dev/test.json``: ``pre_text``, ``table``, ``post_text``, ``qa{question, answer, exe_ans}``.
@@ -209,10 +219,10 @@ class FinQA(QATask):
     )
 
     def build(self, record: dict[str, Any]) -> Example:
-        pre = _field(record, "pre_text", list)
-        post = _field(record, "post_text", list)
-        table = _field(record, "table", list)
-        qa = _field(record, "qa", dict)
+        pre = required_field(record, "pre_text", list)
+        post = required_field(record, "post_text", list)
+        table = required_field(record, "table", list)
+        qa = required_field(record, "qa", dict)
         if not all(isinstance(s, str) for s in pre + post):
             raise BadRow("pre_text and post_text must be lists of strings")
         if not all(isinstance(row, list) for row in table):
@@ -220,13 +230,13 @@ class FinQA(QATask):
         rows = "\n".join(" | ".join(str(cell).strip() for cell in row) for row in table)
         context = "\n".join([" ".join(s.strip() for s in pre), rows, " ".join(s.strip() for s in post)]).strip()
         executed = qa.get("exe_ans")
-        annotated = str(_field(qa, "answer", (str, int, float))).strip()
+        annotated = str(required_field(qa, "answer", (str, int, float))).strip()
         answer = finqa_reference(annotated, executed)
         if not answer:
             raise BadRow(f"empty 'answer' and no usable 'exe_ans' (got {executed!r})")
         return Example(
             id=record_id(record, ""),
-            question=_field(qa, "question", str).strip(),
+            question=required_field(qa, "question", str).strip(),
             answer=answer,
             context=context,
             meta={"exe_ans": executed, "program": qa.get("program"),
@@ -243,6 +253,7 @@ class FinQA(QATask):
         return finqa_output_match(output, example.answer, example.meta.get("exe_ans"))
 
 
+@register_dataset("jsonl")
 @dataclass
 class CustomQA(QATask):
     """Your own JSONL with ``question`` and ``answer`` (optional ``context``, ``id``) and a prompt template.
@@ -268,8 +279,8 @@ class CustomQA(QATask):
             raise BadRow(f"field 'context' must be str, got {type(context).__name__}")
         return Example(
             id=record_id(record, ""),
-            question=_field(record, "question", str).strip(),
-            answer=_answer(record),
+            question=required_field(record, "question", str).strip(),
+            answer=required_answer(record),
             context=context.strip(),
         )
 
@@ -277,7 +288,6 @@ class CustomQA(QATask):
         return self.template.format(question=example.question, context=example.context).strip()
 
 
-DATASETS: dict[str, type[QATask]] = {"hotpotqa": HotPotQA, "musique": MuSiQue, "finqa": FinQA, "jsonl": CustomQA}
 
 #: Hub names the paper uses, with their configs (FinQA's hub entry is a script dataset that current
 #: ``datasets`` no longer runs: use its raw JSON files).

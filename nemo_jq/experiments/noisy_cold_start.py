@@ -5,7 +5,8 @@ replaced by wrong answers (validation and test clean). Every method trains with 
 (:data:`SETTINGS`; ``--quick``: a smoke-test size) over each seed; only the estimator and its q change:
 GRPO, GARL at fixed q, SFT-then-RLVR (q=1 then q=0), linear and cosine annealing from 1 to 0, and
 the adaptive rule (q from log P̂; knobs :data:`TUNED_ADAPTIVE`). Per run: test p@1 / p@16 / m@16, steps to
-leave P̂ ≈ 0 (log P̂ > :data:`LEFT_COLD`) and to escape (the first step whose log P̂ exceeds log(1/M)), and memorisation (the share of noisy training
+leave P̂ ≈ 0 (log P̂ > :data:`LEFT_COLD`) and to escape (the first step whose log P̂ exceeds log(1/M)), and memorisation
+(the share of noisy training
 prompts whose corrupted label the final model's greedy answer reproduces). Writes ``summary.json``,
 ``table.md``, ``tradeoff.png`` (test m@16 against memorisation, a point per method and seed) and
 ``figure3_seed<S>.png`` (the Figure-3 panels of the first seed) to the output folder.
@@ -110,7 +111,8 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
                 curves[name] = records
             runs[name].append({"seed": seed, "test": result["test"], "memorisation": result["memorisation"]["final"],
                                "memorisation_tested": result["memorisation"]["tested"], "best_step": result["best_step"],
-                               "best_validation": result["best_validation"], "final_q": next((r.get("q") for r in reversed(records) if r["kind"] == "train"), None),
+                               "best_validation": result["best_validation"],
+                               "final_q": next((r.get("q") for r in reversed(records) if r["kind"] == "train"), None),
                                "steps_to_escape": steps_to_escape(records, -math.log(config.rollout.num_samples)),
                                "steps_to_leave_cold": steps_to_escape(records, LEFT_COLD),
                                "guard_events": sum(r["kind"] == "guard" for r in records)})

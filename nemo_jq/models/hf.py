@@ -1,41 +1,23 @@
-"""HF transformers backend: a Policy and a RolloutEngine for any causal LM (Qwen3 first)."""
+"""HF transformers backend: a Policy over any causal LM (Qwen3 first) in one process."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import json
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
-from nemo_jq.chat import ChatFormat
-from nemo_jq.config import PRECISIONS
 from nemo_jq.distributed import DataParallel
-from nemo_jq.models.interfaces import LossFn, Rollout, TokenBatch
+from nemo_jq.models.common import (
+    WEIGHTS_FILE,
+    autocast_context,
+    check_precision,
+    require_files,
+    resolve_pretrained,
+)
+from nemo_jq.models.export import export_hf_model
+from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.logprobs import chunked_token_logprobs
-
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    return precision
-
-
-def autocast_context(device: torch.device, precision: str):
-    """bf16 autocast over fp32 master weights on GPU ("auto" or "bf16"); plain fp32 otherwise."""
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if use_bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def tiny_qwen3(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -59,18 +41,6 @@ def tiny_qwen3(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads:
         return Qwen3ForCausalLM(config)
 
 
-def resolve_pretrained(path: str) -> str:
-    """A local HF folder (checked to exist and hold config.json), or a hub name passed through."""
-    local = Path(path).expanduser()
-    if local.exists():
-        if not (local / "config.json").exists():
-            raise FileNotFoundError(f"model folder {local} has no config.json")
-        return str(local)
-    if path.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"model folder {local} does not exist")
-    return path
-
-
 def load_causal_lm(path: str) -> Any:
     """An HF causal LM from a local folder (or a hub name where a network is available), in fp32."""
     from transformers import AutoModelForCausalLM
@@ -78,81 +48,8 @@ def load_causal_lm(path: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(resolve_pretrained(path), dtype=torch.float32)
 
 
-#: Marks a folder as written by ``HFPolicy.export`` and lists its files, so a later export may replace them.
-EXPORT_MARKER = "nemo_jq_export.json"
-
-#: The rollouts' sampling (the paper's and the config's default: temperature 1, no top-k or top-p
-#: truncation), written out because ``generate``'s own defaults are greedy decoding, and top_k=50
-#: when sampling. Pass ``do_sample=False`` to ``generate`` for greedy decoding.
-ROLLOUT_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-
-
-def files_of_earlier_export(out_dir: Path) -> list[str]:
-    """The files an earlier export left in ``out_dir`` (none if it is missing or empty).
-
-    Refuses anything else, so an export never overwrites or mixes with a user's own files.
-    """
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"export target {out_dir} is a file: choose another --out or remove it")
-    present = {path.name for path in out_dir.iterdir()} if out_dir.exists() else set()
-    if not present:
-        return []
-    marker = out_dir / EXPORT_MARKER
-    earlier = [EXPORT_MARKER, *json.loads(marker.read_text())["files"]] if marker.is_file() else []
-    if not present <= set(earlier):
-        raise ValueError(f"export target {out_dir} holds files that are not from an earlier export: choose another --out or remove it")
-    return earlier
-
-
-def make_readable(folder: Path) -> None:
-    """Give group and others read access to ``folder`` and its files, whatever the umask or writer chose."""
-    folder.chmod(folder.stat().st_mode | 0o755)
-    for path in folder.iterdir():
-        path.chmod(path.stat().st_mode | 0o644)
-
-
-#: The files of an HF policy's checkpoint: weights in HF layout, and the optimizer's state.
-WEIGHTS_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.pt"
-
-
-class SafetensorsFolder(Mapping[str, torch.Tensor]):
-    """An HF folder's weights by name (``model.safetensors``, or the shards its index lists), each read
-    from its file only when asked for: a model too large for one process is loaded tensor by tensor."""
-
-    def __init__(self, folder: Path):
-        from safetensors import safe_open
-
-        folder = Path(folder)
-        index = folder / f"{WEIGHTS_FILE}.index.json"
-        if index.exists():
-            self.files = {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-        elif (folder / WEIGHTS_FILE).exists():
-            with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as weights:
-                self.files = dict.fromkeys(weights.keys(), folder / WEIGHTS_FILE)
-        else:
-            raise FileNotFoundError(f"{folder} has neither {WEIGHTS_FILE} nor {WEIGHTS_FILE}.index.json")
-        absent = sorted({str(path) for path in self.files.values() if not path.exists()})
-        if absent:
-            raise FileNotFoundError(f"{index} lists weight files that do not exist: {', '.join(absent)}")
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(self.files[name]), framework="pt") as weights:
-            return weights.get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.files)
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-
-def require_files(directory: Path, names: Sequence[str]) -> None:
-    """Raise ``FileNotFoundError`` naming every file of ``names`` that ``directory`` lacks."""
-    missing = [name for name in names if not (Path(directory) / name).exists()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {directory} is missing {', '.join(missing)}")
+#: The optimizer state of an HF policy's checkpoint (its weights are ``WEIGHTS_FILE``, in HF layout).
+OPTIMIZER_FILE = "optimizer.pt"
 
 
 class HFPolicy:
@@ -236,89 +133,3 @@ class HFPolicy:
     def export(self, out_dir: Path, tokenizer: Any) -> None:
         """Write the model as an HF folder that plain ``transformers`` code uses as training did (:func:`export_hf_model`)."""
         export_hf_model(self.model, out_dir, tokenizer)
-
-
-def export_hf_model(model: Any, out_dir: Path, tokenizer: Any) -> None:
-    """Write an HF folder where plain ``apply_chat_template`` + ``generate`` behave like training's rollouts.
-
-    The chat template ends the generation prompt in ``<think>\\n`` (thinking on), as training
-    prompts do; ``config.json`` and ``generation_config.json`` stop at ``<|im_end|>`` and pad;
-    the generation config samples as the rollouts did (``ROLLOUT_SAMPLING``);
-    every file is readable by group and others. ``out_dir`` must be missing, empty or an
-    earlier export (which is replaced); anything else raises ``ValueError``, untouched.
-    """
-    _export(out_dir, tokenizer, model.config, model.save_pretrained)
-
-
-def export_hf_stream(config: Any, tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, tokenizer: Any,
-                     max_shard_bytes: int = 5 * 1024**3) -> None:
-    """As :func:`export_hf_model`, from HF-named tensors that arrive one at a time (a model that never
-    exists whole in this process): safetensors shards of at most ``max_shard_bytes`` and their index,
-    as ``save_pretrained`` writes them. ``tensors`` is always consumed to the end, even on an error,
-    since other ranks may be producing it collectively."""
-    tensors = iter(tensors)
-    try:
-        _export(out_dir, tokenizer, config, lambda folder: write_safetensors_shards(tensors, folder, max_shard_bytes))
-    finally:
-        for _ in tensors:
-            pass
-
-
-def write_safetensors_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, max_shard_bytes: int) -> None:
-    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``."""
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    files, weight_map, shard, shard_bytes, total = [], {}, {}, 0, 0
-
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        if shard:
-            files.append(out_dir / f".shard-{len(files)}.safetensors")
-            save_file(shard, str(files[-1]), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, len(files) - 1))
-            shard, shard_bytes = {}, 0
-
-    for name, tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
-        if shard and shard_bytes + size > max_shard_bytes:
-            flush()
-        shard[name], shard_bytes, total = tensor.detach().cpu().contiguous(), shard_bytes + size, total + size
-    flush()
-    names = ([WEIGHTS_FILE] if len(files) == 1 else
-             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
-    for path, name in zip(files, names):
-        path.rename(out_dir / name)
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in sorted(weight_map.items())}}
-        (out_dir / f"{WEIGHTS_FILE}.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _export(out_dir: Path, tokenizer: Any, config: Any, write_weights: Callable[[Path], None]) -> None:
-    from transformers import GenerationConfig
-
-    out_dir = Path(out_dir)
-    earlier_files = files_of_earlier_export(out_dir)
-    chat = ChatFormat(tokenizer)
-    for name in earlier_files:
-        (out_dir / name).unlink(missing_ok=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    write_weights(out_dir)
-    stop_ids = [chat.end_of_turn_id]  # and the tokenizer's own eos, where it differs (Qwen3's convention)
-    if tokenizer.eos_token_id not in (None, chat.end_of_turn_id):
-        stop_ids.append(tokenizer.eos_token_id)
-    config = copy.deepcopy(config)
-    config.eos_token_id, config.pad_token_id = stop_ids, chat.pad_id
-    config.save_pretrained(out_dir)
-    GenerationConfig(eos_token_id=stop_ids, pad_token_id=chat.pad_id, **ROLLOUT_SAMPLING).save_pretrained(out_dir)
-    original_template = tokenizer.chat_template
-    tokenizer.chat_template = chat.chat_template
-    try:
-        tokenizer.save_pretrained(out_dir)
-    finally:
-        tokenizer.chat_template = original_template
-
-    written = sorted(path.name for path in out_dir.iterdir() if path.name != EXPORT_MARKER)
-    (out_dir / EXPORT_MARKER).write_text(json.dumps({"files": written}, indent=2) + "\n")
-    make_readable(out_dir)

@@ -1,16 +1,19 @@
-"""The two seams a backend implements: a Policy that trains, a RolloutEngine that samples.
+"""The seams a backend implements: a Policy that trains, a RolloutEngine that samples.
 
-Both speak token ids and padded tensors only, so a Megatron policy or a vLLM engine can
-replace the HF ones without the recipe changing. The engine returns each rollout's spans
-(prompt, sampled rationale, whether ``</think>`` was forced, sampled answer); the recipe
-splices training sequences from those ids.
+Both speak token ids and padded tensors only, so a Megatron policy or a vLLM engine can replace the
+HF ones without the recipe changing. Training and refit are separate protocols (as NeMo-RL separates
+``PolicyInterface`` from ``ColocatablePolicyInterface``): :class:`Policy` is what the recipe trains,
+:class:`RefittablePolicy` what an engine holding its own copy of the weights reads to refit it.
+The engine returns each rollout's spans (prompt, sampled rationale, whether ``</think>`` was forced,
+sampled answer); the recipe splices training sequences from those ids. :func:`require` checks an object
+against a protocol when a backend is built, so a missing member is named then, not at the first refit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -117,7 +120,25 @@ class Policy(Protocol):
         ...
 
 
+class RefittablePolicy(Protocol):
+    """What a rollout engine holding its own copy of a policy's weights reads to reload them after they change
+    (a backend's policy implements it beside :class:`Policy`; a scripted weight source may implement it alone)."""
+
+    #: Moves whenever the weights change (an optimizer step, a load), so the engine knows to refit.
+    weights_version: int
+    #: The ranks holding one replica, which train on the same rollouts (None in one process).
+    model_parallel_group: Any
+
+    def iter_hf(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights under their HF names, one tensor at a time (a collective over the replica's ranks,
+        each of which consumes it to the end)."""
+        ...
+
+
 class RolloutEngine(Protocol):
+    #: Tokens sampled so far beyond the prompts (a forced ``</think>`` included), for throughput logging.
+    tokens_generated: int
+
     def generate(
         self,
         prompts: Sequence[list[int]],
@@ -130,3 +151,23 @@ class RolloutEngine(Protocol):
         """``num_samples`` rollouts per prompt (``[B][M]``) under the thinking and answer budgets
         (``greedy``: the most likely token at each step instead of the run's sampling)."""
         ...
+
+
+def members(protocol: type) -> list[str]:
+    """The attributes and methods a protocol declares, its bases' included."""
+    names: set[str] = set()
+    for cls in protocol.__mro__:
+        if cls is object or cls.__name__ in ("Protocol", "Generic"):
+            continue
+        names |= set(getattr(cls, "__annotations__", {}))
+        names |= {name for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
+    return sorted(names)
+
+
+def require(obj: Any, protocol: type, what: str) -> Any:
+    """``obj``, if it has every member of ``protocol``; else a ``TypeError`` naming what it lacks."""
+    missing = [name for name in members(protocol) if not hasattr(obj, name)]
+    if missing:
+        raise TypeError(f"{what} ({type(obj).__name__}) does not implement {protocol.__name__}: it lacks "
+                        f"{', '.join(missing)}")
+    return obj

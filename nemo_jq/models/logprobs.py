@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_jq.objectives.precision import compute_dtype, upcast
+from nemo_jq.precision import compute_dtype, upcast
 
 
 def _exponentiate_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

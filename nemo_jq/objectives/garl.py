@@ -7,18 +7,21 @@ P^{-q}. q=0 is VeriFree's Rao-Blackwellised RLOO; q=1 is the IWAE gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nemo_jq.objectives.checks import check_group_tensors, check_min_samples, check_q
+from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.objectives.qlog import jq_loss
 from nemo_jq.objectives.registry import register_objective
 from nemo_jq.objectives.weights import finite_logprob, weight_stats, with_value
+from nemo_jq.typed import option
 
 BASELINES = ("rloo", "none")
 
 
-@register_objective("garl", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=True, min_samples=2)
 def garl(
     rationale_logprob: torch.Tensor,
     answer_logprob: torch.Tensor,
@@ -57,7 +60,29 @@ def garl(
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=stats.metrics())
 
 
-@register_objective("rb_rloo", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=False, min_samples=2)
 def rb_rloo(rationale_logprob: torch.Tensor, answer_logprob: torch.Tensor, *, normalize: bool = True) -> ObjectiveOutput:
     """VeriFree's Rao-Blackwellised RLOO: GARL at q=0 (shapes as in :func:`garl`)."""
     return garl(rationale_logprob, answer_logprob, 0.0, baseline="rloo", normalize=normalize)
+
+
+@dataclass(frozen=True)
+class GarlOptions:
+    baseline: str = option("rloo", "rloo: Alg. 1's leave-one-out control variate; none: the plug-in estimator",
+                           choices=BASELINES)
+    normalize: bool = option(True, "divide by M^q (Alg. 1's last line)")
+
+
+@dataclass(frozen=True)
+class RbRlooOptions:
+    normalize: bool = option(True, "divide by M^q (1 at q=0)")
+
+
+@register_objective("garl", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=True, min_samples=2, options=GarlOptions)
+def garl_estimator(inputs: EstimatorInputs, options: GarlOptions) -> ObjectiveOutput:
+    return garl(inputs.rationale_logprob, inputs.answer_logprob, inputs.q, baseline=options.baseline,
+                normalize=options.normalize)
+
+
+@register_objective("rb_rloo", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=False, min_samples=2, options=RbRlooOptions)
+def rb_rloo_estimator(inputs: EstimatorInputs, options: RbRlooOptions) -> ObjectiveOutput:
+    return rb_rloo(inputs.rationale_logprob, inputs.answer_logprob, normalize=options.normalize)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nemo_jq.objectives.checks import check_group_tensors, check_min_samples, check_token_tensors
+from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.objectives.registry import register_objective
-from nemo_jq.objectives.precision import upcast
+from nemo_jq.precision import upcast
+from nemo_jq.typed import option
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
 #: What the centred rewards are divided by: each group's std, the whole batch's std, or nothing.
@@ -34,7 +38,6 @@ def group_advantages(
     return centred / (pool.std() + eps)
 
 
-@register_objective("grpo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2)
 def grpo(
     logprob: torch.Tensor,
     rewards: torch.Tensor,
@@ -105,3 +108,23 @@ def grpo(
         "max_abs_advantage": advantages.abs().max().item(),
     }
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
+
+
+@dataclass(frozen=True)
+class GrpoOptions:
+    clip_eps: float = option(0.2, "PPO clip range below 1 (and above, unless clip_eps_high)", gt=0.0)
+    clip_eps_high: float | None = option(None, "PPO clip range above 1 (DAPO's clip-higher); null = clip_eps", gt=0.0)
+    scale_rewards: str = option("group", "divide centred rewards by the group's std, the batch's, or nothing",
+                                choices=SCALINGS)
+    eps: float = option(1e-6, "added to the std (TRL 1.16 uses 1e-4)", gt=0.0)
+    aggregation: str = option("token_mean", "token_mean (TRL's dapo) or sequence_mean (TRL's grpo)",
+                              choices=AGGREGATIONS)
+
+
+@register_objective("grpo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2, options=GrpoOptions)
+def grpo_estimator(inputs: EstimatorInputs, options: GrpoOptions) -> ObjectiveOutput:
+    """One optimizer step per batch of rollouts: the policy is the sampling policy, so the ratio is 1."""
+    return grpo(inputs.per_sample(inputs.token_logprob), inputs.rewards, inputs.per_sample(inputs.target_mask),
+                clip_eps=options.clip_eps, clip_eps_high=options.clip_eps_high, scale_rewards=options.scale_rewards,
+                eps=options.eps, aggregation=options.aggregation, tokens_per_example=inputs.tokens_per_example,
+                batch_rewards=inputs.batch_rewards)

@@ -1,16 +1,14 @@
 """What every estimator returns and what each one needs from a trainer.
 
-Modelled on NeMo-RL's ``LossFunction`` Protocol: an estimator is a plain callable
-over log-probability tensors that returns a differentiable scalar plus metrics.
-The trainer never special-cases an estimator; it reads the :class:`Need` set that
-the registry declares for it and builds only those inputs.
+An estimator returns a differentiable scalar plus metrics (NeMo-RL's ``LossFunction`` does the same).
+The trainer never special-cases an estimator; it reads the :class:`Need` set that the registry
+declares for it, builds only those rollouts, and hands it :class:`~nemo_jq.objectives.inputs.EstimatorInputs`.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -41,9 +39,3 @@ class ObjectiveOutput:
     loss: torch.Tensor
     per_example: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-class Objective(Protocol):
-    """An estimator: tensors in, :class:`ObjectiveOutput` out."""
-
-    def __call__(self, *args: torch.Tensor, **kwargs: object) -> ObjectiveOutput: ...

@@ -6,13 +6,17 @@ posterior p(z|x,y*)) and fine-tunes on (z_r, y*), attenuated by w̄^{1-q}.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nemo_jq.objectives.checks import check_group_tensors, check_q
+from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.objectives.qlog import jq_loss
 from nemo_jq.objectives.registry import register_objective
 from nemo_jq.objectives.weights import finite_logprob, weight_stats, with_value
+from nemo_jq.typed import option
 
 
 def resample_indices(log_w: torch.Tensor, num_resamples: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -24,7 +28,6 @@ def resample_indices(log_w: torch.Tensor, num_resamples: int, generator: torch.G
     return torch.multinomial(probs, num_resamples, replacement=True, generator=generator)
 
 
-@register_objective("paft", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=True, min_samples=1)
 def paft(
     rationale_logprob: torch.Tensor,
     answer_logprob: torch.Tensor,
@@ -62,3 +65,15 @@ def paft(
     surrogate = -scale * (counts * joint_logprob).sum(-1)
     per_example = with_value(surrogate, jq_loss(stats.log_mean, q))
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=stats.metrics())
+
+
+@dataclass(frozen=True)
+class PaftOptions:
+    num_resamples: int | None = option(None, "K, indices resampled per prompt (null = M)", ge=1)
+    normalize: bool = option(True, "divide by M^q, as GARL does")
+
+
+@register_objective("paft", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=True, min_samples=1, options=PaftOptions)
+def paft_estimator(inputs: EstimatorInputs, options: PaftOptions) -> ObjectiveOutput:
+    return paft(inputs.rationale_logprob, inputs.answer_logprob, inputs.q, num_resamples=options.num_resamples,
+                normalize=options.normalize, generator=inputs.generator)

@@ -1,38 +1,73 @@
-"""Estimators by name, in the style of verl's ``@register_adv_est``.
+"""Estimators by name, with one fixed signature, in the style of verl's ``@register_policy_loss``.
 
-Each entry declares the inputs it needs (:class:`Need`), whether it takes ``q``,
-and the fewest samples per prompt it accepts, so a trainer builds only what the
-chosen estimator consumes and rejects an impossible config before any rollout.
+Every registered estimator is ``fn(inputs: EstimatorInputs, options) -> ObjectiveOutput`` and declares
+the inputs it needs (:class:`Need`), whether it takes ``q``, the fewest samples per prompt it accepts,
+and an ``options`` dataclass: the keys a user may set under ``objective.options``, each typed and
+ranged, checked when the config loads. A trainer builds only the rollouts the estimator needs and
+rejects an impossible config before any rollout. The pure functions (:func:`~nemo_jq.objectives.garl`,
+...) stay callable on plain tensors from any training loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
+from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
+from nemo_jq.typed import ConfigError, build
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """For estimators without options."""
 
 
 @dataclass(frozen=True)
 class ObjectiveSpec:
     name: str
-    fn: Callable[..., ObjectiveOutput]
+    fn: Callable[[EstimatorInputs, Any], ObjectiveOutput]
     needs: frozenset[Need]
     uses_q: bool
     min_samples: int
+    options: type = NoOptions
+
+    def parse_options(self, raw: Mapping[str, Any] | None, where: str = "objective.options") -> Any:
+        """``raw`` (a mapping from the config) as this estimator's options dataclass; a one-line
+        :class:`ConfigError` names an unknown key, an input the trainer supplies, or a bad value."""
+        raw = dict(raw or {})
+        supplied = {f.name for f in dataclasses.fields(EstimatorInputs)} | {
+            "rationale_logprob", "answer_logprob", "sequence_logprob", "logprob", "mask", "old_logprob"}
+        known = [f.name for f in dataclasses.fields(self.options)]
+        for key in raw:
+            if key in supplied and key not in known:
+                raise ConfigError(f"{where}.{key}: '{key}' is an input the trainer supplies to {self.name!r}, not an "
+                                  f"option; {self.name!r} takes {', '.join(known) or 'no options'}")
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(f"{where}.{key} is not an option of {self.name!r} (its options: "
+                                  f"{', '.join(known) or 'none'}){hint}")
+        return build(self.options, raw, f"{where}.")
+
+    def __call__(self, inputs: EstimatorInputs, options: Any = None) -> ObjectiveOutput:
+        return self.fn(inputs, self.options() if options is None else options)
 
 
 _REGISTRY: dict[str, ObjectiveSpec] = {}
 
 
-def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples: int = 1):
-    """Decorator adding ``fn`` to the registry under ``name``."""
+def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples: int = 1, options: type = NoOptions):
+    """Decorator adding ``fn(inputs, options)`` to the registry under ``name``."""
 
-    def decorate(fn: Callable[..., ObjectiveOutput]) -> Callable[..., ObjectiveOutput]:
+    def decorate(fn: Callable[[EstimatorInputs, Any], ObjectiveOutput]) -> Callable[[EstimatorInputs, Any], ObjectiveOutput]:
         if name in _REGISTRY:
             raise ValueError(f"objective {name!r} is already registered")
-        _REGISTRY[name] = ObjectiveSpec(name, fn, frozenset(needs), uses_q, min_samples)
+        if not dataclasses.is_dataclass(options):
+            raise TypeError(f"objective {name!r}: options must be a dataclass; got {options!r}")
+        _REGISTRY[name] = ObjectiveSpec(name, fn, frozenset(needs), uses_q, min_samples, options)
         return fn
 
     return decorate

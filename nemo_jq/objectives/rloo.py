@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from nemo_jq.objectives.checks import check_group_tensors, check_min_samples
+from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
-from nemo_jq.objectives.registry import register_objective
-from nemo_jq.objectives.precision import upcast
+from nemo_jq.objectives.registry import NoOptions, register_objective
+from nemo_jq.precision import upcast
 
 
 def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -16,7 +17,6 @@ def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (samples - 1)
 
 
-@register_objective("rloo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2)
 def rloo(sequence_logprob: torch.Tensor, rewards: torch.Tensor) -> ObjectiveOutput:
     """RLOO loss for B prompts x M sampled completions.
 
@@ -33,3 +33,8 @@ def rloo(sequence_logprob: torch.Tensor, rewards: torch.Tensor) -> ObjectiveOutp
     per_example = -(advantages * upcast(sequence_logprob)).mean(-1)
     metrics = {"reward": upcast(rewards).mean().item(), "max_abs_advantage": advantages.abs().max().item()}
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
+
+
+@register_objective("rloo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2)
+def rloo_estimator(inputs: EstimatorInputs, options: NoOptions) -> ObjectiveOutput:
+    return rloo(inputs.sequence_logprob, inputs.rewards)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nemo_jq.objectives.checks import check_token_tensors
+from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.objectives.registry import register_objective
-from nemo_jq.objectives.precision import upcast
+from nemo_jq.precision import upcast
+from nemo_jq.typed import option
 
 REDUCTIONS = ("sequence", "token")
 
 
-@register_objective("sft", needs={Need.GIVEN_TARGET}, uses_q=False, min_samples=1)
 def sft(token_logprob: torch.Tensor, mask: torch.Tensor, *, reduction: str = "sequence") -> ObjectiveOutput:
     """SFT loss for N target sequences of up to T tokens.
 
@@ -34,3 +37,14 @@ def sft(token_logprob: torch.Tensor, mask: torch.Tensor, *, reduction: str = "se
         per_example = per_example / mask.sum(-1).clamp(min=1.0)
     metrics = {"nll_per_token": (token_nll.sum() / mask.sum().clamp(min=1.0)).item()}
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
+
+
+@dataclass(frozen=True)
+class SftOptions:
+    reduction: str = option("sequence", "sequence: the NLL of each target; token: divided by its token count",
+                            choices=REDUCTIONS)
+
+
+@register_objective("sft", needs={Need.GIVEN_TARGET}, uses_q=False, min_samples=1, options=SftOptions)
+def sft_estimator(inputs: EstimatorInputs, options: SftOptions) -> ObjectiveOutput:
+    return sft(inputs.token_logprob, inputs.target_mask, reduction=options.reduction)

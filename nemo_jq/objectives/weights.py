@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_jq.objectives.qlog import jq_loss
-from nemo_jq.objectives.precision import upcast
+from nemo_jq.precision import upcast
 
 #: ``log w`` values are clamped here so that ``-inf`` inputs give finite coefficients.
 LOG_W_FLOOR = -1e30

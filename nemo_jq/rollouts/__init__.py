@@ -10,12 +10,26 @@ from typing import Any, Callable
 
 import torch
 
+from nemo_jq.registry import Registry
 from nemo_jq.rollouts.budget import BudgetedRollouts
 from nemo_jq.rollouts.hf import HFSampler, NativeSampler
 from nemo_jq.rollouts.sampling import Sample, Sampler, SamplingSettings
 
 #: ``builder(model, config, pad_id, device) -> Sampler``; ``model`` is the HF model the run starts from.
 SamplerBuilder = Callable[[Any, Any, int, torch.device], Sampler]
+
+
+#: The registered samplers (``rollout.engine``), and those that decode the HF model they are given in place
+#: (the rest hold their own copy, which the backend refits after each step).
+SAMPLERS = Registry("rollout engine")
+IN_PLACE: set[str] = set()
+
+
+def register_sampler(name: str, *, in_place: bool = False) -> Callable[[SamplerBuilder], SamplerBuilder]:
+    """Decorator adding a sampler builder under ``name`` (docs/extending.md)."""
+    if in_place:
+        IN_PLACE.add(name)
+    return SAMPLERS.register(name)
 
 
 def _settings(config: Any) -> SamplingSettings:
@@ -30,17 +44,16 @@ def _in_this_process(sampler_class: type) -> SamplerBuilder:
     return build
 
 
+register_sampler("native", in_place=True)(_in_this_process(NativeSampler))
+register_sampler("hf", in_place=True)(_in_this_process(HFSampler))
+
+
+@register_sampler("vllm")
 def _vllm(model, config, pad_id, device):
     from nemo_jq.rollouts.vllm import VLLMSampler
 
     return VLLMSampler(config.model.path, settings=_settings(config), seed=config.train.seed,
                        tensor_parallel=config.rollout.tensor_parallel)
-
-
-SAMPLERS: dict[str, SamplerBuilder] = {"native": _in_this_process(NativeSampler), "hf": _in_this_process(HFSampler),
-                                       "vllm": _vllm}
-#: Samplers that decode the HF model they are given in place (the rest hold their own copy and need refits).
-IN_PLACE = ("native", "hf")
 
 
 def build_rollouts(model: Any, config: Any, chat: Any, device: torch.device) -> BudgetedRollouts:
@@ -51,4 +64,5 @@ def build_rollouts(model: Any, config: Any, chat: Any, device: torch.device) -> 
                             max_thinking_tokens=rollout.max_thinking_tokens, max_answer_tokens=rollout.max_answer_tokens)
 
 
-__all__ = ["BudgetedRollouts", "IN_PLACE", "SAMPLERS", "Sample", "Sampler", "SamplingSettings", "build_rollouts"]
+__all__ = ["BudgetedRollouts", "IN_PLACE", "SAMPLERS", "Sample", "Sampler", "SamplingSettings", "build_rollouts",
+           "register_sampler"]

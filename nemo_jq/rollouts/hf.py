@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from nemo_jq.models.hf import autocast_context, check_precision
+from nemo_jq.models.common import autocast_context, check_precision
 from nemo_jq.rollouts.sampling import Sample, SamplingSettings, as_groups, check_request
 
 

@@ -19,12 +19,12 @@ from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_confi
 
 transformer_engine_usable()  # before importing megatron.core
 from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory  # noqa: E402
 from megatron.core.dist_checkpointing.optimizer import (  # noqa: E402
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
-from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory  # noqa: E402
 
 #: The distributed checkpoint's folder inside a nemo_jq checkpoint directory.
 SHARDED_DIR = "megatron"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nemo_jq.objectives.precision import compute_dtype, upcast
+from nemo_jq.precision import compute_dtype, upcast
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -13,7 +13,6 @@ distributed checkpoints (``checkpoint``), which resume at any TP, PP, CP or DP s
 from __future__ import annotations
 
 import collections
-import math
 import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -23,20 +22,16 @@ import torch.distributed as dist
 
 from nemo_jq import distributed
 from nemo_jq.distributed import DataParallel
-from nemo_jq.models.hf import WEIGHTS_FILE, SafetensorsFolder, autocast_context, check_precision, export_hf_stream
+from nemo_jq.models.common import WEIGHTS_FILE, SafetensorsFolder, autocast_context, check_precision
+from nemo_jq.models.export import export_hf_stream
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
+from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs
 from nemo_jq.models.megatron.mapping import hf_names, hf_shape, is_tensor_parallel, iter_hf_to_megatron, megatron_to_hf
-from nemo_jq.models.megatron.provider import (
-    build_gpt_model,
-    check_parallel_layout,
-    padded_vocab_size,
-    read_qwen3_config,
-    uses_transformer_engine,
-)
+from nemo_jq.models.megatron.provider import build_gpt_model, padded_vocab_size, read_qwen3_config, uses_transformer_engine
 from nemo_jq.models.megatron.zero import DistributedAdamW
 
 transformer_engine_usable()  # a broken Transformer Engine must not break the megatron.core import below
@@ -79,12 +74,13 @@ class MegatronPolicy:
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, grad_clip: float = 1.0, logprob_chunk_size: int = 256):
         self.arch = read_qwen3_config(hf_config)
-        check_parallel_layout(self.arch, tensor_parallel, sequence_parallel, pipeline_parallel, context_parallel)
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronPolicy needs torch.distributed initialised first (e.g. run under torchrun)")
+        self.layout = MegatronLayout(tensor_parallel, pipeline_parallel, context_parallel, sequence_parallel,
+                                     recompute_activations, distributed_optimizer, bf16_weights)
+        self.layout.validate(self.arch, dist.get_world_size())
         self.device = torch.device(device)
         self.precision = check_precision(precision)
-        if bf16_weights and not distributed_optimizer:
-            raise ValueError("bf16_weights keeps the fp32 master weights in the distributed optimizer: "
-                             "pass distributed_optimizer=True too")
         self.bf16_weights = bf16_weights
         self.sequence_parallel = sequence_parallel
         self.grad_clip = grad_clip
@@ -115,10 +111,7 @@ class MegatronPolicy:
         self.sequence_multiple = (2 * context_parallel if context_parallel > 1 else 1) * (
             tensor_parallel if sequence_parallel else 1)
         self.uses_transformer_engine = uses_transformer_engine()
-        self.model = build_gpt_model(self.arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-                                     pipeline_parallel=pipeline_parallel, context_parallel=context_parallel,
-                                     recompute_activations=recompute_activations,
-                                     params_dtype=torch.bfloat16 if bf16_weights else torch.float32,
+        self.model = build_gpt_model(self.arch, self.layout, params_dtype=torch.bfloat16 if bf16_weights else torch.float32,
                                      use_cpu_initialization=self.device.type == "cpu")
         if bf16_weights:
             self.model.to(torch.bfloat16)  # as Megatron's Float16Module: the local spec's torch norms are built in fp32
@@ -424,8 +417,6 @@ class MegatronPolicy:
 
 
 def _initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, context_parallel: int) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError("MegatronPolicy needs torch.distributed initialised first (e.g. run under torchrun)")
     asked = (tensor_parallel, pipeline_parallel, context_parallel)
     if parallel_state.model_parallel_is_initialized():
         sizes = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
@@ -434,9 +425,6 @@ def _initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, con
             raise ValueError(f"megatron parallel state has tensor-, pipeline- and context-parallel sizes {sizes}; "
                              f"asked for {asked}")
         return
-    if dist.get_world_size() % math.prod(asked):
-        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tensor_parallel={tensor_parallel} x "
-                         f"pipeline_parallel={pipeline_parallel} x context_parallel={context_parallel}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                              pipeline_model_parallel_size=pipeline_parallel,
                                              context_parallel_size=context_parallel)

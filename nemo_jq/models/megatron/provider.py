@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from nemo_jq.models.megatron import transformer_engine_usable
+from nemo_jq.models.megatron.layout import MegatronLayout
 
 #: config.json keys every Qwen3 config has, and the architecture field each fills.
 REQUIRED_KEYS = {
@@ -107,33 +108,6 @@ def _check_supported(values: Mapping[str, Any], source: str) -> None:
         raise ValueError(f"{source} has rope type {rope_type!r}; only unscaled rotary embeddings are supported")
 
 
-def check_parallel_layout(arch: Qwen3Architecture, tensor_parallel: int, sequence_parallel: bool = False,
-                          pipeline_parallel: int = 1, context_parallel: int = 1) -> None:
-    """Raise ``ValueError`` for a TP, PP or CP size that cannot split this model.
-
-    Megatron gives each TP rank whole query heads and whole KV groups (the fused QKV weight is
-    cut per group) and an equal slice of the MLP, so TP must divide all three counts; and each
-    pipeline stage an equal run of whole layers, so PP must divide the layer count. CP splits
-    sequences, not weights: any size works (the policy pads sequences to fit it).
-    """
-    if tensor_parallel < 1:
-        raise ValueError(f"tensor_parallel must be >= 1; got {tensor_parallel}")
-    if arch.num_attention_heads % arch.num_key_value_heads:
-        raise ValueError(f"num_attention_heads={arch.num_attention_heads} is not a multiple of "
-                         f"num_key_value_heads={arch.num_key_value_heads}")
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(arch, name) % tensor_parallel:
-            raise ValueError(f"tensor_parallel={tensor_parallel} does not divide {name}={getattr(arch, name)}: "
-                             f"choose a TP size that divides num_attention_heads, num_key_value_heads and intermediate_size")
-    if sequence_parallel and tensor_parallel == 1:
-        raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
-    if pipeline_parallel < 1 or arch.num_layers % pipeline_parallel:
-        raise ValueError(f"pipeline_parallel={pipeline_parallel} does not divide num_hidden_layers={arch.num_layers}: "
-                         f"choose a PP size that divides num_hidden_layers (each stage holds an equal run of layers)")
-    if context_parallel < 1:
-        raise ValueError(f"context_parallel must be >= 1; got {context_parallel}")
-
-
 #: Embedding rows are allocated in multiples of this (times TP where TP does not divide it), as Megatron-LM's
 #: ``make_vocab_size_divisible_by``; so a checkpoint's padded vocabulary is the same at TP 1, 2, 4, ... 128.
 VOCAB_PADDING_MULTIPLE = 128
@@ -150,18 +124,17 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                       pipeline_parallel: int = 1, context_parallel: int = 1, recompute_activations: bool = False, params_dtype: torch.dtype = torch.float32,
-                       use_cpu_initialization: bool = True):
+def transformer_config(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLayout(), *,
+                       params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True):
     """The megatron-core ``TransformerConfig`` of a Qwen3 (as Bridge's Qwen3 bridge sets it).
 
     Fusions that need CUDA kernels are off, and weights are not initialised: they come from the
     HF checkpoint. ``use_cpu_initialization`` allocates the weights on CPU (else on the current
-    CUDA device). ``recompute_activations`` keeps only each layer's input and recomputes the layer
-    in backward (megatron-core's full, uniform recomputation): activation memory for compute.
+    CUDA device). ``layout.recompute_activations`` keeps only each layer's input and recomputes the
+    layer in backward (megatron-core's full, uniform recomputation): activation memory for compute.
     Pipeline stages exchange activations in ``params_dtype`` (``pipeline_dtype``).
     """
-    check_parallel_layout(arch, tensor_parallel, sequence_parallel, pipeline_parallel, context_parallel)
+    layout.validate(arch)
     transformer_engine_usable()  # before importing megatron.core
     from megatron.core.transformer import TransformerConfig
 
@@ -182,10 +155,10 @@ def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, seq
         hidden_dropout=0.0,
         attention_dropout=arch.attention_dropout,
         init_method_std=arch.initializer_range,
-        tensor_model_parallel_size=tensor_parallel,
-        sequence_parallel=sequence_parallel,
-        pipeline_model_parallel_size=pipeline_parallel,
-        context_parallel_size=context_parallel,
+        tensor_model_parallel_size=layout.tensor_parallel,
+        sequence_parallel=layout.sequence_parallel,
+        pipeline_model_parallel_size=layout.pipeline_parallel,
+        context_parallel_size=layout.context_parallel,
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         use_cpu_initialization=use_cpu_initialization,
@@ -196,7 +169,7 @@ def transformer_config(arch: Qwen3Architecture, *, tensor_parallel: int = 1, seq
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-           if recompute_activations else {}),
+           if layout.recompute_activations else {}),
     )
 
 
@@ -205,8 +178,7 @@ def uses_transformer_engine() -> bool:
     return torch.cuda.is_available() and transformer_engine_usable()
 
 
-def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                    pipeline_parallel: int = 1, context_parallel: int = 1, recompute_activations: bool = False,
+def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLayout(), *,
                     params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True):
     """This rank's ``GPTModel`` shard; ``parallel_state`` must be initialised with the same TP, PP and CP sizes.
 
@@ -215,10 +187,7 @@ def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequen
     LM head (tied: a copy of the embedding); other stages return hidden states ``[s, b, H]``.
     Under context parallelism ``s`` is this rank's part of the sequence (``context_parallel``).
     """
-    config = transformer_config(arch, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-                                pipeline_parallel=pipeline_parallel, context_parallel=context_parallel,
-                                recompute_activations=recompute_activations, params_dtype=params_dtype,
-                                use_cpu_initialization=use_cpu_initialization)
+    config = transformer_config(arch, layout, params_dtype=params_dtype, use_cpu_initialization=use_cpu_initialization)
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -231,15 +200,15 @@ def build_gpt_model(arch: Qwen3Architecture, *, tensor_parallel: int = 1, sequen
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    if context_parallel > 1 and spec.submodules.self_attention.submodules.core_attention is DotProductAttention:
-        raise ValueError(f"context_parallel={context_parallel} needs Transformer Engine's attention on GPU "
+    if layout.context_parallel > 1 and spec.submodules.self_attention.submodules.core_attention is DotProductAttention:
+        raise ValueError(f"megatron.context_parallel={layout.context_parallel} needs Transformer Engine's attention on GPU "
                          f"(megatron-core's local attention has no context parallelism, and TE is "
                          f"{'not usable without CUDA' if transformer_engine_usable() else 'not importable here'}): "
                          f"run where TE imports (nemo-jq doctor says), or set context_parallel=1")
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(arch.vocab_size, tensor_parallel),
+        vocab_size=padded_vocab_size(arch.vocab_size, layout.tensor_parallel),
         max_sequence_length=arch.max_position_embeddings,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,

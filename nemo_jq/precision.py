@@ -1,4 +1,4 @@
-"""Precision policy: estimator arithmetic runs in at least fp32, whatever the model's dtype."""
+"""Precision policy: loss and estimator arithmetic run in at least fp32, whatever the model's dtype."""
 
 from __future__ import annotations
 

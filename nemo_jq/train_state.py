@@ -1,0 +1,70 @@
+"""What a run's checkpoint remembers of the loop: where it is, how the guard changed its course, its random streams."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_jq.distributed import DataParallel
+
+
+@dataclass
+class Course:
+    """How the collapse guard has changed the run so far (kept over resumes)."""
+
+    objective: str
+    q_scale: float = 1.0
+    lr_scale: float = 1.0
+    guard_triggers: int = 0
+
+
+@dataclass
+class TrainState:
+    """Where the run is: what a checkpoint's ``state.json`` holds beside the schedule's and the guard's state."""
+
+    course: Course
+    step: int = 0
+    epoch: int = 0
+    #: The next prompt's index in this epoch's permutation of the training split.
+    position: int = 0
+    best_metric: float | None = None
+    best_step: int | None = None
+
+    @classmethod
+    def from_json(cls, saved: dict[str, Any], course: Course) -> TrainState:
+        """A saved state (``course``: the run's own, if the checkpoint predates the guard)."""
+        saved = dict(saved)
+        saved["course"] = Course(**saved["course"]) if "course" in saved else course
+        return cls(**saved)
+
+
+class RandomStreams:
+    """The run's randomness: Python's, numpy's and torch's global state, and the two streams the loop draws
+    from, each replica its own: the rollouts' samples and the estimator's (PAFT's resampling)."""
+
+    def __init__(self, seed: int, data_parallel: DataParallel, device: torch.device):
+        self.seed, self.data_parallel = seed, data_parallel
+        self.rollout = torch.Generator(device=device).manual_seed(data_parallel.replica_seed(seed))
+        self.estimator = torch.Generator(device=device).manual_seed(data_parallel.replica_seed(seed + 1))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "rollout": self.rollout.get_state(), "estimator": self.estimator.get_state(),
+                "replica": self.data_parallel.rank}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Restore ``state`` (saved at ``step``); a replica the run did not have then starts streams of its own."""
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if state.get("replica", 0) == self.data_parallel.rank:
+            self.rollout.set_state(state["rollout"])
+            self.estimator.set_state(state["estimator"])
+        else:  # saved with fewer replicas: fixed by the seed and the step
+            seed = self.seed + 7919 * step
+            self.rollout.manual_seed(self.data_parallel.replica_seed(seed))
+            self.estimator.manual_seed(self.data_parallel.replica_seed(seed + 1))

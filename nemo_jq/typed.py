@@ -1,0 +1,120 @@
+"""Typed dataclasses from YAML-like mappings: the one loader behind config sections and estimator options.
+
+A field declared with :func:`option` carries its help text and the range or choices every value is
+checked against; :func:`build` turns a mapping into the dataclass, naming an unknown key (with the
+closest valid one), a value of the wrong type, or one out of range, in one line. Standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import operator
+import types
+import typing
+from dataclasses import field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad key or value in a config file, an override or an estimator's options."""
+
+
+def option(default: Any = None, help: str = "", *, factory: Any = None, ge: float | None = None,
+           gt: float | None = None, le: float | None = None, lt: float | None = None,
+           choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field with its help text and the range or choices every value is checked against."""
+    metadata = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+#: The bounds an ``option`` may declare: how each reads and how each is checked.
+_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
+
+
+def bounds_text(metadata: Any) -> str:
+    """What a field allows, as ``nemo-jq train --help`` prints it (``>= 1``, ``one of a, b``)."""
+    if metadata.get("choices"):
+        return "one of " + ", ".join(metadata["choices"])
+    return " and ".join(f"{symbol} {metadata[key]}" for key, (symbol, _) in _BOUNDS.items() if metadata.get(key) is not None)
+
+
+def build(cls: type, raw: Any, prefix: str) -> Any:
+    """``cls`` from the mapping ``raw``; nested dataclass fields are built from nested mappings.
+
+    ``prefix`` is the dotted path keys are named by in errors (``"objective.options."``).
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping; got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {sorted(fields)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+    values = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = build(hint, value, f"{prefix}{name}.")
+        else:
+            values[name] = check_range(check_type(value, hint, f"{prefix}{name}"), fields[name].metadata, f"{prefix}{name}")
+    return cls(**values)
+
+
+def check_range(value: Any, metadata: Any, key: str) -> Any:
+    """The value, if it lies in the field's range or choices; else an error naming the key and what is allowed."""
+    if value is None or isinstance(value, bool):
+        return value
+    choices = metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+    if isinstance(value, (int, float)) and not all(
+        check(value, metadata[key]) for key, (_, check) in _BOUNDS.items() if metadata.get(key) is not None
+    ):
+        raise ConfigError(f"{key} must be {bounds_text(metadata)}; got {value!r}")
+    return value
+
+
+def check_type(value: Any, hint: Any, key: str) -> Any:
+    """The value as the annotation ``hint`` wants it (an int where a float is wanted becomes a float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return check_type(value, inner[0], key)
+    expected = origin or hint
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if expected is Any or (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
+        return value
+    raise ConfigError(f"{key} must be {getattr(expected, '__name__', expected)}; got {value!r}")
+
+
+def describe_fields(cls: type, instance: Any, prefix: str, only: list[str] | None = None) -> list[str]:
+    """One line per leaf field (``prefix.key = default   range; help``), nested dataclasses walked;
+    ``only``: just these fields."""
+    import yaml
+
+    lines = []
+    for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            lines += describe_fields(type(value), value, f"{prefix}{f.name}.")
+            continue
+        shown = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        text = f"  {prefix}{f.name} = {shown}"
+        extras = "; ".join(part for part in (bounds_text(f.metadata), f.metadata.get("help", "")) if part)
+        lines.append(f"{text:<44} {extras}" if extras else text)
+    return lines
