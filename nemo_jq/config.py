@@ -152,6 +152,9 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "newest checkpoints kept (the best one is always kept)", ge=1)
     run_dir: str = option("runs/train", "where the run is written; one run per directory")
     tensorboard: bool = option(True, "write TensorBoard events under RUN_DIR/tensorboard")
+    collective_timeout_minutes: float = option(
+        60.0, "how long a rank waits in a collective for the others (one rank's rollouts, a checkpoint write, an export) "
+        "before the job fails; NCCL's own default is 10", gt=0.0)
 
 
 @dataclass

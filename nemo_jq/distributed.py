@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
@@ -24,17 +25,32 @@ class OtherRankFailed(RuntimeError):
     """Raised on the ranks that did not fail themselves; the message says which rank failed and how."""
 
 
-def init_from_env(device: torch.device) -> torch.device:
+def init_from_env(device: torch.device, timeout: timedelta | None = None) -> torch.device:
     """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment), once,
-    and return this rank's device: its ``LOCAL_RANK`` GPU on CUDA (NCCL), else ``device`` (gloo)."""
+    and return this rank's device: its ``LOCAL_RANK`` GPU on CUDA (NCCL), else ``device`` (gloo).
+
+    ``timeout``: how long a rank waits in a collective for the others before it fails (NCCL's default is
+    10 minutes, shorter than one replica's rollouts of an 8B model, which the other ranks wait for);
+    the groups made later (the backend's) take the same (:func:`collective_timeout`).
+    """
+    global _TIMEOUT
+    _TIMEOUT = timeout or _TIMEOUT
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return device
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=_TIMEOUT)
     return device
+
+
+#: The collective timeout of this process's groups (None: the backend's default).
+_TIMEOUT: timedelta | None = None
+
+
+def collective_timeout() -> timedelta | None:
+    return _TIMEOUT
 
 
 def world_size() -> int:

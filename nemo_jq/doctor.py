@@ -36,11 +36,10 @@ def _imports(module: str) -> str:
 def report() -> dict[str, Any]:
     import torch
 
-    from nemo_jq.models.megatron import transformer_engine_usable
+    from nemo_jq.models.megatron import transformer_engine_status
 
     cuda = torch.cuda.is_available()
-    transformer_engine = _imports("transformer_engine")  # first, so a broken TE's own error is what we report
-    transformer_engine_usable()  # and then megatron.core survives it
+    transformer_engine = transformer_engine_status()  # before megatron.core, which then survives a broken TE
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "nemo_jq": _version("nemo_jq"),
@@ -53,11 +52,11 @@ def report() -> dict[str, Any]:
         "bf16 supported": cuda and torch.cuda.is_bf16_supported(),
         "transformers": _version("transformers"),
         "megatron-core": _version("megatron-core"),
-        "transformer engine imports": transformer_engine,
+        "transformer engine": transformer_engine,
         "apex imports": _imports("apex.normalization") if _version("apex") != "not installed" else "not installed",
     }
     info["megatron.core imports"] = _imports("megatron.core") if info["megatron-core"] != "not installed" else "not installed"
-    info["megatron layer spec"] = ("transformer_engine" if cuda and info["transformer engine imports"] == "yes"
+    info["megatron layer spec"] = ("transformer_engine" if cuda and transformer_engine == "usable"
                                    else "local (megatron-core's torch layers)")
     info["model.backend=megatron usable"] = cuda and info["megatron.core imports"] == "yes"
     # megatron-core's local attention has no context parallelism; TE's does

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,8 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = ()) 
     with that checkpoint's weights; ``overrides`` as for the run's config (e.g. ``eval.num_samples=4``)."""
     run_dir, checkpoint = resolve_checkpoint(path)
     config = load_config(run_dir / CONFIG_FILE, list(overrides))
-    device = distributed.init_from_env(resolve_device(config.train.device))
+    device = distributed.init_from_env(resolve_device(config.train.device),
+                                      timedelta(minutes=config.train.collective_timeout_minutes))
     components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)
     load_checkpoint(checkpoint, components.policy, with_optimizer=False)
     return LoadedRun(run_dir, checkpoint, components)

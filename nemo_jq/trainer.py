@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ class Trainer:
     def __init__(self, config: Config, *, run_dir: Path | None = None, existing: bool = False, overwrite: bool = False):
         self.config = config.validate()
         self.run_dir = Path(run_dir or config.train.run_dir)
-        device = distributed.init_from_env(resolve_device(config.train.device))
+        device = distributed.init_from_env(resolve_device(config.train.device),
+                                            timedelta(minutes=config.train.collective_timeout_minutes))
         if not existing:
             distributed.on_writer(lambda: claim_run_dir(self.run_dir, overwrite=overwrite))
         self.components = build_components(config, device, tokenizer_dir=self.run_dir / TOKENIZER_DIR if existing else None)

@@ -17,9 +17,6 @@ below replace exactly those, in the spawned test processes only (never in the pa
   model's last stage moves its copy of the embedding with ``.cuda()`` before the all-reduce that
   initialises it (``p2p_communication`` places its buffers with ``torch.cuda.current_device``
   and waits with ``torch.cuda.synchronize``, both replaced above);
-* the local spec's torch norm refuses sequence parallelism, which only needs its weight gradient
-  summed over the TP ranks: the replacement marks the weight ``sequence_parallel`` as
-  Transformer Engine's norms do, and the policy sums such gradients;
 * context parallelism: ``get_pos_emb_on_this_cp_rank`` pins a CPU index tensor in memory (CUDA
   only), and megatron-core's local attention refuses CP, which only Transformer Engine's
   attention implements (a ring of key/value exchanges on GPU). The stand-in below all-gathers
@@ -110,12 +107,6 @@ def _context_parallel_attention():
     return ContextParallelDotProductAttention
 
 
-def _norm_accepting_sequence_parallel(cls, config, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
-    norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-    norm.weight.sequence_parallel = config.sequence_parallel
-    return norm
-
-
 class _TorchWithCpuZeros:
     """``torch`` for megatron-core's ``schedules`` module, whose ``torch.zeros`` calls name ``device="cuda"``."""
 
@@ -135,7 +126,6 @@ def patch_megatron_for_cpu() -> None:
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.utils import GlobalMemoryBuffer
 
     RotaryEmbedding.get_emb = _rotary_emb_on_cpu
@@ -147,7 +137,6 @@ def patch_megatron_for_cpu() -> None:
     GlobalMemoryBuffer.get_tensor = _buffer_on_cpu
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
-    WrappedTorchNorm.__new__ = staticmethod(_norm_accepting_sequence_parallel)
     schedules.torch = _TorchWithCpuZeros()
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
 

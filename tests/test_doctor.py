@@ -24,7 +24,7 @@ def test_doctor_reports_versions_devices_spec_and_launch(tmp_path):
     import torch
 
     assert info["torch"] == torch.__version__ and info["cuda available"] == torch.cuda.is_available()
-    assert info["transformer engine imports"] == "no (RuntimeError: CUDA driver too old)"
+    assert info["transformer engine"] == "unusable (RuntimeError: CUDA driver too old)"
     assert info["megatron.core imports"] == "yes"  # the broken TE is survived
     assert info["megatron layer spec"].startswith("local")
     assert info["megatron.context_parallel > 1 usable"] is False  # no TE attention

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -520,23 +521,257 @@ def test_policy_needs_torch_distributed():
         MegatronPolicy.from_hf_model(model)
 
 
-def test_package_import_is_lazy_and_a_broken_transformer_engine_is_survived(tmp_path):
-    """A TE that raises RuntimeError on import (a CUDA mismatch) must leave megatron.core importable."""
-    (tmp_path / "transformer_engine").mkdir()
-    (tmp_path / "transformer_engine" / "__init__.py").write_text("raise RuntimeError('CUDA driver too old')\n")
-    script = textwrap.dedent("""
+#: Ways an installed Transformer Engine breaks (its 2.x top-level package swallows an ImportError from .pytorch):
+#: what its top-level ``__init__`` and its ``pytorch`` subpackage do, and what the reason must name.
+BROKEN_TE = {
+    "extension-abi": ("try:\n    from . import pytorch\nexcept ImportError:\n    pass\n",
+                      "raise ImportError('transformer_engine_torch.so: undefined symbol: _ZN3c10')", "undefined symbol"),
+    "cuda-library": ("", "raise OSError('libcudnn_graph.so.9: cannot open shared object file')", "libcudnn_graph"),
+    "common-library": ("raise OSError('libcudart.so.13: cannot open shared object file')\n", "", "libcudart"),
+    "version-check": ("", "raise AssertionError('TransformerEngine package version mismatch')", "version mismatch"),
+    "driver": ("raise RuntimeError('CUDA driver too old')\n", "", "CUDA driver too old"),
+    "missing-dependency": ("try:\n    from . import pytorch\nexcept ImportError:\n    pass\n",
+                           "import flash_attn_not_installed_here", "flash_attn_not_installed_here"),
+}
+
+
+@pytest.mark.parametrize("mode", list(BROKEN_TE))
+def test_a_broken_transformer_engine_is_reported_and_never_half_used(tmp_path, mode):
+    """Whatever breaks TE, megatron.core still imports with none of its TE paths, and the policy picks the
+    local layer spec even where CUDA is available (the check imports transformer_engine.pytorch itself)."""
+    top, subpackage, reason = BROKEN_TE[mode]
+    (tmp_path / "transformer_engine" / "pytorch").mkdir(parents=True)
+    (tmp_path / "transformer_engine" / "__init__.py").write_text(top)
+    (tmp_path / "transformer_engine" / "pytorch" / "__init__.py").write_text(subpackage + "\n")
+    script = textwrap.dedent(f"""
         import sys, warnings
+        import torch
+        torch.cuda.is_available = lambda: True  # as on a GPU node: only TE's breakage decides the spec
         import nemo_jq.models.megatron as backend
         assert "megatron.core" not in sys.modules
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert backend.transformer_engine_usable() is False
-        assert any("CUDA driver too old" in str(w.message) for w in caught)
-        import megatron.core.models.gpt.gpt_layer_specs
+            status = backend.transformer_engine_status()
+        assert status.startswith("unusable (") and {reason!r} in status, status
+        assert any({reason!r} in str(w.message) for w in caught)
+        import megatron.core
+        from megatron.core.models.gpt import gpt_layer_specs
+        from megatron.core.transformer import transformer_block
+        from nemo_jq.models.megatron.provider import uses_transformer_engine
+        assert not gpt_layer_specs.HAVE_TE and not transformer_block.HAVE_TE and not uses_transformer_engine()
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_no_transformer_engine_is_not_installed_and_imports_nothing():
+    script = ("import sys, nemo_jq.models.megatron as b; assert 'megatron.core' not in sys.modules; "
+              "print(b.transformer_engine_status())")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "not installed", result.stderr[-2000:]
+
+
+def devices_of_a_gpu_build() -> list[str]:
+    """Build as on a GPU (no CPU initialisation), with the "current CUDA device" standing in as ``meta``."""
+    from megatron.core import parallel_state
+
+    from nemo_jq.models.megatron.provider import build_gpt_model
+
+    parallel_state.initialize_model_parallel()
+    torch.cuda.current_device = lambda: "meta"
+    model = build_gpt_model(read_qwen3_config(untied_qwen3().config), use_cpu_initialization=False)
+    return sorted({str(tensor.device) for tensor in [*model.parameters(), *model.buffers()]})
+
+
+def test_the_local_spec_builds_every_module_on_the_models_device():
+    """megatron-core's WrappedTorchNorm builds its norms on CPU whatever the device (the first GPU forward then mixes
+    devices); the package's own norm follows the device the rest of the model is built on."""
+    assert run_in_processes(devices_of_a_gpu_build, 1) == [["meta"]]
+
+
+RECOMPUTE_UNDER_AUTOCAST = """
+import sys, tempfile
+import torch
+# As on a GPU: megatron-core's linears re-enter the forward's autocast in their own backward (custom_fwd/custom_bwd
+# name device "cuda"); pointing them at CPU autocast makes this CPU run take the GPU's code path.
+_fwd, _bwd = torch.amp.custom_fwd, torch.amp.custom_bwd
+torch.amp.custom_fwd = lambda fwd=None, *, device_type, cast_inputs=None: _fwd(fwd, device_type="cpu", cast_inputs=cast_inputs)
+torch.amp.custom_bwd = lambda bwd=None, *, device_type: _bwd(bwd, device_type="cpu")
+sys.path.insert(0, {tests!r})
+from megatron_cpu import patch_megatron_for_cpu
+patch_megatron_for_cpu()
+torch.distributed.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+from test_megatron_backend import garl_batch, garl_loss_fn, untied_qwen3, SAMPLES, PROMPTS
+from nemo_jq.models.megatron.policy import MegatronPolicy
+
+def gradients(recompute):
+    model = untied_qwen3()
+    policy = MegatronPolicy.from_hf_model(model, recompute_activations=recompute, precision="bf16")
+    batch = garl_batch(model.config.vocab_size)
+    policy.forward_backward([batch], garl_loss_fn([batch], []))  # forward under bf16 autocast, backward outside
+    return {{name: param.grad.clone() for name, param in policy.model.named_parameters()}}
+
+plain, recomputed = gradients(False), gradients(True)
+worst = max(float((plain[name] - recomputed[name]).abs().max()) for name in plain)
+print("worst", worst)
+assert worst == 0.0, worst
+"""
+
+
+def test_recomputed_layers_run_under_the_forwards_autocast():
+    """Full recomputation under bf16 autocast (the GPU default, fp32 weights): megatron-core's checkpoint re-ran the
+    layers outside autocast, on bf16 saved inputs (a dtype error in the local spec's linears); the gradients now
+    equal those without recomputation, bit for bit."""
+    tests = str(Path(__file__).resolve().parent)
+    result = subprocess.run([sys.executable, "-c", RECOMPUTE_UNDER_AUTOCAST.format(tests=tests)], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def pipeline_logprobs_under_autocast(pipeline_parallel: int) -> torch.Tensor:
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    model = untied_qwen3()
+    policy = MegatronPolicy.from_hf_model(model, pipeline_parallel=pipeline_parallel, precision="bf16")
+    with torch.no_grad():
+        return policy.token_logprobs(garl_batch(model.config.vocab_size))
+
+
+def test_pipeline_stages_exchange_activations_in_the_autocast_dtype():
+    """Under bf16 autocast over fp32 weights a stage's output is bf16: the receiving stage's buffer must be too
+    (an fp32 buffer took the bf16 bytes as garbage, half of it never written)."""
+    one_stage = run_in_processes(pipeline_logprobs_under_autocast, 1, 1)[0]
+    two_stages = run_in_processes(pipeline_logprobs_under_autocast, 2, 2)
+    assert torch.equal(two_stages[0], two_stages[1])
+    assert float((two_stages[1] - one_stage).abs().max()) < 0.05  # bf16 rounding, not garbage
+
+
+def time_to_fail(group) -> tuple[float, str]:
+    """On rank 0: how long a collective over ``group`` waits for a rank that never joins, and its error."""
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.zeros(1), group=group)
+    except RuntimeError as err:
+        return time.monotonic() - started, str(err)
+    return time.monotonic() - started, "no error"
+
+
+def waiting_in_the_backends_groups() -> list[tuple[float, str]]:
+    """Rank 1 never joins: rank 0 waits on a megatron-core group (CP) and on the replica group nemo_jq makes."""
+    from datetime import timedelta
+
+    from nemo_jq import distributed
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    distributed.init_from_env(CPU, timedelta(seconds=2))  # one process group already: it records the timeout
+    policy = MegatronPolicy.from_hf_model(untied_qwen3(), context_parallel=2)
+    if dist.get_rank() == 1:
+        time.sleep(7)
+        return []
+    return [time_to_fail(policy.cp_group), time_to_fail(policy.model_parallel_group)]
+
+
+def test_a_rank_left_waiting_in_a_backend_group_fails_after_the_configured_timeout():
+    """megatron-core's groups took their own 30-minute default, and torch's new_group the backend's, whatever the
+    world's timeout: train.collective_timeout_minutes now reaches every group."""
+    waits = run_in_processes(waiting_in_the_backends_groups, 2)[0]
+    assert len(waits) == 2
+    for elapsed, error in waits:
+        assert 1.5 < elapsed < 4.5 and "Timed out" in error, (elapsed, error)
+
+
+def world_timeout_worker(rank: int, port: int, results: str) -> None:
+    from datetime import timedelta
+
+    from nemo_jq import distributed
+
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    distributed.init_from_env(CPU, timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(7)
+    else:
+        torch.save(time_to_fail(None), Path(results) / "waited.pt")
+    dist.destroy_process_group()
+
+
+def test_the_world_group_takes_the_configured_timeout(tmp_path):
+    from megatron_cpu import free_port
+
+    torch.multiprocessing.start_processes(world_timeout_worker, args=(free_port(), str(tmp_path)), nprocs=2,
+                                          start_method="spawn")
+    elapsed, error = torch.load(tmp_path / "waited.pt")
+    assert 1.5 < elapsed < 4.5 and "Timed out" in error, (elapsed, error)
+
+
+def held_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view pins its whole storage)."""
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(storages.values())
+
+
+def tensors_of(obj) -> list[torch.Tensor]:
+    """Every tensor an object holds in its attributes (lists, dicts and tuples walked), and its AdamW state."""
+    found, stack = [], list(vars(obj).values()) + list(obj.optimizer.state.values())
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack += item.values()
+        elif isinstance(item, (list, tuple)):
+            stack += item
+    return found
+
+
+def peak_allocated(build) -> tuple[Any, int]:
+    """``build()`` and the most CPU memory it had allocated at once (the profiler's allocation events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = build()
+    events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    now = peak = 0
+    for event in events:
+        now += event.nbytes()
+        peak = max(peak, now)
+    return result, peak
+
+
+def zero_memory_worker(weights_dtype: str) -> dict[str, float]:
+    """Bytes per parameter the distributed optimizer holds after a step, and the most it allocates to start."""
+    from nemo_jq.models.megatron.zero import DistributedAdamW
+
+    dtype = getattr(torch, weights_dtype)
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in [(256, 256)] * 8 + [(37,)]]
+    count = sum(param.numel() for param in params)
+    optimizer, init_peak = peak_allocated(lambda: DistributedAdamW(
+        params, dist.group.WORLD, counted_in_norm=[True] * len(params), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8))
+    sum((param.float() ** 2).sum() for param in params).backward()
+    optimizer.step(1.0, None)
+    assert all(param.grad is None for param in params)  # the gradients live in the buffer only
+    weights = {param.untyped_storage().data_ptr() for param in params}  # the model's, which plan counts apart
+    held = [tensor for tensor in tensors_of(optimizer) if tensor.untyped_storage().data_ptr() not in weights]
+    return {"held": held_bytes(held) / count, "init_peak": init_peak / count}
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_the_distributed_optimizer_holds_what_plan_says(weights):
+    """4 bytes per parameter of gradients (one fp32 buffer) and 12 / DP of master weights and moments, within 5% at
+    DP = 1, 2 and 4 (the norm's mask used to pin 4 more bytes per parameter at any DP), and no full-length copies
+    at construction (it allocated 16 bytes per parameter transiently)."""
+    from nemo_jq.plan import OPTIMIZER_MODES
+
+    _, gradient_bytes, optimizer_bytes, sharded = OPTIMIZER_MODES["bf16-distopt" if weights == "bfloat16" else "fp32-distopt"]
+    assert sharded
+    for size in (1, 2, 4):
+        measured = run_in_processes(zero_memory_worker, size, weights)
+        planned = gradient_bytes + optimizer_bytes / size
+        for rank in measured:
+            assert rank["held"] == pytest.approx(planned, rel=0.05), (size, rank, planned)
+            assert rank["init_peak"] <= 1.05 * (4 + 4 / size), (size, rank)
 
 
 def train_steps(run_dir, overrides: list[str], steps: int = 3, resume: bool = False) -> list[dict[str, float]]:

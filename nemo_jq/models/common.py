@@ -24,12 +24,15 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """The dtype a forward runs in under ``precision``: bf16 on GPU ("auto") or anywhere ("bf16"); None for fp32."""
+    return torch.bfloat16 if precision == "bf16" or (precision == "auto" and device.type == "cuda") else None
+
+
 def autocast_context(device: torch.device, precision: str):
     """bf16 autocast over fp32 master weights on GPU ("auto" or "bf16"); plain fp32 otherwise."""
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if use_bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    dtype = autocast_dtype(device, precision)
+    return torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def resolve_pretrained(path: str) -> str:

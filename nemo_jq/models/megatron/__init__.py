@@ -28,28 +28,43 @@ _LAZY_EXPORTS = {
     "vocab_parallel_token_logprobs": "logprobs",
 }
 
-__all__ = [*_LAZY_EXPORTS, "transformer_engine_usable"]
+__all__ = [*_LAZY_EXPORTS, "transformer_engine_status", "transformer_engine_usable"]
 
 
 @functools.cache
-def transformer_engine_usable() -> bool:
-    """Whether TE imports; call before importing megatron.core.
+def transformer_engine_status() -> str:
+    """``"usable"``, ``"not installed"``, or ``"unusable (why)"``; call before importing megatron.core.
 
-    A broken TE install (a CUDA or ABI mismatch) raises ``RuntimeError`` rather than
-    ``ImportError``, and megatron.core's optional ``import transformer_engine`` only catches the
-    latter, so ``import megatron.core`` itself would fail. In that case TE is marked unimportable
-    in ``sys.modules``, which makes megatron.core take its TE-free fallbacks, and a warning says why.
+    Imports ``transformer_engine.pytorch`` itself, what megatron-core's TE layers need: TE's top-level
+    package swallows an ``ImportError`` from it (an extension built against another torch: a typical
+    result of ``pip install vllm`` into an NGC image), so importing ``transformer_engine`` alone would call
+    a broken TE usable. A broken TE can also raise ``OSError`` (a CUDA library ctypes cannot load),
+    ``RuntimeError`` or ``AssertionError`` (a version check). In every such case TE is blocked in
+    ``sys.modules`` (importing it raises ``ModuleNotFoundError``, which every megatron-core module catches,
+    ``tensor_parallel/random.py`` included), so megatron-core takes its TE-free paths and the policy the
+    local layer spec: TE is never half-used. A warning says why.
     """
     try:
-        importlib.import_module("transformer_engine")
-        return True
-    except ImportError:
-        return False
-    except RuntimeError as err:
-        warnings.warn(f"Transformer Engine is installed but fails to import ({err}); using megatron-core's local modules")
-        for name in ("transformer_engine", "transformer_engine_torch"):
-            sys.modules[name] = None  # later imports raise ImportError, which megatron.core handles
-        return False
+        importlib.import_module("transformer_engine.pytorch")
+        return "usable"
+    except ModuleNotFoundError as err:
+        if err.name == "transformer_engine":
+            return "not installed"
+        reason: BaseException = err
+    except (ImportError, OSError, RuntimeError, AssertionError) as err:
+        reason = err
+    why = f"{type(reason).__name__}: {' '.join(str(reason).split())[:200]}"
+    warnings.warn(f"Transformer Engine is installed but unusable ({why}); using megatron-core's local modules")
+    for name in [name for name in sys.modules if name.split(".")[0] in ("transformer_engine", "transformer_engine_torch")]:
+        del sys.modules[name]
+    for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine_torch"):
+        sys.modules[name] = None  # later imports raise ModuleNotFoundError
+    return f"unusable ({why})"
+
+
+def transformer_engine_usable() -> bool:
+    """Whether TE's PyTorch layers import (see :func:`transformer_engine_status`)."""
+    return transformer_engine_status() == "usable"
 
 
 def __getattr__(name: str):

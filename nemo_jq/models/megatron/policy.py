@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from nemo_jq import distributed
 from nemo_jq.distributed import DataParallel
-from nemo_jq.models.common import WEIGHTS_FILE, SafetensorsFolder, autocast_context, check_precision
+from nemo_jq.models.common import WEIGHTS_FILE, SafetensorsFolder, autocast_context, autocast_dtype, check_precision
 from nemo_jq.models.export import export_hf_stream
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
@@ -45,7 +46,8 @@ class MegatronPolicy:
 
     fp32 weights; on GPU, ``precision`` "auto"/"bf16" runs under bf16 autocast as ``HFPolicy`` does.
     With ``bf16_weights`` (Megatron's usual mixed precision) the parameters and activations are bf16,
-    each micro-batch's gradient is added into an fp32 ``main_grad`` as soon as backward produces it
+    each micro-batch's gradient is added into the distributed optimizer's fp32 buffer (``main_grad``) as soon as
+    backward produces it
     (so accumulation over micro-batches and the DP reduction are fp32), and AdamW steps the fp32 master
     weights that the distributed optimizer keeps, rounding them into the parameters after each step.
 
@@ -111,13 +113,11 @@ class MegatronPolicy:
         self.sequence_multiple = (2 * context_parallel if context_parallel > 1 else 1) * (
             tensor_parallel if sequence_parallel else 1)
         self.uses_transformer_engine = uses_transformer_engine()
-        self.model = build_gpt_model(self.arch, self.layout, params_dtype=torch.bfloat16 if bf16_weights else torch.float32,
+        params_dtype = torch.bfloat16 if bf16_weights else torch.float32
+        self.model = build_gpt_model(self.arch, self.layout, params_dtype=params_dtype,
+                                     activation_dtype=autocast_dtype(self.device, self.precision) or params_dtype,
                                      use_cpu_initialization=self.device.type == "cpu")
-        if bf16_weights:
-            self.model.to(torch.bfloat16)  # as Megatron's Float16Module: the local spec's torch norms are built in fp32
-            for param in self.model.parameters():
-                param.main_grad = None
-                param.register_post_accumulate_grad_hook(_accumulate_in_fp32)
+        self.model.to(device=self.device, dtype=params_dtype)  # every module on this rank's device, as Megatron-LM's get_model
         self.vocab_start = self.tp_rank * padded_vocab_size(self.arch.vocab_size, tensor_parallel) // tensor_parallel
         #: Megatron numbers a stage's layers from 0; HF names them by their index in the whole model.
         self._layer_offset = self.model.decoder.layers[0].layer_number - 1
@@ -134,6 +134,8 @@ class MegatronPolicy:
         self._load_hf_state(hf_state)
         #: Moves whenever the weights change, so an engine sampling from a copy knows to refit.
         self.weights_version = 0
+        #: Whether gradients of an earlier ``forward_backward`` (synchronised already) wait for the step.
+        self._accumulated = False
         adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         if distributed_optimizer:
             counted = {id(param) for param in self._counted_in_norm}
@@ -201,18 +203,23 @@ class MegatronPolicy:
         return gather_sequence(mine, self.cp_group)[:, : batch.target_mask.shape[1]]
 
     def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
-        """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP, CP and DP."""
+        """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP, CP and DP (the
+        distributed optimizer sums over DP at its step); a second call before the step adds to the first's."""
         self.model.train()
-        earlier = {param: self._take_grad(param) for param in self.model.parameters()}
+        earlier = {}
+        if self._accumulated:  # what the sums below would count twice: set it aside, add it back after them
+            earlier = {param: self._grad_of(param).clone() for param in self._synchronised_params()}
+            for param in earlier:
+                self._grad_of(param).zero_()
         if self.pp_size > 1:
             self._run_pipeline([micro.to(self.device) for micro in micro_batches], loss_fn)
         else:
             for index, micro in enumerate(micro_batches):
                 loss_fn(self.token_logprobs(micro), index).backward()
         self._synchronise_gradients()
-        for param, grad in earlier.items():  # gradients of earlier calls are synchronised already
-            if grad is not None:
-                self._grad_of(param).add_(grad)
+        for param, grad in earlier.items():
+            self._grad_of(param).add_(grad)
+        self._accumulated = True
 
     def _run_pipeline(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn | None = None) -> list[Any]:
         """Megatron-core's 1F1B schedule over the micro-batches: backward of ``loss_fn`` of each one's log-probs,
@@ -245,33 +252,35 @@ class MegatronPolicy:
         )
 
     def _grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The gradient accumulated for ``param`` (fp32 ``main_grad`` under ``bf16_weights``), zeros if none yet."""
-        if self.bf16_weights:
-            if param.main_grad is None:
-                param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+        """The gradient accumulated for ``param``: its view of the distributed optimizer's fp32 buffer, or its
+        ``grad`` (made zeros if it has none yet, so every rank joins the same all-reduces)."""
+        if isinstance(self.optimizer, DistributedAdamW):
             return param.main_grad
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         return param.grad
 
-    def _take_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """Remove and return ``param``'s accumulated gradient."""
-        grad = param.main_grad if self.bf16_weights else param.grad
-        param.grad = None
-        if self.bf16_weights:
-            param.main_grad = None
-        return grad
+    def _tied_embedding(self) -> torch.nn.Parameter | None:
+        """This rank's copy of a tied embedding whose gradient is summed with the other stage's, if it holds one."""
+        if self.arch.tie_word_embeddings and self.pp_size > 1 and parallel_state.is_rank_in_embedding_group():
+            return self.model.shared_embedding_or_output_weight()
+        return None
+
+    def _synchronised_params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients ``_synchronise_gradients`` sums over other ranks."""
+        if not isinstance(self.optimizer, DistributedAdamW):
+            return [param for param in self.model.parameters() if param.requires_grad]
+        partial = [param for name, param in self.model.named_parameters() if self._grad_is_partial_over_tp(name, param)]
+        return partial + ([self._tied_embedding()] if self._tied_embedding() is not None else [])
 
     def _synchronise_gradients(self) -> None:
-        params = [param for param in self.model.parameters() if param.requires_grad]
-        grads = [self._grad_of(param) for param in params]  # zeros where none, so every rank joins the same all-reduces
         tp_summed = [self._grad_of(param) for name, param in self.model.named_parameters() if self._grad_is_partial_over_tp(name, param)]
         _all_reduce_flat(tp_summed, self.tp_group)
-        if self.arch.tie_word_embeddings and self.pp_size > 1 and parallel_state.is_rank_in_embedding_group():
-            # the embedding (first stage) and its LM-head copy (last stage) are one HF weight
-            _all_reduce_flat([self._grad_of(self.model.shared_embedding_or_output_weight())], parallel_state.get_embedding_group())
+        if self._tied_embedding() is not None:  # the embedding (first stage) and its LM-head copy (last stage): one weight
+            _all_reduce_flat([self._grad_of(self._tied_embedding())], parallel_state.get_embedding_group())
         if not isinstance(self.optimizer, DistributedAdamW):  # which reduce-scatters them at its step instead
-            _all_reduce_flat(grads, self.dp_cp_group)
+            _all_reduce_flat([self._grad_of(param) for param in self.model.parameters() if param.requires_grad],
+                             self.dp_cp_group)
 
     def _grad_is_partial_over_tp(self, name: str, param: torch.nn.Parameter) -> bool:
         """As megatron-core's ``finalize_model_grads``: sequence-parallel norms and the q/k norms."""
@@ -293,10 +302,9 @@ class MegatronPolicy:
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip to ``grad_clip`` by the norm over the whole model (as ``clip_grad_norm_``), step, zero."""
+        self._accumulated = False
         if isinstance(self.optimizer, DistributedAdamW):
-            grads = [self._take_grad(param) for param in self.optimizer.params]
-            grad_norm = self.optimizer.step(grads, self.grad_clip,
-                                            self._weight_shards_group if self.tp_size * self.pp_size > 1 else None)
+            grad_norm = self.optimizer.step(self.grad_clip, self._weight_shards_group if self.tp_size * self.pp_size > 1 else None)
             self.weights_version += 1
             return {"grad_norm": float(grad_norm)}
         grads = [param.grad for param in self.model.parameters() if param.grad is not None]
@@ -425,9 +433,12 @@ def _initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, con
             raise ValueError(f"megatron parallel state has tensor-, pipeline- and context-parallel sizes {sizes}; "
                              f"asked for {asked}")
         return
+    timeout = distributed.collective_timeout()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                              pipeline_model_parallel_size=pipeline_parallel,
-                                             context_parallel_size=context_parallel)
+                                             context_parallel_size=context_parallel,
+                                             **({"distributed_timeout_minutes": timeout / timedelta(minutes=1)}
+                                                if timeout is not None else {}))
 
 
 def _replica_group(tensor_parallel: int, context_parallel: int, pipeline_parallel: int) -> dist.ProcessGroup:
@@ -442,7 +453,7 @@ def _replica_group(tensor_parallel: int, context_parallel: int, pipeline_paralle
     data_parallel = dist.get_world_size() // (tensor_parallel * context_parallel * pipeline_parallel)
     ranks = parallel_state.RankGenerator(tp=tensor_parallel, ep=1, dp=data_parallel, pp=pipeline_parallel,
                                          cp=context_parallel, order="tp-cp-ep-dp-pp").get_ranks("tp-cp-pp")
-    groups = {tuple(replica): dist.new_group(replica) for replica in ranks}
+    groups = {tuple(replica): dist.new_group(replica, timeout=distributed.collective_timeout()) for replica in ranks}
     return next(group for replica, group in groups.items() if dist.get_rank() in replica)
 
 
@@ -453,15 +464,6 @@ def _right_padded(batch: TokenBatch, rows: int, length: int) -> TokenBatch:
 
     return TokenBatch(pad(batch.input_ids, length), pad(batch.attention_mask, length),
                       pad(batch.rationale_mask, length - 1), pad(batch.answer_mask, length - 1))
-
-
-def _accumulate_in_fp32(param: torch.nn.Parameter) -> None:
-    """Backward hook under ``bf16_weights``: move the bf16 gradient just produced into the fp32 ``main_grad``."""
-    if param.main_grad is None:
-        param.main_grad = param.grad.float()
-    else:
-        param.main_grad.add_(param.grad)
-    param.grad = None
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

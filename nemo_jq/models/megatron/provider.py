@@ -125,14 +125,17 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 
 def transformer_config(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLayout(), *,
-                       params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True):
+                       params_dtype: torch.dtype = torch.float32, activation_dtype: torch.dtype | None = None,
+                       use_cpu_initialization: bool = True):
     """The megatron-core ``TransformerConfig`` of a Qwen3 (as Bridge's Qwen3 bridge sets it).
 
     Fusions that need CUDA kernels are off, and weights are not initialised: they come from the
     HF checkpoint. ``use_cpu_initialization`` allocates the weights on CPU (else on the current
     CUDA device). ``layout.recompute_activations`` keeps only each layer's input and recomputes the
     layer in backward (megatron-core's full, uniform recomputation): activation memory for compute.
-    Pipeline stages exchange activations in ``params_dtype`` (``pipeline_dtype``).
+    Pipeline stages exchange activations in ``activation_dtype`` (``pipeline_dtype``): the autocast dtype
+    when the forward runs under autocast (its stage outputs are bf16 even over fp32 weights), else
+    ``params_dtype``; a receive buffer of another dtype than the sent tensor corrupts it silently.
     """
     layout.validate(arch)
     transformer_engine_usable()  # before importing megatron.core
@@ -159,7 +162,7 @@ def transformer_config(arch: Qwen3Architecture, layout: MegatronLayout = Megatro
         sequence_parallel=layout.sequence_parallel,
         pipeline_model_parallel_size=layout.pipeline_parallel,
         context_parallel_size=layout.context_parallel,
-        pipeline_dtype=params_dtype,
+        pipeline_dtype=activation_dtype or params_dtype,
         params_dtype=params_dtype,
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=False,
@@ -179,15 +182,23 @@ def uses_transformer_engine() -> bool:
 
 
 def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLayout(), *,
-                    params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True):
+                    params_dtype: torch.dtype = torch.float32, activation_dtype: torch.dtype | None = None,
+                    use_cpu_initialization: bool = True):
     """This rank's ``GPTModel`` shard; ``parallel_state`` must be initialised with the same TP, PP and CP sizes.
 
     The LM head is vocab-parallel (``parallel_output``): logits come back ``[b, s, V_padded / TP]``.
     A pipeline stage holds its own layers, the first the embedding, the last the final norm and
     LM head (tied: a copy of the embedding); other stages return hidden states ``[s, b, H]``.
     Under context parallelism ``s`` is this rank's part of the sequence (``context_parallel``).
+
+    Without TE the layers are megatron-core's local spec with :class:`LocalRMSNorm` as every norm (the final
+    one included): built on the model's device, and correct under sequence parallelism, where megatron-core's
+    own ``WrappedTorchNorm`` builds on CPU whatever the device and refuses sequence parallelism.
     """
-    config = transformer_config(arch, layout, params_dtype=params_dtype, use_cpu_initialization=use_cpu_initialization)
+    config = transformer_config(arch, layout, params_dtype=params_dtype, activation_dtype=activation_dtype,
+                                use_cpu_initialization=use_cpu_initialization)
+    if layout.recompute_activations:
+        keep_autocast_in_recomputation()
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -207,7 +218,7 @@ def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLa
                          f"run where TE imports (nemo-jq doctor says), or set context_parallel=1")
     return GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=spec if uses_transformer_engine() else local_block_spec(spec, config),
         vocab_size=padded_vocab_size(arch.vocab_size, layout.tensor_parallel),
         max_sequence_length=arch.max_position_embeddings,
         parallel_output=True,
@@ -217,3 +228,65 @@ def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLa
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
+
+
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """The local spec's RMSNorm: on the device megatron-core builds the rest of the model on (CPU with
+    ``use_cpu_initialization``, else the current CUDA device), in ``params_dtype``. Under sequence parallelism
+    each TP rank normalises its own positions, so the weight's gradient is partial over TP: it is marked
+    ``sequence_parallel``, and the policy sums it over TP (as megatron-core's ``finalize_model_grads``)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any):
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def local_block_spec(layer_spec: Any, config: Any) -> Any:
+    """This stage's layers as ``layer_spec`` with every norm (input, pre-MLP, q and k, and the block's final
+    one) a :class:`LocalRMSNorm`."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    attention = layer_spec.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, q_layernorm=LocalRMSNorm, k_layernorm=LocalRMSNorm))
+    layer = dataclasses.replace(layer_spec, submodules=dataclasses.replace(
+        layer_spec.submodules, input_layernorm=LocalRMSNorm, pre_mlp_layernorm=LocalRMSNorm, self_attention=attention))
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
+
+
+def keep_autocast_in_recomputation() -> None:
+    """Make megatron-core's activation recomputation re-run each layer under the autocast state of its first run.
+
+    ``tensor_parallel.checkpoint``'s backward re-runs the forward under ``enable_grad`` only, and the policy
+    calls ``backward()`` outside autocast (as the pipeline schedule does): under bf16 autocast over fp32
+    weights the recomputed layers would run in fp32, on inputs saved in bf16 (megatron-core's residual adds
+    follow the branch's dtype), which the local spec's linears refuse and TE computes in another precision
+    than the loss. ``torch.utils.checkpoint`` restores autocast; this wraps megatron-core's checkpoint so it
+    does too. Idempotent; the transformer block looks the function up at each call.
+    """
+    import contextlib
+
+    from megatron.core import tensor_parallel
+
+    if getattr(tensor_parallel.checkpoint, "keeps_autocast", False):
+        return
+    checkpoint = tensor_parallel.checkpoint
+
+    def checkpoint_keeping_autocast(function, distribute_saved_activations, *args):
+        states = [(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                  for device in ("cuda", "cpu") if torch.amp.is_autocast_available(device)]
+        cache = torch.is_autocast_cache_enabled()
+
+        def replay(*inputs):
+            with contextlib.ExitStack() as stack:
+                for device, enabled, dtype in states:
+                    stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
+                return function(*inputs)
+
+        return checkpoint(replay, distribute_saved_activations, *args)
+
+    checkpoint_keeping_autocast.keeps_autocast = True
+    tensor_parallel.checkpoint = checkpoint_keeping_autocast

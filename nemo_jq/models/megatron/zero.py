@@ -1,36 +1,75 @@
 """AdamW with its fp32 master weights and moments split over the data-parallel ranks (ZeRO stage 1).
 
-Each DP rank owns one contiguous slice of the flattened parameters: gradients are reduce-scattered
-(each rank receives the DP sum of its slice, at the cost of one all-reduce), the rank steps AdamW on
-its slice only, and the updated slices are all-gathered back into every replica's parameters.
-AdamW is elementwise, so the result equals the replicated optimizer's; the optimizer memory per
-rank falls from 12 bytes per parameter (master, two moments) to 12 / DP.
+Laid out as megatron-core's ``_ParamAndGradBuffer`` and distributed optimizer: every parameter's gradient
+accumulates, micro-batch after micro-batch, into ``param.main_grad``, a view of one contiguous fp32
+buffer (a backward hook adds each new gradient in and frees it). At the step the buffer is
+reduce-scattered in place, so this rank's slice holds the DP sum of its share of the flattened
+parameters; AdamW steps the rank's fp32 master copy of that share; the updated shares are all-gathered,
+in the parameters' dtype, into every replica's parameters. AdamW is elementwise, so the result equals the
+replicated optimizer's.
+
+Bytes per parameter held between steps on each rank, D ranks: the weights (4 fp32, 2 bf16) + 4 (the
+gradient buffer) + 12 / D (master, two moments); nothing else grows with the model (the gradient norm's
+mask is a list of index ranges). A step adds the gathered weights (2 or 4) and a few D-th parts; a
+checkpoint save one full fp32 vector on the device at a time (the replicated moments go to host memory).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+#: torch 2.13 renames the flat collectives; the images' older torch has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _accumulate(param: torch.nn.Parameter) -> None:
+    """Backward hook: add the gradient just produced into the fp32 buffer, and free it."""
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
 
 class DistributedAdamW:
-    """ZeRO-1 AdamW over ``params`` (this rank's model shard, the same list on every DP rank)."""
+    """ZeRO-1 AdamW over ``params`` (this rank's model shard, the same list on every rank of ``group``)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, *, counted_in_norm: Sequence[bool],
                  lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
         self.params, self.group = list(params), group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.total = sum(param.numel() for param in self.params)
+        numels = [param.numel() for param in self.params]
+        self.total = sum(numels)
         self.shard = -(-self.total // self.size)
         self.start = self.rank * self.shard
-        flat = self._flat([param.detach() for param in self.params])
-        self.master = torch.nn.Parameter(flat[self.start:self.start + self.shard].clone())
-        #: 1 where an element's gradient counts in the global norm (its parameter's TP slice, or TP rank 0's copy).
-        self.norm_mask = self._flat([torch.full((param.numel(),), float(counted), device=param.device)
-                                     for param, counted in zip(self.params, counted_in_norm)])[self.start:self.start + self.shard]
+        self.offsets = list(itertools.accumulate(numels, initial=0))[:-1]
+        device = self.params[0].device
+        #: The one fp32 gradient buffer, padded to ``shard x size``; each parameter's ``main_grad`` is a view of it.
+        self.grad_buffer = torch.zeros(self.shard * self.size, dtype=torch.float32, device=device)
+        for param, offset, numel in zip(self.params, self.offsets, numels):
+            param.main_grad = self.grad_buffer[offset:offset + numel].view_as(param)
+            param.register_post_accumulate_grad_hook(_accumulate)
+        #: This rank's slice of the buffer, where the reduce-scatter leaves the summed gradients of its share.
+        self.grad_shard = self.grad_buffer[self.start:self.start + self.shard]
+        #: ``(parameter index, its elements [a, b), the shard's [s, t))`` of each parameter overlapping this shard.
+        self.pieces = [(index, max(offset, self.start) - offset, min(offset + numel, self.start + self.shard) - offset,
+                        max(offset, self.start) - self.start, min(offset + numel, self.start + self.shard) - self.start)
+                       for index, (offset, numel) in enumerate(zip(self.offsets, numels))
+                       if max(offset, self.start) < min(offset + numel, self.start + self.shard)]
+        #: The shard's ranges whose gradient counts in the global norm (a TP slice, or TP rank 0's copy).
+        self.norm_ranges = [(s, t) for index, _, _, s, t in self.pieces if counted_in_norm[index]]
+        self.master = torch.nn.Parameter(torch.zeros(self.shard, dtype=torch.float32, device=device))
+        self._copy_params_into_master(self.params)
         self.optimizer = torch.optim.AdamW([self.master], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+    @torch.no_grad()
+    def _copy_params_into_master(self, sources: Sequence[torch.Tensor]) -> None:
+        """The master takes this shard's elements of ``sources`` (one tensor per parameter), piece by piece, so no
+        full-length copy is ever made."""
+        for index, a, b, s, t in self.pieces:
+            self.master[s:t].copy_(sources[index].detach().reshape(-1)[a:b])
 
     @property
     def holds_more_than_params(self) -> bool:
@@ -45,70 +84,74 @@ class DistributedAdamW:
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
-    def _flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The tensors flattened into one fp32 vector, zero-padded to ``shard * size`` elements."""
-        flat = torch.cat([tensor.reshape(-1).float() for tensor in tensors])
-        return torch.nn.functional.pad(flat, (0, self.shard * self.size - self.total))
-
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.grad_buffer.zero_()
         for param in self.params:
             param.grad = None
 
-    def step(self, grads: Sequence[torch.Tensor | None], max_norm: float, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
-        """Reduce-scatter ``grads`` (one per parameter, this rank's replica's; None for none), clip by the global
-        norm (over DP, then ``norm_group``: the replica's TP and PP ranks), step this rank's fp32 slice of the
-        master weights and all-gather it into the parameters (rounded to their dtype); return the pre-clip norm."""
-        grads = self._flat([grad if grad is not None else torch.zeros_like(param, dtype=torch.float32)
-                            for param, grad in zip(self.params, grads)])
-        mine = torch.empty(self.shard, dtype=torch.float32, device=grads.device)
-        dist.reduce_scatter_tensor(mine, grads, group=self.group)
-        squares = (mine.square() * self.norm_mask).sum()
-        dist.all_reduce(squares, group=self.group)
+    def step(self, max_norm: float, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
+        """Reduce-scatter the gradient buffer, clip by the global norm (over ``group``, then ``norm_group``: the
+        replica's TP and PP ranks), step this rank's fp32 slice of the master weights, all-gather it into the
+        parameters (rounded to their dtype), and zero the buffer; return the pre-clip norm."""
+        if self.size > 1:
+            _reduce_scatter(self.grad_shard, self.grad_buffer, group=self.group)  # in place, into this rank's slice
+        squares = torch.zeros((), dtype=torch.float32, device=self.grad_buffer.device)
+        for s, t in self.norm_ranges:
+            squares += torch.dot(self.grad_shard[s:t], self.grad_shard[s:t])
+        if self.size > 1:
+            dist.all_reduce(squares, group=self.group)
         if norm_group is not None:
             dist.all_reduce(squares, group=norm_group)
         norm = squares.sqrt()
-        self.master.grad = mine * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        self.grad_shard.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        self.master.grad = self.grad_shard  # a view of the buffer: no copy
         self.optimizer.step()
         self.master.grad = None
-        self._scatter_into_params(self._gather(self.master.detach()))
+        self._gather_into_params()
         self.zero_grad()
         return norm
 
+    @torch.no_grad()
+    def _gather_into_params(self) -> None:
+        dtype = self.params[0].dtype
+        full = self._gather(self.master.detach().to(dtype))
+        for param, piece in zip(self.params, full[:self.total].split([param.numel() for param in self.params])):
+            param.copy_(piece.view_as(param))
+
     def _gather(self, mine: torch.Tensor) -> torch.Tensor:
         full = torch.empty(self.shard * self.size, dtype=mine.dtype, device=mine.device)
-        dist.all_gather_into_tensor(full, mine.contiguous(), group=self.group)
+        _all_gather(full, mine.contiguous(), group=self.group)
         return full
 
-    def _scatter_into_params(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            for param, piece in zip(self.params, flat[:self.total].split([param.numel() for param in self.params])):
-                param.copy_(piece.view_as(param))
-
     def replicated(self) -> torch.optim.AdamW:
-        """The equivalent replicated AdamW over the parameters, its moments gathered (a collective): what a
-        checkpoint stores, so it resumes with or without this optimizer, at any DP size. Parameters that are
-        not fp32 (bf16 weights) also get their fp32 master weights, as ``master``, which they cannot hold."""
+        """The equivalent replicated AdamW over the parameters, its moments gathered (a collective) into host
+        memory, one full vector at a time: what a checkpoint stores, so it resumes with or without this optimizer,
+        at any DP size. Parameters that are not fp32 (bf16 weights) also get their fp32 master weights, as
+        ``master``, which they cannot hold."""
         replicated = torch.optim.AdamW(self.params, **{key: value for key, value in self.optimizer.param_groups[0].items()
                                                         if key in ("lr", "weight_decay", "betas", "eps")})
         mine = self.optimizer.state.get(self.master)
         if mine:
             numels = [param.numel() for param in self.params]
-            keys = ("exp_avg", "exp_avg_sq", *(("master",) if self.holds_more_than_params else ()))
             slices = {**mine, "master": self.master.detach()}
-            moments = {key: self._gather(slices[key])[:self.total].split(numels) for key in keys}
-            for index, param in enumerate(self.params):
-                replicated.state[param] = {"step": mine["step"].clone(),
-                                           **{key: pieces[index].view_as(param).clone() for key, pieces in moments.items()}}
+            for param in self.params:
+                replicated.state[param] = {"step": mine["step"].clone()}
+            for key in ("exp_avg", "exp_avg_sq", *(("master",) if self.holds_more_than_params else ())):
+                full = self._gather(slices[key]).cpu()
+                for param, piece in zip(self.params, full[:self.total].split(numels)):
+                    replicated.state[param][key] = piece.view_as(param)
         return replicated
 
     def load_replicated(self, replicated: torch.optim.Optimizer | None) -> None:
         """After the parameters were loaded: take this rank's slice of them as the master weights and, given a
         replicated AdamW filled from a checkpoint, of its moments (and of the master weights, where it has them)."""
         states = [replicated.state[param] for param in self.params] if replicated is not None else []
-        masters = [state["master"] for state in states] if states and "master" in states[0] else self.params
-        self.master.data.copy_(self._flat([master.detach() for master in masters])[self.start:self.start + self.shard])
+        self._copy_params_into_master([state["master"] for state in states] if states and "master" in states[0]
+                                      else self.params)
         if replicated is not None:
-            self.optimizer.state[self.master] = {
-                "step": states[0]["step"].clone(),
-                **{key: self._flat([state[key] for state in states])[self.start:self.start + self.shard].clone()
-                   for key in ("exp_avg", "exp_avg_sq")}}
+            moments = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                moments[key] = torch.zeros_like(self.master.detach())
+                for index, a, b, s, t in self.pieces:
+                    moments[key][s:t].copy_(states[index][key].reshape(-1)[a:b])
+            self.optimizer.state[self.master] = {"step": states[0]["step"].clone(), **moments}
