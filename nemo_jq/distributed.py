@@ -35,6 +35,7 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None) -> tor
     """
     global _TIMEOUT
     _TIMEOUT = timeout or _TIMEOUT
+    adopt_slurm_step()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return device
     if device.type == "cuda":
@@ -43,6 +44,21 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None) -> tor
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=_TIMEOUT)
     return device
+
+
+def adopt_slurm_step() -> None:
+    """Where ``srun`` started one process per GPU (no torchrun, so that SLURM's signals reach this process), take the
+    rank, world size and local rank from the step's variables, as torch's env:// rendezvous and vLLM read them.
+    Only inside a step of several tasks (``SLURM_STEP_NUM_TASKS``): the batch shell has ``SLURM_PROCID`` too."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if "WORLD_SIZE" in os.environ or tasks <= 1:
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise ValueError(f"srun started {tasks} tasks but {', '.join(missing)} is not set: export MASTER_ADDR (the first "
+                         "node: scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and MASTER_PORT in the "
+                         "batch script")
+    os.environ.update(WORLD_SIZE=str(tasks), RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
 
 
 #: The collective timeout of this process's groups (None: the backend's default).

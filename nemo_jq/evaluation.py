@@ -101,14 +101,25 @@ class Evaluator:
 
         parts, settings = self.components, self.components.config.eval
         examples = parts.splits.get(split)
-        mine = parts.data_parallel.shard(examples)
+        mine, count = self._share(examples)
         seed = parts.data_parallel.replica_seed(parts.config.train.seed + 10_000 + seed_offset)
         generator = torch.Generator(device=parts.device).manual_seed(seed)
         with tqdm(total=len(mine), desc=f"eval {split}", leave=False, dynamic_ncols=True,
                   disable=not distributed.is_writer()) as bar:
             outputs = sample_outputs(parts.engine, parts.chat, parts.task, mine, parts.config.data.format,
                                      settings.num_samples, settings.batch_size, generator, bar)
-        return score_outputs(parts.task, examples, parts.data_parallel.gather(outputs), settings.num_samples)
+        return score_outputs(parts.task, examples, parts.data_parallel.gather(outputs[:count]), settings.num_samples)
+
+    def _share(self, examples: list[Example]) -> tuple[list[Example], int]:
+        """This replica's share of ``examples`` to sample, and how many of them are its own. An engine in lockstep
+        (vLLM's data-parallel ranks step together) needs every replica to make the same calls: a shorter share is
+        padded with copies of its last example (or the first one), whose outputs are dropped."""
+        parts = self.components
+        mine = parts.data_parallel.shard(examples)
+        if not getattr(parts.engine, "lockstep", False) or not examples:
+            return mine, len(mine)
+        most = -(-len(examples) // parts.data_parallel.size)
+        return mine + [(mine or examples)[-1]] * (most - len(mine)), len(mine)
 
     def memorisation(self) -> float | None:
         """Percent of the noisy training prompts (``data.label_noise``) whose corrupted label the model's greedy
@@ -120,7 +131,8 @@ class Evaluator:
         if not noisy:
             return None
         unused = torch.Generator(device=parts.device)  # greedy decoding draws nothing
-        outputs = sample_outputs(parts.engine, parts.chat, parts.task, parts.data_parallel.shard(noisy),
-                                 parts.config.data.format, 1, parts.config.eval.batch_size, unused, greedy=True)
-        flags = memorised(parts.task, noisy, parts.data_parallel.gather(outputs))
+        mine, count = self._share(noisy)
+        outputs = sample_outputs(parts.engine, parts.chat, parts.task, mine, parts.config.data.format, 1,
+                                 parts.config.eval.batch_size, unused, greedy=True)
+        flags = memorised(parts.task, noisy, parts.data_parallel.gather(outputs[:count]))
         return 100 * sum(flags) / len(flags)

@@ -1,11 +1,13 @@
 """``nemo-jq launch``: run a nemo-jq command through NeMo-Run on SLURM, Docker or this machine.
 
 A small YAML launch config picks the executor and its resources; the command is the same words
-one would give ``nemo-jq`` (``train --config ... key=value ...``). Every executor starts it under
-``torchrun`` (NeMo-Run's torchrun launcher: one process per GPU, c10d rendezvous on the first
-node), which is how the Megatron backend spreads over GPUs and nodes. ``--dryrun`` prints the
-sbatch script NeMo-Run would submit (rendered by NeMo-Run's own ``SlurmBatchRequest``) without
-touching SLURM. Needs the ``launch`` extra (``nemo-run==0.11.1`` with ``leptonai<0.47``).
+one would give ``nemo-jq`` (``train --config ... key=value ...``). On SLURM ``srun`` starts one process
+per GPU itself (no torchrun: torchrun 2.13 dies on the ``--signal=USR1`` SLURM sends before the time
+limit, and its workers never see it), each joining from SLURM's step variables with the first node as
+the rendezvous; ``train`` runs with ``--requeue``, so the signal writes a checkpoint and requeues the
+job, which resumes. Docker and local runs start under ``torchrun``. ``--dryrun`` prints the sbatch
+script NeMo-Run would submit (rendered by NeMo-Run's own ``SlurmBatchRequest``) without touching
+SLURM. Needs the ``launch`` extra (``nemo-run==0.11.1`` with ``leptonai<0.47``).
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ class LaunchConfig:
     nodes: int = 1
     gpus_per_node: int = 8
     time: str = "04:00:00"
-    container_image: str = "nemo-jq:latest"
+    #: What pyxis/enroot (SLURM) or Docker runs: ``REGISTRY#IMAGE:TAG`` (``nvcr.io#nvidia/pytorch:25.04-py3``) or a
+    #: squashfs path on a filesystem every node sees (``enroot import -o /shared/nemo-jq.sqsh dockerd://nemo-jq``).
+    container_image: str | None = None
     #: host:container pairs; the config and run directory must be reachable through them (absolute paths).
     container_mounts: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     #: Where NeMo-Run keeps its job files and logs (on SLURM: a shared filesystem).
     job_dir: str = "nemo_run_jobs"
     signal: str = "USR1@300"
+    #: The rendezvous port on the first node (SLURM).
+    master_port: int = 29500
 
 
 def load_launch_config(path: Path) -> LaunchConfig:
@@ -51,6 +57,9 @@ def load_launch_config(path: Path) -> LaunchConfig:
         raise ValueError(f"{path}: executor={config.executor!r}; choose one of {', '.join(EXECUTORS)}")
     if config.executor == "slurm" and not config.account:
         raise ValueError(f"{path}: executor=slurm needs account (the SLURM account to charge)")
+    if config.executor != "local" and not config.container_image:
+        raise ValueError(f"{path}: executor={config.executor} needs container_image: REGISTRY#IMAGE:TAG for pyxis "
+                         "(nvcr.io#nvidia/pytorch:25.04-py3), or a squashfs path every node sees (/shared/nemo-jq.sqsh)")
     for key in ("nodes", "gpus_per_node"):
         value = getattr(config, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -62,12 +71,14 @@ def build_executor(config: LaunchConfig) -> Any:
     import nemo_run as run
 
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", **config.env}
-    if config.executor == "slurm":
+    if config.executor == "slurm":  # srun starts a process per GPU; nemo_jq.distributed joins from SLURM's variables
         return run.SlurmExecutor(
-            account=config.account, partition=config.partition, nodes=config.nodes, ntasks_per_node=1,
-            gpus_per_node=config.gpus_per_node, torchrun_nproc_per_node=config.gpus_per_node, launcher="torchrun",
-            time=config.time, container_image=config.container_image, container_mounts=list(config.container_mounts),
-            env_vars=env, signal=config.signal, tunnel=run.LocalTunnel(job_dir=config.job_dir), packager=run.Packager())
+            account=config.account, partition=config.partition, nodes=config.nodes, ntasks_per_node=config.gpus_per_node,
+            gpus_per_node=config.gpus_per_node, launcher=None, time=config.time, container_image=config.container_image,
+            container_mounts=list(config.container_mounts), env_vars={"MASTER_PORT": str(config.master_port), **env},
+            setup_lines='export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            signal=config.signal, tunnel=run.LocalTunnel(job_dir=str(Path(config.job_dir).resolve())),
+            packager=run.Packager())
     if config.executor == "docker":
         return run.DockerExecutor(container_image=config.container_image, num_gpus=config.gpus_per_node,
                                   ntasks_per_node=config.gpus_per_node, launcher="torchrun",
@@ -76,11 +87,15 @@ def build_executor(config: LaunchConfig) -> Any:
     return run.LocalExecutor(ntasks_per_node=config.gpus_per_node, launcher="torchrun", env_vars=env)
 
 
-def task(command: list[str]) -> Any:
-    """``python -m nemo_jq.cli COMMAND``, which the torchrun launcher starts on every GPU."""
+def task(command: list[str], executor: str) -> Any:
+    """``python -m nemo_jq.cli COMMAND`` on every GPU; on SLURM a ``train`` runs with ``--requeue`` (the requeued
+    job runs the same command, which resumes)."""
     import nemo_run as run
 
-    return run.Script(path="nemo_jq.cli", entrypoint="python", m=True, args=list(command))
+    command = list(command)
+    if executor == "slurm" and command[:1] == ["train"] and "--requeue" not in command:
+        command.insert(1, "--requeue")
+    return run.Script(path="nemo_jq.cli", entrypoint="python", m=True, args=command)
 
 
 def sbatch_script(config: LaunchConfig, command: list[str], name: str = "nemo-jq") -> str:
@@ -89,8 +104,8 @@ def sbatch_script(config: LaunchConfig, command: list[str], name: str = "nemo-jq
     from nemo_run.run.torchx_backend.packaging import package
 
     executor = build_executor(config)
-    executor.assign("dryrun", str(Path(config.job_dir) / "dryrun"), name, name)
-    role = package(name, task(command), executor=executor).roles[0]
+    executor.assign("dryrun", str(Path(config.job_dir).resolve() / "dryrun"), name, name)
+    role = package(name, task(command, config.executor), executor=executor).roles[0]
     macros = executor.macro_values()
     if macros:
         role = macros.apply(role)
@@ -106,5 +121,5 @@ def launch(config: LaunchConfig, command: list[str], *, dryrun: bool) -> str | N
 
     if dryrun and config.executor == "slurm":
         return sbatch_script(config, command)
-    run.run(task(command), executor=build_executor(config), name="nemo-jq", dryrun=dryrun, detach=True)
+    run.run(task(command, config.executor), executor=build_executor(config), name="nemo-jq", dryrun=dryrun, detach=True)
     return None

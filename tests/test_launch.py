@@ -15,7 +15,7 @@ partition: batch
 nodes: 2
 gpus_per_node: 8
 time: "02:00:00"
-container_image: nvcr.io/acme/nemo-jq:latest
+container_image: nvcr.io#acme/nemo-jq:latest
 container_mounts: [/lustre/me:/lustre/me]
 env: {NCCL_IB_HCA: mlx5}
 job_dir: JOB_DIR
@@ -29,24 +29,28 @@ def write_launch(tmp_path, text: str = LAUNCH_YAML):
 
 
 def test_dryrun_prints_the_sbatch_script_nemo_run_would_submit(tmp_path, capsys):
+    """One task per GPU started by srun (no torchrun: it dies on SLURM's SIGUSR1 and its workers never see it), the
+    rendezvous on the first node, and train --requeue so that the signal checkpoints and requeues."""
     command = ["train", "--config", "/lustre/me/c.yaml", "model.backend=megatron", "megatron.tensor_parallel=8"]
     assert main(["launch", str(write_launch(tmp_path)), "--dryrun", *command]) == 0
     script = capsys.readouterr().out
-    for line in ("#SBATCH --account=acct", "#SBATCH --partition=batch", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+    for line in ("#SBATCH --account=acct", "#SBATCH --partition=batch", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8",
                  "#SBATCH --gpus-per-node=8", "#SBATCH --time=02:00:00", "#SBATCH --signal=USR1@300",
-                 "export NCCL_IB_HCA=mlx5", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1"):
+                 "#SBATCH --open-mode=append", "export NCCL_IB_HCA=mlx5", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+                 "export MASTER_PORT=29500", 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'):
         assert line in script.splitlines(), line
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
-    assert "--container-image nvcr.io/acme/nemo-jq:latest" in srun and "--container-mounts /lustre/me:/lustre/me," in srun
-    assert "--kill-on-bad-exit=1 torchrun" in srun and "--nnodes 2 --nproc-per-node 8" in srun
-    assert srun.endswith("-m nemo_jq.cli " + " ".join(command))
+    srun = next(line for line in script.splitlines() if line.startswith("srun --output"))
+    assert "--container-image nvcr.io#acme/nemo-jq:latest" in srun and "--container-mounts /lustre/me:/lustre/me," in srun
+    assert "torchrun" not in script and f"{tmp_path / 'jobs'}/dryrun/nemo-jq:/nemo_run" in srun  # an absolute mount
+    assert srun.endswith("-m nemo_jq.cli train --requeue " + " ".join(command[1:]))
     assert not (tmp_path / "jobs" / "dryrun" / "nemo-jq" / "log").exists()  # nothing was submitted
 
 
 def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     import nemo_run as run
 
-    docker = launch.build_executor(launch.LaunchConfig(executor="docker", gpus_per_node=4, container_mounts=["/d:/d"]))
+    docker = launch.build_executor(launch.LaunchConfig(executor="docker", gpus_per_node=4, container_mounts=["/d:/d"],
+                                                       container_image="nemo-jq:latest"))
     assert isinstance(docker, run.DockerExecutor) and docker.num_gpus == 4 and docker.volumes == ["/d:/d"]
     local = launch.build_executor(launch.LaunchConfig(executor="local", gpus_per_node=2))
     assert isinstance(local, run.LocalExecutor) and local.ntasks_per_node == 2
@@ -57,9 +61,10 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("acount: acct\n", "unknown launch key(s) acount; known: account,"),
     ("executor: k8s\n", "executor='k8s'; choose one of slurm, docker, local"),
     ("executor: slurm\n", "executor=slurm needs account"),
-    ("account: a\nnodes: 0\n", "nodes=0 must be a whole number >= 1"),
-    ("account: a\ngpus_per_node: true\n", "gpus_per_node=True must be a whole number >= 1"),
-    ("account: a\nnodes: '2'\n", "nodes='2' must be a whole number >= 1"),
+    ("account: a\n", "executor=slurm needs container_image: REGISTRY#IMAGE:TAG for pyxis"),
+    ("account: a\ncontainer_image: x.sqsh\nnodes: 0\n", "nodes=0 must be a whole number >= 1"),
+    ("account: a\ncontainer_image: x.sqsh\ngpus_per_node: true\n", "gpus_per_node=True must be a whole number >= 1"),
+    ("account: a\ncontainer_image: x.sqsh\nnodes: '2'\n", "nodes='2' must be a whole number >= 1"),
 ])
 def test_bad_launch_configs_are_one_line_errors(tmp_path, capsys, text, message):
     assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train"]) == 2

@@ -25,7 +25,7 @@ pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
 
-from helpers import tiny_setup  # noqa: E402
+from helpers import peak_allocated, tiny_setup  # noqa: E402
 from megatron_cpu import run_in_processes  # noqa: E402
 from nemo_jq.models.hf import HFPolicy  # noqa: E402
 from nemo_jq.models.interfaces import TokenBatch  # noqa: E402
@@ -723,20 +723,6 @@ def tensors_of(obj) -> list[torch.Tensor]:
         elif isinstance(item, (list, tuple)):
             stack += item
     return found
-
-
-def peak_allocated(build) -> tuple[Any, int]:
-    """``build()`` and the most CPU memory it had allocated at once (the profiler's allocation events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        result = build()
-    events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    now = peak = 0
-    for event in events:
-        now += event.nbytes()
-        peak = max(peak, now)
-    return result, peak
 
 
 def zero_memory_worker(weights_dtype: str) -> dict[str, float]:

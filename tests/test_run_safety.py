@@ -327,3 +327,14 @@ def test_a_run_that_fails_to_start_leaves_nothing_that_blocks_the_next(tmp_path,
     assert not any((run_dir / name).exists() for name in ("config.yaml", "tokenizer", "checkpoints", "metrics.jsonl"))
     assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
     assert (run_dir / "tokenizer").is_dir()
+
+
+def test_a_cuda_device_without_cuda_is_one_line_and_creates_nothing(tmp_path, capsys):
+    """A job submitted to a node without GPUs (or a CPU-only torch) used to end in a 41-line traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run_cli(capsys, "train", *QUICK, "train.device=cuda", f"train.run_dir={tmp_path / 'run'}")
+    one_line_error(code, err, "train.device=cuda but", "train.device=cpu")
+    assert not (tmp_path / "run").exists()

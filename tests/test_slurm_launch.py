@@ -58,6 +58,42 @@ def test_two_nodes_train_and_a_signal_requeues_and_resumes_to_the_same_metrics(t
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)
 
 
+def test_the_nemo_run_job_checkpoints_at_the_signal_requeues_and_resumes_to_the_same_metrics(tmp_path):
+    """NeMo-Run's rendered script (nemo-jq launch --dryrun) on the fake SLURM: srun starts the two ranks itself, the
+    time-limit signal reaches them, and train --requeue checkpoints, requeues and resumes."""
+    pytest.importorskip("nemo_run")
+    from nemo_jq import launch
+
+    def submit(name: str, **env: str) -> subprocess.CompletedProcess:
+        config = launch.LaunchConfig(account="acct", nodes=2, gpus_per_node=1, container_image="unused#image:tag",
+                                     job_dir=str(tmp_path / "jobs" / name), master_port=free_port())
+        tiny = tmp_path / "tiny.yaml"
+        tiny.write_text("model:\n  backend: megatron\n")
+        script = launch.sbatch_script(config, ["train", "--config", str(tiny), *TINY_RUN, "train.max_steps=5",
+                                               "eval.every=1000", f"train.run_dir={tmp_path / name}"])
+        path = tmp_path / f"{name}.sbatch"  # the CPU patches' entry point in place of `python -m nemo_jq.cli`
+        path.write_text(script.replace("python -m nemo_jq.cli", f"{sys.executable} tests/megatron_cpu.py"))
+        state = tmp_path / f"slurm-{name}"
+        state.mkdir()
+        environment = {**os.environ, "PATH": os.pathsep.join([str(FAKE_SLURM), os.environ["PATH"]]),
+                       "FAKE_SLURM_STATE": str(state), "OMP_NUM_THREADS": "1",
+                       "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *sys.path]), **env}
+        return subprocess.run(["sbatch", "--nodes=2", "--ntasks-per-node=1", str(path)], cwd=ROOT, env=environment,
+                              capture_output=True, text=True, timeout=600)
+
+    whole = submit("whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    interrupted = submit("interrupted", FAKE_SLURM_SIGNAL_FILE=str(tmp_path / "interrupted" / "metrics.jsonl"),
+                         FAKE_SLURM_SIGNAL_LINES="2")
+    assert interrupted.returncode == 0, interrupted.stderr[-3000:]
+    assert (tmp_path / "slurm-interrupted" / "requeued.log").read_text() == "4242\n"  # by rank 0, once
+    assert (tmp_path / "interrupted" / "results.json").exists()
+    resumed = train_records(tmp_path / "interrupted")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    for got, expected in zip(resumed, train_records(tmp_path / "whole"), strict=True):
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
 def test_a_failing_rank_ends_the_job_with_its_error_and_no_requeue(tmp_path):
     failed = sbatch(tmp_path, tmp_path / "bad", 2, "train.batch_size=3")
     assert failed.returncode != 0

@@ -228,3 +228,28 @@ def test_training_from_a_local_hf_folder(tmp_path):
     trainer.fit()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         make_trainer(tmp_path, f"model.path={tmp_path / 'absent_model'}", name="missing")
+
+
+def test_a_hub_name_resolves_to_its_cached_snapshot_offline_and_an_uncached_one_is_one_line(tmp_path):
+    """C2: a hub name used to reach the megatron backend as "no local folder", so every rank built an fp32 copy on CPU;
+    now it resolves once to the Hugging Face cache's snapshot folder (no network: HF_HUB_OFFLINE)."""
+    source = make_trainer(tmp_path, name="source")
+    snapshot = tmp_path / "hub" / "models--org--tiny-qwen3" / "snapshots" / "0123abcd"
+    source.policy.export(snapshot, source.components.tokenizer)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    def train(name: str, run: str):
+        return subprocess.run([sys.executable, "-m", "nemo_jq.cli", "train", *TINY_RUN, f"model.path={name}",
+                               "train.max_steps=1", "eval.every=1000", f"train.run_dir={tmp_path / run}"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    done = train("org/tiny-qwen3", "cached")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert load_config(tmp_path / "cached" / "config.yaml").model.path == "org/tiny-qwen3"  # the name, not the cache path
+    missing = train("org/not-downloaded", "missing")
+    errors = [line for line in missing.stderr.splitlines() if line.startswith("nemo-jq")]
+    assert missing.returncode == 2 and len(errors) == 1 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
+    assert "model.path=org/not-downloaded is not in the local Hugging Face cache" in errors[0]
+    assert "huggingface-cli download org/not-downloaded" in errors[0] and not (tmp_path / "missing").exists()

@@ -9,8 +9,10 @@ protocols when the backend is built.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -19,10 +21,11 @@ import torch
 
 from nemo_jq import distributed
 from nemo_jq.chat import ChatFormat
+from nemo_jq.models.common import autocast_dtype
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.models.interfaces import Policy, RolloutEngine, require
 from nemo_jq.registry import Registry
-from nemo_jq.rollouts import IN_PLACE, build_rollouts
+from nemo_jq.rollouts import IN_PLACE, SamplerRequest, build_rollouts
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
 
@@ -72,8 +75,25 @@ def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
         raise ValueError(f"model.backend=hf trains in one process, but this run has {distributed.world_size()}: "
                          "use model.backend=megatron under torchrun")
     policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config))
-    engine = build_rollouts(policy.model, request.config, request.chat, request.device)
-    return policy, engine if request.config.rollout.engine in IN_PLACE else RefittedRolloutEngine(engine, policy)
+    if request.config.rollout.engine in IN_PLACE:
+        return policy, build_rollouts(sampler_request(request, policy.model), request.chat)
+    engine = build_rollouts(sampler_request(request, None, starting_weights_dir(request, policy)), request.chat)
+    return policy, RefittedRolloutEngine(engine, policy)
+
+
+def sampler_request(request: BackendRequest, model: Any, model_dir: Path | None = None) -> SamplerRequest:
+    return SamplerRequest(model, model_dir, request.config, request.chat.pad_id, request.device)
+
+
+def starting_weights_dir(request: BackendRequest, policy: Policy) -> Path:
+    """A local HF folder of the weights the run starts from, for an engine that loads a folder: ``model.path``'s,
+    or the policy's export into a temporary folder (a model built from scratch; one node: the writer's disk)."""
+    if request.model_dir is not None:
+        return request.model_dir
+    folder = Path(distributed.on_writer(lambda: tempfile.mkdtemp(prefix="nemo_jq_starting_weights_")))
+    distributed.on_writer(lambda: atexit.register(shutil.rmtree, folder, ignore_errors=True))
+    policy.export(folder, request.chat.tokenizer)
+    return folder
 
 
 @register_backend("megatron")
@@ -104,10 +124,15 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     settings = dict(device=request.device, **dataclasses.asdict(layout), **policy_options(request.config))
     if in_memory is not None:
         policy = MegatronPolicy.from_hf_model(in_memory, **settings)
-        sampler_model = in_memory
     else:
         policy = MegatronPolicy.from_hf_folder(request.model_dir, **settings)
+    if request.config.rollout.engine not in IN_PLACE:  # an engine with its own weights: no HF copy anywhere
+        engine = build_rollouts(sampler_request(request, None, starting_weights_dir(request, policy)), request.chat)
+        return policy, RefittedRolloutEngine(engine, policy)
+    sampler_model = in_memory
+    if sampler_model is None:  # the one HF copy: on the replica's sampling rank, in the compute dtype
         samples = dist.get_rank() == dist.get_global_rank(policy.model_parallel_group, 0)
+        dtype = autocast_dtype(request.device, request.config.model.precision) or torch.float32
         with torch.device(request.device if samples else "meta"):  # its weights arrive with the first refit
-            sampler_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    return policy, RefittedRolloutEngine(build_rollouts(sampler_model, request.config, request.chat, request.device), policy)
+            sampler_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    return policy, RefittedRolloutEngine(build_rollouts(sampler_request(request, sampler_model), request.chat), policy)

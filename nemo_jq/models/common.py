@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
@@ -13,9 +14,18 @@ from nemo_jq.models import PRECISIONS
 
 
 def resolve_device(name: str) -> torch.device:
+    """``train.device`` as a device this process has; a CUDA device it lacks is a ``ValueError`` saying why."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = ("this torch is a CPU build" if torch.version.cuda is None else
+               f"no GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise ValueError(f"train.device={name} but {why} (torch {torch.__version__}): run on a GPU node, or set "
+                         "train.device=cpu (or auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"train.device={name} but this process sees {torch.cuda.device_count()} GPU(s)")
+    return device
 
 
 def check_precision(precision: str) -> str:
@@ -35,16 +45,31 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def resolve_pretrained(path: str) -> str:
-    """A local HF folder (checked to exist and hold config.json), or a hub name passed through."""
+#: What a run reads of a hub model: its config, tokenizer, weights and generation settings.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+
+
+def resolve_pretrained(path: str, *, local_files_only: bool = False) -> Path:
+    """``model.path`` as a local HF folder holding config.json: a folder as it is, or a hub name's snapshot in the
+    Hugging Face cache (downloaded into it, unless ``local_files_only`` or ``HF_HUB_OFFLINE``). A name the cache
+    lacks and the hub cannot give is a one-line error that says how to get it."""
     local = Path(path).expanduser()
     if local.exists():
         if not (local / "config.json").exists():
             raise FileNotFoundError(f"model folder {local} has no config.json")
-        return str(local)
-    if path.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"model folder {local} does not exist")
-    return path
+        return local
+    if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(f"model folder {local} does not exist (model.path is a local folder or a hub name "
+                                "like Qwen/Qwen3-8B)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, allow_patterns=HUB_FILES, local_files_only=local_files_only))
+    except Exception as err:  # noqa: BLE001 - not cached, offline, no network, unknown repository: one message
+        raise FileNotFoundError(
+            f"model.path={path} is not in the local Hugging Face cache and could not be downloaded "
+            f"({type(err).__name__}): download it where there is a network (`huggingface-cli download {path}`, into "
+            "the HF_HOME every node reads) or set model.path to a local folder") from None
 
 
 #: An HF folder's weights (unsharded), and the weights of an HF policy's checkpoint.

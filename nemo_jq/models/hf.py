@@ -13,7 +13,6 @@ from nemo_jq.models.common import (
     autocast_context,
     check_precision,
     require_files,
-    resolve_pretrained,
 )
 from nemo_jq.models.export import export_hf_model
 from nemo_jq.models.interfaces import LossFn, TokenBatch
@@ -41,11 +40,11 @@ def tiny_qwen3(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads:
         return Qwen3ForCausalLM(config)
 
 
-def load_causal_lm(path: str) -> Any:
-    """An HF causal LM from a local folder (or a hub name where a network is available), in fp32."""
+def load_causal_lm(folder: Path) -> Any:
+    """An HF causal LM from a local folder, in fp32."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(resolve_pretrained(path), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
 #: The optimizer state of an HF policy's checkpoint (its weights are ``WEIGHTS_FILE``, in HF layout).

@@ -9,6 +9,7 @@ these semantics because none of them implements them.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Sequence
 
 import torch
@@ -37,11 +38,25 @@ class BudgetedRollouts:
         """How many ranks run this engine together (its sampler's ``tensor_parallel``)."""
         return self.sampler.tensor_parallel
 
+    @property
+    def lockstep(self) -> bool:
+        """Whether every rank of the world must sample, in step (its sampler's ``lockstep``; vLLM's external launcher)."""
+        return getattr(self.sampler, "lockstep", False)
+
+    def awake(self):
+        """A context holding the sampler's memory between calls (vLLM's sleep mode), or none."""
+        return self.sampler.awake() if hasattr(self.sampler, "awake") else contextlib.nullcontext()
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sampler.load_weights(tensors)
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
+        with self.awake():
+            return self._generate(prompts, num_samples, sample_answers=sample_answers, generator=generator, greedy=greedy)
+
+    def _generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
+                  generator: torch.Generator, greedy: bool) -> list[list[Rollout]]:
         if self.max_thinking_tokens == 0:  # no thinking: </think> forced at once
             thoughts = as_groups([Sample([], False, []) for _ in range(len(prompts) * num_samples)], num_samples)
         else:

@@ -33,9 +33,11 @@ class HFSampler:
     tensor_parallel = 1
 
     def __init__(self, model: Any, *, pad_id: int, device: torch.device, precision: str = "auto",
-                 settings: SamplingSettings = SamplingSettings()):
+                 settings: SamplingSettings = SamplingSettings(), kv_cache_tokens: int | None = None):
         self.model, self.pad_id, self.device = model, pad_id, device
         self.precision, self.settings = check_precision(precision), settings
+        #: The most tokens of keys and values held at once (rows x (prompt + new tokens)); None: no bound.
+        self.kv_cache_tokens = kv_cache_tokens
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model (a tied head arrives as, or with, the embedding)."""
@@ -68,10 +70,21 @@ class HFSampler:
         """Whether to drop the finished rows from the batch now (``keep``: the rows to keep); never here."""
         return False
 
-    @torch.inference_mode()
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
                generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
+        """As the protocol says; prompts are sampled in chunks of whole groups whose keys and values fit
+        ``kv_cache_tokens`` (at least one prompt's M rows at a time), so memory is bounded whatever B x M."""
         check_request(prompts, num_samples, max_new_tokens)
+        per_chunk = len(prompts)
+        if self.kv_cache_tokens is not None:
+            per_chunk = max(1, self.kv_cache_tokens // ((max(map(len, prompts)) + max_new_tokens) * num_samples))
+        return [group for start in range(0, len(prompts), per_chunk)
+                for group in self._sample(prompts[start:start + per_chunk], num_samples, stop_ids=stop_ids,
+                                          max_new_tokens=max_new_tokens, generator=generator, greedy=greedy)]
+
+    @torch.inference_mode()
+    def _sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
+                generator: torch.Generator, greedy: bool) -> list[list[Sample]]:
         settings = SamplingSettings(temperature=0.0) if greedy else self.settings
         n = len(prompts) * num_samples
         self.model.eval()
@@ -127,10 +140,12 @@ class PreallocatedCacheLayer:
         self.capacity, self.length = capacity, 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
+        if not self.is_initialized:  # in the compute dtype: under bf16 autocast Qwen3's fp32 norm weights make fp32 keys
             rows, heads, _, _ = key_states.shape
-            self._keys = key_states.new_empty((rows, heads, self.capacity, key_states.shape[-1]))
-            self._values = value_states.new_empty((rows, heads, self.capacity, value_states.shape[-1]))
+            device = key_states.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key_states.dtype
+            self._keys = key_states.new_empty((rows, heads, self.capacity, key_states.shape[-1]), dtype=dtype)
+            self._values = value_states.new_empty((rows, heads, self.capacity, value_states.shape[-1]), dtype=dtype)
             self.is_initialized = True
         end = self.length + key_states.shape[-2]
         self._keys[:, :, self.length:end] = key_states

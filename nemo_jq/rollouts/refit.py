@@ -17,7 +17,8 @@ class RefittedRolloutEngine:
     The ranks of one model replica (``policy.model_parallel_group``; None in one process) must train on the
     same rollouts: the group's first ``engine.tensor_parallel`` ranks (consecutive: the first stage's first
     tensor-parallel ranks) refit and sample together, in step, and the first of them sends the rollouts to
-    the others.
+    the others. An engine in ``lockstep`` (vLLM under torchrun: its engines are data-parallel ranks that step
+    together) has every rank sample, each replica's ranks with the same prompts and seeds.
     """
 
     def __init__(self, engine: BudgetedRollouts, policy: RefittablePolicy):
@@ -28,23 +29,28 @@ class RefittedRolloutEngine:
     def tokens_generated(self) -> int:
         return self.engine.tokens_generated
 
+    @property
+    def lockstep(self) -> bool:
+        return self.engine.lockstep
+
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
         import torch.distributed as dist
 
         group = self.policy.model_parallel_group
-        samplers = [dist.get_global_rank(group, index) for index in range(self.engine.tensor_parallel)] if group is not None else []
-        source = samplers[0] if samplers else None
+        sampling = self.engine.tensor_parallel if not self.lockstep or group is None else dist.get_world_size(group)
+        samplers = [dist.get_global_rank(group, index) for index in range(sampling)] if group is not None else []
         samples = group is None or dist.get_rank() in samplers
-        if self._version != self.policy.weights_version:
-            tensors = self.policy.iter_hf()  # a collective over the replica's ranks: all of them consume it
-            if samples:
-                self.engine.load_weights(tensors)
-            for _ in tensors:
-                pass
-            self._version = self.policy.weights_version
-        rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
-                                         greedy=greedy) if samples else None]
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.broadcast_object_list(rollouts, src=source, group=group)
+        with self.engine.awake():  # one wake and one sleep for the refit and both phases
+            if self._version != self.policy.weights_version:
+                tensors = self.policy.iter_hf()  # a collective over the replica's ranks: all of them consume it
+                if samples:
+                    self.engine.load_weights(tensors)
+                for _ in tensors:
+                    pass
+                self._version = self.policy.weights_version
+            rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
+                                             greedy=greedy) if samples else None]
+        if group is not None and dist.get_world_size(group) > 1:  # the replica trains on its first rank's rollouts
+            dist.broadcast_object_list(rollouts, src=samplers[0], group=group)
         return rollouts[0]

