@@ -42,10 +42,17 @@ def train_records(run_dir: Path) -> list[dict]:
     return [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in read_metrics(run_dir) if r["kind"] == "train"]
 
 
-def test_two_nodes_train_and_a_signal_requeues_and_resumes_to_the_same_metrics(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    """Five steps through the sbatch script with no signal: what every interrupted run must end up with."""
+    tmp_path = tmp_path_factory.mktemp("whole")
     whole = sbatch(tmp_path, tmp_path / "whole", 5)
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert [r["step"] for r in train_records(tmp_path / "whole")] == [1, 2, 3, 4, 5]
+    return train_records(tmp_path / "whole")
+
+
+def test_two_nodes_train_and_a_signal_requeues_and_resumes_to_the_same_metrics(tmp_path, uninterrupted):
 
     interrupted = sbatch(tmp_path, tmp_path / "interrupted", 5, FAKE_SLURM_SIGNAL_FILE=str(tmp_path / "interrupted" / "metrics.jsonl"),
                          FAKE_SLURM_SIGNAL_LINES="2")
@@ -54,11 +61,11 @@ def test_two_nodes_train_and_a_signal_requeues_and_resumes_to_the_same_metrics(t
     assert (tmp_path / "interrupted" / "results.json").exists()
     resumed = train_records(tmp_path / "interrupted")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
-    for got, expected in zip(resumed, train_records(tmp_path / "whole"), strict=True):
+    for got, expected in zip(resumed, uninterrupted, strict=True):
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)
 
 
-def test_the_nemo_run_job_checkpoints_at_the_signal_requeues_and_resumes_to_the_same_metrics(tmp_path):
+def test_the_nemo_run_job_checkpoints_at_the_signal_requeues_and_resumes_to_the_same_metrics(tmp_path, uninterrupted):
     """NeMo-Run's rendered script (nemo-jq launch --dryrun) on the fake SLURM: srun starts the two ranks itself, the
     time-limit signal reaches them, and train --requeue checkpoints, requeues and resumes."""
     pytest.importorskip("nemo_run")
@@ -81,8 +88,6 @@ def test_the_nemo_run_job_checkpoints_at_the_signal_requeues_and_resumes_to_the_
         return subprocess.run(["sbatch", "--nodes=2", "--ntasks-per-node=1", str(path)], cwd=ROOT, env=environment,
                               capture_output=True, text=True, timeout=600)
 
-    whole = submit("whole")
-    assert whole.returncode == 0, whole.stderr[-3000:]
     interrupted = submit("interrupted", FAKE_SLURM_SIGNAL_FILE=str(tmp_path / "interrupted" / "metrics.jsonl"),
                          FAKE_SLURM_SIGNAL_LINES="2")
     assert interrupted.returncode == 0, interrupted.stderr[-3000:]
@@ -90,7 +95,7 @@ def test_the_nemo_run_job_checkpoints_at_the_signal_requeues_and_resumes_to_the_
     assert (tmp_path / "interrupted" / "results.json").exists()
     resumed = train_records(tmp_path / "interrupted")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
-    for got, expected in zip(resumed, train_records(tmp_path / "whole"), strict=True):
+    for got, expected in zip(resumed, uninterrupted, strict=True):
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)
 
 

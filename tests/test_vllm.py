@@ -211,7 +211,8 @@ def _records(run_dir, kind: str = "train") -> list[dict]:
 @needs_vllm
 def test_the_demo_config_trains_alike_with_vllm_and_the_native_engine(tmp_path):
     """GARL q=0.75 on the demo's model and task (head_dim 32): the sampled streams differ, the cold-start curve not."""
-    common = ["objective.name=garl", "objective.q=0.75", "train.max_steps=16", "eval.every=1000", "train.tensorboard=false"]
+    common = ["objective.name=garl", "objective.q=0.75", "train.max_steps=16", "eval.every=1000", "train.tensorboard=false",
+              "data.test_size=16", "eval.num_samples=4"]
     for engine in ("native", "vllm"):
         _train(*common, f"rollout.engine={engine}", f"train.run_dir={tmp_path / engine}")
     native, vllm = _records(tmp_path / "native"), _records(tmp_path / "vllm")
