@@ -7,12 +7,15 @@ All in one run, on one model, batch, M and lengths:
    across repeats, and the estimators are timed interleaved (A B C D, B C D A, ...) so drift hits
    all alike. Each ratio is the median of the per-round ratios with a bootstrap 95% interval over
    rounds, and the estimator's own share of the step (its forward call) is reported beside it;
+   GARL(q) with the importance correction on (objective.importance=truncate: the ratios of the
+   engine's log-probs, which it always reports) relative to GARL(q) without it;
 2. our RB-RLOO step relative to TRL's GRPOTrainer on the same weights, prompts and completion
    length (TRL generates, scores and steps inside ``training_step``);
 3. peak memory of the chunked log-probs vs a full log_softmax at V=151936, T=4096, H=1024
    (a one-layer stand-in: hidden states and LM head only), each in a fresh process.
 
-Targets: GARL and PAFT within 2% of RB-RLOO; chunked log-probs <= 15% of the naive peak;
+Targets: GARL and PAFT within 2% of RB-RLOO, and the correction within 2% of GARL's step; chunked
+log-probs <= 15% of the naive peak;
 our step faster than TRL's. Usage: python bench/step_overhead.py [--quick]
 """
 
@@ -83,6 +86,7 @@ def estimator_step_times(args, work: Path) -> tuple[dict[str, list[float]], dict
         f"garl_q{args.q}": ["objective.name=garl", f"objective.q={args.q}"],
         f"paft_q{args.q}": ["objective.name=paft", f"objective.q={args.q}"],
         "grpo": ["objective.name=grpo"],
+        f"garl_q{args.q}_corrected": ["objective.name=garl", f"objective.q={args.q}", "objective.importance=truncate"],
     }
     trainers = {name: Trainer(load_config(None, tiny_overrides(args, work / name) + extra)) for name, extra in methods.items()}
     examples = trainers["rb_rloo"].components.splits.train[: args.prompts]
@@ -226,7 +230,8 @@ def main() -> None:
     steps = {name: statistics.median(values) for name, values in rounds.items()}
     rb = steps["rb_rloo"]
     paired = {f"{a}_over_{b}": paired_ratio(rounds[a], rounds[b])
-              for a, b in ((f"garl_q{q}", "rb_rloo"), (f"paft_q{q}", "rb_rloo"), (f"garl_q{q}", "grpo"), (f"paft_q{q}", "grpo"))}
+              for a, b in ((f"garl_q{q}", "rb_rloo"), (f"paft_q{q}", "rb_rloo"), (f"garl_q{q}", "grpo"), (f"paft_q{q}", "grpo"),
+                           (f"garl_q{q}_corrected", f"garl_q{q}"))}
     estimator_share = {name: statistics.median(e / s for e, s in zip(estimator_rounds[name], rounds[name]))
                        for name in rounds}
     result = {
@@ -240,6 +245,7 @@ def main() -> None:
             "paft_over_rb_rloo": paired[f"paft_q{q}_over_rb_rloo"]["median"],
             "garl_over_grpo": paired[f"garl_q{q}_over_grpo"]["median"],
             "paft_over_grpo": paired[f"paft_q{q}_over_grpo"]["median"],
+            "corrected_garl_over_garl": paired[f"garl_q{q}_corrected_over_garl_q{q}"]["median"],
             **({"rb_rloo_over_trl_grpo": rb / trl} if trl is not None else {}),
             "chunked_over_naive_memory": memory["chunked_over_naive"],
         },
@@ -249,6 +255,7 @@ def main() -> None:
     result["targets_met"] = {
         "garl_within_2pct_of_rb_rloo": abs(result["ratios"]["garl_over_rb_rloo"] - 1) <= 0.02,
         "paft_within_2pct_of_rb_rloo": abs(result["ratios"]["paft_over_rb_rloo"] - 1) <= 0.02,
+        "correction_within_2pct_of_garl": result["ratios"]["corrected_garl_over_garl"] - 1 <= 0.02,
         "chunked_memory_at_most_15pct": memory["chunked_over_naive"] <= 0.15,
         **({"faster_than_trl": rb < trl} if trl is not None else {}),
     }

@@ -11,6 +11,8 @@ from pathlib import Path
 
 #: Set to 1 (or pass --debug) to see the traceback behind an error message.
 DEBUG_ENV = "NEMO_JQ_DEBUG"
+STEP_HELP = ("for a run directory: best (the best validation m@k; ties keep the earliest, as training does), latest, "
+             "or a step number; the output names the step and why")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on a split")
     evaluate.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
     evaluate.add_argument("--split", default="test", choices=("train", "validation", "test"))
+    evaluate.add_argument("--step", default="best", help=STEP_HELP)
     evaluate.add_argument("overrides", nargs="*", help="e.g. eval.num_samples=16")
 
     export = commands.add_parser("export", help="export a checkpoint to an HF folder")
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
     export.add_argument("--out", type=Path, required=True)
+    export.add_argument("--step", default="best", help=STEP_HELP)
 
     experiment = commands.add_parser("experiment", help="multi-run studies (not tests): noisy-cold-start")
     experiment.add_argument("name", choices=("noisy-cold-start",))
@@ -67,8 +71,13 @@ def main(argv: list[str] | None = None) -> int:
 
     data = commands.add_parser("data", help="dataset tools")
     data_commands = data.add_subparsers(dest="data_command", required=True)
+    from nemo_jq.data.qa import describe_datasets
+
     prep = data_commands.add_parser(
-        "prepare", help="write deterministic train/validation/test subsets as JSONL with a manifest"
+        "prepare", help="write deterministic train/validation/test subsets as JSONL with a manifest",
+        description="nemo-jq data prepare --dataset jsonl --source mine.jsonl --sizes 800,100,100 --out data/mine",
+        epilog="datasets (a --source file gives every split; a folder, one file per split):\n" + describe_datasets(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prep.add_argument("--dataset", required=True, help="finqa, hotpotqa, musique or jsonl")
     prep.add_argument("--source", help="local file, folder of split files, or hub name (default: the paper's hub name)")
@@ -138,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return _dispatch(args)
+    except BrokenPipeError:  # the reader went away (``nemo-jq plan ... | head -1``): the rest is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so Python's exit-time flush stays quiet
+        return 0
     except KeyboardInterrupt:
         print(f"nemo-jq {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -296,17 +308,25 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         return _train(args)
 
-    loaded = load_for_inference(args.checkpoint, getattr(args, "overrides", ()))
+    loaded = load_for_inference(args.checkpoint, getattr(args, "overrides", ()), args.step)
+    selected = loaded.selected
     if args.command == "eval":
         from nemo_jq.evaluation import Evaluator
+        from nemo_jq.runs import write_evaluation
 
-        metrics = Evaluator(loaded.components).evaluate(args.split)
+        report = {"split": args.split, **selected.describe(), **Evaluator(loaded.components).evaluate(args.split)}
         if distributed.is_writer():
-            print(json.dumps({"split": args.split, **metrics}, indent=2))
+            print(json.dumps(report, indent=2))
+            written = write_evaluation(selected.run_dir, args.split, selected.step, report)
+            print(f"nemo-jq: evaluated step {selected.step} of {selected.run_dir} ({selected.why}); wrote {written}",
+                  file=sys.stderr)
     else:
+        from nemo_jq.models.export import record_source
+
         loaded.components.policy.export(args.out, loaded.components.tokenizer)
         if distributed.is_writer():
-            print(f"exported to {args.out}")
+            record_source(args.out, selected.describe())
+            print(f"exported step {selected.step} of {selected.run_dir} ({selected.why}) to {args.out}")
     return 0
 
 
@@ -343,10 +363,11 @@ def _train(args: argparse.Namespace) -> int:
 
 def _prepare_data(args: argparse.Namespace) -> int:
     from nemo_jq.config import import_plugins
-    from nemo_jq.data.prepare import PAPER_SIZES, PREPARED_FILES, make_task, prepare, write_prepared
+    from nemo_jq.data.prepare import PAPER_SIZES, PREPARED_FILES, describe_rejects, make_task, prepare, write_prepared
     from nemo_jq.outputs import claim_dir
 
     import_plugins(args.plugin)
+    task = make_task(args.dataset, template=args.template, system=args.system)
     if args.sizes:
         parts = args.sizes.split(",")
         if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
@@ -355,17 +376,15 @@ def _prepare_data(args: argparse.Namespace) -> int:
     elif args.dataset in PAPER_SIZES:
         sizes = PAPER_SIZES[args.dataset]
     else:
-        raise ValueError(f"--sizes is required for dataset {args.dataset!r}")
-    task = make_task(args.dataset, template=args.template, system=args.system)
+        raise ValueError(f"--sizes is required for dataset {args.dataset!r} (train,validation,test, e.g. 800,100,100)")
     splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row)
     claim_dir(args.out, PREPARED_FILES, overwrite=args.overwrite, what="prepared data",
               advice="choose another --out, or pass --overwrite to move it aside first")
     write_prepared(splits, manifest, args.out)
     for name, entry in manifest["sources"].items():
         derived = {k: v for k, v in entry["reference_sources"].items() if k != "answer"}
-        print(f"{name}: {entry['rows']} rows, {len(entry['bad'])} bad, {len(entry['over_cap'])} over the cap, "
-              f"selected {entry['selected']}, {entry['unused']} unused"
-              + "".join(f", y* from {k} in {v}" for k, v in derived.items()))
+        print(f"{name}: {entry['rows']} rows, {describe_rejects(task, entry)}, selected {entry['selected']}, "
+              f"{entry['unused']} unused" + "".join(f", y* from {k} in {v}" for k, v in derived.items()))
     print(f"wrote {args.out}/{{train,validation,test}}.jsonl and manifest.json")
     return 0
 

@@ -30,6 +30,8 @@ from nemo_jq.models.common import resolve_pretrained
 from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
 from nemo_jq.models.interfaces import Policy, RolloutEngine
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
+from nemo_jq.objectives.importance import Correction
+from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Components:
     schedule: QSchedule | None
     #: None unless ``guard.enabled``.
     guard: CollapseGuard | None
+    #: The importance correction ``objective.importance`` asks for (``auto`` resolved); None: on-policy.
+    correction: Correction | None = None
 
     @property
     def data_parallel(self) -> DataParallel:
@@ -79,7 +83,23 @@ def build_components(config: Config, device: torch.device, *, tokenizer_dir: Pat
     objective = config.objective
     schedule = build_schedule(objective.q_schedule or objective.q) if estimator.uses_q else None
     return Components(config, device, task, splits, tokenizer, chat, policy, engine, estimator,
-                      estimator.parse_options(objective.options), schedule, build_guard(config))
+                      estimator.parse_options(objective.options), schedule, build_guard(config),
+                      importance_correction(config, own_weights=isinstance(engine, RefittedRolloutEngine)))
+
+
+def importance_correction(config: Config, *, own_weights: bool) -> Correction | None:
+    """``objective.importance`` as a :class:`Correction` (None: none). ``auto`` truncates when the rollouts come from
+    another policy than the one trained: an engine with its own copy of the weights (``own_weights``: vLLM's
+    kernels, or megatron's HF sampler) or one-step-off rollouts; it is none for on-policy rollouts (the in-place
+    samplers), where every ratio is 1."""
+    objective = config.objective
+    mode = objective.importance
+    if mode == "auto":
+        mode = "truncate" if own_weights or config.rollout.async_steps else "none"
+    if mode == "none":
+        return None
+    low, high = objective.importance_bounds
+    return Correction(mode, cap=objective.importance_cap, low=low, high=high)
 
 
 def build_task(config: Config) -> tuple[Task, Splits]:

@@ -24,7 +24,13 @@ from nemo_jq.data.prepare import BAD_ROW_POLICIES
 from nemo_jq.guard import GUARD_ACTIONS
 from nemo_jq.models import PRECISIONS
 from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
+from nemo_jq.objectives.importance import CORRECTIONS
 from nemo_jq.typed import ConfigError, build, describe_fields, option
+
+#: Keys that may name a local file or folder (``section``, ``key``): made absolute when a config loads.
+PATH_KEYS = (("model", "path"), ("data", "prepared_dir"), ("data", "source"))
+#: ``objective.importance``: the corrections, no correction, or the one the rollouts call for.
+IMPORTANCE_MODES = ("auto", "none", *CORRECTIONS)
 
 __all__ = ["Config", "ConfigError", "describe_keys", "load_config", "save_config"]
 
@@ -99,13 +105,27 @@ class RolloutConfig:
                                             "vllm_memory_utilization's share on GPU; 1 GB on CPU)", gt=0.0)
     max_logprob_gap: float = option(
         1.0, "warn when an engine's log-prob of a sampled token differs from the policy's by more than this", gt=0.0)
+    max_mismatch_kl: float = option(0.05, "warn when the k3 estimate of KL(engine || policy) per sampled token exceeds "
+                                    "this (logged every step as kl_k3)", gt=0.0)
+    async_steps: int = option(0, "0: each step samples its rollouts from the current weights; 1: one step off: the "
+                              "next step's rollouts are sampled from this step's weights while this step trains, and "
+                              "corrected as objective.importance says (README.md, \"Off-policy rollouts\")", ge=0, le=1)
 
 
 @dataclass
 class ObjectiveConfig:
     name: str = option("garl", "a registered estimator: garl, paft, rb_rloo, grpo, rloo, sft (or a plugin's)")
     q: float = option(0.75, "the commitment, in [0, 1]", ge=0.0, le=1.0)
-    q_schedule: dict[str, Any] | None = option(None, "a q schedule mapping (nemo_jq.objectives.schedules); replaces q")
+    q_schedule: dict[str, Any] | str | None = option(
+        None, "a q schedule, replacing q: a mapping, e.g. \"{name: step, switch_step: 50}\", or a YAML file holding one "
+        "(configs/schedules/*.yaml; read when the config loads): README.md, \"q schedules\"")
+    importance: str = option("auto", "the importance correction for rollouts another policy sampled (docs/off_policy.md): "
+                             "none (assume on-policy), plain (the ratio as is), truncate (at importance_cap), mask (drop "
+                             "samples outside importance_bounds); auto: truncate with rollout.engine=vllm or "
+                             "rollout.async_steps=1, else none", choices=IMPORTANCE_MODES)
+    importance_cap: float = option(2.0, "truncate: the largest importance ratio used", ge=1.0)
+    importance_bounds: list[float] = option(help="mask: the ratios [low, high] kept, low <= 1 <= high",
+                                            factory=lambda: [0.5, 2.0])
     options: dict[str, Any] = option(
         help="the estimator's options, e.g. {baseline: none} (garl), {num_resamples: 4} (paft); each estimator's "
         "are listed below", factory=dict)
@@ -165,6 +185,22 @@ class TrainConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment trackers beside metrics.jsonl and TensorBoard (README.md, "Tracking runs")."""
+
+    wandb: bool = option(False, "log the config, every metrics.jsonl record, the guard's events and the Figure-3 plot to "
+                         "Weights & Biases (pip install wandb)")
+    wandb_project: str = option("nemo_jq", "the W&B project")
+    wandb_entity: str | None = option(None, "the W&B entity (null: your default)")
+    wandb_mode: str = option("online", "online, or offline (written under RUN_DIR/wandb; upload it later with wandb sync)",
+                             choices=("online", "offline"))
+    mlflow: bool = option(False, "log the same to MLflow (pip install mlflow-skinny, or mlflow)")
+    mlflow_tracking_uri: str | None = option(None, "the MLflow server or store (null: $MLFLOW_TRACKING_URI, else a file "
+                                             "store in RUN_DIR/mlruns)")
+    mlflow_experiment: str = option("nemo_jq", "the MLflow experiment")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     megatron: MegatronLayout = field(default_factory=MegatronLayout)
@@ -175,6 +211,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     plugins: list[str] = option(help="modules or .py files imported before the config is checked: they register "
                                 "estimators, backends, rollout engines or datasets (docs/extending.md)", factory=list)
 
@@ -184,16 +221,31 @@ class Config:
         Imports ``plugins`` first. Resolves ``data.name``, ``data.template`` and ``data.system_prompt`` from
         a prepared folder's manifest, so the saved config says what the run trained on.
         """
+        self._anchor_paths()
         import_plugins(self.plugins)
         spec = self._check_estimators()
         self._check_backend_and_rollouts()
         if self.guard.enabled and self.guard.action == "lower_q" and not spec.uses_q:
             raise ConfigError(f"guard.action=lower_q needs an estimator with a q; {spec.name!r} has none: "
                               "use guard.action=lower_lr")
+        for tracker, package, install in (("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow-skinny")):
+            if getattr(self.tracking, tracker) and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"tracking.{tracker}=true needs the {package} package: pip install {install} (or "
+                                  "pip install -e \".[tracking]\")")
         if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")
         self._resolve_data()
         return self
+
+    def _anchor_paths(self) -> None:
+        """Make the keys that name a local file or folder absolute, so that the run's config.yaml resumes and
+        evaluates from any directory (hub names, which name nothing here, stay as they are)."""
+        for section, key in PATH_KEYS:
+            owner = getattr(self, section)
+            value = getattr(owner, key)
+            if isinstance(value, str) and value and Path(value).exists():
+                setattr(owner, key, str(Path(value).resolve()))
+        self.plugins = [str(Path(p).resolve()) if p.endswith(".py") and Path(p).exists() else p for p in self.plugins]
 
     def _check_estimators(self):
         from nemo_jq.objectives import get_objective
@@ -203,6 +255,8 @@ class Config:
             spec = get_objective(self.objective.name)
         except KeyError as err:
             raise ConfigError(f"objective.name: {err.args[0]}") from None
+        if isinstance(self.objective.q_schedule, str):
+            self.objective.q_schedule = read_schedule_file(Path(self.objective.q_schedule))
         if spec.uses_q and self.objective.q_schedule is not None:
             try:
                 build_schedule(self.objective.q_schedule)
@@ -213,6 +267,7 @@ class Config:
             raise ConfigError(
                 f"rollout.num_samples={self.rollout.num_samples} but {spec.name!r} needs at least {spec.min_samples}"
             )
+        self._check_off_policy(spec)
         if self.guard.enabled and self.guard.action == "switch_estimator":
             try:
                 switched = get_objective(self.guard.estimator)
@@ -221,6 +276,20 @@ class Config:
             if self.rollout.num_samples < switched.min_samples:
                 raise ConfigError(f"guard.estimator={switched.name!r} needs rollout.num_samples >= {switched.min_samples}")
         return spec
+
+    def _check_off_policy(self, spec) -> None:
+        from nemo_jq.objectives import Need
+
+        objective = self.objective
+        bounds = objective.importance_bounds
+        if len(bounds) != 2 or not 0.0 <= bounds[0] <= 1.0 <= bounds[1]:
+            raise ConfigError(f"objective.importance_bounds must be [low, high] with 0 <= low <= 1 <= high; got {bounds}")
+        if objective.importance in CORRECTIONS and not spec.corrects_off_policy:
+            raise ConfigError(f"objective.importance={objective.importance} corrects sampled rollouts, but {spec.name!r} "
+                              "takes no correction: set objective.importance=none (or auto)")
+        if self.rollout.async_steps and Need.GIVEN_TARGET in spec.needs:
+            raise ConfigError(f"rollout.async_steps={self.rollout.async_steps} samples rollouts ahead, but {spec.name!r} "
+                              "trains on given targets and samples none: set rollout.async_steps=0")
 
     def _check_backend_and_rollouts(self) -> None:
         from nemo_jq.models.backends import BACKENDS
@@ -320,6 +389,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raw = _parse_yaml(path.read_text(), str(path)) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        if "name" in raw and not isinstance(raw["name"], dict):
+            raise ConfigError(f"{path} holds a q schedule, not a run's config: pass it as objective.q_schedule={path}")
     _migrate(raw)
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -340,6 +411,19 @@ def _deprecated(old: str, new: str) -> None:
     if old not in _ANNOUNCED:
         _ANNOUNCED.add(old)
         print(f"nemo-jq: warning: {old} is deprecated: use {new} (the old key is read until 0.3)", file=sys.stderr)
+
+
+def read_schedule_file(path: Path) -> dict[str, Any]:
+    """A q schedule from its YAML file (``objective.q_schedule=configs/schedules/linear_1_to_0.yaml``)."""
+    if path.suffix not in (".yaml", ".yml"):
+        raise ConfigError(f"objective.q_schedule must be a mapping or a .yaml file holding one; got {str(path)!r}")
+    if not path.is_file():
+        raise ConfigError(f"objective.q_schedule: {path} does not exist (a path is read from the current directory)")
+    schedule = _parse_yaml(path.read_text(), str(path))
+    if not isinstance(schedule, dict) or "name" not in schedule:
+        raise ConfigError(f"objective.q_schedule: {path} must hold a schedule mapping with a name, e.g. {{name: linear, "
+                          "num_steps: 200}}")
+    return schedule
 
 
 def current_key(key: str) -> str:

@@ -95,17 +95,15 @@ class Evaluator:
 
     def evaluate(self, split: str, seed_offset: int = 0) -> dict[str, float]:
         """p@1, p@k and m@k (k = eval.num_samples) on ``split``."""
-        from tqdm import tqdm
-
         from nemo_jq import distributed
+        from nemo_jq.monitor import progress
 
         parts, settings = self.components, self.components.config.eval
         examples = parts.splits.get(split)
         mine, count = self._share(examples)
         seed = parts.data_parallel.replica_seed(parts.config.train.seed + 10_000 + seed_offset)
         generator = torch.Generator(device=parts.device).manual_seed(seed)
-        with tqdm(total=len(mine), desc=f"eval {split}", leave=False, dynamic_ncols=True,
-                  disable=not distributed.is_writer()) as bar:
+        with progress(len(mine), f"eval {split}", shows=distributed.is_writer(), transient=True) as bar:
             outputs = sample_outputs(parts.engine, parts.chat, parts.task, mine, parts.config.data.format,
                                      settings.num_samples, settings.batch_size, generator, bar)
         return score_outputs(parts.task, examples, parts.data_parallel.gather(outputs[:count]), settings.num_samples)

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nemo_jq.data import Example
-from nemo_jq.models.interfaces import TokenBatch
+from nemo_jq.models.interfaces import Rollout, TokenBatch
 from nemo_jq.objectives import Need, ObjectiveSpec
+from nemo_jq.objectives.importance import Correction, k3_kl
+from nemo_jq.rollouts.process import SamplingProcess, share_weights
+from nemo_jq.rollouts.refit import RefittedRolloutEngine
 from nemo_jq.sequences import given_target_batch, reference_answer_batch, sampled_answer_batch
 
 if TYPE_CHECKING:
@@ -63,41 +66,145 @@ def make_experience(components: Components, examples: list[Example], estimator: 
     started = time.perf_counter()
     chat, engine = components.chat, components.engine
     prompts = components.prompt_ids(examples)
-    tokens_before = engine.tokens_generated
-    group, rewards = 1, None
     if Need.GIVEN_TARGET in estimator.needs:
         batch = given_target_batch(prompts, [chat.rationale_ids(e.rationale or "") for e in examples],
                                    [chat.answer_ids(e.answer) for e in examples], chat.think_end_id, chat.pad_id)
+        return Experience(batch, 1, None, 0, time.perf_counter() - started)
+    tokens_before = engine.tokens_generated
+    rollouts = engine.generate(prompts, components.config.rollout.num_samples,
+                               sample_answers=Need.SAMPLED_ANSWER_REWARD in estimator.needs, generator=generator)
+    return experience_from(components, examples, estimator, rollouts, engine.tokens_generated - tokens_before,
+                           time.perf_counter() - started)
+
+
+def experience_from(components: Components, examples: list[Example], estimator: ObjectiveSpec,
+                    rollouts: list[list[Rollout]], tokens: int, seconds: float) -> Experience:
+    """Training rows from ``examples``' rollouts: y* spliced after each rationale (GARL, PAFT: teacher-forced), or
+    the sampled answers with the task's rewards (GRPO, RLOO)."""
+    chat = components.chat
+    rewards = None
+    if Need.SAMPLED_ANSWER_REWARD in estimator.needs:
+        batch = sampled_answer_batch(rollouts, chat.think_end_id, chat.pad_id)
+        rewards = torch.tensor([[components.task.reward(chat.decode_answer(r.answer_ids), e) for r in group_rollouts]
+                                for group_rollouts, e in zip(rollouts, examples)], device=components.device)
     else:
-        group = components.config.rollout.num_samples
-        sample_answers = Need.SAMPLED_ANSWER_REWARD in estimator.needs
-        rollouts = engine.generate(prompts, group, sample_answers=sample_answers, generator=generator)
-        if sample_answers:
-            batch = sampled_answer_batch(rollouts, chat.think_end_id, chat.pad_id)
-            rewards = torch.tensor([[components.task.reward(chat.decode_answer(r.answer_ids), e) for r in group_rollouts]
-                                    for group_rollouts, e in zip(rollouts, examples)], device=components.device)
-        else:
-            batch = reference_answer_batch(rollouts, [chat.answer_ids(e.answer) for e in examples], chat.think_end_id,
-                                           chat.pad_id)
-    return Experience(batch, group, rewards, engine.tokens_generated - tokens_before, time.perf_counter() - started)
+        batch = reference_answer_batch(rollouts, [chat.answer_ids(e.answer) for e in examples], chat.think_end_id,
+                                       chat.pad_id)
+    return Experience(batch, components.config.rollout.num_samples, rewards, tokens, seconds)
 
 
-def logprob_gap(policy_logprobs: torch.Tensor, batch: TokenBatch) -> dict[str, float]:
-    """Mean and largest |engine − policy| log-prob over the sampled tokens the engine scored
-    (how off-policy the rollouts are; the loss always uses the policy's own log-probs)."""
+class RolloutsAhead:
+    """One-step-off experience (``rollout.async_steps=1``): while step t trains on rollouts sampled from θ_{t-1},
+    the rollouts of step t+1 are sampled from θ_t, and the estimators correct for the lag (objective.importance).
+
+    The engine holds its own copy of the weights (:class:`~nemo_jq.rollouts.refit.RefittedRolloutEngine`; the hf
+    backend builds one for async runs), refitted in this process when a request is made, so no request sees a
+    half-updated policy. In one process with an engine over an HF model (native, hf) the copy samples in a child
+    process (:class:`~nemo_jq.rollouts.process.SamplingProcess`) while this one trains; otherwise (vLLM, or under
+    torchrun) the next step's rollouts are sampled before the step trains: one step off, without the overlap,
+    which needs inference on other devices. Evaluation and checkpoints wait for the request in flight
+    (:meth:`settle`); a checkpoint carries its experience, so a resumed run continues exactly.
+    """
+
+    def __init__(self, components: Components):
+        from nemo_jq import distributed
+        from nemo_jq.rollouts import IN_PLACE
+
+        engine = components.engine
+        if not isinstance(engine, RefittedRolloutEngine):
+            raise ValueError("rollout.async_steps=1 needs a rollout engine with its own copy of the weights; "
+                             f"model.backend={components.config.model.backend} gave {type(engine).__name__}")
+        self.components, self.engine = components, engine
+        self.overlaps = distributed.world_size() == 1 and components.config.rollout.engine in IN_PLACE
+        self.worker: SamplingProcess | None = None
+        #: The request in flight (its examples and estimator), or its experience once settled.
+        self.pending: tuple[list[Example], ObjectiveSpec] | Experience | None = None
+
+    def submit(self, examples: list[Example], estimator: ObjectiveSpec, seed: int) -> None:
+        """Sample ``examples``' experience from the weights as they are now (seeded by ``seed``)."""
+        self.engine.refit()
+        if not self.overlaps:
+            self.pending = make_experience(self.components, examples, estimator,
+                                           torch.Generator(self.components.device).manual_seed(seed))
+            return
+        if self.worker is None:
+            share_weights(self.engine.engine)
+            self.worker = SamplingProcess(self.engine.engine, threads=self._split_threads())
+        self.worker.submit(self.components.prompt_ids(examples), self.components.config.rollout.num_samples,
+                           sample_answers=Need.SAMPLED_ANSWER_REWARD in estimator.needs, seed=seed)
+        self.pending = (examples, estimator)
+
+    def settle(self) -> Experience | None:
+        """Wait for the request in flight; its experience (None if there is none)."""
+        if isinstance(self.pending, tuple):
+            examples, estimator = self.pending
+            rollouts, tokens, seconds = self.worker.result()
+            self.pending = experience_from(self.components, examples, estimator, rollouts, tokens, seconds)
+        return self.pending
+
+    def take(self) -> Experience | None:
+        experience, self.pending = self.settle(), None
+        return experience
+
+    def close(self) -> None:
+        """Stop the sampling process (a later request starts another) and give this process its threads back."""
+        self.settle()
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+            torch.set_num_threads(self.threads)
+
+    def _split_threads(self) -> int:
+        """On CPU the two processes share the cores (OpenMP threads spin while they wait: a process with all the
+        cores starves the other); returns the sampling process's share."""
+        self.threads = torch.get_num_threads()
+        if self.components.device.type != "cpu":
+            return 1
+        sampling = max(1, self.threads // 2)
+        torch.set_num_threads(max(1, self.threads - sampling))
+        return sampling
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pending": self.settle()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = state.get("pending")
+
+
+def mismatch_metrics(policy_logprobs: torch.Tensor, batch: TokenBatch) -> dict[str, float]:
+    """How far the policy that sampled the rollouts is from the one trained, over the sampled tokens the engine
+    scored: the mean and largest |engine − policy| log-prob, and ``kl_k3``, the k3 estimate of KL(engine ‖ policy)
+    per token (unbiased under the engine's samples, each term >= 0)."""
     if batch.engine_logprobs is None:
         return {}
     engine = batch.engine_logprobs.to(policy_logprobs.device)
-    gaps = (policy_logprobs - engine)[~engine.isnan()].abs()
-    return {"logprob_gap": float(gaps.mean()), "max_logprob_gap": float(gaps.max())} if gaps.numel() else {}
+    scored = ~engine.isnan()
+    if not bool(scored.any()):
+        return {}
+    gaps = (policy_logprobs - engine)[scored].abs()
+    return {"logprob_gap": float(gaps.mean()), "max_logprob_gap": float(gaps.max()),
+            "kl_k3": float(k3_kl(policy_logprobs, engine, scored))}
 
 
-def warn_if_off_policy(record: dict, max_gap: float, step: int) -> None:
-    """Say so (once, on the writer) when the engine's log-probs stray more than ``max_gap`` from the policy's."""
-    from nemo_jq import distributed
+class MismatchWatch:
+    """Says so, on the writer, when the rollouts stray from the policy: a sampled token's log-prob more than
+    ``rollout.max_logprob_gap`` apart, or the per-token KL above ``rollout.max_mismatch_kl``; again only when the
+    KL has doubled since (every step's values are in metrics.jsonl)."""
 
-    gap = record.get("max_logprob_gap", 0.0)
-    if gap > max_gap and distributed.is_writer():
-        print(f"warning: step {step}: the rollout engine's log-probs differ from the policy's by up to {gap:.3g} "
-              f"(mean {record['logprob_gap']:.3g}; rollout.max_logprob_gap={max_gap}): the samples are off-policy; "
-              "check the engine's precision and its refit", flush=True)
+    def __init__(self, rollout: Any, correction: Correction | None):
+        self.max_gap, self.max_kl, self.correction = rollout.max_logprob_gap, rollout.max_mismatch_kl, correction
+        self.warned_kl: float | None = None
+
+    def __call__(self, record: dict[str, Any], step: int) -> None:
+        from nemo_jq import distributed
+
+        gap, kl = record.get("max_logprob_gap", 0.0), record.get("kl_k3", 0.0)
+        exceeded = gap > self.max_gap or kl > self.max_kl
+        if not exceeded or (self.warned_kl is not None and kl <= 2 * self.warned_kl) or not distributed.is_writer():
+            return
+        self.warned_kl = max(kl, self.max_kl)
+        handled = (f"corrected by objective.importance={self.correction.mode}" if self.correction is not None else
+                   "uncorrected: set objective.importance (docs/off_policy.md), or check the engine's precision and refit")
+        print(f"warning: step {step}: the rollouts are off-policy: KL(engine || policy) {kl:.3g} per token "
+              f"(rollout.max_mismatch_kl={self.max_kl}), log-prob gaps up to {gap:.3g} (rollout.max_logprob_gap="
+              f"{self.max_gap}); {handled}", flush=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ PANELS = (
     ("train", "log_p_hat", "log P̂ (mean log w̄)"),
     ("train", "max_amplified_advantage", "max amplified advantage |c_m|/M^q"),
     ("validation", "m@16", "validation m@16"),
+    ("train", "kl_k3", "KL(engine ‖ policy) per token, k3"),
 )
 
 
@@ -26,8 +29,11 @@ class RunLogger:
     records it keeps, so no step shows twice. A new run starts both afresh.
     """
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0, writes: bool = True):
+    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0, writes: bool = True,
+                 trackers: Any = ()):
         self.path, self.writes, self.writer = run_dir / METRICS_FILE, writes, None
+        #: W&B, MLflow (nemo_jq.tracking): they get the records logged from now on.
+        self.trackers = list(trackers)
         if not writes:  # another rank of a multi-process run writes them
             return
         kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step and r["kind"] != "test"] if resume_step else []
@@ -53,6 +59,14 @@ class RunLogger:
         if self.writer is not None:
             self._add_scalars(record)
             self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(record)
+
+    def attach(self, path: Path) -> None:
+        """Hand a file the run wrote (its Figure-3 plot) to the trackers."""
+        if self.writes:
+            for tracker in self.trackers:
+                tracker.attach(path)
 
     def _add_scalars(self, record: dict[str, Any]) -> None:
         for key, value in record.items():
@@ -62,6 +76,48 @@ class RunLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+
+class ProgressLines:
+    """Progress for a log without a terminal (a batch job's): one plain line every tenth of the way and at the end,
+    with the bar's latest figures, instead of a bar redrawn with carriage returns."""
+
+    def __init__(self, total: int, initial: int, desc: str):
+        self.total, self.count, self.desc, self.started, self.figures = total, initial, desc, time.perf_counter(), ""
+        self.every, self.start = max(1, total // 10), initial
+
+    def update(self, n: int = 1) -> None:
+        self.count += n
+        if self.count % self.every == 0 or self.count == self.total:
+            rate = (self.count - self.start) / max(time.perf_counter() - self.started, 1e-9)
+            print(f"{self.desc}: {self.count}/{self.total} ({rate:.3g}/s){self.figures}", file=sys.stderr, flush=True)
+
+    def set_postfix(self, figures: dict[str, str]) -> None:
+        self.figures = "".join(f", {key}={value}" for key, value in figures.items())
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "ProgressLines":
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.close()
+
+
+def progress(total: int, desc: str, *, initial: int = 0, shows: bool = True, transient: bool = False) -> Any:
+    """A tqdm bar on a terminal; without one, :class:`ProgressLines` (none at all for a ``transient`` bar, such as an
+    evaluation's, or where ``shows`` is False: another rank's)."""
+    from tqdm import tqdm
+
+    if shows and sys.stderr.isatty():
+        return tqdm(total=total, initial=initial, desc=desc, leave=not transient, dynamic_ncols=True)
+    if shows and not transient:
+        return ProgressLines(total, initial, desc)
+    return tqdm(total=total, disable=True)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -79,7 +135,7 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), sharex=True)
     colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}  # one colour per run in every panel
     for ax, (kind, key, title) in zip(axes.flat, PANELS):
         for label, records in runs.items():
@@ -92,6 +148,8 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
                     ax.axvline(record["step"], color=colors[label], linestyle="--", linewidth=1)
         ax.set_title(title)
         ax.grid(alpha=0.3)
+    for ax in axes.flat[len(PANELS):]:
+        ax.set_visible(False)
     for ax in axes[1]:
         ax.set_xlabel("step")
     handles = [plt.Line2D([], [], color=colors[label], label=label) for label in runs]
@@ -102,13 +160,16 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
 
 
 def merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """Prompt-weighted means of ``(prompts, metrics)`` pairs (micro-batches'); ``max_*`` metrics take the maximum."""
-    total = sum(n for n, _ in micro_metrics)
+    """Prompt-weighted means of ``(prompts, metrics)`` pairs (micro-batches'), each over the micro-batches that
+    report it; ``max_*`` metrics take the maximum, ``min_*`` the minimum."""
+    keys = dict.fromkeys(key for _, metrics in micro_metrics for key in metrics)
     merged: dict[str, float] = {}
-    for key in micro_metrics[0][1]:
+    for key in keys:
         values = [(n, m[key]) for n, m in micro_metrics if key in m]
         if key.startswith("max_"):
             merged[key] = max(v for _, v in values)
+        elif key.startswith("min_"):
+            merged[key] = min(v for _, v in values)
         else:
-            merged[key] = sum(n * v for n, v in values) / total
+            merged[key] = sum(n * v for n, v in values) / sum(n for n, _ in values)
     return merged

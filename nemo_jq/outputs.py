@@ -10,6 +10,8 @@ def claim_dir(path: Path, markers: tuple[str, ...], *, overwrite: bool, what: st
     """Refuse ``path`` if it holds any of ``markers`` (an earlier run, demo or prepared data), saying ``advice``;
     with ``overwrite``, move it aside first (nothing is deleted). Returns where it was moved, if it was."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file, not a folder: choose a folder that does not hold one")
     found = [name for name in markers if (path / name).exists()]
     if not found:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -22,3 +23,8 @@ class Registry(dict):
             return obj
 
         return decorate
+
+    def unknown(self, name: str) -> str:
+        """The one-line message for a name nobody registered: the known ones, and the closest."""
+        close = difflib.get_close_matches(str(name), list(self), n=1)
+        return f"unknown {self.what} {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + f"; known: {', '.join(sorted(self))}"

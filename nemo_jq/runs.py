@@ -12,14 +12,19 @@ from typing import Any
 from nemo_jq import distributed
 from nemo_jq.checkpoint import STATE, latest_checkpoint, load_checkpoint, step_dir_name
 from nemo_jq.components import Components, build_components
-from nemo_jq.config import Config, current_key, load_config, save_config
+from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.models.common import resolve_device
 from nemo_jq.monitor import METRICS_FILE, plot_runs, read_metrics
 from nemo_jq.outputs import claim_dir
+from nemo_jq.tracking import TRACKING_FILE
 
 CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
+#: Where ``nemo-jq eval`` writes its reports in a run's directory.
+EVALS_DIR = "evals"
+#: The Figure-3 panels of a finished run's metrics.
+PLOT_FILE = "training.png"
 #: What a run writes into its directory; any of them there means the directory holds a run.
-RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, "tensorboard", "training.png")
+RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, "tensorboard", PLOT_FILE, TRACKING_FILE)
 #: Keys a resumed run may change: how long it goes on, how it is evaluated and saved, and how the megatron backend
 #: lays the model out over the processes (its checkpoints load at any TP, PP, CP and DP size), never what it trains.
 RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.tensorboard",
@@ -46,7 +51,7 @@ def write_run_files(run_dir: Path, config: Config, tokenizer: Any) -> None:
 def write_results(run_dir: Path, results: dict[str, Any]) -> None:
     """What a finished run writes: its test results and the Figure-3 panels of its metrics."""
     (run_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-    plot_runs({run_dir.name: read_metrics(run_dir)}, run_dir / "training.png")
+    plot_runs({run_dir.name: read_metrics(run_dir)}, run_dir / PLOT_FILE)
 
 
 def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tuple[Config, Path]:
@@ -54,13 +59,25 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
     if not (run_dir / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}")
     refused = [item for item in overrides if current_key(item.partition("=")[0]) not in RESUMABLE_KEYS]
+    for item in refused:  # a key no config has is a typo, which did-you-mean serves better than "cannot change"
+        try:
+            load_config(None, [item])
+        except ConfigError as err:
+            if "unknown config key" in str(err):
+                raise ConfigError(f"{err} (with --resume: {', '.join(RESUMABLE_KEYS)})") from None
     if refused:
         raise ValueError(f"a resumed run keeps what it trains; {', '.join(refused)} cannot change mid-run. "
                          f"Overrides allowed with --resume: {', '.join(RESUMABLE_KEYS)}")
     checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
     if checkpoint is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from: start it again with --overwrite")
-    return load_config(run_dir / CONFIG_FILE, list(overrides)), checkpoint
+    return at_home(load_config(run_dir / CONFIG_FILE, list(overrides)), run_dir), checkpoint
+
+
+def at_home(config: Config, run_dir: Path) -> Config:
+    """A saved config with ``train.run_dir`` where the run is now (it may have moved since it was written)."""
+    config.train.run_dir = str(run_dir)
+    return config
 
 
 def holds_this_run(config: Config) -> str | None:
@@ -90,37 +107,85 @@ def _differences(saved: dict[str, Any], new: dict[str, Any], prefix: str = "") -
     return keys
 
 
-def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
-    """``(run_dir, checkpoint_dir)`` for a checkpoint directory or a run directory (best, else latest)."""
+@dataclass(frozen=True)
+class Selected:
+    """A checkpoint of a run, and why it is the one used (eval and export say so, and record it)."""
+
+    run_dir: Path
+    checkpoint: Path
+    step: int
+    why: str
+
+    def describe(self) -> dict[str, Any]:
+        return {"run_dir": str(self.run_dir), "checkpoint": str(self.checkpoint), "step": self.step, "selected": self.why}
+
+
+def select_checkpoint(path: Path, which: str = "best") -> Selected:
+    """The checkpoint at ``path`` (a checkpoint directory), or, for a run directory, its ``which``: ``best`` (the best
+    validation m@k; ties keep the earliest, as training does, and the reason names the tie), ``latest``, or a step."""
     path = Path(path)
     if (path / STATE).exists():
-        return path.parent.parent, path
-    if (path / CONFIG_FILE).exists():
-        root = path / CHECKPOINT_DIR
-        latest = latest_checkpoint(root)
-        if latest is None:
-            raise FileNotFoundError(f"run {path} has no checkpoint")
-        best = json.loads((latest / STATE).read_text()).get("best_step")
-        return path, (root / step_dir_name(best)) if best is not None else latest
-    raise FileNotFoundError(f"{path} is neither a checkpoint (no {STATE}) nor a run directory (no {CONFIG_FILE})")
+        if which != "best":
+            raise ValueError(f"--step {which} picks among a run's checkpoints: give the run directory, not {path}")
+        return Selected(path.parent.parent, path, json.loads((path / STATE).read_text())["step"], "the one given")
+    if not (path / CONFIG_FILE).exists():
+        raise FileNotFoundError(f"{path} is neither a checkpoint (no {STATE}) nor a run directory (no {CONFIG_FILE})")
+    root = path / CHECKPOINT_DIR
+    latest = latest_checkpoint(root)
+    if latest is None:
+        raise FileNotFoundError(f"run {path} has no checkpoint")
+    saved = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if (p / STATE).exists())
+    latest_step = json.loads((latest / STATE).read_text())["step"]
+    if which == "latest":
+        return Selected(path, latest, latest_step, "the latest")
+    if which != "best":
+        step = int(which) if which.isdigit() else None
+        if step not in saved:
+            raise ValueError(f"--step {which}: {path} has checkpoints at steps {', '.join(map(str, saved))} (or use best, "
+                             "latest)")
+        return Selected(path, root / step_dir_name(step), step, f"step {step}, as asked")
+    state = json.loads((latest / STATE).read_text())
+    best = state.get("best_step")
+    if best is None:
+        return Selected(path, latest, latest_step, "the latest (the run has no validation yet)")
+    key = f"m@{load_config(path / CONFIG_FILE).eval.num_samples}"
+    tied = [r["step"] for r in read_metrics(path) if r["kind"] == "validation" and r["step"] != best
+            and r.get(key) == state["best_metric"] and r["step"] in saved]
+    why = f"the best validation {key} ({state['best_metric']:g})"
+    if tied:
+        why += (f", tied with step{'s' if len(tied) > 1 else ''} {', '.join(map(str, tied))}: the earliest is kept, as "
+                "training keeps it (--step latest or --step N for another)")
+    return Selected(path, root / step_dir_name(best), best, why)
 
 
 @dataclass
 class LoadedRun:
     """A run's components holding one checkpoint's weights (its optimizer state not loaded)."""
 
-    run_dir: Path
-    checkpoint: Path
+    selected: Selected
     components: Components
 
 
-def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRun:
-    """The components of the run at ``path`` (a run directory: its best checkpoint; or a checkpoint directory),
-    with that checkpoint's weights; ``overrides`` as for the run's config (e.g. ``eval.num_samples=4``)."""
-    run_dir, checkpoint = resolve_checkpoint(path)
-    config = load_config(run_dir / CONFIG_FILE, list(overrides))
+def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), which: str = "best") -> LoadedRun:
+    """The components of the run at ``path`` (a run directory: its ``which`` checkpoint, see
+    :func:`select_checkpoint`; or a checkpoint directory), with that checkpoint's weights; ``overrides`` as for the
+    run's config (e.g. ``eval.num_samples=4``)."""
+    selected = select_checkpoint(path, which)
+    run_dir = selected.run_dir
+    config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides)), run_dir)
     device = distributed.init_from_env(resolve_device(config.train.device),
                                       timedelta(minutes=config.train.collective_timeout_minutes))
     components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)
-    load_checkpoint(checkpoint, components.policy, with_optimizer=False)
-    return LoadedRun(run_dir, checkpoint, components)
+    load_checkpoint(selected.checkpoint, components.policy, with_optimizer=False)
+    return LoadedRun(selected, components)
+
+
+def write_evaluation(run_dir: Path, split: str, step: int, report: dict[str, Any]) -> Path:
+    """``RUN_DIR/evals/<split>-step_N.json`` (``-2``, ``-3``, ... beside an earlier one, which is kept)."""
+    folder = run_dir / EVALS_DIR
+    folder.mkdir(exist_ok=True)
+    name, index = f"{split}-{step_dir_name(step)}", 1
+    while (path := folder / (f"{name}.json" if index == 1 else f"{name}-{index}.json")).exists():
+        index += 1
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path

@@ -27,12 +27,14 @@ from nemo_jq.components import build_components
 from nemo_jq.config import Config
 from nemo_jq.data import Example
 from nemo_jq.evaluation import Evaluator
-from nemo_jq.experience import Experience, logprob_gap, make_experience, warn_if_off_policy
+from nemo_jq.experience import Experience, MismatchWatch, RolloutsAhead, make_experience, mismatch_metrics
 from nemo_jq.models.common import resolve_device
-from nemo_jq.monitor import RunLogger, merge_metrics
+from nemo_jq.monitor import RunLogger, merge_metrics, progress
 from nemo_jq.objectives import EstimatorInputs, build_schedule, get_objective
 from nemo_jq.preemption import StopSignals
-from nemo_jq.runs import CHECKPOINT_DIR, TOKENIZER_DIR, claim_run_dir, open_for_resume, write_results, write_run_files
+from nemo_jq.rollouts.sampling import seed_from
+from nemo_jq.runs import CHECKPOINT_DIR, PLOT_FILE, TOKENIZER_DIR, claim_run_dir, open_for_resume, write_results, write_run_files
+from nemo_jq.tracking import open_trackers
 from nemo_jq.train_state import Course, RandomStreams, TrainState
 
 
@@ -53,8 +55,13 @@ class Trainer:
         self.estimator, self.estimator_options = parts.estimator, parts.estimator_options
         self.schedule, self.guard = parts.schedule, parts.guard
         self.random = RandomStreams(config.train.seed, self.data_parallel, device)
+        self.mismatch = MismatchWatch(config.rollout, parts.correction)
+        #: The next step's rollouts, sampled while this step trains (rollout.async_steps=1); None: on-policy.
+        self.ahead = RolloutsAhead(parts) if config.rollout.async_steps else None
         self.state = TrainState(Course(config.objective.name))
         self.resumed_with: list[str] = []
+        #: The q of the latest step trained in this process (None before the first).
+        self.last_q: float | None = None
 
     @classmethod
     def resume(cls, run_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> Trainer:
@@ -78,16 +85,14 @@ class Trainer:
         """Train until the configured end (or ``max_steps``, or SIGTERM/SIGUSR1/SIGINT), then evaluate. On a signal
         the current step finishes, a checkpoint is written, and fit returns ``{"preempted": signum}``. ``stop``: signals
         already being caught (the CLI catches them from its start), else caught while this runs."""
-        from tqdm import tqdm
-
         end = min(self.total_steps, max_steps or self.total_steps)
         distributed.on_writer(lambda: write_run_files(self.run_dir, self.config, self.components.tokenizer))
+        writes = distributed.is_writer()
         logger = RunLogger(self.run_dir, tensorboard=self.config.train.tensorboard, resume_step=self.state.step,
-                           writes=distributed.is_writer())
+                           writes=writes, trackers=open_trackers(self.run_dir, self.config) if writes else ())
         if self.resumed_with:
             logger.log({"kind": "resume", "step": self.state.step, "overrides": self.resumed_with})
-        bar = tqdm(total=self.total_steps, initial=self.state.step, desc=f"train {self.run_dir.name}",
-                   dynamic_ncols=True, disable=not distributed.is_writer())
+        bar = progress(self.total_steps, f"train {self.run_dir.name}", initial=self.state.step, shows=distributed.is_writer())
         with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
             try:
                 while self.state.step < end and not stop.requested():
@@ -104,25 +109,47 @@ class Trainer:
             finally:
                 bar.close()
                 logger.close()
+                if self.ahead is not None:
+                    self.ahead.close()
 
     def train_step(self, batch_examples: list[Example]) -> dict[str, Any]:
         """One optimizer step on a global batch; this replica samples and trains on its share of the prompts."""
         started = time.perf_counter()
-        q = self.schedule(self.state.step) * self.state.course.q_scale if self.schedule is not None else None
-        experience = make_experience(self.components, self.data_parallel.shard(batch_examples), self.estimator,
-                                     self.random.rollout)
+        q = self.last_q = self._q(self.state.step)
+        experience, lag = self._experience(batch_examples)
         micro_metrics = self._learn(experience, q, len(batch_examples))
         record = {"epoch": self.state.epoch, "q": q, **merge_metrics(self.data_parallel.gather(micro_metrics)),
                   **self.policy.optimizer_step()}
         if self.schedule is not None and "log_p_hat" in record:
             self.schedule.observe(record["log_p_hat"])
         record["train_reward"] = record.get("reward", record.get("p_hat"))
-        warn_if_off_policy(record, self.config.rollout.max_logprob_gap, self.state.step + 1)
+        self.mismatch(record, self.state.step + 1)
+        if self.ahead is not None:
+            record["rollout_lag"] = lag
         rollout_tokens = int(self.data_parallel.sum(experience.rollout_tokens))
         record["rollout_tokens"] = rollout_tokens
         record["rollout_tokens_per_s"] = rollout_tokens / experience.rollout_seconds if rollout_tokens else None
         record["step_time"] = time.perf_counter() - started
         return record
+
+    def _q(self, step: int) -> float | None:
+        """The step's q: the schedule's, scaled by the collapse guard's ``lower_q``; None for estimators without one."""
+        return self.schedule(step) * self.state.course.q_scale if self.schedule is not None else None
+
+    def _experience(self, batch_examples: list[Example]) -> tuple[Experience, int]:
+        """This replica's experience for the step, and how many steps older than the weights its sampler's were.
+        One step off, the next step's is requested before this one trains; the first step's (and the first after
+        the guard restores a checkpoint) is sampled now."""
+        shard = self.data_parallel.shard(batch_examples)
+        if self.ahead is None:
+            return make_experience(self.components, shard, self.estimator, self.random.rollout), 0
+        experience, lag = self.ahead.take(), 1
+        if experience is None:
+            experience, lag = make_experience(self.components, shard, self.estimator, self.random.rollout), 0
+        if self.state.step + 1 < self.total_steps:
+            self.ahead.submit(self.data_parallel.shard(self._batch_at(self.state.epoch, self.state.position)[0]),
+                              self.estimator, seed_from(self.random.rollout))
+        return experience, lag
 
     def _learn(self, experience: Experience, q: float | None, batch_prompts: int) -> list[tuple[int, dict]]:
         """One forward/backward per micro-batch of whole groups of this replica's share.
@@ -134,6 +161,10 @@ class Trainer:
         tokens_per_example = self.data_parallel.sum(float(experience.batch.target_mask.sum())) / batch_prompts
         batch_rewards = None if experience.rewards is None else torch.tensor(
             self.data_parallel.gather(experience.rewards.tolist()), device=self.components.device)
+        correction = self.components.correction if self.estimator.corrects_off_policy else None
+        if correction is not None and experience.batch.engine_logprobs is None:
+            raise ValueError(f"objective.importance={correction.mode} needs the log-probs of the sampled tokens, which "
+                             f"rollout.engine={self.config.rollout.engine} does not report: set objective.importance=none")
         collected: list[tuple[int, dict]] = []
 
         def loss_fn(logprobs: torch.Tensor, index: int) -> torch.Tensor:
@@ -141,10 +172,12 @@ class Trainer:
             batch = micro.batch.to(self.components.device)
             inputs = EstimatorInputs(logprobs, batch.rationale_mask, batch.answer_mask, experience.group, q=q,
                                      rewards=micro.rewards, tokens_per_example=tokens_per_example,
-                                     batch_rewards=batch_rewards, generator=self.random.estimator)
+                                     batch_rewards=batch_rewards, generator=self.random.estimator,
+                                     behavior_token_logprob=batch.engine_logprobs if correction else None,
+                                     correction=correction)
             out = self.estimator(inputs, self.estimator_options)
             collected.append((micro.num_prompts, {"loss": float(out.per_example.detach().mean()), **out.metrics,
-                                                  **logprob_gap(logprobs.detach(), batch)}))
+                                                  **mismatch_metrics(logprobs.detach(), batch)}))
             return out.per_example.sum() / batch_prompts
 
         self.policy.forward_backward([micro.batch for micro in micro_batches], loss_fn)
@@ -161,16 +194,20 @@ class Trainer:
 
     def _next_batch(self) -> list[Example]:
         """The next prompts of the current epoch's permutation (deterministic in seed and epoch)."""
+        batch, self.state.epoch, self.state.position = self._batch_at(self.state.epoch, self.state.position)
+        return batch
+
+    def _batch_at(self, epoch: int, position: int) -> tuple[list[Example], int, int]:
+        """The batch that starts at ``position`` of ``epoch``'s permutation, and the epoch and position after it."""
         train, size = self.components.splits.train, self.config.train.batch_size
-        if self.state.position >= len(train):
-            self.state.epoch, self.state.position = self.state.epoch + 1, 0
-        order = np.random.default_rng([self.config.train.seed, self.state.epoch]).permutation(len(train))
-        start = self.state.position
-        self.state.position = start + size
-        return [train[i] for i in order[start : start + size]]
+        if position >= len(train):
+            epoch, position = epoch + 1, 0
+        order = np.random.default_rng([self.config.train.seed, epoch]).permutation(len(train))
+        return [train[i] for i in order[position : position + size]], epoch, position + size
 
     # ----------------------------------------------------------------- evaluate, and the collapse guard
     def _validate(self, logger: RunLogger) -> None:
+        self._settle_rollouts()
         scores = self.evaluator.evaluate("validation", seed_offset=self.state.step)
         logger.log({"kind": "validation", "step": self.state.step, **scores})
         value = scores[f"m@{self.config.eval.num_samples}"]  # the paper selects by m@16
@@ -187,6 +224,8 @@ class Trainer:
         if reason is None or course.guard_triggers >= guard.max_triggers:
             return
         best = self.state.best_step
+        if self.ahead is not None:  # sampled from the weights being abandoned (and for the estimator, maybe)
+            self.ahead.take()
         if best is not None:
             self.policy.load(self.run_dir / CHECKPOINT_DIR / step_dir_name(best), with_optimizer=True)
         course.guard_triggers += 1
@@ -214,6 +253,7 @@ class Trainer:
     def _finish(self, logger: RunLogger) -> dict[str, Any]:
         """Evaluate the best validation checkpoint on the test split and write results.json."""
         best = self.state.best_step
+        self._settle_rollouts()
         final_memorisation = self.evaluator.memorisation()
         if best is not None and best != self.state.step:
             self.policy.load(self.run_dir / CHECKPOINT_DIR / step_dir_name(best), with_optimizer=False)
@@ -221,17 +261,26 @@ class Trainer:
         memorisation = {"final": final_memorisation, "tested": self.evaluator.memorisation()} if final_memorisation is not None else None
         logger.log({"kind": "test", "step": self.state.step, "best_step": best, **scores,
                     **({"memorisation": memorisation["tested"]} if memorisation else {})})
-        results = {"objective": self.config.objective.name, "q": self.config.objective.q if self.estimator.uses_q else None,
+        objective, scheduled = self.config.objective, self.estimator.uses_q and self.config.objective.q_schedule is not None
+        results = {"objective": objective.name, "q": objective.q if self.estimator.uses_q and not scheduled else None,
+                   **({"q_schedule": objective.q_schedule, "final_q": self.last_q} if scheduled else {}),
                    "best_step": best, "best_validation": self.state.best_metric, "test": scores,
                    **({"memorisation": memorisation} if memorisation else {})}
         distributed.on_writer(lambda: write_results(self.run_dir, results))
+        logger.attach(self.run_dir / PLOT_FILE)
         return results
 
     # ----------------------------------------------------------------- checkpoints
+    def _settle_rollouts(self) -> None:
+        """Wait for the rollouts sampled ahead, before anything else uses the engine they are sampled with."""
+        if self.ahead is not None:
+            self.ahead.settle()
+
     def save(self) -> Path:
+        """A checkpoint of the run; one step off, it carries the next step's experience (waited for)."""
         state = {**dataclasses.asdict(self.state), "schedule": self.schedule.state_dict() if self.schedule is not None else None,
                  "guard": self.guard.state_dict() if self.guard is not None else None}
-        rng = self.random.state_dict()
+        rng = {**self.random.state_dict(), **({"ahead": self.ahead.state_dict()} if self.ahead is not None else {})}
         root = self.run_dir / CHECKPOINT_DIR
         path = save_checkpoint(root, self.state.step, self.policy, state, rng)
         protect = {path.name} | ({step_dir_name(self.state.best_step)} if self.state.best_step is not None else set())
@@ -248,3 +297,5 @@ class Trainer:
         if self.guard is not None and guard_state is not None:
             self.guard.load_state_dict(guard_state)
         self.random.load_state_dict(rng, self.state.step)
+        if self.ahead is not None:
+            self.ahead.load_state_dict(rng.get("ahead", {}))

@@ -86,6 +86,11 @@ def check_type(value: Any, hint: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        for alternative in inner[1:]:  # the first names the error when none fits
+            try:
+                return check_type(value, alternative, key)
+            except ConfigError:
+                pass
         return check_type(value, inner[0], key)
     expected = origin or hint
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
@@ -97,7 +102,8 @@ def check_type(value: Any, hint: Any, key: str) -> Any:
             pass
     if expected is Any or (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
         return value
-    raise ConfigError(f"{key} must be {getattr(expected, '__name__', expected)}; got {value!r}")
+    hint = " (YAML reads yes/no/on/off as true/false: quote the word)" if expected is str and isinstance(value, bool) else ""
+    raise ConfigError(f"{key} must be {getattr(expected, '__name__', expected)}; got {value!r}{hint}")
 
 
 def describe_fields(cls: type, instance: Any, prefix: str, only: list[str] | None = None) -> list[str]:

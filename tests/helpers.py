@@ -90,3 +90,21 @@ def peak_allocated(build) -> tuple[Any, int]:
         now += event.nbytes()
         peak = max(peak, now)
     return result, peak
+
+
+def run_cli(capsys, *args):
+    """``nemo-jq ARGS`` in this process: (exit code, stdout, stderr)."""
+    from nemo_jq.cli import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err, *fragments):
+    """Exit code 2 and one ``nemo-jq`` line on stderr holding every fragment (no traceback); that line."""
+    lines = [line for line in err.splitlines() if line.startswith("nemo-jq")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]

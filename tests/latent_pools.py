@@ -25,11 +25,15 @@ class Pools:
     model: LatentModel
     latents: np.ndarray  # [C, M] latent index of each sample
     probs: np.ndarray  # [C] probability of each pool
+    #: The policy the samples were drawn from (None: the model's prior itself).
+    behavior: np.ndarray | None = None
 
     @classmethod
-    def enumerate(cls, model: LatentModel, num_samples: int) -> "Pools":
+    def enumerate(cls, model: LatentModel, num_samples: int, behavior: np.ndarray | None = None) -> "Pools":
+        """Every pool of ``num_samples`` rationales drawn from ``behavior`` (default: the model's prior)."""
         counts = sample_count_vectors(model.num_latents, num_samples)
-        return cls(model, pools_from_counts(counts), count_vector_probabilities(counts, model.prior))
+        sampler = model.prior if behavior is None else behavior
+        return cls(model, pools_from_counts(counts), count_vector_probabilities(counts, sampler), behavior)
 
     def logprobs(self, repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``log p(z_m|x)`` and ``log p(y*|x,z_m)`` as float64 leaf tensors, [C*repeat, M]."""
@@ -39,8 +43,11 @@ class Pools:
         return rlp, alp
 
     def gradients(self, estimator, repeat: int = 1, **kwargs) -> np.ndarray:
-        """Each row's parameter-space gradient estimate, [C*repeat, 2K]."""
+        """Each row's parameter-space gradient estimate, [C*repeat, 2K] (given the behaviour's log-probs, if any)."""
         rlp, alp = self.logprobs(repeat)
+        if self.behavior is not None:
+            latents = np.repeat(self.latents, repeat, axis=0)
+            kwargs["behavior_logprob"] = torch.tensor(np.log(self.behavior)[latents], dtype=torch.float64)
         out = estimator(rlp, alp, **kwargs)
         out.per_example.sum().backward()
         latents = np.repeat(self.latents, repeat, axis=0)

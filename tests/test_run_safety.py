@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import TINY_RUN
+from helpers import TINY_RUN, one_line_error, run_cli
 from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint
 from nemo_jq.cli import main
 from nemo_jq.config import ConfigError, load_config
@@ -20,21 +20,6 @@ from nemo_jq.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 QUICK = [*TINY_RUN, "train.max_steps=2", "eval.every=1000"]
-
-
-def run_cli(capsys, *args):
-    """``nemo-jq ARGS`` in this process: (exit code, stdout, stderr)."""
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code, err, *fragments):
-    lines = [line for line in err.splitlines() if line.startswith("nemo-jq")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 # ----------------------------------------------------------------------------- data loss
@@ -265,6 +250,28 @@ def test_the_hub_without_a_network_says_to_pass_local_files(monkeypatch, tmp_pat
     monkeypatch.setattr(datasets, "load_dataset", offline)
     code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "hotpotqa", "--sizes", "1,1,1", "--out", tmp_path / "o")
     one_line_error(code, err, "hotpotqa/hotpot_qa", "ConnectionError", "--source")
+
+
+def test_eval_and_export_name_the_step_they_use_and_a_tie_and_take_another_on_request(tmp_path, capsys):
+    """At a cold start every validation ties at 0: the best checkpoint is the earliest, as training keeps it; the
+    output says so, and --step latest (or a number) takes another. Each eval writes a report; none is overwritten."""
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, "train.max_steps=3", "eval.every=1", "train.save_every=1",
+                   "train.keep_checkpoints=10", f"train.run_dir={run_dir}")[0] == 0
+    assert [r["m@4"] for r in read_metrics(run_dir) if r["kind"] == "validation"] == [0.0, 0.0, 0.0]
+    code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "best")
+    assert code == 0 and f"exported step 1 of {run_dir} (the best validation m@4 (0), tied with steps 2, 3: the earliest" in out
+    source = json.loads((tmp_path / "best" / "nemo_jq_export.json").read_text())["source"]
+    assert (source["step"], source["checkpoint"]) == (1, str(run_dir / "checkpoints" / "step_00000001"))
+    code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "latest", "--step", "latest")
+    assert code == 0 and "exported step 3" in out and "(the latest)" in out
+    for _ in range(2):
+        code, out, err = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "2")
+        assert code == 0 and json.loads(out)["step"] == 2 and "evaluated step 2" in err
+    assert sorted(p.name for p in (run_dir / "evals").iterdir()) == ["validation-step_00000002-2.json",
+                                                                    "validation-step_00000002.json"]
+    code, _, err = run_cli(capsys, "eval", run_dir, "--step", "7")
+    one_line_error(code, err, "--step 7", "checkpoints at steps 1, 2, 3")
 
 
 def test_export_onto_an_existing_file_is_one_line(tmp_path, capsys):

@@ -126,7 +126,7 @@ def test_three_step_run_per_estimator(tmp_path, name):
 
 def test_an_off_policy_gap_above_the_threshold_warns(tmp_path, capsys):
     make_trainer(tmp_path, "rollout.engine=hf", "rollout.max_logprob_gap=1e-12", "train.max_steps=1").fit()
-    assert "the rollout engine's log-probs differ from the policy's" in capsys.readouterr().out
+    assert "warning: step 1: the rollouts are off-policy" in capsys.readouterr().out
 
 
 def _without_timing(records):
@@ -207,7 +207,9 @@ def test_eval_and_export_commands(tmp_path):
         return subprocess.run([sys.executable, "-m", "nemo_jq.cli", *a], cwd=ROOT, capture_output=True, text=True, timeout=300)
     result = run("eval", str(trainer.run_dir), "--split", "validation", "eval.num_samples=2")
     assert result.returncode == 0, result.stderr
-    assert set(json.loads(result.stdout)) == {"split", "p@1", "p@2", "m@2"}
+    report = json.loads(result.stdout)
+    assert set(report) == {"split", "run_dir", "checkpoint", "step", "selected", "p@1", "p@2", "m@2"}
+    assert json.loads((trainer.run_dir / "evals" / f"validation-step_{report['step']:08d}.json").read_text()) == report
     result = run("export", str(trainer.run_dir), "--out", str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -32,7 +32,7 @@ PREPARED_FILES = ("manifest.json", *(f"{split}.jsonl" for split in SPLITS))
 def make_task(name: str, *, template: str | None = None, system: str | None = None) -> QATask:
     """The dataset's task; ``template`` and ``system`` (when given) shape custom ``jsonl`` prompts only."""
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known: {sorted(DATASETS)} (and 'synthetic')")
+        raise ValueError(DATASETS.unknown(name) + " (and 'synthetic', which needs no preparing)")
     options = {"template": template, "system": system} if name == "jsonl" else {}
     return DATASETS[name](**{k: v for k, v in options.items() if v is not None})
 
@@ -114,8 +114,9 @@ def prepare(
         if taken + plan[target] > len(pools[names]):
             raise ValueError(
                 f"{task.name}: {target} needs {plan[target]} rows from source split {names[0]!r}, but only "
-                f"{len(pools[names]) - taken} eligible rows remain (of {entry['rows']}: {len(entry['bad'])} bad, "
-                f"{len(entry['over_cap'])} over the {task.max_input_chars}-character cap)"
+                f"{len(pools[names]) - taken} eligible rows remain (of {entry['rows']}: {describe_rejects(task, entry)})"
+                + (f"; every row is bad: is {task.name!r} the source's schema? (nemo-jq data prepare --help lists each "
+                   "dataset's fields)" if entry["rows"] and len(entry["bad"]) == entry["rows"] else "")
             )
         chosen[target] = pools[names][taken : taken + plan[target]]
         entry["selected"][target] = plan[target]
@@ -126,6 +127,19 @@ def prepare(
         for t in SPLITS
     }
     return Splits(**chosen), manifest
+
+
+def describe_rejects(task: QATask, entry: dict[str, Any]) -> str:
+    """How many rows of a source split were bad, and why (the commonest reasons), and how many over the cap."""
+    bad = entry["bad"]
+    text = f"{len(bad)} bad"
+    if bad:
+        reasons = Counter(row["reason"] for row in bad).most_common(2)
+        others = len({row["reason"] for row in bad}) > len(reasons)
+        text += " (" + "; ".join(f"{n}: {reason}" for reason, n in reasons) + ("; ..." if others else "") + ")"
+    if task.max_input_chars is not None:
+        text += f", {len(entry['over_cap'])} over the {task.max_input_chars}-character cap"
+    return text
 
 
 def reference_source(example: Example) -> str:

@@ -167,6 +167,12 @@ class MuSiQue(QATask):
 
     name: str = "musique"
     max_input_chars: int | None = 10000
+    #: The hub's split names, then the official release's files (musique_ans_v1.0_{train,dev}.jsonl).
+    source_splits: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("train", ("train", "musique_ans_v1.0_train")),
+        ("validation", ("validation", "dev", "musique_ans_v1.0_dev")),
+        ("test", ("validation", "dev", "musique_ans_v1.0_dev")),
+    )
     warm_system: str = (
         "Answer the multi-hop question using the paragraphs; it needs facts from several of them. "
         "Think step by step, then reply with only the short answer."
@@ -292,3 +298,17 @@ class CustomQA(QATask):
 #: Hub names the paper uses, with their configs (FinQA's hub entry is a script dataset that current
 #: ``datasets`` no longer runs: use its raw JSON files).
 HUB_SOURCES = {"hotpotqa": ("hotpotqa/hotpot_qa", "distractor"), "musique": ("bdsaglam/musique", None)}
+
+
+def describe_datasets() -> str:
+    """Each registered dataset: what its records hold, and the files a --source folder is searched for."""
+    from nemo_jq.data.sources import SUFFIXES
+
+    lines = []
+    for name in sorted(DATASETS):
+        task = DATASETS[name]
+        doc = " ".join((task.__doc__ or "").split("\n\n")[0].split()).replace("``", "")
+        files = "; ".join(f"{target}: {' or '.join(names)}" for target, names in dict(task.source_splits).items())
+        cap = f"; inputs of {task.max_input_chars} characters or more are dropped" if task.max_input_chars else ""
+        lines.append(f"  {name}: {doc}\n    a --source folder is searched for {files} ({'/'.join(SUFFIXES)}){cap}")
+    return "\n".join(lines)

@@ -10,6 +10,7 @@ protocols when the backend is built.
 from __future__ import annotations
 
 import atexit
+import copy
 import dataclasses
 import os
 import shutil
@@ -70,11 +71,15 @@ def policy_options(config: Any) -> dict[str, Any]:
 @register_backend("hf")
 def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     """One process, one device: the policy trains the HF model in place; the native and hf samplers
-    decode that same model, vLLM a copy refitted after each step."""
+    decode that same model (a copy refitted after each step when rollouts are sampled ahead, which sample
+    while the policy trains), vLLM its own copy, refitted likewise."""
     if distributed.world_size() > 1:
         raise ValueError(f"model.backend=hf trains in one process, but this run has {distributed.world_size()}: "
                          "use model.backend=megatron under torchrun")
     policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config))
+    if request.config.rollout.engine in IN_PLACE and request.config.rollout.async_steps:
+        engine = build_rollouts(sampler_request(request, copy.deepcopy(policy.model)), request.chat)
+        return policy, RefittedRolloutEngine(engine, policy)
     if request.config.rollout.engine in IN_PLACE:
         return policy, build_rollouts(sampler_request(request, policy.model), request.chat)
     engine = build_rollouts(sampler_request(request, None, starting_weights_dir(request, policy)), request.chat)

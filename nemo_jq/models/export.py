@@ -38,6 +38,12 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
     return earlier
 
 
+def record_source(out_dir: Path, source: dict[str, Any]) -> None:
+    """Add where an export's weights come from (run, checkpoint, step, why that one) to its marker file."""
+    marker = Path(out_dir) / EXPORT_MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "source": source}, indent=2) + "\n")
+
+
 def make_readable(folder: Path) -> None:
     """Give group and others read access to ``folder`` and its files, whatever the umask or writer chose."""
     folder.chmod(folder.stat().st_mode | 0o755)

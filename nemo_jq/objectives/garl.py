@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_jq.objectives.checks import check_group_tensors, check_min_samples, check_q
+from nemo_jq.objectives.importance import Correction
 from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.objectives.qlog import jq_loss
@@ -29,6 +30,8 @@ def garl(
     *,
     baseline: str = "rloo",
     normalize: bool = True,
+    behavior_logprob: torch.Tensor | None = None,
+    correction: Correction = Correction(),
 ) -> ObjectiveOutput:
     """GARL loss for B prompts x M sampled rationales.
 
@@ -39,6 +42,11 @@ def garl(
         baseline: ``"rloo"`` centres the score coefficient by ``(w̄_¬m)^{1-q}`` (Alg. 1, needs M>=2);
             ``"none"`` gives the plug-in estimator ``ḡ_M / w̄^q``.
         normalize: divide by ``M^q`` so that ``|c_m| / M^q <= 1`` for every q (Alg. 1's last line).
+        behavior_logprob: ``[B, M]``, ``log π(z_m | x)`` under the policy that sampled z_m (a rollout engine, an older
+            policy), summed over the rationale span; None: z_m ~ p_θ. Then ρ̃_m = ``correction`` of
+            p_θ(z_m|x) / π(z_m|x) reweights every sample (log w_m + log ρ̃_m), and the leave-one-out baseline is
+            multiplied by ρ̃_m, without which the score term is biased even at q=0 (docs/off_policy.md, §2).
+        correction: what is done to the ratio (``plain``, ``truncate`` at a cap, ``mask`` outside bounds).
 
     Returns:
         ``loss`` and ``per_example`` (``[B]``) whose values are the plug-in estimate of l_q and
@@ -51,18 +59,29 @@ def garl(
     if baseline == "rloo":
         check_min_samples(samples, 2, "GARL's leave-one-out baseline (baseline='rloo')")
 
-    stats = weight_stats(answer_logprob, q)
-    pathwise = torch.exp(stats.log_ratio)  # w_m / w̄^q
-    score = pathwise - stats.loo_baseline() if baseline == "rloo" else pathwise
+    if behavior_logprob is None:
+        stats = weight_stats(answer_logprob, q)
+        pathwise = torch.exp(stats.log_ratio)  # w_m / w̄^q
+        loo_baseline = stats.loo_baseline() if baseline == "rloo" else 0.0
+    else:
+        check_group_tensors(rationale_logprob=rationale_logprob, behavior_logprob=behavior_logprob)
+        ratios = correction.ratios(rationale_logprob, behavior_logprob)
+        stats = weight_stats(answer_logprob.detach() + ratios.log_corrected, q)  # of v_m = ρ̃_m w_m
+        pathwise = torch.exp(stats.log_ratio) * ratios.keep  # v_m / v̄^q (0 where masked, whatever v̄)
+        loo_baseline = ratios.corrected * stats.loo_baseline() if baseline == "rloo" else 0.0
+    score = pathwise - loo_baseline
     scale = (samples ** -q if normalize else 1.0) / samples
     surrogate = -scale * (score * finite_logprob(rationale_logprob) + pathwise * finite_logprob(answer_logprob)).sum(-1)
     per_example = with_value(surrogate, jq_loss(stats.log_mean, q))
-    return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=stats.metrics())
+    metrics = stats.metrics() if behavior_logprob is None else {**stats.metrics(), **ratios.metrics()}
+    return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
 
 
-def rb_rloo(rationale_logprob: torch.Tensor, answer_logprob: torch.Tensor, *, normalize: bool = True) -> ObjectiveOutput:
-    """VeriFree's Rao-Blackwellised RLOO: GARL at q=0 (shapes as in :func:`garl`)."""
-    return garl(rationale_logprob, answer_logprob, 0.0, baseline="rloo", normalize=normalize)
+def rb_rloo(rationale_logprob: torch.Tensor, answer_logprob: torch.Tensor, *, normalize: bool = True,
+            behavior_logprob: torch.Tensor | None = None, correction: Correction = Correction()) -> ObjectiveOutput:
+    """VeriFree's Rao-Blackwellised RLOO: GARL at q=0 (shapes and off-policy arguments as in :func:`garl`)."""
+    return garl(rationale_logprob, answer_logprob, 0.0, baseline="rloo", normalize=normalize,
+                behavior_logprob=behavior_logprob, correction=correction)
 
 
 @dataclass(frozen=True)
@@ -77,12 +96,15 @@ class RbRlooOptions:
     normalize: bool = option(True, "divide by M^q (1 at q=0)")
 
 
-@register_objective("garl", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=True, min_samples=2, options=GarlOptions)
+@register_objective("garl", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=True, min_samples=2, options=GarlOptions,
+                    corrects_off_policy=True)
 def garl_estimator(inputs: EstimatorInputs, options: GarlOptions) -> ObjectiveOutput:
     return garl(inputs.rationale_logprob, inputs.answer_logprob, inputs.q, baseline=options.baseline,
-                normalize=options.normalize)
+                normalize=options.normalize, **inputs.off_policy(inputs.rationale_mask))
 
 
-@register_objective("rb_rloo", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=False, min_samples=2, options=RbRlooOptions)
+@register_objective("rb_rloo", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=False, min_samples=2, options=RbRlooOptions,
+                    corrects_off_policy=True)
 def rb_rloo_estimator(inputs: EstimatorInputs, options: RbRlooOptions) -> ObjectiveOutput:
-    return rb_rloo(inputs.rationale_logprob, inputs.answer_logprob, normalize=options.normalize)
+    return rb_rloo(inputs.rationale_logprob, inputs.answer_logprob, normalize=options.normalize,
+                   **inputs.off_policy(inputs.rationale_mask))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_jq.objectives.checks import check_group_tensors, check_min_samples, check_token_tensors
+from nemo_jq.objectives.importance import Correction
 from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.objectives.registry import register_objective
@@ -51,6 +52,8 @@ def grpo(
     aggregation: str = "token_mean",
     tokens_per_example: float | None = None,
     batch_rewards: torch.Tensor | None = None,
+    behavior_logprob: torch.Tensor | None = None,
+    correction: Correction = Correction(),
 ) -> ObjectiveOutput:
     """GRPO loss for B prompts x M sampled completions of up to T tokens.
 
@@ -71,6 +74,10 @@ def grpo(
             that the summed micro-batch gradients equal the full batch's; default: this call's own.
         batch_rewards: ``[B_total, M]`` rewards of the whole optimizer batch, for
             ``scale_rewards="batch"`` under micro-batching; default: ``rewards``.
+        behavior_logprob: ``[B, M, T]`` log-probs of the sampled tokens under the policy that sampled them (a rollout
+            engine, an older policy); None: ``old_logprob``'s policy itself. Each token's loss is then multiplied by
+            the corrected token ratio ``ρ̃_t`` of ``old_logprob`` (or the current policy) to it: the decoupled
+            truncated importance sampling of verl and NeMo-RL (docs/off_policy.md, §5).
 
     TRL's ``loss_type``: ``aggregation="token_mean"`` with a trainer-supplied global
     ``tokens_per_example`` is TRL's ``"dapo"``; ``"sequence_mean"`` is TRL's ``"grpo"``.
@@ -93,6 +100,11 @@ def grpo(
     high = clip_eps if clip_eps_high is None else clip_eps_high
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high)
     token_loss = torch.maximum(-ratio * advantages, -clipped * advantages) * mask
+    off_policy = {}
+    if behavior_logprob is not None:
+        check_token_tensors(mask, behavior_logprob=behavior_logprob)
+        ratios = correction.ratios(old_logprob, behavior_logprob, where=mask.bool())
+        token_loss, off_policy = token_loss * ratios.corrected, ratios.metrics()
 
     if aggregation == "token_mean":
         if tokens_per_example is None:
@@ -106,6 +118,7 @@ def grpo(
         "reward": upcast(rewards).mean().item(),
         "clip_fraction": (clipped_tokens.sum() / mask.sum().clamp(min=1.0)).item(),
         "max_abs_advantage": advantages.abs().max().item(),
+        **off_policy,
     }
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
 
@@ -121,10 +134,11 @@ class GrpoOptions:
                               choices=AGGREGATIONS)
 
 
-@register_objective("grpo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2, options=GrpoOptions)
+@register_objective("grpo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2, options=GrpoOptions,
+                    corrects_off_policy=True)
 def grpo_estimator(inputs: EstimatorInputs, options: GrpoOptions) -> ObjectiveOutput:
     """One optimizer step per batch of rollouts: the policy is the sampling policy, so the ratio is 1."""
     return grpo(inputs.per_sample(inputs.token_logprob), inputs.rewards, inputs.per_sample(inputs.target_mask),
                 clip_eps=options.clip_eps, clip_eps_high=options.clip_eps_high, scale_rewards=options.scale_rewards,
                 eps=options.eps, aggregation=options.aggregation, tokens_per_example=inputs.tokens_per_example,
-                batch_rewards=inputs.batch_rewards)
+                batch_rewards=inputs.batch_rewards, **inputs.off_policy_tokens())

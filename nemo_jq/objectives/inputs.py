@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_jq.objectives.importance import Correction
+
 
 @dataclass(frozen=True)
 class EstimatorInputs:
@@ -40,6 +42,11 @@ class EstimatorInputs:
     batch_rewards: torch.Tensor | None = None
     #: The estimator's own random stream (PAFT's resampling), seeded and checkpointed by the trainer.
     generator: torch.Generator | None = None
+    #: ``[B*M, T]`` the rollout engine's log-probs of the sampled target tokens (NaN elsewhere), when the samples
+    #: came from another policy than ``token_logprob``'s and are to be corrected for it; None: on-policy.
+    behavior_token_logprob: torch.Tensor | None = None
+    #: What the estimators do to the importance ratio (``objective.importance``); used with the above.
+    correction: Correction | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -71,3 +78,25 @@ class EstimatorInputs:
     def per_sample(self, tokens: torch.Tensor) -> torch.Tensor:
         """A ``[B*M, T]`` token tensor as ``[B, M, T]``."""
         return tokens.view(self.num_prompts, -1, tokens.shape[-1])
+
+    def off_policy(self, span: torch.Tensor) -> dict:
+        """An estimator's sequence-level off-policy arguments over ``span`` (the tokens that were sampled:
+        the rationale for GARL and PAFT, the whole completion for RLOO), or none when on-policy."""
+        if self.behavior_token_logprob is None:
+            return {}
+        behavior = self.behavior_token_logprob.to(self.token_logprob.device)
+        if torch.isnan(behavior[span]).any():
+            raise ValueError("the rollout engine reported no log-prob for some sampled tokens, which an importance "
+                             "correction needs: use an engine that reports them, or objective.importance=none")
+        return {"behavior_logprob": self.span_logprob_of(torch.where(span, behavior, 0.0)), "correction": self.correction}
+
+    def off_policy_tokens(self) -> dict:
+        """GRPO's token-level off-policy arguments (``[B, M, T]``), or none when on-policy."""
+        if self.behavior_token_logprob is None:
+            return {}
+        behavior = torch.where(self.target_mask, self.behavior_token_logprob.to(self.token_logprob.device), 0.0)
+        return {"behavior_logprob": self.per_sample(behavior), "correction": self.correction}
+
+    def span_logprob_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, M]`` row sums of a ``[B*M, T]`` tensor."""
+        return tokens.sum(-1).view(self.num_prompts, -1)

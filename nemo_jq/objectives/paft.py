@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_jq.objectives.checks import check_group_tensors, check_q
+from nemo_jq.objectives.importance import Correction
 from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.objectives.qlog import jq_loss
@@ -36,6 +37,8 @@ def paft(
     num_resamples: int | None = None,
     normalize: bool = True,
     generator: torch.Generator | None = None,
+    behavior_logprob: torch.Tensor | None = None,
+    correction: Correction = Correction(),
 ) -> ObjectiveOutput:
     """PAFT loss for B prompts x M sampled rationales.
 
@@ -46,6 +49,9 @@ def paft(
         num_resamples: K, the number of indices resampled per prompt (default M).
         normalize: divide by ``M^q`` as GARL does, so both share one learning rate scale.
         generator: RNG for the resampling, for reproducible runs.
+        behavior_logprob, correction: rationales sampled by another policy π, as in :func:`~nemo_jq.objectives.garl`:
+            indices are resampled in proportion to v_m = ρ̃_m w_m, which targets the same posterior p_θ(z|x,y*), and
+            the attenuation is v̄^{1-q}; its expectation equals off-policy GARL's (docs/off_policy.md, §4).
 
     Per-example gradient: ``-(w̄^{1-q} / (M^q K)) Σ_k ∇[log p(z_{r_k}|x) + log p(y*|x, z_{r_k})]``.
     ``metrics["ess"]`` is the effective sample size of the weights (1 = degenerate).
@@ -56,15 +62,22 @@ def paft(
     if k < 1:
         raise ValueError(f"num_resamples must be >= 1; got num_resamples={num_resamples!r}")
 
-    stats = weight_stats(answer_logprob, q)
+    ratios = None
+    if behavior_logprob is not None:
+        check_group_tensors(rationale_logprob=rationale_logprob, behavior_logprob=behavior_logprob)
+        ratios = correction.ratios(rationale_logprob, behavior_logprob)
+    stats = weight_stats(answer_logprob if ratios is None else answer_logprob.detach() + ratios.log_corrected, q)
     picks = resample_indices(stats.log_w, k, generator)
     counts = torch.zeros_like(stats.log_w).scatter_add_(-1, picks, torch.ones_like(picks, dtype=stats.log_w.dtype))
+    if ratios is not None:
+        counts = counts * ratios.keep  # an all-masked group would resample among its masked samples
     attenuation = torch.exp((1.0 - q) * stats.log_mean)  # w̄^{1-q}
     scale = attenuation * (samples ** -q if normalize else 1.0) / k
     joint_logprob = finite_logprob(rationale_logprob) + finite_logprob(answer_logprob)
     surrogate = -scale * (counts * joint_logprob).sum(-1)
     per_example = with_value(surrogate, jq_loss(stats.log_mean, q))
-    return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=stats.metrics())
+    metrics = stats.metrics() if ratios is None else {**stats.metrics(), **ratios.metrics()}
+    return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
 
 
 @dataclass(frozen=True)
@@ -73,7 +86,8 @@ class PaftOptions:
     normalize: bool = option(True, "divide by M^q, as GARL does")
 
 
-@register_objective("paft", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=True, min_samples=1, options=PaftOptions)
+@register_objective("paft", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=True, min_samples=1, options=PaftOptions,
+                    corrects_off_policy=True)
 def paft_estimator(inputs: EstimatorInputs, options: PaftOptions) -> ObjectiveOutput:
     return paft(inputs.rationale_logprob, inputs.answer_logprob, inputs.q, num_resamples=options.num_resamples,
-                normalize=options.normalize, generator=inputs.generator)
+                normalize=options.normalize, generator=inputs.generator, **inputs.off_policy(inputs.rationale_mask))

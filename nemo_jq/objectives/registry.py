@@ -33,6 +33,9 @@ class ObjectiveSpec:
     uses_q: bool
     min_samples: int
     options: type = NoOptions
+    #: Whether it corrects rollouts sampled by another policy (``EstimatorInputs.off_policy``): a trainer refuses
+    #: an explicit ``objective.importance`` for one that does not.
+    corrects_off_policy: bool = False
 
     def parse_options(self, raw: Mapping[str, Any] | None, where: str = "objective.options") -> Any:
         """``raw`` (a mapping from the config) as this estimator's options dataclass; a one-line
@@ -59,7 +62,8 @@ class ObjectiveSpec:
 _REGISTRY: dict[str, ObjectiveSpec] = {}
 
 
-def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples: int = 1, options: type = NoOptions):
+def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples: int = 1, options: type = NoOptions,
+                       corrects_off_policy: bool = False):
     """Decorator adding ``fn(inputs, options)`` to the registry under ``name``."""
 
     def decorate(fn: Callable[[EstimatorInputs, Any], ObjectiveOutput]) -> Callable[[EstimatorInputs, Any], ObjectiveOutput]:
@@ -67,7 +71,7 @@ def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples
             raise ValueError(f"objective {name!r} is already registered")
         if not dataclasses.is_dataclass(options):
             raise TypeError(f"objective {name!r}: options must be a dataclass; got {options!r}")
-        _REGISTRY[name] = ObjectiveSpec(name, fn, frozenset(needs), uses_q, min_samples, options)
+        _REGISTRY[name] = ObjectiveSpec(name, fn, frozenset(needs), uses_q, min_samples, options, corrects_off_policy)
         return fn
 
     return decorate

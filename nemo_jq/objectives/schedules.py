@@ -10,7 +10,7 @@ SFT-then-RLVR is ``StepQ(q_before=1, q_after=0, switch_step=N)``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from nemo_jq.objectives.checks import check_q
@@ -175,6 +175,12 @@ def build_schedule(spec: dict[str, Any] | float) -> QSchedule:
     unknown = sorted(set(params) - allowed)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} for q schedule {name!r}; allowed: {sorted(allowed)}")
+    required = [f.name for f in fields(cls) if f.init and f.default is MISSING and f.default_factory is MISSING]
+    missing = [key for key in required if key not in params]
+    if missing:
+        keys = ", ".join(f.name if f.name in required else f"{f.name}={f.default}" for f in fields(cls)
+                         if not f.name.startswith("_"))
+        raise ValueError(f"q schedule {name!r} needs {', '.join(missing)} (its keys: {keys})")
     for f in fields(cls):
         if f.name in params and not _is_a(params[f.name], f.type):
             raise ValueError(f"q schedule {name!r}: {f.name} must be {_KINDS[f.type][1]}; got {params[f.name]!r}")

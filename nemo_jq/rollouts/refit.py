@@ -33,24 +33,45 @@ class RefittedRolloutEngine:
     def lockstep(self) -> bool:
         return self.engine.lockstep
 
+    def refit(self) -> None:
+        """Reload the engine's weights from the policy if they have moved since the last refit (a collective over
+        the replica's ranks)."""
+        with self.engine.awake():
+            self._refit()
+
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
         import torch.distributed as dist
 
-        group = self.policy.model_parallel_group
-        sampling = self.engine.tensor_parallel if not self.lockstep or group is None else dist.get_world_size(group)
-        samplers = [dist.get_global_rank(group, index) for index in range(sampling)] if group is not None else []
-        samples = group is None or dist.get_rank() in samplers
+        samplers = self._sampling_ranks()
         with self.engine.awake():  # one wake and one sleep for the refit and both phases
-            if self._version != self.policy.weights_version:
-                tensors = self.policy.iter_hf()  # a collective over the replica's ranks: all of them consume it
-                if samples:
-                    self.engine.load_weights(tensors)
-                for _ in tensors:
-                    pass
-                self._version = self.policy.weights_version
+            self._refit()
             rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
-                                             greedy=greedy) if samples else None]
+                                             greedy=greedy) if samplers is None or dist.get_rank() in samplers else None]
+        group = self.policy.model_parallel_group
         if group is not None and dist.get_world_size(group) > 1:  # the replica trains on its first rank's rollouts
             dist.broadcast_object_list(rollouts, src=samplers[0], group=group)
         return rollouts[0]
+
+    def _sampling_ranks(self) -> list[int] | None:
+        """The global ranks of this replica that run the engine (None: one process)."""
+        import torch.distributed as dist
+
+        group = self.policy.model_parallel_group
+        if group is None:
+            return None
+        sampling = self.engine.tensor_parallel if not self.lockstep else dist.get_world_size(group)
+        return [dist.get_global_rank(group, index) for index in range(sampling)]
+
+    def _refit(self) -> None:
+        import torch.distributed as dist
+
+        if self._version == self.policy.weights_version:
+            return
+        samplers = self._sampling_ranks()
+        tensors = self.policy.iter_hf()  # a collective over the replica's ranks: all of them consume it
+        if samplers is None or dist.get_rank() in samplers:
+            self.engine.load_weights(tensors)
+        for _ in tensors:
+            pass
+        self._version = self.policy.weights_version

@@ -16,7 +16,8 @@ import torch
 @dataclass
 class Sample:
     """One continuation: its token ids (ending in the stop id when ``stopped``) and, where the engine
-    has them, each token's log-prob under the model's untempered, untruncated distribution."""
+    has them, each token's log-prob under the distribution it was sampled from (after temperature, top-k
+    and top-p: the behaviour policy; the model's own at the paper's settings)."""
 
     token_ids: list[int]
     stopped: bool
@@ -62,8 +63,9 @@ class SamplingSettings:
 
     def next_tokens(self, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row by inverting the CDF at ``uniforms`` (one draw per row, where
-        ``torch.multinomial`` would need its own stream per row); return the tokens and their
-        log-probs under the plain model (temperature 1, no truncation), as training scores them.
+        ``torch.multinomial`` would need its own stream per row); return the tokens and their log-probs under
+        the distribution they were drawn from (tempered and truncated: the behaviour policy an importance
+        correction divides by; the plain model's at temperature 1 without truncation, and when greedy).
 
         ``logits``: [n, V] any dtype; ``uniforms``: [n] in [0, 1). Returns ``[n]`` long, ``[n]`` fp32.
         """
@@ -71,7 +73,8 @@ class SamplingSettings:
         if self.temperature == 0:
             tokens = logits.argmax(-1)
         else:
-            cdf = torch.softmax(self.truncate(logits), -1).cumsum(-1)
+            logits = self.truncate(logits)
+            cdf = torch.softmax(logits, -1).cumsum(-1)
             threshold = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
             tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
         picked = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)

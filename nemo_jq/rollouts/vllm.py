@@ -55,7 +55,8 @@ def sampling_params_kwargs(settings: SamplingSettings, *, num_samples: int, stop
     ``ignore_eos``: vLLM adds the generation config's EOS ids to the stop ids otherwise, and a thinking
     phase would end at ``<|im_end|>`` where the other engines stop only at ``</think>`` (the budget core
     decides every stop). Truncation only when the settings ask for it, so vLLM's defaults (none) hold
-    otherwise. ``logprobs=0``: the sampled token's own log-prob (untempered: ``raw_logprobs``).
+    otherwise. ``logprobs=0``: the sampled token's own log-prob (under the distribution sampled from, with
+    ``processed_logprobs``).
     """
     kwargs = {"n": num_samples, "stop_token_ids": list(stop_ids), "max_tokens": max_new_tokens, "seed": seed,
               "temperature": settings.temperature, "logprobs": 0, "skip_special_tokens": False, "ignore_eos": True}
@@ -91,7 +92,8 @@ def llm_kwargs(model_dir: str, *, tensor_parallel: int, world_size: int, on_gpu:
     is sized in bytes, since the share there is of a NUMA node's RAM, layers are not compiled, and prefills
     are not chunked (vLLM rewinds a seeded request's generator after a partial prefill, which only a CUDA
     generator can do: ``RuntimeError: CPU Generator does not use offset``).
-    ``logprobs_mode`` where the installed vLLM has it: the sampled tokens' log-probs before temperature.
+    ``logprobs_mode`` where the installed vLLM has it: the sampled tokens' log-probs after temperature, top-k and
+    top-p (the behaviour policy an importance correction divides by; the model's own at the paper's settings).
     """
     kwargs = {"model": model_dir, "skip_tokenizer_init": True, "dtype": dtype, "seed": seed, "runner": "generate",
               "tensor_parallel_size": tensor_parallel, "enforce_eager": not on_gpu}
@@ -106,7 +108,7 @@ def llm_kwargs(model_dir: str, *, tensor_parallel: int, world_size: int, on_gpu:
         if world_size // tensor_parallel > 1:
             kwargs["data_parallel_size"] = world_size // tensor_parallel
     if "logprobs_mode" in engine_fields:
-        kwargs["logprobs_mode"] = "raw_logprobs"
+        kwargs["logprobs_mode"] = "processed_logprobs"
     return {key: value for key, value in kwargs.items() if key in engine_fields | {"model", "seed", "dtype"}}
 
 

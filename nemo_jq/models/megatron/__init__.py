@@ -30,6 +30,11 @@ _LAZY_EXPORTS = {
 
 __all__ = [*_LAZY_EXPORTS, "transformer_engine_status", "transformer_engine_usable"]
 
+# megatron-core warns at import, module by module, that it falls back from Transformer Engine and Apex to its
+# own modules: noise in every run's log. What a person needs is said once elsewhere: `nemo-jq doctor` names the
+# TE status, and an installed but unusable TE is warned about below.
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed", category=UserWarning)
+
 
 @functools.cache
 def transformer_engine_status() -> str:

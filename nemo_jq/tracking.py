@@ -1,0 +1,135 @@
+"""Experiment trackers beside metrics.jsonl and TensorBoard: Weights & Biases and MLflow, both optional.
+
+Each receives what a run logs: its config once, every record of metrics.jsonl (``kind/key`` at the
+record's step: train, validation, test and the collapse guard's events), and the Figure-3 plot when
+the run finishes. A resumed run continues the same tracker run (the ids are kept in
+``RUN_DIR/tracking.json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+TRACKING_FILE = "tracking.json"
+
+
+class Tracker(Protocol):
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def attach(self, path: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def numbers(record: dict[str, Any]) -> dict[str, float]:
+    """A record's finite numbers as ``kind/key`` (the step itself excluded)."""
+    return {f"{record['kind']}/{key}": float(value) for key, value in record.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step" and math.isfinite(value)}
+
+
+def texts(record: dict[str, Any]) -> dict[str, str]:
+    """A record's words (a guard's reason and action) as ``kind/key``."""
+    return {f"{record['kind']}/{key}": value for key, value in record.items() if isinstance(value, str) and key != "kind"}
+
+
+def flat_config(config: Any) -> dict[str, Any]:
+    """``section.key -> value`` for every leaf of the run's config."""
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, dict) and not prefix.endswith(("options.", "q_schedule.")):
+            for key, inner in value.items():
+                walk(inner, f"{prefix}{key}.")
+        else:
+            flat[prefix.rstrip(".")] = value
+
+    walk(dataclasses.asdict(config), "")
+    return flat
+
+
+class WandbTracker:
+    """A Weights & Biases run named after the run directory (offline mode writes under ``RUN_DIR/wandb``)."""
+
+    def __init__(self, run_dir: Path, config: Any, ids: dict[str, str]):
+        import wandb
+
+        tracking = config.tracking
+        self.wandb = wandb
+        self.run = wandb.init(project=tracking.wandb_project, entity=tracking.wandb_entity, name=run_dir.name,
+                              dir=str(run_dir), mode=tracking.wandb_mode, config=flat_config(config),
+                              id=ids.get("wandb"), resume="allow", settings=wandb.Settings(silent=True, console="off"))
+        ids["wandb"] = self.run.id
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log({**numbers(record), **texts(record)}, step=record["step"])
+
+    def attach(self, path: Path) -> None:
+        self.run.log({f"plots/{path.stem}": self.wandb.Image(str(path))})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def mlflow_name(key: str) -> str:
+    """MLflow's names take no ``@``: ``test/m@16`` is logged as ``test/m_at_16``."""
+    return key.replace("@", "_at_")
+
+
+class MlflowTracker:
+    """An MLflow run named after the run directory, in ``tracking.mlflow_experiment`` (metric names as
+    :func:`mlflow_name` says); words go in as tags ``kind/key.step_N``."""
+
+    def __init__(self, run_dir: Path, config: Any, ids: dict[str, str]):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        tracking = config.tracking
+        uri = tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):  # MLflow 3 wants a database; a file store needs no server and no SQLAlchemy
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        if "mlflow" in ids:
+            self.run_id = ids["mlflow"]
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        experiment = self.client.get_experiment_by_name(tracking.mlflow_experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(tracking.mlflow_experiment)
+        self.run_id = ids["mlflow"] = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
+        params = [Param(key, str(value)[:6000]) for key, value in flat_config(config).items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+
+    def log(self, record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(mlflow_name(key), value, now, record["step"]) for key, value in numbers(record).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+        for key, value in texts(record).items():
+            self.client.set_tag(self.run_id, f"{key}.step_{record['step']}", value)
+
+    def attach(self, path: Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def open_trackers(run_dir: Path, config: Any) -> list[Tracker]:
+    """The trackers ``config.tracking`` turns on, continuing this run's earlier tracker runs if it has any."""
+    tracking = config.tracking
+    wanted = [cls for on, cls in ((tracking.wandb, WandbTracker), (tracking.mlflow, MlflowTracker)) if on]
+    if not wanted:
+        return []
+    path = run_dir / TRACKING_FILE
+    ids = json.loads(path.read_text()) if path.exists() else {}
+    trackers = [cls(run_dir, config, ids) for cls in wanted]
+    path.write_text(json.dumps(ids, indent=2) + "\n")
+    return trackers

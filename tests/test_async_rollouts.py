@@ -1,0 +1,151 @@
+"""Off-policy training: importance correction in the trainer, mismatch metrics, one-step-off rollouts."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import TINY_RUN, tiny_setup
+from nemo_jq.components import importance_correction
+from nemo_jq.config import load_config
+from nemo_jq.experience import MismatchWatch, experience_from
+from nemo_jq.monitor import merge_metrics, read_metrics
+from nemo_jq.objectives.importance import Correction
+from nemo_jq.rollouts import BudgetedRollouts
+from nemo_jq.rollouts.hf import NativeSampler
+from nemo_jq.rollouts.process import SamplingProcess, share_weights
+from nemo_jq.trainer import Trainer
+
+TIMING = {"step_time", "rollout_tokens_per_s"}
+
+
+def make_trainer(tmp_path, *overrides, name="run"):
+    return Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={tmp_path / name}", *overrides]))
+
+
+def train_records(run_dir):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir) if r["kind"] == "train"]
+
+
+def test_auto_corrects_only_rollouts_that_another_policy_sampled():
+    config = load_config(None, [])
+    assert importance_correction(config, own_weights=False) is None  # the in-place samplers: every ratio is 1
+    assert importance_correction(config, own_weights=True) == Correction("truncate", cap=2.0, low=0.5, high=2.0)
+    lagged = load_config(None, ["rollout.async_steps=1", "objective.importance_cap=3"])
+    assert importance_correction(lagged, own_weights=False) == Correction("truncate", cap=3.0)
+    masked = load_config(None, ["objective.importance=mask", "objective.importance_bounds=[0.25, 4]"])
+    assert importance_correction(masked, own_weights=False) == Correction("mask", cap=2.0, low=0.25, high=4.0)
+    assert importance_correction(load_config(None, ["objective.importance=none", "rollout.async_steps=1"]),
+                                 own_weights=True) is None
+
+
+def test_micro_batch_metrics_merge_by_kind():
+    merged = merge_metrics([(1, {"loss": 1.0, "max_is_ratio": 2.0, "min_is_ratio": 0.5}),
+                            (3, {"loss": 3.0, "max_is_ratio": 1.5, "min_is_ratio": 0.8, "kl_k3": 0.25})])
+    assert merged == {"loss": 2.5, "max_is_ratio": 2.0, "min_is_ratio": 0.5, "kl_k3": 0.25}  # kl: the one reporting it
+
+
+def test_the_mismatch_warning_says_what_and_repeats_only_when_the_kl_doubles(capsys):
+    config = load_config(None, ["rollout.max_mismatch_kl=0.1"])
+    watch = MismatchWatch(config.rollout, None)
+    for step, kl in enumerate([0.05, 0.2, 0.3, 0.39, 0.5, 0.9], start=1):
+        watch({"kl_k3": kl, "max_logprob_gap": 0.5, "logprob_gap": 0.1}, step)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["warning", "warning"] and "step 2:" in lines[0] and "step 5:" in lines[1]
+    assert "KL(engine || policy) 0.2 per token (rollout.max_mismatch_kl=0.1)" in lines[0]
+    assert "uncorrected: set objective.importance" in lines[0]
+    MismatchWatch(config.rollout, Correction())({"kl_k3": 0.2, "max_logprob_gap": 0.1}, 1)
+    assert "corrected by objective.importance=truncate" in capsys.readouterr().out
+
+
+def _gradient(trainer, engine, num_samples, seed):
+    """The gradient of the trainer's loss on its first training prompt, from ``num_samples`` rollouts of ``engine``."""
+    trainer.policy.model.zero_grad(set_to_none=True)
+    examples = trainer.components.splits.train[:1]
+    rollouts = engine.generate(trainer.components.prompt_ids(examples), num_samples, sample_answers=False,
+                               generator=torch.Generator().manual_seed(seed))
+    experience = dataclasses.replace(experience_from(trainer.components, examples, trainer.estimator, rollouts, 0, 0.0),
+                                     group=num_samples)
+    [(_, metrics)] = trainer._learn(experience, 0.0, 1)
+    return torch.cat([p.grad.flatten() for p in trainer.policy.model.parameters() if p.grad is not None]), metrics
+
+
+def test_a_corrected_gradient_from_a_perturbed_sampler_is_closer_to_the_on_policy_one(tmp_path):
+    """GARL at q=0 from rollouts at temperature 0.7 (a sampler that is not the policy), on a fixed prompt: the
+    corrected gradient is nearer the on-policy one (4096 rollouts of the policy itself) than the uncorrected one,
+    and the metrics report the mismatch. The model's head is sharpened so the temperature moves its samples."""
+    trainer = make_trainer(tmp_path, "objective.name=garl", "objective.q=0", "train.micro_batch_size=1")
+    with torch.no_grad():
+        trainer.policy.model.lm_head.weight.mul_(6.0)
+    chat = trainer.components.chat
+
+    def engine(temperature):
+        sampler = NativeSampler(trainer.policy.model, pad_id=chat.pad_id, device=trainer.components.device,
+                                settings=dataclasses.replace(trainer.components.engine.sampler.settings, temperature=temperature))
+        return BudgetedRollouts(sampler, think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id,
+                                max_thinking_tokens=3, max_answer_tokens=3)
+
+    on_policy, _ = _gradient(trainer, engine(1.0), 4096, seed=99)
+    errors = {}
+    for correction in (None, Correction("plain")):
+        trainer.components.correction = correction
+        gradient, metrics = _gradient(trainer, engine(0.7), 1024, seed=1)
+        errors[correction] = float((gradient - on_policy).norm() / on_policy.norm())
+        assert metrics["kl_k3"] > 0.1 and metrics["max_logprob_gap"] > 1.0  # the mismatch is reported either way
+    assert errors[Correction("plain")] < 0.5 * errors[None]
+    assert {"is_ratio_mean", "min_is_ratio", "max_is_ratio", "is_truncated_fraction"} <= metrics.keys()
+
+
+def test_one_step_off_in_a_sampling_process_equals_the_same_run_sampled_in_sequence(tmp_path):
+    """The child process samples step t+1's rollouts from θ_t while step t trains: exactly what sampling them on
+    this thread before the step trains gives, so the copy never sees a half-updated policy."""
+    overrides = ("rollout.async_steps=1", "train.max_steps=4", "eval.every=100", "train.save_every=100")
+    overlapped = make_trainer(tmp_path, *overrides, name="overlapped")
+    overlapped.fit()
+    in_sequence = make_trainer(tmp_path, *overrides, name="in_sequence")
+    in_sequence.ahead.overlaps = False
+    in_sequence.fit()
+    records = train_records(tmp_path / "overlapped")
+    assert records == train_records(tmp_path / "in_sequence")
+    assert [r["rollout_lag"] for r in records] == [0, 1, 1, 1]
+    assert records[0]["kl_k3"] < 1e-9 < 1e-4 < min(r["kl_k3"] for r in records[1:])  # the policy has moved on
+    assert all(r["is_ratio_mean"] > 0 for r in records)  # auto: truncated
+    assert overlapped.ahead.worker is None  # closed when fit returned
+
+
+def test_an_interrupted_one_step_off_run_resumes_exactly(tmp_path):
+    """(Sampled in sequence, which the test above shows is the same, to spare three process starts.)"""
+    overrides = ("rollout.async_steps=1", "train.max_steps=5", "eval.every=100")
+
+    def in_sequence(trainer):
+        trainer.ahead.overlaps = False
+        return trainer
+
+    in_sequence(make_trainer(tmp_path, *overrides, name="a")).fit()
+    assert in_sequence(make_trainer(tmp_path, *overrides, name="b")).fit(max_steps=3) == {"step": 3}
+    resumed = in_sequence(Trainer.resume(tmp_path / "b"))
+    assert resumed.ahead.pending is not None  # the checkpoint carried the rollouts sampled ahead
+    resumed.fit()
+    assert train_records(tmp_path / "a") == train_records(tmp_path / "b")
+
+
+def test_a_sampling_process_raises_its_errors_here_and_samples_what_this_process_would():
+    _, _, chat, model = tiny_setup()
+    engine = BudgetedRollouts(NativeSampler(model, pad_id=chat.pad_id, device=torch.device("cpu")),
+                              think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id, max_thinking_tokens=5,
+                              max_answer_tokens=2)
+    share_weights(engine)
+    worker = SamplingProcess(engine, threads=1)
+    try:
+        with torch.no_grad():  # a refit here, between requests, is what the child samples from next
+            model.lm_head.weight.mul_(3.0)
+        worker.submit([[1, 2, 3], [4, 5]], 2, sample_answers=True, seed=7)
+        rollouts, tokens, _ = worker.result()
+        assert rollouts == engine.generate([[1, 2, 3], [4, 5]], 2, sample_answers=True,
+                                           generator=torch.Generator().manual_seed(7))
+        assert tokens == sum(len(r.rationale_ids) + 1 + len(r.answer_ids) for group in rollouts for r in group)
+        worker.submit([[]], 2, sample_answers=False, seed=7)
+        with pytest.raises(ValueError, match="non-empty prompts"):
+            worker.result()
+    finally:
+        worker.close()
