@@ -11,6 +11,7 @@ from pathlib import Path
 
 #: Set to 1 (or pass --debug) to see the traceback behind an error message.
 DEBUG_ENV = "NEMO_JQ_DEBUG"
+EXPERIMENTS = ("noisy-cold-start", "escape-rates")
 STEP_HELP = ("for a run directory: best (the best validation m@k; ties keep the earliest, as training does), latest, "
              "or a step number; the output names the step and why")
 
@@ -56,17 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--out", type=Path, required=True)
     export.add_argument("--step", default="best", help=STEP_HELP)
 
-    experiment = commands.add_parser("experiment", help="multi-run studies (not tests): noisy-cold-start")
-    experiment.add_argument("name", choices=("noisy-cold-start",))
-    experiment.add_argument("--out", type=Path, default=Path("runs/noisy_cold_start"), help="a new folder for the runs")
+    experiment = commands.add_parser("experiment", help="multi-run studies (not tests): noisy-cold-start, escape-rates")
+    experiment.add_argument("name", choices=EXPERIMENTS)
+    experiment.add_argument("--out", type=Path, help="a new folder for the runs (default: runs/noisy_cold_start, "
+                            "runs/escape_rates)")
     experiment.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    experiment.add_argument("--label-noise", type=float, default=0.2, help="share of training labels made wrong")
+    experiment.add_argument("--label-noise", type=float, help="noisy-cold-start: share of training labels made wrong "
+                            "(default 0.2)")
+    experiment.add_argument("--widths", type=int, nargs="+", help="escape-rates: the answer widths, the p0 knob "
+                            "(default 2 3 4; --quick: 2 3)")
+    experiment.add_argument("--cap", type=int, help="escape-rates: steps before a run counts as censored (default 200; "
+                            "--quick: 4)")
     experiment.add_argument("--quick", action="store_true", help="a few-second smoke size (not a result)")
     experiment.add_argument("--overwrite", action="store_true", help="if --out holds an experiment, move it aside first")
     experiment.add_argument("--methods", type=lambda text: [name.strip() for name in text.split(",")], default=[],
                             metavar="NAME,NAME", help="run only these methods (e.g. adaptive,q=1); default: all")
     experiment.add_argument("--adaptive", type=_knobs, default={}, metavar="KNOB=VALUE,...",
-                            help="the adaptive rule's knobs: q_max, q_min, cold_p, ema_decay (default: the tuned ones, TUNED_ADAPTIVE)")
+                            help="noisy-cold-start: the adaptive rule's knobs: q_max, q_min, cold_p, ema_decay (default: the "
+                            "tuned ones, TUNED_ADAPTIVE)")
     experiment.add_argument("overrides", nargs="*", help="section.key=value overrides for every run (e.g. guard.enabled=true)")
 
     data = commands.add_parser("data", help="dataset tools")
@@ -221,6 +229,29 @@ def _fraction(text: str) -> float:
     return value
 
 
+def run_named_experiment(args: argparse.Namespace) -> None:
+    """``nemo-jq experiment NAME``: each experiment takes the shared options and its own (another's is an error)."""
+    from nemo_jq.config import ConfigError
+
+    foreign = {"noisy-cold-start": {"--widths": args.widths, "--cap": args.cap},
+               "escape-rates": {"--label-noise": args.label_noise, "--adaptive": args.adaptive or None}}[args.name]
+    given = [flag for flag, value in foreign.items() if value is not None]
+    if given:
+        raise ConfigError(f"experiment {args.name} takes no {', '.join(given)} (another experiment's option): drop it")
+    common = dict(quick=args.quick, overrides=args.overrides, overwrite=args.overwrite, only=args.methods)
+    if args.name == "noisy-cold-start":
+        from nemo_jq.experiments.noisy_cold_start import run_experiment
+
+        run_experiment(args.out or Path("runs/noisy_cold_start"), args.seeds,
+                       0.2 if args.label_noise is None else args.label_noise, adaptive=args.adaptive, **common)
+    else:
+        from nemo_jq.experiments.escape_rates import WIDTHS, run_experiment
+
+        run_experiment(args.out or Path("runs/escape_rates"), args.seeds,
+                       widths=args.widths or ((2, 3) if args.quick else WIDTHS),
+                       cap=(4 if args.quick else 200) if args.cap is None else args.cap, **common)
+
+
 def _knobs(text: str) -> dict[str, float]:
     """``name=number,...``, as ``--adaptive cold_p=0.0625,q_min=0.25`` gives it."""
     knobs = {}
@@ -296,10 +327,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "experiment":
-        from nemo_jq.experiments.noisy_cold_start import run_experiment
-
-        run_experiment(args.out, args.seeds, args.label_noise, quick=args.quick, overrides=args.overrides,
-                       overwrite=args.overwrite, only=args.methods, adaptive=args.adaptive)
+        run_named_experiment(args)
         return 0
 
     from nemo_jq import distributed

@@ -115,7 +115,7 @@ def _clean_task(config: Config) -> tuple[Task, Splits]:
     data = config.data
     sizes = (data.train_size, data.validation_size, data.test_size)
     if data.name == "synthetic":
-        task = SyntheticArithmetic(num_operands=data.num_operands)
+        task = SyntheticArithmetic(num_operands=data.num_operands, answer_width=data.answer_width)
         return task, task.splits(*sizes, data.seed)
     task = make_task(data.name, template=data.template, system=data.system_prompt)
     if data.prepared_dir:

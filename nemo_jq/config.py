@@ -22,7 +22,7 @@ import yaml
 from nemo_jq.data.base import FORMATS
 from nemo_jq.data.prepare import BAD_ROW_POLICIES
 from nemo_jq.guard import GUARD_ACTIONS
-from nemo_jq.models import PRECISIONS
+from nemo_jq.models import OPTIMIZERS, PRECISIONS
 from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
 from nemo_jq.objectives.importance import CORRECTIONS
 from nemo_jq.typed import ConfigError, build, describe_fields, option
@@ -70,6 +70,8 @@ class DataConfig:
     test_size: int = option(128, "ignored with prepared_dir", ge=1)
     seed: int = option(0, "subset draw (and the synthetic expressions)", ge=0)
     num_operands: int = option(3, "synthetic only: operands per expression", ge=2)
+    answer_width: int = option(0, "synthetic only: write the sum zero-padded to this many digits (0: as is); every digit "
+                               "is a token a random model gives ~1/V, the knob of the escape-rates experiment", ge=0, le=12)
     label_noise: float = option(0.0, "share of training labels replaced by wrong answers (seeded by data.seed; "
                                 "validation and test stay clean)", ge=0.0, lt=1.0)
     source: str | None = option(
@@ -133,11 +135,14 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = option(5e-3, "AdamW learning rate (constant; 0 freezes the weights, as the benchmarks do)", ge=0.0)
+    name: str = option("adamw", "adamw, or sgd (plain gradient descent, as the paper's theory assumes; model.backend=hf)",
+                       choices=OPTIMIZERS)
+    lr: float = option(5e-3, "learning rate (constant; 0 freezes the weights, as the benchmarks do)", ge=0.0)
     weight_decay: float = option(0.0, ge=0.0)
     betas: list[float] = option(help="AdamW betas, each in [0, 1)", factory=lambda: [0.9, 0.999])
-    eps: float = option(1e-8, gt=0.0)
-    grad_clip: float = option(1.0, "max global gradient norm", gt=0.0)
+    eps: float = option(1e-8, "AdamW epsilon", gt=0.0)
+    momentum: float = option(0.0, "SGD momentum", ge=0.0, lt=1.0)
+    grad_clip: float = option(1.0, "max global gradient norm (0: no clipping)", ge=0.0)
 
 
 @dataclass
@@ -234,6 +239,16 @@ class Config:
                                   "pip install -e \".[tracking]\")")
         if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")
+        if self.optim.name == "sgd" and self.model.backend != "hf":
+            raise ConfigError(f"optim.name=sgd trains with model.backend=hf only (model.backend={self.model.backend} "
+                              "checkpoints and shards AdamW's state): use optim.name=adamw")
+        widest = len(str(9 * self.data.num_operands))
+        if self.data.answer_width and self.data.name not in (None, "synthetic"):
+            raise ConfigError(f"data.answer_width pads the synthetic sums; data.name={self.data.name} has its own answers: "
+                              "drop data.answer_width")
+        if 0 < self.data.answer_width < widest:
+            raise ConfigError(f"data.answer_width={self.data.answer_width} cannot hold sums of {self.data.num_operands} "
+                              f"digits (up to {9 * self.data.num_operands}): use 0 or at least {widest}")
         self._resolve_data()
         return self
 

@@ -16,7 +16,7 @@ import math
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -81,10 +81,12 @@ class Trainer:
         return min(train.epochs * math.ceil(len(self.components.splits.train) / train.batch_size), train.max_steps or math.inf)
 
     # ----------------------------------------------------------------- train
-    def fit(self, max_steps: int | None = None, stop: StopSignals | None = None) -> dict[str, Any]:
-        """Train until the configured end (or ``max_steps``, or SIGTERM/SIGUSR1/SIGINT), then evaluate. On a signal
-        the current step finishes, a checkpoint is written, and fit returns ``{"preempted": signum}``. ``stop``: signals
-        already being caught (the CLI catches them from its start), else caught while this runs."""
+    def fit(self, max_steps: int | None = None, stop: StopSignals | None = None,
+            until: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+        """Train until the configured end (or ``max_steps``, or the first step whose record ``until`` accepts, or
+        SIGTERM/SIGUSR1/SIGINT), then evaluate. On a signal the current step finishes, a checkpoint is written, and fit
+        returns ``{"preempted": signum}``. ``stop``: signals already being caught (the CLI catches them from its
+        start), else caught while this runs."""
         end = min(self.total_steps, max_steps or self.total_steps)
         distributed.on_writer(lambda: write_run_files(self.run_dir, self.config, self.components.tokenizer))
         writes = distributed.is_writer()
@@ -102,6 +104,8 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "train_reward", "q") if record.get(k) is not None})
                     self._after_step(record, logger, end)
+                    if until is not None and until(record):
+                        break
                 if stop.requested():
                     self.save()
                     return {"preempted": stop.received, "step": self.state.step}

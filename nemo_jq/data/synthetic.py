@@ -21,11 +21,18 @@ WARM_SYSTEM = (
 
 @dataclass
 class SyntheticArithmetic:
+    """``answer_width`` > 0 writes the sum zero-padded to that many digits (``"020"``): each digit is one more
+    token to get right, so a model's initial success probability falls by about 1/V per digit."""
+
     num_operands: int = 3
+    answer_width: int = 0
 
     def __post_init__(self) -> None:
         if self.num_operands < 2:
             raise ValueError(f"num_operands must be >= 2; got {self.num_operands}")
+        if len(str(9 * self.num_operands)) > self.answer_width > 0:
+            raise ValueError(f"answer_width={self.answer_width} cannot hold sums up to {9 * self.num_operands}: use 0 or "
+                             f"at least {len(str(9 * self.num_operands))}")
 
     def splits(self, train_size: int, validation_size: int, test_size: int, seed: int) -> Splits:
         """Disjoint splits of distinct expressions, deterministic in ``seed``."""
@@ -50,7 +57,8 @@ class SyntheticArithmetic:
             steps.append(f"{total}+{d}={total + d}")
             total += d
         question = "+".join(map(str, digits))
-        return Example(id=f"sum-{question}", question=question, answer=str(total), rationale=" ".join(steps))
+        return Example(id=f"sum-{question}", question=question, answer=str(total).zfill(self.answer_width),
+                       rationale=" ".join(steps))
 
     def corpus(self, examples: list[Example]) -> list[str]:
         """Texts to train a tokenizer on: a grid of expressions with rationales and answers (covering

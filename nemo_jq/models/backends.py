@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import copy
 import dataclasses
+import math
 import os
 import shutil
 import tempfile
@@ -63,9 +64,10 @@ def build_backend(name: str, request: BackendRequest) -> tuple[Policy, RolloutEn
 def policy_options(config: Any) -> dict[str, Any]:
     """The optimizer and precision settings every policy takes, from the run's config."""
     optim = config.optim
-    return {"precision": config.model.precision, "lr": optim.lr, "weight_decay": optim.weight_decay,
-            "betas": tuple(optim.betas), "eps": optim.eps, "grad_clip": optim.grad_clip,
-            "logprob_chunk_size": config.model.logprob_chunk_size}
+    options = {"precision": config.model.precision, "lr": optim.lr, "weight_decay": optim.weight_decay,
+               "betas": tuple(optim.betas), "eps": optim.eps, "grad_clip": optim.grad_clip or math.inf,
+               "logprob_chunk_size": config.model.logprob_chunk_size}
+    return options if optim.name == "adamw" else {**options, "optimizer": optim.name, "momentum": optim.momentum}
 
 
 @register_backend("hf")

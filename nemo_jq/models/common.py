@@ -6,11 +6,11 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from nemo_jq.models import PRECISIONS
+from nemo_jq.models import OPTIMIZERS, PRECISIONS
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,3 +114,13 @@ def require_files(directory: Path, names: Sequence[str]) -> None:
     missing = [name for name in names if not (Path(directory) / name).exists()]
     if missing:
         raise FileNotFoundError(f"checkpoint {directory} is missing {', '.join(missing)}")
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], name: str = "adamw", *, lr: float, weight_decay: float = 0.0,
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, momentum: float = 0.0) -> torch.optim.Optimizer:
+    """``optim.name``'s optimizer: AdamW, or plain SGD (with ``momentum``; the paper's theory is gradient flow)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name != "adamw":
+        raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)

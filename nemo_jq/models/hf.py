@@ -11,6 +11,7 @@ from nemo_jq.distributed import DataParallel
 from nemo_jq.models.common import (
     WEIGHTS_FILE,
     autocast_context,
+    build_optimizer,
     check_precision,
     require_files,
 )
@@ -52,7 +53,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 class HFPolicy:
-    """Trains an HF causal LM in one process: chunked log-probs, AdamW, gradient clipping, bf16 autocast on GPU."""
+    """Trains an HF causal LM in one process: chunked log-probs, AdamW (or SGD), gradient clipping, bf16 autocast on
+    GPU."""
 
     data_parallel = DataParallel()
     #: One process holds the whole model (a refitted rollout engine samples here).
@@ -60,7 +62,7 @@ class HFPolicy:
 
     def __init__(self, model: Any, *, device: torch.device, precision: str = "auto", lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 grad_clip: float = 1.0, logprob_chunk_size: int = 256):
+                 grad_clip: float = 1.0, logprob_chunk_size: int = 256, optimizer: str = "adamw", momentum: float = 0.0):
         if getattr(model.get_output_embeddings(), "bias", None) is not None:
             raise ValueError("LM heads with a bias are not supported by the chunked log-prob kernel")
         self.model = model.to(device)
@@ -68,7 +70,8 @@ class HFPolicy:
         self.precision = check_precision(precision)
         self.grad_clip = grad_clip
         self.logprob_chunk_size = logprob_chunk_size
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        self.optimizer = build_optimizer(self.model.parameters(), optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
+                                         eps=eps, momentum=momentum)
         #: Moves whenever the weights change, so an engine with its own copy knows to refit.
         self.weights_version = 0
 
