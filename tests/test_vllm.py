@@ -2,6 +2,7 @@
 one engine per process, and the sleep accounting a GPU run relies on (with a stand-in LLM, since CPU has no sleep)."""
 
 import importlib.util
+import logging
 import types
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from helpers import rollout_engine, tiny_setup
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
-from nemo_jq.rollouts.vllm import VLLMSampler, with_tied_head
+from nemo_jq.rollouts.vllm import NOISY_LOGGERS, ExpectedNoiseFilter, VLLMSampler, with_tied_head
 from nemo_jq.sequences import reference_answer_batch, sampled_answer_batch
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -51,6 +52,24 @@ def test_a_refit_loads_the_policys_new_weights_after_every_step():
         if step:
             assert _gap(old, groups, chat) > 0.05, step  # ... not from the starting ones
         _step(policy, groups, chat, chat.answer_ids("12"))
+    assert all(any(isinstance(f, ExpectedNoiseFilter) for f in logging.getLogger(name).filters) for name in NOISY_LOGGERS)
+
+
+def test_only_the_two_expected_vllm_warnings_are_dropped():
+    """Every refit made vLLM warn 'RotaryEmbedding: Failed to load weights' (twice per step in a demo run; it has no
+    weights), and every engine build logged a traceback for a chat-template warm-up the tokenizer-less engine cannot
+    do. Anything else still warns."""
+    def record(msg, args=(), error=None):
+        return logging.LogRecord("vllm", logging.WARNING, __file__, 1, msg, args,
+                                 (type(error), error, None) if error else None)
+
+    keep = ExpectedNoiseFilter().filter
+    assert not keep(record("%s: Failed to load weights", ("RotaryEmbedding",)))
+    assert keep(record("%s: Failed to load weights", ("QKVParallelLinear",)))
+    assert not keep(record("Chat template warmup failed", error=ValueError("Tokenizer not available when "
+                                                                           "`skip_tokenizer_init=True`")))
+    assert keep(record("Chat template warmup failed", error=RuntimeError("template syntax")))
+    assert keep(record("KV cache is full"))
 
 
 @needs_vllm
@@ -217,6 +236,9 @@ def test_the_demo_config_trains_alike_with_vllm_and_the_native_engine(tmp_path):
         _train(*common, f"rollout.engine={engine}", f"train.run_dir={tmp_path / engine}")
     native, vllm = _records(tmp_path / "native"), _records(tmp_path / "vllm")
     assert all(r["max_logprob_gap"] < 1e-4 for r in vllm)  # on-policy: the engine holds the policy's weights
+    # objective.importance=auto truncates what an engine with its own weights samples (ratios ~1 here), and only that
+    assert all(abs(r["is_ratio_mean"] - 1) < 1e-3 and r["is_truncated_fraction"] == 0 for r in vllm)
+    assert not any("is_ratio_mean" in r for r in native)
     assert abs(native[0]["log_p_hat"] - vllm[0]["log_p_hat"]) < 0.5  # the same starting model
     late = [sum(r["log_p_hat"] for r in run[-4:]) / 4 for run in (native, vllm)]
     assert min(late) > native[0]["log_p_hat"] + 10 and abs(late[0] - late[1]) < 2.5, late

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -143,6 +144,36 @@ def with_tied_head(tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> I
 _LIVE: dict[str, Any] = {}
 
 
+#: Where vLLM logs two warnings that say nothing wrong about how nemo_jq drives it (:class:`ExpectedNoiseFilter`).
+NOISY_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.renderers.base")
+
+
+class ExpectedNoiseFilter(logging.Filter):
+    """Drops two vLLM 0.32 warnings that every nemo_jq run would print, and nothing else:
+
+    - at every refit, "RotaryEmbedding: Failed to load weights" from ``reload_weights``: the rotary embedding has no
+      weights in a checkpoint (its cos/sin cache is computed from the config) and vLLM puts its cache back itself;
+    - at every engine build, "Chat template warmup failed" with a traceback: the engine has no tokenizer
+      (``skip_tokenizer_init``, since nemo_jq sends token ids) and no chat to render.
+
+    A layer that should have loaded weights, or a warm-up that fails another way, still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights":
+            return record.args != ("RotaryEmbedding",)
+        if record.msg == "Chat template warmup failed" and record.exc_info:
+            return "skip_tokenizer_init" not in str(record.exc_info[1])
+        return True
+
+
+def quiet_expected_noise() -> None:
+    """Install :class:`ExpectedNoiseFilter` on vLLM's loggers (once)."""
+    for name in NOISY_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, ExpectedNoiseFilter) for f in log.filters):
+            log.addFilter(ExpectedNoiseFilter())
+
+
 def shut_down_engine() -> None:
     """Shut down the engine this process holds, if any (its teardown also ends the process group vLLM made)."""
     sampler = _LIVE.pop("sampler", None)
@@ -175,6 +206,7 @@ class VLLMSampler:
                             memory_utilization=memory_utilization, kv_cache_bytes=kv_cache_bytes, seed=seed,
                             engine_fields={field for field in EngineArgs.__dataclass_fields__})
         self.sleeps = bool(kwargs.get("enable_sleep_mode"))
+        quiet_expected_noise()
         shut_down_engine()
         with random_state_kept():
             self.llm = LLM(**kwargs)
