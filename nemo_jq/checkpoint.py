@@ -89,6 +89,11 @@ def latest_checkpoint(root: Path) -> Path | None:
     return path
 
 
+def saved_steps(root: Path) -> list[int]:
+    """The steps of the complete checkpoints under ``root``, in order."""
+    return sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if (p / STATE).exists())
+
+
 def load_checkpoint(path: Path, policy: Policy, *, with_optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load weights (and optimizer) into ``policy``; return (trainer state, this rank's RNG states).
 

@@ -245,11 +245,9 @@ def run_named_experiment(args: argparse.Namespace) -> None:
         run_experiment(args.out or Path("runs/noisy_cold_start"), args.seeds,
                        0.2 if args.label_noise is None else args.label_noise, adaptive=args.adaptive, **common)
     else:
-        from nemo_jq.experiments.escape_rates import WIDTHS, run_experiment
+        from nemo_jq.experiments.escape_rates import run_experiment
 
-        run_experiment(args.out or Path("runs/escape_rates"), args.seeds,
-                       widths=args.widths or ((2, 3) if args.quick else WIDTHS),
-                       cap=(4 if args.quick else 200) if args.cap is None else args.cap, **common)
+        run_experiment(args.out or Path("runs/escape_rates"), args.seeds, widths=args.widths, cap=args.cap, **common)
 
 
 def _knobs(text: str) -> dict[str, float]:

@@ -21,6 +21,7 @@ import yaml
 
 from nemo_jq.data.base import FORMATS
 from nemo_jq.data.prepare import BAD_ROW_POLICIES
+from nemo_jq.data.synthetic import SyntheticArithmetic
 from nemo_jq.guard import GUARD_ACTIONS
 from nemo_jq.models import OPTIMIZERS, PRECISIONS
 from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
@@ -242,13 +243,13 @@ class Config:
         if self.optim.name == "sgd" and self.model.backend != "hf":
             raise ConfigError(f"optim.name=sgd trains with model.backend=hf only (model.backend={self.model.backend} "
                               "checkpoints and shards AdamW's state): use optim.name=adamw")
-        widest = len(str(9 * self.data.num_operands))
         if self.data.answer_width and self.data.name not in (None, "synthetic"):
             raise ConfigError(f"data.answer_width pads the synthetic sums; data.name={self.data.name} has its own answers: "
                               "drop data.answer_width")
-        if 0 < self.data.answer_width < widest:
-            raise ConfigError(f"data.answer_width={self.data.answer_width} cannot hold sums of {self.data.num_operands} "
-                              f"digits (up to {9 * self.data.num_operands}): use 0 or at least {widest}")
+        try:  # the synthetic task's own check of its knobs
+            SyntheticArithmetic(self.data.num_operands, self.data.answer_width)
+        except ValueError as err:
+            raise ConfigError(f"data.{err}") from None
         self._resolve_data()
         return self
 

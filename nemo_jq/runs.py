@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_jq import distributed
-from nemo_jq.checkpoint import STATE, latest_checkpoint, load_checkpoint, step_dir_name
+from nemo_jq.checkpoint import STATE, latest_checkpoint, load_checkpoint, saved_steps, step_dir_name
 from nemo_jq.components import Components, build_components
 from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.models.common import resolve_device
@@ -134,20 +134,18 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
     latest = latest_checkpoint(root)
     if latest is None:
         raise FileNotFoundError(f"run {path} has no checkpoint")
-    saved = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if (p / STATE).exists())
-    latest_step = json.loads((latest / STATE).read_text())["step"]
+    saved, state = saved_steps(root), json.loads((latest / STATE).read_text())
     if which == "latest":
-        return Selected(path, latest, latest_step, "the latest")
+        return Selected(path, latest, state["step"], "the latest")
     if which != "best":
         step = int(which) if which.isdigit() else None
         if step not in saved:
             raise ValueError(f"--step {which}: {path} has checkpoints at steps {', '.join(map(str, saved))} (or use best, "
                              "latest)")
         return Selected(path, root / step_dir_name(step), step, f"step {step}, as asked")
-    state = json.loads((latest / STATE).read_text())
     best = state.get("best_step")
     if best is None:
-        return Selected(path, latest, latest_step, "the latest (the run has no validation yet)")
+        return Selected(path, latest, state["step"], "the latest (the run has no validation yet)")
     key = f"m@{load_config(path / CONFIG_FILE).eval.num_samples}"
     tied = [r["step"] for r in read_metrics(path) if r["kind"] == "validation" and r["step"] != best
             and r.get(key) == state["best_metric"] and r["step"] in saved]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from latent_pools import Pools
-from nemo_jq.objectives import garl, paft, rb_rloo, rloo
+from nemo_jq.objectives import garl, grpo, paft, rb_rloo, rloo
 from nemo_jq.objectives.importance import Correction, k3_kl
 from nemo_jq.theory import default_model
 
@@ -136,3 +136,23 @@ def test_the_per_token_k3_estimates_kl_from_the_behaviour_to_the_policy():
             expected_k3 += weight * 2 * float(k3_kl(policy, behavior, torch.ones(1, 2, dtype=torch.bool)))  # sum = 2 x mean
             kl += weight * float(behavior.sum() - policy.sum())
     assert expected_k3 == pytest.approx(kl, rel=1e-5)
+
+
+def test_every_estimator_refuses_behaviour_log_probs_of_another_shape_or_missing_where_they_count():
+    """One check, in :meth:`Correction.ratios`, for all of them: a shape mismatch, or NaN/+inf on a sampled token
+    (the engine reported none); NaN outside the sampled tokens (GRPO's mask) is fine."""
+    rationale, answer, rewards = torch.zeros(2, 3), torch.full((2, 3), -1.0), torch.tensor([[1.0, 0, 0], [0, 1, 0]])
+    for bad in (torch.zeros(2, 2), torch.tensor([[0.0, float("nan"), 0], [0, 0, 0]]),
+                torch.tensor([[0.0, float("inf"), 0], [0, 0, 0]])):
+        for call in (lambda b: garl(rationale, answer, 0.5, behavior_logprob=b), lambda b: rb_rloo(rationale, answer, behavior_logprob=b),
+                     lambda b: paft(rationale, answer, 0.5, behavior_logprob=b), lambda b: rloo(rationale, rewards, behavior_logprob=b)):
+            with pytest.raises(ValueError, match="shape mismatch|NaN or \\+inf where it counts"):
+                call(bad)
+    logprob, mask = torch.full((2, 3, 4), -1.0), torch.ones(2, 3, 4)
+    mask[..., -1] = 0
+    behavior = torch.full((2, 3, 4), -1.0)
+    behavior[..., -1] = float("nan")  # not sampled: no log-prob, and none needed
+    assert grpo(logprob, rewards, mask, behavior_logprob=behavior).metrics["is_ratio_mean"] == pytest.approx(1.0)
+    behavior[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or \\+inf where it counts"):
+        grpo(logprob, rewards, mask, behavior_logprob=behavior)

@@ -30,9 +30,10 @@ class SyntheticArithmetic:
     def __post_init__(self) -> None:
         if self.num_operands < 2:
             raise ValueError(f"num_operands must be >= 2; got {self.num_operands}")
-        if len(str(9 * self.num_operands)) > self.answer_width > 0:
-            raise ValueError(f"answer_width={self.answer_width} cannot hold sums up to {9 * self.num_operands}: use 0 or "
-                             f"at least {len(str(9 * self.num_operands))}")
+        widest = len(str(9 * self.num_operands))
+        if 0 < self.answer_width < widest:
+            raise ValueError(f"answer_width={self.answer_width} cannot hold sums of {self.num_operands} digits (up to "
+                             f"{9 * self.num_operands}): use 0 or at least {widest}")
 
     def splits(self, train_size: int, validation_size: int, test_size: int, seed: int) -> Splits:
         """Disjoint splits of distinct expressions, deterministic in ``seed``."""

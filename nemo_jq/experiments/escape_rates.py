@@ -37,6 +37,8 @@ THRESHOLD = -5.0
 QS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: The answer widths (digits, zero-padded): the p0 knob. The demo's sums (3 operands) have 1 or 2 digits.
 WIDTHS = (2, 3, 4)
+#: Steps before a run that has not escaped counts as censored.
+CAP = 200
 #: SGD's learning rate, chosen once on seed 0 with q = 1: 1 and 0.3 diverged (log P̂ to -inf, then NaN), 0.1 escaped
 #: with swings of 20 nats at width 4, 0.05 rose steadily at widths 2 and 4 (README.md, "Escape rates").
 SGD_LR = 0.05
@@ -160,13 +162,16 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]], widths: Sequence
             "optimizers": by_optimizer}
 
 
-def run_experiment(out_dir: Path, seeds: Sequence[int], *, widths: Sequence[int] = WIDTHS, cap: int = 200,
+def run_experiment(out_dir: Path, seeds: Sequence[int], *, widths: Sequence[int] | None = None, cap: int | None = None,
                    quick: bool = False, overrides: Sequence[str] = (), overwrite: bool = False,
                    only: Sequence[str] = (), train: Callable[[list[str], int], list[dict]] | None = None) -> dict[str, Any]:
     """Every optimizer x method x width x seed into ``out_dir/<optimizer>/<method>/w<W>_seed<S>``, then the table
-    and figure. ``train(overrides, cap)`` runs one configuration and returns its metrics records (default: the
-    trainer, stopped at escape)."""
+    and figure. ``widths`` and ``cap`` default to :data:`WIDTHS` and :data:`CAP` (``quick``: 2, 3 and 4 steps).
+    ``train(overrides, cap)`` runs one configuration and returns its metrics records (default: the trainer, stopped
+    at escape)."""
     out_dir = Path(out_dir)
+    widths = widths or ((2, 3) if quick else WIDTHS)
+    cap = (4 if quick else CAP) if cap is None else cap
     plan = methods()
     unknown = sorted(set(only) - set(plan))
     if unknown:

@@ -64,7 +64,6 @@ def garl(
         pathwise = torch.exp(stats.log_ratio)  # w_m / w̄^q
         loo_baseline = stats.loo_baseline() if baseline == "rloo" else 0.0
     else:
-        check_group_tensors(rationale_logprob=rationale_logprob, behavior_logprob=behavior_logprob)
         ratios = correction.ratios(rationale_logprob, behavior_logprob)
         stats = weight_stats(answer_logprob.detach() + ratios.log_corrected, q)  # of v_m = ρ̃_m w_m
         pathwise = torch.exp(stats.log_ratio) * ratios.keep  # v_m / v̄^q (0 where masked, whatever v̄)

@@ -102,7 +102,6 @@ def grpo(
     token_loss = torch.maximum(-ratio * advantages, -clipped * advantages) * mask
     off_policy = {}
     if behavior_logprob is not None:
-        check_token_tensors(mask, behavior_logprob=behavior_logprob)
         ratios = correction.ratios(old_logprob, behavior_logprob, where=mask.bool())
         token_loss, off_policy = token_loss * ratios.corrected, ratios.metrics()
 

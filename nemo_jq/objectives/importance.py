@@ -68,13 +68,18 @@ class Correction:
 
     def ratios(self, logprob: torch.Tensor, behavior_logprob: torch.Tensor, where: torch.Tensor | None = None) -> Ratios:
         """ρ = exp(logprob - behavior_logprob), detached, corrected; ``where`` (a bool mask) limits what counts (0
-        elsewhere)."""
-        log_ratio = upcast(logprob.detach()) - upcast(behavior_logprob.detach())
+        elsewhere). The one check of the behaviour log-probs every estimator relies on: the policy's shape, and
+        neither NaN nor +inf where they count."""
+        if behavior_logprob.shape != logprob.shape:
+            raise ValueError(f"shape mismatch: behavior_logprob{list(behavior_logprob.shape)} must match the policy's "
+                             f"log-probs{list(logprob.shape)}")
+        behavior = upcast(behavior_logprob.detach())
+        log_ratio = upcast(logprob.detach()) - behavior
         if where is not None:
-            log_ratio = log_ratio.masked_fill(~where, 0.0)
-        if torch.isnan(log_ratio).any():
-            raise ValueError("behavior_logprob has NaN where it counts: the engine must report the log-prob of every "
-                             "sampled token it is corrected for")
+            log_ratio, behavior = log_ratio.masked_fill(~where, 0.0), behavior.masked_fill(~where, 0.0)
+        if torch.isnan(log_ratio).any() or (behavior == math.inf).any():
+            raise ValueError("behavior_logprob has NaN or +inf where it counts: the rollout engine must report the "
+                             "log-prob of every sampled token it is corrected for (or set objective.importance=none)")
         keep = torch.ones_like(log_ratio)
         corrected = log_ratio
         if self.mode == "truncate":

@@ -84,19 +84,14 @@ class EstimatorInputs:
         the rationale for GARL and PAFT, the whole completion for RLOO), or none when on-policy."""
         if self.behavior_token_logprob is None:
             return {}
-        behavior = self.behavior_token_logprob.to(self.token_logprob.device)
-        if torch.isnan(behavior[span]).any():
-            raise ValueError("the rollout engine reported no log-prob for some sampled tokens, which an importance "
-                             "correction needs: use an engine that reports them, or objective.importance=none")
-        return {"behavior_logprob": self.span_logprob_of(torch.where(span, behavior, 0.0)), "correction": self.correction}
+        return {"behavior_logprob": self._behavior_over(span).sum(-1), "correction": self.correction}
 
     def off_policy_tokens(self) -> dict:
         """GRPO's token-level off-policy arguments (``[B, M, T]``), or none when on-policy."""
         if self.behavior_token_logprob is None:
             return {}
-        behavior = torch.where(self.target_mask, self.behavior_token_logprob.to(self.token_logprob.device), 0.0)
-        return {"behavior_logprob": self.per_sample(behavior), "correction": self.correction}
+        return {"behavior_logprob": self._behavior_over(self.target_mask), "correction": self.correction}
 
-    def span_logprob_of(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``[B, M]`` row sums of a ``[B*M, T]`` tensor."""
-        return tokens.sum(-1).view(self.num_prompts, -1)
+    def _behavior_over(self, span: torch.Tensor) -> torch.Tensor:
+        """``[B, M, T]`` the engine's token log-probs over ``span``, 0 elsewhere."""
+        return self.per_sample(torch.where(span, self.behavior_token_logprob.to(self.token_logprob.device), 0.0))

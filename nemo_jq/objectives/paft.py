@@ -64,7 +64,6 @@ def paft(
 
     ratios = None
     if behavior_logprob is not None:
-        check_group_tensors(rationale_logprob=rationale_logprob, behavior_logprob=behavior_logprob)
         ratios = correction.ratios(rationale_logprob, behavior_logprob)
     stats = weight_stats(answer_logprob if ratios is None else answer_logprob.detach() + ratios.log_corrected, q)
     picks = resample_indices(stats.log_w, k, generator)

@@ -37,7 +37,6 @@ def rloo(sequence_logprob: torch.Tensor, rewards: torch.Tensor, *, behavior_logp
     advantages = leave_one_out_advantages(upcast(rewards))
     metrics = {}
     if behavior_logprob is not None:
-        check_group_tensors(sequence_logprob=sequence_logprob, behavior_logprob=behavior_logprob)
         ratios = correction.ratios(sequence_logprob, behavior_logprob)
         advantages, metrics = advantages * ratios.corrected, ratios.metrics()
     per_example = -(advantages * upcast(sequence_logprob)).mean(-1)

@@ -37,7 +37,7 @@ class RefittedRolloutEngine:
         """Reload the engine's weights from the policy if they have moved since the last refit (a collective over
         the replica's ranks)."""
         with self.engine.awake():
-            self._refit()
+            self._refit(self._sampling_ranks())
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
@@ -45,7 +45,7 @@ class RefittedRolloutEngine:
 
         samplers = self._sampling_ranks()
         with self.engine.awake():  # one wake and one sleep for the refit and both phases
-            self._refit()
+            self._refit(samplers)
             rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
                                              greedy=greedy) if samplers is None or dist.get_rank() in samplers else None]
         group = self.policy.model_parallel_group
@@ -63,12 +63,12 @@ class RefittedRolloutEngine:
         sampling = self.engine.tensor_parallel if not self.lockstep else dist.get_world_size(group)
         return [dist.get_global_rank(group, index) for index in range(sampling)]
 
-    def _refit(self) -> None:
+    def _refit(self, samplers: list[int] | None) -> None:
+        """Reload the engine's weights on the ``samplers`` (:meth:`_sampling_ranks`) if they have moved."""
         import torch.distributed as dist
 
         if self._version == self.policy.weights_version:
             return
-        samplers = self._sampling_ranks()
         tensors = self.policy.iter_hf()  # a collective over the replica's ranks: all of them consume it
         if samplers is None or dist.get_rank() in samplers:
             self.engine.load_weights(tensors)
