@@ -15,6 +15,7 @@ from pathlib import Path
 from nemo_jq.config import load_config
 from nemo_jq.monitor import plot_runs, read_metrics
 from nemo_jq.outputs import claim_dir
+from nemo_jq.preemption import Series
 from nemo_jq.trainer import Trainer
 
 DEMO_RUNS = (
@@ -29,6 +30,7 @@ DEMO_RUNS = (
 SUMMARY_FILE, FIGURE_FILE = "summary.json", "figure3.png"
 
 
+@Series("train", again="`nemo-jq train --demo-dir NEW_DIR` (or --overwrite) runs the whole comparison again")
 def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, overwrite: bool = False) -> dict[str, dict]:
     """Run the five methods into ``out_dir/<slug>``; an earlier demo there is refused, or moved aside with ``overwrite``."""
     out_dir = Path(out_dir)

@@ -5,19 +5,34 @@ one would give ``nemo-jq`` (``train --config ... key=value ...``). On SLURM ``sr
 per GPU itself (no torchrun: torchrun 2.13 dies on the ``--signal=USR1`` SLURM sends before the time
 limit, and its workers never see it), each joining from SLURM's step variables with the first node as
 the rendezvous; ``train`` runs with ``--requeue``, so the signal writes a checkpoint and requeues the
-job, which resumes. Docker and local runs start under ``torchrun``. ``--dryrun`` prints the sbatch
-script NeMo-Run would submit (rendered by NeMo-Run's own ``SlurmBatchRequest``) without touching
-SLURM. Needs the ``launch`` extra (``nemo-run==0.11.1`` with ``leptonai<0.47``).
+job, which resumes: ``train --requeue`` exits with 75 after the time-limit signal's checkpoint, and the
+batch script requeues the job from the host (a pyxis container has no ``scontrol``). Docker and local runs
+start under ``torchrun``. NeMo-Run keeps its files under ``job_dir/experiments/nemo-jq/<id>/`` and submits the
+script it wrote there. ``--dryrun`` prints the sbatch script NeMo-Run would submit (rendered by NeMo-Run's own
+``SlurmBatchRequest``) without touching SLURM or writing a file. Needs the ``launch`` extra
+(``nemo-run==0.11.1`` with ``leptonai<0.47``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 EXECUTORS = ("slurm", "docker", "local")
+#: SLURM's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (sbatch rejects ``4h``).
+SLURM_TIME = re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)")
+#: ``--mem``: a size with an optional K/M/G/T unit; 0: all of each node's memory.
+SLURM_MEM = re.compile(r"\d+[KMGT]?")
+#: The experiment title NeMo-Run files the job under (``job_dir/experiments/nemo-jq/nemo-jq_<id>``).
+TITLE = "nemo-jq"
+#: The batch script's last word after ``train --requeue`` exits with 75: requeue the job, from the host.
+REQUEUE_ON_EXIT = ("trap 'status=$?; if [ \"$status\" = 75 ]; then echo \"nemo-jq: requeueing job $SLURM_JOB_ID; it resumes "
+                   "from the checkpoint just written\"; scontrol requeue \"$SLURM_JOB_ID\" || echo \"nemo-jq: job "
+                   "$SLURM_JOB_ID was not requeued (requeued or cancelled from outside?)\"; exit 0; fi' EXIT")
 
 
 @dataclass
@@ -39,6 +54,10 @@ class LaunchConfig:
     signal: str = "USR1@300"
     #: The rendezvous port on the first node (SLURM).
     master_port: int = 29500
+    #: SLURM: whole nodes (``--exclusive``), each node's memory (``--mem``; "0": all of it), CPUs per task (GPU).
+    exclusive: bool = True
+    mem: str = "0"
+    cpus_per_task: int | None = None
 
 
 def load_launch_config(path: Path) -> LaunchConfig:
@@ -60,10 +79,17 @@ def load_launch_config(path: Path) -> LaunchConfig:
     if config.executor != "local" and not config.container_image:
         raise ValueError(f"{path}: executor={config.executor} needs container_image: REGISTRY#IMAGE:TAG for pyxis "
                          "(nvcr.io#nvidia/pytorch:25.04-py3), or a squashfs path every node sees (/shared/nemo-jq.sqsh)")
-    for key in ("nodes", "gpus_per_node"):
+    for key in ("nodes", "gpus_per_node", *(("cpus_per_task",) if config.cpus_per_task is not None else ())):
         value = getattr(config, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{path}: {key}={value!r} must be a whole number >= 1")
+    if not isinstance(config.time, str) or not SLURM_TIME.fullmatch(config.time):
+        raise ValueError(f"{path}: time={config.time!r} is not a SLURM time limit: write it quoted as \"HH:MM:SS\", "
+                         "\"D-HH:MM:SS\" or minutes (\"240\"); an unquoted 2:00:00 is YAML's number 7200")
+    if not isinstance(config.mem, str) or not SLURM_MEM.fullmatch(config.mem):
+        raise ValueError(f"{path}: mem={config.mem!r} is not a SLURM memory size: \"0\" (all of the node's), \"512G\", ...")
+    if not isinstance(config.exclusive, bool):
+        raise ValueError(f"{path}: exclusive={config.exclusive!r} must be true or false")
     return config
 
 
@@ -76,9 +102,11 @@ def build_executor(config: LaunchConfig) -> Any:
             account=config.account, partition=config.partition, nodes=config.nodes, ntasks_per_node=config.gpus_per_node,
             gpus_per_node=config.gpus_per_node, launcher=None, time=config.time, container_image=config.container_image,
             container_mounts=list(config.container_mounts), env_vars={"MASTER_PORT": str(config.master_port), **env},
-            setup_lines='export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            signal=config.signal, tunnel=run.LocalTunnel(job_dir=str(Path(config.job_dir).resolve())),
-            packager=run.Packager())
+            setup_lines="\n".join(['export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                                    REQUEUE_ON_EXIT]),
+            signal=config.signal, exclusive=config.exclusive or None, mem=config.mem, cpus_per_task=config.cpus_per_task,
+            # where NeMo-Run writes the script (the experiment's folder under job_dir) is where it submits it from
+            tunnel=run.LocalTunnel(job_dir=str(Path(config.job_dir).resolve() / "experiments")), packager=run.Packager())
     if config.executor == "docker":
         return run.DockerExecutor(container_image=config.container_image, num_gpus=config.gpus_per_node,
                                   ntasks_per_node=config.gpus_per_node, launcher="torchrun",
@@ -99,27 +127,43 @@ def task(command: list[str], executor: str) -> Any:
 
 
 def sbatch_script(config: LaunchConfig, command: list[str], name: str = "nemo-jq") -> str:
-    """The sbatch script NeMo-Run would submit, rendered as its SLURM scheduler's dry run does."""
+    """The sbatch script NeMo-Run would submit, rendered as its SLURM scheduler's dry run does, with the paths a
+    submission would have (``job_dir/experiments/nemo-jq/nemo-jq_dryrun/``); nothing is written there."""
     from nemo_run.core.execution.slurm import SlurmBatchRequest
     from nemo_run.run.torchx_backend.packaging import package
 
-    executor = build_executor(config)
-    executor.assign("dryrun", str(Path(config.job_dir).resolve() / "dryrun"), name, name)
-    role = package(name, task(command, config.executor), executor=executor).roles[0]
-    macros = executor.macro_values()
-    if macros:
-        role = macros.apply(role)
-    request = SlurmBatchRequest(launch_cmd=["sbatch", "--requeue", "--parsable"], jobs=[role.name],
-                                command_groups=[[" ".join([role.entrypoint, *role.args])]], executor=executor,
-                                max_retries=role.max_retries, extra_env=role.env, launcher=executor.get_launcher())
-    return request.materialize()
+    experiment_id = f"{TITLE}_dryrun"
+    real = str(Path(config.job_dir).resolve())
+    with tempfile.TemporaryDirectory() as scratch:
+        executor = build_executor(dataclasses.replace(config, job_dir=scratch))
+        experiment_dir = str(Path(scratch) / "experiments" / TITLE / experiment_id)
+        executor.assign(experiment_id, experiment_dir, name, name)
+        role = package(name, task(command, config.executor), executor=executor).roles[0]
+        macros = executor.macro_values()
+        if macros:
+            role = macros.apply(role)
+        request = SlurmBatchRequest(launch_cmd=["sbatch", "--requeue", "--parsable"], jobs=[role.name],
+                                    command_groups=[[" ".join([role.entrypoint, *role.args])]], executor=executor,
+                                    max_retries=role.max_retries, extra_env=role.env, launcher=executor.get_launcher())
+        return request.materialize().replace(scratch, real)
 
 
 def launch(config: LaunchConfig, command: list[str], *, dryrun: bool) -> str | None:
-    """Submit ``command`` (or, with ``dryrun`` on SLURM, return the script instead)."""
+    """Submit ``command`` (or, with ``dryrun`` on SLURM, return the script instead); a submission returns a line
+    naming the job and where NeMo-Run keeps its files."""
     import nemo_run as run
 
     if dryrun and config.executor == "slurm":
         return sbatch_script(config, command)
-    run.run(task(command, config.executor), executor=build_executor(config), name="nemo-jq", dryrun=dryrun, detach=True)
-    return None
+    executor = build_executor(config)
+    if dryrun:
+        run.run(task(command, config.executor), executor=executor, name=TITLE, dryrun=True)
+        return None
+    with run.Experiment(title=TITLE, executor=executor, base_dir=str(Path(config.job_dir).resolve()), log_level="WARN") as exp:
+        exp.add(task(command, config.executor), name=TITLE)
+        exp.run(detach=True)
+        submitted = exp.jobs[0]
+    files = submitted.executor.job_dir
+    if config.executor == "slurm":
+        return f"nemo-jq launch: submitted SLURM job {submitted.handle.rsplit('/', 1)[-1]}; its files: {files}"
+    return f"nemo-jq launch: started {submitted.handle}; its files: {files}"

@@ -1,18 +1,30 @@
 """Stopping a run cleanly: SIGTERM, SIGUSR1 (SLURM's warning before the time limit) and Ctrl-C ask the
-training loop to finish its current step and write a checkpoint; a second Ctrl-C stops at once."""
+training loop to finish its current step and write a checkpoint; a second Ctrl-C stops at once.
+
+Only SIGUSR1 asks for a requeue (the launchers' ``--signal=USR1@300``): ``train --requeue`` then exits with
+:data:`REQUEUE_EXIT_CODE` after its checkpoint, and the batch script, on the host (a pyxis container has no
+``scontrol``), requeues the job, which resumes. SIGTERM (``scancel``, a requeue or preemption from outside) ends
+the run for good: SLURM itself decides whether the job comes back.
+
+A command of several trainings (the demo, an experiment) runs them inside one :class:`Series`: a stop signal
+ends the current run (checkpoint written) and the command, which says what finished and how to continue.
+"""
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
-import subprocess
 import threading
+from pathlib import Path
 from typing import Any
-
-from nemo_jq import distributed
 
 #: The signals that ask for a clean stop.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+#: The signal that asks ``train --requeue`` for a requeue: SLURM's before the time limit (``--signal=USR1@300``).
+REQUEUE_SIGNAL = signal.SIGUSR1
+#: ``train --requeue``'s exit status after :data:`REQUEUE_SIGNAL` and its checkpoint: the batch script requeues the
+#: job on it (EX_TEMPFAIL). Under srun, rank 0 exits with it and the other ranks with 0, just before.
+REQUEUE_EXIT_CODE = 75
 
 
 class StopSignals:
@@ -40,16 +52,106 @@ class StopSignals:
 
     def requested(self) -> bool:
         """Whether a stop signal reached any rank (a collective); every rank then agrees on the largest signal number."""
+        from nemo_jq import distributed
+
         self.received = distributed.largest(self.received or 0) or None
         return self.received is not None
 
 
-def requeue_this_job() -> None:
-    """Put this SLURM job back in the queue (it reruns the same command, which resumes; see ``train --requeue``)."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if job is None:
-        print("nemo-jq: stopped by a signal outside SLURM: nothing to requeue; `nemo-jq train --resume RUN_DIR` "
-              "continues", flush=True)
-        return
-    subprocess.run(["scontrol", "requeue", job], check=True)
-    print(f"nemo-jq: requeued SLURM job {job}; it resumes from the checkpoint just written", flush=True)
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class Stopped(Exception):
+    """A stop signal ended a command of several trainings, after the current run's checkpoint."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # 130 for Ctrl-C
+
+
+_series: Series | None = None
+
+
+class Series(contextlib.ContextDecorator):
+    """Several trainings in one command: one :class:`StopSignals` for all of them (``Trainer.fit`` takes it while a
+    series is entered), and a stop signal raises :class:`Stopped` from the current run's ``fit`` once its checkpoint
+    is written, so no further run starts. ``again`` says how to run the whole command anew. Also a decorator of the
+    function that runs the command."""
+
+    def __init__(self, command: str, again: str):
+        self.command, self.again = command, again
+        self.stop = StopSignals()
+        self.finished: list[Path] = []
+
+    def __enter__(self) -> Series:
+        global _series
+        self.stop, self.finished = StopSignals(), []
+        self.stop.__enter__()
+        _series = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _series
+        _series = None
+        self.stop.__exit__(*exc)
+
+    def stopped(self, run_dir: Path, step: int) -> Stopped:
+        signum = self.stop.received or signal.SIGTERM
+        finished = ", ".join(str(path) for path in self.finished) or "none"
+        return Stopped(signum, f"nemo-jq {self.command}: stopped by {signal_name(signum)}; finished runs: {finished}; "
+                               f"{run_dir} stopped at step {step} with a checkpoint (`nemo-jq train --resume {run_dir}` "
+                               f"continues it); no further run started; {self.again}")
+
+
+def current_series() -> Series | None:
+    """The series this process is running (None: a single training)."""
+    return _series
+
+
+def end_stopped_run(signum: int, step: int, run_dir: Path, *, requeue: bool) -> int:
+    """``train``'s exit status after ``signum`` stopped it and its checkpoint at ``step`` was written; rank 0 says so in
+    one line. With ``requeue`` and :data:`REQUEUE_SIGNAL`: :data:`REQUEUE_EXIT_CODE`, for the batch script to requeue
+    the job; any other signal ends the run (0): ``scancel`` must not bring a job back, and a job requeued from outside
+    (``scontrol requeue``) comes back by itself and resumes."""
+    from nemo_jq import distributed
+
+    name = signal_name(signum)
+    if requeue and signum == REQUEUE_SIGNAL:
+        distributed.on_writer(lambda: print(f"nemo-jq train: {name} at step {step}: checkpoint written; exit "
+                                            f"{REQUEUE_EXIT_CODE} asks the batch script to requeue the job, which "
+                                            "resumes from it", flush=True))
+        return _exit_for_requeue()
+    advice = ("not requeued: only SIGUSR1 (the time-limit signal) requeues; a job requeued from outside resumes when "
+              "it restarts" if requeue else f"`nemo-jq train --resume {run_dir}` continues")
+    distributed.on_writer(lambda: print(f"nemo-jq train: stopped by {name} at step {step} with a checkpoint; {advice}",
+                                        flush=True))
+    return 0
+
+
+def _exit_for_requeue(linger: float = 3.0) -> int:
+    """Under srun with ``--kill-on-bad-exit``, the first task that exits non-zero has the others killed, which turns
+    srun's status into 143 and loses the request. So every rank waits for the others, the other ranks end at once
+    with 0, and rank 0 returns :data:`REQUEUE_EXIT_CODE` a moment later, when nothing is left to kill. Before it ends,
+    a rank shuts down its multiprocessing helpers (megatron-core's checkpoint writer's), as a normal exit would: left
+    running, they would outlive the job step and hold its output open."""
+    import multiprocessing.util
+    import os
+    import sys
+    import time
+
+    from nemo_jq import distributed
+
+    if distributed.world_size() > 1:
+        distributed.barrier()
+        if not distributed.is_writer():
+            multiprocessing.util._exit_function()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        time.sleep(linger)
+    return REQUEUE_EXIT_CODE

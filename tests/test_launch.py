@@ -15,6 +15,7 @@ partition: batch
 nodes: 2
 gpus_per_node: 8
 time: "02:00:00"
+cpus_per_task: 16
 container_image: nvcr.io#acme/nemo-jq:latest
 container_mounts: [/lustre/me:/lustre/me]
 env: {NCCL_IB_HCA: mlx5}
@@ -41,9 +42,15 @@ def test_dryrun_prints_the_sbatch_script_nemo_run_would_submit(tmp_path, capsys)
         assert line in script.splitlines(), line
     srun = next(line for line in script.splitlines() if line.startswith("srun --output"))
     assert "--container-image nvcr.io#acme/nemo-jq:latest" in srun and "--container-mounts /lustre/me:/lustre/me," in srun
-    assert "torchrun" not in script and f"{tmp_path / 'jobs'}/dryrun/nemo-jq:/nemo_run" in srun  # an absolute mount
+    for line in ("#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --cpus-per-task=16"):
+        assert line in script.splitlines(), line
+    job_files = f"{tmp_path / 'jobs'}/experiments/nemo-jq/nemo-jq_dryrun/nemo-jq"  # where NeMo-Run would write them
+    assert "torchrun" not in script and f"{job_files}:/nemo_run" in srun  # an absolute mount
     assert srun.endswith("-m nemo_jq.cli train --requeue " + " ".join(command[1:]))
-    assert not (tmp_path / "jobs" / "dryrun" / "nemo-jq" / "log").exists()  # nothing was submitted
+    # exit 75 (a checkpoint after SIGUSR1) is requeued by the batch script, on the host
+    assert any(line.startswith("trap ") and "75" in line and 'scontrol requeue "$SLURM_JOB_ID"' in line
+               for line in script.splitlines())
+    assert not (tmp_path / "jobs").exists()  # a dry run writes nothing
 
 
 def test_docker_and_local_executors_run_under_torchrun(tmp_path):
@@ -65,6 +72,10 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("account: a\ncontainer_image: x.sqsh\nnodes: 0\n", "nodes=0 must be a whole number >= 1"),
     ("account: a\ncontainer_image: x.sqsh\ngpus_per_node: true\n", "gpus_per_node=True must be a whole number >= 1"),
     ("account: a\ncontainer_image: x.sqsh\nnodes: '2'\n", "nodes='2' must be a whole number >= 1"),
+    ("account: a\ncontainer_image: x.sqsh\ntime: 4h\n", "time='4h' is not a SLURM time limit"),
+    ("account: a\ncontainer_image: x.sqsh\ntime: 2:00:00\n", "time=7200 is not a SLURM time limit"),
+    ("account: a\ncontainer_image: x.sqsh\nmem: 80 GB\n", "mem='80 GB' is not a SLURM memory size"),
+    ("account: a\ncontainer_image: x.sqsh\ncpus_per_task: 0\n", "cpus_per_task=0 must be a whole number >= 1"),
 ])
 def test_bad_launch_configs_are_one_line_errors(tmp_path, capsys, text, message):
     assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train"]) == 2
@@ -75,3 +86,20 @@ def test_bad_launch_configs_are_one_line_errors(tmp_path, capsys, text, message)
 def test_a_launch_without_a_command_is_refused(tmp_path, capsys):
     assert main(["launch", str(write_launch(tmp_path)), "--dryrun"]) == 2
     assert "needs the command to run" in capsys.readouterr().err
+
+
+def test_a_misspelt_command_is_refused_and_a_dry_run_writes_nothing(tmp_path, capsys):
+    assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "trian", "--config", "c.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "'trian' is not a nemo-jq command (did you mean 'train'?)" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_the_single_node_launcher_asks_for_no_gpus_and_no_docker_hub_image():
+    """launchers/slurm.sbatch runs any command: the GPUs are asked for on the sbatch line of a command that needs them,
+    and its default image is a squashfs file (a bare nemo-jq:latest means Docker Hub to pyxis)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "launchers" / "slurm.sbatch").read_text()
+    assert "--gpus-per-node" not in "".join(line for line in text.splitlines() if line.startswith("#SBATCH"))
+    assert "nemo-jq:latest}" not in text and 'IMAGE="${NEMO_JQ_IMAGE:-$PWD/nemo-jq.sqsh}"' in text

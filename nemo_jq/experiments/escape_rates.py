@@ -31,6 +31,7 @@ from nemo_jq.config import ConfigError, load_config
 from nemo_jq.experiments.noisy_cold_start import slug
 from nemo_jq.monitor import read_metrics
 from nemo_jq.outputs import claim_dir
+from nemo_jq.preemption import Series
 
 #: log P̂ a run must exceed to have escaped: e^-5 ≈ 0.7%, the noisy cold-start experiment's "left P̂ ≈ 0".
 THRESHOLD = -5.0
@@ -162,6 +163,7 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]], widths: Sequence
             "optimizers": by_optimizer}
 
 
+@Series("experiment escape-rates", again="`--out NEW_DIR` (or --overwrite) runs the whole experiment again")
 def run_experiment(out_dir: Path, seeds: Sequence[int], *, widths: Sequence[int] | None = None, cap: int | None = None,
                    quick: bool = False, overrides: Sequence[str] = (), overwrite: bool = False,
                    only: Sequence[str] = (), train: Callable[[list[str], int], list[dict]] | None = None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import yaml
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.monitor import plot_runs, read_metrics
 from nemo_jq.outputs import claim_dir
+from nemo_jq.preemption import Series
 
 #: The one configuration every method trains with: the demo's model, M=4 and budgets on sums of two digits, 64
 #: training prompts (13 of them noisy at rho=0.2) seen 64 times (512 steps of 8 prompts), so that a method can
@@ -77,6 +78,7 @@ def steps_to_escape(records: Sequence[dict[str, Any]], threshold: float) -> int 
     return next((r["step"] for r in records if r["kind"] == "train" and (r.get("log_p_hat") or -math.inf) > threshold), None)
 
 
+@Series("experiment noisy-cold-start", again="`--out NEW_DIR` (or --overwrite) runs the whole experiment again")
 def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, quick: bool = False,
                    overrides: Sequence[str] = (), overwrite: bool = False, only: Sequence[str] = (),
                    adaptive: dict[str, float] | None = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ model. AdamW's moments are sharded exactly like their parameters (megatron-core'
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,25 @@ def save_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer, 
     state = {_MODEL: model_state, _ARCH: arch.hf_config, _HAS_OPTIMIZER: bool(optimizer.state)}
     if optimizer.state:
         state[_OPTIMIZER] = _sharded_optimizer_state(model_state, optimizer)
+    _start_writer_helpers()
     dist_checkpointing.save(state, str(target))
+
+
+def _start_writer_helpers() -> None:
+    """Start megatron-core's long-lived checkpoint-writer helpers (a multiprocessing manager for the write results,
+    and multiprocessing's resource tracker) with SIGUSR1 blocked, so that they never act on it: SLURM sends its
+    time-limit signal to every process of the job step, and a helper killed by it breaks the save that signal asks
+    for (rank 0's BrokenPipeError while the others wait at a barrier, until the hard kill). Only SIGUSR1: SIGTERM
+    still ends them with the job. A SIGUSR1 to this process meanwhile stays pending, and is handled once unblocked."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", True) is not None:  # started already (or another megatron-core)
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        filesystem_async._get_write_results_queue()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer | None, arch: Qwen3Architecture) -> None:
