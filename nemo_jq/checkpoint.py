@@ -47,9 +47,10 @@ def save_checkpoint(root: Path, step: int, policy: Policy, state: dict[str, Any]
         distributed.everywhere(lambda: torch.save(rng, tmp / rng_file(distributed.rank())))
         distributed.on_writer(lambda: _complete(tmp, final, state))
     except Exception as err:  # torch reports a full disk as a RuntimeError
+        space = out_of_space(err, root)  # before the temporary checkpoint is removed, which frees its space again
         distributed.on_writer(lambda: shutil.rmtree(tmp, ignore_errors=True))
-        if _disk_full(err, root):
-            raise OSError(errno.ENOSPC, "No space left on device", str(final)) from err
+        if space is not None:
+            raise OSError(space[0], space[1], str(final)) from err
         raise
     return final
 
@@ -67,7 +68,10 @@ def _begin(root: Path, final: Path, tmp: Path) -> bool:
 
 def _complete(tmp: Path, final: Path, state: dict[str, Any]) -> None:
     (tmp / STATE).write_text(json.dumps(state, indent=2))
+    umask = _umask()
     for path in tmp.rglob("*"):
+        if path.is_file():  # as the umask says (a writer such as safetensors makes its files owner-only)
+            path.chmod(0o666 & ~umask)
         _fsync(path)
     _fsync(tmp)
     os.rename(tmp, final)
@@ -117,8 +121,42 @@ def prune_checkpoints(root: Path, keep: int, protect: set[str]) -> None:
             shutil.rmtree(path)
 
 
-def _disk_full(err: BaseException, root: Path) -> bool:
-    return getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or shutil.disk_usage(root).free < 1 << 20
+#: What a failed write for want of space says: the OS's messages, and torch's, which hides the OS's error (``[enforce
+#: fail at inline_container.cc:672] . unexpected pos 1088 vs 1002``, ``PytorchStreamWriter failed writing file``).
+NO_SPACE, OVER_QUOTA = "No space left on device", "Disk quota exceeded"
+TORCH_WRITE_FAILED = ("unexpected pos", "failed writing file", "file write failed")
+
+
+def out_of_space(err: BaseException, root: Path) -> tuple[int, str] | None:
+    """``(errno, reason)`` when ``err`` is (or hides) a write that failed for want of space: a full disk (ENOSPC) or
+    a quota reached (EDQUOT, usual on Lustre, where the disk itself has room); None for any other failure."""
+    causes, cause = [], err
+    while cause is not None and len(causes) < 8:
+        causes.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for cause in causes:
+        if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return cause.errno, NO_SPACE if cause.errno == errno.ENOSPC else OVER_QUOTA
+    text = " ".join(map(str, causes))
+    if OVER_QUOTA in text:
+        return errno.EDQUOT, OVER_QUOTA
+    free = shutil.disk_usage(root).free
+    if NO_SPACE in text or free < 1 << 20:
+        return errno.ENOSPC, NO_SPACE
+    if any(words in text for words in TORCH_WRITE_FAILED):  # the disk has room: a quota is what stops the write
+        return errno.EDQUOT, f"{OVER_QUOTA} (most likely: a write failed and the disk has {free / 2**30:.1f} GiB free)"
+    return None
+
+
+def _umask() -> int:
+    """This process's umask (read from /proc where Linux shows it, so no other thread sees it changed)."""
+    try:
+        return int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                        if line.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return umask
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -186,6 +186,9 @@ def user_error_message(err: BaseException) -> str | None:
         hints = {
             errno.ENOSPC: "free some space or choose another train.run_dir / --out; the last good checkpoint "
                           "(checkpoints/latest) is still loadable, so `nemo-jq train --resume RUN_DIR` continues",
+            errno.EDQUOT: "free some of your quota (`lfs quota -u $USER PATH` on Lustre, `quota -s` elsewhere) or choose "
+                          "another train.run_dir / --out; the last good checkpoint (checkpoints/latest) is still "
+                          "loadable, so `nemo-jq train --resume RUN_DIR` continues",
             errno.EACCES: "make it writable or choose another train.run_dir / --out",
             errno.EROFS: "choose a writable train.run_dir / --out",
             errno.EPERM: "make it writable or choose another train.run_dir / --out",
@@ -332,7 +335,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     from nemo_jq.runs import load_for_inference
 
     if args.command == "train":
-        return _train(args)
+        from nemo_jq.outputs import release_run_dirs
+
+        try:
+            return _train(args)
+        finally:  # let go of the run directory: a start that failed leaves nothing behind that blocks the next
+            release_run_dirs()
 
     loaded = load_for_inference(args.checkpoint, getattr(args, "overrides", ()), args.step)
     selected = loaded.selected

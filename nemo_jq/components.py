@@ -9,6 +9,7 @@ asked for the components.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from nemo_jq.data.prepare import load_prepared, make_task, prepare
 from nemo_jq.distributed import DataParallel
 from nemo_jq.guard import CollapseGuard
 from nemo_jq.models.backends import BackendRequest, build_backend
-from nemo_jq.models.common import resolve_pretrained
+from nemo_jq.models.common import SafetensorsFolder, resolve_pretrained
 from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
 from nemo_jq.models.interfaces import Policy, RolloutEngine
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
@@ -72,6 +73,7 @@ def build_components(config: Config, device: torch.device, *, tokenizer_dir: Pat
     model_dir = resolve_model_dir(config.model.path)
     tokenizer = load_tokenizer(config, model_dir, task, splits, tokenizer_dir)
     chat = ChatFormat(tokenizer)
+    check_prompt_lengths(config, model_dir, task, splits, chat)
     policy, engine = build_backend(config.model.backend, BackendRequest(
         load_model=lambda: load_model(config, model_dir, len(tokenizer)), model_dir=model_dir, config=config, chat=chat,
         device=device))
@@ -142,18 +144,83 @@ def load_tokenizer(config: Config, model_dir: Path | None, task: Task, splits: S
     if model_dir is not None:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(model_dir)
+        if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
+            raise FileNotFoundError(f"model folder {model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy "
+                                    "the model's own beside its config.json (e.g. `hf download NAME --include 'tokenizer*' "
+                                    f"'*.jinja' --local-dir {model_dir}`)")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if not tokenizer.chat_template:
+            raise ValueError(f"the tokenizer in {model_dir} has no chat template (no chat_template in "
+                             "tokenizer_config.json, no chat_template.jinja): prompts are rendered with it; copy the "
+                             "chat_template.jinja of the model's chat release (e.g. Qwen/Qwen3-0.6B) into that folder")
+        return tokenizer
     return build_tokenizer(task.corpus(splits.train), config.model.tiny.tokenizer_vocab_size)
+
+
+#: Files one of which an HF folder's tokenizer is read from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_prompt_lengths(config: Config, model_dir: Path | None, task: Task, splits: Splits, chat: ChatFormat) -> None:
+    """Every prompt, with the thinking budget and its answer, fits the model's context (``max_position_embeddings``):
+    one that does not is a ``ValueError`` naming its example, before any model is built. A prompt short enough in
+    UTF-8 bytes (a token is at least one) is passed without tokenizing it."""
+    if model_dir is None:
+        context, where = config.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
+    else:
+        context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+        where = f"max_position_embeddings in {model_dir / 'config.json'}"
+    examples = [(name, e) for name in ("train", "validation", "test") for e in splits.get(name)]
+    if not context or not examples:
+        return
+    rollout, form = config.rollout, config.data.format
+    room = context - rollout.max_thinking_tokens - 1  # the rationale and </think>
+    blank = [{**m, "content": ""} if m["role"] == "user" else m for m in task.messages(examples[0][1], form)]
+    overhead = len(chat.prompt_ids(blank)) + 8  # the template's tokens, and a few where the text meets them
+    for split, example in examples:
+        messages = task.messages(example, form)
+        user = sum(len(m["content"].encode()) for m in messages if m["role"] == "user")
+        if overhead + user + max(rollout.max_answer_tokens, len(example.answer.encode()) + 4) <= room:
+            continue
+        prompt = len(chat.prompt_ids(messages))
+        answer = max(rollout.max_answer_tokens, len(chat.answer_ids(example.answer)))
+        if prompt + answer > room:
+            raise ValueError(f"{split} example {example.id!r}: its prompt is {prompt} tokens, which with its answer "
+                             f"({answer}) and rollout.max_thinking_tokens={rollout.max_thinking_tokens} is beyond the "
+                             f"model's context of {context} tokens ({where}): shorten or drop that row (`nemo-jq data "
+                             "prepare` drops rows over its character cap), lower rollout.max_thinking_tokens"
+                             + (", or raise model.tiny.max_position_embeddings" if model_dir is None else ""))
 
 
 def load_model(config: Config, model_dir: Path | None, vocab_size: int) -> Any:
     """The HF causal LM the run starts from: the model folder's, or a tiny Qwen3 from scratch."""
     if model_dir is not None:
+        check_config_matches_weights(model_dir)
         return load_causal_lm(model_dir)
     tiny = config.model.tiny
     return tiny_qwen3(vocab_size, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
                       num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
                       max_position_embeddings=tiny.max_position_embeddings, seed=config.train.seed)
+
+
+def check_config_matches_weights(model_dir: Path) -> None:
+    """A ``ValueError`` naming the first weight whose shape in the folder's safetensors differs from the one its
+    ``config.json`` builds (checked on the meta device, before anything is loaded)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        expected = {name: tuple(p.shape) for name, p in
+                    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).state_dict().items()}
+    weights = SafetensorsFolder(model_dir)
+    for file in dict.fromkeys(weights.files.values()):
+        with safe_open(str(file), framework="pt") as tensors:
+            for name in tensors.keys():
+                shape = tuple(tensors.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    raise ValueError(f"model folder {model_dir}: its config.json does not match its weights ({name} is "
+                                     f"{list(shape)} in {file.name}, {list(expected[name])} by config.json): use the "
+                                     "config.json that came with these weights")
 
 
 def build_guard(config: Config) -> CollapseGuard | None:

@@ -30,6 +30,8 @@ from nemo_jq.typed import ConfigError, build, describe_fields, option
 
 #: Keys that may name a local file or folder (``section``, ``key``): made absolute when a config loads.
 PATH_KEYS = (("model", "path"), ("data", "prepared_dir"), ("data", "source"))
+#: The largest fp32 number: a learning rate beyond it overflows the optimizer's step.
+FP32_MAX = 3.4028234663852886e38
 #: ``objective.importance``: the corrections, no correction, or the one the rollouts call for.
 IMPORTANCE_MODES = ("auto", "none", *CORRECTIONS)
 
@@ -238,6 +240,9 @@ class Config:
             if getattr(self.tracking, tracker) and importlib.util.find_spec(package) is None:
                 raise ConfigError(f"tracking.{tracker}=true needs the {package} package: pip install {install} (or "
                                   "pip install -e \".[tracking]\")")
+        if not self.optim.lr < FP32_MAX:
+            raise ConfigError(f"optim.lr={self.optim.lr:g} overflows fp32, in which the optimizer steps: use a learning "
+                              "rate such as 1e-6 to 1e-2")
         if not all(0.0 <= beta < 1.0 for beta in self.optim.betas) or len(self.optim.betas) != 2:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1); got {self.optim.betas}")
         if self.optim.name == "sgd" and self.model.backend != "hf":
@@ -395,8 +400,9 @@ def describe_keys() -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides (values parsed as YAML)."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *, saved: bool = False) -> Config:
+    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides (values parsed as YAML). A key given that
+    the run will not use is said in one line (``saved``: ``path`` is a run's own config.yaml, which holds every key)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -416,7 +422,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             _deprecated(key, current_key(key))
         _set_path(raw, current_key(key).split("."), _parse_yaml(value, f"override {item!r}"))
     _migrate(raw)
-    return build(Config, raw, prefix="").validate()
+    config = build(Config, raw, prefix="").validate()
+    if not saved:
+        _warn_unused(raw, config)
+    return config
+
+
+def _warn_unused(raw: dict[str, Any], config: Config) -> None:
+    """``objective.q`` given where nothing reads it: an estimator without a q, or beside a q schedule. (Given: set to
+    other than its default, so that loading a run's config.yaml, which holds every key, says nothing.)"""
+    from nemo_jq.objectives import get_objective
+
+    objective = config.objective
+    if not isinstance(raw.get("objective"), dict) or "q" not in raw["objective"] or objective.q == ObjectiveConfig.q:
+        return
+    if not get_objective(objective.name).uses_q:
+        why = f"objective.name={objective.name} takes no q"
+    elif objective.q_schedule is not None:
+        why = "objective.q_schedule sets q at every step"
+    else:
+        return
+    message = f"objective.q={objective.q:g} is ignored: {why}"
+    if message not in _ANNOUNCED:
+        _ANNOUNCED.add(message)
+        print(f"nemo-jq: warning: {message}", file=sys.stderr)
 
 
 #: Deprecations already announced in this process (each is said once).

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+#: How ``metrics.jsonl`` writes a number that is not finite, which JSON has no word for: as a string (the names
+#: JavaScript gives them); :func:`read_metrics` reads them back as floats (and a bare ``NaN`` of older files too).
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 #: The paper's Figure 3 panels: (record kind, key, panel title).
 PANELS = (
     ("train", "train_reward", "train reward"),
@@ -37,7 +40,7 @@ class RunLogger:
         if not writes:  # another rank of a multi-process run writes them
             return
         kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step and r["kind"] != "test"] if resume_step else []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.path.write_text("".join(map(metrics_line, kept)))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -53,7 +56,7 @@ class RunLogger:
             return
         try:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(metrics_line(record))
         except OSError as err:  # a failed write names no file: say which
             raise OSError(err.errno, err.strerror, str(self.path)) from err
         if self.writer is not None:
@@ -90,16 +93,23 @@ class ProgressLines:
         self.every, self.start = max(1, total // 10), initial
 
     def update(self, n: int = 1) -> None:
+        """Count ``n`` more; a line that falls due waits for the figures of the step it counts (``set_postfix``)."""
+        self._print_due()
         self.count += n
-        if self.count % self.every == 0 or self.count == self.total:
-            rate = (self.count - self.start) / max(time.perf_counter() - self.started, 1e-9)
-            print(f"{self.desc}: {self.count}/{self.total} ({rate:.3g}/s){self.figures}", file=sys.stderr, flush=True)
+        self.due = self.count % self.every == 0 or self.count == self.total
 
     def set_postfix(self, figures: dict[str, str]) -> None:
         self.figures = "".join(f", {key}={value}" for key, value in figures.items())
+        self._print_due()
+
+    def _print_due(self) -> None:
+        if getattr(self, "due", False):
+            self.due = False
+            rate = (self.count - self.start) / max(time.perf_counter() - self.started, 1e-9)
+            print(f"{self.desc}: {self.count}/{self.total} ({rate:.3g}/s){self.figures}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        pass
+        self._print_due()
 
     def __enter__(self) -> "ProgressLines":
         return self
@@ -124,7 +134,26 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line, object_hook=_nonfinite_back) for line in path.read_text().splitlines() if line.strip()]
+
+
+def metrics_line(record: dict[str, Any]) -> str:
+    """``record`` as one line of valid JSON: a NaN or infinite number as its :data:`NONFINITE` string."""
+    return json.dumps(_finite_json(record), allow_nan=False) + "\n"
+
+
+def _finite_json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {key: _finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(item) for item in value]
+    return value
+
+
+def _nonfinite_back(record: dict[str, Any]) -> dict[str, Any]:
+    return {key: NONFINITE.get(value, value) if isinstance(value, str) else value for key, value in record.items()}
 
 
 def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:

@@ -1,8 +1,17 @@
-"""Output folders that hold a user's earlier work (a run, a demo, prepared data) are never written over."""
+"""Output folders that hold a user's earlier work (a run, a demo, prepared data) are never written over, and a run's
+folder has one writer at a time (light to import: a process that only holds a folder needs no torch)."""
 
 from __future__ import annotations
 
+import atexit
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -29,3 +38,105 @@ def move_aside(path: Path) -> Path:
     path.rename(aside)
     print(f"moved the earlier {path} to {aside}")
     return aside
+
+
+#: The file a process holds an exclusive ``flock`` on while it writes the run directory it is in.
+LOCK_FILE = ".nemo_jq.lock"
+
+
+class RunDirInUse(FileExistsError):
+    """Another process holds the run directory (see :func:`hold_run_dir`)."""
+
+
+@dataclass
+class _Held:
+    fd: int
+    #: This process made the folder: released with nothing else in it (a start that failed), it is removed again.
+    created: bool
+
+
+#: The run directories this process holds, by absolute path.
+_HELD: dict[Path, _Held] = {}
+
+
+def hold_run_dir(run_dir: Path) -> None:
+    """Hold ``run_dir`` (made if need be) until :func:`release_run_dir` or the end of this process: an exclusive
+    ``flock`` on its lock file, which the OS drops when the process dies, however it dies, so a crash never leaves
+    the directory locked. Held by another process: :class:`RunDirInUse`, naming the holder. Held by this one:
+    nothing to do. Where the file system has no ``flock``, a warning says that nothing guards the directory."""
+    key = Path(run_dir).absolute()
+    if key in _HELD:
+        return
+    created = not key.exists()
+    key.mkdir(parents=True, exist_ok=True)
+    path = key / LOCK_FILE
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe_holder(fd)
+            os.close(fd)
+            raise RunDirInUse(f"{run_dir} is in use by another run ({holder}): wait for it to end (or stop it), or "
+                              "choose another train.run_dir") from None
+        except OSError as err:  # e.g. Lustre mounted without -o flock
+            os.close(fd)
+            print(f"nemo-jq: warning: cannot lock {path} ({err.strerror}): nothing stops a second run from writing "
+                  f"{run_dir} at the same time", file=sys.stderr)
+            return
+        try:  # the file an earlier holder removed as it let go is not the one to hold: open it anew
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
+              "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else None}
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(holder).encode())
+    _HELD[key] = _Held(fd, created)
+
+
+def _describe_holder(fd: int) -> str:
+    try:
+        holder = json.loads(os.read(fd, 1 << 16))
+        job = f", SLURM job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+        command = holder.get("command") or "?"
+        return (f"pid {holder['pid']} on host {holder['host']}{job}, since {holder['since']}: "
+                f"{command if len(command) <= 200 else command[:200] + ' ...'}")
+    except (ValueError, KeyError, TypeError, OSError):  # written this instant, or by something else
+        return "a process that has not said which"
+
+
+def release_run_dir(run_dir: Path) -> None:
+    """Let go of ``run_dir`` (held by :func:`hold_run_dir`): its lock file is removed, and the directory too where
+    this process made it and nothing else is in it (a start that failed leaves nothing behind)."""
+    let_go(Path(run_dir).absolute())
+
+
+def let_go(key: Path, now_at: Path | None = None) -> None:
+    """Release the hold on ``key``, whose folder is ``now_at`` if it has moved since (then it is kept, whatever
+    is in it)."""
+    held = _HELD.pop(key, None)
+    if held is None:
+        return
+    folder = now_at or key
+    try:
+        if os.stat(folder / LOCK_FILE).st_ino == os.fstat(held.fd).st_ino:
+            os.unlink(folder / LOCK_FILE)  # while still locked: a process waiting on this file opens the next one
+    except OSError:
+        pass
+    os.close(held.fd)
+    if held.created and now_at is None:
+        try:
+            key.rmdir()
+        except OSError:  # not empty: the run wrote into it
+            pass
+
+
+@atexit.register
+def release_run_dirs() -> None:
+    """Let go of every run directory this process holds."""
+    for run_dir in list(_HELD):
+        release_run_dir(run_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +16,7 @@ from nemo_jq.components import Components, build_components
 from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.models.common import resolve_device
 from nemo_jq.monitor import METRICS_FILE, plot_runs, read_metrics
-from nemo_jq.outputs import claim_dir
+from nemo_jq.outputs import claim_dir, hold_run_dir, let_go, release_run_dir
 from nemo_jq.tracking import TRACKING_FILE
 
 CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
@@ -34,30 +35,90 @@ RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.
 
 
 def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:
-    """Make sure a new run never writes over an earlier one (:func:`claim_dir` with the run's files)."""
-    return claim_dir(run_dir, RUN_FILES, overwrite=overwrite, what="a run",
-                     advice=f"continue it with `nemo-jq train --resume {run_dir}`, write the new run elsewhere "
-                            "(train.run_dir=...), or pass --overwrite to move the old run aside first")
+    """Hold ``run_dir`` (:func:`hold_run_dir`) and make sure a new run never writes over an earlier one
+    (:func:`claim_dir` with the run's files). An earlier start that never saved a checkpoint (it failed, or was
+    killed, before its first) holds nothing to resume: it is moved aside, as ``overwrite`` would."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        hold_run_dir(run_dir)
+    try:
+        failed = failed_start(run_dir)
+        if failed:
+            print(f"nemo-jq: {run_dir} holds a start that never saved a checkpoint: moving it aside")
+        aside = claim_dir(run_dir, RUN_FILES, overwrite=overwrite or failed, what="a run",
+                          advice=f"continue it with `nemo-jq train --resume {run_dir}`, write the new run elsewhere "
+                                 "(train.run_dir=...), or pass --overwrite to move the old run aside first")
+    except BaseException:
+        release_run_dir(run_dir)
+        raise
+    if aside is not None:  # the lock file went with it
+        let_go(run_dir.absolute(), now_at=aside)
+    hold_run_dir(run_dir)
+    return aside
+
+
+def failed_start(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds a run's files but no checkpoint: a start that failed (or was killed) before it
+    saved its first, which holds nothing to resume."""
+    return any((run_dir / name).exists() for name in RUN_FILES) and not (run_dir / CHECKPOINT_DIR / "latest").exists()
+
+
+class Diverged(ValueError):
+    """The loss, the gradient norm or the weights went NaN or infinite: the run stops before anything saves them."""
+
+
+def diverged(run_dir: Path, step: int, what: str, value: float, lr: float) -> Diverged:
+    """The one line that stops a diverged run: the step, what went non-finite, and the last good checkpoint, kept."""
+    try:
+        last = latest_checkpoint(Path(run_dir) / CHECKPOINT_DIR)
+    except FileNotFoundError:
+        last = None
+    kept = (f"the last good checkpoint, {last}, is kept (nothing after it was saved)" if last is not None else
+            "no checkpoint was saved before it")
+    return Diverged(f"the run diverged at step {step}: {what} is {value} (not finite); it stopped there and {kept}: "
+                    f"start it again with a lower optim.lr (now {lr:g}); --overwrite moves this run aside first")
+
+
+def nonfinite_weights(policy: Any) -> tuple[str, float | None]:
+    """``("the weights ...", value)`` naming the policy's first weight tensor that holds a NaN or inf, with its largest
+    magnitude; ``value`` None when every one is finite (or the policy shows no ``model`` module to look into)."""
+    import torch
+
+    model = getattr(policy, "model", None)
+    params = list(model.named_parameters()) if isinstance(model, torch.nn.Module) else []
+    if not params:
+        return "the weights", None
+    peaks = torch.stack([torch.linalg.vector_norm(p.detach(), float("inf")).float() for _, p in params]).cpu()
+    bad = [(name, float(peak)) for (name, _), peak in zip(params, peaks) if not torch.isfinite(peak)]
+    if not bad:
+        return "the weights", None
+    more = f" (and {len(bad) - 1} more of the {len(params)} tensors)" if len(bad) > 1 else ""
+    return f"the weight tensor {bad[0][0]}{more}", bad[0][1]
 
 
 def write_run_files(run_dir: Path, config: Config, tokenizer: Any) -> None:
-    """What a run writes before its first step: its resolved config, and its tokenizer (once)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """What a run writes before its first step (holding its directory, if it does not yet): its resolved config, and
+    its tokenizer (once)."""
+    hold_run_dir(run_dir)
     save_config(config, run_dir / CONFIG_FILE)
     if not (run_dir / TOKENIZER_DIR).exists():
         tokenizer.save_pretrained(run_dir / TOKENIZER_DIR)
 
 
 def write_results(run_dir: Path, results: dict[str, Any]) -> None:
-    """What a finished run writes: its test results and the Figure-3 panels of its metrics."""
+    """What a finished run writes: its test results and the Figure-3 panels of its metrics; then it lets go of its
+    directory (a process that goes on to other runs holds only the one it writes)."""
     (run_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
     plot_runs({run_dir.name: read_metrics(run_dir)}, run_dir / PLOT_FILE)
+    release_run_dir(run_dir)
 
 
 def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tuple[Config, Path]:
     """A run's saved config (with ``overrides`` of :data:`RESUMABLE_KEYS` only) and its latest checkpoint."""
     if not (run_dir / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}")
+    if _writes_here():
+        hold_run_dir(run_dir)
     refused = [item for item in overrides if current_key(item.partition("=")[0]) not in RESUMABLE_KEYS]
     for item in refused:  # a key no config has is a typo, which did-you-mean serves better than "cannot change"
         try:
@@ -70,8 +131,18 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
                          f"Overrides allowed with --resume: {', '.join(RESUMABLE_KEYS)}")
     checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
     if checkpoint is None:
-        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from: start it again with --overwrite")
-    return at_home(load_config(run_dir / CONFIG_FILE, list(overrides)), run_dir), checkpoint
+        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (its start failed before the first): "
+                                f"start it again with its command (train.run_dir={run_dir}, no --resume); this start is "
+                                "moved aside")
+    return at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir), checkpoint
+
+
+def _writes_here() -> bool:
+    """Whether this process writes the run (global rank 0), also before it joins the process group."""
+    if distributed.world_size() > 1:
+        return distributed.is_writer()
+    distributed.adopt_slurm_step()  # srun's tasks learn their rank from SLURM_PROCID
+    return os.environ.get("RANK", "0") == "0"
 
 
 def at_home(config: Config, run_dir: Path) -> Config:
@@ -87,7 +158,7 @@ def holds_this_run(config: Config) -> str | None:
     run_dir = Path(config.train.run_dir)
     if not (run_dir / CONFIG_FILE).exists():
         return None
-    saved = load_config(run_dir / CONFIG_FILE)
+    saved = load_config(run_dir / CONFIG_FILE, saved=True)
     differing = [key for key in _differences(dataclasses.asdict(saved), dataclasses.asdict(config))
                  if key not in RESUMABLE_KEYS]
     if differing:
@@ -146,7 +217,7 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
     best = state.get("best_step")
     if best is None:
         return Selected(path, latest, state["step"], "the latest (the run has no validation yet)")
-    key = f"m@{load_config(path / CONFIG_FILE).eval.num_samples}"
+    key = f"m@{load_config(path / CONFIG_FILE, saved=True).eval.num_samples}"
     tied = [r["step"] for r in read_metrics(path) if r["kind"] == "validation" and r["step"] != best
             and r.get(key) == state["best_metric"] and r["step"] in saved]
     why = f"the best validation {key} ({state['best_metric']:g})"
@@ -170,7 +241,7 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), 
     run's config (e.g. ``eval.num_samples=4``)."""
     selected = select_checkpoint(path, which)
     run_dir = selected.run_dir
-    config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides)), run_dir)
+    config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir)
     device = distributed.init_from_env(resolve_device(config.train.device),
                                       timedelta(minutes=config.train.collective_timeout_minutes))
     components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)

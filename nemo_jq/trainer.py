@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from nemo_jq import distributed
+from nemo_jq import distributed, runs
 from nemo_jq.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
 from nemo_jq.components import build_components
 from nemo_jq.config import Config
@@ -122,8 +122,11 @@ class Trainer:
         q = self.last_q = self._q(self.state.step)
         experience, lag = self._experience(batch_examples)
         micro_metrics = self._learn(experience, q, len(batch_examples))
-        record = {"epoch": self.state.epoch, "q": q, **merge_metrics(self.data_parallel.gather(micro_metrics)),
-                  **self.policy.optimizer_step()}
+        merged = merge_metrics(self.data_parallel.gather(micro_metrics))
+        self._stop_if_diverged(self.state.step + 1, "the loss", merged.get("loss"))  # before the weights take it
+        record = {"epoch": self.state.epoch, "q": q, **merged, **self.policy.optimizer_step()}
+        self._stop_if_diverged(self.state.step + 1, "the gradient norm", record.get("grad_norm"))
+        distributed.everywhere(lambda: self._stop_if_diverged(self.state.step + 1, *runs.nonfinite_weights(self.policy)))
         if self.schedule is not None and "log_p_hat" in record:
             self.schedule.observe(record["log_p_hat"])
         record["train_reward"] = record.get("reward", record.get("p_hat"))
@@ -135,6 +138,11 @@ class Trainer:
         record["rollout_tokens_per_s"] = rollout_tokens / experience.rollout_seconds if rollout_tokens else None
         record["step_time"] = time.perf_counter() - started
         return record
+
+    def _stop_if_diverged(self, step: int, what: str, value: Any) -> None:
+        """A NaN or inf ``value`` (the loss, the gradient norm, a weight) stops the run before anything saves it."""
+        if value is not None and not math.isfinite(value):
+            raise runs.diverged(self.run_dir, step, what, value, self.config.optim.lr)
 
     def _q(self, step: int) -> float | None:
         """The step's q: the schedule's, scaled by the collapse guard's ``lower_q``; None for estimators without one."""
@@ -286,6 +294,7 @@ class Trainer:
                  "guard": self.guard.state_dict() if self.guard is not None else None}
         rng = {**self.random.state_dict(), **({"ahead": self.ahead.state_dict()} if self.ahead is not None else {})}
         root = self.run_dir / CHECKPOINT_DIR
+        distributed.everywhere(lambda: self._stop_if_diverged(self.state.step, *runs.nonfinite_weights(self.policy)))
         path = save_checkpoint(root, self.state.step, self.policy, state, rng)
         protect = {path.name} | ({step_dir_name(self.state.best_step)} if self.state.best_step is not None else set())
         distributed.on_writer(lambda: prune_checkpoints(root, self.config.train.keep_checkpoints, protect))

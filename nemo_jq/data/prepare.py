@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from collections import Counter
+import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,10 @@ def prepare(
     for names in dict.fromkeys(source_of.values()):
         rows, origin = _read_source_split(task, source, hub_config, names)
         entry = {**origin, "rows": len(rows), "bad": [], "over_cap": []}
-        pool, sources = [], Counter()
+        pool, sources, rows_of = [], Counter(), defaultdict(list)
         for number, record in rows:
             row_id = record_id(record, f"{names[0]}:{number}")
+            rows_of[row_id].append(number)
             try:
                 if isinstance(record, UnreadableRow):
                     raise BadRow(record.reason)
@@ -98,9 +100,10 @@ def prepare(
             sources[reference_source(example)] += 1
             length = len(task.linearize(example))
             if task.max_input_chars is not None and length >= task.max_input_chars:
-                entry["over_cap"].append({"id": row_id, "chars": length})
+                entry["over_cap"].append({"id": row_id, "row": number, "chars": length})
                 continue
             pool.append(example)
+        warn_duplicate_ids(entry.get("file", source), rows_of)
         random.Random(f"{seed}:{names[0]}").shuffle(pool)
         pools[names] = pool
         entry.update(eligible=len(pool), selected={}, unused=len(pool), reference_sources=dict(sources))
@@ -138,8 +141,22 @@ def describe_rejects(task: QATask, entry: dict[str, Any]) -> str:
         others = len({row["reason"] for row in bad}) > len(reasons)
         text += " (" + "; ".join(f"{n}: {reason}" for reason, n in reasons) + ("; ..." if others else "") + ")"
     if task.max_input_chars is not None:
-        text += f", {len(entry['over_cap'])} over the {task.max_input_chars}-character cap"
+        over = entry["over_cap"]
+        text += f", {len(over)} over the {task.max_input_chars}-character cap"
+        if over:  # named: a prompt that long is dropped, not cut (a cut question or context is another question)
+            text += " (" + ", ".join(f"row {row.get('row', '?')}: id {row['id']}, {row['chars']} characters"
+                                     for row in over[:3]) + (", ..." if len(over) > 3 else "") + ")"
     return text
+
+
+def warn_duplicate_ids(source: str, rows_of: dict[str, list[int]]) -> None:
+    """Say which example ids more than one row of ``source`` carries (and on which rows)."""
+    repeated = {row_id: rows for row_id, rows in rows_of.items() if len(rows) > 1}
+    if repeated:
+        named = "; ".join(f"{row_id} (rows {', '.join(map(str, rows))})" for row_id, rows in list(repeated.items())[:5])
+        print(f"nemo-jq: warning: {source}: {len(repeated)} example id(s) on more than one row: {named}"
+              f"{'; ...' if len(repeated) > 5 else ''}: reports name examples by id, so make the ids unique",
+              file=sys.stderr)
 
 
 def reference_source(example: Example) -> str:

@@ -269,6 +269,10 @@ class CustomQA(QATask):
     """
 
     name: str = "jsonl"
+    #: Your own data's cap: a longer prompt is dropped and named at prepare time (32,000 characters is about 8,000
+    #: tokens, within Qwen3's 40,960-token context with room for a thinking budget); a training run then checks
+    #: every prompt, in tokens, against the model's own context.
+    max_input_chars: int | None = 32000
     template: str = "{context}\n\nQuestion: {question}"
     system: str = "Answer the question. Think step by step, then reply with only the final answer."
 

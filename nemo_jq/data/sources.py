@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from pathlib import Path
@@ -31,11 +32,11 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
     """``(row, record)`` pairs from one local file, ``row`` counted from 1 (a JSONL file's line number).
 
     A JSONL line that is not UTF-8 or not valid JSON comes back as an :class:`UnreadableRow`; a JSON
-    file may hold a list of records or ``{"data": [...]}``.
+    file may hold a list of records or ``{"data": [...]}``. A UTF-8 byte-order mark at the start is skipped.
     """
     if path.suffix == ".jsonl":
         rows = []
-        for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        for number, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -75,7 +76,7 @@ def _load_json(path: Path) -> Any:
     """A JSON file's content; bad bytes or bad syntax is an error naming the file and line."""
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark some editors write first is not part of the JSON
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x}); re-encode the file as UTF-8") from None

@@ -17,7 +17,10 @@ def resolve_device(name: str) -> torch.device:
     """``train.device`` as a device this process has; a CUDA device it lacks is a ``ValueError`` saying why."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # "gpu", "cuda0", ...: torch lists its twenty device types
+        raise ValueError(f"train.device={name} is not a device: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         why = ("this torch is a CPU build" if torch.version.cuda is None else
                f"no GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
@@ -68,7 +71,8 @@ def resolve_pretrained(path: str, *, local_files_only: bool = False) -> Path:
     except Exception as err:  # noqa: BLE001 - not cached, offline, no network, unknown repository: one message
         raise FileNotFoundError(
             f"model.path={path} is not in the local Hugging Face cache and could not be downloaded "
-            f"({type(err).__name__}): download it where there is a network (`huggingface-cli download {path}`, into "
+            f"({type(err).__name__}): download it where there is a network (`hf download {path}`; huggingface-hub "
+            f"before 0.34: `huggingface-cli download {path}`; into "
             "the HF_HOME every node reads) or set model.path to a local folder") from None
 
 
