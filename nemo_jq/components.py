@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from nemo_jq.chat import ChatFormat, build_tokenizer
 from nemo_jq.config import Config
 from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
 from nemo_jq.data.noise import corrupt_labels
-from nemo_jq.data.prepare import load_prepared, make_task, prepare
+from nemo_jq.data.prepare import describe_over_cap, load_prepared, make_task, prepare
 from nemo_jq.distributed import DataParallel
 from nemo_jq.guard import CollapseGuard
 from nemo_jq.models.backends import BackendRequest, build_backend
@@ -122,7 +123,11 @@ def _clean_task(config: Config) -> tuple[Task, Splits]:
     task = make_task(data.name, template=data.template, system=data.system_prompt)
     if data.prepared_dir:
         return task, load_prepared(Path(data.prepared_dir))
-    splits, _ = prepare(task, data.source, sizes, data.seed, hub_config=data.hub_config, on_bad_row=data.on_bad_row)
+    splits, manifest = prepare(task, data.source, sizes, data.seed, hub_config=data.hub_config, on_bad_row=data.on_bad_row)
+    for name, entry in manifest["sources"].items():  # no manifest is written here: say which rows were dropped
+        if entry["over_cap"]:
+            print(f"nemo-jq: warning: data.source {entry.get('file', data.source)} ({name}): "
+                  f"{describe_over_cap(task, entry)} dropped", file=sys.stderr)
     return task, splits
 
 

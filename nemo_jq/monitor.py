@@ -90,7 +90,7 @@ class ProgressLines:
 
     def __init__(self, total: int, initial: int, desc: str):
         self.total, self.count, self.desc, self.started, self.figures = total, initial, desc, time.perf_counter(), ""
-        self.every, self.start = max(1, total // 10), initial
+        self.every, self.start, self.due = max(1, total // 10), initial, False
 
     def update(self, n: int = 1) -> None:
         """Count ``n`` more; a line that falls due waits for the figures of the step it counts (``set_postfix``)."""
@@ -103,7 +103,7 @@ class ProgressLines:
         self._print_due()
 
     def _print_due(self) -> None:
-        if getattr(self, "due", False):
+        if self.due:
             self.due = False
             rate = (self.count - self.start) / max(time.perf_counter() - self.started, 1e-9)
             print(f"{self.desc}: {self.count}/{self.total} ({rate:.3g}/s){self.figures}", file=sys.stderr, flush=True)

@@ -187,13 +187,22 @@ def test_a_long_prompt_is_dropped_and_named_at_prepare_time_and_a_bom_and_repeat
 
 
 def test_a_prompt_beyond_the_models_context_is_one_line_before_anything_is_written(tmp_path, capsys):
+    """Training from data.source (no prepared folder, no manifest): a row over the cap is named as it is dropped; a
+    prompt under it that the model's context cannot hold is an error naming it."""
+    from nemo_jq.components import build_task
+    from nemo_jq.config import load_config
+
     source = tmp_path / "mine.jsonl"
-    source.write_text("".join(json.dumps({"id": f"q{i}", "question": ("why " * 300 if i == 5 else f"{i}+1?"),
-                                          "answer": str(i + 1)}) + "\n" for i in range(8)))
+    questions = {5: "why " * 300, 8: "x" * 40_000}
+    source.write_text("".join(json.dumps({"id": f"q{i}", "question": questions.get(i, f"{i}+1?"), "answer": str(i + 1)})
+                              + "\n" for i in range(9)))
+    data = ["data.name=jsonl", f"data.source={source}", "data.train_size=4", "data.validation_size=2", "data.test_size=2"]
+    build_task(load_config(None, data))
+    assert f"nemo-jq: warning: data.source {source} (all): 1 over the 32000-character cap (row 9: id q8, 40010 " \
+           "characters) dropped" in capsys.readouterr().err
+    source.write_text("".join(source.read_text().splitlines(keepends=True)[:8]))  # without q8
     run_dir = tmp_path / "run"
-    code, _, err = run_cli(capsys, "train", *QUICK, "data.name=jsonl", f"data.source={source}", "data.train_size=4",
-                           "data.validation_size=2", "data.test_size=2", "model.tiny.max_position_embeddings=128",
-                           f"train.run_dir={run_dir}")
+    code, _, err = run_cli(capsys, "train", *QUICK, *data, "model.tiny.max_position_embeddings=128", f"train.run_dir={run_dir}")
     one_line_error(code, err, "example 'q5': its prompt is", "beyond the model's context of 128 tokens",
                    "raise model.tiny.max_position_embeddings")
     assert not run_dir.exists()

@@ -141,11 +141,18 @@ def describe_rejects(task: QATask, entry: dict[str, Any]) -> str:
         others = len({row["reason"] for row in bad}) > len(reasons)
         text += " (" + "; ".join(f"{n}: {reason}" for reason, n in reasons) + ("; ..." if others else "") + ")"
     if task.max_input_chars is not None:
-        over = entry["over_cap"]
-        text += f", {len(over)} over the {task.max_input_chars}-character cap"
-        if over:  # named: a prompt that long is dropped, not cut (a cut question or context is another question)
-            text += " (" + ", ".join(f"row {row.get('row', '?')}: id {row['id']}, {row['chars']} characters"
-                                     for row in over[:3]) + (", ..." if len(over) > 3 else "") + ")"
+        text += ", " + describe_over_cap(task, entry)
+    return text
+
+
+def describe_over_cap(task: QATask, entry: dict[str, Any]) -> str:
+    """How many rows of a source split reach the character cap, naming the first few: a prompt that long is dropped,
+    not cut (a cut question or context is another question)."""
+    over = entry["over_cap"]
+    text = f"{len(over)} over the {task.max_input_chars}-character cap"
+    if over:
+        text += " (" + ", ".join(f"row {row.get('row', '?')}: id {row['id']}, {row['chars']} characters"
+                                 for row in over[:3]) + (", ..." if len(over) > 3 else "") + ")"
     return text
 
 
