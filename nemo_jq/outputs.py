@@ -79,11 +79,10 @@ def hold_run_dir(run_dir: Path) -> None:
             os.close(fd)
             raise RunDirInUse(f"{run_dir} is in use by another run ({holder}): wait for it to end (or stop it), or "
                               "choose another train.run_dir") from None
-        except OSError as err:  # e.g. Lustre mounted without -o flock
-            os.close(fd)
+        except OSError as err:  # e.g. Lustre mounted without -o flock: held unlocked, and said once
             print(f"nemo-jq: warning: cannot lock {path} ({err.strerror}): nothing stops a second run from writing "
                   f"{run_dir} at the same time", file=sys.stderr)
-            return
+            break
         try:  # the file an earlier holder removed as it let go is not the one to hold: open it anew
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 break
