@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import json
 import os
 import sys
 from pathlib import Path
+
+from nemo_jq.preemption import Stopped
 
 #: Set to 1 (or pass --debug) to see the traceback behind an error message.
 DEBUG_ENV = "NEMO_JQ_DEBUG"
@@ -41,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="if the run directory (or --demo-dir) holds a run, move it aside to NAME.old-<time> first")
     train.add_argument("--requeue", action="store_true",
                        help="for a job the scheduler may restart with the same command: resume train.run_dir if it holds "
-                            "this run; after a stop signal (SIGUSR1 before the time limit, SIGTERM), write a checkpoint "
-                            "and requeue the SLURM job (scontrol requeue $SLURM_JOB_ID)")
+                            "this run; after SIGUSR1 (SLURM's signal before the time limit) write a checkpoint and exit "
+                            "with 75, on which the launchers' batch scripts requeue the job from the host; SIGTERM "
+                            "(scancel) checkpoints and ends the run")
     train.add_argument("--demo-dir", type=Path, default=Path("runs/cold_start"), help="output of the no-argument demo")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
 
@@ -137,6 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     launcher.add_argument("launch_config", type=Path, help="launch YAML")
     launcher.add_argument("--dryrun", action="store_true", help="print the sbatch script (SLURM) instead of submitting")
     launcher.add_argument("launched", nargs=argparse.REMAINDER, help="a nemo-jq command and its arguments")
+    launcher.set_defaults(nemo_jq_commands=commands.choices)  # filled in as the commands are added
+
+    dry = commands.add_parser(
+        "dryrun", help="a run's first step at its real size on fake tensors: per-phase GPU memory by kind, FLOPs and a "
+        "time bound, with nothing allocated",
+        description="nemo-jq dryrun --config configs/qwen3_8b/finqa_cold_garl_q0.75.yaml --gpu h100-80gb [key=value ...]",
+        epilog=_dryrun_notes(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    dry.add_argument("--config", type=Path, help="the run's YAML config (as train takes it)")
+    dry.add_argument("--gpu", default="h100-80gb", help="a100-80gb or h100-80gb (its memory, bf16 FLOP/s and bandwidth)")
+    dry.add_argument("--gpu-memory", type=_positive_gb, help="GiB per GPU, instead of the profile's")
+    dry.add_argument("--prompt-tokens", type=_positive, default=1024, help="the longest prompt the data holds, in tokens")
+    dry.add_argument("--decode-steps", type=_positive, default=2, help="decode steps each sampling call runs")
+    dry.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
+    dry.add_argument("overrides", nargs="*", help="section.key=value overrides (as train takes them)")
 
     doctor = commands.add_parser("doctor", help="print torch/CUDA/NCCL, GPUs, TE/apex/megatron, the layer spec "
                                  "and the world size/rank this process sees")
@@ -161,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"nemo-jq {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Stopped as stopped:  # a signal ended a command of several runs: it says what finished, how to go on
+        print(stopped, file=sys.stderr, flush=True)
+        return stopped.exit_code
     except Exception as err:
         from nemo_jq import distributed
 
@@ -289,6 +310,30 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dryrun_notes() -> str:
+    from nemo_jq import dryrun
+
+    return "how it works:\n" + dryrun.run.__doc__.split("\n", 2)[2] + "\n" + dryrun.world.__doc__.split("\n", 2)[2]
+
+
+def _dryrun(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from nemo_jq.config import load_config
+    from nemo_jq.dryrun import GPUS, check_fits, dry_run, format_report
+
+    if args.gpu not in GPUS:
+        raise ValueError(f"--gpu {args.gpu!r}: choose one of {', '.join(GPUS)}")
+    gpu = GPUS[args.gpu] if args.gpu_memory is None else dataclasses.replace(GPUS[args.gpu], memory_gib=args.gpu_memory)
+    report = dry_run(load_config(args.config, args.overrides), gpu, prompt_tokens=args.prompt_tokens,
+                     decode_steps=args.decode_steps)
+    print(format_report(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    check_fits(report)
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from nemo_jq import launch
 
@@ -296,6 +341,11 @@ def _launch(args: argparse.Namespace) -> int:
         args.dryrun |= args.launched.pop(0) == "--dryrun"
     if not args.launched:
         raise ValueError("nemo-jq launch needs the command to run after the launch config, e.g. train --config C.yaml")
+    known = sorted(name for name in args.nemo_jq_commands if name != "launch")
+    if args.launched[0] not in known:
+        close = difflib.get_close_matches(args.launched[0], known, n=1)
+        raise ValueError(f"{args.launched[0]!r} is not a nemo-jq command"
+                         + (f" (did you mean {close[0]!r}?)" if close else f"; choose one of {', '.join(known)}"))
     script = launch.launch(launch.load_launch_config(args.launch_config), args.launched, dryrun=args.dryrun)
     if script is not None:
         print(script)
@@ -320,6 +370,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _plan(args)
     if args.command == "launch":
         return _launch(args)
+    if args.command == "dryrun":
+        return _dryrun(args)
     if args.command == "doctor":
         from nemo_jq import doctor
 
@@ -367,7 +419,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from nemo_jq import distributed
     from nemo_jq.config import load_config
-    from nemo_jq.preemption import StopSignals, requeue_this_job
+    from nemo_jq.preemption import StopSignals, end_stopped_run
     from nemo_jq.runs import holds_this_run
     from nemo_jq.trainer import Trainer
 
@@ -388,10 +440,10 @@ def _train(args: argparse.Namespace) -> int:
             trainer = (Trainer.resume(config.train.run_dir) if held == "resume" else
                        Trainer(config, overwrite=args.overwrite or held == "restart"))
         result = trainer.fit(stop=stop)
-    if args.requeue and "preempted" in result:
-        distributed.on_writer(requeue_this_job)
     if distributed.is_writer():
         print(json.dumps(result, indent=2))
+    if "preempted" in result:
+        return end_stopped_run(result["preempted"], result["step"], trainer.run_dir, requeue=args.requeue)
     return 0
 
 

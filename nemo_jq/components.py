@@ -75,9 +75,15 @@ def build_components(config: Config, device: torch.device, *, tokenizer_dir: Pat
     tokenizer = load_tokenizer(config, model_dir, task, splits, tokenizer_dir)
     chat = ChatFormat(tokenizer)
     check_prompt_lengths(config, model_dir, task, splits, chat)
-    policy, engine = build_backend(config.model.backend, BackendRequest(
+    return assemble_components(config, device, task, splits, chat, BackendRequest(
         load_model=lambda: load_model(config, model_dir, len(tokenizer)), model_dir=model_dir, config=config, chat=chat,
         device=device))
+
+
+def assemble_components(config: Config, device: torch.device, task: Task, splits: Splits, chat: ChatFormat,
+                        request: BackendRequest) -> Components:
+    """The components from a task, its chat format and what the backend builds from (the dry run passes its own)."""
+    policy, engine = build_backend(config.model.backend, request)
     if config.train.batch_size % policy.data_parallel.size:
         raise ValueError(f"train.batch_size={config.train.batch_size} does not split over {policy.data_parallel.size} "
                          "data-parallel replicas: make it a multiple of world size / (tensor_parallel x pipeline_parallel x "
@@ -85,7 +91,7 @@ def build_components(config: Config, device: torch.device, *, tokenizer_dir: Pat
     estimator = get_objective(config.objective.name)
     objective = config.objective
     schedule = build_schedule(objective.q_schedule or objective.q) if estimator.uses_q else None
-    return Components(config, device, task, splits, tokenizer, chat, policy, engine, estimator,
+    return Components(config, device, task, splits, chat.tokenizer, chat, policy, engine, estimator,
                       estimator.parse_options(objective.options), schedule, build_guard(config),
                       importance_correction(config, own_weights=isinstance(engine, RefittedRolloutEngine)))
 

@@ -9,6 +9,7 @@ import torch
 
 from nemo_jq.chat import ChatFormat
 from nemo_jq.data.base import Example, Task
+from nemo_jq.models.common import generator_device
 from nemo_jq.models.interfaces import RolloutEngine
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ class Evaluator:
         examples = parts.splits.get(split)
         mine, count = self._share(examples)
         seed = parts.data_parallel.replica_seed(parts.config.train.seed + 10_000 + seed_offset)
-        generator = torch.Generator(device=parts.device).manual_seed(seed)
+        generator = torch.Generator(device=generator_device(parts.device)).manual_seed(seed)
         with progress(len(mine), f"eval {split}", shows=distributed.is_writer(), transient=True) as bar:
             outputs = sample_outputs(parts.engine, parts.chat, parts.task, mine, parts.config.data.format,
                                      settings.num_samples, settings.batch_size, generator, bar)
@@ -128,7 +129,7 @@ class Evaluator:
         noisy = noisy_examples(parts.splits.train)
         if not noisy:
             return None
-        unused = torch.Generator(device=parts.device)  # greedy decoding draws nothing
+        unused = torch.Generator(device=generator_device(parts.device))  # greedy decoding draws nothing
         mine, count = self._share(noisy)
         outputs = sample_outputs(parts.engine, parts.chat, parts.task, mine, parts.config.data.format, 1,
                                  parts.config.eval.batch_size, unused, greedy=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_jq.data import Example
+from nemo_jq.models.common import generator_device
 from nemo_jq.models.interfaces import Rollout, TokenBatch
 from nemo_jq.objectives import Need, ObjectiveSpec
 from nemo_jq.objectives.importance import Correction, k3_kl
@@ -125,7 +126,7 @@ class RolloutsAhead:
         self.engine.refit()
         if not self.overlaps:
             self.pending = make_experience(self.components, examples, estimator,
-                                           torch.Generator(self.components.device).manual_seed(seed))
+                                           torch.Generator(generator_device(self.components.device)).manual_seed(seed))
             return
         if self.worker is None:
             share_weights(self.engine.engine)

@@ -40,6 +40,7 @@ the fitting layout (under ``headroom`` of the GPU) with the largest DP, then the
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -71,11 +72,19 @@ QWEN3_SIZES = {
 }
 
 
+def hf_config_dict(model: str) -> dict[str, Any]:
+    """The HF config.json values of a released Qwen3 size (``8b``, ``Qwen3-8B``, ``Qwen/Qwen3-8B``)."""
+    size = model.lower().removeprefix("qwen/").removeprefix("qwen3-").removeprefix("qwen3")
+    if size not in QWEN3_SIZES:
+        raise ValueError(f"model {model!r} is neither a Qwen3 size ({', '.join(QWEN3_SIZES)}) nor a local folder: "
+                         "give a size or an HF config.json / model folder")
+    return {**_QWEN3_COMMON, **QWEN3_SIZES[size]}
+
+
 def architecture(model: str) -> Qwen3Architecture:
     """A Qwen3 size (``8b``, ``Qwen3-8B``) or a path to an HF config.json / model folder."""
-    size = model.lower().removeprefix("qwen/").removeprefix("qwen3-").removeprefix("qwen3")
-    if size in QWEN3_SIZES:
-        return read_qwen3_config({**_QWEN3_COMMON, **QWEN3_SIZES[size]})
+    with contextlib.suppress(ValueError):
+        return read_qwen3_config(hf_config_dict(model))
     try:
         return read_qwen3_config(model)
     except FileNotFoundError:

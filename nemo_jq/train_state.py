@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from nemo_jq.distributed import DataParallel
+from nemo_jq.models.common import generator_device
 
 
 @dataclass
@@ -48,6 +49,7 @@ class RandomStreams:
 
     def __init__(self, seed: int, data_parallel: DataParallel, device: torch.device):
         self.seed, self.data_parallel = seed, data_parallel
+        device = generator_device(device)
         self.rollout = torch.Generator(device=device).manual_seed(data_parallel.replica_seed(seed))
         self.estimator = torch.Generator(device=device).manual_seed(data_parallel.replica_seed(seed + 1))
 

@@ -23,7 +23,7 @@ import torch
 
 from nemo_jq import distributed, runs
 from nemo_jq.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
-from nemo_jq.components import build_components
+from nemo_jq.components import Components, build_components
 from nemo_jq.config import Config
 from nemo_jq.data import Example
 from nemo_jq.evaluation import Evaluator
@@ -31,7 +31,7 @@ from nemo_jq.experience import Experience, MismatchWatch, RolloutsAhead, make_ex
 from nemo_jq.models.common import resolve_device
 from nemo_jq.monitor import RunLogger, merge_metrics, progress
 from nemo_jq.objectives import EstimatorInputs, build_schedule, get_objective
-from nemo_jq.preemption import StopSignals
+from nemo_jq.preemption import StopSignals, current_series
 from nemo_jq.rollouts.sampling import seed_from
 from nemo_jq.runs import CHECKPOINT_DIR, PLOT_FILE, TOKENIZER_DIR, claim_run_dir, open_for_resume, write_results, write_run_files
 from nemo_jq.tracking import open_trackers
@@ -42,15 +42,19 @@ class Trainer:
     """One run in one directory. A new run refuses a directory that already holds one (see
     :func:`~nemo_jq.runs.claim_run_dir`); :meth:`resume` reopens its own with ``existing=True``."""
 
-    def __init__(self, config: Config, *, run_dir: Path | None = None, existing: bool = False, overwrite: bool = False):
+    def __init__(self, config: Config, *, run_dir: Path | None = None, existing: bool = False, overwrite: bool = False,
+                 components: Components | None = None):
+        """``components``: built already (the dry run builds them on its stand-in GPU); else built here."""
         self.config = config.validate()
         self.run_dir = Path(run_dir or config.train.run_dir)
-        device = distributed.init_from_env(resolve_device(config.train.device),
-                                            timedelta(minutes=config.train.collective_timeout_minutes))
-        if not existing:
-            distributed.on_writer(lambda: claim_run_dir(self.run_dir, overwrite=overwrite))
-        self.components = build_components(config, device, tokenizer_dir=self.run_dir / TOKENIZER_DIR if existing else None)
-        parts = self.components
+        if components is None:
+            device = distributed.init_from_env(resolve_device(config.train.device),
+                                                timedelta(minutes=config.train.collective_timeout_minutes))
+            if not existing:
+                distributed.on_writer(lambda: claim_run_dir(self.run_dir, overwrite=overwrite))
+            components = build_components(config, device, tokenizer_dir=self.run_dir / TOKENIZER_DIR if existing else None)
+        self.components = parts = components
+        device = parts.device
         self.policy, self.data_parallel, self.evaluator = parts.policy, parts.data_parallel, Evaluator(parts)
         self.estimator, self.estimator_options = parts.estimator, parts.estimator_options
         self.schedule, self.guard = parts.schedule, parts.guard
@@ -85,8 +89,11 @@ class Trainer:
             until: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
         """Train until the configured end (or ``max_steps``, or the first step whose record ``until`` accepts, or
         SIGTERM/SIGUSR1/SIGINT), then evaluate. On a signal the current step finishes, a checkpoint is written, and fit
-        returns ``{"preempted": signum}``. ``stop``: signals already being caught (the CLI catches them from its
-        start), else caught while this runs."""
+        returns ``{"preempted": signum}`` (inside a :class:`~nemo_jq.preemption.Series` it raises ``Stopped``: no further
+        run of the command starts). ``stop``: signals already being caught (the CLI catches them from its start; a
+        series' own), else caught while this runs."""
+        series = current_series() if stop is None else None
+        stop = series.stop if series is not None else stop
         end = min(self.total_steps, max_steps or self.total_steps)
         distributed.on_writer(lambda: write_run_files(self.run_dir, self.config, self.components.tokenizer))
         writes = distributed.is_writer()
@@ -108,7 +115,11 @@ class Trainer:
                         break
                 if stop.requested():
                     self.save()
+                    if series is not None:
+                        raise series.stopped(self.run_dir, self.state.step)
                     return {"preempted": stop.received, "step": self.state.step}
+                if series is not None:
+                    series.finished.append(self.run_dir)
                 return self._finish(logger) if self.state.step >= self.total_steps else {"step": self.state.step}
             finally:
                 bar.close()

@@ -123,7 +123,7 @@ def test_data_preparation_says_why_rows_are_bad_and_finds_official_file_names(tm
                    "every row is bad: is 'hotpotqa' the source's schema?")
     code, out, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", plain, "--sizes", "2,1,1",
                              "--out", tmp_path / "mine")
-    assert code == 0 and "all: 6 rows, 0 bad, selected" in out and "None" not in out, out  # jsonl has no character cap
+    assert code == 0 and "all: 6 rows, 0 bad, 0 over the 32000-character cap, selected" in out and "None" not in out, out
 
     official = tmp_path / "musique_release"
     official.mkdir()

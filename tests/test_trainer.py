@@ -193,7 +193,7 @@ def test_missing_checkpoint_files_are_named(tmp_path):
         load_checkpoint(path, trainer.policy)
     with pytest.raises(FileNotFoundError, match="not a run directory: no config.yaml"):
         Trainer.resume(trainer.run_dir)
-    trainer.run_dir.mkdir()
+    trainer.run_dir.mkdir(exist_ok=True)  # the trainer holds its directory (a lock file in it) from the start
     save_config(trainer.config, trainer.run_dir / "config.yaml")
     with pytest.raises(FileNotFoundError, match="has no checkpoint"):
         Trainer.resume(trainer.run_dir)

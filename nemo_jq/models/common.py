@@ -11,6 +11,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import torch
 
 from nemo_jq.models import OPTIMIZERS, PRECISIONS
+from nemo_jq.precision import MetaAutocast
 
 
 def resolve_device(name: str) -> torch.device:
@@ -37,15 +38,27 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+#: Device types that compute as a GPU does: CUDA, and ``meta``, the dry run's stand-in GPU (``nemo_jq.dryrun``).
+ACCELERATORS = ("cuda", "meta")
+
+
+def generator_device(device: torch.device) -> torch.device:
+    """Where a run's random generators for ``device`` live: there, except on the dry run's stand-in GPU (``meta``),
+    which has none: the host's generators stand in."""
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
     """The dtype a forward runs in under ``precision``: bf16 on GPU ("auto") or anywhere ("bf16"); None for fp32."""
-    return torch.bfloat16 if precision == "bf16" or (precision == "auto" and device.type == "cuda") else None
+    return torch.bfloat16 if precision == "bf16" or (precision == "auto" and device.type in ACCELERATORS) else None
 
 
 def autocast_context(device: torch.device, precision: str):
     """bf16 autocast over fp32 master weights on GPU ("auto" or "bf16"); plain fp32 otherwise."""
     dtype = autocast_dtype(device, precision)
-    return torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    if dtype is None:
+        return contextlib.nullcontext()
+    return MetaAutocast(dtype) if device.type == "meta" else torch.autocast(device_type=device.type, dtype=dtype)
 
 
 #: What a run reads of a hub model: its config, tokenizer, weights and generation settings.

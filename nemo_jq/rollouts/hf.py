@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from nemo_jq.models.common import autocast_context, check_precision
+from nemo_jq.precision import autocast_dtype_now
 from nemo_jq.rollouts.sampling import Sample, SamplingSettings, as_groups, check_request
 
 
@@ -75,12 +76,16 @@ class HFSampler:
         """As the protocol says; prompts are sampled in chunks of whole groups whose keys and values fit
         ``kv_cache_tokens`` (at least one prompt's M rows at a time), so memory is bounded whatever B x M."""
         check_request(prompts, num_samples, max_new_tokens)
-        per_chunk = len(prompts)
-        if self.kv_cache_tokens is not None:
-            per_chunk = max(1, self.kv_cache_tokens // ((max(map(len, prompts)) + max_new_tokens) * num_samples))
+        per_chunk = self.prompts_per_chunk(prompts, num_samples, max_new_tokens)
         return [group for start in range(0, len(prompts), per_chunk)
                 for group in self._sample(prompts[start:start + per_chunk], num_samples, stop_ids=stop_ids,
                                           max_new_tokens=max_new_tokens, generator=generator, greedy=greedy)]
+
+    def prompts_per_chunk(self, prompts: Sequence[list[int]], num_samples: int, max_new_tokens: int) -> int:
+        """How many of ``prompts`` one chunk samples at once: as many whole groups as ``kv_cache_tokens`` holds."""
+        if self.kv_cache_tokens is None:
+            return len(prompts)
+        return max(1, self.kv_cache_tokens // ((max(map(len, prompts)) + max_new_tokens) * num_samples))
 
     @torch.inference_mode()
     def _sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
@@ -142,8 +147,7 @@ class PreallocatedCacheLayer:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:  # in the compute dtype: under bf16 autocast Qwen3's fp32 norm weights make fp32 keys
             rows, heads, _, _ = key_states.shape
-            device = key_states.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key_states.dtype
+            dtype = autocast_dtype_now(key_states.device.type) or key_states.dtype
             self._keys = key_states.new_empty((rows, heads, self.capacity, key_states.shape[-1]), dtype=dtype)
             self._values = value_states.new_empty((rows, heads, self.capacity, value_states.shape[-1]), dtype=dtype)
             self.is_initialized = True

@@ -1,0 +1,68 @@
+"""The shipped configs at their real size: ``nemo-jq dryrun`` on every distinct workload under configs/.
+
+Configs that differ only in what the dry run cannot see (q, the dataset's name and sizes, the run directory) share
+one dry run. Each workload runs once (memory does not depend on the GPU); its time bounds are given for every GPU
+profile. Writes bench/results/dryrun_configs.json and prints a table.
+
+    python bench/dryrun_configs.py [--prompt-tokens 1024] [--only qwen3_0p6b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from nemo_jq.config import load_config
+from nemo_jq.dryrun import GPUS, dry_run
+from nemo_jq.dryrun.run import seconds_at_least
+from nemo_jq.objectives import Need, get_objective
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "results" / "dryrun_configs.json"
+
+
+def workload_key(config) -> tuple:
+    """What a dry run's numbers depend on."""
+    needs = get_objective(config.objective.name).needs
+    return (config.model.path, config.model.backend, config.rollout.num_samples, config.rollout.max_thinking_tokens,
+            config.rollout.max_answer_tokens, config.rollout.engine, config.rollout.kv_cache_tokens,
+            config.rollout.async_steps, config.train.batch_size, config.train.micro_batch_size, config.eval.batch_size,
+            config.eval.num_samples, Need.SAMPLED_ANSWER_REWARD in needs, Need.GIVEN_TARGET in needs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--only", default="", help="configs whose path contains this")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    groups: dict[tuple, list[str]] = {}
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        rel = str(path.relative_to(ROOT))
+        if args.only not in rel or "schedules" in rel:
+            continue
+        groups.setdefault(workload_key(load_config(path)), []).append(rel)
+    results = []
+    for key, paths in groups.items():
+        config = load_config(ROOT / paths[0])
+        started = time.perf_counter()
+        report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=args.prompt_tokens)
+        seconds = round(time.perf_counter() - started, 1)
+        bounds = {name: {phase: seconds_at_least(phase, data["flops"], report["shape"], config, gpu)
+                         for phase, data in report["phases"].items()} for name, gpu in GPUS.items()}
+        results.append({"configs": paths, "dry_run_seconds": seconds, "report": report, "seconds_at_least": bounds})
+        phase = report["phases"][report["peak_phase"]]
+        print(f"{paths[0]} (+{len(paths) - 1}): peak {report['peak_gib']:.1f} GiB in {report['peak_phase']} "
+              f"({', '.join(f'{k} {v:.1f}' for k, v in phase['by_kind_gib'].items())}); rollout "
+              f"{report['phases']['rollout']['peak_gib']:.1f} GiB; {seconds} s to simulate", flush=True)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "workloads": results}, indent=1) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()

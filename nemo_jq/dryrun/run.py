@@ -1,0 +1,464 @@
+"""``nemo-jq dryrun``: a run's first step at its real size, on fake tensors, phase by phase.
+
+The run's own code builds the policy and its optimizer, samples one rollout call with the engine's real budgets
+(the prefill and the first decode steps of the largest chunk the KV budget allows, every row then taken to its full
+budget: the longest micro-batch the config allows), refits the engine, trains one step on that micro-batch
+(forward, backward, optimizer step), saves a checkpoint, restores it as the collapse guard does, evaluates, and
+resumes the run in a fresh process's place. Nothing is allocated: :mod:`nemo_jq.dryrun.world` says how. Each
+phase's peak GPU bytes by kind and its FLOPs (``torch.utils.flop_counter.FlopCounterMode``) go into the report,
+with the lower bound on its time those FLOPs and the bytes a decode step reads imply on the named GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from nemo_jq.config import Config
+from nemo_jq.data import Example, Splits
+from nemo_jq.dryrun.memory import KINDS, MemoryTracker
+from nemo_jq.dryrun.world import GPU, FakeWorld, patched
+from nemo_jq.models.backends import BackendRequest
+from nemo_jq.objectives import Need
+from nemo_jq.rollouts import SAMPLERS
+from nemo_jq.rollouts.hf import NativeSampler
+from nemo_jq.rollouts.sampling import Sample
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """What the report holds a run against: memory, and the peaks that bound its time."""
+
+    name: str
+    memory_gib: float
+    bf16_flops: float  # dense bf16 FLOP/s
+    bandwidth: float  # memory bytes/s
+
+
+#: The GPUs the README's configs are checked against (dense bf16, no sparsity; SXM parts).
+GPUS = {
+    "a100-80gb": GpuProfile("A100 80GB", 80.0, 312e12, 2.0e12),
+    "h100-80gb": GpuProfile("H100 80GB", 80.0, 989e12, 3.35e12),
+}
+
+#: The knob that shrinks each kind of bytes, for the one line a run that does not fit gets.
+KNOBS = {
+    "weights": "model.backend=megatron with tensor/pipeline parallelism (megatron.tensor_parallel, "
+               "megatron.pipeline_parallel)",
+    "gradients": "model.backend=megatron with megatron.distributed_optimizer=true and more GPUs",
+    "optimizer": "model.backend=megatron with megatron.distributed_optimizer=true (the state sharded over DP)",
+    "activations": "a smaller train.micro_batch_size (prompts per forward/backward; one prompt's M rows is the least "
+                   "today), or model.backend=megatron with megatron.recompute_activations=true",
+    "logprob_head": "a smaller model.logprob_chunk_size",
+    "kv_cache": "a smaller rollout.kv_cache_tokens",
+    "sampler_copy": "rollout.engine=vllm (no HF copy of the model beside the policy)",
+    "vllm": "a smaller rollout.vllm_memory_utilization",
+    "temporaries": "a smaller rollout.kv_cache_tokens or eval.batch_size (fewer rows sampled at once)",
+}
+
+
+class DoesNotFit(ValueError):
+    """One line: the phase, the GPU, the kind that takes the most, and the knob that shrinks it."""
+
+
+def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decode_steps: int = 2,
+            headroom: float = 0.9) -> dict[str, Any]:
+    """The report of ``config``'s first step on ``gpu`` (see the module docstring); ``prompt_tokens``: the longest
+    prompt the data holds."""
+    if config.model.backend == "megatron":
+        raise ValueError("nemo-jq dryrun: model.backend=megatron is not simulated yet (its layouts need a fake process "
+                         "group per rank): dry-run model.backend=hf, or size a megatron layout with nemo-jq plan")
+    tracker = MemoryTracker(GPU.type)
+    flops: dict[str, float] = {}
+    with FakeWorld(tracker, decode_steps=decode_steps) as world, tempfile.TemporaryDirectory() as scratch:
+        run = _DryRun(config, world, Path(scratch), prompt_tokens, flops, gpu)
+        run.first_step()
+        shape, wall = run.shape, run.wall
+    phases = {name: {"peak_gib": _gib(peak.peak), "by_kind_gib": {k: _gib(v) for k, v in peak.by_kind.items() if v},
+                     "most_by_kind_gib": {k: _gib(v) for k, v in peak.most_by_kind.items() if v},
+                     "flops": flops.get(name, 0.0), "simulated_in_s": round(wall.get(name, 0.0), 1)}
+              for name, peak in tracker.phases.items()}
+    for name, phase in phases.items():
+        phase["seconds_at_least"] = round(seconds_at_least(name, phase["flops"], shape, config, gpu), 3)
+    worst = max(phases, key=lambda name: phases[name]["peak_gib"])
+    usable = gpu.memory_gib * headroom
+    return {"gpu": asdict(gpu), "usable_gib": usable, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps,
+            "shape": shape, "rank": "the one process of model.backend=hf: it samples and trains",
+            "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst,
+            "fits": phases[worst]["peak_gib"] <= usable}
+
+
+def check_fits(report: dict[str, Any]) -> None:
+    """Raise :class:`DoesNotFit` naming the worst phase's largest kind and its knob, when the peak is over."""
+    if report["fits"]:
+        return
+    phase = report["phases"][report["peak_phase"]]
+    kind = max(phase["by_kind_gib"], key=phase["by_kind_gib"].get)
+    raise DoesNotFit(f"phase {report['peak_phase']} needs {phase['peak_gib']:.1f} GiB of the {report['usable_gib']:.0f} "
+                     f"usable on {report['gpu']['name']}, {phase['by_kind_gib'][kind]:.1f} GiB of it {kind.replace('_', ' ')}: "
+                     f"try {KNOBS[kind]}")
+
+
+def format_report(report: dict[str, Any]) -> str:
+    kinds = [kind for kind in KINDS if any(kind in phase["by_kind_gib"] for phase in report["phases"].values())]
+    lines = [f"{report['shape']['parameters'] / 1e9:.3f}B parameters on {report['gpu']['name']} "
+             f"({report['usable_gib']:.0f} GiB usable); {report['rank']}; prompts of {report['prompt_tokens']} tokens",
+             f"{'phase':<14}{'peak GiB':>10}" + "".join(f"{k.replace('_', ' '):>14}" for k in kinds)
+             + f"{'TFLOP':>10}{'s at least':>12}"]
+    for name, phase in report["phases"].items():
+        lines.append(f"{name:<14}{phase['peak_gib']:>10.2f}" + "".join(f"{phase['by_kind_gib'].get(k, 0.0):>14.2f}" for k in kinds)
+                     + f"{phase['flops'] / 1e12:>10.1f}{phase['seconds_at_least']:>12.2f}")
+    verdict = "fits" if report["fits"] else "does NOT fit"
+    lines.append(f"peak: {report['peak_gib']:.2f} GiB in phase {report['peak_phase']}: {verdict}")
+    return "\n".join(lines)
+
+
+def _gib(size: int) -> float:
+    return round(size / GiB, 6)
+
+
+class _DryRun:
+    """One dry run's phases, in a run's order, each under the tracker's phase of the same name."""
+
+    def __init__(self, config: Config, world: FakeWorld, scratch: Path, prompt_tokens: int, flops: dict[str, float],
+                 gpu: GpuProfile):
+        self.config, self.world, self.scratch, self.flops, self.gpu = config, world, scratch, flops, gpu
+        self.tracker = world.tracker
+        self.prompt_tokens = prompt_tokens
+        #: Seconds this process spent simulating each phase.
+        self.wall: dict[str, float] = {}
+        self.model_dir = scratch / "model"
+        self.model_dir.mkdir()
+        self.hf_config = model_config(config, self.model_dir)
+        self.stack = contextlib.ExitStack()
+
+    def first_step(self) -> None:
+        from nemo_jq.trainer import Trainer
+
+        with self.stack:
+            self._label_kernels()
+            trainer = Trainer(self.config, run_dir=self.scratch / "run", components=self._components())
+            watching = self._watch(trainer)
+            sampler_model = getattr(_sampler(trainer.components.engine), "model", None)
+            self.sampler_bytes = (2 * _parameters(self.hf_config) if sampler_model is None else  # vLLM: bf16 weights
+                                  sum(p.numel() * p.element_size() for p in sampler_model.parameters()))
+            del sampler_model
+            self.sampled_answers = Need.SAMPLED_ANSWER_REWARD in trainer.estimator.needs
+            examples = trainer.components.splits.train
+            trainer.components.engine.generate(trainer.components.prompt_ids(examples), self.config.rollout.num_samples,
+                                               sample_answers=self.sampled_answers,
+                                               generator=trainer.random.rollout)
+            trainer.train_step(examples[:self.config.train.micro_batch_size])
+            trainer.state.step = 1
+            if hasattr(trainer.components.engine, "refit"):
+                with self._phase("refit"):
+                    trainer.components.engine.refit()
+            with self._phase("save"):
+                checkpoint = trainer.save()
+            with self._phase("guard_restore"):
+                trainer.policy.load(checkpoint, with_optimizer=True)
+            with self._phase("evaluate"):
+                trainer.evaluator.evaluate("validation")
+            watching.close()
+            del trainer, watching
+            gc.collect()
+            with self._phase("resume"):
+                resumed = Trainer(self.config, run_dir=self.scratch / "run", components=self._components())
+                resumed.restore(checkpoint)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Phase ``name``; inside another phase (evaluation's rollouts, a resume's build), part of that one."""
+        if self.tracker.current is not None:
+            yield
+            return
+        outer, self.world.phase_name = self.world.phase_name, name
+        started = time.perf_counter()
+        with self.tracker.phase(name), FlopCounterMode(display=False) as counter:
+            try:
+                yield
+            finally:
+                self.flops[name] = max(self.flops.get(name, 0.0), counter.get_total_flops())
+                self.world.phase_name = outer
+                self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - started
+
+    def _components(self):
+        """The run's components as ``build_components`` makes them, from a stand-in task and tokenizer and the model
+        built from its config on the (fake) host, as ``load_model`` builds it."""
+        from nemo_jq.chat import ChatFormat
+        from nemo_jq.components import assemble_components
+
+        chat = ChatFormat(_StandInTokenizer(self.prompt_tokens, self.config.rollout.max_answer_tokens))
+        examples = [Example(f"dry-{i}", "", "") for i in range(max(self.config.train.batch_size, self.config.eval.batch_size))]
+        splits = Splits(examples[:self._replica_prompts()], examples[:self.config.eval.batch_size], examples[:1])
+
+        def load_model():
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
+
+        request = BackendRequest(load_model=load_model, model_dir=self.model_dir, config=self.config, chat=chat, device=GPU)
+        with self._phase("build"), self.tracker.label("weights"):
+            components = assemble_components(self.config, GPU, _StandInTask(), splits, chat, request)
+        sampler_model = getattr(_sampler(components.engine), "model", None)
+        policy_model = components.policy.model
+        if sampler_model is not None and sampler_model is not policy_model:
+            self.tracker.relabel(sampler_model.parameters(), "sampler_copy")
+        self.world.name_modules(policy_model, "policy")
+        if sampler_model is not None and sampler_model is not policy_model:
+            self.world.name_modules(sampler_model, "sampler")
+        return components
+
+    def _replica_prompts(self) -> int:
+        return self.config.train.batch_size
+
+    def _watch(self, trainer) -> contextlib.ExitStack:
+        """Phases inside the trainer's own step, and gradients counted as such once accumulated; closing the stack
+        returns the sampler its own ``sample``."""
+        parts = trainer.components
+        for parameter in parts.policy.model.parameters():
+            parameter.register_post_accumulate_grad_hook(lambda p: self.tracker.relabel([p.grad], "gradients"))
+        self._wrap(parts.engine, "generate", "rollout")
+        self._wrap(parts.policy, "forward_backward", "train", label="activations")
+        self._wrap(parts.policy, "optimizer_step", "optimizer_step", label="optimizer")
+        sampler = _sampler(parts.engine)
+        watching = contextlib.ExitStack()
+        watching.enter_context(patched(sampler, "sample", self._full_budget(sampler)))
+        return watching
+
+    def _wrap(self, owner: Any, method: str, phase: str, label: str | None = None) -> None:
+        real = getattr(owner, method)
+
+        def wrapped(*args, **kwargs):
+            with self._phase(phase), self.tracker.label(label) if label else contextlib.nullcontext():
+                return real(*args, **kwargs)
+
+        setattr(owner, method, wrapped)
+
+    def _full_budget(self, sampler):
+        """The sampler's ``sample``: its real code on the largest chunk it samples at once (the peak is the same for
+        every chunk), for the world's decode steps; every row then runs to its full budget (the longest rows)."""
+        real = sampler.sample
+        # the native sampler drops finished rows from its cache once an eighth has finished: a copy of the cache
+        # beside the cache. Its first decode step does so here, keeping every row (the copy at its largest).
+        def compacting():
+            if isinstance(sampler, NativeSampler):
+                return patched(sampler, "_compact", lambda cache, keep, batch_rows: True)
+            return contextlib.nullcontext()
+
+        def sample(prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
+            chunk = prompts
+            if hasattr(sampler, "prompts_per_chunk"):
+                chunk = prompts[:sampler.prompts_per_chunk(prompts, num_samples, max_new_tokens)]
+            with self.world.sampling_call(), compacting():
+                real(chunk, num_samples, stop_ids=stop_ids, max_new_tokens=max_new_tokens, generator=generator,
+                     greedy=greedy)
+            full = Sample([0] * max_new_tokens, False, [0.0] * max_new_tokens)
+            return [[full] * num_samples for _ in prompts]
+
+        return sample
+
+    def _label_kernels(self) -> None:
+        """Storages the KV cache and the log-prob head allocate are counted as theirs."""
+        from transformers.cache_utils import DynamicLayer
+
+        from nemo_jq.models.logprobs import _ChunkedTokenLogprob
+        from nemo_jq.rollouts.hf import PreallocatedCacheLayer
+
+        for owner, name, kind in ((PreallocatedCacheLayer, "update", "kv_cache"),
+                                  (PreallocatedCacheLayer, "_rebuild", "kv_cache"), (DynamicLayer, "update", "kv_cache"),
+                                  (_ChunkedTokenLogprob, "forward", "logprob_head"),
+                                  (_ChunkedTokenLogprob, "backward", "logprob_head")):
+            self.stack.enter_context(patched(owner, name, self._labelled(getattr(owner, name), kind)))
+        self.stack.enter_context(_patched_item(SAMPLERS, "vllm", lambda request: ReservedShare(request, self.tracker)))
+
+    def _labelled(self, function, kind: str):
+        def labelled(*args, **kwargs):
+            training = kind == "kv_cache" and self.tracker.labels[-1] == "activations"  # a training forward's K/V
+            with contextlib.nullcontext() if training else self.tracker.label(kind):
+                return function(*args, **kwargs)
+
+        return staticmethod(labelled) if isinstance(function, type(lambda: None)) and function.__qualname__.startswith(
+            "_ChunkedTokenLogprob") else labelled
+
+    @property
+    def shape(self) -> dict[str, Any]:
+        """What the time bounds and the report need of the run's shape."""
+        rollout, hf = self.config.rollout, self.hf_config
+        return {"parameters": _parameters(hf), "prompt_tokens": self.prompt_tokens,
+                "sequence_tokens": self.prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens,
+                "samples": rollout.num_samples, "batch_prompts": self.config.train.batch_size,
+                "micro_batch_prompts": self.config.train.micro_batch_size, "sampled_answers": self.sampled_answers,
+                "sampler_weight_bytes": self.sampler_bytes,
+                "kv_bytes_per_token": 2 * 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim}
+
+
+class ReservedShare:
+    """vLLM in the dry run: its memory is its own (weights, KV cache, CUDA graphs inside
+    ``vllm_memory_utilization`` of the GPU), held while it is awake; it samples every row to its full budget."""
+
+    def __init__(self, request, tracker: MemoryTracker, share: int):
+        self.tracker, self.share = tracker, share
+        self.tensor_parallel = request.config.rollout.tensor_parallel
+
+    def awake(self):
+        return self.tracker.reserved("vllm", self.share)
+
+    def load_weights(self, tensors) -> None:
+        for _ in tensors:
+            pass
+
+    def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
+        return [[Sample([0] * max_new_tokens, False, [0.0] * max_new_tokens)] * num_samples for _ in prompts]
+
+
+def model_config(config: Config, folder: Path) -> Any:
+    """The HF config of ``model.path`` (a Qwen3 size name, a local folder, or the tiny model), written to ``folder``
+    as a model folder without weights (what an engine that loads a folder is given)."""
+    from transformers import AutoConfig, Qwen3Config
+
+    from nemo_jq.plan import hf_config_dict
+
+    path = config.model.path
+    if path is None:
+        tiny = config.model.tiny
+        hf = Qwen3Config(vocab_size=tiny.tokenizer_vocab_size, hidden_size=tiny.hidden_size,
+                         intermediate_size=tiny.intermediate_size, num_hidden_layers=tiny.num_layers,
+                         num_attention_heads=tiny.num_heads, num_key_value_heads=tiny.num_kv_heads,
+                         head_dim=tiny.hidden_size // tiny.num_heads,
+                         max_position_embeddings=tiny.max_position_embeddings, tie_word_embeddings=True)
+    elif Path(path).expanduser().exists():
+        hf = AutoConfig.from_pretrained(Path(path).expanduser())
+    else:
+        hf = Qwen3Config(**hf_config_dict(path))
+    hf.save_pretrained(folder)
+    return hf
+
+
+def _parameters(hf_config) -> int:
+    from nemo_jq.models.megatron.provider import read_qwen3_config
+    from nemo_jq.plan import parameter_count
+
+    return parameter_count(read_qwen3_config(hf_config))
+
+
+def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Config, gpu: GpuProfile) -> float:
+    """A lower bound on the phase's time in the run on ``gpu``. Training: the FLOPs counted on one micro-batch, times
+    the replica's micro-batches, at the bf16 peak. Sampling (the step's rollouts; an evaluation of the validation
+    split): every decode step of every chunk reads the sampler's weights as it holds them and the keys and values so
+    far, at the memory bandwidth (or its 2 FLOPs a parameter a token at the peak, where that is more); the dry run
+    itself ran only a few of those steps. Other phases: their FLOPs at the peak."""
+    seconds = flops / gpu.bf16_flops
+    if phase == "train":
+        return seconds * math.ceil(shape["batch_prompts"] / shape["micro_batch_prompts"])
+    if phase == "rollout":
+        return sampling_seconds(shape, config, gpu, shape["batch_prompts"], config.rollout.num_samples,
+                                answers=shape["sampled_answers"])
+    if phase == "evaluate":
+        calls = math.ceil(config.data.validation_size / config.eval.batch_size)
+        return calls * sampling_seconds(shape, config, gpu, config.eval.batch_size, config.eval.num_samples, answers=True)
+    return seconds
+
+
+def sampling_seconds(shape: dict[str, Any], config: Config, gpu: GpuProfile, prompts: int, samples: int, *,
+                     answers: bool) -> float:
+    """The bound of :func:`seconds_at_least` for one sampling call of ``prompts`` x ``samples`` rows: the thinking
+    phase in chunks of whole groups, then (``answers``) the answer phase in chunks of rows, as the samplers chunk."""
+    rollout, kv_budget = config.rollout, config.rollout.kv_cache_tokens
+    weights, per_token = shape["sampler_weight_bytes"], shape["kv_bytes_per_token"]
+
+    def phase(rows: int, context: int, steps: int, rows_per_chunk: int) -> float:
+        chunks, total = math.ceil(rows / rows_per_chunk), 0.0
+        for chunk in range(chunks):
+            r = min(rows_per_chunk, rows - chunk * rows_per_chunk)
+            kv = r * per_token * (steps * context + steps * (steps + 1) / 2)
+            flops = 2 * shape["parameters"] * r * (context + steps)
+            total += max((steps * weights + kv) / gpu.bandwidth, flops / gpu.bf16_flops)
+        return total
+
+    prompt, thinking = shape["prompt_tokens"], rollout.max_thinking_tokens
+    group = samples * (prompt + thinking)
+    prompts_per_chunk = prompts if kv_budget is None else max(1, kv_budget // group)
+    seconds = phase(prompts * samples, prompt, thinking, prompts_per_chunk * samples)
+    if answers:
+        context = prompt + thinking + 1
+        rows = prompts * samples if kv_budget is None else max(1, kv_budget // (context + rollout.max_answer_tokens))
+        seconds += phase(prompts * samples, context, rollout.max_answer_tokens, rows)
+    return seconds
+
+
+def _sampler(engine: Any) -> Any:
+    return (engine.engine if hasattr(engine, "engine") else engine).sampler
+
+
+@contextlib.contextmanager
+def _patched_item(mapping: dict, key: str, value: Any) -> Iterator[None]:
+    original = mapping[key]
+    dict.__setitem__(mapping, key, value)
+    try:
+        yield
+    finally:
+        dict.__setitem__(mapping, key, original)
+
+
+class _StandInTask:
+    """No data: every example's reward is 0 (the dry run reads no values)."""
+
+    def messages(self, example: Example, prompt_format: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": ""}]
+
+    def extract_answer(self, output: str) -> str:
+        return output
+
+    def normalize(self, text: str) -> str:
+        return text
+
+    def reward(self, output: str, example: Example) -> float:
+        return 0.0
+
+    def is_correct(self, output: str, example: Example) -> bool:
+        return False
+
+    def corpus(self, examples: list[Example]) -> list[str]:
+        return []
+
+
+class _StandInTokenizer:
+    """Prompts of ``prompt_tokens`` tokens and answers of ``answer_tokens`` (with the end of turn): the longest."""
+
+    PROMPT = "<dry-run prompt>"
+    pad_token_id = 0
+
+    def __init__(self, prompt_tokens: int, answer_tokens: int):
+        self.prompt_tokens, self.answer_tokens = prompt_tokens, answer_tokens
+
+    def get_vocab(self) -> dict[str, int]:
+        from nemo_jq.chat import END_OF_TURN, THINK_END, THINK_START
+
+        return {THINK_START: 1, THINK_END: 2, END_OF_TURN: 3}
+
+    def get_chat_template(self) -> str:
+        return ""
+
+    def apply_chat_template(self, messages, **kwargs) -> str:
+        return self.PROMPT
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [4] * (self.prompt_tokens if text == self.PROMPT else max(1, self.answer_tokens - 1))
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return ""
+
+    def __len__(self) -> int:
+        return 5

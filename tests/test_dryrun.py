@@ -1,0 +1,145 @@
+"""nemo-jq dryrun: the instrument (fake world, memory tracker) checked against real allocation, the catches it
+exists for, and the command.
+
+The real GPU is the one thing these tests cannot have: the dry run's stand-in GPU is the ``meta`` device (see
+nemo_jq/dryrun/world.py), and its numbers are checked here against a real CPU run of the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_jq.cli import main
+from nemo_jq.config import load_config
+from nemo_jq.dryrun import GPUS, DoesNotFit, WrongDevice, check_fits, dry_run
+from nemo_jq.dryrun.memory import MemoryTracker
+from nemo_jq.dryrun.world import GPU, MOST, FakeWorld
+from nemo_jq.models.interfaces import TokenBatch
+
+TESTS = Path(__file__).resolve().parent
+
+
+def policy_step(device: torch.device, rows: int = 8) -> None:
+    """Build an HF policy, train one micro-batch of ``rows`` and step AdamW (fp32, as the CPU runs it)."""
+    from nemo_jq.models.hf import HFPolicy, tiny_qwen3
+
+    model = tiny_qwen3(8192, hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4, intermediate_size=3072,
+                       max_position_embeddings=512, seed=0)
+    policy = HFPolicy(model, device=device, precision="fp32", logprob_chunk_size=256)
+    length = 256
+    ids = torch.ones((rows, length), dtype=torch.long)
+    mask = torch.ones((rows, length - 1), dtype=torch.bool)
+    batch = TokenBatch(ids, torch.ones_like(ids), mask, torch.zeros_like(mask), None)
+    policy.forward_backward([batch], lambda logprobs, index: logprobs.sum())
+    policy.optimizer_step()
+
+
+def real_peak_bytes() -> int:
+    """Run :func:`policy_step` on the CPU in this process: its peak resident bytes above those before it (after a
+    one-row run, so that the libraries' one-time set-up is not counted)."""
+    torch.set_num_threads(1)
+    policy_step(torch.device("cpu"), rows=1)
+    with open("/proc/self/statm") as statm:
+        before = int(statm.read().split()[1]) * resource.getpagesize()
+    policy_step(torch.device("cpu"))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+
+
+def test_the_dry_run_peak_is_the_real_peak():
+    """The fake world's count of the same code's peak equals what the CPU really allocates, within 10% (the real
+    figure is the resident-set growth of a fresh process, which also holds allocator slack and Python objects)."""
+    script = f"import sys; sys.path.insert(0, {str(TESTS)!r}); from test_dryrun import real_peak_bytes; print(real_peak_bytes())"
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back to the system, so the RSS is live bytes
+    real = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              env=env).stdout.split()[-1])
+    tracker = MemoryTracker(GPU.type)
+    with FakeWorld(tracker), tracker.phase("step"):
+        policy_step(GPU)
+    dry = tracker.phases["step"].peak
+    assert real > 500e6  # large enough that the process's own overheads are small beside it
+    assert abs(dry - real) / real < 0.10, (dry, real)
+
+
+def test_the_world_answers_with_the_most_memory():
+    tracker = MemoryTracker(GPU.type)
+    with FakeWorld(tracker) as world:
+        mask = torch.ones(4, 8, dtype=torch.bool, device=GPU)
+        assert mask.nonzero().shape == (32, 2)  # every element counts
+        assert torch.ones(4, 8, device=GPU)[mask].shape == (32,)
+        assert int(mask.sum()) == MOST and float(mask.float().mean()) == 1.0 and not bool(mask.all())
+        with world.sampling_call():
+            assert [bool(mask.any()) for _ in range(3)] == [True, True, False]  # world.decode_steps == 2
+        assert torch.zeros(3, device=GPU).cpu().tolist() == [0.0, 0.0, 0.0]
+        with pytest.raises(WrongDevice, match="phase build: a tensor on the host"):
+            torch.nn.Linear(8, 8)(torch.ones(2, 8, device=GPU))  # the layer's weights never left the host
+        before = tracker.total
+        kept = torch.empty(1000, device=GPU)
+        assert tracker.total - before == 4000
+        del kept
+        assert tracker.total == before
+
+
+def test_gpu_attention_keeps_no_scores():
+    """On a GPU, SDPA never holds the [L, L] scores; torch's choice on meta would (the math path)."""
+    tracker = MemoryTracker(GPU.type)
+    with FakeWorld(tracker), tracker.phase("attention"):
+        q = torch.empty(1, 8, 4096, 64, device=GPU, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(1, 2, 4096, 64, device=GPU, dtype=torch.bfloat16, requires_grad=True)
+        torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True).sum().backward()
+    scores = 8 * 4096 * 4096 * 2
+    assert tracker.phases["attention"].peak < scores / 4
+
+
+def dry(tmp_path: Path, *overrides: str, gpu: str = "h100-80gb", **settings):
+    return dry_run(load_config(None, ["train.batch_size=4", "train.micro_batch_size=2", "eval.batch_size=4",
+                                      *overrides]), GPUS[gpu], prompt_tokens=24, **settings)
+
+
+def test_every_phase_of_the_demo_model(tmp_path):
+    report = dry(tmp_path)
+    assert list(report["phases"]) == ["build", "rollout", "train", "optimizer_step", "save", "guard_restore",
+                                      "evaluate", "resume"]
+    phases = report["phases"]
+    assert phases["optimizer_step"]["most_by_kind_gib"]["optimizer"] >= 2 * phases["build"]["by_kind_gib"]["weights"]
+    assert phases["rollout"]["most_by_kind_gib"]["kv_cache"] > 0
+    assert phases["train"]["most_by_kind_gib"]["activations"] > 0 and phases["train"]["flops"] > 0
+    assert report["fits"]
+
+
+def test_a_sampler_left_on_the_host_is_named(tmp_path, monkeypatch):
+    """A backend whose sampler decodes a model it never moved to the GPU (the megatron path's defect, D3, in a
+    backend of its own) fails in one line naming the sampler's module and the phase."""
+    from nemo_jq.models.backends import BACKENDS, policy_options, sampler_request
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.rollouts import build_rollouts
+    from nemo_jq.rollouts.refit import RefittedRolloutEngine
+
+    def sampler_on_host(request):
+        policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config))
+        engine = build_rollouts(sampler_request(request, request.load_model()), request.chat)
+        return policy, RefittedRolloutEngine(engine, policy)
+
+    monkeypatch.setitem(BACKENDS, "sampler_on_host", sampler_on_host)
+    with pytest.raises(WrongDevice, match=r"phase rollout: a tensor on the host \(cpu\) met one on the GPU in sampler"):
+        dry(tmp_path, "model.backend=sampler_on_host")
+
+
+def test_the_command_reports_and_refuses_what_does_not_fit(tmp_path, capsys):
+    out = tmp_path / "dry.json"
+    base = ["dryrun", "--prompt-tokens", "24", "train.batch_size=4", "train.micro_batch_size=2", "eval.batch_size=4"]
+    assert main([*base, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["fits"] and "peak:" in capsys.readouterr().out
+    assert main([*base, "--gpu-memory", "0.001"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "nemo-jq dryrun: error: phase" in error and "try " in error
+    with pytest.raises(DoesNotFit):
+        check_fits({**report, "fits": False})
