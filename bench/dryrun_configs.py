@@ -16,13 +16,15 @@ from pathlib import Path
 
 import torch
 
+from nemo_jq import plan
 from nemo_jq.config import load_config
 from nemo_jq.dryrun import GPUS, dry_run
-from nemo_jq.dryrun.run import seconds_at_least
+from nemo_jq.dryrun.run import against_plan, seconds_at_least
 from nemo_jq.objectives import Need, get_objective
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "dryrun_configs.json"
+TABLE = ROOT / "docs" / "results" / "dryrun_configs.md"
 
 
 def workload_key(config) -> tuple:
@@ -43,8 +45,8 @@ def main() -> None:
     groups: dict[tuple, list[str]] = {}
     for path in sorted((ROOT / "configs").rglob("*.yaml")):
         rel = str(path.relative_to(ROOT))
-        if args.only not in rel or "schedules" in rel:
-            continue
+        if args.only not in rel or "schedules" in rel or load_config(path).model.path is None:
+            continue  # schedules are fragments; the examples train the tiny model (the suite dry-runs it)
         groups.setdefault(workload_key(load_config(path)), []).append(rel)
     results = []
     for key, paths in groups.items():
@@ -54,14 +56,42 @@ def main() -> None:
         seconds = round(time.perf_counter() - started, 1)
         bounds = {name: {phase: seconds_at_least(phase, data["flops"], report["shape"], config, gpu)
                          for phase, data in report["phases"].items()} for name, gpu in GPUS.items()}
-        results.append({"configs": paths, "dry_run_seconds": seconds, "report": report, "seconds_at_least": bounds})
+        planned = plan.plan(plan.architecture(config.model.path), plan.Workload.from_config(config, args.prompt_tokens),
+                            gpus_per_node=1, nodes=1, gpu_gb=80)[0]
+        results.append({"configs": paths, "dry_run_seconds": seconds, "report": report, "seconds_at_least": bounds,
+                        "against_plan": against_plan(report, config), "plan_total_gib": planned.total_gib})
         phase = report["phases"][report["peak_phase"]]
         print(f"{paths[0]} (+{len(paths) - 1}): peak {report['peak_gib']:.1f} GiB in {report['peak_phase']} "
               f"({', '.join(f'{k} {v:.1f}' for k, v in phase['by_kind_gib'].items())}); rollout "
               f"{report['phases']['rollout']['peak_gib']:.1f} GiB; {seconds} s to simulate", flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "workloads": results}, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    TABLE.parent.mkdir(parents=True, exist_ok=True)
+    TABLE.write_text(markdown(results, args.prompt_tokens))
+    print(f"wrote {OUT} and {TABLE}")
+
+
+def markdown(results: list[dict], prompt_tokens: int) -> str:
+    """The table docs/results/dryrun_configs.md holds: per workload, each phase's peak GiB and what dominates it."""
+    lines = [f"# The shipped configs at their real size (`python bench/dryrun_configs.py`, prompts of {prompt_tokens} "
+             "tokens, 80 GB GPUs: 72 GiB usable)", "",
+             "Peak GiB per phase on the one GPU of `model.backend=hf`; the largest kind at the peak in brackets; "
+             "plan: `nemo-jq plan --config`'s total beside the dry run's. Least seconds per step: rollout + train on "
+             "A100 / H100. Configs that differ only in q, the dataset's name or the run directory share a row.", "",
+             "| configs | rollout | train | optimizer step | guard restore | evaluate | resume | fits | plan | s/step A100 / H100 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for entry in results:
+        report, paths = entry["report"], entry["configs"]
+        cells = []
+        for phase in ("rollout", "train", "optimizer_step", "guard_restore", "evaluate", "resume"):
+            data = report["phases"][phase]
+            kind = max(data["by_kind_gib"], key=data["by_kind_gib"].get)
+            cells.append(f"{data['peak_gib']:.1f} ({kind.replace('_', ' ')})")
+        step = {gpu: bounds["rollout"] + bounds["train"] for gpu, bounds in entry["seconds_at_least"].items()}
+        name = paths[0].removeprefix("configs/") + (f" (+{len(paths) - 1})" if len(paths) > 1 else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if report['fits'] else '**no**'} | "
+                     f"{entry['plan_total_gib']:.1f} | {step['a100-80gb']:.0f} / {step['h100-80gb']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   and shards the distributed optimizer's state over DP x CP;
 * the log-prob head holds ``[micro_batch x seq_len / CP, V/TP]`` logits and their gradient (bf16);
 * rollouts, by ``rollout_engine``: ``native``/``hf`` decode one bf16 HF copy of the whole model on each replica's
-  sampling rank (the rank this estimate is for: the layout's fullest) with a bf16 KV cache of at most
-  ``kv_cache_tokens`` tokens (``rollout.kv_cache_tokens``: prompts beyond are sampled in chunks of whole
-  groups; at least one prompt's M rows), or of all of the replica's prompts x M at ``seq_len`` when that is
-  fewer; ``vllm`` keeps no HF copy and takes ``vllm_memory_utilization`` of the GPU (its weights, shared over
+  sampling rank (the rank this estimate is for: the layout's fullest; with ``model.backend=hf`` the policy's own
+  model, or an fp32 copy one step ahead) with a bf16 KV cache of at most ``kv_cache_tokens`` tokens
+  (``rollout.kv_cache_tokens``: the thinking phase samples chunks of whole groups, at least one prompt's M rows;
+  the answer phase chunks of rows; an evaluation call's too), or of all of the replica's rows when that is fewer,
+  plus a decode step's copies of one layer's keys and values (``KV_COPIES``); ``vllm`` keeps no HF copy and takes
+  ``vllm_memory_utilization`` of the GPU (its weights, shared over
   ``vllm_tensor_parallel`` ranks, and its KV cache) while it samples, and sleeps (holds ~nothing) while the
   policy trains;
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
@@ -117,6 +119,34 @@ class Workload:
     kv_cache_tokens: int | None = 131072
     vllm_memory_utilization: float = 0.5
     vllm_tensor_parallel: int = 1
+    #: ``model.backend``: megatron (the layouts), or hf (one process on one GPU; its activations as HF keeps them).
+    backend: str = "megatron"
+    #: hf: rollouts sampled one step ahead decode an fp32 copy of the model (``rollout.async_steps=1``).
+    async_copy: bool = False
+    #: hf: positions the log-prob kernel projects at once (``model.logprob_chunk_size``).
+    logprob_chunk: int = 256
+    #: The answer budget within ``seq_len`` (the thinking phase's rows end before it).
+    answer_tokens: int = 0
+    #: An evaluation call's prompts and samples of each (``eval.batch_size``, ``eval.num_samples``).
+    eval_call: tuple[int, int] = (32, 16)
+
+    @classmethod
+    def from_config(cls, config: Any, prompt_tokens: int) -> Workload:
+        """The workload a run config trains, in the trainer's units: a micro-batch is ``train.micro_batch_size``
+        prompts x M rollouts, each ``prompt_tokens`` + thinking budget + ``</think>`` + answer budget long."""
+        layout, rollout = config.megatron, config.rollout
+        optimizer = ("bf16-distopt" if layout.bf16_weights else "fp32-distopt" if layout.distributed_optimizer
+                     else "fp32-adamw")
+        return cls(seq_len=prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens,
+                   micro_batch=config.train.micro_batch_size * rollout.num_samples, samples=rollout.num_samples,
+                   batch_prompts=config.train.batch_size, recompute=layout.recompute_activations,
+                   sequence_parallel=layout.sequence_parallel, optimizer=optimizer,
+                   context_parallel=layout.context_parallel, rollout_engine=rollout.engine,
+                   kv_cache_tokens=rollout.kv_cache_tokens, vllm_memory_utilization=rollout.vllm_memory_utilization,
+                   vllm_tensor_parallel=rollout.tensor_parallel, backend=config.model.backend,
+                   async_copy=bool(rollout.async_steps) and rollout.engine != "vllm",
+                   logprob_chunk=config.model.logprob_chunk_size, answer_tokens=rollout.max_answer_tokens,
+                   eval_call=(config.eval.batch_size, config.eval.num_samples))
 
     @property
     def tokens_per_rank(self) -> float:
@@ -157,8 +187,61 @@ def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> 
     return 2 * tokens * (hidden_terms + split_terms)
 
 
+#: Buffers of one layer's keys (or values) a decode step holds beside the cache at once: a compaction rebuilds
+#: keys then values, each from a copy of the rows it keeps into a new buffer while the old one lives (measured by
+#: the dry run; a growing cache's concatenation holds fewer).
+KV_COPIES = 3
+
+
+def sampler_kv_tokens(work: Workload, prompts: int, samples: int) -> int:
+    """The most tokens of keys and values a sampling call over ``prompts`` x ``samples`` holds: the thinking phase's
+    largest chunk of whole groups (prompt + thinking budget each), or the answer phase's chunk of rows (the whole
+    sequence each; evaluation samples answers, as GRPO and RLOO do), as ``rollout.kv_cache_tokens`` bounds them."""
+    context = work.seq_len - 1 - work.answer_tokens
+    group, rows, budget = samples * context, prompts * samples, work.kv_cache_tokens
+    thinking = group * (prompts if budget is None else min(prompts, max(1, budget // group)))
+    answering = work.seq_len * (rows if budget is None else min(rows, max(1, budget // work.seq_len)))
+    return max(thinking, answering)
+
+
+def hf_activation_bytes(arch: Qwen3Architecture, work: Workload) -> float:
+    """Bytes the hf backend keeps for one micro-batch's backward (under bf16 autocast over fp32 weights), as the dry
+    run counts them. Per layer and token: the fp32 residual stream and both norms' fp32 inputs and outputs with each
+    projection's own bf16 cast of its input and the layer's fp32 output (30h), Q's norm (fp32 input, bf16 output),
+    the attention's Q, K and V repeated to Q's heads, its output and o_proj's contiguous copy of it (16q), K's norm
+    and projection (6kv), SwiGLU's four bf16 tensors (8I), and for padded rows the bf16 bias SDPA makes of the
+    boolean mask in every layer (2 bytes x L). Beyond the layers: the final norm and the gathered last hidden
+    states (12h per token), and the bf16 weight casts autocast saves (2 bytes per layer parameter)."""
+    h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    tokens = work.tokens_per_rank
+    per_layer = tokens * (30 * h + 16 * q + 6 * kv + 8 * arch.intermediate_size + 2 * work.seq_len)
+    return arch.num_layers * per_layer + 12 * h * tokens + 2 * arch.num_layers * layer_parameters(arch)
+
+
+def hf_logprob_head_bytes(arch: Qwen3Architecture, work: Workload) -> float:
+    """The chunked log-prob kernel in backward: its fp32 gradients of the hidden states and of the head's weight, and
+    two fp32 chunks of logits."""
+    return 4 * work.tokens_per_rank * arch.hidden_size + 4 * arch.vocab_size * arch.hidden_size + \
+        2 * 4 * work.logprob_chunk * arch.vocab_size
+
+
 def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float,
              headroom: float) -> LayoutEstimate:
+    parts = component_bytes(arch, work, tp, pp, dp, gpu_gb)
+    sharded = OPTIMIZER_MODES[work.optimizer][3]
+    # What stays all run, and the two phases' working sets, which do not coexist.
+    staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
+    training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
+    rollout = ["kv_cache", "vllm"]
+    phase = max(training, rollout, key=lambda names: sum(parts[name] for name in names))
+    total = sum(parts[name] for name in staying + phase) / GiB
+    largest = max(staying + phase, key=lambda name: parts[name])
+    return LayoutEstimate(tp, pp, dp, *(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2),
+                          total <= gpu_gb * headroom, largest, advice(largest, work))
+
+
+def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float) -> dict[str, float]:
+    """Each of :data:`COMPONENTS` in bytes, on the layout's fullest rank."""
     params_per_rank = parameter_count(arch) / (tp * pp)
     weight_bytes, gradient_bytes, optimizer_bytes, sharded = OPTIMIZER_MODES[work.optimizer]
     layers = arch.num_layers // pp
@@ -173,27 +256,21 @@ def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int,
         activations = in_flight * layers * per_layer
     vllm = work.rollout_engine == "vllm"
     kv_per_token = 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
-    replica_tokens = work.batch_prompts // dp * work.samples * work.seq_len
-    held_tokens = min(replica_tokens, max(work.kv_cache_tokens or replica_tokens, work.samples * work.seq_len))
+    held_tokens = max(sampler_kv_tokens(work, work.batch_prompts // dp, work.samples),
+                      sampler_kv_tokens(work, *work.eval_call)) * (1 + KV_COPIES / (2 * arch.num_layers))
+    hf = work.backend == "hf"
+    in_place = hf and not vllm and not work.async_copy  # the native/hf samplers decode the policy's own model
     parts = {
         "weights": weight_bytes * params_per_rank,
         "gradients": gradient_bytes * params_per_rank,
         "optimizer": optimizer_bytes * params_per_rank / (dp * work.context_parallel if sharded else 1),
-        "activations": activations,
-        "logprob_head": 2 * 2 * tokens * math.ceil(arch.vocab_size / tp),
-        "rollout_copy": 0.0 if vllm else 2 * parameter_count(arch),
+        "activations": hf_activation_bytes(arch, work) if hf else activations,
+        "logprob_head": hf_logprob_head_bytes(arch, work) if hf else 2 * 2 * tokens * math.ceil(arch.vocab_size / tp),
+        "rollout_copy": 0.0 if vllm or in_place else (4 if hf else 2) * parameter_count(arch),
         "kv_cache": 0.0 if vllm else kv_per_token * held_tokens,
         "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm else 0.0,
     }
-    # What stays all run, and the two phases' working sets, which do not coexist.
-    staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
-    training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
-    rollout = ["kv_cache", "vllm"]
-    phase = max(training, rollout, key=lambda names: sum(parts[name] for name in names))
-    total = sum(parts[name] for name in staying + phase) / GiB
-    largest = max(staying + phase, key=lambda name: parts[name])
-    return LayoutEstimate(tp, pp, dp, *(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2),
-                          total <= gpu_gb * headroom, largest, advice(largest, work))
+    return parts
 
 
 def advice(component: str, work: Workload) -> str:
@@ -206,6 +283,9 @@ def advice(component: str, work: Workload) -> str:
         return "a smaller --vllm-memory-utilization (rollout.vllm_memory_utilization)"
     if component == "optimizer" and work.optimizer == "fp32-adamw":
         return "--optimizer bf16-distopt (megatron.distributed_optimizer and bf16_weights)"
+    if component == "activations" and work.backend == "hf":
+        return ("model.backend=megatron with megatron.recompute_activations=true (hf keeps every layer's activations), "
+                "or fewer prompts per micro-batch (train.micro_batch_size; one prompt's M rows are the least)")
     if component == "activations" and not work.recompute:
         return "--recompute (megatron.recompute_activations)"
     if component == "logprob_head":
@@ -218,6 +298,8 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
     """Every feasible layout's estimate, in recommendation order (fitting ones first, then the least memory)."""
     if work.optimizer not in OPTIMIZER_MODES:
         raise ValueError(f"--optimizer {work.optimizer!r}: choose one of {', '.join(OPTIMIZER_MODES)}")
+    if work.backend == "hf":  # one process, one GPU
+        return [estimate(arch, work, 1, 1, 1, gpu_gb, headroom)]
     gpus, cp = gpus_per_node * nodes, work.context_parallel
     layouts = []
     for tp in range(1, gpus_per_node + 1):

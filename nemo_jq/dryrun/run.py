@@ -58,8 +58,8 @@ KNOBS = {
                "megatron.pipeline_parallel)",
     "gradients": "model.backend=megatron with megatron.distributed_optimizer=true and more GPUs",
     "optimizer": "model.backend=megatron with megatron.distributed_optimizer=true (the state sharded over DP)",
-    "activations": "a smaller train.micro_batch_size (prompts per forward/backward; one prompt's M rows is the least "
-                   "today), or model.backend=megatron with megatron.recompute_activations=true",
+    "activations": "a smaller train.micro_batch_size (prompts per forward/backward; one prompt's M rows are the "
+                   "least today), or model.backend=megatron with megatron.recompute_activations=true",
     "logprob_head": "a smaller model.logprob_chunk_size",
     "kv_cache": "a smaller rollout.kv_cache_tokens",
     "sampler_copy": "rollout.engine=vllm (no HF copy of the model beside the policy)",
@@ -110,17 +110,42 @@ def check_fits(report: dict[str, Any]) -> None:
                      f"try {KNOBS[kind]}")
 
 
+#: Where each of ``nemo-jq plan``'s components is seen in a dry run: the phases, and the kind at its most there.
+PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer_step",), "gradients"),
+                   "optimizer": (("save",), "optimizer"), "activations": (("train",), "activations"),
+                   "logprob_head": (("train",), "logprob_head"), "rollout_copy": (("build",), "sampler_copy"),
+                   "kv_cache": (("rollout", "evaluate"), "kv_cache"), "vllm": (("rollout",), "vllm")}
+
+
+def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, float]]:
+    """``nemo-jq plan --config``'s estimate of each component beside the dry run's (GiB), and their ratio."""
+    from nemo_jq import plan
+
+    work = plan.Workload.from_config(config, report["prompt_tokens"])
+    planned_bytes = plan.component_bytes(plan.architecture(config.model.path or ""), work, 1, 1, 1,
+                                         report["gpu"]["memory_gib"])
+    rows = {}
+    for component, (phases, kind) in PLAN_COMPONENTS.items():
+        dry = max(report["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for phase in phases)
+        planned = _gib(planned_bytes[component])
+        rows[component] = {"dry_run_gib": dry, "plan_gib": planned,
+                           "plan_over_dry_run": round(planned / dry, 3) if dry else None}
+    return rows
+
+
 def format_report(report: dict[str, Any]) -> str:
     kinds = [kind for kind in KINDS if any(kind in phase["by_kind_gib"] for phase in report["phases"].values())]
     lines = [f"{report['shape']['parameters'] / 1e9:.3f}B parameters on {report['gpu']['name']} "
              f"({report['usable_gib']:.0f} GiB usable); {report['rank']}; prompts of {report['prompt_tokens']} tokens",
              f"{'phase':<14}{'peak GiB':>10}" + "".join(f"{k.replace('_', ' '):>14}" for k in kinds)
-             + f"{'TFLOP':>10}{'s at least':>12}"]
+             + f"{'TFLOP run':>10}{'s at least':>12}"]
     for name, phase in report["phases"].items():
         lines.append(f"{name:<14}{phase['peak_gib']:>10.2f}" + "".join(f"{phase['by_kind_gib'].get(k, 0.0):>14.2f}" for k in kinds)
                      + f"{phase['flops'] / 1e12:>10.1f}{phase['seconds_at_least']:>12.2f}")
     verdict = "fits" if report["fits"] else "does NOT fit"
-    lines.append(f"peak: {report['peak_gib']:.2f} GiB in phase {report['peak_phase']}: {verdict}")
+    lines.append(f"peak: {report['peak_gib']:.2f} GiB in phase {report['peak_phase']}: {verdict}. TFLOP run: what the dry "
+                 f"run executed ({report['decode_steps']} decode steps a sampling call, one micro-batch); s at least: "
+                 "the whole step's bound (docs/dryrun.md)")
     return "\n".join(lines)
 
 
@@ -201,7 +226,7 @@ class _DryRun:
 
         chat = ChatFormat(_StandInTokenizer(self.prompt_tokens, self.config.rollout.max_answer_tokens))
         examples = [Example(f"dry-{i}", "", "") for i in range(max(self.config.train.batch_size, self.config.eval.batch_size))]
-        splits = Splits(examples[:self._replica_prompts()], examples[:self.config.eval.batch_size], examples[:1])
+        splits = Splits(examples[:self.config.train.batch_size], examples[:self.config.eval.batch_size], examples[:1])
 
         def load_model():
             from transformers import AutoModelForCausalLM
@@ -219,9 +244,6 @@ class _DryRun:
         if sampler_model is not None and sampler_model is not policy_model:
             self.world.name_modules(sampler_model, "sampler")
         return components
-
-    def _replica_prompts(self) -> int:
-        return self.config.train.batch_size
 
     def _watch(self, trainer) -> contextlib.ExitStack:
         """Phases inside the trainer's own step, and gradients counted as such once accumulated; closing the stack
