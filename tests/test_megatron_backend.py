@@ -1135,3 +1135,23 @@ def test_a_tensor_parallel_rollout_engine_refits_and_samples_on_each_of_its_rank
     rollouts = [r["rollouts"] for r in spread + single]
     assert all(r == rollouts[0] for r in rollouts)
     assert all(20 * 2 + 2 <= rollout.rationale_ids[0] < 20 * 2 + 2 + 5 for rollout in rollouts[0][0])  # refitted weights
+
+
+def sampler_placement(precision: str) -> tuple[str, str]:
+    """Where the megatron backend puts its sampler's HF model (a tiny model built in memory: no model.path)."""
+    from helpers import TINY_RUN
+    from nemo_jq.components import build_components
+    from nemo_jq.config import load_config
+
+    config = load_config(None, [*TINY_RUN, "model.backend=megatron", "megatron.tensor_parallel=2",
+                                f"model.precision={precision}"])
+    parts = build_components(config, torch.device("cpu"))
+    weight = next(parts.engine.engine.sampler.model.parameters())
+    return weight.device.type, str(weight.dtype)
+
+
+def test_the_sampler_built_in_memory_is_on_its_rank_in_the_compute_dtype():
+    """Without model.path the megatron backend's sampler decoded the model it built in memory, left on the host in
+    fp32 on every rank (issue 29, D3): it is moved to the sampling rank's device in the compute dtype (bf16 here),
+    and the other rank holds none."""
+    assert run_in_processes(sampler_placement, 2, "bf16") == [("cpu", "torch.bfloat16"), ("meta", "torch.bfloat16")]

@@ -136,10 +136,12 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     if request.config.rollout.engine not in IN_PLACE:  # an engine with its own weights: no HF copy anywhere
         engine = build_rollouts(sampler_request(request, None, starting_weights_dir(request, policy)), request.chat)
         return policy, RefittedRolloutEngine(engine, policy)
-    sampler_model = in_memory
-    if sampler_model is None:  # the one HF copy: on the replica's sampling rank, in the compute dtype
-        samples = dist.get_rank() == dist.get_global_rank(policy.model_parallel_group, 0)
-        dtype = autocast_dtype(request.device, request.config.model.precision) or torch.float32
+    # the one HF copy: on the replica's sampling rank, in the compute dtype; other ranks hold none
+    samples = dist.get_rank() == dist.get_global_rank(policy.model_parallel_group, 0)
+    dtype = autocast_dtype(request.device, request.config.model.precision) or torch.float32
+    if in_memory is None:
         with torch.device(request.device if samples else "meta"):  # its weights arrive with the first refit
             sampler_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    else:  # the model built in this process (no model.path) is that copy, moved where it samples
+        sampler_model = in_memory.to(request.device if samples else "meta", dtype=dtype)
     return policy, RefittedRolloutEngine(build_rollouts(sampler_request(request, sampler_model), request.chat), policy)
