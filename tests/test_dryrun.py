@@ -27,11 +27,11 @@ from nemo_jq.models.interfaces import TokenBatch
 TESTS = Path(__file__).resolve().parent
 
 
-def policy_step(device: torch.device, rows: int = 8) -> None:
+def policy_step(device: torch.device, rows: int = 6) -> None:
     """Build an HF policy, train one micro-batch of ``rows`` and step AdamW (fp32, as the CPU runs it)."""
     from nemo_jq.models.hf import HFPolicy, tiny_qwen3
 
-    model = tiny_qwen3(8192, hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4, intermediate_size=3072,
+    model = tiny_qwen3(8192, hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4, intermediate_size=2048,
                        max_position_embeddings=512, seed=0)
     policy = HFPolicy(model, device=device, precision="fp32", logprob_chunk_size=256)
     length = 256
@@ -45,6 +45,9 @@ def policy_step(device: torch.device, rows: int = 8) -> None:
 def real_peak_bytes() -> int:
     """Run :func:`policy_step` on the CPU in this process: its peak resident bytes above those before it (after a
     one-row run, so that the libraries' one-time set-up is not counted)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: resident pages are the bytes touched, not huge pages
     torch.set_num_threads(1)
     policy_step(torch.device("cpu"), rows=1)
     with open("/proc/self/statm") as statm:
@@ -57,7 +60,9 @@ def test_the_dry_run_peak_is_the_real_peak():
     """The fake world's count of the same code's peak equals what the CPU really allocates, within 10% (the real
     figure is the resident-set growth of a fresh process, which also holds allocator slack and Python objects)."""
     script = f"import sys; sys.path.insert(0, {str(TESTS)!r}); from test_dryrun import real_peak_bytes; print(real_peak_bytes())"
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back to the system, so the RSS is live bytes
+    # freed tensors go back to the system (so the RSS is live bytes), one thread, nothing else inherited from the suite
+    env = {"PATH": os.environ.get("PATH", ""), "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1",
+           "OMP_NUM_THREADS": "1"}
     real = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                               env=env).stdout.split()[-1])
     tracker = MemoryTracker(GPU.type)
@@ -154,9 +159,9 @@ def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_seque
         "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "tie_word_embeddings": True}))
-    config = load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=96",
+    config = load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
                                 "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=2",
-                                "eval.batch_size=4", "model.logprob_chunk_size=64"])
+                                "eval.batch_size=4", "eval.num_samples=8", "model.logprob_chunk_size=128"])
     report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32)
     rows = against_plan(report, config)
     compared = {name: row["plan_over_dry_run"] for name, row in rows.items() if row["plan_over_dry_run"] is not None}

@@ -66,3 +66,29 @@ def test_unknown_methods_and_malformed_knobs_are_one_line_errors(tmp_path):
     misspelt = subprocess.run([*base, "--adaptive", "cold=0.1"], capture_output=True, text=True, timeout=120)
     assert misspelt.returncode == 2 and "unknown key(s) ['cold'] for q schedule 'adaptive'" in misspelt.stderr
     assert not (tmp_path / "x").exists()  # nothing was started
+
+
+def test_ctrl_c_stops_the_whole_experiment_not_one_run(tmp_path):
+    """A multi-run command (issue 34, item 2): SIGINT during its first training checkpoints that run, starts no
+    further run, says what finished and how to go on, and exits 130 (each run used to catch the signal for itself,
+    and the next run started)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "exp"
+    command = [sys.executable, "-m", "nemo_jq.cli", "experiment", "noisy-cold-start", "--quick", "--seeds", "0",
+               "--out", str(out), "train.epochs=400"]  # a first run long enough to be interrupted
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("**/metrics.jsonl")) or not any(p.stat().st_size for p in out.glob("**/metrics.jsonl")):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "stopped by SIGINT" in err and "no further run started" in err and "--resume" in err, err
+    started = {path.parent for path in out.glob("**/metrics.jsonl")}
+    assert len(started) == 1, started  # no second run began
+    assert list(next(iter(started)).glob("checkpoints/step_*")), "the interrupted run wrote its checkpoint"
