@@ -174,3 +174,13 @@ def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_seque
     in_sequences = dataclasses.replace(work, micro_batch=config.train.micro_batch_size)
     wrong = plan.estimate(plan.architecture(str(model)), in_sequences, 1, 1, 1, 80, 0.9).activations_gib
     assert wrong / rows["activations"]["dry_run_gib"] < 0.9
+
+
+def test_vllm_holds_its_configured_share_while_it_samples_and_no_copy_beside_the_policy(tmp_path):
+    """rollout.engine=vllm is not run: the dry run holds rollout.vllm_memory_utilization of the GPU while it samples
+    (the refit and the rollouts), and the policy's process holds no HF copy for it."""
+    report = dry(tmp_path, "rollout.engine=vllm", "rollout.vllm_memory_utilization=0.25", gpu="a100-80gb")
+    phases = report["phases"]
+    assert phases["rollout"]["most_by_kind_gib"]["vllm"] == pytest.approx(0.25 * 80, rel=1e-6)
+    assert "vllm" not in phases["train"]["most_by_kind_gib"]  # it sleeps while the policy trains
+    assert "sampler_copy" not in phases["build"]["most_by_kind_gib"] and "refit" in phases

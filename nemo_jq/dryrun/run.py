@@ -286,8 +286,7 @@ class _DryRun:
             with self.world.sampling_call(), compacting():
                 real(chunk, num_samples, stop_ids=stop_ids, max_new_tokens=max_new_tokens, generator=generator,
                      greedy=greedy)
-            full = Sample([0] * max_new_tokens, False, [0.0] * max_new_tokens)
-            return [[full] * num_samples for _ in prompts]
+            return full_budget_samples(prompts, num_samples, max_new_tokens)
 
         return sample
 
@@ -302,17 +301,21 @@ class _DryRun:
                                   (PreallocatedCacheLayer, "_rebuild", "kv_cache"), (DynamicLayer, "update", "kv_cache"),
                                   (_ChunkedTokenLogprob, "forward", "logprob_head"),
                                   (_ChunkedTokenLogprob, "backward", "logprob_head")):
-            self.stack.enter_context(patched(owner, name, self._labelled(getattr(owner, name), kind)))
-        self.stack.enter_context(_patched_item(SAMPLERS, "vllm", lambda request: ReservedShare(request, self.tracker)))
+            self.stack.enter_context(patched(owner, name, self._labelled(owner.__dict__[name], kind)))
+        share = int(self.config.rollout.vllm_memory_utilization * self.gpu.memory_gib * GiB)
+        self.stack.enter_context(_patched_item(SAMPLERS, "vllm", lambda request: ReservedShare(request, self.tracker, share)))
 
-    def _labelled(self, function, kind: str):
+    def _labelled(self, attribute: Any, kind: str) -> Any:
+        """``attribute`` (a function, or a static method) with its allocations counted as ``kind`` (a training
+        forward's keys and values stay activations)."""
+        function = attribute.__func__ if isinstance(attribute, staticmethod) else attribute
+
         def labelled(*args, **kwargs):
-            training = kind == "kv_cache" and self.tracker.labels[-1] == "activations"  # a training forward's K/V
+            training = kind == "kv_cache" and self.tracker.labels[-1] == "activations"
             with contextlib.nullcontext() if training else self.tracker.label(kind):
                 return function(*args, **kwargs)
 
-        return staticmethod(labelled) if isinstance(function, type(lambda: None)) and function.__qualname__.startswith(
-            "_ChunkedTokenLogprob") else labelled
+        return staticmethod(labelled) if isinstance(attribute, staticmethod) else labelled
 
     @property
     def shape(self) -> dict[str, Any]:
@@ -331,18 +334,31 @@ class ReservedShare:
     ``vllm_memory_utilization`` of the GPU), held while it is awake; it samples every row to its full budget."""
 
     def __init__(self, request, tracker: MemoryTracker, share: int):
-        self.tracker, self.share = tracker, share
+        self.tracker, self.share, self.depth = tracker, share, 0
         self.tensor_parallel = request.config.rollout.tensor_parallel
 
-    def awake(self):
-        return self.tracker.reserved("vllm", self.share)
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """Held once however the wakes nest (a refitted engine wakes it around the budget core's own wake)."""
+        self.depth += 1
+        try:
+            with self.tracker.reserved("vllm", self.share) if self.depth == 1 else contextlib.nullcontext():
+                yield
+        finally:
+            self.depth -= 1
 
     def load_weights(self, tensors) -> None:
         for _ in tensors:
             pass
 
     def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
-        return [[Sample([0] * max_new_tokens, False, [0.0] * max_new_tokens)] * num_samples for _ in prompts]
+        return full_budget_samples(prompts, num_samples, max_new_tokens)
+
+
+def full_budget_samples(prompts, num_samples: int, max_new_tokens: int) -> list[list[Sample]]:
+    """Every row run to its full budget without stopping: the longest rollouts (their token values are unknown)."""
+    full = Sample([0] * max_new_tokens, False, [0.0] * max_new_tokens)
+    return [[full] * num_samples for _ in prompts]
 
 
 def model_config(config: Config, folder: Path) -> Any:
