@@ -77,7 +77,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
     """The report of ``config``'s first step on ``gpu`` (see the module docstring); ``prompt_tokens``: the longest
     prompt the data holds."""
     if config.model.backend == "megatron":
-        raise ValueError("nemo-jq dryrun: model.backend=megatron is not simulated yet (its layouts need a fake process "
+        raise ValueError("model.backend=megatron is not simulated yet (its layouts need a fake process "
                          "group per rank): dry-run model.backend=hf, or size a megatron layout with nemo-jq plan")
     tracker = MemoryTracker(GPU.type)
     flops: dict[str, float] = {}
