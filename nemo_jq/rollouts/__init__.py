@@ -40,11 +40,20 @@ SAMPLERS = Registry("rollout engine")
 IN_PLACE: set[str] = set()
 
 
-def register_sampler(name: str, *, in_place: bool = False) -> Callable[[SamplerBuilder], SamplerBuilder]:
-    """Decorator adding a sampler builder under ``name`` (docs/extending.md)."""
+def register_sampler(name: str, *, in_place: bool = False,
+                     preflight: Callable[[Any], None] | None = None) -> Callable[[SamplerBuilder], SamplerBuilder]:
+    """Decorator adding a sampler builder under ``name`` (docs/extending.md); ``preflight(config)``: a check that the
+    engine can run here, raising a one-line ``ConfigError`` before any model is built (:func:`check_sampler`)."""
     if in_place:
         IN_PLACE.add(name)
-    return SAMPLERS.register(name)
+    register = SAMPLERS.register(name)
+
+    def decorate(builder: SamplerBuilder) -> SamplerBuilder:
+        if preflight is not None:
+            builder.preflight = preflight
+        return register(builder)
+
+    return decorate
 
 
 def sampling_settings(config: Any) -> SamplingSettings:
@@ -65,8 +74,24 @@ register_sampler("native", in_place=True)(_in_this_process(NativeSampler))
 register_sampler("hf", in_place=True)(_in_this_process(HFSampler))
 
 
-@register_sampler("vllm")
+def check_sampler(config: Any) -> None:
+    """``rollout.engine``'s own check that it can run here (its builder's ``preflight``, where it has one: vLLM's
+    is that vLLM imports), raising a one-line :class:`~nemo_jq.typed.ConfigError`. Run before any model is built;
+    a builder put in its place (the dry run's stand-in engine) has none."""
+    preflight = getattr(SAMPLERS.get(config.rollout.engine), "preflight", None)
+    if preflight is not None:
+        preflight(config)
+
+
+def _require_vllm(config: Any) -> None:
+    from nemo_jq.rollouts.vllm import require_vllm
+
+    require_vllm(config)
+
+
+@register_sampler("vllm", preflight=_require_vllm)
 def _vllm(request: SamplerRequest) -> Sampler:
+    _require_vllm(request.config)  # also here, for a caller that built its models without check_sampler
     from nemo_jq.rollouts.vllm import VLLMSampler
 
     return VLLMSampler.from_config(request.model_dir, request.config, request.device)
@@ -81,4 +106,4 @@ def build_rollouts(request: SamplerRequest, chat: Any) -> BudgetedRollouts:
 
 
 __all__ = ["BudgetedRollouts", "IN_PLACE", "SAMPLERS", "Sample", "Sampler", "SamplerRequest", "SamplingSettings",
-           "build_rollouts", "register_sampler", "sampling_settings"]
+           "build_rollouts", "check_sampler", "register_sampler", "sampling_settings"]

