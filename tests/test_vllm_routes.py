@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,6 +172,7 @@ def _train_without_vllm(monkeypatch, capsys, tmp_path) -> tuple[int, str, list]:
     import nemo_jq.components as components
 
     monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setattr(engine, "installed_vllm", lambda: None)
     built = []
     load_model = components.load_model
     monkeypatch.setattr(components, "load_model", lambda *args: built.append(args) or load_model(*args))
@@ -179,8 +181,11 @@ def _train_without_vllm(monkeypatch, capsys, tmp_path) -> tuple[int, str, list]:
 
 
 def test_the_cli_says_rollout_engine_vllm_needs_vllm_in_one_line_and_exits_2(monkeypatch, capsys, tmp_path):
+    """The line docs/vllm.md shows."""
     code, err, _ = _train_without_vllm(monkeypatch, capsys, tmp_path)
-    one_line_error(code, err, "rollout.engine=vllm needs the vllm package", "pip install", "docker/Dockerfile.vllm")
+    line = one_line_error(code, err, "rollout.engine=vllm needs the vllm package", "pip install", "docker/Dockerfile.vllm")
+    documented = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text().splitlines()
+    assert line in documented, line
 
 
 @pytest.mark.xfail(strict=True, reason="needs check_sampler(config) first in nemo_jq/components.py build_components "
