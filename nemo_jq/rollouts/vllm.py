@@ -73,8 +73,8 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 def refit_route(reload_weights: Callable[..., Any] | None) -> str:
     """:data:`RELOAD` where a model runner's ``reload_weights`` (bound or not; None where it has none) takes the
-    weights (a ``weights_iterator`` parameter), else :data:`IN_PLACE`. By its signature: every vLLM since 0.6 has a
-    ``reload_weights``, and before 0.16 it takes no argument (a call with one raises TypeError)."""
+    weights (a ``weights_iterator`` parameter), else :data:`IN_PLACE`. By its signature, not its presence: 0.10.1
+    to 0.15 have a ``reload_weights`` too, which takes no argument (a call with one raises TypeError)."""
     if reload_weights is None:
         return IN_PLACE
     try:
