@@ -33,6 +33,7 @@ from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
 from nemo_jq.models.interfaces import Policy, RolloutEngine
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
 from nemo_jq.objectives.importance import Correction
+from nemo_jq.rollouts import check_sampler
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
 
@@ -66,6 +67,7 @@ class Components:
 
 def build_components(config: Config, device: torch.device, *, tokenizer_dir: Path | None = None) -> Components:
     """The run's components on ``device``; ``tokenizer_dir``: a run's saved tokenizer, when reopening it."""
+    check_sampler(config)  # a rollout engine that cannot be had is said before any model is built
     seed = config.train.seed
     random.seed(seed)
     np.random.seed(seed)

@@ -59,6 +59,9 @@ class ModelConfig:
                           "GPTModel; any number of processes under torchrun; its layout is the megatron section)")
     precision: str = option("auto", "auto = bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     logprob_chunk_size: int = option(256, "positions per chunk of the log-prob kernel", ge=1)
+    activation_checkpointing: bool = option(
+        False, "model.backend=hf: keep only each decoder layer's input and run the layer again in backward (one more "
+        "forward; the megatron backend's is megatron.recompute_activations)")
 
 
 @dataclass
@@ -180,6 +183,10 @@ class TrainConfig:
     epochs: int = option(8, ge=1)
     batch_size: int = option(8, "prompts per optimizer step", ge=1)
     micro_batch_size: int = option(8, "prompts per forward/backward; whole groups of M rollouts stay together", ge=1)
+    micro_batch_rows: int | None = option(
+        None, "rows per forward/backward, whatever M: the estimator's group statistics come from a no-grad pass over "
+        "the rows first (one more forward), then the exact same gradient is taken this many rows at a time, so "
+        "training memory does not grow with M; null = micro_batch_size whole groups in one pass", ge=1)
     max_steps: int | None = option(None, "stop after this many steps; null = all epochs", ge=1)
     seed: int = option(0, ge=0)
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
@@ -329,6 +336,9 @@ class Config:
                        if getattr(self.megatron, f.name) != getattr(MegatronLayout(), f.name)]
             raise ConfigError(f"{', '.join(changed)} need model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
+        if self.model.activation_checkpointing and self.model.backend == "megatron":
+            raise ConfigError("model.activation_checkpointing is the hf backend's; with model.backend=megatron set "
+                              "megatron.recompute_activations=true")
         if self.rollout.tensor_parallel > 1 and (self.rollout.engine != "vllm" or self.model.backend != "megatron"
                                                  or self.megatron.tensor_parallel % self.rollout.tensor_parallel):
             raise ConfigError(f"rollout.tensor_parallel={self.rollout.tensor_parallel} splits a vLLM engine over the ranks of "

@@ -133,13 +133,17 @@ class Workload:
     @classmethod
     def from_config(cls, config: Any, prompt_tokens: int) -> Workload:
         """The workload a run config trains, in the trainer's units: a micro-batch is ``train.micro_batch_size``
-        prompts x M rollouts, each ``prompt_tokens`` + thinking budget + ``</think>`` + answer budget long."""
+        prompts x M rollouts (or ``train.micro_batch_rows`` of them, when fewer), each ``prompt_tokens`` + thinking
+        budget + ``</think>`` + answer budget long; recomputation is the backend's (hf: model.activation_checkpointing)."""
         layout, rollout = config.megatron, config.rollout
         optimizer = ("bf16-distopt" if layout.bf16_weights else "fp32-distopt" if layout.distributed_optimizer
                      else "fp32-adamw")
+        group_rows = config.train.micro_batch_size * rollout.num_samples
+        hf = config.model.backend == "hf"
         return cls(seq_len=prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens,
-                   micro_batch=config.train.micro_batch_size * rollout.num_samples, samples=rollout.num_samples,
-                   batch_prompts=config.train.batch_size, recompute=layout.recompute_activations,
+                   micro_batch=min(group_rows, config.train.micro_batch_rows or group_rows),
+                   samples=rollout.num_samples, batch_prompts=config.train.batch_size,
+                   recompute=config.model.activation_checkpointing if hf else layout.recompute_activations,
                    sequence_parallel=layout.sequence_parallel, optimizer=optimizer,
                    context_parallel=layout.context_parallel, rollout_engine=rollout.engine,
                    kv_cache_tokens=rollout.kv_cache_tokens, vllm_memory_utilization=rollout.vllm_memory_utilization,
@@ -211,11 +215,16 @@ def hf_activation_bytes(arch: Qwen3Architecture, work: Workload) -> float:
     the attention's Q, K and V repeated to Q's heads, its output and o_proj's contiguous copy of it (16q), K's norm
     and projection (6kv), SwiGLU's four bf16 tensors (8I), and for padded rows the bf16 bias SDPA makes of the
     boolean mask in every layer (2 bytes x L). Beyond the layers: the final norm and the gathered last hidden
-    states (12h per token), and the bf16 weight casts autocast saves (2 bytes per layer parameter)."""
+    states (12h per token), and the bf16 weight casts autocast saves (2 bytes per layer parameter). With
+    ``model.activation_checkpointing`` a layer keeps only its fp32 input (4h per token), and backward holds one
+    layer's set again while it recomputes it."""
     h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     tokens = work.tokens_per_rank
     per_layer = tokens * (30 * h + 16 * q + 6 * kv + 8 * arch.intermediate_size + 2 * work.seq_len)
-    return arch.num_layers * per_layer + 12 * h * tokens + 2 * arch.num_layers * layer_parameters(arch)
+    beyond_layers = 12 * h * tokens
+    if work.recompute:  # model.activation_checkpointing: each layer's fp32 input, and one layer run again in backward
+        return arch.num_layers * 4 * h * tokens + per_layer + beyond_layers + 2 * layer_parameters(arch)
+    return arch.num_layers * per_layer + beyond_layers + 2 * arch.num_layers * layer_parameters(arch)
 
 
 def hf_logprob_head_bytes(arch: Qwen3Architecture, work: Workload) -> float:
@@ -283,11 +292,12 @@ def advice(component: str, work: Workload) -> str:
         return "a smaller --vllm-memory-utilization (rollout.vllm_memory_utilization)"
     if component == "optimizer" and work.optimizer == "fp32-adamw":
         return "--optimizer bf16-distopt (megatron.distributed_optimizer and bf16_weights)"
-    if component == "activations" and work.backend == "hf":
-        return ("model.backend=megatron with megatron.recompute_activations=true (hf keeps every layer's activations), "
-                "or fewer prompts per micro-batch (train.micro_batch_size; one prompt's M rows are the least)")
     if component == "activations" and not work.recompute:
-        return "--recompute (megatron.recompute_activations)"
+        return ("model.activation_checkpointing=true" if work.backend == "hf"
+                else "--recompute (megatron.recompute_activations)")
+    if component == "activations" and work.micro_batch > 1:
+        return ("fewer rows per forward/backward: --micro-batch (train.micro_batch_rows, whatever M; the same "
+                "gradient for one more forward pass)")
     if component == "logprob_head":
         return "more tensor parallelism (more GPUs per node) or --context-parallel"
     return "more GPUs (--nodes): more tensor, pipeline or data parallelism"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 
 
@@ -44,6 +47,13 @@ class MetaAutocast(torch.overrides.TorchFunctionMode):
             args, kwargs = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def recompute_contexts() -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s ``context_fn``: its recompute in backward runs under the meta autocast its forward
+    ran under (torch re-enters a real device's autocast itself, not this mode, which backward runs outside of)."""
+    dtype = MetaAutocast.active
+    return contextlib.nullcontext(), MetaAutocast(dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def autocast_dtype_now(device_type: str) -> torch.dtype | None:

@@ -26,10 +26,12 @@ EVALS_DIR = "evals"
 PLOT_FILE = "training.png"
 #: What a run writes into its directory; any of them there means the directory holds a run.
 RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, "tensorboard", PLOT_FILE, TRACKING_FILE)
-#: Keys a resumed run may change: how long it goes on, how it is evaluated and saved, and how the megatron backend
-#: lays the model out over the processes (its checkpoints load at any TP, PP, CP and DP size), never what it trains.
+#: Keys a resumed run may change: how long it goes on, how it is evaluated and saved, how much memory a step holds
+#: (row chunks and recomputation give the same gradient), and how the megatron backend lays the model out over the
+#: processes (its checkpoints load at any TP, PP, CP and DP size), never what it trains.
 RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.tensorboard",
-                  "eval.every", "eval.num_samples", "eval.batch_size", "megatron.tensor_parallel",
+                  "train.micro_batch_rows", "model.activation_checkpointing", "eval.every", "eval.num_samples",
+                  "eval.batch_size", "megatron.tensor_parallel",
                   "megatron.pipeline_parallel", "megatron.context_parallel", "megatron.sequence_parallel",
                   "megatron.recompute_activations", "megatron.distributed_optimizer")
 

@@ -27,7 +27,8 @@ from nemo_jq.components import Components, build_components
 from nemo_jq.config import Config
 from nemo_jq.data import Example
 from nemo_jq.evaluation import Evaluator
-from nemo_jq.experience import Experience, MismatchWatch, RolloutsAhead, make_experience, mismatch_metrics
+from nemo_jq.experience import Experience, MicroBatch, MismatchWatch, RolloutsAhead, make_experience, mismatch_metrics
+from nemo_jq.learn import learn
 from nemo_jq.models.common import resolve_device
 from nemo_jq.monitor import RunLogger, merge_metrics, progress
 from nemo_jq.objectives import EstimatorInputs, build_schedule, get_objective
@@ -175,12 +176,12 @@ class Trainer:
         return experience, lag
 
     def _learn(self, experience: Experience, q: float | None, batch_prompts: int) -> list[tuple[int, dict]]:
-        """One forward/backward per micro-batch of whole groups of this replica's share.
+        """The gradient of this replica's share (:func:`~nemo_jq.learn.learn`: micro-batches of whole groups, or
+        ``train.micro_batch_rows`` rows at a time).
 
         Each prompt's loss is divided by the global batch's prompt count, so the replicas' gradients sum to the
         full batch's mean; the estimator's normalisers (token count, reward pool) are the global batch's too.
         """
-        micro_batches = experience.micro_batches(self.config.train.micro_batch_size)
         tokens_per_example = self.data_parallel.sum(float(experience.batch.target_mask.sum())) / batch_prompts
         batch_rewards = None if experience.rewards is None else torch.tensor(
             self.data_parallel.gather(experience.rewards.tolist()), device=self.components.device)
@@ -188,10 +189,8 @@ class Trainer:
         if correction is not None and experience.batch.engine_logprobs is None:
             raise ValueError(f"objective.importance={correction.mode} needs the log-probs of the sampled tokens, which "
                              f"rollout.engine={self.config.rollout.engine} does not report: set objective.importance=none")
-        collected: list[tuple[int, dict]] = []
 
-        def loss_fn(logprobs: torch.Tensor, index: int) -> torch.Tensor:
-            micro = micro_batches[index]
+        def estimate(logprobs: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
             batch = micro.batch.to(self.components.device)
             inputs = EstimatorInputs(logprobs, batch.rationale_mask, batch.answer_mask, experience.group, q=q,
                                      rewards=micro.rewards, tokens_per_example=tokens_per_example,
@@ -199,12 +198,13 @@ class Trainer:
                                      behavior_token_logprob=batch.engine_logprobs if correction else None,
                                      correction=correction)
             out = self.estimator(inputs, self.estimator_options)
-            collected.append((micro.num_prompts, {"loss": float(out.per_example.detach().mean()), **out.metrics,
-                                                  **mismatch_metrics(logprobs.detach(), batch)}))
-            return out.per_example.sum() / batch_prompts
+            metrics = {"loss": float(out.per_example.detach().mean()), **out.metrics,
+                       **mismatch_metrics(logprobs.detach(), batch)}
+            return out.per_example.sum() / batch_prompts, metrics
 
-        self.policy.forward_backward([micro.batch for micro in micro_batches], loss_fn)
-        return self.policy.from_loss_stage(collected)
+        train = self.config.train
+        return learn(self.policy, experience, estimate, prompts_per_micro_batch=train.micro_batch_size,
+                     rows_per_chunk=train.micro_batch_rows)
 
     def _after_step(self, record: dict[str, Any], logger: RunLogger, end: int) -> None:
         step = self.state.step

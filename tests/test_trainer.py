@@ -102,8 +102,33 @@ def test_micro_batching_gives_the_full_batch_gradient(tmp_path, name, options):
         torch.testing.assert_close(full, split, atol=1e-6, rtol=1e-4)
 
 
+#: The numbers of each estimator's three-step run (below), stored: a change in any of them is a change in what the
+#: estimator computes (or in the run around it), to be made on purpose. Regenerate after one with
+#: ``NEMO_JQ_WRITE_METRICS=1 python -m pytest tests/test_trainer.py -k "three_step or stand_in"`` and say why in the commit.
+STORED_METRICS = Path(__file__).resolve().parent / "fixtures" / "three_step_metrics.json"
+STORED_KEYS = ("loss", "grad_norm", "log_p_hat", "train_reward", "rollout_tokens")
+
+
+def stored_numbers(train: list[dict]) -> list[dict]:
+    return [{key: r[key] for key in STORED_KEYS if r.get(key) is not None} for r in train]
+
+
+def assert_stored_numbers(name: str, train: list[dict]) -> None:
+    stored = json.loads(STORED_METRICS.read_text()) if STORED_METRICS.exists() else {}
+    if os.environ.get("NEMO_JQ_WRITE_METRICS") == "1":
+        stored[name] = stored_numbers(train)
+        STORED_METRICS.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    assert name in stored, f"no stored numbers for {name!r} in {STORED_METRICS} (see STORED_METRICS)"
+    for step, (got, expected) in enumerate(zip(stored_numbers(train), stored[name], strict=True), start=1):
+        assert got.keys() == expected.keys(), (name, step, got, expected)
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, step, key)  # GRPO's loss is ~0: rounding
+
+
 @pytest.mark.parametrize("name", list_objectives())
 def test_three_step_run_per_estimator(tmp_path, name):
+    """Three steps of each registered estimator on the tiny run: they run and log what they should, and their
+    numbers (loss, gradient norm, log p-hat, reward, rollout tokens per step) are the stored ones, to 1e-5."""
     trainer = make_trainer(tmp_path, f"objective.name={name}", "train.max_steps=3")
     result = trainer.fit()
     records = read_metrics(trainer.run_dir)
@@ -122,6 +147,26 @@ def test_three_step_run_per_estimator(tmp_path, name):
     assert json.loads((trainer.run_dir / "results.json").read_text())["best_step"] == 3
     assert latest_checkpoint(trainer.run_dir / "checkpoints").name == "step_00000003"
     assert (trainer.run_dir / "training.png").exists() and (trainer.run_dir / "config.yaml").exists()
+    assert_stored_numbers(name, train)
+
+
+def longer_earns_more(output: str, example) -> float:
+    """A stand-in reward that differs between a group's samples (the tiny model's answers are random tokens, which
+    match no reference, not even in part): the longer the sampled answer, the more it earns."""
+    return len(output) / (1 + len(output))
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_the_reward_estimators_numbers_with_a_stand_in_reward(tmp_path, name):
+    """The tiny model earns no exact-match reward in three steps, so GRPO's and RLOO's numbers above are all 0 and
+    show no drift: here the task's reward is :func:`longer_earns_more` (everything else as above), and their numbers
+    are the stored ones, to 1e-5."""
+    trainer = make_trainer(tmp_path, f"objective.name={name}", "train.max_steps=3", "eval.every=1000")
+    trainer.components.task.reward = longer_earns_more
+    trainer.fit()
+    train = [r for r in read_metrics(trainer.run_dir) if r["kind"] == "train"]
+    assert all(r["grad_norm"] > 0 for r in train)  # rewards that differ within a group: a gradient to check
+    assert_stored_numbers(f"{name} (stand-in reward)", train)
 
 
 def test_an_off_policy_gap_above_the_threshold_warns(tmp_path, capsys):

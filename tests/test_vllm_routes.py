@@ -188,8 +188,6 @@ def test_the_cli_says_rollout_engine_vllm_needs_vllm_in_one_line_and_exits_2(mon
     assert line in documented, line
 
 
-@pytest.mark.xfail(strict=True, reason="needs check_sampler(config) first in nemo_jq/components.py build_components "
-                                       "(a file this change does not own); remove this mark with that line")
 def test_the_missing_vllm_is_reported_before_any_model_is_built(monkeypatch, capsys, tmp_path):
     code, err, built = _train_without_vllm(monkeypatch, capsys, tmp_path)
     assert code == 2 and not built, err

@@ -58,8 +58,8 @@ KNOBS = {
                "megatron.pipeline_parallel)",
     "gradients": "model.backend=megatron with megatron.distributed_optimizer=true and more GPUs",
     "optimizer": "model.backend=megatron with megatron.distributed_optimizer=true (the state sharded over DP)",
-    "activations": "a smaller train.micro_batch_size (prompts per forward/backward; one prompt's M rows are the "
-                   "least today), or model.backend=megatron with megatron.recompute_activations=true",
+    "activations": "model.activation_checkpointing=true and a small train.micro_batch_rows (rows per forward/backward, "
+                   "whatever M; the same gradient), or model.backend=megatron with megatron.recompute_activations=true",
     "logprob_head": "a smaller model.logprob_chunk_size",
     "kv_cache": "a smaller rollout.kv_cache_tokens",
     "sampler_copy": "rollout.engine=vllm (no HF copy of the model beside the policy)",
@@ -210,7 +210,7 @@ class _DryRun:
             return
         outer, self.world.phase_name = self.world.phase_name, name
         started = time.perf_counter()
-        with self.tracker.phase(name), FlopCounterMode(display=False) as counter:
+        with self.tracker.phase(name), total_flops_counter() as counter:
             try:
                 yield
             finally:
@@ -252,7 +252,7 @@ class _DryRun:
         for parameter in parts.policy.model.parameters():
             parameter.register_post_accumulate_grad_hook(lambda p: self.tracker.relabel([p.grad], "gradients"))
         self._wrap(parts.engine, "generate", "rollout")
-        self._wrap(parts.policy, "forward_backward", "train", label="activations")
+        self._wrap(trainer, "_learn", "train", label="activations")  # row chunks score every row first
         self._wrap(parts.policy, "optimizer_step", "optimizer_step", label="optimizer")
         sampler = _sampler(parts.engine)
         watching = contextlib.ExitStack()
@@ -434,6 +434,26 @@ def sampling_seconds(shape: dict[str, Any], config: Config, gpu: GpuProfile, pro
         rows = prompts * samples if kv_budget is None else max(1, kv_budget // (context + rollout.max_answer_tokens))
         seconds += phase(prompts * samples, context, rollout.max_answer_tokens, rows)
     return seconds
+
+
+class _NoModules:
+    """``FlopCounterMode``'s module tracker, tracking none: ``ModuleTracker`` hooks every module's inputs and outputs
+    into autograd, and those hooks keep activation checkpointing's recomputed tensors alive past their use (on a GPU
+    nothing holds them, and the dry run would count them). Only the total is read."""
+
+    parents = {"Global"}
+
+    def __enter__(self) -> "_NoModules":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def total_flops_counter() -> FlopCounterMode:
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _NoModules()
+    return counter
 
 
 def _sampler(engine: Any) -> Any:

@@ -78,7 +78,8 @@ def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     if distributed.world_size() > 1:
         raise ValueError(f"model.backend=hf trains in one process, but this run has {distributed.world_size()}: "
                          "use model.backend=megatron under torchrun")
-    policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config))
+    policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config),
+                      activation_checkpointing=request.config.model.activation_checkpointing)
     if request.config.rollout.engine in IN_PLACE and request.config.rollout.async_steps:
         engine = build_rollouts(sampler_request(request, copy.deepcopy(policy.model)), request.chat)
         return policy, RefittedRolloutEngine(engine, policy)

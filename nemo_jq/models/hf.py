@@ -18,6 +18,7 @@ from nemo_jq.models.common import (
 from nemo_jq.models.export import export_hf_model
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.logprobs import chunked_token_logprobs
+from nemo_jq.precision import recompute_contexts
 
 
 def tiny_qwen3(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -52,6 +53,20 @@ def load_causal_lm(folder: Path) -> Any:
 OPTIMIZER_FILE = "optimizer.pt"
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """Every decoder layer recomputed in backward from its saved input (non-reentrant ``torch.utils.checkpoint``;
+    transformers 5.23 renamed ``gradient_checkpointing_enable``). Without the hook transformers 5 adds that makes the
+    embeddings' output require grad (for reentrant checkpoints over frozen embeddings), which would also mark the
+    samplers' no-grad forwards of the same model."""
+    options = {"use_reentrant": False, "context_fn": recompute_contexts}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    if hasattr(model, "_require_grads_hook"):
+        model.disable_input_require_grads()
+
+
 class HFPolicy:
     """Trains an HF causal LM in one process: chunked log-probs, AdamW (or SGD), gradient clipping, bf16 autocast on
     GPU."""
@@ -62,10 +77,14 @@ class HFPolicy:
 
     def __init__(self, model: Any, *, device: torch.device, precision: str = "auto", lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 grad_clip: float = 1.0, logprob_chunk_size: int = 256, optimizer: str = "adamw", momentum: float = 0.0):
+                 grad_clip: float = 1.0, logprob_chunk_size: int = 256, optimizer: str = "adamw", momentum: float = 0.0,
+                 activation_checkpointing: bool = False):
+        """``activation_checkpointing``: keep each decoder layer's input only, and run the layer again in backward."""
         if getattr(model.get_output_embeddings(), "bias", None) is not None:
             raise ValueError("LM heads with a bias are not supported by the chunked log-prob kernel")
         self.model = model.to(device)
+        if activation_checkpointing:
+            enable_activation_checkpointing(self.model)
         self.device = device
         self.precision = check_precision(precision)
         self.grad_clip = grad_clip
@@ -86,7 +105,8 @@ class HFPolicy:
         batch = batch.to(self.device)
         targets = batch.target_mask
         with self.autocast():
-            hidden = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+            hidden = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                              use_cache=False).last_hidden_state  # a cache would hold every layer's K, V
             picked = chunked_token_logprobs(
                 hidden[:, :-1][targets],
                 self.model.get_output_embeddings().weight,
