@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from nemo_jq.models.interfaces import RefittablePolicy, Rollout, require
 from nemo_jq.rollouts.budget import BudgetedRollouts
+from nemo_jq.rollouts.sampling import Sample
 
 
 class RefittedRolloutEngine:
@@ -41,17 +43,48 @@ class RefittedRolloutEngine:
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
+        """The replica's rollouts on each of its ranks: its sampling ranks' (:meth:`_sampling_ranks`) own. A rank that
+        samples none waits for them in one collective per chunk of the sampler's work (:meth:`_share`), never in one
+        for the whole call, which at 8B outlasts the collective timeout (``train.collective_timeout_minutes``)."""
         import torch.distributed as dist
 
-        samplers = self._sampling_ranks()
+        samplers, group = self._sampling_ranks(), self.policy.model_parallel_group
+        shared = group is not None and dist.get_world_size(group) > 1  # the replica trains on its first rank's rollouts
+        rollouts = None
         with self.engine.awake():  # one wake and one sleep for the refit and both phases
             self._refit(samplers)
-            rollouts = [self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
-                                             greedy=greedy) if samplers is None or dist.get_rank() in samplers else None]
-        group = self.policy.model_parallel_group
-        if group is not None and dist.get_world_size(group) > 1:  # the replica trains on its first rank's rollouts
-            dist.broadcast_object_list(rollouts, src=samplers[0], group=group)
-        return rollouts[0]
+            if samplers is None or dist.get_rank() in samplers:
+                waited_for = shared and dist.get_world_size(group) > len(samplers)
+                with self._reporting_chunks(lambda: _send(None, samplers[0], group)) if waited_for else nullcontext():
+                    rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers,
+                                                    generator=generator, greedy=greedy)
+        return self._share(rollouts, samplers[0], group) if shared else rollouts
+
+    @contextmanager
+    def _reporting_chunks(self, report: Callable[[], None]) -> Iterator[None]:
+        """While it lasts, the engine's sampler calls ``report`` after each chunk of its work (:class:`ChunkReporting`);
+        an engine without a sampler (a plugin's own) reports nothing, and its whole call is one chunk."""
+        sampler = getattr(self.engine, "sampler", None)
+        if sampler is None:
+            yield
+            return
+        self.engine.sampler = ChunkReporting(sampler, report)
+        try:
+            yield
+        finally:
+            self.engine.sampler = sampler
+
+    @staticmethod
+    def _share(rollouts: list[list[Rollout]] | None, source: int, group: Any) -> list[list[Rollout]]:
+        """``source``'s rollouts on every rank of ``group``. ``source`` sends an empty message after each chunk of
+        its sampling (:meth:`_reporting_chunks`), then the rollouts; a rank that samples none takes every message, so
+        that it waits at most one chunk in each; another sampling rank has taken the empty ones while it sampled."""
+        import torch.distributed as dist
+
+        message = _send((rollouts,) if dist.get_rank() == source else None, source, group)
+        while message is None:
+            message = _send(None, source, group)
+        return message[0]
 
     def _sampling_ranks(self) -> list[int] | None:
         """The global ranks of this replica that run the engine (None: one process)."""
@@ -75,3 +108,38 @@ class RefittedRolloutEngine:
         for _ in tensors:
             pass
         self._version = self.policy.weights_version
+
+
+class ChunkReporting:
+    """``sampler``, sampling each request in the chunks its own ``sample`` samples one after another (its
+    ``prompts_per_chunk``: as many whole prompt groups as ``rollout.kv_cache_tokens`` holds; a sampler without one,
+    as vLLM's, takes the request as one chunk) and calling ``report`` after each. The samples are the sampler's own:
+    handed one of its chunks, it samples it as it would have inside the whole request, from the generator as it
+    stands, and the chunks come in the same order."""
+
+    def __init__(self, sampler: Any, report: Callable[[], None]):
+        self.sampler, self.report = sampler, report
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the sampler (tensor_parallel, awake, load_weights...)
+        return getattr(self.sampler, name)
+
+    def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
+               generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
+        chunk = len(prompts)
+        if prompts and hasattr(self.sampler, "prompts_per_chunk"):
+            chunk = self.sampler.prompts_per_chunk(prompts, num_samples, max_new_tokens)
+        groups = []
+        for piece in [prompts[start:start + chunk] for start in range(0, len(prompts), chunk)] or [prompts]:
+            groups += self.sampler.sample(piece, num_samples, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
+                                          generator=generator, greedy=greedy)
+            self.report()
+        return groups
+
+
+def _send(message: Any, source: int, group: Any) -> Any:
+    """``message`` from global rank ``source`` to every rank of ``group`` (the received one on the others)."""
+    import torch.distributed as dist
+
+    box = [message]
+    dist.broadcast_object_list(box, src=source, group=group)
+    return box[0]
