@@ -2,8 +2,8 @@
 
 Shaped like Megatron-Bridge: ``provider`` turns an HF ``config.json`` into a ``TransformerConfig``
 and builds the model, ``mapping`` converts weights between HF and Megatron layouts per TP rank,
-``logprobs`` computes token log-probs from vocab-parallel logits, and ``policy.MegatronPolicy``
-implements the same ``Policy`` protocol as ``HFPolicy``.
+``logprobs`` computes token log-probs under the vocab-parallel LM head (a chunk of positions at a time),
+and ``policy.MegatronPolicy`` implements the same ``Policy`` protocol as ``HFPolicy``.
 
 Importing this package imports neither megatron.core nor Transformer Engine (TE): the names below
 load on first use, so ``nemo_jq`` works without the ``megatron`` extra installed.
@@ -26,6 +26,7 @@ _LAZY_EXPORTS = {
     "hf_to_megatron": "mapping",
     "megatron_to_hf": "mapping",
     "vocab_parallel_token_logprobs": "logprobs",
+    "vocab_parallel_head_logprobs": "logprobs",
 }
 
 __all__ = [*_LAZY_EXPORTS, "transformer_engine_status", "transformer_engine_usable"]

@@ -13,6 +13,7 @@ distributed checkpoints (``checkpoint``), which resume at any TP, PP, CP or DP s
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +31,7 @@ from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
 from nemo_jq.models.megatron.layout import MegatronLayout
-from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs
+from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
 from nemo_jq.models.megatron.mapping import hf_names, hf_shape, is_tensor_parallel, iter_hf_to_megatron, megatron_to_hf
 from nemo_jq.models.megatron.provider import build_gpt_model, padded_vocab_size, read_qwen3_config, uses_transformer_engine
 from nemo_jq.models.megatron.zero import DistributedAdamW
@@ -39,6 +40,10 @@ transformer_engine_usable()  # a broken Transformer Engine must not break the me
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.tensor_parallel.mappings import (  # noqa: E402
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 
 class MegatronPolicy:
@@ -172,8 +177,9 @@ class MegatronPolicy:
         return self._logprobs(self._forward(input_ids), batch)
 
     def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """This stage's output for whole rows ``[N, L]`` (``L`` a multiple of ``sequence_multiple``): logits
-        ``[N, L / CP, V_padded / TP]`` of this CP rank's positions on the last stage, hidden states before it."""
+        """This stage's hidden states ``[L / CP (/ TP under SP), N, H]`` for whole rows ``[N, L]`` (``L`` a multiple
+        of ``sequence_multiple``), of this CP rank's positions: the last stage's after the final norm, without the
+        LM head, which ``_logprobs`` applies a chunk of positions at a time."""
         length = input_ids.shape[1]
         positions = self._on_this_cp_rank(torch.arange(length, device=self.device).expand_as(input_ids))
         # Rows are right-padded, so the causal mask alone keeps padding out of every real token's view.
@@ -181,26 +187,43 @@ class MegatronPolicy:
         # its default one on CUDA.
         causal_mask = None if self.uses_transformer_engine or self.cp_size > 1 else (
             torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)[None, None])  # True: masked
-        with autocast_context(self.device, self.precision):
+        with autocast_context(self.device, self.precision), _without_lm_head(self.model):
             return self.model(self._on_this_cp_rank(input_ids), positions, causal_mask)
 
     def _on_this_cp_rank(self, tensor: torch.Tensor) -> torch.Tensor:
         """This CP rank's positions of ``[N, L]`` rows: chunks r and 2CP-1-r of 2CP (``context_parallel``)."""
         return split_for_rank(tensor, self.cp_rank, self.cp_size)
 
-    def _logprobs(self, logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-        """``token_logprobs`` of ``batch``'s rows from this CP rank's logits of them (whose padded length
-        may run past the batch's), gathered over CP: each rank scores the targets at its own positions."""
-        length = logits.shape[1] * self.cp_size
+    def _logprobs(self, hidden: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+        """``token_logprobs`` of ``batch``'s rows from the last stage's hidden states of this CP rank's positions
+        (``_forward``; their padded length may run past the batch's), gathered over CP: each rank scores the
+        targets at its own positions. The LM head projects ``logprob_chunk_size`` positions at a time
+        (``vocab_parallel_head_logprobs``): no logits of all positions are ever formed."""
+        # As megatron-core's ColumnParallelLinear does with the LM head's input: under SP gather the positions over
+        # TP (backward: reduce-scatter), else pass them as they are (backward: sum the vocabulary slices' parts).
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
+        length = hidden.shape[0] * self.cp_size
         padding = (0, length - batch.target_mask.shape[1])
         targets = self._on_this_cp_rank(torch.nn.functional.pad(batch.target_mask, padding))
         target_ids = self._on_this_cp_rank(torch.nn.functional.pad(batch.input_ids[:, 1:], padding))
-        picked = vocab_parallel_token_logprobs(
-            logits[targets], target_ids[targets], vocab_start=self.vocab_start,
+        selected = hidden.transpose(0, 1)[targets]
+        if not self.sequence_parallel:  # on the selected rows, whose gradient is contiguous: megatron-core's
+            # backward all-reduce of a non-contiguous one (a transpose's) reduces a copy and returns it unreduced
+            selected = copy_to_tensor_model_parallel_region(selected, group=self.tp_group)
+        picked = vocab_parallel_head_logprobs(
+            selected, self._lm_head_weight(), target_ids[targets], vocab_start=self.vocab_start,
             vocab_size=self.arch.vocab_size, group=self.tp_group, chunk_size=self.logprob_chunk_size,
         )
         mine = torch.zeros(targets.shape, dtype=torch.float32, device=self.device).index_put((targets,), picked.float())
         return gather_sequence(mine, self.cp_group)[:, : batch.target_mask.shape[1]]
+
+    def _lm_head_weight(self) -> torch.nn.Parameter:
+        """This rank's ``[V_padded / TP, H]`` rows of the LM head: the embedding's where they are tied (on the last
+        stage of several, its copy of it), as ``GPTModel`` passes the output layer."""
+        if self.model.share_embeddings_and_output_weights:
+            return self.model.shared_embedding_or_output_weight()
+        return self.model.output_layer.weight
 
     def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
         """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP, CP and DP (the
@@ -455,6 +478,18 @@ def _replica_group(tensor_parallel: int, context_parallel: int, pipeline_paralle
                                          cp=context_parallel, order="tp-cp-ep-dp-pp").get_ranks("tp-cp-pp")
     groups = {tuple(replica): dist.new_group(replica, timeout=distributed.collective_timeout()) for replica in ranks}
     return next(group for replica, group in groups.items() if dist.get_rank() in replica)
+
+
+@contextlib.contextmanager
+def _without_lm_head(model: Any) -> Iterator[None]:
+    """Inside, ``model`` (a ``GPTModel``) returns its final hidden states ``[s, b, H]`` on the last stage too: with
+    ``post_process`` off, megatron-core's ``GPTModel._postprocess`` returns them before the output layer, as it does
+    on the earlier stages; the decoder keeps its final norm, which its own ``post_process`` (set when built) says."""
+    post_process, model.post_process = model.post_process, False
+    try:
+        yield
+    finally:
+        model.post_process = post_process
 
 
 def _right_padded(batch: TokenBatch, rows: int, length: int) -> TokenBatch:

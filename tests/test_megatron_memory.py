@@ -1,0 +1,146 @@
+"""What the Megatron backend allocates: its log-prob head, and its optimizer-state loads, measured on CPU.
+
+Each check runs megatron-core in gloo processes (``megatron_cpu.run_in_processes``) and counts bytes with the
+profiler's allocation events (``helpers.peak_allocated``) or the tensors autograd saves for backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from helpers import peak_allocated  # noqa: E402
+from megatron_cpu import run_in_processes  # noqa: E402
+from nemo_jq.models.interfaces import TokenBatch  # noqa: E402
+from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs  # noqa: E402
+
+HIDDEN = 32
+
+
+def qwen3(vocab_size: int, *, tied: bool, seed: int = 0) -> Any:
+    """A one-layer Qwen3 of hidden size ``HIDDEN``, so that at a large vocabulary the LM head dominates memory."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         tie_word_embeddings=tied)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(config)
+
+
+def scored_batch(vocab_size: int, rows: int, length: int, seed: int = 1) -> TokenBatch:
+    """``rows`` right-padded rows whose every real token after the first is a target (rationale or answer)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(length - 3, length + 1, (rows,), generator=generator)
+    attention = (torch.arange(length) < lengths[:, None]).long()
+    input_ids = torch.randint(vocab_size, (rows, length), generator=generator) * attention
+    real = attention[:, 1:].bool()
+    half = torch.arange(1, length) < length // 2
+    return TokenBatch(input_ids, attention, real & half, real & ~half)
+
+
+# ----------------------------------------------------------------- L3: the log-prob head
+def head_memory_worker(tensor_parallel: int, vocab_sizes: list[int], rows: int, length: int, chunk: int) -> dict[str, Any]:
+    """Per vocabulary size: the most bytes ``token_logprobs`` + backward allocates at once, and the bytes of the
+    non-parameter tensors with a vocabulary dimension that autograd saves for backward."""
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    peaks, saved_vocab_bytes = [], []
+    for vocab_size in vocab_sizes:
+        policy = MegatronPolicy.from_hf_model(qwen3(vocab_size, tied=False), tensor_parallel=tensor_parallel,
+                                              logprob_chunk_size=chunk)
+        batch = scored_batch(vocab_size, rows, length)
+        policy.token_logprobs(batch).sum().backward()  # first-call caches (rotary tables) out of the measurement
+        policy.model.zero_grad(set_to_none=True)
+        params = {param.data_ptr() for param in policy.model.parameters()}
+        local_vocab = vocab_size // tensor_parallel
+        saved = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if local_vocab in tensor.shape and tensor.data_ptr() not in params:
+                saved.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        def step() -> None:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                logprobs = policy.token_logprobs(batch)
+            logprobs.sum().backward()
+
+        _, peak = peak_allocated(step)
+        peaks.append(peak)
+        saved_vocab_bytes.append(sum(saved))
+    return {"peaks": peaks, "saved_vocab_bytes": saved_vocab_bytes}
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_the_logprob_head_holds_one_chunk_of_logits_not_the_whole_vocabulary(tensor_parallel):
+    """The head's memory per vocabulary entry (of this rank's slice), measured as the growth of the peak of a
+    forward and backward from 1024 to 2048 entries, all else equal: one fp32 chunk of logits (``chunk``
+    positions) and the [V, H] gradients of the LM head and the embedding (with the head's fp32 accumulator), at
+    most ``4 * (chunk + 4 * H)`` = 640 bytes; measured 128. It was 4038 to 4304 bytes, over two fp32 copies of
+    all N = 500 target positions' logits at once (the LM head's output, its [b, s, V] transpose, the targets' copy,
+    their gradients, in turn), and autograd kept one copy (4 * N * V bytes) from forward to backward: now none."""
+    rows, length, chunk = 4, 128, 32
+    positions = rows * (length - 1)
+    vocab_sizes = [1024, 2048]  # multiples of 128: no vocabulary padding
+    for rank in run_in_processes(head_memory_worker, tensor_parallel, tensor_parallel, vocab_sizes, rows, length, chunk):
+        per_entry = (rank["peaks"][1] - rank["peaks"][0]) / ((vocab_sizes[1] - vocab_sizes[0]) // tensor_parallel)
+        assert per_entry <= 4 * (chunk + 4 * HIDDEN) < 4 * positions, (per_entry, rank)
+        assert rank["saved_vocab_bytes"] == [0, 0], rank
+
+
+def head_parity_worker(tensor_parallel: int, sequence_parallel: bool, tied: bool) -> dict[str, float]:
+    """The policy's chunked head against the logits path it replaced: ``policy.model`` (which still returns
+    vocab-parallel logits) and the logits kernel; log-probs and every parameter's gradient."""
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    vocab_size = 317  # Megatron pads it to 384: the padding columns must get probability 0
+    policy = MegatronPolicy.from_hf_model(qwen3(vocab_size, tied=tied), tensor_parallel=tensor_parallel,
+                                          sequence_parallel=sequence_parallel, logprob_chunk_size=5)
+    batch = scored_batch(vocab_size, rows=3, length=12)
+    weights = torch.randn(batch.target_mask.shape, generator=torch.Generator().manual_seed(2))
+    params = [param for param in policy.model.parameters()]
+
+    chunked = policy.token_logprobs(batch)
+    chunked_grads = torch.autograd.grad((chunked * weights).sum(), params)
+
+    length = batch.input_ids.shape[1]
+    positions = torch.arange(length).expand_as(batch.input_ids)
+    logits = policy.model(batch.input_ids, positions, torch.ones(length, length, dtype=torch.bool).triu(1)[None, None])
+    targets = batch.target_mask
+    picked = vocab_parallel_token_logprobs(logits[:, :-1][targets], batch.input_ids[:, 1:][targets],
+                                           vocab_start=policy.vocab_start, vocab_size=vocab_size,
+                                           group=policy.tp_group, chunk_size=5)
+    whole = torch.zeros(targets.shape).index_put((targets,), picked)
+    whole_grads = torch.autograd.grad((whole * weights).sum(), params)
+    return {"logprobs": float((chunked - whole).abs().max()),
+            "grads": max(float((a - b).abs().max()) for a, b in zip(chunked_grads, whole_grads)),
+            "scale": max(float(grad.abs().max()) for grad in whole_grads)}
+
+
+@pytest.mark.parametrize(("tensor_parallel", "sequence_parallel", "tied"),
+                         [(1, False, True), (2, False, False), (2, True, True)])
+def test_the_chunked_head_gives_the_logits_paths_logprobs_and_gradients(tensor_parallel, sequence_parallel, tied):
+    for rank in run_in_processes(head_parity_worker, tensor_parallel, tensor_parallel, sequence_parallel, tied):
+        assert rank["logprobs"] < 1e-5 and rank["grads"] < 1e-5 * max(1.0, rank["scale"]), rank
+
+
+def test_the_head_kernel_is_log_softmax_of_the_projection_with_its_gradients():
+    from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 6, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(13, 6, dtype=torch.float64, generator=generator, requires_grad=True)  # 3 padding rows
+    targets = torch.randint(10, (23,), generator=generator)
+    expected = torch.log_softmax((hidden @ weight.T)[:, :10], -1).gather(1, targets[:, None]).squeeze(1)
+    got = vocab_parallel_head_logprobs(hidden, weight, targets, vocab_size=10, chunk_size=5)
+    assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(
+        lambda h, w: vocab_parallel_head_logprobs(h, w, targets, vocab_size=10, chunk_size=4), (hidden, weight))
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        vocab_parallel_head_logprobs(hidden, weight, targets, chunk_size=0)
