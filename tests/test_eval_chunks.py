@@ -28,7 +28,7 @@ from megatron_cpu import run_in_processes  # noqa: E402
 from nemo_jq.models.hf import HFPolicy  # noqa: E402
 from nemo_jq.rollouts import BudgetedRollouts  # noqa: E402
 from nemo_jq.rollouts.hf import NativeSampler  # noqa: E402
-from nemo_jq.rollouts.refit import RefittedRolloutEngine  # noqa: E402
+from nemo_jq.rollouts.refit import ChunkReporting, RefittedRolloutEngine  # noqa: E402
 
 CPU = torch.device("cpu")
 TIMEOUT_SECONDS = 2.0
@@ -46,14 +46,15 @@ class SlowNativeSampler(NativeSampler):
         return super()._sample(prompts, num_samples, **kwargs)
 
 
-def evaluation_request(sampler_class: type) -> tuple[BudgetedRollouts, list[list[int]]]:
-    """A budgeted engine over the tiny model whose KV cache holds one prompt's M rows at a time (as the 8B configs'
-    ``rollout.kv_cache_tokens`` does), and the validation prompts of one evaluation call."""
+def evaluation_request(sampler_class: type, groups_per_chunk: int | None = 1) -> tuple[BudgetedRollouts, list[list[int]]]:
+    """A budgeted engine over the tiny model whose KV cache holds ``groups_per_chunk`` prompts' M rows at a time (one,
+    as the 8B configs' ``rollout.kv_cache_tokens`` does; None: no bound), and the prompts of one evaluation call."""
     task, _, chat, model = tiny_setup()
     prompts = [chat.prompt_ids(task.messages(example, "cold")) for example in task.splits(0, PROMPTS, 0, 0).validation]
+    group_tokens = (max(map(len, prompts)) + THINKING) * SAMPLES
     sampler = sampler_class(model, pad_id=chat.pad_id, device=CPU,
-                            kv_cache_tokens=(max(map(len, prompts)) + THINKING) * SAMPLES)
-    assert sampler.prompts_per_chunk(prompts, SAMPLES, THINKING) == 1
+                            kv_cache_tokens=groups_per_chunk and group_tokens * groups_per_chunk)
+    assert sampler.prompts_per_chunk(prompts, SAMPLES, THINKING) == (groups_per_chunk or PROMPTS)
     engine = BudgetedRollouts(sampler, think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id,
                               max_thinking_tokens=THINKING, max_answer_tokens=ANSWERS)
     return engine, prompts
@@ -81,3 +82,18 @@ def test_a_rank_waiting_for_an_evaluation_call_longer_than_the_collective_timeou
     engine, prompts = evaluation_request(NativeSampler)
     whole = engine.generate(prompts, SAMPLES, sample_answers=True, generator=torch.Generator().manual_seed(SEED))
     assert len(whole) == PROMPTS and sampled == received == whole
+
+
+@pytest.mark.parametrize("groups_per_chunk, least_reports", [(None, 2), (1, PROMPTS + 1), (4, 3)])
+def test_sampling_chunk_by_chunk_gives_the_samplers_own_samples(groups_per_chunk, least_reports):
+    """The sampling rank hands its sampler one of its own chunks at a time and reports after each: the rollouts are
+    those of the whole request, whatever ``rollout.kv_cache_tokens`` makes the chunks (the whole request per phase
+    without a bound: one report a phase, as before)."""
+    engine, prompts = evaluation_request(NativeSampler, groups_per_chunk)
+    whole = engine.generate(prompts, SAMPLES, sample_answers=True, generator=torch.Generator().manual_seed(SEED))
+    reports = []
+    engine.sampler = ChunkReporting(engine.sampler, lambda: reports.append(len(reports)))
+    chunked = engine.generate(prompts, SAMPLES, sample_answers=True, generator=torch.Generator().manual_seed(SEED))
+    assert chunked == whole and len(reports) >= least_reports
+    if groups_per_chunk is None:
+        assert len(reports) == 2  # one chunk a phase
