@@ -10,6 +10,7 @@ profile. Writes bench/results/dryrun_configs.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -32,7 +33,8 @@ def workload_key(config) -> tuple:
     needs = get_objective(config.objective.name).needs
     return (config.model.path, config.model.backend, config.rollout.num_samples, config.rollout.max_thinking_tokens,
             config.rollout.max_answer_tokens, config.rollout.engine, config.rollout.kv_cache_tokens,
-            config.rollout.async_steps, config.train.batch_size, config.train.micro_batch_size, config.eval.batch_size,
+            config.rollout.async_steps, config.train.batch_size, config.train.micro_batch_size,
+            config.train.micro_batch_rows, config.model.activation_checkpointing, config.eval.batch_size,
             config.eval.num_samples, Need.SAMPLED_ANSWER_REWARD in needs, Need.GIVEN_TARGET in needs)
 
 
@@ -48,9 +50,12 @@ def main() -> None:
         if args.only not in rel or "schedules" in rel or load_config(path).model.path is None:
             continue  # schedules are fragments; the examples train the tiny model (the suite dry-runs it)
         groups.setdefault(workload_key(load_config(path)), []).append(rel)
-    results = []
+    results, megatron = [], []
     for key, paths in groups.items():
         config = load_config(ROOT / paths[0])
+        if config.model.backend == "megatron":  # not simulated yet (issue 28): plan's estimate at the config's layout
+            megatron.append({"configs": paths, "plan": planned_at_layout(config, args.prompt_tokens)})
+            continue
         started = time.perf_counter()
         report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=args.prompt_tokens)
         seconds = round(time.perf_counter() - started, 1)
@@ -65,9 +70,10 @@ def main() -> None:
               f"({', '.join(f'{k} {v:.1f}' for k, v in phase['by_kind_gib'].items())}); rollout "
               f"{report['phases']['rollout']['peak_gib']:.1f} GiB; {seconds} s to simulate", flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "workloads": results}, indent=1) + "\n")
+    OUT.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "workloads": results, "megatron_planned": megatron},
+                              indent=1) + "\n")
     TABLE.parent.mkdir(parents=True, exist_ok=True)
-    TABLE.write_text(markdown(results, args.prompt_tokens))
+    TABLE.write_text(markdown(results, args.prompt_tokens) + megatron_markdown(megatron))
     print(f"wrote {OUT} and {TABLE}")
 
 
@@ -91,6 +97,36 @@ def markdown(results: list[dict], prompt_tokens: int) -> str:
         name = paths[0].removeprefix("configs/") + (f" (+{len(paths) - 1})" if len(paths) > 1 else "")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if report['fits'] else '**no**'} | "
                      f"{entry['plan_total_gib']:.1f} | {step['a100-80gb']:.0f} / {step['h100-80gb']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+#: The node the megatron configs are laid out for (configs/paper_runs.py): eight 80 GB GPUs.
+GPUS_PER_NODE = 8
+
+
+def planned_at_layout(config, prompt_tokens: int) -> dict:
+    """``nemo-jq plan --config``'s components at the config's own TP x PP, the rest of one node data-parallel."""
+    tp, pp = config.megatron.tensor_parallel, config.megatron.pipeline_parallel
+    estimate = plan.estimate(plan.architecture(config.model.path), plan.Workload.from_config(config, prompt_tokens), tp,
+                             pp, GPUS_PER_NODE // (tp * pp), 80, 0.9)
+    return dataclasses.asdict(estimate)
+
+
+def megatron_markdown(entries: list[dict]) -> str:
+    if not entries:
+        return ""
+    lines = ["", "`model.backend=megatron` configs are not simulated by the dry run yet (its layouts need a fake process "
+             f"group per rank): `nemo-jq plan --config`'s estimate at each config's layout on one node of {GPUS_PER_NODE} "
+             "80 GB GPUs, GiB per GPU.", "",
+             "| configs | TP x PP x DP | weights | gradients | optimizer | activations | log-prob head | vLLM | total | fits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for entry in entries:
+        e, paths = entry["plan"], entry["configs"]
+        name = paths[0].removeprefix("configs/") + (f" (+{len(paths) - 1})" if len(paths) > 1 else "")
+        lines.append(f"| {name} | {e['tensor_parallel']} x {e['pipeline_parallel']} x {e['data_parallel']} | "
+                     f"{e['weights_gib']:.1f} | {e['gradients_gib']:.1f} | {e['optimizer_gib']:.1f} | "
+                     f"{e['activations_gib']:.1f} | {e['logprob_head_gib']:.1f} | {e['vllm_gib']:.1f} | "
+                     f"{e['total_gib']:.1f} | {'yes' if e['fits'] else '**no**'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,9 +19,16 @@ ROOT = Path(__file__).resolve().parent
 THINKING = {"finqa": 4096, "hotpotqa": 3072, "musique": 2048}
 #: FinQA has no loadable hub dataset: point this at the raw train.json / dev.json / test.json.
 FINQA_SOURCE = "data/finqa"
+#: Each model's memory settings: they change no gradient, only what a step holds (the layouts are `nemo-jq plan --config`'s
+#: on one node of eight 80 GB GPUs; the dry run shows the 0.6B runs fitting, docs/results/dryrun_configs.md).
 MODELS = {
-    "qwen3_0p6b": {"path": "Qwen/Qwen3-0.6B", "samples": 32, "lr": 5e-7, "micro_batch_size": 2},
-    "qwen3_8b": {"path": "Qwen/Qwen3-8B", "samples": 16, "lr": 1e-6, "micro_batch_size": 1},
+    "qwen3_0p6b": {"path": "Qwen/Qwen3-0.6B", "samples": 32, "lr": 5e-7, "micro_batch_size": 2,
+                   "model": {"activation_checkpointing": True}, "micro_batch_rows": 8},
+    "qwen3_8b": {"path": "Qwen/Qwen3-8B", "samples": 16, "lr": 1e-6, "micro_batch_size": 1,
+                 "model": {"backend": "megatron"}, "micro_batch_rows": 4,
+                 "megatron": {"tensor_parallel": 2, "pipeline_parallel": 2, "sequence_parallel": True,
+                              "recompute_activations": True, "distributed_optimizer": True, "bf16_weights": True},
+                 "rollout": {"engine": "vllm"}},
 }
 #: (format, estimator, q) per model: Tables 1 and 2.
 RUNS = {
@@ -44,18 +51,22 @@ def config(model: str, dataset: str, prompt_format: str, estimator: str, q: floa
         objective["q"] = q
     if estimator == "paft":
         objective["options"] = {"num_resamples": spec["samples"]}
-    return {
-        "model": {"path": spec["path"], "precision": "auto"},
+    run = {
+        "model": {"path": spec["path"], "precision": "auto", **spec["model"]},
         "data": {"name": dataset, "format": prompt_format, "source": FINQA_SOURCE if dataset == "finqa" else None,
                  "train_size": train, "validation_size": validation, "test_size": test, "seed": 0},
         "rollout": {"num_samples": spec["samples"], "max_thinking_tokens": THINKING[dataset], "max_answer_tokens": 128,
-                    "temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                    "temperature": 1.0, "top_k": 0, "top_p": 1.0, **spec.get("rollout", {})},
         "objective": objective,
         "optim": {"lr": spec["lr"], "weight_decay": 0.0},
         "eval": {"every": 50, "num_samples": 16, "batch_size": 64},
-        "train": {"epochs": 2, "batch_size": 64, "micro_batch_size": spec["micro_batch_size"], "save_every": 50,
+        "train": {"epochs": 2, "batch_size": 64, "micro_batch_size": spec["micro_batch_size"],
+                  "micro_batch_rows": spec["micro_batch_rows"], "save_every": 50,
                   "run_dir": f"runs/{model}/{run_name(dataset, prompt_format, estimator, q)}"},
     }
+    if "megatron" in spec:
+        run["megatron"] = spec["megatron"]
+    return run
 
 
 def write_all() -> list[Path]:

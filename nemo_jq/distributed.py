@@ -87,7 +87,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def largest(value: int) -> int:
+def largest(value: T) -> T:
     """The largest ``value`` over all ranks (e.g. a stop signal that reached only some of them)."""
     return max(_gather_objects(value))
 

@@ -29,7 +29,7 @@ from nemo_jq.data import Example
 from nemo_jq.evaluation import Evaluator
 from nemo_jq.experience import Experience, MicroBatch, MismatchWatch, RolloutsAhead, make_experience, mismatch_metrics
 from nemo_jq.learn import learn
-from nemo_jq.models.common import resolve_device
+from nemo_jq.models.common import peak_memory_gib, reset_peak_memory, resolve_device
 from nemo_jq.monitor import RunLogger, merge_metrics, progress
 from nemo_jq.objectives import EstimatorInputs, build_schedule, get_objective
 from nemo_jq.preemption import StopSignals, current_series
@@ -131,6 +131,7 @@ class Trainer:
     def train_step(self, batch_examples: list[Example]) -> dict[str, Any]:
         """One optimizer step on a global batch; this replica samples and trains on its share of the prompts."""
         started = time.perf_counter()
+        reset_peak_memory(self.components.device)
         q = self.last_q = self._q(self.state.step)
         experience, lag = self._experience(batch_examples)
         micro_metrics = self._learn(experience, q, len(batch_examples))
@@ -149,6 +150,9 @@ class Trainer:
         record["rollout_tokens"] = rollout_tokens
         record["rollout_tokens_per_s"] = rollout_tokens / experience.rollout_seconds if rollout_tokens else None
         record["step_time"] = time.perf_counter() - started
+        peak = peak_memory_gib(self.components.device)
+        if peak is not None:  # the fullest rank's, over the step's rollouts and training
+            record["gpu_peak_gib"] = distributed.largest(peak)
         return record
 
     def _stop_if_diverged(self, step: int, what: str, value: Any) -> None:

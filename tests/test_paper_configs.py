@@ -55,3 +55,34 @@ def test_generator_and_files_agree(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "ROOT", tmp_path)
     for written in module.write_all():
         assert written.read_text() == (CONFIGS / written.parent.name / written.name).read_text()
+
+
+#: What the paper runs are sized for: one node of eight 80 GB GPUs (an H100 or A100 80 GB), prompts of up to 1024 tokens.
+GPUS_PER_NODE, GPU_GIB, PROMPT_TOKENS = 8, 80, 1024
+
+
+def planned(config):
+    """``nemo-jq plan --config``'s estimate of ``config`` at its own layout (hf: one GPU; megatron: TP x PP from the
+    config, the rest of the node data-parallel). ``plan`` is held to the dry run within 10% (tests/test_dryrun.py,
+    docs/results/dryrun_configs.md)."""
+    from nemo_jq import plan
+
+    layout = config.megatron
+    tp, pp = (layout.tensor_parallel, layout.pipeline_parallel) if config.model.backend == "megatron" else (1, 1)
+    dp = GPUS_PER_NODE // (tp * pp) if config.model.backend == "megatron" else 1
+    return plan.estimate(plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS), tp, pp,
+                         dp, GPU_GIB, 0.9)
+
+
+@pytest.mark.parametrize("path", PAPER_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_paper_run_fits_its_gpus_at_its_layout(path):
+    estimate = planned(load_config(path))
+    assert estimate.fits, (estimate.total_gib, estimate.largest, estimate.advice)
+
+
+@pytest.mark.parametrize("undone", ["model.activation_checkpointing=false", "train.micro_batch_rows=null"])
+def test_the_small_runs_fit_only_with_their_memory_settings(undone):
+    """The 0.6B runs train on the hf backend: without recomputation, or with a whole prompt's M=32 rows per
+    forward/backward, their activations alone pass the GPU."""
+    estimate = planned(load_config(CONFIGS / "qwen3_0p6b" / "finqa_cold_garl_q0.5.yaml", [undone]))
+    assert not estimate.fits and estimate.largest == "activations", estimate

@@ -300,3 +300,32 @@ def test_a_hub_name_resolves_to_its_cached_snapshot_offline_and_an_uncached_one_
     assert missing.returncode == 2 and len(errors) == 1 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
     assert "model.path=org/not-downloaded is not in the local Hugging Face cache" in errors[0]
     assert "huggingface-cli download org/not-downloaded" in errors[0] and not (tmp_path / "missing").exists()
+
+
+def test_each_step_logs_its_own_gpu_peak_and_a_cpu_step_none(tmp_path, monkeypatch):
+    """On CUDA every step's record carries the most GPU memory allocated since that step began, the fullest rank's, to
+    hold a real run against ``plan`` and the dry run. No GPU here: torch.cuda's two counters are stand-ins below,
+    behind the real device-type check; a CPU step records no such key (not a made-up 0)."""
+    from nemo_jq.models import common
+
+    counter = {"peak": 0, "resets": 0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: counter.update(peak=0, resets=counter["resets"] + 1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: counter["peak"])
+    cuda = torch.device("cuda")
+    common.reset_peak_memory(cuda)
+    counter["peak"] = 3 * 2**30
+    assert common.peak_memory_gib(cuda) == 3.0 and counter["resets"] == 1
+    assert common.peak_memory_gib(torch.device("cpu")) is None
+    common.reset_peak_memory(torch.device("cpu"))
+    assert counter["resets"] == 1
+
+    trainer = make_trainer(tmp_path, "train.max_steps=2", "eval.every=1000")
+    trainer.fit()
+    assert all("gpu_peak_gib" not in r for r in read_metrics(trainer.run_dir) if r["kind"] == "train")
+    steps = iter([1.5, 2.5])
+    monkeypatch.setattr("nemo_jq.trainer.peak_memory_gib", lambda device: next(steps))
+    monkeypatch.setattr("nemo_jq.trainer.reset_peak_memory", lambda device: counter.update(resets=counter["resets"] + 1))
+    trainer = make_trainer(tmp_path, "train.max_steps=2", "eval.every=1000", name="on_gpu")
+    trainer.fit()
+    assert [r["gpu_peak_gib"] for r in read_metrics(trainer.run_dir) if r["kind"] == "train"] == [1.5, 2.5]
+    assert counter["resets"] == 3  # once at each step's start

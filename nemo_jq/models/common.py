@@ -32,6 +32,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start counting :func:`peak_memory_gib` from now (a step's own peak, not the run's)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """The most memory torch allocated on ``device`` since :func:`reset_peak_memory` (GiB): what a real run holds
+    against ``nemo-jq plan`` and the dry run. None off CUDA (the host's memory is not the GPU's)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
 def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
