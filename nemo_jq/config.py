@@ -129,9 +129,11 @@ class ObjectiveConfig:
         "(configs/schedules/*.yaml; read when the config loads): README.md, \"q schedules\"")
     importance: str = option("auto", "the importance correction for rollouts another policy sampled (docs/off_policy.md): "
                              "none (assume on-policy), plain (the ratio as is), truncate (at importance_cap), mask (drop "
-                             "samples outside importance_bounds); auto: truncate with rollout.engine=vllm or "
+                             "samples outside importance_bounds); for long rationales, from the per-token ratios: "
+                             "token_truncate (each token's, at importance_cap) or geometric (their geometric mean per "
+                             "sample, at importance_cap), both biased (§11); auto: truncate with rollout.engine=vllm or "
                              "rollout.async_steps=1, else none", choices=IMPORTANCE_MODES)
-    importance_cap: float = option(2.0, "truncate: the largest importance ratio used", ge=1.0)
+    importance_cap: float = option(2.0, "truncate, token_truncate, geometric: the largest importance ratio used", ge=1.0)
     importance_bounds: list[float] = option(help="mask: the ratios [low, high] kept, low <= 1 <= high",
                                             factory=lambda: [0.5, 2.0])
     options: dict[str, Any] = option(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_jq.objectives.checks import check_group_tensors, check_min_samples, check_q
-from nemo_jq.objectives.importance import Correction
+from nemo_jq.objectives.importance import Correction, SampledTokens
 from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.objectives.qlog import jq_loss
@@ -30,7 +30,7 @@ def garl(
     *,
     baseline: str = "rloo",
     normalize: bool = True,
-    behavior_logprob: torch.Tensor | None = None,
+    behavior_logprob: torch.Tensor | SampledTokens | None = None,
     correction: Correction = Correction(),
 ) -> ObjectiveOutput:
     """GARL loss for B prompts x M sampled rationales.
@@ -45,8 +45,11 @@ def garl(
         behavior_logprob: ``[B, M]``, ``log π(z_m | x)`` under the policy that sampled z_m (a rollout engine, an older
             policy), summed over the rationale span; None: z_m ~ p_θ. Then ρ̃_m = ``correction`` of
             p_θ(z_m|x) / π(z_m|x) reweights every sample (log w_m + log ρ̃_m), and the leave-one-out baseline is
-            multiplied by ρ̃_m, without which the score term is biased even at q=0 (docs/off_policy.md, §2).
-        correction: what is done to the ratio (``plain``, ``truncate`` at a cap, ``mask`` outside bounds).
+            multiplied by ρ̃_m, without which the score term is biased even at q=0 (docs/off_policy.md, §2). Or the
+            rationale's tokens (:class:`SampledTokens`), which ``token_truncate`` and ``geometric`` need.
+        correction: what is done to the ratio (``plain``, ``truncate`` at a cap, ``mask`` outside bounds; from the
+            tokens' ratios, ``geometric``: their geometric mean as ρ_m, and ``token_truncate``: no ρ_m, each
+            rationale token's score times its own min(r_t, cap), the baseline's share included: §11).
 
     Returns:
         ``loss`` and ``per_example`` (``[B]``) whose values are the plug-in estimate of l_q and
@@ -63,21 +66,23 @@ def garl(
         stats = weight_stats(answer_logprob, q)
         pathwise = torch.exp(stats.log_ratio)  # w_m / w̄^q
         loo_baseline = stats.loo_baseline() if baseline == "rloo" else 0.0
+        score_logprob = rationale_logprob
     else:
-        ratios = correction.ratios(rationale_logprob, behavior_logprob)
-        stats = weight_stats(answer_logprob.detach() + ratios.log_corrected, q)  # of v_m = ρ̃_m w_m
-        pathwise = torch.exp(stats.log_ratio) * ratios.keep  # v_m / v̄^q (0 where masked, whatever v̄)
-        loo_baseline = ratios.corrected * stats.loo_baseline() if baseline == "rloo" else 0.0
+        sample = correction.for_samples(rationale_logprob, behavior_logprob)
+        stats = weight_stats(answer_logprob.detach() + sample.log_weight, q)  # of v_m = ρ̃_m w_m
+        pathwise = torch.exp(stats.log_ratio) * sample.keep  # v_m / v̄^q (0 where masked, whatever v̄)
+        loo_baseline = sample.weight * stats.loo_baseline() if baseline == "rloo" else 0.0
+        score_logprob = sample.score_logprob
     score = pathwise - loo_baseline
     scale = (samples ** -q if normalize else 1.0) / samples
-    surrogate = -scale * (score * finite_logprob(rationale_logprob) + pathwise * finite_logprob(answer_logprob)).sum(-1)
+    surrogate = -scale * (score * finite_logprob(score_logprob) + pathwise * finite_logprob(answer_logprob)).sum(-1)
     per_example = with_value(surrogate, jq_loss(stats.log_mean, q))
-    metrics = stats.metrics() if behavior_logprob is None else {**stats.metrics(), **ratios.metrics()}
+    metrics = stats.metrics() if behavior_logprob is None else {**stats.metrics(), **sample.ratios.metrics()}
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
 
 
 def rb_rloo(rationale_logprob: torch.Tensor, answer_logprob: torch.Tensor, *, normalize: bool = True,
-            behavior_logprob: torch.Tensor | None = None, correction: Correction = Correction()) -> ObjectiveOutput:
+            behavior_logprob: torch.Tensor | SampledTokens | None = None, correction: Correction = Correction()) -> ObjectiveOutput:
     """VeriFree's Rao-Blackwellised RLOO: GARL at q=0 (shapes and off-policy arguments as in :func:`garl`)."""
     return garl(rationale_logprob, answer_logprob, 0.0, baseline="rloo", normalize=normalize,
                 behavior_logprob=behavior_logprob, correction=correction)

@@ -77,7 +77,9 @@ def grpo(
         behavior_logprob: ``[B, M, T]`` log-probs of the sampled tokens under the policy that sampled them (a rollout
             engine, an older policy); None: ``old_logprob``'s policy itself. Each token's loss is then multiplied by
             the corrected token ratio ``ρ̃_t`` of ``old_logprob`` (or the current policy) to it: the decoupled
-            truncated importance sampling of verl and NeMo-RL (docs/off_policy.md, §5).
+            truncated importance sampling of verl and NeMo-RL (docs/off_policy.md, §5); ``token_truncate`` is
+            ``truncate``, and ``geometric`` gives every token of a completion the geometric mean of its ratios,
+            truncated (§11).
 
     TRL's ``loss_type``: ``aggregation="token_mean"`` with a trainer-supplied global
     ``tokens_per_example`` is TRL's ``"dapo"``; ``"sequence_mean"`` is TRL's ``"grpo"``.
@@ -103,7 +105,11 @@ def grpo(
     off_policy = {}
     if behavior_logprob is not None:
         ratios = correction.ratios(old_logprob, behavior_logprob, where=mask.bool())
-        token_loss, off_policy = token_loss * ratios.corrected, ratios.metrics()
+        weight = ratios.corrected
+        if correction.mode == "geometric":  # one ratio per completion
+            ratios = correction.per_sample(ratios)
+            weight = ratios.corrected.unsqueeze(-1)
+        token_loss, off_policy = token_loss * weight, ratios.metrics()
 
     if aggregation == "token_mean":
         if tokens_per_example is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_jq.objectives.importance import Correction
+from nemo_jq.objectives.importance import Correction, SampledTokens
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,16 @@ class EstimatorInputs:
         return tokens.view(self.num_prompts, -1, tokens.shape[-1])
 
     def off_policy(self, span: torch.Tensor) -> dict:
-        """An estimator's sequence-level off-policy arguments over ``span`` (the tokens that were sampled:
-        the rationale for GARL and PAFT, the whole completion for RLOO), or none when on-policy."""
+        """An estimator's off-policy arguments over ``span`` (the tokens that were sampled: the rationale for GARL
+        and PAFT, the whole completion for RLOO), or none when on-policy: the engine's log-probs summed over it, or
+        per token (:class:`SampledTokens`) for the corrections that work from the tokens' ratios."""
         if self.behavior_token_logprob is None:
             return {}
-        return {"behavior_logprob": self._behavior_over(span).sum(-1), "correction": self.correction}
+        behavior = self._behavior_over(span)
+        if self.correction is not None and self.correction.per_token:
+            tokens = SampledTokens(self.per_sample(self.token_logprob), behavior, self.per_sample(span))
+            return {"behavior_logprob": tokens, "correction": self.correction}
+        return {"behavior_logprob": behavior.sum(-1), "correction": self.correction}
 
     def off_policy_tokens(self) -> dict:
         """GRPO's token-level off-policy arguments (``[B, M, T]``), or none when on-policy."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_jq.objectives.checks import check_group_tensors, check_q
-from nemo_jq.objectives.importance import Correction
+from nemo_jq.objectives.importance import Correction, SampledTokens
 from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.objectives.qlog import jq_loss
@@ -37,7 +37,7 @@ def paft(
     num_resamples: int | None = None,
     normalize: bool = True,
     generator: torch.Generator | None = None,
-    behavior_logprob: torch.Tensor | None = None,
+    behavior_logprob: torch.Tensor | SampledTokens | None = None,
     correction: Correction = Correction(),
 ) -> ObjectiveOutput:
     """PAFT loss for B prompts x M sampled rationales.
@@ -51,7 +51,9 @@ def paft(
         generator: RNG for the resampling, for reproducible runs.
         behavior_logprob, correction: rationales sampled by another policy π, as in :func:`~nemo_jq.objectives.garl`:
             indices are resampled in proportion to v_m = ρ̃_m w_m, which targets the same posterior p_θ(z|x,y*), and
-            the attenuation is v̄^{1-q}; its expectation equals off-policy GARL's (docs/off_policy.md, §4).
+            the attenuation is v̄^{1-q}; its expectation equals off-policy GARL's (docs/off_policy.md, §4). With
+            ``token_truncate`` (the rationale's tokens given) ρ̃_m = 1 and each resampled rationale token's term is
+            multiplied by its own min(r_t, cap) (§11).
 
     Per-example gradient: ``-(w̄^{1-q} / (M^q K)) Σ_k ∇[log p(z_{r_k}|x) + log p(y*|x, z_{r_k})]``.
     ``metrics["ess"]`` is the effective sample size of the weights (1 = degenerate).
@@ -62,20 +64,19 @@ def paft(
     if k < 1:
         raise ValueError(f"num_resamples must be >= 1; got num_resamples={num_resamples!r}")
 
-    ratios = None
-    if behavior_logprob is not None:
-        ratios = correction.ratios(rationale_logprob, behavior_logprob)
-    stats = weight_stats(answer_logprob if ratios is None else answer_logprob.detach() + ratios.log_corrected, q)
+    sample = None if behavior_logprob is None else correction.for_samples(rationale_logprob, behavior_logprob)
+    stats = weight_stats(answer_logprob if sample is None else answer_logprob.detach() + sample.log_weight, q)
     picks = resample_indices(stats.log_w, k, generator)
     counts = torch.zeros_like(stats.log_w).scatter_add_(-1, picks, torch.ones_like(picks, dtype=stats.log_w.dtype))
-    if ratios is not None:
-        counts = counts * ratios.keep  # an all-masked group would resample among its masked samples
+    if sample is not None:
+        counts = counts * sample.keep  # an all-masked group would resample among its masked samples
     attenuation = torch.exp((1.0 - q) * stats.log_mean)  # w̄^{1-q}
     scale = attenuation * (samples ** -q if normalize else 1.0) / k
-    joint_logprob = finite_logprob(rationale_logprob) + finite_logprob(answer_logprob)
+    score_logprob = rationale_logprob if sample is None else sample.score_logprob
+    joint_logprob = finite_logprob(score_logprob) + finite_logprob(answer_logprob)
     surrogate = -scale * (counts * joint_logprob).sum(-1)
     per_example = with_value(surrogate, jq_loss(stats.log_mean, q))
-    metrics = stats.metrics() if ratios is None else {**stats.metrics(), **ratios.metrics()}
+    metrics = stats.metrics() if sample is None else {**stats.metrics(), **sample.ratios.metrics()}
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
 
 
