@@ -99,3 +99,32 @@ def test_activation_checkpointing_keeps_less_and_gives_the_same_gradient():
     assert kept_checkpointed < kept / 2
     for plain, checkpointed in zip(grads, grads_checkpointed):
         torch.testing.assert_close(checkpointed, plain, atol=1e-6, rtol=1e-5)
+
+
+def megatron_steps(run_dir: str, overrides: list[str]) -> list[dict]:
+    """Three steps of the tiny run on the megatron backend (one rank of :func:`megatron_cpu.run_in_processes`)."""
+    from nemo_jq.monitor import read_metrics
+
+    Trainer(load_config(None, [*TINY_RUN, "train.max_steps=3", "eval.every=1000", f"train.run_dir={run_dir}",
+                               "objective.name=garl", "model.backend=megatron", *overrides])).fit()
+    return [{key: r[key] for key in ("loss", "grad_norm", "rollout_tokens")} for r in read_metrics(run_dir)
+            if r["kind"] == "train"]
+
+
+def test_row_chunks_train_alike_on_two_megatron_pipeline_stages(tmp_path):
+    """The two passes on the megatron backend: the no-grad scoring pass's log-probs reach both stages (PP=2, where
+    only the last computes them), and three GARL steps in chunks of 3 rows equal the stored whole-group steps of the
+    same run on the hf backend (tests/fixtures/three_step_metrics.json)."""
+    pytest.importorskip("megatron.core")
+    import json
+    from pathlib import Path
+
+    from megatron_cpu import run_in_processes
+
+    stored = json.loads((Path(__file__).parent / "fixtures" / "three_step_metrics.json").read_text())["garl"]
+    ranks = run_in_processes(megatron_steps, 2, str(tmp_path / "run"), ["megatron.pipeline_parallel=2", "train.micro_batch_rows=3"])
+    assert ranks[0] == ranks[1]
+    assert [r["rollout_tokens"] for r in ranks[0]] == [r["rollout_tokens"] for r in stored]
+    for ours, theirs in zip(ranks[0], stored, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), (key, ours, theirs)
