@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--nodes", type=_positive, default=1)
     planner.add_argument("--gpu-memory", type=_positive_gb, default=80.0, help="GiB per GPU")
     planner.add_argument("--seq-len", type=_positive, help="prompt + thinking + answer tokens")
-    planner.add_argument("--micro-batch", type=_positive, help="sequences per micro-batch")
+    planner.add_argument("--micro-batch", type=_positive, help="rows per forward/backward (train.micro_batch_rows)")
     planner.add_argument("--samples", type=_positive, help="M, rollouts per prompt")
     planner.add_argument("--batch-prompts", type=_positive, help="prompts per optimizer step (train.batch_size)")
     planner.add_argument("--recompute", action="store_const", const=True, help="full activation recomputation")

@@ -137,3 +137,20 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "8b", "--gpu-memory", memory])
         assert f"--gpu-memory: must be a number of GiB > 0; got '{memory}'" in capsys.readouterr().err
+
+
+def test_the_readmes_plan_commands_say_what_they_print(capsys, monkeypatch):
+    """Each ``nemo-jq plan`` command in README.md's cluster section, run as written from the repository root,
+    recommends the layout its comment says, to the GiB figure."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    text = (root / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(r"^nemo-jq (plan .*?)\s+# (TP=\d+ PP=\d+ DP=\d+ \([\d.]+ of \d+ GiB\))$", text, flags=re.M)
+    assert len(commands) >= 3, commands
+    for command, comment in commands:
+        assert main(shlex.split(command)) == 0, command
+        assert f"recommended: {comment}" in capsys.readouterr().out, command
