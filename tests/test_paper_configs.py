@@ -86,3 +86,18 @@ def test_the_small_runs_fit_only_with_their_memory_settings(undone):
     forward/backward, their activations alone pass the GPU."""
     estimate = planned(load_config(CONFIGS / "qwen3_0p6b" / "finqa_cold_garl_q0.5.yaml", [undone]))
     assert not estimate.fits and estimate.largest == "activations", estimate
+
+
+def test_the_readmes_train_commands_load_their_configs_with_their_overrides():
+    """Every ``train --config configs/...`` command in README.md (a GPU's, so not run here) loads: the file exists and
+    its overrides are keys and values the config accepts (e.g. no hf-only memory key left on a megatron run), but
+    for ``data.prepared_dir``, whose folder ``nemo-jq data prepare`` makes first."""
+    import re
+    import shlex
+
+    text = (CONFIGS.parent / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(r"train --config (configs/\S+\.yaml)([^\n#`]*)", text)
+    assert len(commands) >= 3, commands
+    for path, overrides in commands:
+        load_config(CONFIGS.parent / path, [word for word in shlex.split(overrides) if "=" in word and
+                                            not word.startswith(("-", "data.prepared_dir="))])  # data made elsewhere
