@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--requeue", action="store_true",
                        help="for a job the scheduler may restart with the same command: resume train.run_dir if it holds "
                             "this run; after SIGUSR1 (SLURM's signal before the time limit) write a checkpoint and exit "
-                            "with 75, on which the launchers' batch scripts requeue the job from the host; SIGTERM "
-                            "(scancel) checkpoints and ends the run")
+                            "with 75, on which the launchers' batch scripts requeue the job from the host (docs/cluster.md: "
+                            "the lines for a batch script of your own); SIGTERM (scancel) checkpoints and ends the run")
     train.add_argument("--demo-dir", type=Path, default=Path("runs/cold_start"), help="output of the no-argument demo")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
 
