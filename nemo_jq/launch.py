@@ -6,7 +6,7 @@ per GPU itself (no torchrun: torchrun 2.13 dies on the ``--signal=USR1`` SLURM s
 limit, and its workers never see it), each joining from SLURM's step variables with the first node as
 the rendezvous; ``train`` runs with ``--requeue``, so the signal writes a checkpoint and requeues the
 job, which resumes: ``train --requeue`` exits with 75 after the time-limit signal's checkpoint, and the
-batch script requeues the job from the host (a pyxis container has no ``scontrol``). Docker and local runs
+batch script requeues the job from the host (a pyxis container has no ``scontrol``; docs/cluster.md). Docker and local runs
 start under ``torchrun``. NeMo-Run keeps its files under ``job_dir/experiments/nemo-jq/<id>/`` and submits the
 script it wrote there. ``--dryrun`` prints the sbatch script NeMo-Run would submit (rendered by NeMo-Run's own
 ``SlurmBatchRequest``) without touching SLURM or writing a file. Needs the ``launch`` extra
@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_jq.preemption import REQUEUE_EXIT_CODE
+
 EXECUTORS = ("slurm", "docker", "local")
 #: SLURM's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (sbatch rejects ``4h``).
 SLURM_TIME = re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)")
@@ -29,10 +31,13 @@ SLURM_TIME = re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)
 SLURM_MEM = re.compile(r"\d+[KMGT]?")
 #: The experiment title NeMo-Run files the job under (``job_dir/experiments/nemo-jq/nemo-jq_<id>``).
 TITLE = "nemo-jq"
-#: The batch script's last word after ``train --requeue`` exits with 75: requeue the job, from the host.
-REQUEUE_ON_EXIT = ("trap 'status=$?; if [ \"$status\" = 75 ]; then echo \"nemo-jq: requeueing job $SLURM_JOB_ID; it resumes "
-                   "from the checkpoint just written\"; scontrol requeue \"$SLURM_JOB_ID\" || echo \"nemo-jq: job "
-                   "$SLURM_JOB_ID was not requeued (requeued or cancelled from outside?)\"; exit 0; fi' EXIT")
+#: The batch script's last word after ``train --requeue`` exits with :data:`~nemo_jq.preemption.REQUEUE_EXIT_CODE`:
+#: requeue the job, from the host (docs/cluster.md). A trap on the script's exit, as NeMo-Run's template has no lines
+#: after srun, and ends with ``exit $exitcode``.
+REQUEUE_ON_EXIT = (f"trap 'status=$?; if [ \"$status\" = {REQUEUE_EXIT_CODE} ]; then echo \"nemo-jq: requeueing job "
+                   "$SLURM_JOB_ID; it resumes from the checkpoint just written\"; scontrol requeue \"$SLURM_JOB_ID\" || "
+                   "echo \"nemo-jq: job $SLURM_JOB_ID was not requeued (requeued or cancelled from outside?)\"; exit 0; "
+                   "fi' EXIT")
 
 
 @dataclass

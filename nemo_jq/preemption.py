@@ -23,7 +23,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 #: The signal that asks ``train --requeue`` for a requeue: SLURM's before the time limit (``--signal=USR1@300``).
 REQUEUE_SIGNAL = signal.SIGUSR1
 #: ``train --requeue``'s exit status after :data:`REQUEUE_SIGNAL` and its checkpoint: the batch script requeues the
-#: job on it (EX_TEMPFAIL). Under srun, rank 0 exits with it and the other ranks with 0, just before.
+#: job on it (EX_TEMPFAIL), on the host; docs/cluster.md shows the lines. Under srun, rank 0 exits with it and the
+#: other ranks with 0, just before.
 REQUEUE_EXIT_CODE = 75
 
 

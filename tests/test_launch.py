@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("nemo_run")
 
 from nemo_jq import launch  # noqa: E402
 from nemo_jq.cli import main  # noqa: E402
+from nemo_jq.preemption import REQUEUE_EXIT_CODE  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LAUNCH_YAML = """\
 account: acct
@@ -47,9 +53,13 @@ def test_dryrun_prints_the_sbatch_script_nemo_run_would_submit(tmp_path, capsys)
     job_files = f"{tmp_path / 'jobs'}/experiments/nemo-jq/nemo-jq_dryrun/nemo-jq"  # where NeMo-Run would write them
     assert "torchrun" not in script and f"{job_files}:/nemo_run" in srun  # an absolute mount
     assert srun.endswith("-m nemo_jq.cli train --requeue " + " ".join(command[1:]))
-    # exit 75 (a checkpoint after SIGUSR1) is requeued by the batch script, on the host
-    assert any(line.startswith("trap ") and "75" in line and 'scontrol requeue "$SLURM_JOB_ID"' in line
-               for line in script.splitlines())
+    # exit 75 (a checkpoint after SIGUSR1) is requeued by the batch script, on the host: a trap on its exit, set
+    # before srun, sees the status NeMo-Run's template exits with after it
+    lines = script.splitlines()
+    trap = lines.index(launch.REQUEUE_ON_EXIT)
+    assert trap < lines.index(srun) and "exit $exitcode" in [line.strip() for line in lines[lines.index(srun):]]
+    assert f'[ "$status" = {REQUEUE_EXIT_CODE} ]' in lines[trap] and 'scontrol requeue "$SLURM_JOB_ID"' in lines[trap]
+    assert "scontrol" not in srun
     assert not (tmp_path / "jobs").exists()  # a dry run writes nothing
 
 
@@ -103,3 +113,24 @@ def test_the_single_node_launcher_asks_for_no_gpus_and_no_docker_hub_image():
     text = (Path(__file__).resolve().parents[1] / "launchers" / "slurm.sbatch").read_text()
     assert "--gpus-per-node" not in "".join(line for line in text.splitlines() if line.startswith("#SBATCH"))
     assert "nemo-jq:latest}" not in text and 'IMAGE="${NEMO_JQ_IMAGE:-$PWD/nemo-jq.sqsh}"' in text
+
+
+def documented_requeue() -> tuple[list[str], str]:
+    """docs/cluster.md's batch script of one's own: its #SBATCH lines, and its block from the status test on."""
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "docs" / "cluster.md").read_text(), re.S).group(1)
+    sbatch = [line for line in block.splitlines() if line.startswith("#SBATCH")]
+    return sbatch, block[block.index('if [ "$status"'):]
+
+
+@pytest.mark.parametrize("launcher", sorted((ROOT / "launchers").glob("*.sbatch")), ids=lambda path: path.name)
+def test_every_sbatch_launcher_requeues_on_the_requeue_exit_code_from_the_host(launcher):
+    """After srun returns, on the host (a pyxis image has no scontrol): exit REQUEUE_EXIT_CODE -> scontrol requeue,
+    docs/cluster.md's block word for word, in a requeueable job. The two-node launcher runs it on the real SLURM
+    (tests/test_slurm_launch.py); the others hold the same lines."""
+    text = launcher.read_text()
+    sbatch, block = documented_requeue()
+    assert f'if [ "$status" = {REQUEUE_EXIT_CODE} ]; then' in block
+    assert all(line in text.splitlines() for line in sbatch), sbatch
+    assert text.endswith(block)
+    steps = text[text.index("\nstatus=0\n"):text.index(block)]
+    assert steps.count("srun ") == 1 and steps.rstrip().endswith("|| status=$?") and "scontrol" not in steps

@@ -1,13 +1,15 @@
 """The launchers on a real SLURM: slurmctld and two slurmd (nodes n1, n2: one CPU and one /dev/null "GPU" each) on
 this machine, brought up by tests/slurm/setup.sh (Debian's slurm-wlm and munge) and stopped by PID after these tests;
 srun's --container-* flags are taken by the test stand-in for pyxis (tests/slurm/container_spank.c), which runs the
-task on the host in the folder the mounts map the workdir to.
+task on the host in the folder the mounts map the workdir to, with no SLURM client on its PATH (a pyxis image has
+none): a requeue must come from the batch script, on the host (docs/cluster.md).
 
 - the two-node sbatch job (Megatron backend, one gloo rank per node): `scancel --signal=USR1` (the time-limit signal,
   without waiting for a time limit) -> a checkpoint on both ranks -> exit 75 -> requeue by the batch script, on the
   host -> a resumed run whose metrics equal an uninterrupted run's;
 - `scancel` (SIGTERM) ends a job for good, after its checkpoint; an external `scontrol requeue` is one line;
-- `nemo-jq launch` with the README's settings (an absolute job_dir) submits through NeMo-Run, and the job completes;
+- `nemo-jq launch` with the README's settings (an absolute job_dir) submits through NeMo-Run; the time-limit signal
+  -> exit 75 -> requeue by NeMo-Run's batch script, on the host -> the job resumes and completes;
 - a failing rank ends the job with its error and no requeue; the no-container mode (NEMO_JQ_IMAGE=none).
 
 Not shown here (no fake SLURM either): 8 GPUs per node; tests/test_launch.py checks the 8-GPU script text.
@@ -105,6 +107,17 @@ def multinode(env: dict[str, str], tmp_path: Path, run_dir: Path, *overrides: st
                   NEMO_JQ_RUN_DIR=str(run_dir), NEMO_JQ_COMMAND=CPU_MEGATRON, MASTER_PORT=str(free_port()))
 
 
+def test_the_test_container_has_no_slurm_client_on_its_path(slurm, tmp_path):
+    """What the requeue tests below rest on: inside the test pyxis, as inside a pyxis image, no SLURM program is
+    found (and bash and python are); outside a container the task has them."""
+    shown = {}
+    for where, container in (("container", [f"--container-image={tmp_path}/test.sqsh"]), ("host", [])):
+        found = subprocess.run(["srun", "--nodes=1", *container, "bash", "-c", "command -v scontrol srun bash python"],
+                               env=slurm, capture_output=True, text=True, timeout=60)
+        shown[where] = [Path(line).name for line in found.stdout.split()]
+    assert shown == {"container": ["bash", "python"], "host": ["scontrol", "srun", "bash", "python"]}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(slurm, tmp_path_factory) -> list[dict]:
     """Five steps of the two-node job with no signal, with no container (NEMO_JQ_IMAGE=none)."""
@@ -156,14 +169,15 @@ def test_scancel_ends_a_job_for_good_and_an_external_requeue_is_one_line(slurm, 
 
     state = wait_for_end(slurm, jobs["cancelled"], 60)
     assert state["JobState"] == "CANCELLED" and state["Restarts"] == "0"
-    time.sleep(8)  # longer than a requeued job's wait here (cred_expire=10 s): it stays cancelled
-    assert job(slurm, jobs["cancelled"])["JobState"] == "CANCELLED"
     assert (cancelled / "checkpoints").is_dir()
 
     stopped = wait_until(lambda: re.search(r"nemo-jq train: stopped by SIGTERM at step (\d+) with a checkpoint; not "
                                            r"requeued", log(tmp_path, jobs["requeued"])), 60, "the requeued job's line")
     wait_until(lambda: job(slurm, jobs["requeued"])["Restarts"] == "1" and train_steps(requeued) > int(stopped.group(1)),
                120, "the requeued job to restart and train on from its checkpoint")
+    # a requeued job waits cred_expire (10 s here) before it starts again, counted from the requeue, made with the
+    # scancel: the cancelled job, had it been requeued, would be back by now
+    assert job(slurm, jobs["cancelled"])["JobState"] == "CANCELLED" and job(slurm, jobs["cancelled"])["Restarts"] == "0"
     subprocess.run(["scancel", jobs["requeued"]], env=slurm, check=True, timeout=30)
     wait_for_end(slurm, jobs["requeued"], 60)
     text = log(tmp_path, jobs["requeued"])
@@ -179,11 +193,13 @@ def test_a_failing_rank_ends_the_job_with_its_error_and_no_requeue(slurm, tmp_pa
     assert "nemo-jq train: error: train.batch_size=3 does not split over 2 data-parallel replicas" in text, text[-3000:]
 
 
-def test_nemo_jq_launch_submits_with_the_readme_settings_and_the_job_completes(slurm, tmp_path):
+def test_nemo_jq_launch_submits_with_the_readme_settings_and_its_script_requeues_from_the_host(slurm, tmp_path):
     """The README's launch YAML shape (an absolute job_dir, container image and mounts): NeMo-Run submits the sbatch
-    script from where it wrote it, srun starts the task in the (test) container, and the job completes. One node and
-    the HF backend: NeMo-Run's script runs `python -m nemo_jq.cli`, without the CPU patches megatron-core needs here
-    (the two-node Megatron job is the sbatch route's test above)."""
+    script from where it wrote it, and srun starts the task in the (test) container. The time-limit signal, as soon as
+    the trainer runs (it catches signals from its start; its steps take a fraction of a second here): a checkpoint,
+    exit 75, and NeMo-Run's script requeues the job on the host (the container has no scontrol); the job resumes and
+    completes. One node and the HF backend: NeMo-Run's script runs `python -m nemo_jq.cli`, without the CPU patches
+    megatron-core needs here (the two-node Megatron job is the sbatch route's test above)."""
     pytest.importorskip("nemo_run")
     (tmp_path / "tiny.yaml").write_text("model:\n  backend: hf\n")
     (tmp_path / "launch.yaml").write_text(
@@ -199,9 +215,13 @@ def test_nemo_jq_launch_submits_with_the_readme_settings_and_the_job_completes(s
     job_id = re.search(r"submitted SLURM job (\d+); its files: (\S+)", submitted.stdout)
     assert job_id, submitted.stdout + submitted.stderr[-3000:]
     assert Path(job_id.group(2)).is_relative_to(tmp_path / "jobs" / "experiments" / "nemo-jq")
+    wait_until(run_dir.is_dir, 180, "the trainer to start")
+    subprocess.run(["scancel", "--signal=USR1", job_id.group(1)], env=slurm, check=True, timeout=30)
     state = wait_for_end(slurm, job_id.group(1))
-    logs = "".join(path.read_text() for path in Path(job_id.group(2)).glob("*.out"))
-    assert state["JobState"] == "COMPLETED", logs[-3000:]
+    logs = "".join(path.read_text() for path in sorted(Path(job_id.group(2)).glob("*.out")))
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", logs[-3000:]
+    assert "checkpoint written; exit 75 asks the batch script to requeue" in logs
+    assert f"nemo-jq: requeueing job {job_id.group(1)}" in logs and "Traceback" not in logs
     assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3, 4, 5]
     assert not (tmp_path / "nemo_run_home" / "experiments").exists()  # all under job_dir
 

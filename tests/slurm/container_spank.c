@@ -5,6 +5,9 @@
  * A workdir no mount maps, a malformed mount or a workdir without an image fail the task with one line, as
  * pyxis would fail it; the task's environment records the image (NEMO_JQ_TEST_CONTAINER_IMAGE) and the
  * workdir, so tests can see what srun was given.
+ * A pyxis image has no SLURM client: with the plugin argument without_slurm_client=DIR (setup.sh's copy of the
+ * client's folder less the client's programs), every folder of the task's PATH that holds scontrol is replaced by
+ * DIR, so that scontrol, sbatch, srun ... are not found inside the "container", while bash and python are.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -17,6 +20,7 @@
 SPANK_PLUGIN(nemo_jq_container, 1);
 
 static char *image = NULL, *mounts = NULL, *workdir = NULL;
+static const char WITHOUT_CLIENT[] = "without_slurm_client=";
 
 static int keep(char **slot, const char *value)
 {
@@ -67,9 +71,30 @@ static int host_path(const char *path, char *out, size_t size)
     return found ? 0 : -1;
 }
 
+/* The task's PATH with each folder that holds scontrol replaced by `without_client`. */
+static int hide_slurm_client(spank_t sp, const char *without_client)
+{
+    char path[8192], hidden[16384] = "", program[4096], *save = NULL, *folder;
+    if (spank_getenv(sp, "PATH", path, sizeof(path)) != ESPANK_SUCCESS) {
+        slurm_error("nemo_jq_container: cannot read the task's PATH");
+        return -1;
+    }
+    for (folder = strtok_r(path, ":", &save); folder; folder = strtok_r(NULL, ":", &save)) {
+        snprintf(program, sizeof(program), "%s/scontrol", folder);
+        const char *kept = access(program, X_OK) == 0 ? without_client : folder;
+        if (strlen(hidden) + strlen(kept) + 2 > sizeof(hidden)) {
+            slurm_error("nemo_jq_container: the task's PATH is too long");
+            return -1;
+        }
+        if (hidden[0])
+            strcat(hidden, ":");
+        strcat(hidden, kept);
+    }
+    return spank_setenv(sp, "PATH", hidden, 1) == ESPANK_SUCCESS ? 0 : -1;
+}
+
 int slurm_spank_task_init(spank_t sp, int ac, char **av)
 {
-    (void)ac; (void)av;
     if (!image && !mounts && !workdir)
         return 0;
     if (!image) {
@@ -77,6 +102,10 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
         return -1;
     }
     spank_setenv(sp, "NEMO_JQ_TEST_CONTAINER_IMAGE", image, 1);
+    for (int i = 0; i < ac; i++)
+        if (strncmp(av[i], WITHOUT_CLIENT, strlen(WITHOUT_CLIENT)) == 0 &&
+            hide_slurm_client(sp, av[i] + strlen(WITHOUT_CLIENT)) < 0)
+            return -1;
     if (workdir) {
         char host[4096];
         if (host_path(workdir, host, sizeof(host)) < 0) {

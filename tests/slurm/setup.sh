@@ -77,11 +77,29 @@ PartitionName=test Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 EOF
     # slurmd drops a GPU without a device file (and drains its node): /dev/null stands in for it.
     printf 'NodeName=n1 Name=gpu File=/dev/null\nNodeName=n2 Name=gpu File=/dev/null\n' > "$DIR/gres.conf"
-    echo "required $DIR/container_spank.so" > "$DIR/plugstack.conf"
-    gcc -shared -fPIC -O2 -Wall -Werror -o "$DIR/container_spank.so" "$HERE/container_spank.c" ||
-        die "cannot build the container SPANK plugin"
+    container_plugin
     # The first node's name is the rendezvous address (MASTER_ADDR) of a multi-node job.
     grep -qE '^127\.0\.0\.1[[:space:]].*\bn1\b.*\bn2\b' /etc/hosts || echo "127.0.0.1 n1 n2" >> /etc/hosts
+}
+
+# The test pyxis, built afresh on every start (each job step loads it): container_spank.c, given the test
+# container's stand-in for the folder that holds the SLURM client: links to its other programs (bash, env, ...),
+# none to the client's (a pyxis image has none), which the plugin puts in the task's PATH instead.
+container_plugin() {
+    local client program others=()
+    client="$(dirname "$(command -v scontrol)")"
+    for program in "$client"/*; do
+        case "${program##*/}" in
+            sacct|sacctmgr|salloc|sattach|sbatch|sbcast|scancel|scontrol|sdiag|sinfo|sprio|squeue|sreport|srun|sshare|sstat|strigger) ;;
+            *) others+=("$program") ;;
+        esac
+    done
+    rm -rf "$DIR/without-slurm-client"
+    mkdir -p "$DIR/without-slurm-client"
+    ln -s "${others[@]}" "$DIR/without-slurm-client/"
+    echo "required $DIR/container_spank.so without_slurm_client=$DIR/without-slurm-client" > "$DIR/plugstack.conf"
+    gcc -shared -fPIC -O2 -Wall -Werror -o "$DIR/container_spank.so" "$HERE/container_spank.c" ||
+        die "cannot build the container SPANK plugin"
 }
 
 # Start "$@" in its own session, its output in log/NAME.out, and record its PID.
@@ -106,6 +124,7 @@ start() {
     install
     [ "$(id -u)" = 0 ] || cannot "starting slurmd needs root"
     if [ -f "$CONF" ] && scontrol ping 2>/dev/null | grep -q UP && nodes_idle; then
+        container_plugin
         echo "SLURM already up ($CONF)"; return 0
     fi
     stop quiet
