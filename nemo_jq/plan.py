@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from nemo_jq.models.megatron.layout import MegatronLayout
@@ -236,6 +236,14 @@ def hf_logprob_head_bytes(arch: Qwen3Architecture, work: Workload) -> float:
 
 def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float,
              headroom: float) -> LayoutEstimate:
+    total, largest = _peak(arch, work, tp, pp, dp, gpu_gb)
+    parts = component_bytes(arch, work, tp, pp, dp, gpu_gb)
+    return LayoutEstimate(tp, pp, dp, *(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2),
+                          total <= gpu_gb * headroom, largest, advice(largest, arch, work, (tp, pp, dp), gpu_gb))
+
+
+def _peak(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float) -> tuple[float, str]:
+    """The layout's peak (GiB) and the component that takes the most of it."""
     parts = component_bytes(arch, work, tp, pp, dp, gpu_gb)
     sharded = OPTIMIZER_MODES[work.optimizer][3]
     # What stays all run, and the two phases' working sets, which do not coexist.
@@ -243,10 +251,7 @@ def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int,
     training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
     rollout = ["kv_cache", "vllm"]
     phase = max(training, rollout, key=lambda names: sum(parts[name] for name in names))
-    total = sum(parts[name] for name in staying + phase) / GiB
-    largest = max(staying + phase, key=lambda name: parts[name])
-    return LayoutEstimate(tp, pp, dp, *(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2),
-                          total <= gpu_gb * headroom, largest, advice(largest, work))
+    return sum(parts[name] for name in staying + phase) / GiB, max(staying + phase, key=lambda name: parts[name])
 
 
 def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float) -> dict[str, float]:
@@ -282,25 +287,71 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     return parts
 
 
-def advice(component: str, work: Workload) -> str:
-    """The setting that shrinks ``component`` (one ``work`` has not already chosen)."""
-    if component == "rollout_copy":
-        return "--rollout-engine vllm (rollout.engine=vllm: no HF copy of the whole model on the sampling rank)"
-    if component == "kv_cache":
-        return "a smaller --kv-cache-tokens (rollout.kv_cache_tokens), or --rollout-engine vllm"
+def remedies(component: str, work: Workload) -> list[tuple[str, Workload | None]]:
+    """The settings that may shrink ``component`` (ones ``work`` has not already chosen), each with the workload it
+    gives (None: a change of layout or GPUs, which no workload field holds)."""
+    if work.backend == "hf" and component in ("weights", "gradients", "optimizer"):
+        return [("model.backend=megatron with megatron.distributed_optimizer=true and more GPUs (hf trains the whole "
+                 "model and its AdamW state on one GPU)", None)]
+    if component == "rollout_copy" or (component == "kv_cache" and work.rollout_engine != "vllm"):
+        found = [("--rollout-engine vllm (rollout.engine=vllm: no HF copy of the whole model on the sampling rank)",
+                  replace(work, rollout_engine="vllm"))]
+        if component == "kv_cache" and work.kv_cache_tokens:
+            found.insert(0, ("a smaller --kv-cache-tokens (rollout.kv_cache_tokens)",
+                             replace(work, kv_cache_tokens=work.kv_cache_tokens // 2)))
+        return found
     if component == "vllm":
-        return "a smaller --vllm-memory-utilization (rollout.vllm_memory_utilization)"
-    if component == "optimizer" and work.optimizer == "fp32-adamw":
-        return "--optimizer bf16-distopt (megatron.distributed_optimizer and bf16_weights)"
-    if component == "activations" and not work.recompute:
-        return ("model.activation_checkpointing=true" if work.backend == "hf"
-                else "--recompute (megatron.recompute_activations)")
-    if component == "activations" and work.micro_batch > 1:
-        return ("fewer rows per forward/backward: --micro-batch (train.micro_batch_rows, whatever M; the same "
-                "gradient for one more forward pass)")
+        return [("a smaller --vllm-memory-utilization (rollout.vllm_memory_utilization)",
+                 replace(work, vllm_memory_utilization=work.vllm_memory_utilization * 0.75))]
+    if component == "optimizer" and work.optimizer != "bf16-distopt":
+        return [(f"--optimizer {mode} ({OPTIMIZER_FLAGS[mode]})", replace(work, optimizer=mode))
+                for mode in ("fp32-distopt", "bf16-distopt") if mode != work.optimizer]
+    if component == "activations":
+        found = []
+        if not work.recompute:
+            found.append(("model.activation_checkpointing=true" if work.backend == "hf"
+                          else "--recompute (megatron.recompute_activations)", replace(work, recompute=True)))
+        if work.micro_batch > 1:
+            found.append(("fewer rows per forward/backward: --micro-batch (train.micro_batch_rows, whatever M; the "
+                          "same gradient for one more forward pass)", replace(work, micro_batch=max(1, work.micro_batch // 2))))
+        return found
     if component == "logprob_head":
-        return "more tensor parallelism (more GPUs per node) or --context-parallel"
+        return [("more tensor parallelism (more GPUs per node) or --context-parallel", None)]
+    return []
+
+
+def advice(component: str, arch: Qwen3Architecture, work: Workload, layout: tuple[int, int, int], gpu_gb: float) -> str:
+    """The first of :func:`remedies` that lowers this layout's peak by 1% or more (a change that would raise it, as
+    the bf16 distributed optimizer does at DP=1, is never advised), else more GPUs."""
+    now, _ = _peak(arch, work, *layout, gpu_gb)
+    for text, changed in remedies(component, work):
+        if changed is None or _peak(arch, changed, *layout, gpu_gb)[0] < 0.99 * now:
+            return text
     return "more GPUs (--nodes): more tensor, pipeline or data parallelism"
+
+
+#: What each optimizer mode is in config keys (model.backend=megatron).
+OPTIMIZER_FLAGS = {"fp32-adamw": "megatron.distributed_optimizer=false",
+                   "fp32-distopt": "megatron.distributed_optimizer=true",
+                   "bf16-distopt": "megatron.distributed_optimizer=true megatron.bf16_weights=true"}
+
+
+def overrides(layout: LayoutEstimate, work: Workload) -> str:
+    """The ``key=value`` overrides that train ``work`` at ``layout``, for ``nemo-jq train`` (under torchrun with
+    TP x PP x CP x DP processes)."""
+    if work.backend == "hf":
+        return ("model.backend=hf" + (" model.activation_checkpointing=true" if work.recompute else "")
+                + f" train.micro_batch_rows={work.micro_batch}")
+    keys = [f"model.backend=megatron megatron.tensor_parallel={layout.tensor_parallel}",
+            f"megatron.pipeline_parallel={layout.pipeline_parallel}",
+            f"megatron.context_parallel={work.context_parallel}",
+            f"megatron.sequence_parallel={str(work.sequence_parallel and layout.tensor_parallel > 1).lower()}",
+            f"megatron.recompute_activations={str(work.recompute).lower()}", OPTIMIZER_FLAGS[work.optimizer],
+            f"train.micro_batch_rows={work.micro_batch}", f"rollout.engine={work.rollout_engine}"]
+    if work.rollout_engine == "vllm":
+        keys.append(f"rollout.tensor_parallel={work.vllm_tensor_parallel} "
+                    f"rollout.vllm_memory_utilization={work.vllm_memory_utilization:g}")
+    return " ".join(keys)
 
 
 def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: int, gpu_gb: float,
@@ -333,6 +384,7 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
     best = layouts[0] if layouts[0].fits else None
     return {"parameters": parameter_count(arch), "workload": asdict(work), "gpu_memory_gib": gpu_gb,
             "headroom": headroom, "recommended": asdict(best) if best else None,
+            "overrides": overrides(best, work) if best else None,
             "layouts": [asdict(layout) for layout in layouts]}
 
 
@@ -348,6 +400,7 @@ def format_report(result: dict[str, Any]) -> str:
     if best:
         lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']}{context} "
                      f"DP={best['data_parallel']} ({best['total_gib']} of {budget:.0f} GiB)")
+        lines.append(f"overrides: {result['overrides']}")
     else:
         largest = closest["largest"]
         lines.append(f"nothing fits in {budget:.0f} GiB: the closest layout, TP={closest['tensor_parallel']} "

@@ -154,3 +154,35 @@ def test_the_readmes_plan_commands_say_what_they_print(capsys, monkeypatch):
     for command, comment in commands:
         assert main(shlex.split(command)) == 0, command
         assert f"recommended: {comment}" in capsys.readouterr().out, command
+
+
+def test_advice_never_names_a_change_that_raises_the_figure():
+    """8B on three GPUs: the bf16 distributed optimizer at DP=1 holds 18 bytes a parameter against plain AdamW's 16,
+    so it is not advised (it was: 77.38 -> 82.47 GiB); whatever is advised lowers the closest layout's figure."""
+    arch = plan.architecture("8b")
+    work = plan.Workload()
+    closest = plan.plan(arch, work, gpus_per_node=3, nodes=1, gpu_gb=80)[0]
+    assert not closest.fits and closest.largest == "optimizer" and "bf16-distopt" not in closest.advice
+    for layout_estimate in plan.plan(arch, work, gpus_per_node=8, nodes=1, gpu_gb=80, headroom=0.1):
+        for text, changed in plan.remedies(layout_estimate.largest, work):
+            if text == layout_estimate.advice and changed is not None:
+                lowered = plan.estimate(arch, changed, layout_estimate.tensor_parallel,
+                                        layout_estimate.pipeline_parallel, layout_estimate.data_parallel, 80, 0.1)
+                assert lowered.total_gib < layout_estimate.total_gib, (text, layout_estimate)
+
+
+def test_the_recommendations_overrides_train_that_layout(tmp_path, capsys):
+    """``plan``'s ``overrides:`` line, given to a run config, is the workload and layout it recommended: planning that
+    config again at the same layout gives the same figure."""
+    from nemo_jq.config import load_config
+
+    assert main(["plan", "--config", "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("overrides: "))
+    recommended = next(line for line in out.splitlines() if line.startswith("recommended: "))
+    config = load_config("configs/qwen3_8b/finqa_cold_garl_q0.75.yaml", line.removeprefix("overrides: ").split())
+    layout = config.megatron
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    again = plan.estimate(plan.architecture(config.model.path), plan.Workload.from_config(config, 1024), tp, pp,
+                          8 // (tp * pp), 80, 0.9)
+    assert f"TP={layout.tensor_parallel} PP={layout.pipeline_parallel} DP={again.data_parallel} ({again.total_gib} of" in recommended
