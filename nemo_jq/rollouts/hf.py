@@ -7,6 +7,8 @@ out: the native sampler's compaction and shared prefill leave the samples unchan
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -27,6 +29,13 @@ def left_pad(prompts: Sequence[list[int]], pad_id: int, device: torch.device) ->
     return ids.to(device), mask.to(device)
 
 
+@functools.cache
+def cache_keyword(model_class: type) -> str:
+    """The keyword the model's forward takes its KV cache by, read from its signature once per class: ``cache`` from
+    transformers 5.24 on (which warns at every call given the old name), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 class HFSampler:
     """The plain decode loop: every prompt copied M times, prefilled, and decoded to the longest row
     over HF's growing cache (what the trainer used before the native sampler; the benchmark's baseline)."""
@@ -39,6 +48,7 @@ class HFSampler:
         self.precision, self.settings = check_precision(precision), settings
         #: The most tokens of keys and values held at once (rows x (prompt + new tokens)); None: no bound.
         self.kv_cache_tokens = kv_cache_tokens
+        self.cache_keyword = cache_keyword(type(model))
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model (a tied head arrives as, or with, the embedding)."""
@@ -54,7 +64,7 @@ class HFSampler:
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
         with autocast_context(self.device, self.precision):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **{self.cache_keyword: cache},
                              use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
