@@ -32,7 +32,8 @@ def learned(trainer, experience, rows):
     return grads, metrics
 
 
-CORRECTIONS = {"on_policy": None, "truncate": Correction("truncate", cap=1.5), "mask": Correction("mask", low=0.7, high=1.4)}
+CORRECTIONS = {"on_policy": None, "truncate": Correction("truncate", cap=1.5), "mask": Correction("mask", low=0.7, high=1.4),
+               "token_truncate": Correction("token_truncate", cap=1.1), "geometric": Correction("geometric", cap=1.02)}
 
 
 @pytest.mark.parametrize(("name", "correction"), [
