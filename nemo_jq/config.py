@@ -197,7 +197,8 @@ class TrainConfig:
     run_dir: str = option("runs/train", "where the run is written; one run per directory")
     tensorboard: bool = option(True, "write TensorBoard events under RUN_DIR/tensorboard")
     collective_timeout_minutes: float = option(
-        60.0, "how long a rank waits in a collective for the others (one rank's rollouts, a checkpoint write, an export) "
+        60.0, "how long a rank waits in a collective for the others (one chunk of a replica's rollouts, "
+        "rollout.kv_cache_tokens; a checkpoint write; an export) "
         "before the job fails; NCCL's own default is 10", gt=0.0)
 
 
