@@ -8,6 +8,7 @@ is sampled and scored by the task's reward (GRPO, RLOO). Rows are prompt-major (
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from nemo_jq.models.common import generator_device
 from nemo_jq.models.interfaces import Rollout, TokenBatch
 from nemo_jq.objectives import Need, ObjectiveSpec
 from nemo_jq.objectives.importance import Correction, k3_kl
-from nemo_jq.rollouts.process import SamplingProcess, share_weights
+from nemo_jq.rollouts.process import SamplingProcess, publish_refit, second_process_refused, share_weights
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
 from nemo_jq.sequences import given_target_batch, reference_answer_batch, sampled_answer_batch
 
@@ -117,6 +118,11 @@ class RolloutsAhead:
                              f"model.backend={components.config.model.backend} gave {type(engine).__name__}")
         self.components, self.engine = components, engine
         self.overlaps = distributed.world_size() == 1 and components.config.rollout.engine in IN_PLACE
+        refused = second_process_refused(components.device) if self.overlaps else None
+        if refused is not None:
+            self.overlaps = False
+            print(f"rollout.async_steps=1: {refused}, so no sampling process can share it: the next step's rollouts "
+                  "are sampled in this process before each step (one step off, without the overlap)", file=sys.stderr)
         self.worker: SamplingProcess | None = None
         #: The request in flight (its examples and estimator), or its experience once settled.
         self.pending: tuple[list[Example], ObjectiveSpec] | Experience | None = None
@@ -131,6 +137,7 @@ class RolloutsAhead:
         if self.worker is None:
             share_weights(self.engine.engine)
             self.worker = SamplingProcess(self.engine.engine, threads=self._split_threads())
+        publish_refit(self.components.device)
         self.worker.submit(self.components.prompt_ids(examples), self.components.config.rollout.num_samples,
                            sample_answers=Need.SAMPLED_ANSWER_REWARD in estimator.needs, seed=seed)
         self.pending = (examples, estimator)

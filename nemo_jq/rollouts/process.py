@@ -9,6 +9,8 @@ overlaps little; a process overlaps fully.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from typing import Any, Sequence
 
@@ -24,6 +26,32 @@ def share_weights(engine: BudgetedRollouts) -> None:
     if model is None:
         raise ValueError(f"{type(engine.sampler).__name__} holds no HF model to share with a sampling process")
     model.share_memory()
+
+
+def publish_refit(device: torch.device) -> None:
+    """Wait until this process's refit has written the weights on ``device``: the child reads them through CUDA IPC
+    from its own context and stream, which nothing orders after this process's in-place copies."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def second_process_refused(device: torch.device) -> str | None:
+    """Why a second process cannot open ``device`` (a GPU in EXCLUSIVE_PROCESS compute mode allows one CUDA context,
+    so the sampling child's would fail), or None. Read from ``nvidia-smi``, by the GPU's ``CUDA_VISIBLE_DEVICES``
+    name; a machine without it says nothing."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = [name.strip() for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
+    gpu = visible[index] if index < len(visible) else str(index)
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader", "-i", gpu],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if query.returncode == 0 and query.stdout.strip().lower().replace(" ", "_") == "exclusive_process":
+        return f"GPU {gpu} is in EXCLUSIVE_PROCESS compute mode (one CUDA context at a time)"
+    return None
 
 
 class SamplingProcess:
