@@ -6,10 +6,12 @@ profiler's allocation events (``helpers.peak_allocated``) or the tensors autogra
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
@@ -21,13 +23,14 @@ from nemo_jq.models.megatron.logprobs import vocab_parallel_token_logprobs  # no
 HIDDEN = 32
 
 
-def qwen3(vocab_size: int, *, tied: bool, seed: int = 0) -> Any:
-    """A one-layer Qwen3 of hidden size ``HIDDEN``, so that at a large vocabulary the LM head dominates memory."""
+def qwen3(vocab_size: int, *, tied: bool, num_layers: int = 1, hidden_size: int = HIDDEN, seed: int = 0) -> Any:
+    """A tiny Qwen3 (4 heads, 2 key-value heads); by default one layer of hidden size ``HIDDEN``, so that at a large
+    vocabulary the LM head dominates memory."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=tied)
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=hidden_size // 4, max_position_embeddings=256, tie_word_embeddings=tied)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen3ForCausalLM(config)
@@ -144,3 +147,61 @@ def test_the_head_kernel_is_log_softmax_of_the_projection_with_its_gradients():
         lambda h, w: vocab_parallel_head_logprobs(h, w, targets, vocab_size=10, chunk_size=4), (hidden, weight))
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         vocab_parallel_head_logprobs(hidden, weight, targets, chunk_size=0)
+
+
+# ----------------------------------------------------------------- L2: loading the distributed optimizer's state
+def optimizer_load_worker(scratch_dir: str, weights_dtype: str) -> dict[str, Any]:
+    """With the distributed optimizer over 2 data-parallel ranks: a step and a checkpoint, loaded by a new policy
+    (a resume) and by the first after another step (the collapse guard's restore). The most bytes each load
+    allocates at once, this rank's shard of the AdamW state and the whole (replicated) state; and the largest
+    difference between the state after each load and the state saved."""
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    vocab_size = 128
+    batch = scored_batch(vocab_size, rows=2, length=8, seed=1 + dist.get_rank())
+
+    def new_policy() -> MegatronPolicy:
+        # the ranks' shards meet 32 elements into a row of layer 3's linear_fc2 (rows of 128): a row read in part
+        return MegatronPolicy.from_hf_model(qwen3(vocab_size, tied=True, num_layers=8, hidden_size=64),
+                                            distributed_optimizer=True, bf16_weights=weights_dtype == "bfloat16", lr=1e-2)
+
+    def step(policy: MegatronPolicy) -> None:
+        policy.forward_backward([batch], lambda logprobs, index: -logprobs.sum() / 32)
+        policy.optimizer_step()
+
+    def state(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
+        optimizer = policy.optimizer
+        return {"master": optimizer.master.detach().clone(),
+                **{key: value.clone() for key, value in optimizer.state[optimizer.master].items()}}
+
+    def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return max(float((a[key] - b[key]).abs().max()) for key in a)
+
+    trained = new_policy()
+    step(trained)
+    saved = state(trained)
+    trained.save(Path(scratch_dir))
+    step(trained)
+    resumed = new_policy()
+    _, resume_peak = peak_allocated(lambda: resumed.load(Path(scratch_dir)))
+    _, restore_peak = peak_allocated(lambda: trained.load(Path(scratch_dir)))
+    optimizer = trained.optimizer
+    state_bytes = 4 * (3 if optimizer.holds_more_than_params else 2)  # moments, and master weights under bf16
+    return {"resume_peak": resume_peak, "restore_peak": restore_peak,
+            "resume_diff": difference(state(resumed), saved), "restore_diff": difference(state(trained), saved),
+            "shard_state_bytes": state_bytes * optimizer.shard, "whole_state_bytes": state_bytes * optimizer.total}
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_resume_reads_only_this_ranks_shard_of_the_optimizer_state(weights, tmp_path):
+    """A resume allocated the whole replicated state on every rank (zeros to load into, then a copy of each moment:
+    1.5 to 1.65 times it here), whatever DP. Now a restore into a running optimizer reads into its moments in place
+    and allocates only what the weights' load does (megatron-core reads each SwiGLU ``linear_fc1`` weight in two
+    halves and concatenates them: a copy of those weights); a resume allocates on top of that this rank's shard
+    of the moments (a bf16 run's master weights go straight into the optimizer's own), never the whole. Both leave
+    the state exactly as saved."""
+    for rank in run_in_processes(optimizer_load_worker, 2, str(tmp_path), weights):
+        assert rank["resume_diff"] == 0 and rank["restore_diff"] == 0, rank
+        assert rank["restore_peak"] < 0.5 * rank["whole_state_bytes"], rank
+        assert rank["resume_peak"] <= rank["restore_peak"] + rank["shard_state_bytes"] + 0.05 * rank["whole_state_bytes"], rank
+        assert rank["resume_peak"] < rank["whole_state_bytes"], rank

@@ -9,7 +9,9 @@ model. AdamW's moments are sharded exactly like their parameters (megatron-core'
 
 from __future__ import annotations
 
+import math
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch
 
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_config
+from nemo_jq.models.megatron.zero import DistributedAdamW
 
 transformer_engine_usable()  # before importing megatron.core
 from megatron.core import dist_checkpointing  # noqa: E402
@@ -31,6 +34,8 @@ from megatron.core.dist_checkpointing.optimizer import (  # noqa: E402
 SHARDED_DIR = "megatron"
 _MODEL, _OPTIMIZER, _ARCH, _STEP = "model", "optimizer", "hf_config", "common_step"
 _HAS_OPTIMIZER = "has_optimizer_state"
+#: The request's entry for a distributed optimizer's reads (a name no saved entry has).
+_ZERO_SHARD = "zero_shard"
 
 
 def has_sharded_checkpoint(directory: Path) -> bool:
@@ -66,8 +71,12 @@ def _start_writer_helpers() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer | None, arch: Qwen3Architecture) -> None:
+def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer | DistributedAdamW | None,
+                 arch: Qwen3Architecture) -> None:
     """Fill this rank's shard of ``model`` (and ``optimizer``'s state) from ``directory/megatron``.
+
+    A :class:`DistributedAdamW` reads only its data-parallel shard of the AdamW state (``_zero_shard_reads``),
+    never the whole replicated state the checkpoint stores.
 
     Raises ``ValueError`` when the checkpoint belongs to another architecture or lacks a weight
     (naming the key), and ``FileNotFoundError`` when optimizer state is asked for but was not saved.
@@ -84,13 +93,83 @@ def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer |
         raise ValueError(f"checkpoint {source} lacks {len(missing)} weight(s) this model needs: "
                          f"{', '.join(repr(name) for name in missing[:3])}{', ...' if len(missing) > 3 else ''}")
     request = {_MODEL: model_state}
-    if optimizer is not None:
-        _initialise_adam_state(optimizer, with_master=any(key.startswith(f"{_OPTIMIZER}.state.master.") for key in saved))
+    with_master = any(key.startswith(f"{_OPTIMIZER}.state.master.") for key in saved)
+    if isinstance(optimizer, DistributedAdamW):
+        targets = optimizer.state_to_load(with_master)
+        request[_ZERO_SHARD], partial_rows = _zero_shard_reads(model_state, optimizer, targets)
+    elif optimizer is not None:
+        _initialise_adam_state(optimizer, with_master=with_master)
         request[_OPTIMIZER] = _sharded_optimizer_state(model_state, optimizer)
     loaded = dist_checkpointing.load(request, str(source))
     model.load_state_dict(loaded[_MODEL], strict=True)
-    if optimizer is not None:
+    if isinstance(optimizer, DistributedAdamW):
+        for rows, target, at, (start, end) in partial_rows:
+            target[at:at + end - start].copy_(rows.reshape(-1)[start:end])
+        optimizer.load_shard(targets, loaded[_OPTIMIZER]["state"][_STEP])
+    elif optimizer is not None:
         _load_optimizer_state(optimizer, loaded[_OPTIMIZER])
+
+
+def _zero_shard_reads(model_state: dict[str, Any], optimizer: DistributedAdamW, targets: dict[str, torch.Tensor]
+                      ) -> tuple[list[ShardedTensor], list[tuple[torch.Tensor, torch.Tensor, int, tuple[int, int]]]]:
+    """The reads that fill ``targets`` (this rank's shard of each state vector: ``exp_avg``, ``...``) from the
+    checkpoint's per-parameter state, which is stored like the parameters, and nothing else.
+
+    Each parameter's elements in the shard (``optimizer.pieces``) are whole rows of its local tensor (or of a
+    part of it that megatron-core stores apart, as the gate and up halves of SwiGLU's ``linear_fc1``), between at
+    most two partial rows. Whole rows are read straight into a view of the target; a partial row is read into a
+    row of its own, returned as ``(row, target, position in the target, (start, end) in the row)`` to copy in
+    after the load. Each read is an irregular chunk of the stored tensor (``axis_fragmentations=None``), which
+    megatron-core's ``torch_dist`` format reads as a plain DCP chunk whatever the saved layout.
+    """
+    entries = get_param_id_to_sharded_param_map(model_state, optimizer.params)
+    reads, partial_rows = [], []
+    for index, first, last, at, _ in optimizer.pieces:
+        parts = _stored_parts(entries[index])
+        if sum(part.data.numel() for part, _ in parts) != optimizer.params[index].numel():
+            raise ValueError(f"{entries[index].key} is stored in parts that do not cover the parameter")
+        for part, offset in parts:
+            width = math.prod(part.local_shape[1:])
+            start, end = max(first, offset) - offset, min(last, offset + part.data.numel()) - offset
+            whole_start, whole_end = -(-start // width) * width, end // width * width
+            spans = [(start, min(end, whole_start)), (whole_start, whole_end), (max(whole_start, whole_end), end)]
+            for span_start, span_end in spans:
+                if span_start >= span_end:
+                    continue
+                row, row_end = span_start // width, -(-span_end // width)
+                into = at + offset + span_start - first
+                for key, target in targets.items():
+                    shape = (1,) * part.prepend_axis_num + (row_end - row, *part.local_shape[1:])
+                    whole_rows = span_start % width == 0 and span_end % width == 0
+                    data = target[into:into + span_end - span_start].view(shape) if whole_rows else (
+                        torch.empty(shape, dtype=target.dtype, device=target.device))
+                    if not whole_rows:
+                        partial_rows.append((data, target, into, (span_start - row * width, span_end - row * width)))
+                    reads.append(_rows_of(part, row, f"{_OPTIMIZER}.state.{key}.", data))
+    return reads, partial_rows
+
+
+def _stored_parts(entry: ShardedTensor | ShardedTensorFactory) -> list[tuple[ShardedTensor, int]]:
+    """The ShardedTensors a parameter is stored as (a factory's, built on a meta tensor), each with its first
+    element's position in the parameter's flattened local tensor."""
+    if isinstance(entry, ShardedTensorFactory):
+        parts = list(nested_values(replace(entry, data=torch.empty_like(entry.data, device="meta")).build()))
+    else:
+        parts = [replace(entry, data=torch.empty(entry.local_shape, dtype=entry.dtype, device="meta"))]
+    for part in parts:
+        if not part.data.is_contiguous():
+            raise ValueError(f"{part.key} is stored in non-contiguous parts; the distributed optimizer cannot read them")
+    return [(part, part.data.storage_offset()) for part in parts]
+
+
+def _rows_of(part: ShardedTensor, row: int, prefix: str, data: torch.Tensor) -> ShardedTensor:
+    """A read of rows ``row : row + len`` of ``part`` (its first local axis) into ``data`` under the key
+    ``prefix + part.key``; the prepended axes (a layer's index) are written out, as the read is irregular."""
+    axis = part.prepend_axis_num
+    offset = (*part.global_offset[:axis], part.global_offset[axis] + row, *part.global_offset[axis + 1:])
+    return ShardedTensor(key=prefix + part.key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+                         global_shape=part.global_shape, global_offset=offset, axis_fragmentations=None,
+                         replica_id=part.replica_id, allow_shape_mismatch=part.allow_shape_mismatch)
 
 
 def _common_state(source: Path, arch: Qwen3Architecture) -> dict[str, Any]:

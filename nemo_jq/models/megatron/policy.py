@@ -421,14 +421,12 @@ class MegatronPolicy:
     def load(self, directory: Path, *, with_optimizer: bool = True) -> None:
         """From ``save`` at any TP size; or, weights only, from an HF ``model.safetensors`` (``HFPolicy.save``)."""
         directory = Path(directory)
-        distributed_optimizer = isinstance(self.optimizer, DistributedAdamW)
-        optimizer = (torch.optim.AdamW(self.optimizer.params) if distributed_optimizer else self.optimizer) if with_optimizer else None
         if with_optimizer or has_sharded_checkpoint(directory) or not (directory / WEIGHTS_FILE).exists():
-            load_sharded(directory, self.model, optimizer, self.arch)
+            load_sharded(directory, self.model, self.optimizer if with_optimizer else None, self.arch)
         else:
             self._load_hf_state(SafetensorsFolder(directory))
-        if distributed_optimizer:
-            self.optimizer.load_replicated(optimizer)
+        if isinstance(self.optimizer, DistributedAdamW) and not with_optimizer:
+            self.optimizer.load_shard(None)  # its master weights from the weights just loaded
         self.weights_version += 1
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:

@@ -11,7 +11,8 @@ replicated optimizer's.
 Bytes per parameter held between steps on each rank, D ranks: the weights (4 fp32, 2 bf16) + 4 (the
 gradient buffer) + 12 / D (master, two moments); nothing else grows with the model (the gradient norm's
 mask is a list of index ranges). A step adds the gathered weights (2 or 4) and a few D-th parts; a
-checkpoint save one full fp32 vector on the device at a time (the replicated moments go to host memory).
+checkpoint save one full fp32 vector on the device at a time (the replicated moments go to host memory); a load
+reads only the rank's shard of the state (``checkpoint.load_sharded``).
 """
 
 from __future__ import annotations
@@ -142,16 +143,19 @@ class DistributedAdamW:
                     replicated.state[param][key] = piece.view_as(param)
         return replicated
 
-    def load_replicated(self, replicated: torch.optim.Optimizer | None) -> None:
-        """After the parameters were loaded: take this rank's slice of them as the master weights and, given a
-        replicated AdamW filled from a checkpoint, of its moments (and of the master weights, where it has them)."""
-        states = [replicated.state[param] for param in self.params] if replicated is not None else []
-        self._copy_params_into_master([state["master"] for state in states] if states and "master" in states[0]
-                                      else self.params)
-        if replicated is not None:
-            moments = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                moments[key] = torch.zeros_like(self.master.detach())
-                for index, a, b, s, t in self.pieces:
-                    moments[key][s:t].copy_(states[index][key].reshape(-1)[a:b])
-            self.optimizer.state[self.master] = {"step": states[0]["step"].clone(), **moments}
+    def state_to_load(self, with_master: bool) -> dict[str, torch.Tensor]:
+        """Where ``checkpoint.load_sharded`` reads this rank's shard of a checkpoint's AdamW state: the moments (in
+        place when they exist) and, where the checkpoint has them (a bf16-weights run's), the master weights."""
+        state = self.optimizer.state.get(self.master, {})
+        targets = {key: state[key] if key in state else torch.zeros_like(self.master.detach())
+                   for key in ("exp_avg", "exp_avg_sq")}
+        return {**targets, **({"master": self.master.detach()} if with_master else {})}
+
+    def load_shard(self, state: dict[str, torch.Tensor] | None, step: torch.Tensor | None = None) -> None:
+        """After the parameters were loaded: take the master weights from ``state`` (``state_to_load``'s, read) where
+        it has them, else this rank's slice of the parameters; and the moments and ``step`` from ``state``."""
+        if state is None or "master" not in state:
+            self._copy_params_into_master(self.params)
+        if state is not None:
+            self.optimizer.state[self.master] = {"step": step.clone(), "exp_avg": state["exp_avg"],
+                                                 "exp_avg_sq": state["exp_avg_sq"]}
