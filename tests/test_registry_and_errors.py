@@ -21,14 +21,16 @@ from nemo_jq.objectives import (
 
 
 def test_registry_lists_every_estimator_with_its_needs():
-    assert list_objectives() == ["garl", "grpo", "paft", "rb_rloo", "rloo", "sft"]
+    assert list_objectives() == ["garl", "garl_length_normalized", "garl_resampled_pathwise", "garl_score_only", "grpo",
+                                 "maxrl", "paft", "rb_rloo", "rloo", "rlpr", "sft"]
     assert get_objective("garl").needs == {Need.REFERENCE_ANSWER_LOGPROB}
     assert get_objective("paft").needs == {Need.REFERENCE_ANSWER_LOGPROB}
     assert get_objective("rb_rloo").needs == {Need.REFERENCE_ANSWER_LOGPROB}
     assert get_objective("grpo").needs == {Need.SAMPLED_ANSWER_REWARD}
     assert get_objective("rloo").needs == {Need.SAMPLED_ANSWER_REWARD}
     assert get_objective("sft").needs == {Need.GIVEN_TARGET}
-    assert [n for n in list_objectives() if get_objective(n).uses_q] == ["garl", "paft"]
+    assert [n for n in list_objectives() if get_objective(n).uses_q] == [
+        "garl", "garl_length_normalized", "garl_resampled_pathwise", "garl_score_only", "paft"]
     assert get_objective("garl").min_samples == 2 and get_objective("paft").min_samples == 1
 
 
