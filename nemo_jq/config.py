@@ -122,7 +122,8 @@ class RolloutConfig:
 
 @dataclass
 class ObjectiveConfig:
-    name: str = option("garl", "a registered estimator: garl, paft, rb_rloo, grpo, rloo, sft (or a plugin's)")
+    name: str = option("garl", "a registered estimator: garl, paft, rb_rloo, grpo, rloo, sft, the ablations garl_score_only, "
+                                "garl_resampled_pathwise, garl_length_normalized, the baselines rlpr, maxrl (or a plugin's)")
     q: float = option(0.75, "the commitment, in [0, 1]", ge=0.0, le=1.0)
     q_schedule: dict[str, Any] | str | None = option(
         None, "a q schedule, replacing q: a mapping, e.g. \"{name: step, switch_step: 50}\", or a YAML file holding one "
