@@ -205,3 +205,81 @@ def test_resume_reads_only_this_ranks_shard_of_the_optimizer_state(weights, tmp_
         assert rank["restore_peak"] < 0.5 * rank["whole_state_bytes"], rank
         assert rank["resume_peak"] <= rank["restore_peak"] + rank["shard_state_bytes"] + 0.05 * rank["whole_state_bytes"], rank
         assert rank["resume_peak"] < rank["whole_state_bytes"], rank
+
+
+# ----------------------------------------------------------------- L7: the local spec's core attention on GPU
+def attention_worker(tensor_parallel: int) -> dict[str, float]:
+    """megatron-core's local ``DotProductAttention`` (with the causal mask the policy passes it) against
+    ``SDPADotProductAttention`` (causal without a mask, and with it), on one TP rank's heads: outputs, input
+    gradients, and the bytes of ``[.., s, s]`` tensors each saves for backward."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from nemo_jq.models.megatron.attention import SDPADotProductAttention
+    from nemo_jq.models.megatron.layout import MegatronLayout
+    from nemo_jq.models.megatron.provider import read_qwen3_config, transformer_config
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    config = transformer_config(read_qwen3_config(qwen3(128, tied=True).config), MegatronLayout(tensor_parallel))
+    length, rows, heads, groups, head_dim = 24, 3, 4 // tensor_parallel, 2 // tensor_parallel, HIDDEN // 4
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    inputs = [torch.randn(length, rows, count, head_dim, generator=generator, requires_grad=True)
+              for count in (heads, groups, groups)]
+    causal_mask = torch.ones(length, length, dtype=torch.bool).triu(1)[None, None]  # True: masked
+
+    def run(module_class, mask) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        module = module_class(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        saved = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() >= 2 and tensor.shape[-2:] == (length, length) and tensor.numel() > length * length:
+                saved.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = module(*inputs, mask)
+        return out, torch.autograd.grad(out.square().sum(), inputs), sum(saved)
+
+    local, local_grads, local_saved = run(DotProductAttention, causal_mask)
+    results = {"local_saved_scores_bytes": local_saved}
+    for name, mask in (("causal", None), ("masked", causal_mask)):
+        out, grads, saved = run(SDPADotProductAttention, mask)
+        results[f"{name}_out"] = float((out - local).abs().max())
+        results[f"{name}_grads"] = max(float((a - b).abs().max()) for a, b in zip(grads, local_grads))
+        results[f"{name}_saved_scores_bytes"] = saved
+    return results
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_sdpa_core_attention_equals_the_local_one_without_keeping_the_scores(tensor_parallel):
+    """The local spec's attention keeps the [b, heads / TP, s, s] softmax for backward (here 3 x 4/TP x 24 x 24
+    fp32); SDPA, the core attention on GPU without TE (``provider.uses_sdpa_attention``), gives the same outputs
+    and gradients (grouped queries included) and keeps nothing of that size."""
+    for rank in run_in_processes(attention_worker, tensor_parallel, tensor_parallel):
+        assert rank["local_saved_scores_bytes"] >= 3 * (4 // tensor_parallel) * 24 * 24 * 4, rank
+        for name in ("causal", "masked"):
+            assert rank[f"{name}_out"] < 1e-5 and rank[f"{name}_grads"] < 1e-4, rank
+            assert rank[f"{name}_saved_scores_bytes"] == 0, rank
+
+
+def core_attention_of_builds() -> dict[str, bool]:
+    """Whether the core attention is SDPA in a CPU build and in a build as on a GPU (the "current CUDA device"
+    standing in as ``meta``), TE absent."""
+    from megatron.core import parallel_state
+
+    from nemo_jq.models.megatron.attention import SDPADotProductAttention
+    from nemo_jq.models.megatron.provider import build_gpt_model, read_qwen3_config
+
+    parallel_state.initialize_model_parallel()
+    arch = read_qwen3_config(qwen3(128, tied=True).config)
+    cpu = build_gpt_model(arch)
+    torch.cuda.current_device = lambda: "meta"
+    gpu = build_gpt_model(arch, use_cpu_initialization=False)
+    return {name: isinstance(model.decoder.layers[0].self_attention.core_attention, SDPADotProductAttention)
+            for name, model in (("cpu", cpu), ("gpu", gpu))}
+
+
+def test_the_local_spec_attends_with_sdpa_on_gpu_only():
+    """On CPU the local spec keeps megatron-core's attention (the CPU tests' context-parallel stand-in replaces it)."""
+    assert run_in_processes(core_attention_of_builds, 1) == [{"cpu": False, "gpu": True}]

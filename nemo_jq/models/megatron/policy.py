@@ -33,7 +33,13 @@ from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
 from nemo_jq.models.megatron.mapping import hf_names, hf_shape, is_tensor_parallel, iter_hf_to_megatron, megatron_to_hf
-from nemo_jq.models.megatron.provider import build_gpt_model, padded_vocab_size, read_qwen3_config, uses_transformer_engine
+from nemo_jq.models.megatron.provider import (
+    build_gpt_model,
+    padded_vocab_size,
+    read_qwen3_config,
+    uses_sdpa_attention,
+    uses_transformer_engine,
+)
 from nemo_jq.models.megatron.zero import DistributedAdamW
 
 transformer_engine_usable()  # a broken Transformer Engine must not break the megatron.core import below
@@ -118,6 +124,7 @@ class MegatronPolicy:
         self.sequence_multiple = (2 * context_parallel if context_parallel > 1 else 1) * (
             tensor_parallel if sequence_parallel else 1)
         self.uses_transformer_engine = uses_transformer_engine()
+        self.uses_sdpa_attention = uses_sdpa_attention(use_cpu_initialization=self.device.type == "cpu")
         params_dtype = torch.bfloat16 if bf16_weights else torch.float32
         self.model = build_gpt_model(self.arch, self.layout, params_dtype=params_dtype,
                                      activation_dtype=autocast_dtype(self.device, self.precision) or params_dtype,
@@ -183,9 +190,9 @@ class MegatronPolicy:
         length = input_ids.shape[1]
         positions = self._on_this_cp_rank(torch.arange(length, device=self.device).expand_as(input_ids))
         # Rows are right-padded, so the causal mask alone keeps padding out of every real token's view.
-        # TE builds its own (under CP, over the split sequence); megatron-core's local attention would build
-        # its default one on CUDA.
-        causal_mask = None if self.uses_transformer_engine or self.cp_size > 1 else (
+        # TE builds its own (under CP, over the split sequence), and SDPA's kernels are causal without one;
+        # megatron-core's local attention would build its default one on CUDA.
+        causal_mask = None if self.uses_transformer_engine or self.uses_sdpa_attention or self.cp_size > 1 else (
             torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)[None, None])  # True: masked
         with autocast_context(self.device, self.precision), _without_lm_head(self.model):
             return self.model(self._on_this_cp_rank(input_ids), positions, causal_mask)

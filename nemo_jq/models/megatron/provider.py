@@ -181,6 +181,13 @@ def uses_transformer_engine() -> bool:
     return torch.cuda.is_available() and transformer_engine_usable()
 
 
+def uses_sdpa_attention(use_cpu_initialization: bool) -> bool:
+    """Whether the local spec's core attention is PyTorch's SDPA (``attention.SDPADotProductAttention``): when the
+    model is built on a GPU without TE. On CPU megatron-core's ``DotProductAttention`` stays (the CPU tests' context
+    parallel stand-in replaces it)."""
+    return not use_cpu_initialization and not uses_transformer_engine()
+
+
 def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLayout(), *,
                     params_dtype: torch.dtype = torch.float32, activation_dtype: torch.dtype | None = None,
                     use_cpu_initialization: bool = True):
@@ -193,7 +200,8 @@ def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLa
 
     Without TE the layers are megatron-core's local spec with :class:`LocalRMSNorm` as every norm (the final
     one included): built on the model's device, and correct under sequence parallelism, where megatron-core's
-    own ``WrappedTorchNorm`` builds on CPU whatever the device and refuses sequence parallelism.
+    own ``WrappedTorchNorm`` builds on CPU whatever the device and refuses sequence parallelism. On GPU its
+    core attention is PyTorch's SDPA (:func:`uses_sdpa_attention`), which keeps no ``[b, heads / TP, s, s]`` scores.
     """
     config = transformer_config(arch, layout, params_dtype=params_dtype, activation_dtype=activation_dtype,
                                 use_cpu_initialization=use_cpu_initialization)
@@ -218,7 +226,8 @@ def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLa
                          f"run where TE imports (nemo-jq doctor says), or set context_parallel=1")
     return GPTModel(
         config=config,
-        transformer_layer_spec=spec if uses_transformer_engine() else local_block_spec(spec, config),
+        transformer_layer_spec=spec if uses_transformer_engine() else local_block_spec(
+            spec, config, sdpa_attention=uses_sdpa_attention(use_cpu_initialization)),
         vocab_size=padded_vocab_size(arch.vocab_size, layout.tensor_parallel),
         max_sequence_length=arch.max_position_embeddings,
         parallel_output=True,
@@ -242,16 +251,21 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def local_block_spec(layer_spec: Any, config: Any) -> Any:
+def local_block_spec(layer_spec: Any, config: Any, *, sdpa_attention: bool = False) -> Any:
     """This stage's layers as ``layer_spec`` with every norm (input, pre-MLP, q and k, and the block's final
-    one) a :class:`LocalRMSNorm`."""
+    one) a :class:`LocalRMSNorm`, and with ``sdpa_attention`` PyTorch's SDPA as the core attention."""
     import dataclasses
 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     attention = layer_spec.submodules.self_attention
+    core_attention = {}
+    if sdpa_attention:
+        from nemo_jq.models.megatron.attention import SDPADotProductAttention
+
+        core_attention = {"core_attention": SDPADotProductAttention}
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, q_layernorm=LocalRMSNorm, k_layernorm=LocalRMSNorm))
+        attention.submodules, q_layernorm=LocalRMSNorm, k_layernorm=LocalRMSNorm, **core_attention))
     layer = dataclasses.replace(layer_spec, submodules=dataclasses.replace(
         layer_spec.submodules, input_layernorm=LocalRMSNorm, pre_mlp_layernorm=LocalRMSNorm, self_attention=attention))
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
