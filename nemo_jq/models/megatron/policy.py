@@ -218,10 +218,11 @@ class MegatronPolicy:
         if not self.sequence_parallel:  # on the selected rows, whose gradient is contiguous: megatron-core's
             # backward all-reduce of a non-contiguous one (a transpose's) reduces a copy and returns it unreduced
             selected = copy_to_tensor_model_parallel_region(selected, group=self.tp_group)
-        picked = vocab_parallel_head_logprobs(
-            selected, self._lm_head_weight(), target_ids[targets], vocab_start=self.vocab_start,
-            vocab_size=self.arch.vocab_size, group=self.tp_group, chunk_size=self.logprob_chunk_size,
-        )
+        with autocast_context(self.device, self.precision):  # the products as the LM head's linear would run them
+            picked = vocab_parallel_head_logprobs(
+                selected, self._lm_head_weight(), target_ids[targets], vocab_start=self.vocab_start,
+                vocab_size=self.arch.vocab_size, group=self.tp_group, chunk_size=self.logprob_chunk_size,
+            )
         mine = torch.zeros(targets.shape, dtype=torch.float32, device=self.device).index_put((targets,), picked.float())
         return gather_sequence(mine, self.cp_group)[:, : batch.target_mask.shape[1]]
 
