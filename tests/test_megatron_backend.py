@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.megatron
 
 import torch.distributed as dist  # noqa: E402
 
@@ -224,6 +224,7 @@ def refuse_foreign_weights(policy, scratch_dir: str, hf_state: dict[str, torch.T
                          [(1, False, False, 1, 2), (2, False, False, 1, 2), (2, True, False, 1, 2), (2, True, True, 1, 2),
                           (2, True, False, 2, 4), (1, False, False, 2, 4)],
                          ids=["tp1-dp2", "tp2", "tp2-sp", "tp2-sp-recompute", "tp2-sp-cp2", "cp2-dp2"])
+@pytest.mark.distributed
 def test_matches_hf_logits_logprobs_garl_gradients_and_step(tensor_parallel, sequence_parallel, recompute, context_parallel,
                                                             world_size, tmp_path):
     """Context parallelism runs on CPU under the test patches' all-gather attention (TE's is GPU only)."""
@@ -277,6 +278,8 @@ def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch
 @pytest.mark.parametrize("tensor_parallel, sequence_parallel, untied, context_parallel",
                          [(1, False, False, 1), (1, False, True, 1), (2, False, False, 1), (2, True, False, 1), (1, False, False, 2)],
                          ids=["pp2", "pp2-untied", "tp2xpp2", "tp2-sp-x-pp2", "cp2xpp2"])
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_parallel, sequence_parallel, untied,
                                                                       context_parallel, tmp_path):
     ranks = run_in_processes(pipeline_parity_worker, 2 * tensor_parallel * context_parallel, tensor_parallel, 2,
@@ -290,6 +293,7 @@ def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_par
     assert [diffs["loss_calls"] for diffs in ranks] == [0] * stage + [PROMPTS] * stage
 
 
+@pytest.mark.distributed
 def test_untied_tp2_round_trip_and_export_are_bit_exact(tmp_path):
     out_dir = tmp_path / "hf"
     results = run_in_processes(export_worker, 2, str(out_dir), str(tmp_path))
@@ -350,6 +354,8 @@ def resume_at_tp1_worker(checkpoint_dir: str, out_dir: str, scratch_dir: str) ->
     return {"loaded": loaded, "after_two": policy.hf_state_dict()}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_tp2_checkpoint_resumes_at_tp1_and_exports_the_same_model(tmp_path):
     """HF -> Megatron TP=2 -> distributed checkpoint -> resume at TP=1 (weights and AdamW moments resharded)
     -> the next step equals TP=2's own -> the export loads in plain transformers with the same logits."""
@@ -499,6 +505,7 @@ def context_parallel_worker() -> dict[str, bool]:
             "gathered": torch.equal(gathered, whole), "grad": torch.equal(mine.grad, split_for_rank(weights, group.rank(), 2))}
 
 
+@pytest.mark.distributed
 def test_context_parallel_split_is_megatrons_and_the_gather_undoes_it():
     assert run_in_processes(context_parallel_worker, 2) == [{"as_megatron": True, "gathered": True, "grad": True}] * 2
 
@@ -535,40 +542,64 @@ BROKEN_TE = {
 }
 
 
+BROKEN_TE_CHECK = """
+import sys, warnings
+import torch
+torch.cuda.is_available = lambda: True  # as on a GPU node: only TE's breakage decides the spec
+import nemo_jq.models.megatron as backend
+assert "megatron.core" not in sys.modules
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    status = backend.transformer_engine_status()
+assert status.startswith("unusable (") and {reason!r} in status, status
+assert any({reason!r} in str(w.message) for w in caught)
+import megatron.core
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer import transformer_block
+from nemo_jq.models.megatron.provider import uses_transformer_engine
+assert not gpt_layer_specs.HAVE_TE and not transformer_block.HAVE_TE and not uses_transformer_engine()
+"""
+
+
+def broken_te_script(folder: Path, mode: str) -> dict:
+    """The check of one way TE breaks: its packages written under ``folder``, first on the script's import path."""
+    top, subpackage, reason = BROKEN_TE[mode]
+    (folder / "transformer_engine" / "pytorch").mkdir(parents=True)
+    (folder / "transformer_engine" / "__init__.py").write_text(top)
+    (folder / "transformer_engine" / "pytorch" / "__init__.py").write_text(subpackage + "\n")
+    return {"code": BROKEN_TE_CHECK.format(reason=reason), "path": [folder],
+            "env": {"PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}}
+
+
+@pytest.fixture(scope="module")
+def scripts_in_their_own_processes(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The checks below that need a process that has not imported megatron-core (nor TE) yet, each in its own, run
+    together: forked from one Python (``helpers.run_scripts``) rather than a new interpreter each. Every test that
+    takes this fixture is marked slow, since any one of them runs them all."""
+    from helpers import run_scripts
+
+    scripts = {f"broken-te:{mode}": broken_te_script(tmp_path_factory.mktemp("te"), mode) for mode in BROKEN_TE}
+    scripts["no-te"] = {"code": NO_TE_CHECK}
+    scripts["recompute"] = {"code": RECOMPUTE_UNDER_AUTOCAST.format(tests=str(Path(__file__).resolve().parent))}
+    return dict(zip(scripts, run_scripts(list(scripts.values())), strict=True))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(BROKEN_TE))
-def test_a_broken_transformer_engine_is_reported_and_never_half_used(tmp_path, mode):
+def test_a_broken_transformer_engine_is_reported_and_never_half_used(mode, scripts_in_their_own_processes):
     """Whatever breaks TE, megatron.core still imports with none of its TE paths, and the policy picks the
     local layer spec even where CUDA is available (the check imports transformer_engine.pytorch itself)."""
-    top, subpackage, reason = BROKEN_TE[mode]
-    (tmp_path / "transformer_engine" / "pytorch").mkdir(parents=True)
-    (tmp_path / "transformer_engine" / "__init__.py").write_text(top)
-    (tmp_path / "transformer_engine" / "pytorch" / "__init__.py").write_text(subpackage + "\n")
-    script = textwrap.dedent(f"""
-        import sys, warnings
-        import torch
-        torch.cuda.is_available = lambda: True  # as on a GPU node: only TE's breakage decides the spec
-        import nemo_jq.models.megatron as backend
-        assert "megatron.core" not in sys.modules
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            status = backend.transformer_engine_status()
-        assert status.startswith("unusable (") and {reason!r} in status, status
-        assert any({reason!r} in str(w.message) for w in caught)
-        import megatron.core
-        from megatron.core.models.gpt import gpt_layer_specs
-        from megatron.core.transformer import transformer_block
-        from nemo_jq.models.megatron.provider import uses_transformer_engine
-        assert not gpt_layer_specs.HAVE_TE and not transformer_block.HAVE_TE and not uses_transformer_engine()
-    """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    result = scripts_in_their_own_processes[f"broken-te:{mode}"]
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_no_transformer_engine_is_not_installed_and_imports_nothing():
-    script = ("import sys, nemo_jq.models.megatron as b; assert 'megatron.core' not in sys.modules; "
-              "print(b.transformer_engine_status())")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+NO_TE_CHECK = ("import sys, nemo_jq.models.megatron as b; assert 'megatron.core' not in sys.modules; "
+               "print(b.transformer_engine_status())")
+
+
+@pytest.mark.slow
+def test_no_transformer_engine_is_not_installed_and_imports_nothing(scripts_in_their_own_processes):
+    result = scripts_in_their_own_processes["no-te"]
     assert result.returncode == 0 and result.stdout.strip() == "not installed", result.stderr[-2000:]
 
 
@@ -584,6 +615,7 @@ def devices_of_a_gpu_build() -> list[str]:
     return sorted({str(tensor.device) for tensor in [*model.parameters(), *model.buffers()]})
 
 
+@pytest.mark.distributed
 def test_the_local_spec_builds_every_module_on_the_models_device():
     """megatron-core's WrappedTorchNorm builds its norms on CPU whatever the device (the first GPU forward then mixes
     devices); the package's own norm follows the device the rest of the model is built on."""
@@ -619,13 +651,12 @@ assert worst == 0.0, worst
 """
 
 
-def test_recomputed_layers_run_under_the_forwards_autocast():
+@pytest.mark.slow
+def test_recomputed_layers_run_under_the_forwards_autocast(scripts_in_their_own_processes):
     """Full recomputation under bf16 autocast (the GPU default, fp32 weights): megatron-core's checkpoint re-ran the
     layers outside autocast, on bf16 saved inputs (a dtype error in the local spec's linears); the gradients now
     equal those without recomputation, bit for bit."""
-    tests = str(Path(__file__).resolve().parent)
-    result = subprocess.run([sys.executable, "-c", RECOMPUTE_UNDER_AUTOCAST.format(tests=tests)], capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = scripts_in_their_own_processes["recompute"]
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -638,6 +669,7 @@ def pipeline_logprobs_under_autocast(pipeline_parallel: int) -> torch.Tensor:
         return policy.token_logprobs(garl_batch(model.config.vocab_size))
 
 
+@pytest.mark.distributed
 def test_pipeline_stages_exchange_activations_in_the_autocast_dtype():
     """Under bf16 autocast over fp32 weights a stage's output is bf16: the receiving stage's buffer must be too
     (an fp32 buffer took the bf16 bytes as garbage, half of it never written)."""
@@ -672,6 +704,8 @@ def waiting_in_the_backends_groups() -> list[tuple[float, str]]:
     return [time_to_fail(policy.cp_group), time_to_fail(policy.model_parallel_group)]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_rank_left_waiting_in_a_backend_group_fails_after_the_configured_timeout():
     """megatron-core's groups took their own 30-minute default, and torch's new_group the backend's, whatever the
     world's timeout: train.collective_timeout_minutes now reaches every group."""
@@ -681,27 +715,24 @@ def test_a_rank_left_waiting_in_a_backend_group_fails_after_the_configured_timeo
         assert 1.5 < elapsed < 4.5 and "Timed out" in error, (elapsed, error)
 
 
-def world_timeout_worker(rank: int, port: int, results: str) -> None:
+def world_timeout_worker() -> tuple[float, str] | None:
+    """The world group as ``nemo-jq train`` starts it under torchrun; rank 1 never joins a collective."""
     from datetime import timedelta
 
     from nemo_jq import distributed
 
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     distributed.init_from_env(CPU, timedelta(seconds=2))
-    if rank == 1:
+    if dist.get_rank() == 1:
         time.sleep(7)
-    else:
-        torch.save(time_to_fail(None), Path(results) / "waited.pt")
-    dist.destroy_process_group()
+        return None
+    return time_to_fail(None)
 
 
-def test_the_world_group_takes_the_configured_timeout(tmp_path):
-    from megatron_cpu import free_port
-
-    torch.multiprocessing.start_processes(world_timeout_worker, args=(free_port(), str(tmp_path)), nprocs=2,
-                                          start_method="spawn")
-    elapsed, error = torch.load(tmp_path / "waited.pt")
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_world_group_takes_the_configured_timeout():
+    waited, _ = run_in_processes(world_timeout_worker, 2, process_group=False)
+    elapsed, error = waited
     assert 1.5 < elapsed < 4.5 and "Timed out" in error, (elapsed, error)
 
 
@@ -744,6 +775,8 @@ def zero_memory_worker(weights_dtype: str) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_distributed_optimizer_holds_what_plan_says(weights):
     """4 bytes per parameter of gradients (one fp32 buffer) and 12 / DP of master weights and moments, within 5% at
     DP = 1, 2 and 4 (the norm's mask used to pin 4 more bytes per parameter at any DP), and no full-length copies
@@ -801,6 +834,8 @@ def assert_same_training(ours: list[dict], theirs: list[dict]) -> None:
 @pytest.mark.parametrize("world_size, layout", [(1, []), (2, ["megatron.tensor_parallel=2"]), (2, ["megatron.pipeline_parallel=2"]),
                                                 (2, ["megatron.context_parallel=2"])],
                          ids=["one-process", "tp2", "pp2", "cp2"])
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_recipe_trains_alike_on_either_backend(world_size, layout, hf_training, tmp_path):
     """The trainer never branches on the backend: three GARL steps match the HF backend's, in one process and
     at TP=2 (where the replica's first rank samples the rollouts from its refitted HF copy and shares them)."""
@@ -814,6 +849,8 @@ def test_the_recipe_trains_alike_on_either_backend(world_size, layout, hf_traini
                                     ["megatron.distributed_optimizer=true", "megatron.context_parallel=2"],
                                     ["megatron.pipeline_parallel=2"]],
                          ids=["dp2-distributed-optimizer", "cp2-distributed-optimizer", "pp2-adamw"])
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_two_process_recipe_equals_one_process_and_resumes_in_one(layout, hf_training, tmp_path):
     """SFT trains on given targets, so no sampling differs: at DP=2 each replica takes half of each batch,
     losses are divided by the global prompt count, and two steps equal the HF backend's two steps, with the
@@ -849,6 +886,8 @@ def garl_at_two_replicas(run_dir) -> dict[str, Any]:
             "after": trainer.policy.hf_state_dict()}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_data_parallel_replicas_split_each_batch_and_stay_identical(tmp_path):
     first, second = run_in_processes(garl_at_two_replicas, 2, tmp_path / "run")
     assert len(first["ids"]) == len(second["ids"]) == 2 and not set(first["ids"]) & set(second["ids"])
@@ -872,6 +911,7 @@ def refuse_a_layout(run_dir, overrides: list[str]) -> None:
      "megatron.tensor_parallel=2 x pipeline_parallel=1 x context_parallel=1 does not divide the 3 processes"),
     (2, ["train.batch_size=3"], "train.batch_size=3 does not split over 2 data-parallel replicas"),
 ])
+@pytest.mark.distributed
 def test_impossible_layouts_are_named(world_size, overrides, message, tmp_path):
     with pytest.raises(Exception, match=message):
         run_in_processes(refuse_a_layout, world_size, tmp_path / "run", overrides)
@@ -913,6 +953,8 @@ def failing_ranks_worker(rank1_fails_after: float | None, timeout: float) -> flo
     return time.monotonic() - started
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_failing_rank_waits_for_the_others_to_fail_before_it_exits():
     """torchrun stops every rank once one exits: the first to fail waits (up to a timeout) until all have."""
     first, late = run_in_processes(failing_ranks_worker, 2, 1.0, 10.0)
@@ -921,6 +963,8 @@ def test_a_failing_rank_waits_for_the_others_to_fail_before_it_exits():
     assert 0.5 <= alone < 2.0, alone
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_torchrun_trains_a_data_parallel_run_and_names_a_bad_layout_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
     result = torchrun("train.max_steps=2", f"train.run_dir={run_dir}")
@@ -973,6 +1017,7 @@ def folder_import_worker(folder: str) -> dict[str, float]:
     return diffs
 
 
+@pytest.mark.distributed
 def test_an_hf_folder_is_read_shard_by_shard_bit_exact_and_names_what_is_missing(tmp_path):
     _, _, _, model = tiny_setup()
     folder = sharded_hf_folder(tmp_path / "hf", model)
@@ -980,6 +1025,8 @@ def test_an_hf_folder_is_read_shard_by_shard_bit_exact_and_names_what_is_missing
         assert diffs["weights"] == 0, (rank, diffs)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_recipe_from_a_sharded_hf_folder_at_tp2_trains_as_the_hf_backend(tmp_path):
     from helpers import TINY_RUN
     from nemo_jq.config import load_config
@@ -1054,6 +1101,8 @@ def _masters(policy) -> dict[str, torch.Tensor]:
     return {name: by_param[id(param)] for name, param in policy.model.named_parameters()}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_bf16_weights_train_on_fp32_masters_and_resume_them_bit_exact(tmp_path):
     """bf16 parameters with fp32 gradient accumulation and fp32 master weights in the distributed optimizer, at DP=2:
     log-probs and gradients within bf16's precision of HFPolicy in fp32, the masters after a step within a few bf16
@@ -1071,6 +1120,8 @@ def test_bf16_weights_train_on_fp32_masters_and_resume_them_bit_exact(tmp_path):
         assert out["resumed_masters"] == 0 and out["resumed_step"] == 0, out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_recipe_trains_with_bf16_weights_close_to_fp32(tmp_path):
     """The recipe with megatron.bf16_weights=true (one process): the steps' losses and gradient norms within bf16's
     precision of the HF backend's fp32 steps; the refit carries the bf16 weights into the fp32 rollout copy."""
@@ -1125,6 +1176,7 @@ def tensor_parallel_refit_worker(tensor_parallel: int) -> dict[str, Any]:
     return {"calls": sampler.calls, "refitted": sampler.weights is not None, "rollouts": rollouts}
 
 
+@pytest.mark.distributed
 def test_a_tensor_parallel_rollout_engine_refits_and_samples_on_each_of_its_ranks():
     """rollout.tensor_parallel=2: both ranks of the replica take the refit and sample in step (as vLLM's external
     launcher needs), and the replica trains on the first one's rollouts; with one sampling rank only rank 0 does."""
@@ -1150,6 +1202,7 @@ def sampler_placement(precision: str) -> tuple[str, str]:
     return weight.device.type, str(weight.dtype)
 
 
+@pytest.mark.distributed
 def test_the_sampler_built_in_memory_is_on_its_rank_in_the_compute_dtype():
     """Without model.path the megatron backend's sampler decoded the model it built in memory, left on the host in
     fp32 on every rank (issue 29, D3): it is moved to the sampling rank's device in the compute dtype (bf16 here),
