@@ -70,6 +70,7 @@ def _gradient(trainer, engine, num_samples, seed):
     return torch.cat([p.grad.flatten() for p in trainer.policy.model.parameters() if p.grad is not None]), metrics
 
 
+@pytest.mark.slow
 def test_a_corrected_gradient_from_a_perturbed_sampler_is_closer_to_the_on_policy_one(tmp_path):
     """GARL at q=0 from rollouts at temperature 0.7 (a sampler that is not the policy), on a fixed prompt: the
     corrected gradient is nearer the on-policy one (4096 rollouts of the policy itself) than the uncorrected one,
@@ -96,6 +97,8 @@ def test_a_corrected_gradient_from_a_perturbed_sampler_is_closer_to_the_on_polic
     assert {"is_ratio_mean", "min_is_ratio", "max_is_ratio", "is_truncated_fraction"} <= metrics.keys()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_one_step_off_in_a_sampling_process_equals_the_same_run_sampled_in_sequence(tmp_path):
     """The child process samples step t+1's rollouts from θ_t while step t trains: exactly what sampling them on
     this thread before the step trains gives, so the copy never sees a half-updated policy."""
@@ -113,6 +116,7 @@ def test_one_step_off_in_a_sampling_process_equals_the_same_run_sampled_in_seque
     assert overlapped.ahead.worker is None  # closed when fit returned
 
 
+@pytest.mark.slow
 def test_an_interrupted_one_step_off_run_resumes_exactly(tmp_path):
     """(Sampled in sequence, which the test above shows is the same, to spare three process starts.)"""
     overrides = ("rollout.async_steps=1", "train.max_steps=5", "eval.every=100")
@@ -129,6 +133,8 @@ def test_an_interrupted_one_step_off_run_resumes_exactly(tmp_path):
     assert train_records(tmp_path / "a") == train_records(tmp_path / "b")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_sampling_process_raises_its_errors_here_and_samples_what_this_process_would():
     _, _, chat, model = tiny_setup()
     engine = BudgetedRollouts(NativeSampler(model, pad_id=chat.pad_id, device=torch.device("cpu")),

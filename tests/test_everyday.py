@@ -18,6 +18,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 QUICK = [*TINY_RUN, "train.max_steps=2", "eval.every=1000"]
 
 
+@pytest.mark.slow
 def test_a_run_resumes_and_evaluates_from_another_directory_and_after_a_move(tmp_path, monkeypatch, capsys):
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
@@ -53,6 +54,7 @@ def test_q_schedules_from_the_command_line(tmp_path, capsys):
     one_line_error(code, err, "holds a q schedule, not a run's config: pass it as objective.q_schedule=")
 
 
+@pytest.mark.slow
 def test_trackers_get_the_config_every_record_the_guards_events_and_the_plot(tmp_path, capsys, monkeypatch):
     """W&B offline and MLflow's file store, no network; a resumed run continues both tracker runs."""
     from mlflow.tracking import MlflowClient
@@ -94,6 +96,7 @@ def test_tracking_without_its_package_is_one_line(tmp_path, capsys, monkeypatch)
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_a_batch_log_gets_plain_progress_lines_and_no_warnings(tmp_path):
     """Without a terminal: no bar redrawn with carriage returns, a line per tenth of the run; no FutureWarning from
     transformers on the train and eval paths (made errors here), no Apex/TE import chatter from megatron-core."""
@@ -113,6 +116,7 @@ def test_a_batch_log_gets_plain_progress_lines_and_no_warnings(tmp_path):
     assert megatron.returncode == 0 and "Apex" not in megatron.stderr and "Warning" not in megatron.stderr
 
 
+@pytest.mark.slow
 def test_data_preparation_says_why_rows_are_bad_and_finds_official_file_names(tmp_path, capsys):
     rows = [{"id": f"q{i}", "question": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(6)]
     plain = tmp_path / "plain.jsonl"
@@ -143,6 +147,7 @@ def test_data_preparation_says_why_rows_are_bad_and_finds_official_file_names(tm
     assert "musique_ans_v1.0_dev" in help_text and "validation: dev or validation" in help_text
 
 
+@pytest.mark.slow
 def test_smaller_frictions(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0

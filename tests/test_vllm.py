@@ -41,6 +41,7 @@ def _step(policy, groups, chat, answer_ids) -> None:
     policy.optimizer_step()
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_a_refit_loads_the_policys_new_weights_after_every_step():
     task, _, chat, model = tiny_setup(num_heads=1)  # head_dim 32, tied embeddings
@@ -73,6 +74,7 @@ def test_the_thinking_phase_ends_only_at_think_end_or_the_budget_not_at_the_gene
     assert len(went_on) >= len(rollouts) // 2, [r.rationale_ids for r in rollouts]  # <|im_end|> sampled, then more
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_one_engine_per_process_and_a_shut_down_one_says_so():
     task, _, chat, model = tiny_setup(num_heads=1)
@@ -108,6 +110,9 @@ def megatron_refit_worker() -> list[float]:
     return gaps
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.megatron
 @needs_vllm
 def test_a_refit_from_the_megatron_policy_matches_its_weights():
     from megatron_cpu import run_in_processes
@@ -168,6 +173,7 @@ def _records(run_dir, kind: str = "train") -> list[dict]:
     return [r for r in read_metrics(run_dir) if r["kind"] == kind]
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_the_demo_config_trains_alike_with_vllm_and_the_native_engine(tmp_path):
     """GARL q=0.75 on the demo's model and task (head_dim 32): the sampled streams differ, the cold-start curve not."""
@@ -189,6 +195,9 @@ def test_the_demo_config_trains_alike_with_vllm_and_the_native_engine(tmp_path):
 @needs_vllm
 @pytest.mark.parametrize("layout", [["megatron.tensor_parallel=2", "rollout.tensor_parallel=2"], []],
                          ids=["one-engine-over-two-tp-ranks", "an-engine-per-replica"])
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.megatron
 def test_torchrun_trains_and_evaluates_with_vllms_external_launcher(tmp_path, layout):
     """vLLM's external launcher over gloo: TP=2 (both ranks form one engine), and TP=1 at 2 replicas (C1: each rank's
     engine its own, vLLM data-parallel ranks in lockstep; 5 test prompts split 3 and 2, so evaluation pads)."""
