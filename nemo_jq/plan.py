@@ -18,7 +18,9 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   first stage. Full recomputation keeps one bf16 layer input per layer plus one layer's working set;
   context parallelism (``context_parallel``, CP) leaves each rank ``seq_len / CP`` of every sequence's tokens,
   and shards the distributed optimizer's state over DP x CP;
-* the log-prob head holds ``[micro_batch x seq_len / CP, V/TP]`` logits and their gradient (bf16);
+* the log-prob head projects ``model.logprob_chunk_size`` positions at a time (both backends), in forward and again
+  in backward: it holds the fp32 gradients of the hidden states (``micro_batch x seq_len / CP`` positions, whole on
+  every TP rank) and of its ``V/TP`` x hidden weight slice, and two fp32 chunks of logits;
 * rollouts, by ``rollout_engine``: ``native``/``hf`` decode one bf16 HF copy of the whole model on each replica's
   sampling rank (the rank this estimate is for: the layout's fullest; with ``model.backend=hf`` the policy's own
   model, or an fp32 copy one step ahead) with a bf16 KV cache of at most ``kv_cache_tokens`` tokens
@@ -227,11 +229,11 @@ def hf_activation_bytes(arch: Qwen3Architecture, work: Workload) -> float:
     return arch.num_layers * per_layer + beyond_layers + 2 * arch.num_layers * layer_parameters(arch)
 
 
-def hf_logprob_head_bytes(arch: Qwen3Architecture, work: Workload) -> float:
-    """The chunked log-prob kernel in backward: its fp32 gradients of the hidden states and of the head's weight, and
-    two fp32 chunks of logits."""
-    return 4 * work.tokens_per_rank * arch.hidden_size + 4 * arch.vocab_size * arch.hidden_size + \
-        2 * 4 * work.logprob_chunk * arch.vocab_size
+def logprob_head_bytes(arch: Qwen3Architecture, work: Workload, tp: int = 1) -> float:
+    """The chunked log-prob kernel in backward: its fp32 gradients of the hidden states and of the head's weight (its
+    ``V/TP`` slice), and two fp32 chunks of logits."""
+    vocab = math.ceil(arch.vocab_size / tp)
+    return 4 * work.tokens_per_rank * arch.hidden_size + 4 * vocab * arch.hidden_size + 2 * 4 * work.logprob_chunk * vocab
 
 
 def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float,
@@ -279,7 +281,7 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "gradients": gradient_bytes * params_per_rank,
         "optimizer": optimizer_bytes * params_per_rank / (dp * work.context_parallel if sharded else 1),
         "activations": hf_activation_bytes(arch, work) if hf else activations,
-        "logprob_head": hf_logprob_head_bytes(arch, work) if hf else 2 * 2 * tokens * math.ceil(arch.vocab_size / tp),
+        "logprob_head": logprob_head_bytes(arch, work, 1 if hf else tp),
         "rollout_copy": 0.0 if vllm or in_place else (4 if hf else 2) * parameter_count(arch),
         "kv_cache": 0.0 if vllm else kv_per_token * held_tokens,
         "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm else 0.0,
