@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     dry.add_argument("--gpu-memory", type=_positive_gb, help="GiB per GPU, instead of the profile's")
     dry.add_argument("--prompt-tokens", type=_positive, default=1024, help="the longest prompt the data holds, in tokens")
     dry.add_argument("--decode-steps", type=_positive, default=2, help="decode steps each sampling call runs")
+    dry.add_argument("--gpus", type=_positive, help="model.backend=megatron: the world's GPUs (processes), which the "
+                     "layout splits into TP x PP x CP x DP (default: one replica, TP x PP x CP)")
+    dry.add_argument("--ranks", type=_ranks, help="model.backend=megatron: the global ranks to simulate, one at a time, "
+                     "comma-separated (default: replica 0's first rank of the first and of the last pipeline stage)")
     dry.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
     dry.add_argument("overrides", nargs="*", help="section.key=value overrides (as train takes them)")
 
@@ -315,13 +319,24 @@ def _dryrun(args: argparse.Namespace) -> int:
     if args.gpu not in GPUS:
         raise ValueError(f"--gpu {args.gpu!r}: choose one of {', '.join(GPUS)}")
     gpu = GPUS[args.gpu] if args.gpu_memory is None else dataclasses.replace(GPUS[args.gpu], memory_gib=args.gpu_memory)
-    report = dry_run(load_config(args.config, args.overrides), gpu, prompt_tokens=args.prompt_tokens,
-                     decode_steps=args.decode_steps)
+    config = load_config(args.config, args.overrides)
+    if config.model.backend != "megatron" and (args.gpus or args.ranks):
+        raise ValueError(f"--gpus and --ranks lay out model.backend=megatron; this config's is {config.model.backend!r}")
+    report = dry_run(config, gpu, prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps,
+                     world_size=args.gpus, ranks=args.ranks)
     print(format_report(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     check_fits(report)
     return 0
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(rank) for rank in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ranks (e.g. 0,4)") from None
+    return ranks
 
 
 #: ``nemo-jq plan``'s workload options: their Workload field, and the value without --config.

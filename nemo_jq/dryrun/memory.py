@@ -101,9 +101,23 @@ class MemoryTracker:
                 self._add(kind, entry[0])
                 entry[1] = kind
 
+    def kind_of(self, tensor: torch.Tensor) -> str | None:
+        """The kind ``tensor``'s storage is counted as (None: not counted)."""
+        entry = self.live.get(tensor.untyped_storage()._cdata)
+        return entry[1] if entry is not None else None
+
+    def forget(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Stop counting these tensors' storages: they stand for nothing on the GPU (a copy a real run leaves on the
+        ``meta`` device, which is the stand-in GPU here)."""
+        for tensor in tensors:
+            entry = self.live.pop(tensor.untyped_storage()._cdata, None) if tensor.device.type == self.device_type else None
+            if entry is not None:
+                self._add(entry[1], -entry[0])
+
     def _free(self, key: int) -> None:
-        size, kind = self.live.pop(key)
-        self._add(kind, -size)
+        entry = self.live.pop(key, None)  # None: forgotten
+        if entry is not None:
+            self._add(entry[1], -entry[0])
 
     def _add(self, kind: str, size: int) -> None:
         self.by_kind[kind] += size

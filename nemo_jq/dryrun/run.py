@@ -7,6 +7,9 @@ budget: the longest micro-batch the config allows), refits the engine, trains on
 resumes the run in a fresh process's place. Nothing is allocated: :mod:`nemo_jq.dryrun.world` says how. Each
 phase's peak GPU bytes by kind and its FLOPs (``torch.utils.flop_counter.FlopCounterMode``) go into the report,
 with the lower bound on its time those FLOPs and the bytes a decode step reads imply on the named GPU.
+model.backend=megatron: one rank of the layout's world at a time (--gpus, --ranks; :mod:`nemo_jq.dryrun.megatron`),
+each built, sampling, trained on its part of the 1F1B schedule, stepped and refitted (not saved, evaluated or
+resumed yet).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -73,16 +76,37 @@ class DoesNotFit(ValueError):
 
 
 def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decode_steps: int = 2,
-            headroom: float = 0.9) -> dict[str, Any]:
+            headroom: float = 0.9, world_size: int | None = None, ranks: list[int] | None = None) -> dict[str, Any]:
     """The report of ``config``'s first step on ``gpu`` (see the module docstring); ``prompt_tokens``: the longest
-    prompt the data holds."""
-    if config.model.backend == "megatron":
-        raise ValueError("model.backend=megatron is not simulated yet (its layouts need a fake process "
-                         "group per rank): dry-run model.backend=hf, or size a megatron layout with nemo-jq plan")
+    prompt the data holds. ``model.backend=megatron``: ``ranks`` (default: :func:`.megatron.default_ranks`) of a world
+    of ``world_size`` GPUs (default: one replica), each simulated apart; the report's phases are the fullest one's."""
+    usable = gpu.memory_gib * headroom
+    report = {"gpu": asdict(gpu), "usable_gib": usable, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps}
+    if config.model.backend != "megatron":
+        simulated = _simulate(config, gpu, prompt_tokens, decode_steps, None)
+        simulated["rank"] = "the one process of model.backend=hf: it samples and trains"
+        return {**report, **simulated, "fits": simulated["peak_gib"] <= usable}
+    from nemo_jq.dryrun import megatron
+
+    layout = config.megatron
+    world_size = world_size or layout.replica_size
+    ranks = sorted(set(ranks)) if ranks else megatron.default_ranks(config, world_size)
+    megatron.check_ranks(config, ranks, world_size)
+    by_rank = {}
+    for rank in ranks:
+        place = megatron.RankPlace.of(rank, layout, world_size)
+        with megatron.as_rank(rank, world_size, layout):
+            by_rank[str(rank)] = {**_simulate(config, gpu, prompt_tokens, decode_steps, place), "rank": place.describe()}
+    fullest = max(by_rank.values(), key=lambda simulated: simulated["peak_gib"])
+    return {**report, **fullest, "world_size": world_size, "ranks": by_rank, "fits": fullest["peak_gib"] <= usable}
+
+
+def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps: int, place: Any) -> dict[str, Any]:
+    """One process's (or simulated rank's) phases: each one's peak by kind, FLOPs, time bound and simulation time."""
     tracker = MemoryTracker(GPU.type)
     flops: dict[str, float] = {}
     with FakeWorld(tracker, decode_steps=decode_steps) as world, tempfile.TemporaryDirectory() as scratch:
-        run = _DryRun(config, world, Path(scratch), prompt_tokens, flops, gpu)
+        run = _DryRun(config, world, Path(scratch), prompt_tokens, flops, gpu, place)
         run.first_step()
         shape, wall = run.shape, run.wall
     phases = {name: {"peak_gib": _gib(peak.peak), "by_kind_gib": {k: _gib(v) for k, v in peak.by_kind.items() if v},
@@ -92,11 +116,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
     for name, phase in phases.items():
         phase["seconds_at_least"] = round(seconds_at_least(name, phase["flops"], shape, config, gpu), 3)
     worst = max(phases, key=lambda name: phases[name]["peak_gib"])
-    usable = gpu.memory_gib * headroom
-    return {"gpu": asdict(gpu), "usable_gib": usable, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps,
-            "shape": shape, "rank": "the one process of model.backend=hf: it samples and trains",
-            "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst,
-            "fits": phases[worst]["peak_gib"] <= usable}
+    return {"shape": shape, "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst}
 
 
 def check_fits(report: dict[str, Any]) -> None:
@@ -115,18 +135,31 @@ PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer
                    "optimizer": (("save",), "optimizer"), "activations": (("train",), "activations"),
                    "logprob_head": (("train",), "logprob_head"), "rollout_copy": (("build",), "sampler_copy"),
                    "kv_cache": (("rollout", "evaluate"), "kv_cache"), "vllm": (("rollout",), "vllm")}
+#: The same for a Megatron rank, which is not saved, evaluated or resumed: the optimizer's state at rest after the
+#: step is seen in the refit that follows it, the KV cache in the rollouts; the weights and the sampler's copy after
+#: the build, which counts the copy as weights until the backend has made it (its peak shows them together).
+MEGATRON_PLAN_COMPONENTS = {**PLAN_COMPONENTS, "weights": (("train",), "weights"), "optimizer": (("refit",), "optimizer"),
+                            "rollout_copy": (("rollout",), "sampler_copy"), "kv_cache": (("rollout",), "kv_cache")}
 
 
 def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, float]]:
-    """``nemo-jq plan --config``'s estimate of each component beside the dry run's (GiB), and their ratio."""
+    """``nemo-jq plan --config``'s estimate of each component beside the dry run's (GiB), and their ratio. Megatron:
+    the plan's layout is the config's over the report's world, and its figure is the layout's fullest rank's, so the
+    dry run's is the most any simulated rank holds."""
     from nemo_jq import plan
 
     work = plan.Workload.from_config(config, report["prompt_tokens"])
-    planned_bytes = plan.component_bytes(plan.architecture(config.model.path or ""), work, 1, 1, 1,
+    layout, simulated, where = (1, 1, 1), [report], PLAN_COMPONENTS
+    if "ranks" in report:
+        megatron = config.megatron
+        layout = (megatron.tensor_parallel, megatron.pipeline_parallel, megatron.data_parallel(report["world_size"]))
+        simulated, where = list(report["ranks"].values()), MEGATRON_PLAN_COMPONENTS
+    planned_bytes = plan.component_bytes(plan.architecture(config.model.path or ""), work, *layout,
                                          report["gpu"]["memory_gib"])
     rows = {}
-    for component, (phases, kind) in PLAN_COMPONENTS.items():
-        dry = max(report["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for phase in phases)
+    for component, (phases, kind) in where.items():
+        dry = max(rank["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for rank in simulated for phase in phases
+                  if phase in rank["phases"])
         planned = _gib(planned_bytes[component])
         rows[component] = {"dry_run_gib": dry, "plan_gib": planned,
                            "plan_over_dry_run": round(planned / dry, 3) if dry else None}
@@ -134,19 +167,31 @@ def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, 
 
 
 def format_report(report: dict[str, Any]) -> str:
-    kinds = [kind for kind in KINDS if any(kind in phase["by_kind_gib"] for phase in report["phases"].values())]
+    simulated = list(report["ranks"].values()) if "ranks" in report else [report]
+    world = f"rank(s) of {report['world_size']} GPUs, each simulated apart" if "ranks" in report else report["rank"]
     lines = [f"{report['shape']['parameters'] / 1e9:.3f}B parameters on {report['gpu']['name']} "
-             f"({report['usable_gib']:.0f} GiB usable); {report['rank']}; prompts of {report['prompt_tokens']} tokens",
-             f"{'phase':<14}{'peak GiB':>10}" + "".join(f"{k.replace('_', ' '):>14}" for k in kinds)
+             f"({report['usable_gib']:.0f} GiB usable); {world}; prompts of {report['prompt_tokens']} tokens"]
+    for rank in simulated:
+        if "ranks" in report:
+            lines.append(f"{rank['rank']} (peak {rank['peak_gib']:.2f} GiB in phase {rank['peak_phase']})")
+        lines += _phase_table(rank["phases"])
+    verdict = "fits" if report["fits"] else "does NOT fit"
+    lines.append(f"peak: {report['peak_gib']:.2f} GiB in phase {report['peak_phase']}"
+                 + (f" of {report['rank'].split(':')[0]}" if "ranks" in report else "") + f": {verdict}. TFLOP run: what "
+                 f"the dry run executed ({report['decode_steps']} decode steps a sampling call, one micro-batch"
+                 f"{' (PP of them under pipeline parallelism)' if 'ranks' in report else ''}); s at least: the whole "
+                 "step's bound (docs/dryrun.md)")
+    return "\n".join(lines)
+
+
+def _phase_table(phases: dict[str, Any]) -> list[str]:
+    kinds = [kind for kind in KINDS if any(kind in phase["by_kind_gib"] for phase in phases.values())]
+    lines = [f"{'phase':<14}{'peak GiB':>10}" + "".join(f"{k.replace('_', ' '):>14}" for k in kinds)
              + f"{'TFLOP run':>10}{'s at least':>12}"]
-    for name, phase in report["phases"].items():
+    for name, phase in phases.items():
         lines.append(f"{name:<14}{phase['peak_gib']:>10.2f}" + "".join(f"{phase['by_kind_gib'].get(k, 0.0):>14.2f}" for k in kinds)
                      + f"{phase['flops'] / 1e12:>10.1f}{phase['seconds_at_least']:>12.2f}")
-    verdict = "fits" if report["fits"] else "does NOT fit"
-    lines.append(f"peak: {report['peak_gib']:.2f} GiB in phase {report['peak_phase']}: {verdict}. TFLOP run: what the dry "
-                 f"run executed ({report['decode_steps']} decode steps a sampling call, one micro-batch); s at least: "
-                 "the whole step's bound (docs/dryrun.md)")
-    return "\n".join(lines)
+    return lines
 
 
 def _gib(size: int) -> float:
@@ -157,8 +202,10 @@ class _DryRun:
     """One dry run's phases, in a run's order, each under the tracker's phase of the same name."""
 
     def __init__(self, config: Config, world: FakeWorld, scratch: Path, prompt_tokens: int, flops: dict[str, float],
-                 gpu: GpuProfile):
+                 gpu: GpuProfile, place: Any = None):
         self.config, self.world, self.scratch, self.flops, self.gpu = config, world, scratch, flops, gpu
+        #: The simulated Megatron rank (:class:`.megatron.RankPlace`); None: the hf backend's one process.
+        self.place = place
         self.tracker = world.tracker
         self.prompt_tokens = prompt_tokens
         #: Seconds this process spent simulating each phase.
@@ -181,14 +228,18 @@ class _DryRun:
             del sampler_model
             self.sampled_answers = Need.SAMPLED_ANSWER_REWARD in trainer.estimator.needs
             examples = trainer.components.splits.train
-            trainer.components.engine.generate(trainer.components.prompt_ids(examples), self.config.rollout.num_samples,
-                                               sample_answers=self.sampled_answers,
-                                               generator=trainer.random.rollout)
-            trainer.train_step(examples[:self.config.train.micro_batch_size])
+            if self.samples:
+                trainer.components.engine.generate(
+                    trainer.components.prompt_ids(trainer.data_parallel.shard(examples)),
+                    self.config.rollout.num_samples, sample_answers=self.sampled_answers, generator=trainer.random.rollout)
+            trainer.train_step(examples[:self._trained_prompts(trainer.data_parallel.size)])
             trainer.state.step = 1
             if hasattr(trainer.components.engine, "refit"):
                 with self._phase("refit"):
                     trainer.components.engine.refit()
+            if self.place is not None:  # its distributed checkpoints and evaluation are not simulated yet
+                watching.close()
+                return
             with self._phase("save"):
                 checkpoint = trainer.save()
             with self._phase("guard_restore"):
@@ -201,6 +252,25 @@ class _DryRun:
             with self._phase("resume"):
                 resumed = Trainer(self.config, run_dir=self.scratch / "run", components=self._components())
                 resumed.restore(checkpoint)
+
+    def _trained_prompts(self, replicas: int) -> int:
+        """The prompts of the trained batch: one micro-batch (``train.micro_batch_size`` prompts) for each replica,
+        or, under pipeline parallelism, enough for the first stage to hold as many micro-batches (or row chunks) in
+        flight as the step's (``min(PP, the replica's micro-batches)`` under 1F1B), up to the replica's share."""
+        train, samples = self.config.train, self.config.rollout.num_samples
+        share = -(-train.batch_size // replicas)
+        prompts = train.micro_batch_size
+        if self.place is not None and self.place.pipeline_stages > 1:
+            rows = train.micro_batch_rows or train.micro_batch_size * samples
+            prompts = max(prompts, math.ceil(self.place.pipeline_stages * rows / samples))
+        return replicas * min(share, prompts)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this process samples: the hf backend's one, or the simulated Megatron rank (``.megatron.samples``)."""
+        from nemo_jq.dryrun.megatron import samples
+
+        return self.place is None or samples(self.config, self.place)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -234,16 +304,62 @@ class _DryRun:
             return AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
 
         request = BackendRequest(load_model=load_model, model_dir=self.model_dir, config=self.config, chat=chat, device=GPU)
-        with self._phase("build"), self.tracker.label("weights"):
+        with self._phase("build"), self.tracker.label("weights"), self._megatron_folder(), self._optimizer_labels():
             components = assemble_components(self.config, GPU, _StandInTask(), splits, chat, request)
+        self.policy = components.policy
         sampler_model = getattr(_sampler(components.engine), "model", None)
         policy_model = components.policy.model
         if sampler_model is not None and sampler_model is not policy_model:
-            self.tracker.relabel(sampler_model.parameters(), "sampler_copy")
+            if self.samples:
+                self.tracker.relabel(sampler_model.parameters(), "sampler_copy")
+            else:  # the backend leaves a rank that does not sample its copy on the (real) meta device: nothing
+                self.tracker.forget(sampler_model.parameters())
+        optimizer = components.policy.optimizer
+        if hasattr(optimizer, "grad_buffer"):  # the distributed optimizer's: check that _optimizer_labels found them
+            assert self.tracker.kind_of(optimizer.grad_buffer) == "gradients", "DistributedAdamW allocates otherwise"
+            assert self.tracker.kind_of(optimizer.master) == "optimizer", "DistributedAdamW allocates otherwise"
         self.world.name_modules(policy_model, "policy")
         if sampler_model is not None and sampler_model is not policy_model:
             self.world.name_modules(sampler_model, "sampler")
         return components
+
+    def _megatron_folder(self):
+        """The Megatron backend reads ``model.path``'s folder one tensor at a time, as a real run does: from the
+        stand-in folder (:class:`_FolderOfShapes`) while the backend is built."""
+        if self.place is None:
+            return contextlib.nullcontext()
+        from nemo_jq.models.megatron import policy
+        from nemo_jq.models.megatron.provider import read_qwen3_config
+
+        arch = read_qwen3_config(self.hf_config)
+        return patched(policy, "SafetensorsFolder", lambda folder: _FolderOfShapes(arch))
+
+    def _optimizer_labels(self):
+        """The Megatron backend's distributed optimizer allocates its fp32 gradient buffer, then its fp32 master
+        weights (``torch.zeros`` in ``DistributedAdamW.__init__``, in that order; checked once it is built): each is
+        counted as what it is from its allocation on, so the build's peak shows them apart from the weights."""
+        if self.place is None:
+            return contextlib.nullcontext()
+        from nemo_jq.models.megatron import zero
+
+        tracker, real_init = self.tracker, zero.DistributedAdamW.__init__
+
+        def init(optimizer, *args, **kwargs):
+            kinds = iter(["gradients", "optimizer"])
+
+            class TorchLabellingZeros:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(torch, name)
+
+                @staticmethod
+                def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+                    with tracker.label(next(kinds, "optimizer")):
+                        return torch.zeros(*args, **kwargs)
+
+            with patched(zero, "torch", TorchLabellingZeros()):
+                real_init(optimizer, *args, **kwargs)
+
+        return patched(zero.DistributedAdamW, "__init__", init)
 
     def _watch(self, trainer) -> contextlib.ExitStack:
         """Phases inside the trainer's own step, and gradients counted as such once accumulated; closing the stack
@@ -297,10 +413,15 @@ class _DryRun:
         from nemo_jq.models.logprobs import _ChunkedTokenLogprob
         from nemo_jq.rollouts.hf import PreallocatedCacheLayer
 
-        for owner, name, kind in ((PreallocatedCacheLayer, "update", "kv_cache"),
-                                  (PreallocatedCacheLayer, "_rebuild", "kv_cache"), (DynamicLayer, "update", "kv_cache"),
-                                  (_ChunkedTokenLogprob, "forward", "logprob_head"),
-                                  (_ChunkedTokenLogprob, "backward", "logprob_head")):
+        kernels = [(PreallocatedCacheLayer, "update", "kv_cache"), (PreallocatedCacheLayer, "_rebuild", "kv_cache"),
+                   (DynamicLayer, "update", "kv_cache"), (_ChunkedTokenLogprob, "forward", "logprob_head"),
+                   (_ChunkedTokenLogprob, "backward", "logprob_head")]
+        if self.place is not None:
+            from nemo_jq.models.megatron.logprobs import _VocabParallelHeadLogprob
+
+            kernels += [(_VocabParallelHeadLogprob, "forward", "logprob_head"),
+                        (_VocabParallelHeadLogprob, "backward", "logprob_head")]
+        for owner, name, kind in kernels:
             self.stack.enter_context(patched(owner, name, self._labelled(owner.__dict__[name], kind)))
         share = int(self.config.rollout.vllm_memory_utilization * self.gpu.memory_gib * GiB)
         self.stack.enter_context(_patched_item(SAMPLERS, "vllm", lambda request: ReservedShare(request, self.tracker, share)))
@@ -334,8 +455,11 @@ class ReservedShare:
     ``vllm_memory_utilization`` of the GPU), held while it is awake; it samples every row to its full budget."""
 
     def __init__(self, request, tracker: MemoryTracker, share: int):
+        from nemo_jq import distributed
+
         self.tracker, self.share, self.depth = tracker, share, 0
         self.tensor_parallel = request.config.rollout.tensor_parallel
+        self.lockstep = distributed.world_size() > 1  # as vLLM's: under torchrun every rank samples, in step
 
     @contextlib.contextmanager
     def awake(self) -> Iterator[None]:
@@ -468,6 +592,29 @@ def _patched_item(mapping: dict, key: str, value: Any) -> Iterator[None]:
         yield
     finally:
         dict.__setitem__(mapping, key, original)
+
+
+class _FolderOfShapes(Mapping):
+    """A model folder's weights as the Megatron backend reads them (``SafetensorsFolder``): each an HF tensor of the
+    config's shape in bf16 (the released checkpoints' dtype), read on the (fake) host when asked for. It lists the
+    weights this rank has read: a real folder lists every stage's, which the policy checks against every stage's
+    parameter names, gathered from the other stages; here those are this stage's own (``.megatron``)."""
+
+    def __init__(self, arch: Any):
+        self.arch, self.read = arch, []
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from nemo_jq.models.megatron.mapping import hf_shape
+
+        self.read.append(name)
+        with torch.device("cpu"):
+            return torch.empty(hf_shape(name, self.arch), dtype=torch.bfloat16)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys(self.read))
+
+    def __len__(self) -> int:
+        return len(dict.fromkeys(self.read))
 
 
 class _StandInTask:
