@@ -15,7 +15,9 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   tensors backward needs (norm inputs and outputs, Q/K/V before and after their norms, the
   attention output, fc1's output and SwiGLU's); the hidden-size ones split over TP only with
   sequence parallelism. 1F1B keeps ``min(PP, micro-batches)`` micro-batches in flight on the
-  first stage. Full recomputation keeps one bf16 layer input per layer plus one layer's working set;
+  first stage. Full recomputation keeps one bf16 layer input per layer plus, while one layer runs backward, its
+  recomputed forward tensors, their gradients and the sequence-parallel all-gathered inputs
+  (``RECOMPUTED_LAYER_BACKWARD`` times the forward set, measured by the dry run);
   context parallelism (``context_parallel``, CP) leaves each rank ``seq_len / CP`` of every sequence's tokens,
   and shards the distributed optimizer's state over DP x CP;
 * the log-prob head projects ``model.logprob_chunk_size`` positions at a time (both backends), in forward and again
@@ -193,6 +195,12 @@ def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> 
     return 2 * tokens * (hidden_terms + split_terms)
 
 
+#: What the megatron backend holds while one recomputed layer runs backward, in multiples of that layer's forward
+#: tensors (:func:`layer_activation_bytes`): the recomputed tensors, their gradients, and the sequence-parallel
+#: all-gathered inputs. Measured by the megatron dry run (local spec, TP=2 with SP): 3.19 at a 4-layer 256-wide model,
+#: 3.25 at the 8B paper config (tests/test_dryrun_megatron.py holds plan to it).
+RECOMPUTED_LAYER_BACKWARD = 3.2
+
 #: Buffers of one layer's keys (or values) a decode step holds beside the cache at once: a compaction rebuilds
 #: keys then values, each from a copy of the rows it keeps into a new buffer while the old one lives (measured by
 #: the dry run; a growing cache's concatenation holds fewer).
@@ -267,7 +275,7 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     tokens = work.tokens_per_rank
     if work.recompute:
         inputs = 2 * tokens * arch.hidden_size / (tp if work.sequence_parallel else 1)
-        activations = in_flight * layers * inputs + per_layer
+        activations = in_flight * layers * inputs + RECOMPUTED_LAYER_BACKWARD * per_layer
     else:
         activations = in_flight * layers * per_layer
     vllm = work.rollout_engine == "vllm"
