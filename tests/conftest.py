@@ -22,6 +22,8 @@ MARKS: dict[str, dict[str, tuple[str, ...]]] = {
     "test_dryrun.py": {"test_the_dry_run_peak_is_the_real_peak": ("slow",),  # 55 s
                        "test_the_command_reports_every_phase_and_refuses_what_does_not_fit": ("slow",),  # 25 s
                        "test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_sequences": ("slow",)},  # 39 s
+    "test_dryrun_megatron.py": {"test_the_command_simulates_the_sampling_rank_and_refuses_one_that_waits_for_rollouts": ("slow",),
+                                "test_plan_activations_agree_with_the_dry_run": ("slow",)},  # 7 s, 5 s
     "test_escape_rates.py": {"test_sgd_is_plain_gradient_descent_without_clipping_and_needs_the_hf_backend": ("slow",),  # 7 s
                              "test_quick_run_measures_p0_per_width_and_another_experiments_option_is_an_error": ("slow",)},
     "test_eval_chunks.py": {"*": ("megatron",),  # 23 s, two gloo ranks
@@ -54,6 +56,7 @@ MARKS: dict[str, dict[str, tuple[str, ...]]] = {
     "test_vllm_routes.py": {"test_the_installed_vllm_takes_the_reload_route": ("slow", "vllm")},  # 15 s
     # a real SLURM: slurmctld and two slurmd nodes started by the tests (59 s for the two-node run)
     "test_slurm_launch.py": {"*": ("slow", "distributed")},
+    "test_sampling_process.py": {"test_each_request_follows_its_refit_and_its_publication": ("slow",)},  # 8 s
 }
 
 

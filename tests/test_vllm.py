@@ -58,6 +58,7 @@ def test_a_refit_loads_the_policys_new_weights_after_every_step():
     assert all(any(isinstance(f, ExpectedNoiseFilter) for f in logging.getLogger(name).filters) for name in NOISY_LOGGERS)
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_the_thinking_phase_ends_only_at_think_end_or_the_budget_not_at_the_generation_configs_eos():
     """C8: vLLM adds the generation config's EOS ids (the export lists <|im_end|>) to the stop ids unless told not to."""
