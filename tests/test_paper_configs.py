@@ -101,3 +101,18 @@ def test_the_readmes_train_commands_load_their_configs_with_their_overrides():
     for path, overrides in commands:
         load_config(CONFIGS.parent / path, [word for word in shlex.split(overrides) if "=" in word and
                                             not word.startswith(("-", "data.prepared_dir="))])  # data made elsewhere
+
+
+def test_the_32b_example_fits_sixteen_nodes_at_its_layout():
+    """configs/examples/qwen3_32b_*: README's 32B example as a run config, at plan's recommendation for 16 nodes of
+    eight 80 GB GPUs (TP=8 x DP=16); the dry run of its rank 0 peaks at 68.8 GiB (docs/dryrun.md)."""
+    from nemo_jq import plan
+
+    config = load_config(CONFIGS / "examples" / "qwen3_32b_hotpotqa_cold_garl_q0.75.yaml")
+    tp = config.megatron.tensor_parallel
+    estimate = plan.estimate(plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS), tp,
+                             config.megatron.pipeline_parallel, 16 * GPUS_PER_NODE // tp, GPU_GIB, 0.9)
+    assert estimate.fits and (estimate.tensor_parallel, estimate.data_parallel) == (8, 16), estimate
+    best = plan.plan(plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS),
+                     gpus_per_node=GPUS_PER_NODE, nodes=16, gpu_gb=GPU_GIB)[0]
+    assert (best.tensor_parallel, best.pipeline_parallel, best.data_parallel) == (8, 1, 16)
