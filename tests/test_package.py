@@ -56,3 +56,28 @@ def test_the_tree_is_lint_clean():
     """ruff, configured in pyproject.toml (line length, import order, unused code), finds nothing."""
     result = _run(["-m", "ruff", "check", "--no-cache", "."])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_docs_links_lead_somewhere():
+    """Every relative link in README.md and docs/ names a file that exists, and every #anchor a heading of its page."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # a URL: not reachable from here
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and linked.suffix == ".md":
+                headings = {_slug(h) for h in re.findall(r"^#+ (.*)$", linked.read_text(), flags=re.M)}
+                if anchor not in headings:
+                    broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
