@@ -105,3 +105,27 @@ def no_vllm_engine_outlives_its_test():
     vllm = sys.modules.get("nemo_jq.rollouts.vllm")
     if vllm is not None:
         vllm.shut_down_engine()
+
+
+@pytest.fixture(autouse=True)
+def registrations_stay_in_their_test():
+    """A plugin a test loads registers its backend, estimator, dataset or rollout engine for the whole process: undo
+    that after the test, and forget the modules that registered them (a later test naming the plugin imports it and
+    registers it again), so what ran before a test in this process (pytest-xdist gives each worker its own share and
+    order) changes nothing it sees, e.g. the names an error lists."""
+    from nemo_jq.data.qa import DATASETS
+    from nemo_jq.models.backends import BACKENDS
+    from nemo_jq.objectives import registry
+    from nemo_jq.rollouts import SAMPLERS
+
+    registries = [BACKENDS, DATASETS, SAMPLERS, registry._REGISTRY]
+    before, modules = [set(names) for names in registries], set(sys.modules)
+    yield
+    registering = set()
+    for names, known in zip(registries, before):
+        for name in set(names) - known:
+            entry = names.pop(name)
+            registering.add(getattr(getattr(entry, "fn", entry), "__module__", None))
+    for module in set(sys.modules) - modules:
+        if any(module == owner or (owner or "").startswith(module + ".") for owner in registering):
+            del sys.modules[module]
