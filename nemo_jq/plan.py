@@ -246,15 +246,14 @@ def logprob_head_bytes(arch: Qwen3Architecture, work: Workload, tp: int = 1) -> 
 
 def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float,
              headroom: float) -> LayoutEstimate:
-    total, largest = _peak(arch, work, tp, pp, dp, gpu_gb)
     parts = component_bytes(arch, work, tp, pp, dp, gpu_gb)
+    total, largest = _peak(parts, work)
     return LayoutEstimate(tp, pp, dp, *(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2),
-                          total <= gpu_gb * headroom, largest, advice(largest, arch, work, (tp, pp, dp), gpu_gb))
+                          total <= gpu_gb * headroom, largest, advice(largest, arch, work, (tp, pp, dp), gpu_gb, total))
 
 
-def _peak(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float) -> tuple[float, str]:
-    """The layout's peak (GiB) and the component that takes the most of it."""
-    parts = component_bytes(arch, work, tp, pp, dp, gpu_gb)
+def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
+    """The peak (GiB) of a layout's components (:func:`component_bytes`) and the one that takes the most of it."""
     sharded = OPTIMIZER_MODES[work.optimizer][3]
     # What stays all run, and the two phases' working sets, which do not coexist.
     staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
@@ -330,12 +329,12 @@ def remedies(component: str, work: Workload) -> list[tuple[str, Workload | None]
     return []
 
 
-def advice(component: str, arch: Qwen3Architecture, work: Workload, layout: tuple[int, int, int], gpu_gb: float) -> str:
-    """The first of :func:`remedies` that lowers this layout's peak by 1% or more (a change that would raise it, as
-    the bf16 distributed optimizer does at DP=1, is never advised), else more GPUs."""
-    now, _ = _peak(arch, work, *layout, gpu_gb)
+def advice(component: str, arch: Qwen3Architecture, work: Workload, layout: tuple[int, int, int], gpu_gb: float,
+           now: float) -> str:
+    """The first of :func:`remedies` that lowers this layout's peak ``now`` (GiB) by 1% or more (a change that would
+    raise it, as the bf16 distributed optimizer does at DP=1, is never advised), else more GPUs."""
     for text, changed in remedies(component, work):
-        if changed is None or _peak(arch, changed, *layout, gpu_gb)[0] < 0.99 * now:
+        if changed is None or _peak(component_bytes(arch, changed, *layout, gpu_gb), changed)[0] < 0.99 * now:
             return text
     return "more GPUs (--nodes): more tensor, pipeline or data parallelism"
 
