@@ -155,16 +155,11 @@ def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_seque
     (``train.micro_batch_size``) instead of the trainer's prompts x M (or its row chunks) is caught."""
     import dataclasses
 
+    from helpers import small_qwen3
     from nemo_jq import plan
     from nemo_jq.dryrun.run import against_plan
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 4096, "hidden_size": 256,
-        "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": True}))
+    model = small_qwen3(tmp_path / "model", layers=2, tied=True)
     config = load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
                                 "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=2",
                                 "eval.batch_size=4", "eval.num_samples=8", "model.logprob_chunk_size=128", *memory])

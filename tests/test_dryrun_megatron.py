@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import small_qwen3
 from nemo_jq.cli import main
 from nemo_jq.config import load_config
 from nemo_jq.dryrun import GPUS, dry_run
@@ -21,19 +22,9 @@ LAYOUT = ["model.backend=megatron", "megatron.tensor_parallel=2", "megatron.pipe
           "megatron.distributed_optimizer=true", "megatron.bf16_weights=true"]
 
 
-def small_qwen3(folder: Path) -> Path:
-    """An untied Qwen3 config.json (as the 8B's), small enough to dry-run in seconds."""
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 4096, "hidden_size": 256,
-        "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": False}))
-    return folder
-
-
 def small_config(tmp_path: Path, *overrides: str):
-    return load_config(None, [f"model.path={small_qwen3(tmp_path / 'model')}", *LAYOUT, "rollout.num_samples=8",
+    model = small_qwen3(tmp_path / "model", layers=4, tied=False)  # untied, as the 8B's
+    return load_config(None, [f"model.path={model}", *LAYOUT, "rollout.num_samples=8",
                               "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8", "train.batch_size=4",
                               "train.micro_batch_size=1", "train.micro_batch_rows=4", "eval.batch_size=4",
                               "eval.num_samples=8", "model.logprob_chunk_size=128", *overrides])
@@ -72,7 +63,7 @@ def test_the_command_simulates_the_sampling_rank_and_refuses_one_that_waits_for_
     """rollout.engine=native at TP=2 DP=2: rank 0 holds the one HF copy and its KV cache (as plan says); rank 1 would
     receive its replica's rollouts from rank 0, which the fake group cannot carry: one line, exit 2. So would a
     pipeline's refit of that copy (every stage's weight names): refused too."""
-    model = small_qwen3(tmp_path / "model")
+    model = small_qwen3(tmp_path / "model", layers=4, tied=False)  # untied, as the 8B's
     out = tmp_path / "dry.json"
     layout = [key for key in LAYOUT if not key.startswith("megatron.pipeline_parallel")]
     common = ["dryrun", "--prompt-tokens", "32", "--gpus", "4", f"model.path={model}", *layout,
