@@ -1,0 +1,208 @@
+"""What only a GPU can show, measured on one, each part beside the figure the project predicts for it.
+
+1. ``train``: ``nemo-jq train`` on the 0.6B FinQA GARL paper config, cut to a size that runs in a minute (OVERRIDES:
+   the synthetic task, 4 prompts a step, a 512-token thinking budget, M=32 as in the paper, 8 rows a chunk), with a
+   random Qwen3-0.6B (its real config, bf16 safetensors) and the real Qwen3 tokenizer. Its measured per-step peak
+   (``gpu_peak_gib``: ``torch.cuda.max_memory_allocated`` over the step's rollouts, training and optimizer step)
+   beside ``nemo-jq dryrun``'s peak over the same phases of the same config, run beside it on the host's CPU.
+2. ``one_step_off``: the demo's tiny model on the GPU with ``rollout.async_steps=1``: the sampling child process
+   takes the weights over CUDA IPC (``nemo_jq/rollouts/process.py``), which no CPU test can exercise.
+3. ``refit``: the 0.6B policy's weights copied into the sampler's own bf16 copy through the refit path
+   (``RefittedRolloutEngine``), device to device in one process: bytes and bytes/s.
+4. ``sampler``: ``bench/rollouts.py --gpu``: the native sampler's decode tokens/s at the 0.6B shape (64 prompts x
+   M=8, a 256-token budget) against the memory-bandwidth bound.
+
+Writes ``real_gpu.json`` (and the parts' own files) to --out. Usage, on a machine with one CUDA GPU, from the repo:
+
+    python bench/real_gpu.py --out DIR --tokenizer DIR_WITH_QWEN3_TOKENIZER_FILES
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.75.yaml"
+#: The paper config cut to a minute's work: M, the row chunks, checkpointing and precision stay the paper's.
+OVERRIDES = ["data.name=synthetic", "data.source=null", "data.train_size=8", "data.validation_size=4", "data.test_size=4",
+             "rollout.max_thinking_tokens=512", "rollout.max_answer_tokens=32", "train.batch_size=4",
+             "train.micro_batch_size=2", "train.micro_batch_rows=8", "train.max_steps=2", "eval.num_samples=2",
+             "eval.batch_size=4"]
+#: The phases a step's ``gpu_peak_gib`` spans, as the dry run names them.
+STEP_PHASES = ("rollout", "train", "optimizer_step")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where the results go (JSON files)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "real_gpu",
+                        help="where the model folder and the runs go (1.2 GB)")
+    parser.add_argument("--tokenizer", type=Path, required=True, help="a folder with Qwen3's tokenizer files")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script at the tiny shape")
+    parser.add_argument("--parts", nargs="+", default=["train", "one_step_off", "refit", "sampler"], help="which to run")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "environment": environment()}
+    tiny = args.device == "cpu"
+    folder = make_model_folder(args.work / "model", args.tokenizer, tiny=tiny, device=args.device)
+    parts = {"train": lambda: train_against_dry_run(args, folder, tiny),
+             "one_step_off": lambda: one_step_off(args),
+             "refit": lambda: refit_bytes_per_second(folder, args.device),
+             "sampler": lambda: sampler_against_bound(args, tiny)}
+    for name, part in ((name, parts[name]) for name in args.parts):
+        started = time.perf_counter()
+        try:
+            report[name] = part()
+        except Exception as error:  # one part's failure is a finding; the others still run
+            report[name] = {"error": f"{type(error).__name__}: {error}"[-3000:]}
+        report[name]["seconds"] = round(time.perf_counter() - started, 1)
+        (args.out / "real_gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"[{name}] {json.dumps(report[name])[:1500]}", flush=True)
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "device": device,
+            "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+
+
+def make_model_folder(folder: Path, tokenizer: Path, *, tiny: bool, device: str) -> Path:
+    """A local model folder as ``hf download`` writes one: Qwen3-0.6B's config (``plan``'s built-in copy of it),
+    random bf16 weights and the real tokenizer files (the tiny shape on CPU)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from nemo_jq.plan import hf_config_dict
+
+    shape = hf_config_dict("Qwen/Qwen3-0.6B")
+    if tiny:
+        shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=32)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(Qwen3Config(**shape)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    for file in tokenizer.iterdir():
+        if file.is_file():
+            shutil.copy(file, folder / file.name)
+    del model
+    return folder
+
+
+def longest_prompt(folder: Path) -> int:
+    """The longest prompt of the run's data in tokens, as the trainer builds it (for the dry run's prompts)."""
+    from nemo_jq.chat import ChatFormat
+    from nemo_jq.components import build_task, load_tokenizer
+    from nemo_jq.config import load_config
+
+    config = load_config(CONFIG, [f"model.path={folder}", *OVERRIDES])
+    task, splits = build_task(config)
+    chat = ChatFormat(load_tokenizer(config, folder, task, splits, None))
+    return max(len(chat.prompt_ids(task.messages(example, config.data.format)))
+               for split in (splits.train, splits.validation, splits.test) for example in split)
+
+
+def train_against_dry_run(args, folder: Path, tiny: bool) -> dict:
+    """The real run's per-step peak beside the dry run's, both of one config; the dry run on the CPU meanwhile."""
+    overrides = [f"model.path={folder}", *OVERRIDES]
+    if tiny:
+        overrides += ["rollout.max_thinking_tokens=16", "rollout.num_samples=4"]
+    prompt_tokens = longest_prompt(folder)
+    dry_json = args.out / "dryrun.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the dry run's GPU is the meta device; keep it off this one
+    dry = subprocess.Popen([sys.executable, "-m", "nemo_jq.cli", "dryrun", "--config", str(CONFIG), "--gpu", "h100-80gb",
+                            "--prompt-tokens", str(prompt_tokens), "--json", str(dry_json), *overrides],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    run_dir = args.work / "run"
+    real = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "train", "--config", str(CONFIG), *overrides,
+                           f"train.run_dir={run_dir}", f"train.device={args.device}"],
+                          capture_output=True, text=True, timeout=240)
+    dry_output = dry.communicate(timeout=240)[0]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"gpu_peak_gib"' in line or '"step_time"' in line] if (run_dir / "metrics.jsonl").exists() else []
+    result = {"overrides": overrides, "prompt_tokens": prompt_tokens, "train_exit": real.returncode,
+              "train_tail": (real.stdout + real.stderr)[-1500:] if real.returncode else None,
+              "steps": [{key: step.get(key) for key in ("step", "gpu_peak_gib", "step_time", "rollout_tokens_per_s",
+                                                         "rollout_tokens")} for step in steps],
+              "dry_run_exit": dry.returncode, "dry_run_tail": dry_output[-1500:] if dry.returncode else None}
+    if dry_json.exists():
+        phases = json.loads(dry_json.read_text())["phases"]
+        dry_step = max(phases[name]["peak_gib"] for name in STEP_PHASES if name in phases)
+        result["dry_run_step_peak_gib"] = dry_step
+        result["dry_run_phases_gib"] = {name: phase["peak_gib"] for name, phase in phases.items()}
+        measured = [step["gpu_peak_gib"] for step in result["steps"] if step.get("gpu_peak_gib")]
+        if measured:
+            result["measured_over_dry_run"] = round(max(measured) / dry_step, 3)
+    return result
+
+
+def one_step_off(args) -> dict:
+    """Three steps of the demo on the GPU, one step off: the sampling child takes the weights over CUDA IPC."""
+    run_dir = args.work / "one_step_off"
+    done = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "train", f"train.device={args.device}",
+                           "rollout.async_steps=1", "train.max_steps=3", "data.validation_size=8", "data.test_size=8",
+                           f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=300)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"rollout_lag"' in line] if (run_dir / "metrics.jsonl").exists() else []
+    return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-1500:] if done.returncode else None,
+            "steps": [{key: step.get(key) for key in ("step", "rollout_lag", "loss", "gpu_peak_gib")} for step in steps]}
+
+
+def refit_bytes_per_second(folder: Path, device: str) -> dict:
+    """The policy's weights into the sampler's own bf16 copy through ``RefittedRolloutEngine``'s refit, timed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.rollouts.budget import BudgetedRollouts
+    from nemo_jq.rollouts.hf import NativeSampler
+    from nemo_jq.rollouts.refit import RefittedRolloutEngine
+
+    device = torch.device(device)
+    policy = HFPolicy(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), device=device, precision="bf16")
+    copy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device)
+    engine = RefittedRolloutEngine(BudgetedRollouts(NativeSampler(copy, pad_id=0, device=device), think_end_id=1,
+                                                    end_of_turn_id=2, max_thinking_tokens=1, max_answer_tokens=1), policy)
+    engine.refit()  # the first: allocations and kernels warmed
+    seconds = []
+    for _ in range(3):
+        policy.weights_version += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        engine.refit()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    sent = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    received = sum(p.numel() * p.element_size() for p in copy.parameters())
+    best = min(seconds)
+    return {"policy_bytes_read": sent, "sampler_bytes_written": received, "refit_seconds": seconds,
+            "read_plus_written_bytes_per_s": (sent + received) / best}
+
+
+def sampler_against_bound(args, tiny: bool) -> dict:
+    if tiny:
+        return {"skipped": "the bandwidth bound needs a GPU (bench/rollouts.py --gpu)"}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "rollouts.py"), "--gpu", "--samples", "8", "--budget", "256",
+                           "--out", str(args.out / "rollouts.json")],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
+    return json.loads((args.out / "rollouts_gpu.json").read_text())
+
+
+if __name__ == "__main__":
+    main()
