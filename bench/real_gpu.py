@@ -128,8 +128,8 @@ def train_against_dry_run(args, folder: Path, tiny: bool) -> dict:
     run_dir = args.work / "run"
     real = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "train", "--config", str(CONFIG), *overrides,
                            f"train.run_dir={run_dir}", f"train.device={args.device}"],
-                          capture_output=True, text=True, timeout=240)
-    dry_output = dry.communicate(timeout=240)[0]
+                          capture_output=True, text=True, timeout=200)
+    dry_output = dry.communicate(timeout=200)[0]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if '"gpu_peak_gib"' in line or '"step_time"' in line] if (run_dir / "metrics.jsonl").exists() else []
     result = {"overrides": overrides, "prompt_tokens": prompt_tokens, "train_exit": real.returncode,
@@ -153,7 +153,7 @@ def one_step_off(args) -> dict:
     run_dir = args.work / "one_step_off"
     done = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "train", f"train.device={args.device}",
                            "rollout.async_steps=1", "train.max_steps=3", "data.validation_size=8", "data.test_size=8",
-                           f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=300)
+                           f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=120)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if '"rollout_lag"' in line] if (run_dir / "metrics.jsonl").exists() else []
     return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-1500:] if done.returncode else None,
@@ -198,7 +198,7 @@ def sampler_against_bound(args, tiny: bool) -> dict:
         return {"skipped": "the bandwidth bound needs a GPU (bench/rollouts.py --gpu)"}
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "rollouts.py"), "--gpu", "--samples", "8", "--budget", "256",
                            "--out", str(args.out / "rollouts.json")],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=150)
     if done.returncode:
         return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
     return json.loads((args.out / "rollouts_gpu.json").read_text())
