@@ -305,9 +305,13 @@ def _plan_assumptions() -> str:
 
 
 def _dryrun_notes() -> str:
-    from nemo_jq import dryrun
+    """The dry run's modules' docstrings, read from their files: every command builds this parser, and importing the
+    dry run (torch's private fake-tensor module, which differs between versions) must not be a condition of ``train``."""
+    import ast
 
-    return "how it works:\n" + dryrun.run.__doc__.split("\n", 2)[2] + "\n" + dryrun.world.__doc__.split("\n", 2)[2]
+    folder = Path(__file__).parent / "dryrun"
+    notes = [ast.get_docstring(ast.parse((folder / f"{name}.py").read_text())).split("\n", 2)[2] for name in ("run", "world")]
+    return "how it works:\n" + notes[0] + "\n" + notes[1]
 
 
 def _dryrun(args: argparse.Namespace) -> int:

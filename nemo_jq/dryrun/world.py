@@ -29,13 +29,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    FakeTensor,
-    FakeTensorDeviceMismatchError,
-    FakeTensorMode,
-    unset_fake_temporarily,
-)
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -231,7 +226,9 @@ class _Dispatch(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is NotImplemented:
                 raise
-        except FakeTensorDeviceMismatchError as err:
+        except RuntimeError as err:
+            if not is_device_mismatch(err):
+                raise
             raise WrongDevice(f"phase {self.world.phase_name}: a tensor on the host (cpu) met one on the GPU in "
                               f"{self.world.where_call()} ({func}): {err}") from None
         for tensor in tree_leaves(out):
@@ -241,6 +238,13 @@ class _Dispatch(TorchDispatchMode):
             self.any_results.add(id(out))
             weakref.finalize(out, self.any_results.discard, id(out))
         return out
+
+
+def is_device_mismatch(error: RuntimeError) -> bool:
+    """Whether a fake operator failed because its inputs are on two devices: torch 2.13 raises its own
+    ``FakeTensorDeviceMismatchError``, earlier versions (2.11 on a GPU machine, seen) a ``RuntimeError`` saying so."""
+    mismatch = getattr(fake_tensor, "FakeTensorDeviceMismatchError", None)
+    return isinstance(error, mismatch) if mismatch is not None else "Unhandled FakeTensor Device Propagation" in str(error)
 
 
 def _to_host(tensor: torch.Tensor, kwargs: dict) -> bool:
