@@ -28,12 +28,13 @@ from nemo_jq.data.prepare import describe_over_cap, load_prepared, make_task, pr
 from nemo_jq.distributed import DataParallel
 from nemo_jq.guard import CollapseGuard
 from nemo_jq.models.backends import BackendRequest, build_backend
-from nemo_jq.models.common import SafetensorsFolder, resolve_pretrained
+from nemo_jq.models.common import SafetensorsFolder, autocast_dtype, resolve_pretrained
 from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
 from nemo_jq.models.interfaces import Policy, RolloutEngine
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
 from nemo_jq.objectives.importance import Correction
-from nemo_jq.rollouts import check_sampler
+from nemo_jq.rollouts import SamplerRequest, build_rollouts, check_sampler
+from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
 
@@ -66,7 +67,32 @@ class Components:
 
 
 def build_components(config: Config, device: torch.device, *, tokenizer_dir: Path | None = None) -> Components:
-    """The run's components on ``device``; ``tokenizer_dir``: a run's saved tokenizer, when reopening it."""
+    """The run's components on ``device``; ``tokenizer_dir``: a run's saved tokenizer, when reopening it. On a training
+    rank of a split world (``rollout.placement=separate``) the engine asks the rollout ranks (:class:`RemoteRollouts`)."""
+    task, splits, model_dir, chat = _prepare(config, tokenizer_dir)
+    components = assemble_components(config, device, task, splits, chat, BackendRequest(
+        load_model=lambda: load_model(config, model_dir, len(chat.tokenizer)), model_dir=model_dir, config=config,
+        chat=chat, device=device))
+    roles = distributed.roles()
+    if roles is None:
+        return components
+    # the backend's own engine goes (with any HF copy it holds): the rollouts come from other ranks, with other weights
+    engine = RemoteRollouts(components.policy, roles, config.rollout.bucket_bytes())
+    return dataclasses.replace(components, engine=engine, correction=importance_correction(config, own_weights=True))
+
+
+def build_rollout_server(config: Config, device: torch.device, *, tokenizer_dir: Path | None = None) -> RolloutServer:
+    """A rollout rank's part (``rollout.placement=separate``): the engine over an HF model of its own, in the compute
+    dtype (as the megatron backend's sampler), whose weights arrive with the first sync; no policy, no optimizer."""
+    task, splits, model_dir, chat = _prepare(config, tokenizer_dir)
+    dtype = autocast_dtype(device, config.model.precision) or torch.float32
+    model = load_model(config, model_dir, len(chat.tokenizer)).to(device, dtype=dtype)
+    engine = build_rollouts(SamplerRequest(model, model_dir, config, chat.pad_id, device), chat)
+    return RolloutServer(engine, distributed.roles(), config.rollout.bucket_bytes())
+
+
+def _prepare(config: Config, tokenizer_dir: Path | None) -> tuple[Task, Splits, Path | None, ChatFormat]:
+    """Seed the run, then the task and its splits, the model folder and the chat format (prompt lengths checked)."""
     check_sampler(config)  # a rollout engine that cannot be had is said before any model is built
     seed = config.train.seed
     random.seed(seed)
@@ -77,9 +103,7 @@ def build_components(config: Config, device: torch.device, *, tokenizer_dir: Pat
     tokenizer = load_tokenizer(config, model_dir, task, splits, tokenizer_dir)
     chat = ChatFormat(tokenizer)
     check_prompt_lengths(config, model_dir, task, splits, chat)
-    return assemble_components(config, device, task, splits, chat, BackendRequest(
-        load_model=lambda: load_model(config, model_dir, len(tokenizer)), model_dir=model_dir, config=config, chat=chat,
-        device=device))
+    return task, splits, model_dir, chat
 
 
 def assemble_components(config: Config, device: torch.device, task: Task, splits: Splits, chat: ChatFormat,
@@ -126,7 +150,8 @@ def _clean_task(config: Config) -> tuple[Task, Splits]:
     data = config.data
     sizes = (data.train_size, data.validation_size, data.test_size)
     if data.name == "synthetic":
-        task = SyntheticArithmetic(num_operands=data.num_operands, answer_width=data.answer_width)
+        task = SyntheticArithmetic(num_operands=data.num_operands, answer_width=data.answer_width,
+                                   rationale_dependence=data.rationale_dependence)
         return task, task.splits(*sizes, data.seed)
     task = make_task(data.name, template=data.template, system=data.system_prompt)
     if data.prepared_dir:

@@ -21,7 +21,7 @@ import yaml
 
 from nemo_jq.data.base import FORMATS
 from nemo_jq.data.prepare import BAD_ROW_POLICIES
-from nemo_jq.data.synthetic import SyntheticArithmetic
+from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES, SyntheticArithmetic
 from nemo_jq.guard import GUARD_ACTIONS
 from nemo_jq.models import OPTIMIZERS, PRECISIONS
 from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
@@ -34,6 +34,9 @@ PATH_KEYS = (("model", "path"), ("data", "prepared_dir"), ("data", "source"))
 FP32_MAX = 3.4028234663852886e38
 #: ``objective.importance``: the corrections, no correction, or the one the rollouts call for.
 IMPORTANCE_MODES = ("auto", "none", *CORRECTIONS)
+#: ``rollout.placement``: rollouts on the training ranks, or on ranks of their own; the engines those may run.
+PLACEMENTS = ("colocated", "separate")
+SEPARATE_ENGINES = ("native", "hf")
 
 __all__ = ["Config", "ConfigError", "describe_keys", "load_config", "save_config"]
 
@@ -78,6 +81,10 @@ class DataConfig:
     num_operands: int = option(3, "synthetic only: operands per expression", ge=2)
     answer_width: int = option(0, "synthetic only: write the sum zero-padded to this many digits (0: as is); every digit "
                                "is a token a random model gives ~1/V, the knob of the escape-rates experiment", ge=0, le=12)
+    rationale_dependence: str = option(
+        "sum", "synthetic only: how far the answer follows from the rationale, the knob of Var_z[w(z)] in the warm-start "
+        "experiment: none (the first digit), sum, operations (the question hides the operators; the answer is the "
+        "result of those the rationale writes)", choices=RATIONALE_DEPENDENCES)
     label_noise: float = option(0.0, "share of training labels replaced by wrong answers (seeded by data.seed; "
                                 "validation and test stay clean)", ge=0.0, lt=1.0)
     source: str | None = option(
@@ -118,6 +125,23 @@ class RolloutConfig:
     async_steps: int = option(0, "0: each step samples its rollouts from the current weights; 1: one step off: the "
                               "next step's rollouts are sampled from this step's weights while this step trains, and "
                               "corrected as objective.importance says (README.md, \"Off-policy rollouts\")", ge=0, le=1)
+    placement: str = option("colocated", "colocated: every rank trains and samples; separate: the last rollout.ranks "
+                            "processes of the world only sample, the others only train, and the weights reach the "
+                            "samplers after each step in buckets (docs/rollout_ranks.md)", choices=PLACEMENTS)
+    ranks: int = option(1, "placement=separate: how many processes (the world's last) sample", ge=1)
+    sync_bucket_mb: float = option(256.0, "placement=separate: the weight sync's bucket, in MiB (two are alive at once "
+                                   "on each side)", gt=0.0)
+
+    def __post_init__(self) -> None:
+        if self.placement == "separate" and self.engine not in SEPARATE_ENGINES:
+            raise ConfigError(f"rollout.placement=separate samples with rollout.engine={' or '.join(SEPARATE_ENGINES)} "
+                              f"for now; got rollout.engine={self.engine}: use one of those, or rollout.placement=colocated")
+        if self.placement == "separate" and self.async_steps:
+            raise ConfigError("rollout.placement=separate samples on-policy for now (rollout.async_steps=0); got "
+                              "rollout.async_steps=1: set rollout.async_steps=0, or rollout.placement=colocated")
+
+    def bucket_bytes(self) -> int:
+        return max(16, int(self.sync_bucket_mb * 2**20))
 
 
 @dataclass

@@ -10,6 +10,7 @@ recipe reads the same either way.
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,25 +26,111 @@ class OtherRankFailed(RuntimeError):
     """Raised on the ranks that did not fail themselves; the message says which rank failed and how."""
 
 
-def init_from_env(device: torch.device, timeout: timedelta | None = None) -> torch.device:
+def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rollout_ranks: int = 0) -> torch.device:
     """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment), once,
     and return this rank's device: its ``LOCAL_RANK`` GPU on CUDA (NCCL), else ``device`` (gloo).
 
     ``timeout``: how long a rank waits in a collective for the others before it fails (NCCL's default is
     10 minutes, shorter than one replica's rollouts of an 8B model, which the other ranks wait for);
     the groups made later (the backend's) take the same (:func:`collective_timeout`).
+    ``rollout_ranks`` (``rollout.placement=separate``): the world's last that many ranks only sample; the
+    world is split (:class:`Roles`, :func:`roles`), and the default group is this rank's role's alone.
     """
     global _TIMEOUT
     _TIMEOUT = timeout or _TIMEOUT
     adopt_slurm_step()
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rollout_ranks and world <= rollout_ranks:
+        raise ValueError(f"rollout.placement=separate with rollout.ranks={rollout_ranks} leaves no training process "
+                         f"among the {world} of this run: start rollout.ranks + the training processes under torchrun "
+                         f"(e.g. torchrun --nproc-per-node {rollout_ranks + 1}), or set rollout.placement=colocated")
+    if world <= 1:
         return device
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=_TIMEOUT)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if rollout_ranks:
+            _split_world(backend, world, rollout_ranks, device)
+        else:
+            dist.init_process_group(backend, timeout=_TIMEOUT)
     return device
+
+
+@dataclass(frozen=True)
+class Roles:
+    """This process's place in a world that ``rollout.placement=separate`` splits: the first ``training`` ranks train,
+    the last ``rollout`` ranks sample. Each role's default process group holds its own ranks only, so a backend sees a
+    world of trainers (its TP/PP/DP groups are theirs) and an engine a world of samplers. ``bridge`` holds every rank,
+    by global rank, for requests and rollouts; ``sync`` the first training rank (its rank 0) and the rollout ranks, for
+    the weights (None on the other training ranks). Their tensors live on ``device`` (a GPU under NCCL)."""
+
+    rank: int
+    training: int
+    rollout: int
+    bridge: Any
+    sync: Any
+    device: torch.device
+
+    @property
+    def samples(self) -> bool:
+        return self.rank >= self.training
+
+
+#: The split world (None: every rank trains, or one process).
+_ROLES: Roles | None = None
+
+
+def roles() -> Roles | None:
+    return _ROLES
+
+
+def _split_world(backend: str, world: int, rollout_ranks: int, device: torch.device) -> None:
+    """Join this rank's role's default group and the bridge and sync groups (:class:`Roles`), all over the one
+    rendezvous store torchrun describes, each under a prefix of its own."""
+    global _ROLES
+    rank = int(os.environ["RANK"])
+    training = world - rollout_ranks
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=_TIMEOUT or timedelta(minutes=30)))
+    samples = rank >= training
+    role, role_rank, role_size = ("rollout", rank - training, rollout_ranks) if samples else ("training", rank, training)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"nemo_jq/{role}/", store), rank=role_rank,
+                            world_size=role_size, timeout=_TIMEOUT)
+    bridge = _group_outside_the_world(backend, dist.PrefixStore("nemo_jq/bridge/", store), rank, world)
+    sync = None
+    if rank == 0 or samples:
+        sync = _group_outside_the_world(backend, dist.PrefixStore("nemo_jq/sync/", store),
+                                        rank - training + 1 if samples else 0, rollout_ranks + 1)
+    _ROLES = Roles(rank, training, rollout_ranks, bridge, sync, device if backend == "nccl" else torch.device("cpu"))
+
+
+def _group_outside_the_world(backend: str, store: Any, rank: int, size: int) -> Any:
+    """A process group over ranks of several roles' worlds, which ``dist.new_group`` (within one world) cannot make:
+    called through its own methods (``group.broadcast``, ``group.send``...), with ranks counted within it."""
+    timeout = _TIMEOUT or timedelta(minutes=30)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def send_object(group: Any, value: Any, destination: int, device: torch.device) -> None:
+    """``value`` (pickled) to rank ``destination`` of ``group`` (a group's own ``send``: see
+    :func:`_group_outside_the_world`)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+    group.send([torch.tensor([data.numel()], dtype=torch.int64, device=device)], destination, 0).wait()
+    group.send([data], destination, 0).wait()
+
+
+def receive_object(group: Any, source: int, device: torch.device) -> Any:
+    """What :func:`send_object` sent from rank ``source`` of ``group``."""
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    group.recv([size], source, 0).wait()
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    group.recv([data], source, 0).wait()
+    return pickle.loads(data.cpu().numpy().tobytes())
 
 
 def adopt_slurm_step() -> None:
@@ -78,13 +165,18 @@ def rank() -> int:
 
 
 def is_writer() -> bool:
-    """Whether this rank writes the run's files (global rank 0)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Whether this rank writes the run's files (global rank 0; a rollout rank never does)."""
+    return (not dist.is_initialized() or dist.get_rank() == 0) and not (_ROLES is not None and _ROLES.samples)
 
 
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
+
+
+def every_rank(value: T) -> list[T]:
+    """``value`` from every rank, in rank order."""
+    return _gather_objects(value)
 
 
 def largest(value: T) -> T:

@@ -23,7 +23,7 @@ import torch
 
 from nemo_jq import distributed, runs
 from nemo_jq.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
-from nemo_jq.components import Components, build_components
+from nemo_jq.components import Components, build_components, build_rollout_server
 from nemo_jq.config import Config
 from nemo_jq.data import Example
 from nemo_jq.evaluation import Evaluator
@@ -33,6 +33,7 @@ from nemo_jq.models.common import peak_memory_gib, reset_peak_memory, resolve_de
 from nemo_jq.monitor import RunLogger, merge_metrics, progress
 from nemo_jq.objectives import EstimatorInputs, build_schedule, get_objective
 from nemo_jq.preemption import StopSignals, current_series
+from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.rollouts.sampling import seed_from
 from nemo_jq.runs import CHECKPOINT_DIR, PLOT_FILE, TOKENIZER_DIR, claim_run_dir, open_for_resume, write_results, write_run_files
 from nemo_jq.tracking import open_trackers
@@ -48,9 +49,18 @@ class Trainer:
         """``components``: built already (the dry run builds them on its stand-in GPU); else built here."""
         self.config = config.validate()
         self.run_dir = Path(run_dir or config.train.run_dir)
+        #: On a rollout rank (``rollout.placement=separate``): what it serves instead of training.
+        self.server: RolloutServer | None = None
         if components is None:
+            separate = config.rollout.ranks if config.rollout.placement == "separate" else 0
             device = distributed.init_from_env(resolve_device(config.train.device),
-                                                timedelta(minutes=config.train.collective_timeout_minutes))
+                                                timedelta(minutes=config.train.collective_timeout_minutes),
+                                                rollout_ranks=separate)
+            roles = distributed.roles()
+            if roles is not None and roles.samples:
+                self.server = build_rollout_server(config, device, tokenizer_dir=self.run_dir / TOKENIZER_DIR
+                                                   if existing else None)
+                return
             if not existing:
                 distributed.on_writer(lambda: claim_run_dir(self.run_dir, overwrite=overwrite))
             components = build_components(config, device, tokenizer_dir=self.run_dir / TOKENIZER_DIR if existing else None)
@@ -93,6 +103,8 @@ class Trainer:
         returns ``{"preempted": signum}`` (inside a :class:`~nemo_jq.preemption.Series` it raises ``Stopped``: no further
         run of the command starts). ``stop``: signals already being caught (the CLI catches them from its start; a
         series' own), else caught while this runs."""
+        if self.server is not None:  # a rollout rank samples until the training ranks are done
+            return self.server.serve()
         series = current_series() if stop is None else None
         stop = series.stop if series is not None else stop
         end = min(self.total_steps, max_steps or self.total_steps)
@@ -127,6 +139,8 @@ class Trainer:
                 logger.close()
                 if self.ahead is not None:
                     self.ahead.close()
+                if isinstance(self.components.engine, RemoteRollouts):
+                    self.components.engine.close()
 
     def train_step(self, batch_examples: list[Example]) -> dict[str, Any]:
         """One optimizer step on a global batch; this replica samples and trains on its share of the prompts."""
@@ -149,6 +163,8 @@ class Trainer:
         rollout_tokens = int(self.data_parallel.sum(experience.rollout_tokens))
         record["rollout_tokens"] = rollout_tokens
         record["rollout_tokens_per_s"] = rollout_tokens / experience.rollout_seconds if rollout_tokens else None
+        if isinstance(self.components.engine, RemoteRollouts):
+            record.update(self.components.engine.take_sync_record())
         record["step_time"] = time.perf_counter() - started
         peak = peak_memory_gib(self.components.device)
         if peak is not None:  # the fullest rank's, over the step's rollouts and training
@@ -316,6 +332,8 @@ class Trainer:
         return path
 
     def restore(self, checkpoint: Path) -> None:
+        if self.server is not None:  # a rollout rank's weights arrive with the first sync
+            return
         state, rng = load_checkpoint(checkpoint, self.policy)
         schedule_state, guard_state = state.pop("schedule"), state.pop("guard", None)
         self.state = TrainState.from_json(state, self.state.course)

@@ -55,7 +55,7 @@ class RefittedRolloutEngine:
             self._refit(samplers)
             if samplers is None or dist.get_rank() in samplers:
                 waited_for = shared and dist.get_world_size(group) > len(samplers)
-                with self._reporting_chunks(lambda: _send(None, samplers[0], group)) if waited_for else nullcontext():
+                with self._reporting_chunks(lambda: share_object(None, samplers[0], group)) if waited_for else nullcontext():
                     rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers,
                                                     generator=generator, greedy=greedy)
         return self._share(rollouts, samplers[0], group) if shared else rollouts
@@ -81,9 +81,9 @@ class RefittedRolloutEngine:
         that it waits at most one chunk in each; another sampling rank has taken the empty ones while it sampled."""
         import torch.distributed as dist
 
-        message = _send((rollouts,) if dist.get_rank() == source else None, source, group)
+        message = share_object((rollouts,) if dist.get_rank() == source else None, source, group)
         while message is None:
-            message = _send(None, source, group)
+            message = share_object(None, source, group)
         return message[0]
 
     def _sampling_ranks(self) -> list[int] | None:
@@ -136,7 +136,7 @@ class ChunkReporting:
         return groups
 
 
-def _send(message: Any, source: int, group: Any) -> Any:
+def share_object(message: Any, source: int, group: Any) -> Any:
     """``message`` from global rank ``source`` to every rank of ``group`` (the received one on the others)."""
     import torch.distributed as dist
 

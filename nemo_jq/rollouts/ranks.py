@@ -1,0 +1,151 @@
+"""Rollouts on ranks of their own (``rollout.placement=separate``): the training ranks ask, the rollout ranks sample.
+
+The world is split (:func:`nemo_jq.distributed.init_from_env`): the training ranks hold the policy and its optimizer
+and no inference copy; each rollout rank holds an engine (its own HF model, no optimizer). Every training call of
+``generate`` first brings the rollout ranks the weights, if they moved since the last call (:class:`WeightSync`: from
+the first training rank, gathered from the first replica's shards once, in buckets); then each replica's first rank
+sends its prompts and its generator's state to the rollout rank that serves it (replica d: rollout rank d mod
+``rollout.ranks``), which samples them with that state and sends back the rollouts (token ids, log-probs, whether
+``</think>`` was forced) and the generator's state after them. So a replica draws the same samples, and its
+generator moves the same way, as it would sampling itself from the same weights: ``separate`` trains as ``colocated``
+does.
+
+The first training rank leads: its commands (sync, generate, stop) reach every rollout rank in one order, and every
+replica calls ``generate`` alike (``lockstep``: evaluation pads the shorter shares).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from nemo_jq import distributed
+from nemo_jq.distributed import Roles, receive_object, send_object
+from nemo_jq.models.interfaces import RefittablePolicy, Rollout, require
+from nemo_jq.rollouts.budget import BudgetedRollouts
+from nemo_jq.rollouts.process import engine_device
+from nemo_jq.rollouts.refit import share_object
+from nemo_jq.rollouts.sync import SyncStats, WeightSync
+
+#: The first training rank: it sends the weights and the commands.
+LEAD = 0
+
+
+class RemoteRollouts:
+    """A training rank's rollout engine when rollouts are sampled on ranks of their own (see the module)."""
+
+    #: Every replica makes the same calls (the rollout ranks serve them in one order).
+    lockstep = True
+
+    def __init__(self, policy: RefittablePolicy, roles: Roles, bucket_bytes: int):
+        import torch.distributed as dist
+
+        self.policy = require(policy, RefittablePolicy, "the policy whose weights reach the rollout ranks")
+        self.roles, self.tokens_generated, self._version = roles, 0, None
+        group = policy.model_parallel_group
+        self.replica_lead = dist.get_rank() if group is None else dist.get_global_rank(group, 0)
+        replica = policy.data_parallel.rank
+        leads = dict(distributed.every_rank((replica, self.replica_lead)))
+        self.leads = [leads[index] for index in range(len(leads))]  # each replica's first rank, by replica
+        self.server = roles.training + replica % roles.rollout
+        self.weight_sync = WeightSync(roles.sync, source=0, bucket_bytes=bucket_bytes, device=roles.device) \
+            if roles.sync is not None else None
+        #: The syncs since :meth:`take_sync_record` last asked (on the first training rank).
+        self.syncs: list[SyncStats] = []
+
+    def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
+                 generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
+        import torch.distributed as dist
+
+        self._sync()
+        bridge, device = self.roles.bridge, self.roles.device
+        if dist.get_rank() == LEAD:
+            for server in range(self.roles.rollout):
+                send_object(bridge, ("generate", self.leads[server::self.roles.rollout]), self.roles.training + server,
+                            device)
+        rollouts = None
+        if dist.get_rank() == self.replica_lead:
+            send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, generator.get_state()), self.server,
+                        device)
+            rollouts, tokens, state = receive_object(bridge, self.server, device)
+            generator.set_state(state)
+            self.tokens_generated += tokens
+        group = self.policy.model_parallel_group
+        if group is not None and dist.get_world_size(group) > 1:  # the replica trains on its first rank's rollouts
+            rollouts = share_object(rollouts, self.replica_lead, group)
+        return rollouts
+
+    def _sync(self) -> None:
+        """The weights to the rollout ranks if they moved: the first replica's ranks gather them (a collective over
+        the replica), its first rank sends them."""
+        import torch.distributed as dist
+
+        if self._version == self.policy.weights_version:
+            return
+        self._version = self.policy.weights_version
+        if self.policy.data_parallel.rank != 0:
+            return
+        tensors = iter(self.policy.iter_hf())
+        if dist.get_rank() == LEAD:
+            for server in range(self.roles.rollout):
+                send_object(self.roles.bridge, ("sync",), self.roles.training + server, self.roles.device)
+            self.syncs.append(self.weight_sync.send(tensors))
+        for _ in tensors:  # the replica's other ranks take part in each tensor's gather
+            pass
+
+    def take_sync_record(self) -> dict[str, float]:
+        """The weight syncs since the last call, for the step's record: bytes, buckets and seconds (summed)."""
+        syncs, self.syncs = self.syncs, []
+        if not syncs:
+            return {}
+        return {"sync_bytes": sum(s.bytes for s in syncs), "sync_buckets": sum(s.buckets for s in syncs),
+                "sync_seconds": sum(s.seconds for s in syncs)}
+
+    def close(self) -> None:
+        """Let the rollout ranks go (their :meth:`RolloutServer.serve` returns)."""
+        import torch.distributed as dist
+
+        if dist.get_rank() == LEAD:
+            for server in range(self.roles.rollout):
+                send_object(self.roles.bridge, ("stop",), self.roles.training + server, self.roles.device)
+
+
+class RolloutServer:
+    """A rollout rank: its engine, serving the first training rank's commands until it says stop."""
+
+    def __init__(self, engine: BudgetedRollouts, roles: Roles, bucket_bytes: int):
+        self.engine, self.roles = engine, roles
+        self.weight_sync = WeightSync(roles.sync, source=0, bucket_bytes=bucket_bytes, device=roles.device)
+        #: Requests served and weight syncs taken.
+        self.served, self.synced = 0, 0
+
+    def serve(self) -> dict[str, Any]:
+        bridge, device = self.roles.bridge, self.roles.device
+        while True:
+            command, *arguments = receive_object(bridge, LEAD, device)
+            if command == "stop":
+                return {"served": self.served, "synced": self.synced}
+            if command == "sync":
+                tensors = self.weight_sync.receive()
+                with self.engine.awake():
+                    self.engine.load_weights(tensors)
+                for _ in tensors:
+                    pass
+                self.synced += 1
+                continue
+            for lead in arguments[0]:
+                self._answer(lead)
+
+    def _answer(self, lead: int) -> None:
+        """Sample one replica's request with its generator's state; send back the rollouts, the tokens sampled and
+        the generator's state after them."""
+        bridge, device = self.roles.bridge, self.roles.device
+        prompts, num_samples, sample_answers, greedy, state = receive_object(bridge, lead, device)
+        generator = torch.Generator(engine_device(self.engine))
+        generator.set_state(state)
+        before = self.engine.tokens_generated
+        rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
+                                        greedy=greedy)
+        send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state()), lead, device)
+        self.served += 1
