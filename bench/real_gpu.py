@@ -1,7 +1,7 @@
 """What only a GPU can show, measured on one, each part beside the figure the project predicts for it.
 
 1. ``train``: ``nemo-jq train`` on the 0.6B FinQA GARL paper config, cut to a size that runs in a minute (OVERRIDES:
-   the synthetic task, 4 prompts a step, a 512-token thinking budget, M=32 as in the paper, 8 rows a chunk), with a
+   the synthetic task, 4 prompts a step, a 256-token thinking budget, M=32 as in the paper, 8 rows a chunk), with a
    random Qwen3-0.6B (its real config, bf16 safetensors) and the real Qwen3 tokenizer. Its measured per-step peak
    (``gpu_peak_gib``: ``torch.cuda.max_memory_allocated`` over the step's rollouts, training and optimizer step)
    beside ``nemo-jq dryrun``'s peak over the same phases of the same config, run beside it on the host's CPU.
@@ -9,6 +9,9 @@
    takes the weights over CUDA IPC (``nemo_jq/rollouts/process.py``), which no CPU test can exercise.
 3. ``refit``: the 0.6B policy's weights copied into the sampler's own bf16 copy through the refit path
    (``RefittedRolloutEngine``), device to device in one process: bytes and bytes/s.
+5. ``sampler_profile``: the native sampler's decode tokens/s at the 0.6B shape (64 prompts x M=8, 64 tokens), with
+   the attention it asks for and with torch's own choice (cuDNN), and the plain loop's, against the bandwidth bound;
+   where its time goes (torch.profiler).
 4. ``sampler``: ``bench/rollouts.py --gpu``: the native sampler's decode tokens/s at the 0.6B shape (64 prompts x
    M=8, a 256-token budget) against the memory-bandwidth bound.
 
@@ -33,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.75.yaml"
 #: The paper config cut to a minute's work: M, the row chunks, checkpointing and precision stay the paper's.
 OVERRIDES = ["data.name=synthetic", "data.source=null", "data.train_size=8", "data.validation_size=4", "data.test_size=4",
-             "rollout.max_thinking_tokens=512", "rollout.max_answer_tokens=32", "train.batch_size=4",
-             "train.micro_batch_size=2", "train.micro_batch_rows=8", "train.max_steps=2", "eval.num_samples=2",
+             "rollout.max_thinking_tokens=256", "rollout.max_answer_tokens=32", "train.batch_size=4",
+             "train.micro_batch_size=2", "train.micro_batch_rows=8", "train.max_steps=1", "eval.num_samples=2",
              "eval.batch_size=4"]
 #: The phases a step's ``gpu_peak_gib`` spans, as the dry run names them.
 STEP_PHASES = ("rollout", "train", "optimizer_step")
@@ -57,7 +60,8 @@ def main() -> None:
     parts = {"train": lambda: train_against_dry_run(args, folder, tiny),
              "one_step_off": lambda: one_step_off(args),
              "refit": lambda: refit_bytes_per_second(folder, args.device),
-             "sampler": lambda: sampler_against_bound(args, tiny)}
+             "sampler": lambda: sampler_against_bound(args, tiny),
+             "sampler_profile": lambda: sampler_profile(folder, args.device, 4 if tiny else 64)}
     for name, part in ((name, parts[name]) for name in args.parts):
         started = time.perf_counter()
         try:
@@ -202,6 +206,69 @@ def sampler_against_bound(args, tiny: bool) -> dict:
     if done.returncode:
         return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
     return json.loads((args.out / "rollouts_gpu.json").read_text())
+
+
+def sampler_profile(folder: Path, device: str, new_tokens: int = 64) -> dict:
+    """Decode 64 prompts x M=8 rows, ``new_tokens`` each (none stops), at the 0.6B shape in bf16: the native sampler
+    as it is, with torch's own attention choice (cuDNN's, on an H100 with torch 2.11), and the plain loop, each
+    timed twice in turn, against the memory-bandwidth bound; then the native sampler under torch.profiler."""
+    import contextlib
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    sys.path[:0] = [str(ROOT / "bench")]
+    from rollouts import BANDWIDTH_TBS, bandwidth_bound_seconds, task_prompts
+
+    from nemo_jq.dryrun.world import patched
+    from nemo_jq.rollouts import hf
+    from nemo_jq.rollouts.hf import HFSampler, NativeSampler
+
+    device = torch.device(device)
+    chat, prompts = task_prompts(64)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    engines = {"native": (NativeSampler, contextlib.nullcontext),
+               "native_torch_attention_choice": (NativeSampler, lambda: patched(hf, "decode_attention", contextlib.nullcontext)),
+               "plain": (HFSampler, contextlib.nullcontext)}
+
+    def decode(name: str, tokens: int) -> tuple[float, list[int]]:
+        engine_class, attention = engines[name]
+        sampler = engine_class(model, pad_id=chat.pad_id, device=device, precision="bf16")
+        with attention():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            groups = sampler.sample(prompts, 8, stop_ids=[chat.think_end_id], max_new_tokens=tokens,
+                                    generator=torch.Generator(device).manual_seed(0))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return time.perf_counter() - started, [len(s.token_ids) for g in groups for s in g]
+
+    for name in engines:
+        decode(name, 4)  # warm: kernels, allocator
+    seconds: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(2):
+        for name in engines:
+            took, lengths = decode(name, new_tokens)
+            seconds[name].append(took)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    tbs = next((v for k, v in BANDWIDTH_TBS.items() if k in name), None)
+    bound = bandwidth_bound_seconds(model, max(map(len, prompts)), lengths, 2, tbs * 1e12) if tbs else None
+    result = {"rows": len(lengths), "new_tokens": new_tokens, "bandwidth_tbs": tbs, "bound_seconds": bound}
+    for engine, times in seconds.items():
+        best = min(times)
+        result[engine] = {"seconds": times, "tokens_per_s": sum(lengths) / best,
+                          "bound_over_measured": bound / best if bound else None}
+    result["native_over_torch_attention_choice"] = statistics.median(
+        b / a for a, b in zip(seconds["native"], seconds["native_torch_attention_choice"]))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        decode("native", 16)
+    result["native_top_by_self_cpu"] = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
+                                                                     max_name_column_width=50)
+    return result
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from one Python that has imported torch and transformers (``helpers.run_scripts`
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -167,3 +168,20 @@ def test_async_rollouts_quick_run_compares_both_modes_per_method(bench_run):
     assert [len(holds) for holds in report["ordering_holds"].values()] == [1, 1]
     assert {"one_step_off_1.3x_per_step", "ordering_holds_in_every_seed"} <= report["targets_met"].keys()
     assert all(timing["speedup"] > 0 for timing in report["speedup_at_thinking_budget"].values())
+
+
+def test_real_gpu_check_runs_its_host_parts_at_the_tiny_shape(tmp_path):
+    """bench/real_gpu.py, the GPU check, on the host at the tiny shape: the real run and the dry run of one config side
+    by side (no CUDA peak here to hold against it), and the refit's bytes."""
+    from helpers import qwen3_tokenizer_dir
+
+    done = subprocess.run([sys.executable, "bench/real_gpu.py", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                           "--tokenizer", str(qwen3_tokenizer_dir()), "--device", "cpu", "--parts", "train", "refit"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "real_gpu.json").read_text())
+    train, refit = report["train"], report["refit"]
+    assert train["train_exit"] == 0 and train["dry_run_exit"] == 0, train
+    assert [step["step"] for step in train["steps"]] == [1] and train["steps"][0]["gpu_peak_gib"] is None  # the host
+    assert train["dry_run_step_peak_gib"] == max(train["dry_run_phases_gib"][p] for p in ("rollout", "train", "optimizer_step"))
+    assert refit["sampler_bytes_written"] * 2 == refit["policy_bytes_read"]  # fp32 policy into the bf16 copy

@@ -114,3 +114,14 @@ def test_bf16_autocast_path_runs_on_cpu():
     assert policy.optimizer_step()["grad_norm"] > 0
     with pytest.raises(ValueError, match="precision"):
         HFPolicy(model, device=torch.device("cpu"), precision="fp8")
+
+
+def test_the_optimizer_runs_a_gpus_kernels_on_any_accelerator_and_the_hosts_on_the_host():
+    """Foreach AdamW on a GPU holds the square root of its second moment for the whole model at once (measured on an
+    H100: the step's peak was 11.22 GiB, 1.12x the dry run's until the dry run's ``meta`` ran the same kernels)."""
+    from nemo_jq.models.common import build_optimizer
+
+    for device, foreach in (("cpu", False), ("meta", True)):
+        params = [torch.nn.Parameter(torch.zeros(3, device=device))]
+        for name in ("adamw", "sgd"):
+            assert build_optimizer(params, name, lr=1e-3).defaults["foreach"] is foreach, (device, name)

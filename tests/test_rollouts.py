@@ -123,6 +123,17 @@ def test_engine_logprobs_are_the_sampling_distributions_teacher_forced_logprobs(
     assert torch.equal(~garl.engine_logprobs.isnan(), garl.rationale_mask)  # the reference answer is not the engine's
 
 
+def test_decode_attention_leaves_out_cudnns_attention_only():
+    """cuDNN's attention builds a plan for each new shape, and a decode's shape changes every step: on an H100 it took
+    57% of the native sampler's time (bench/results/real_gpu.json)."""
+    from nemo_jq.rollouts.hf import decode_attention
+
+    with decode_attention():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+
+
 def test_sampling_is_reproducible_and_samples_by_the_inverse_cdf():
     settings = SamplingSettings()
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]])

@@ -149,9 +149,16 @@ def require_files(directory: Path, names: Sequence[str]) -> None:
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], name: str = "adamw", *, lr: float, weight_decay: float = 0.0,
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, momentum: float = 0.0) -> torch.optim.Optimizer:
-    """``optim.name``'s optimizer: AdamW, or plain SGD (with ``momentum``; the paper's theory is gradient flow)."""
+    """``optim.name``'s optimizer: AdamW, or plain SGD (with ``momentum``; the paper's theory is gradient flow).
+
+    Its kernels are named from the parameters' device as torch picks them: on a GPU the foreach ones (AdamW's holds
+    the square root of its second moment for the whole model at once: as many bytes again as the weights in fp32,
+    measured on an H100, bench/results/real_gpu.json), on the host one tensor at a time. Said explicitly, the dry
+    run's stand-in GPU (``meta``, where torch would pick the host's kernels) runs and counts what a GPU runs."""
+    params = list(params)
+    foreach = all(p.device.type != "cpu" for p in params)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=foreach)
     if name != "adamw":
         raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=foreach)

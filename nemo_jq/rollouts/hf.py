@@ -36,6 +36,16 @@ def cache_keyword(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
+def decode_attention():
+    """Scaled dot-product attention without cuDNN's kernel: it builds an execution plan for every new shape, and a
+    decode's shape changes at every step (one more key) and compaction (fewer rows). On an H100 (torch 2.11) it was
+    the attention torch chose, and its plans took 57% of the native sampler's time, 1.8 ms of CPU a call
+    (bench/results/real_gpu.json); FlashAttention or memory-efficient attention take any shape without one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 class HFSampler:
     """The plain decode loop: every prompt copied M times, prefilled, and decoded to the longest row
     over HF's growing cache (what the trainer used before the native sampler; the benchmark's baseline)."""
@@ -63,7 +73,7 @@ class HFSampler:
             raise RuntimeError(f"weights for the sampler: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        with autocast_context(self.device, self.precision):
+        with autocast_context(self.device, self.precision), decode_attention():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **{self.cache_keyword: cache},
                              use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
