@@ -14,7 +14,7 @@ from nemo_jq.preemption import Stopped
 
 #: Set to 1 (or pass --debug) to see the traceback behind an error message.
 DEBUG_ENV = "NEMO_JQ_DEBUG"
-EXPERIMENTS = ("noisy-cold-start", "escape-rates")
+EXPERIMENTS = ("noisy-cold-start", "escape-rates", "warm-start")
 STEP_HELP = ("for a run directory: best (the best validation m@k; ties keep the earliest, as training does), latest, "
              "or a step number; the output names the step and why")
 
@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--out", type=Path, required=True)
     export.add_argument("--step", default="best", help=STEP_HELP)
 
-    experiment = commands.add_parser("experiment", help="multi-run studies (not tests): noisy-cold-start, escape-rates")
+    experiment = commands.add_parser("experiment", help="multi-run studies (not tests): noisy-cold-start, escape-rates, "
+                                        "warm-start")
     experiment.add_argument("name", choices=EXPERIMENTS)
     experiment.add_argument("--out", type=Path, help="a new folder for the runs (default: runs/noisy_cold_start, "
-                            "runs/escape_rates)")
+                            "runs/escape_rates, runs/warm_start)")
     experiment.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     experiment.add_argument("--label-noise", type=float, help="noisy-cold-start: share of training labels made wrong "
                             "(default 0.2)")
@@ -72,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                             "(default 2 3 4; --quick: 2 3)")
     experiment.add_argument("--cap", type=int, help="escape-rates: steps before a run counts as censored (default 200; "
                             "--quick: 4)")
+    experiment.add_argument("--dependences", nargs="+", help="warm-start: the synthetic task's data.rationale_dependence "
+                            "settings (default none operations; also sum)")
+    experiment.add_argument("--target-p1", type=float, help="warm-start: the validation p@1 (percent) the warm-up SFT "
+                            "stops at (default 20)")
     experiment.add_argument("--quick", action="store_true", help="a few-second smoke size (not a result)")
     experiment.add_argument("--overwrite", action="store_true", help="if --out holds an experiment, move it aside first")
     experiment.add_argument("--methods", type=lambda text: [name.strip() for name in text.split(",")], default=[],
@@ -267,8 +272,10 @@ def run_named_experiment(args: argparse.Namespace) -> None:
     """``nemo-jq experiment NAME``: each experiment takes the shared options and its own (another's is an error)."""
     from nemo_jq.config import ConfigError
 
-    foreign = {"noisy-cold-start": {"--widths": args.widths, "--cap": args.cap},
-               "escape-rates": {"--label-noise": args.label_noise, "--adaptive": args.adaptive or None}}[args.name]
+    own = {"noisy-cold-start": {"--label-noise": args.label_noise, "--adaptive": args.adaptive or None},
+           "escape-rates": {"--widths": args.widths, "--cap": args.cap},
+           "warm-start": {"--dependences": args.dependences, "--target-p1": args.target_p1}}
+    foreign = {flag: value for name, flags in own.items() if name != args.name for flag, value in flags.items()}
     given = [flag for flag, value in foreign.items() if value is not None]
     if given:
         raise ConfigError(f"experiment {args.name} takes no {', '.join(given)} (another experiment's option): drop it")
@@ -278,10 +285,15 @@ def run_named_experiment(args: argparse.Namespace) -> None:
 
         run_experiment(args.out or Path("runs/noisy_cold_start"), args.seeds,
                        0.2 if args.label_noise is None else args.label_noise, adaptive=args.adaptive, **common)
-    else:
+    elif args.name == "escape-rates":
         from nemo_jq.experiments.escape_rates import run_experiment
 
         run_experiment(args.out or Path("runs/escape_rates"), args.seeds, widths=args.widths, cap=args.cap, **common)
+    else:
+        from nemo_jq.experiments.warm_start import TARGET_P1, run_experiment
+
+        run_experiment(args.out or Path("runs/warm_start"), args.seeds, dependences=args.dependences,
+                       target_p1=TARGET_P1 if args.target_p1 is None else args.target_p1, **common)
 
 
 def _knobs(text: str) -> dict[str, float]:
