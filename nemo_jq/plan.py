@@ -33,8 +33,11 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   ``vllm_tensor_parallel`` ranks, and its KV cache) while it samples, and sleeps (holds ~nothing) while the
   policy trains;
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
-  copy) plus the larger of the training working set (gradients without the distributed optimizer,
-  activations, log-prob head) and the rollout working set (KV cache, or vLLM's share), which do not coexist.
+  copy) plus the largest of the training working set (gradients without the distributed optimizer,
+  activations, log-prob head), the rollout working set (KV cache, or vLLM's share) and, for ``hf``, the
+  optimizer step's (the gradients, and the square root of AdamW's second moment that torch's foreach kernels
+  hold for every parameter at once on a GPU: measured on an H100, ``bench/results/real_gpu.json``), which do
+  not coexist.
 
 When nothing fits, the report names the component of the closest layout that takes the most and the setting
 that shrinks it (one not already chosen). Sizes are GiB (2^30 bytes).
@@ -259,8 +262,11 @@ def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
     staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
     training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
     rollout = ["kv_cache", "vllm"]
-    phase = max(training, rollout, key=lambda names: sum(parts[name] for name in names))
-    return sum(parts[name] for name in staying + phase) / GiB, max(staying + phase, key=lambda name: parts[name])
+    # torch's foreach AdamW (hf on a GPU) holds sqrt(v) for every parameter at once while it steps: half its state
+    stepping = (["gradients"], parts["gradients"] + parts["optimizer"] / 2) if work.backend == "hf" and not sharded else ([], 0.0)
+    phase, phase_bytes = max([(names, sum(parts[name] for name in names)) for names in (training, rollout)] + [stepping],
+                             key=lambda working: working[1])
+    return (sum(parts[name] for name in staying) + phase_bytes) / GiB, max(staying + phase, key=lambda name: parts[name])
 
 
 def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float) -> dict[str, float]:

@@ -188,3 +188,15 @@ def test_the_recommendations_overrides_train_that_layout(tmp_path, capsys):
     again = plan.estimate(plan.architecture(config.model.path), plan.Workload.from_config(config, 1024), tp, pp,
                           8 // (tp * pp), 80, 0.9)
     assert f"TP={layout.tensor_parallel} PP={layout.pipeline_parallel} DP={again.data_parallel} ({again.total_gib} of" in recommended
+
+
+def test_an_hf_peak_counts_the_optimizer_step_where_foreach_adamw_holds_half_its_state_again():
+    """Measured on an H100 (bench/results/real_gpu.json): a 0.6B hf step peaked in its optimizer step at 11.22 GiB,
+    weights + gradients + AdamW's state + sqrt(v) for every parameter at once. Megatron's optimizers step otherwise."""
+    parts = dict.fromkeys(plan.COMPONENTS, 0.0)
+    parts.update(weights=4 * GiB, gradients=4 * GiB, optimizer=8 * GiB, activations=1 * GiB, kv_cache=2 * GiB)
+    peak, largest = plan._peak(parts, plan.Workload(backend="hf"))
+    assert peak == 4 + 8 + 4 + 4 and largest == "optimizer"
+    assert plan._peak(parts, plan.Workload(backend="megatron"))[0] == 4 + 8 + 4 + 1  # the training working set
+    parts["kv_cache"] = 9 * GiB
+    assert plan._peak(parts, plan.Workload(backend="hf"))[0] == 4 + 8 + 9  # the rollouts' is larger still
