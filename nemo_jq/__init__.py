@@ -3,4 +3,9 @@
 Importing the package is light: submodules load their heavy dependencies themselves.
 """
 
-__version__ = "0.1.0"
+from importlib import metadata
+
+try:
+    __version__ = metadata.version("nemo-jq")  # pyproject.toml's, the one place it is written
+except metadata.PackageNotFoundError:  # a source tree on the import path, not installed
+    __version__ = "unknown"

@@ -81,3 +81,13 @@ def test_the_docs_links_lead_somewhere():
                 if anchor not in headings:
                     broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, broken
+
+
+def test_the_version_is_the_packages_own():
+    """``nemo_jq.__version__`` is read from the installed package's metadata (it once said 0.1.0 beside a 0.2.0)."""
+    import tomllib
+
+    import nemo_jq
+
+    declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert nemo_jq.__version__ == declared
