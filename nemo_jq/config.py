@@ -136,9 +136,6 @@ class RolloutConfig:
         if self.placement == "separate" and self.engine not in SEPARATE_ENGINES:
             raise ConfigError(f"rollout.placement=separate samples with rollout.engine={' or '.join(SEPARATE_ENGINES)} "
                               f"for now; got rollout.engine={self.engine}: use one of those, or rollout.placement=colocated")
-        if self.placement == "separate" and self.async_steps:
-            raise ConfigError("rollout.placement=separate samples on-policy for now (rollout.async_steps=0); got "
-                              "rollout.async_steps=1: set rollout.async_steps=0, or rollout.placement=colocated")
 
     def bucket_bytes(self) -> int:
         return max(16, int(self.sync_bucket_mb * 2**20))

@@ -33,7 +33,7 @@ from nemo_jq.models.common import peak_memory_gib, reset_peak_memory, resolve_de
 from nemo_jq.monitor import RunLogger, merge_metrics, progress
 from nemo_jq.objectives import EstimatorInputs, build_schedule, get_objective
 from nemo_jq.preemption import StopSignals, current_series
-from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
+from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutsAheadOnRanks, RolloutServer
 from nemo_jq.rollouts.sampling import seed_from
 from nemo_jq.runs import CHECKPOINT_DIR, PLOT_FILE, TOKENIZER_DIR, claim_run_dir, open_for_resume, write_results, write_run_files
 from nemo_jq.tracking import open_trackers
@@ -72,7 +72,9 @@ class Trainer:
         self.random = RandomStreams(config.train.seed, self.data_parallel, device)
         self.mismatch = MismatchWatch(config.rollout, parts.correction)
         #: The next step's rollouts, sampled while this step trains (rollout.async_steps=1); None: on-policy.
-        self.ahead = RolloutsAhead(parts) if config.rollout.async_steps else None
+        self.ahead = None
+        if config.rollout.async_steps:  # on rollout ranks of their own, or beside this process's training
+            self.ahead = RolloutsAheadOnRanks(parts) if isinstance(parts.engine, RemoteRollouts) else RolloutsAhead(parts)
         self.state = TrainState(Course(config.objective.name))
         self.resumed_with: list[str] = []
         #: The q of the latest step trained in this process (None before the first).

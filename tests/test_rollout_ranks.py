@@ -18,17 +18,19 @@ pytestmark = pytest.mark.distributed
 KEYS = ("loss", "grad_norm", "rollout_tokens", "train_reward", "log_p_hat", "kl_k3", "logprob_gap")
 
 
-def train_run(run_dir: Path, overrides: list[str], steps: int) -> dict:
-    """``steps`` steps of the tiny recipe from torchrun's variables; on the writer, the train records (the metrics
-    compared and the sync's) and the test scores; elsewhere, what ``fit`` returned and what the rank holds."""
+def train_run(run_dir: Path, overrides: list[str], steps: int, stop_after: int | None = None,
+              resume: bool = False) -> dict:
+    """``steps`` steps of the tiny recipe from torchrun's variables (``stop_after``: stop there, as a preempted run
+    does; ``resume``: continue ``run_dir``); on the writer, the train records (the metrics compared and the sync's) and
+    the test scores; elsewhere, what ``fit`` returned and what the rank holds."""
     from helpers import TINY_RUN
     from nemo_jq import distributed
     from nemo_jq.monitor import read_metrics
     from nemo_jq.trainer import Trainer
 
-    trainer = Trainer(load_config(None, [*TINY_RUN, f"train.max_steps={steps}", f"train.run_dir={run_dir}", "eval.every=1000",
-                                         *overrides]))
-    result = trainer.fit()
+    trainer = Trainer.resume(run_dir) if resume else Trainer(load_config(None, [
+        *TINY_RUN, f"train.max_steps={steps}", f"train.run_dir={run_dir}", "eval.every=1000", *overrides]))
+    result = trainer.fit(max_steps=stop_after)
     roles = distributed.roles()
     held = {"policy": getattr(trainer, "policy", None) is not None, "engine": type(getattr(
         getattr(trainer, "components", None), "engine", None)).__name__, "world": distributed.world_size()}
@@ -59,10 +61,14 @@ def test_one_trainer_and_one_rollout_rank_train_as_one_colocated_process(tmp_pat
     assert first["sync_bytes"] == second["sync_bytes"] > 0 and first["sync_seconds"] > 0
 
 
-def test_two_data_parallel_trainers_and_one_rollout_rank_train_as_colocated(tmp_path):
-    """megatron backend at DP=2, native engine: the one rollout rank serves both replicas, each with its own
-    generator's state; the metrics equal the colocated DP=2 run's."""
-    megatron = ["model.backend=megatron", "objective.name=garl"]
+@pytest.mark.parametrize("layout", [[], pytest.param(["megatron.tensor_parallel=2"], marks=pytest.mark.slow)],
+                         ids=["dp2", "tp2"])  # 17 s, 42 s
+@pytest.mark.megatron
+def test_two_megatron_trainers_and_one_rollout_rank_train_as_colocated(layout, tmp_path):
+    """megatron backend on two ranks, native engine. DP=2: the one rollout rank serves both replicas, each with its
+    own generator's state. TP=2: the replica's two ranks gather each weight from their shards, the first sends it,
+    and shares the rollouts with the second. Either way the metrics equal the colocated run's on two ranks."""
+    megatron = ["model.backend=megatron", "objective.name=garl", *layout]
     colocated = run_in_processes(train_run, 2, tmp_path / "colocated", megatron, 2, process_group=False)[0]
     separate = run_in_processes(train_run, 3, tmp_path / "separate", [*megatron, "rollout.placement=separate"], 2,
                                 process_group=False)
@@ -71,9 +77,33 @@ def test_two_data_parallel_trainers_and_one_rollout_rank_train_as_colocated(tmp_
     assert [rank.get("samples", False) for rank in separate] == [False, False, True]
 
 
+ONE_STEP_OFF = ["rollout.async_steps=1", "train.save_every=100"]
+
+
+@pytest.mark.slow  # 43 s: the colocated run's sampling process starts a Python of its own
+def test_one_step_off_on_a_rollout_rank_equals_one_step_off_in_a_sampling_process(tmp_path):
+    """async_steps=1: step t+1's request leaves before step t trains and is sampled from θ_t on the rollout rank while
+    the trainer trains, as the colocated run's sampling process samples it from the same weights and seed."""
+    (colocated,) = run_in_processes(train_run, 1, tmp_path / "colocated", ONE_STEP_OFF, 4, process_group=False)
+    trainer, server = run_in_processes(train_run, 2, tmp_path / "separate", [*ONE_STEP_OFF, "rollout.placement=separate"],
+                                       4, process_group=False)
+    same_training(trainer["train"], colocated["train"])
+    assert [r["rollout_lag"] for r in trainer["train"]] == [0, 1, 1, 1]
+    assert server["result"]["served"] == 4 + 2  # the steps' requests, validation and test
+
+
+def test_an_interrupted_one_step_off_run_on_a_rollout_rank_resumes_exactly(tmp_path):
+    """The checkpoint at the stop carries the experience the rollout rank sampled ahead; new processes resume it."""
+    separate = [*ONE_STEP_OFF, "rollout.placement=separate"]
+    whole, _ = run_in_processes(train_run, 2, tmp_path / "whole", separate, 4, process_group=False)
+    run_in_processes(train_run, 2, tmp_path / "cut", separate, 4, 2, process_group=False)
+    resumed, _ = run_in_processes(train_run, 2, tmp_path / "cut", [], 4, None, True, process_group=False)
+    same_training(resumed["train"], whole["train"])
+    assert [r["rollout_lag"] for r in resumed["train"]] == [0, 1, 1, 1]  # step 3 trained on what step 2 sent ahead
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.engine=vllm"], "rollout.placement=separate samples with rollout.engine=native or hf for now"),
-    (["rollout.async_steps=1"], "rollout.placement=separate samples on-policy for now"),
     (["rollout.ranks=0"], "rollout.ranks must be >= 1"),
 ])
 def test_placements_the_split_cannot_serve_are_one_line_errors(overrides, message):

@@ -11,18 +11,25 @@ generator moves the same way, as it would sampling itself from the same weights:
 does.
 
 The first training rank leads: its commands (sync, generate, stop) reach every rollout rank in one order, and every
-replica calls ``generate`` alike (``lockstep``: evaluation pads the shorter shares).
+replica calls ``generate`` alike (``lockstep``: evaluation pads the shorter shares). One step off
+(``rollout.async_steps=1``, :class:`RolloutsAheadOnRanks`) the request for step t+1 leaves before step t trains and
+its rollouts are taken when step t+1 starts: the rollout ranks sample while the training ranks train.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import torch
 
 from nemo_jq import distributed
+from nemo_jq.data import Example
 from nemo_jq.distributed import Roles, receive_object, send_object
+from nemo_jq.experience import Experience, RolloutsAhead, experience_from
+from nemo_jq.models.common import generator_device
 from nemo_jq.models.interfaces import RefittablePolicy, Rollout, require
+from nemo_jq.objectives import Need, ObjectiveSpec
 from nemo_jq.rollouts.budget import BudgetedRollouts
 from nemo_jq.rollouts.process import engine_device
 from nemo_jq.rollouts.refit import share_object
@@ -56,6 +63,13 @@ class RemoteRollouts:
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
+        self.request(prompts, num_samples, sample_answers=sample_answers, generator=generator, greedy=greedy)
+        return self.collect()[0]
+
+    def request(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
+                generator: torch.Generator, greedy: bool = False) -> None:
+        """Send the weights if they moved, then this replica's request; the rollout rank samples it meanwhile, and
+        :meth:`collect` takes the rollouts (one request in flight at a time)."""
         import torch.distributed as dist
 
         self._sync()
@@ -64,17 +78,26 @@ class RemoteRollouts:
             for server in range(self.roles.rollout):
                 send_object(bridge, ("generate", self.leads[server::self.roles.rollout]), self.roles.training + server,
                             device)
-        rollouts = None
         if dist.get_rank() == self.replica_lead:
             send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, generator.get_state()), self.server,
                         device)
-            rollouts, tokens, state = receive_object(bridge, self.server, device)
-            generator.set_state(state)
+        self._generator = generator
+
+    def collect(self) -> tuple[list[list[Rollout]], int, float]:
+        """The requested rollouts on every rank of the replica, the tokens they hold and the seconds the rollout rank
+        took; the request's generator moves as sampling moved it."""
+        import torch.distributed as dist
+
+        reply = None
+        if dist.get_rank() == self.replica_lead:
+            rollouts, tokens, state, seconds = receive_object(self.roles.bridge, self.server, self.roles.device)
+            self._generator.set_state(state)
             self.tokens_generated += tokens
+            reply = (rollouts, tokens, seconds)
         group = self.policy.model_parallel_group
         if group is not None and dist.get_world_size(group) > 1:  # the replica trains on its first rank's rollouts
-            rollouts = share_object(rollouts, self.replica_lead, group)
-        return rollouts
+            reply = share_object(reply, self.replica_lead, group)
+        return reply
 
     def _sync(self) -> None:
         """The weights to the rollout ranks if they moved: the first replica's ranks gather them (a collective over
@@ -144,8 +167,35 @@ class RolloutServer:
         prompts, num_samples, sample_answers, greedy, state = receive_object(bridge, lead, device)
         generator = torch.Generator(engine_device(self.engine))
         generator.set_state(state)
-        before = self.engine.tokens_generated
+        started, before = time.perf_counter(), self.engine.tokens_generated
         rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
                                         greedy=greedy)
-        send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state()), lead, device)
+        send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state(),
+                             time.perf_counter() - started), lead, device)
         self.served += 1
+
+
+class RolloutsAheadOnRanks(RolloutsAhead):
+    """One step off on the rollout ranks (``rollout.async_steps=1``): :meth:`submit` sends the weights θ_t (if they
+    moved) and step t+1's request, and returns; the rollout ranks sample it while this rank trains step t, and
+    :meth:`settle` takes the rollouts. Checkpoints carry the settled experience as :class:`RolloutsAhead`'s do."""
+
+    def __init__(self, components: Any):
+        self.components, self.engine, self.pending = components, components.engine, None
+
+    def submit(self, examples: list[Example], estimator: ObjectiveSpec, seed: int) -> None:
+        parts = self.components
+        generator = torch.Generator(generator_device(parts.device)).manual_seed(seed)
+        self.engine.request(parts.prompt_ids(examples), parts.config.rollout.num_samples,
+                            sample_answers=Need.SAMPLED_ANSWER_REWARD in estimator.needs, generator=generator)
+        self.pending = (examples, estimator)
+
+    def settle(self) -> Experience | None:
+        if isinstance(self.pending, tuple):
+            examples, estimator = self.pending
+            rollouts, tokens, seconds = self.engine.collect()
+            self.pending = experience_from(self.components, examples, estimator, rollouts, tokens, seconds)
+        return self.pending
+
+    def close(self) -> None:
+        self.settle()
