@@ -26,7 +26,7 @@ import torch
 from nemo_jq import distributed
 from nemo_jq.data import Example
 from nemo_jq.distributed import Roles, receive_object, send_object
-from nemo_jq.experience import Experience, RolloutsAhead, experience_from
+from nemo_jq.experience import RolloutsAhead
 from nemo_jq.models.common import generator_device
 from nemo_jq.models.interfaces import RefittablePolicy, Rollout, require
 from nemo_jq.objectives import Need, ObjectiveSpec
@@ -64,12 +64,12 @@ class RemoteRollouts:
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
         self.request(prompts, num_samples, sample_answers=sample_answers, generator=generator, greedy=greedy)
-        return self.collect()[0]
+        return self.result()[0]
 
     def request(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                 generator: torch.Generator, greedy: bool = False) -> None:
         """Send the weights if they moved, then this replica's request; the rollout rank samples it meanwhile, and
-        :meth:`collect` takes the rollouts (one request in flight at a time)."""
+        :meth:`result` takes the rollouts (one request in flight at a time)."""
         import torch.distributed as dist
 
         self._sync()
@@ -83,7 +83,7 @@ class RemoteRollouts:
                         device)
         self._generator = generator
 
-    def collect(self) -> tuple[list[list[Rollout]], int, float]:
+    def result(self) -> tuple[list[list[Rollout]], int, float]:
         """The requested rollouts on every rank of the replica, the tokens they hold and the seconds the rollout rank
         took; the request's generator moves as sampling moved it."""
         import torch.distributed as dist
@@ -182,6 +182,7 @@ class RolloutsAheadOnRanks(RolloutsAhead):
 
     def __init__(self, components: Any):
         self.components, self.engine, self.pending = components, components.engine, None
+        self.worker = self.engine  # whose result() settles the request, as a sampling process's does
 
     def submit(self, examples: list[Example], estimator: ObjectiveSpec, seed: int) -> None:
         parts = self.components
@@ -189,13 +190,6 @@ class RolloutsAheadOnRanks(RolloutsAhead):
         self.engine.request(parts.prompt_ids(examples), parts.config.rollout.num_samples,
                             sample_answers=Need.SAMPLED_ANSWER_REWARD in estimator.needs, generator=generator)
         self.pending = (examples, estimator)
-
-    def settle(self) -> Experience | None:
-        if isinstance(self.pending, tuple):
-            examples, estimator = self.pending
-            rollouts, tokens, seconds = self.engine.collect()
-            self.pending = experience_from(self.components, examples, estimator, rollouts, tokens, seconds)
-        return self.pending
 
     def close(self) -> None:
         self.settle()
