@@ -3,6 +3,11 @@ torchrun's variables into training and rollout ranks over gloo, against the same
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +119,25 @@ def test_placements_the_split_cannot_serve_are_one_line_errors(overrides, messag
 def test_a_split_that_leaves_no_trainer_is_named(tmp_path):
     with pytest.raises(Exception, match="rollout.ranks=1 leaves no training process among the 1"):
         run_in_processes(train_run, 1, tmp_path / "run", ["rollout.placement=separate"], 1, process_group=False)
+
+
+@pytest.mark.slow
+def test_the_documented_torchrun_command_trains_one_step_off_on_a_rollout_rank(tmp_path):
+    """docs/rollout_ranks.md's command, as written, with the tiny run's overrides and a run directory of the test's."""
+    from helpers import TINY_RUN
+    from megatron_cpu import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    (command,) = re.findall(r"```bash\n(torchrun .*)\n```", (root / "docs" / "rollout_ranks.md").read_text())
+    words = [w for w in shlex.split(command) if not w.startswith("train.run_dir=")]
+    run_dir = tmp_path / "separate"
+    words = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), *words[1:], *TINY_RUN,
+             "train.max_steps=2", f"train.run_dir={run_dir}"]
+    result = subprocess.run(words, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from nemo_jq.monitor import read_metrics
+
+    steps = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert [r["rollout_lag"] for r in steps] == [0, 1]
+    assert steps[0]["sync_bytes"] > 0 and "sync_bytes" not in steps[1]  # the last step sends no request ahead
