@@ -19,7 +19,7 @@ import torch
 
 from nemo_jq.cli import main
 from nemo_jq.config import load_config
-from nemo_jq.dryrun import GPUS, DoesNotFit, WrongDevice, check_fits, dry_run
+from nemo_jq.dryrun import GPUS, DoesNotFit, GpuProfile, WrongDevice, check_fits, dry_run, on_gpu
 from nemo_jq.dryrun.memory import MemoryTracker
 from nemo_jq.dryrun.world import GPU, MOST, FakeWorld
 from nemo_jq.models.interfaces import TokenBatch
@@ -183,3 +183,50 @@ def test_vllm_holds_its_configured_share_while_it_samples_and_no_copy_beside_the
     assert phases["rollout"]["most_by_kind_gib"]["vllm"] == pytest.approx(0.25 * 80, rel=1e-6)
     assert "vllm" not in phases["train"]["most_by_kind_gib"]  # it sleeps while the policy trains
     assert "sampler_copy" not in phases["build"]["most_by_kind_gib"] and "refit" in phases
+
+
+def without_timings(report: dict) -> dict:
+    """``report`` less what differs between two simulations of one run (seconds spent) or two GPUs (time bounds)."""
+    kept = {key: value for key, value in report.items() if key != "gpu"}
+    kept["phases"] = {name: {key: value for key, value in phase.items() if key not in ("simulated_in_s", "seconds_at_least")}
+                      for name, phase in report["phases"].items()}
+    return kept
+
+
+def small_row_chunked(tmp_path: Path):
+    from helpers import small_qwen3
+
+    model = small_qwen3(tmp_path / "model", layers=2, tied=True)
+    return load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
+                              "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=2",
+                              "eval.batch_size=4", "eval.num_samples=8", "model.logprob_chunk_size=128",
+                              "train.micro_batch_rows=4", "model.activation_checkpointing=true"])
+
+
+@pytest.mark.slow
+def test_skipping_repeated_row_chunks_changes_nothing_in_the_report(tmp_path):
+    """A micro-batch of 16 rows in chunks of 4: the scoring pass and the training pass each run 2 of their 4 chunks
+    and count the other 2 chunks' FLOPs; every peak, kind and FLOP count equals the run of all 4 (reusing the first
+    chunk's instead of the second's undercounts the training peak by the gradients it makes: seen failing)."""
+    config = small_row_chunked(tmp_path)
+    skipped = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32)
+    every = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, skip_repeats=False)
+    assert without_timings(skipped) == without_timings(every)
+    assert skipped["phases"]["train"]["flops"] > 0
+
+
+@pytest.mark.slow
+def test_another_gpu_of_the_same_memory_changes_only_the_time_bounds(tmp_path):
+    """What CI checks every config on: one simulation, on_gpu for the other profile, equal to simulating it there
+    (a GPU a million times slower than an H100, so that this small shape's bounds differ before rounding)."""
+    config = small_row_chunked(tmp_path)
+    slow = GpuProfile("a slow 80 GB GPU", 80.0, 1e9, 1e6)
+    h100 = dry_run(config, GPUS["h100-80gb"], prompt_tokens=32)
+    simulated = dry_run(config, slow, prompt_tokens=32)
+    moved = on_gpu(h100, config, slow)
+    assert without_timings(moved) == without_timings(simulated) == without_timings(h100)
+    assert moved["gpu"] == simulated["gpu"] and all(
+        moved["phases"][name]["seconds_at_least"] == phase["seconds_at_least"] for name, phase in simulated["phases"].items())
+    assert moved["phases"]["train"]["seconds_at_least"] > h100["phases"]["train"]["seconds_at_least"]
+    with pytest.raises(ValueError, match="not the 80.0 this report was simulated on"):
+        on_gpu(h100, config, GpuProfile("A100 40GB", 40.0, 312e12, 1.6e12))

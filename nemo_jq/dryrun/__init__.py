@@ -4,7 +4,7 @@
 kind; :mod:`.run` drives the run's own code through its phases and reports each one's peak, FLOPs and time bound.
 """
 
-from nemo_jq.dryrun.run import GPUS, DoesNotFit, GpuProfile, check_fits, dry_run, format_report
+from nemo_jq.dryrun.run import GPUS, DoesNotFit, GpuProfile, check_fits, dry_run, format_report, on_gpu
 from nemo_jq.dryrun.world import WrongDevice
 
-__all__ = ["GPUS", "DoesNotFit", "GpuProfile", "WrongDevice", "check_fits", "dry_run", "format_report"]
+__all__ = ["GPUS", "DoesNotFit", "GpuProfile", "WrongDevice", "check_fits", "dry_run", "format_report", "on_gpu"]

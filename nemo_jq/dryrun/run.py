@@ -15,6 +15,7 @@ resumed yet).
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import tempfile
@@ -31,6 +32,7 @@ from nemo_jq.data import Example, Splits
 from nemo_jq.dryrun.memory import KINDS, MemoryTracker
 from nemo_jq.dryrun.world import GPU, FakeWorld, patched
 from nemo_jq.models.backends import BackendRequest
+from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.objectives import Need
 from nemo_jq.rollouts import SAMPLERS
 from nemo_jq.rollouts.hf import NativeSampler
@@ -76,14 +78,17 @@ class DoesNotFit(ValueError):
 
 
 def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decode_steps: int = 2,
-            headroom: float = 0.9, world_size: int | None = None, ranks: list[int] | None = None) -> dict[str, Any]:
+            headroom: float = 0.9, world_size: int | None = None, ranks: list[int] | None = None,
+            skip_repeats: bool = True) -> dict[str, Any]:
     """The report of ``config``'s first step on ``gpu`` (see the module docstring); ``prompt_tokens``: the longest
-    prompt the data holds. ``model.backend=megatron``: ``ranks`` (default: :func:`.megatron.default_ranks`) of a world
-    of ``world_size`` GPUs (default: one replica), each simulated apart; the report's phases are the fullest one's."""
+    prompt the data holds; ``skip_repeats``: run a training chunk of a shape already seen twice only in its FLOPs
+    (the same report, sooner: ``_DryRun._repeats_skipped``). ``model.backend=megatron``: ``ranks`` (default:
+    :func:`.megatron.default_ranks`) of a world of ``world_size`` GPUs (default: one replica), each simulated apart;
+    the report's phases are the fullest one's."""
     usable = gpu.memory_gib * headroom
     report = {"gpu": asdict(gpu), "usable_gib": usable, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps}
     if config.model.backend != "megatron":
-        simulated = _simulate(config, gpu, prompt_tokens, decode_steps, None)
+        simulated = _simulate(config, gpu, prompt_tokens, decode_steps, None, skip_repeats)
         simulated["rank"] = "the one process of model.backend=hf: it samples and trains"
         return {**report, **simulated, "fits": simulated["peak_gib"] <= usable}
     from nemo_jq.dryrun import megatron
@@ -96,17 +101,18 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
     for rank in ranks:
         place = megatron.RankPlace.of(rank, layout, world_size)
         with megatron.as_rank(rank, world_size, layout):
-            by_rank[str(rank)] = {**_simulate(config, gpu, prompt_tokens, decode_steps, place), "rank": place.describe()}
+            by_rank[str(rank)] = {**_simulate(config, gpu, prompt_tokens, decode_steps, place, skip_repeats), "rank": place.describe()}
     fullest = max(by_rank.values(), key=lambda simulated: simulated["peak_gib"])
     return {**report, **fullest, "world_size": world_size, "ranks": by_rank, "fits": fullest["peak_gib"] <= usable}
 
 
-def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps: int, place: Any) -> dict[str, Any]:
+def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps: int, place: Any,
+              skip_repeats: bool) -> dict[str, Any]:
     """One process's (or simulated rank's) phases: each one's peak by kind, FLOPs, time bound and simulation time."""
     tracker = MemoryTracker(GPU.type)
     flops: dict[str, float] = {}
     with FakeWorld(tracker, decode_steps=decode_steps) as world, tempfile.TemporaryDirectory() as scratch:
-        run = _DryRun(config, world, Path(scratch), prompt_tokens, flops, gpu, place)
+        run = _DryRun(config, world, Path(scratch), prompt_tokens, flops, gpu, place, skip_repeats)
         run.first_step()
         shape, wall = run.shape, run.wall
     phases = {name: {"peak_gib": _gib(peak.peak), "by_kind_gib": {k: _gib(v) for k, v in peak.by_kind.items() if v},
@@ -117,6 +123,21 @@ def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps:
         phase["seconds_at_least"] = round(seconds_at_least(name, phase["flops"], shape, config, gpu), 3)
     worst = max(phases, key=lambda name: phases[name]["peak_gib"])
     return {"shape": shape, "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst}
+
+
+def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str, Any]:
+    """``report`` (of ``config``) as :func:`dry_run` makes it on ``gpu``, a GPU of the same memory, without simulating
+    again: what the run holds depends on the GPU's memory alone (what is usable, vLLM's share), so only the profile
+    and the time bounds differ (``tests/test_dryrun.py`` holds the two equal)."""
+    if gpu.memory_gib != report["gpu"]["memory_gib"]:
+        raise ValueError(f"{gpu.name} has {gpu.memory_gib} GiB, not the {report['gpu']['memory_gib']} this report was "
+                         "simulated on: dry-run it on that GPU")
+    moved = copy.deepcopy(report)
+    moved["gpu"] = asdict(gpu)
+    for simulated in [moved, *moved.get("ranks", {}).values()]:
+        for name, phase in simulated["phases"].items():
+            phase["seconds_at_least"] = round(seconds_at_least(name, phase["flops"], simulated["shape"], config, gpu), 3)
+    return moved
 
 
 def check_fits(report: dict[str, Any]) -> None:
@@ -202,14 +223,18 @@ class _DryRun:
     """One dry run's phases, in a run's order, each under the tracker's phase of the same name."""
 
     def __init__(self, config: Config, world: FakeWorld, scratch: Path, prompt_tokens: int, flops: dict[str, float],
-                 gpu: GpuProfile, place: Any = None):
+                 gpu: GpuProfile, place: Any = None, skip_repeats: bool = True):
         self.config, self.world, self.scratch, self.flops, self.gpu = config, world, scratch, flops, gpu
+        self.skip_repeats = skip_repeats
         #: The simulated Megatron rank (:class:`.megatron.RankPlace`); None: the hf backend's one process.
         self.place = place
         self.tracker = world.tracker
         self.prompt_tokens = prompt_tokens
         #: Seconds this process spent simulating each phase.
         self.wall: dict[str, float] = {}
+        #: The current phase's FLOP counter, and the FLOPs of the repeats each phase skipped (:meth:`_repeats_skipped`).
+        self.counter: FlopCounterMode | None = None
+        self.skipped_flops: dict[str, float] = {}
         self.model_dir = scratch / "model"
         self.model_dir.mkdir()
         self.hf_config = model_config(config, self.model_dir)
@@ -281,11 +306,13 @@ class _DryRun:
         outer, self.world.phase_name = self.world.phase_name, name
         started = time.perf_counter()
         with self.tracker.phase(name), total_flops_counter() as counter:
+            self.counter = counter
             try:
                 yield
             finally:
-                self.flops[name] = max(self.flops.get(name, 0.0), counter.get_total_flops())
-                self.world.phase_name = outer
+                counted = counter.get_total_flops() + self.skipped_flops.pop(name, 0.0)
+                self.flops[name] = max(self.flops.get(name, 0.0), counted)
+                self.world.phase_name, self.counter = outer, None
                 self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - started
 
     def _components(self):
@@ -370,10 +397,66 @@ class _DryRun:
         self._wrap(parts.engine, "generate", "rollout")
         self._wrap(trainer, "_learn", "train", label="activations")  # row chunks score every row first
         self._wrap(parts.policy, "optimizer_step", "optimizer_step", label="optimizer")
+        if self.skip_repeats:
+            self._repeats_skipped(parts.policy)
         sampler = _sampler(parts.engine)
         watching = contextlib.ExitStack()
         watching.enter_context(patched(sampler, "sample", self._full_budget(sampler)))
         return watching
+
+    def _repeats_skipped(self, policy) -> None:
+        """The training step's row chunks, each run only as often as its peak needs: the scoring pass's no-grad
+        calls, and the hf policy's forward/backward of each chunk (a loop of independent calls), run for real for
+        the first two chunks and for any of another shape. A later chunk of the second's shape meets exactly the
+        second's state (the first chunk's call made what persists: the scores' buffer, the gradients), so its peak is
+        the second's; its FLOPs, the second's, are added to the phase's. ``tests/test_dryrun.py`` holds the report
+        equal to one that runs every chunk."""
+        from nemo_jq.models.hf import HFPolicy
+
+        real_logprobs, real_forward_backward = policy.token_logprobs, policy.forward_backward
+        seen: dict[str, tuple] = {}  # per kind of call: the second call's batch shapes, FLOPs and result
+
+        def repeat_of(kind: str, batch: TokenBatch) -> tuple | None:
+            shapes = _shapes(batch)
+            known = seen.get(kind)
+            return known if known is not None and known[0] == shapes else None
+
+        def counted(kind: str, index: int, batch: TokenBatch, call) -> Any:
+            before = self.counter.get_total_flops()
+            result = call()
+            if index == 1:
+                seen[kind] = (_shapes(batch), self.counter.get_total_flops() - before, _like(result))
+            return result
+
+        scoring = iter(range(1 << 62))
+
+        def token_logprobs(batch: TokenBatch) -> torch.Tensor:
+            if torch.is_grad_enabled() or self.world.phase_name != "train" or self.counter is None:
+                return real_logprobs(batch)
+            index, repeat = next(scoring), repeat_of("score", batch)
+            if repeat is None:
+                return counted("score", index, batch, lambda: real_logprobs(batch))
+            self.skipped_flops["train"] = self.skipped_flops.get("train", 0.0) + repeat[1]
+            shape, dtype, device = repeat[2]
+            return torch.empty(shape, dtype=dtype, device=device)  # what the call returns, its values unknown anyway
+
+        def forward_backward(micro_batches, loss_fn) -> None:
+            if self.counter is None:
+                return real_forward_backward(micro_batches, loss_fn)
+            for index, micro in enumerate(micro_batches):
+                repeat = repeat_of("train", micro)
+                if repeat is not None:
+                    self.skipped_flops["train"] = self.skipped_flops.get("train", 0.0) + repeat[1]
+                    continue
+
+                def one(micro=micro, index=index):
+                    return real_forward_backward([micro], lambda logprobs, _: loss_fn(logprobs, index))
+
+                counted("train", index, micro, one)
+
+        policy.token_logprobs = token_logprobs
+        if type(policy).forward_backward is HFPolicy.forward_backward:  # its calls are independent, one per chunk
+            policy.forward_backward = forward_backward
 
     def _wrap(self, owner: Any, method: str, phase: str, label: str | None = None) -> None:
         real = getattr(owner, method)
@@ -448,6 +531,14 @@ class _DryRun:
                 "micro_batch_prompts": self.config.train.micro_batch_size, "sampled_answers": self.sampled_answers,
                 "sampler_weight_bytes": self.sampler_bytes,
                 "kv_bytes_per_token": 2 * 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim}
+
+
+def _shapes(batch: TokenBatch) -> tuple:
+    return tuple(None if tensor is None else tuple(tensor.shape) for tensor in vars(batch).values())
+
+
+def _like(result: Any) -> tuple | None:
+    return (tuple(result.shape), result.dtype, result.device) if isinstance(result, torch.Tensor) else None
 
 
 class ReservedShare:
