@@ -161,6 +161,9 @@ def world_size() -> int:
 
 
 def rank() -> int:
+    """This process's rank in its default group; in a split world (:class:`Roles`), its rank in torchrun's world."""
+    if _ROLES is not None:
+        return _ROLES.rank
     return dist.get_rank() if dist.is_initialized() else 0
 
 

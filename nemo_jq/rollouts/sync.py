@@ -32,10 +32,6 @@ class SyncStats:
     buckets: int
     seconds: float
 
-    def record(self) -> dict[str, float]:
-        """The step's metrics.jsonl fields."""
-        return {"sync_bytes": self.bytes, "sync_buckets": self.buckets, "sync_seconds": self.seconds}
-
 
 @dataclass(frozen=True)
 class _Piece:
