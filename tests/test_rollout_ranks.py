@@ -17,8 +17,6 @@ pytest.importorskip("megatron.core")  # megatron_cpu starts the ranks (and lets 
 from megatron_cpu import run_in_processes  # noqa: E402
 from nemo_jq.config import ConfigError, load_config  # noqa: E402
 
-pytestmark = pytest.mark.distributed
-
 #: What must be equal between the placements (no timings).
 KEYS = ("loss", "grad_norm", "rollout_tokens", "train_reward", "log_p_hat", "kl_k3", "logprob_gap")
 
@@ -51,6 +49,8 @@ def same_training(ours: list[dict], theirs: list[dict]) -> None:
         assert {k: mine.get(k) for k in KEYS} == {k: other.get(k) for k in KEYS}
 
 
+@pytest.mark.slow  # 20 s
+@pytest.mark.distributed
 def test_one_trainer_and_one_rollout_rank_train_as_one_colocated_process(tmp_path):
     """hf backend, native engine: the rollout rank samples what the trainer would have, from the synced weights."""
     both = ["objective.importance=truncate"]  # the separate engine has weights of its own: corrected either way
@@ -69,6 +69,7 @@ def test_one_trainer_and_one_rollout_rank_train_as_one_colocated_process(tmp_pat
 @pytest.mark.parametrize("layout", [[], pytest.param(["megatron.tensor_parallel=2"], marks=pytest.mark.slow)],
                          ids=["dp2", "tp2"])  # 17 s, 42 s
 @pytest.mark.megatron
+@pytest.mark.distributed
 def test_two_megatron_trainers_and_one_rollout_rank_train_as_colocated(layout, tmp_path):
     """megatron backend on two ranks, native engine. DP=2: the one rollout rank serves both replicas, each with its
     own generator's state. TP=2: the replica's two ranks gather each weight from their shards, the first sends it,
@@ -86,6 +87,7 @@ ONE_STEP_OFF = ["rollout.async_steps=1", "train.save_every=100"]
 
 
 @pytest.mark.slow  # 43 s: the colocated run's sampling process starts a Python of its own
+@pytest.mark.distributed
 def test_one_step_off_on_a_rollout_rank_equals_one_step_off_in_a_sampling_process(tmp_path):
     """async_steps=1: step t+1's request leaves before step t trains and is sampled from θ_t on the rollout rank while
     the trainer trains, as the colocated run's sampling process samples it from the same weights and seed."""
@@ -97,6 +99,8 @@ def test_one_step_off_on_a_rollout_rank_equals_one_step_off_in_a_sampling_proces
     assert server["result"]["served"] == 4 + 2  # the steps' requests, validation and test
 
 
+@pytest.mark.slow  # 11 s
+@pytest.mark.distributed
 def test_an_interrupted_one_step_off_run_on_a_rollout_rank_resumes_exactly(tmp_path):
     """The checkpoint at the stop carries the experience the rollout rank sampled ahead; new processes resume it."""
     separate = [*ONE_STEP_OFF, "rollout.placement=separate"]
@@ -116,12 +120,14 @@ def test_placements_the_split_cannot_serve_are_one_line_errors(overrides, messag
         load_config(None, ["rollout.placement=separate", *overrides])
 
 
+@pytest.mark.distributed
 def test_a_split_that_leaves_no_trainer_is_named(tmp_path):
     with pytest.raises(Exception, match="rollout.ranks=1 leaves no training process among the 1"):
         run_in_processes(train_run, 1, tmp_path / "run", ["rollout.placement=separate"], 1, process_group=False)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 30 s
+@pytest.mark.distributed
 def test_the_documented_torchrun_command_trains_one_step_off_on_a_rollout_rank(tmp_path):
     """docs/rollout_ranks.md's command, as written, with the tiny run's overrides and a run directory of the test's."""
     from helpers import TINY_RUN
