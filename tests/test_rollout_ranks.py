@@ -66,21 +66,26 @@ def test_one_trainer_and_one_rollout_rank_train_as_one_colocated_process(tmp_pat
     assert first["sync_bytes"] == second["sync_bytes"] > 0 and first["sync_seconds"] > 0
 
 
-@pytest.mark.parametrize("layout", [[], pytest.param(["megatron.tensor_parallel=2"], marks=pytest.mark.slow)],
-                         ids=["dp2", "tp2"])  # 17 s, 42 s
+@pytest.mark.parametrize("layout, rollout_ranks", [
+    ([], 1), pytest.param(["megatron.tensor_parallel=2"], 1, marks=pytest.mark.slow),
+    pytest.param([], 2, marks=pytest.mark.slow)], ids=["dp2", "tp2", "dp2-two-rollout-ranks"])  # 17 s, 42 s, 25 s
 @pytest.mark.megatron
 @pytest.mark.distributed
-def test_two_megatron_trainers_and_one_rollout_rank_train_as_colocated(layout, tmp_path):
-    """megatron backend on two ranks, native engine. DP=2: the one rollout rank serves both replicas, each with its
-    own generator's state. TP=2: the replica's two ranks gather each weight from their shards, the first sends it,
-    and shares the rollouts with the second. Either way the metrics equal the colocated run's on two ranks."""
+def test_two_megatron_trainers_and_rollout_ranks_train_as_colocated(layout, rollout_ranks, tmp_path):
+    """megatron backend on two ranks, native engine. DP=2: one rollout rank serves both replicas, each with its own
+    generator's state (or each replica has a rollout rank of its own). TP=2: the replica's two ranks gather each weight
+    from their shards, the first sends it, and shares the rollouts with the second. Either way the metrics equal the
+    colocated run's on two ranks."""
     megatron = ["model.backend=megatron", "objective.name=garl", *layout]
     colocated = run_in_processes(train_run, 2, tmp_path / "colocated", megatron, 2, process_group=False)[0]
-    separate = run_in_processes(train_run, 3, tmp_path / "separate", [*megatron, "rollout.placement=separate"], 2,
+    separate = run_in_processes(train_run, 2 + rollout_ranks, tmp_path / "separate",
+                                [*megatron, "rollout.placement=separate", f"rollout.ranks={rollout_ranks}"], 2,
                                 process_group=False)
     same_training(separate[0]["train"], colocated["train"])
     assert separate[0]["test"][0]["p@1"] == colocated["test"][0]["p@1"]
-    assert [rank.get("samples", False) for rank in separate] == [False, False, True]
+    assert [rank.get("samples", False) for rank in separate] == [False, False] + [True] * rollout_ranks
+    served = [rank["result"]["served"] for rank in separate[2:]]
+    assert served == ([2 * 4] if rollout_ranks == 1 else [4, 4])  # each replica's 2 steps, validation and test
 
 
 ONE_STEP_OFF = ["rollout.async_steps=1", "train.save_every=100"]
