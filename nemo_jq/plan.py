@@ -21,8 +21,9 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   context parallelism (``context_parallel``, CP) leaves each rank ``seq_len / CP`` of every sequence's tokens,
   and shards the distributed optimizer's state over DP x CP;
 * the log-prob head projects ``model.logprob_chunk_size`` positions at a time (both backends), in forward and again
-  in backward: it holds the fp32 gradients of the hidden states (``micro_batch x seq_len / CP`` positions, whole on
-  every TP rank) and of its ``V/TP`` x hidden weight slice, and two fp32 chunks of logits;
+  in backward: it holds the gradient of the hidden states (``micro_batch x seq_len / CP`` positions, whole on every TP
+  rank; fp32 under hf, bf16 under megatron) and the fp32 gradient of its ``V/TP`` x hidden weight slice, with its
+  loop's chunks of logits or, with bf16 weights, that gradient's bf16 copy it returns (whichever is larger);
 * rollouts, by ``rollout_engine``: ``native``/``hf`` decode one bf16 HF copy of the whole model on each replica's
   sampling rank (the rank this estimate is for: the layout's fullest; with ``model.backend=hf`` the policy's own
   model, or an fp32 copy one step ahead) with a bf16 KV cache of at most ``kv_cache_tokens`` tokens
@@ -241,10 +242,18 @@ def hf_activation_bytes(arch: Qwen3Architecture, work: Workload) -> float:
 
 
 def logprob_head_bytes(arch: Qwen3Architecture, work: Workload, tp: int = 1) -> float:
-    """The chunked log-prob kernel in backward: its fp32 gradients of the hidden states and of the head's weight (its
-    ``V/TP`` slice), and two fp32 chunks of logits."""
-    vocab = math.ceil(arch.vocab_size / tp)
-    return 4 * work.tokens_per_rank * arch.hidden_size + 4 * vocab * arch.hidden_size + 2 * 4 * work.logprob_chunk * vocab
+    """The chunked log-prob kernel in backward, as the dry run counts it. hf: fp32 weights and hidden states, so the
+    fp32 gradients of both and two fp32 chunks of logits. Megatron: bf16 hidden states (its norms run under
+    autocast), so their bf16 gradient, the fp32 gradient of the head's ``V/TP`` slice, the slice's bf16 copy where
+    the weights are fp32 (the products run in bf16), and the larger of the loop's chunks (the last chunk's fp32
+    gradient, the next one's bf16 product and its fp32 copy) and, with bf16 weights, the gradient's bf16 copy the
+    kernel returns once the loop is done (at 8B TP=2 the larger: 0.58 GiB)."""
+    vocab, h, tokens, chunk = math.ceil(arch.vocab_size / tp), arch.hidden_size, work.tokens_per_rank, work.logprob_chunk
+    if work.backend == "hf":
+        return 4 * tokens * h + 4 * vocab * h + 2 * 4 * chunk * vocab
+    bf16_weights = OPTIMIZER_MODES[work.optimizer][0] == 2
+    held = 2 * tokens * h + 4 * vocab * h + (0 if bf16_weights else 2 * vocab * h)
+    return held + max((4 + 2 + 4) * chunk * vocab, 2 * vocab * h if bf16_weights else 0)
 
 
 def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float,

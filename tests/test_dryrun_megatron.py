@@ -59,10 +59,24 @@ def test_plan_activations_agree_with_the_dry_run(tmp_path):
     assert 0.9 <= against_plan(report, config)["activations"]["plan_over_dry_run"] <= 1.1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16_weights", ["true", "false"])
+def test_plan_log_prob_head_agrees_with_the_dry_run(tmp_path, bf16_weights):
+    """The last stage's log-prob head in backward: the hidden states' bf16 gradient, the fp32 gradient of the head's
+    V/TP slice and its bf16 copy returned (bf16 weights), or the slice's bf16 copy for the products (fp32 weights).
+    A small chunk and short rows make those copies count, as at 8B (plan counted fp32 hidden-state gradients and
+    neither copy: 0.85 of the dry run at 8B, 0.82 and 0.74 here)."""
+    config = small_config(tmp_path, "rollout.engine=vllm", f"megatron.bf16_weights={bf16_weights}",
+                          "model.logprob_chunk_size=16")
+    report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, world_size=8, ranks=[4])
+    assert 0.95 <= against_plan(report, config)["logprob_head"]["plan_over_dry_run"] <= 1.05
+
+
 def test_the_command_simulates_the_sampling_rank_and_refuses_one_that_waits_for_rollouts(tmp_path, capsys):
-    """rollout.engine=native at TP=2 DP=2: rank 0 holds the one HF copy and its KV cache (as plan says); rank 1 would
-    receive its replica's rollouts from rank 0, which the fake group cannot carry: one line, exit 2. So would a
-    pipeline's refit of that copy (every stage's weight names): refused too."""
+    """rollout.engine=native at TP=2 DP=2: rank 0 holds the one HF copy and its KV cache (as plan says); rank 1 samples
+    none: it holds no copy (its sampler's weights are on the meta device) and no KV cache, and trains on the rollouts
+    rank 0 sends, which the dry run makes as rank 0's own. A pipeline's refit of that copy names every stage's
+    weights from the other stages (an object the fake group cannot carry): refused in one line."""
     model = small_qwen3(tmp_path / "model", layers=4, tied=False)  # untied, as the 8B's
     out = tmp_path / "dry.json"
     layout = [key for key in LAYOUT if not key.startswith("megatron.pipeline_parallel")]
@@ -70,16 +84,32 @@ def test_the_command_simulates_the_sampling_rank_and_refuses_one_that_waits_for_
               "rollout.engine=native", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
               "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=1",
               "train.micro_batch_rows=4", "eval.batch_size=4", "eval.num_samples=8"]
-    assert main([*common, "--json", str(out)]) == 0
+    assert main([*common, "--ranks", "0,1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert list(report["ranks"]) == ["0"] and "peak:" in capsys.readouterr().out
+    assert list(report["ranks"]) == ["0", "1"] and "peak:" in capsys.readouterr().out
     config = load_config(None, common[5:])
     rows = against_plan(report, config)
     assert 0.9 <= rows["rollout_copy"]["plan_over_dry_run"] <= 1.1, rows
-    assert report["phases"]["rollout"]["most_by_kind_gib"]["kv_cache"] > 0
-    assert main([*common, "--ranks", "1"]) == 2
-    error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and "--ranks 1" in error and "rollout.engine=vllm" in error
+    sampling, idle = report["ranks"]["0"]["phases"], report["ranks"]["1"]["phases"]
+    assert sampling["rollout"]["most_by_kind_gib"]["kv_cache"] > 0 and sampling["rollout"]["most_by_kind_gib"]["sampler_copy"] > 0
+    assert not {"kv_cache", "sampler_copy"} & {kind for phase in idle.values() for kind in phase["most_by_kind_gib"]}
+    assert idle["train"]["most_by_kind_gib"]["activations"] == sampling["train"]["most_by_kind_gib"]["activations"]
     assert main([*common, "megatron.pipeline_parallel=2"]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "megatron.pipeline_parallel=2 is not dry-run yet" in error
+
+
+def test_a_rank_that_samples_none_has_no_sampler_to_call(tmp_path, monkeypatch):
+    """Were rank 1's native sampler called (here: an engine that takes every rank of the replica for a sampling one),
+    the dry run fails naming the rank: its copy of the weights is absent."""
+    from nemo_jq.dryrun import WrongDevice
+    from nemo_jq.rollouts.refit import RefittedRolloutEngine
+
+    model = small_qwen3(tmp_path / "model", layers=2, tied=False)
+    layout = [key for key in LAYOUT if not key.startswith("megatron.pipeline_parallel")]
+    config = load_config(None, [f"model.path={model}", *layout, "rollout.engine=native", "rollout.num_samples=4",
+                                "rollout.max_thinking_tokens=16", "rollout.max_answer_tokens=4", "train.batch_size=2",
+                                "train.micro_batch_size=1", "eval.batch_size=2", "eval.num_samples=4"])
+    monkeypatch.setattr(RefittedRolloutEngine, "_sampling_ranks", lambda self: [0, 1])
+    with pytest.raises(WrongDevice, match="phase rollout: rank 1: .* samples nothing .* its sampler was called"):
+        dry_run(config, GPUS["a100-80gb"], prompt_tokens=16, world_size=2, ranks=[1])

@@ -71,8 +71,6 @@ def check_ranks(config: Any, ranks: list[int], world_size: int) -> None:
                          f"{config.megatron.pipeline_parallel} is not dry-run yet: its refit names every stage's weights "
                          "from the other stages (an object the fake process group cannot carry); dry-run "
                          "rollout.engine=vllm, or megatron.pipeline_parallel=1")
-    for rank in ranks:
-        check_samples(config, RankPlace.of(rank, config.megatron, world_size))
 
 
 @contextlib.contextmanager
@@ -168,7 +166,8 @@ class _ObjectCollectives:
     at a time have the largest, the embedding's or the LM head's, on either stage). ``all_gather_object`` fills every
     rank's slot with this rank's object; ``broadcast_object_list`` leaves the list as this rank holds it. A replica's
     rollouts, which its first rank sends to the others, are this rank's own: vLLM samples on every rank, in lockstep,
-    the same prompts with the same seeds (a rank that samples nothing is refused before: :func:`check_samples`).
+    the same prompts with the same seeds; a rank that samples none (the native or hf sampler's replicas but their
+    first rank) is sent what the sampling rank's dry run samples (``run._DryRun._rollouts_from_the_sampling_rank``).
     """
 
     def __enter__(self) -> _ObjectCollectives:
@@ -195,23 +194,13 @@ def _broadcast_own_objects(object_list: list, src: int | None = None, group: Any
 
 def _own_rollouts(rollouts: Any, source: int, group: Any) -> Any:
     if rollouts is None:
-        raise AssertionError("a rank that samples nothing was simulated (check_samples refuses it)")
+        raise AssertionError("a rank that samples none waits for its rollouts (the dry run stands in its sampling rank)")
     return rollouts
 
 
 def samples(config: Any, place: RankPlace) -> bool:
     """Whether ``place`` samples: every rank with vLLM (lockstep under torchrun), else each replica's first rank."""
     return config.rollout.engine == "vllm" or place.tensor_parallel == place.context_parallel == place.pipeline_stage == 0
-
-
-def check_samples(config: Any, place: RankPlace) -> None:
-    """A rank that does not sample receives its replica's rollouts from the one that does: values a fake group cannot
-    carry, so the dry run simulates only ranks that sample."""
-    if not samples(config, place):
-        raise ValueError(f"--ranks {place.rank}: with rollout.engine={config.rollout.engine} only the first rank of each "
-                         "replica samples, and this one would wait for its rollouts, which the dry run's fake process "
-                         "group cannot carry: simulate a replica's first rank (--ranks 0), or rollout.engine=vllm "
-                         "(every rank samples)")
 
 
 @contextlib.contextmanager

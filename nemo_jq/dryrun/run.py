@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from nemo_jq.config import Config
 from nemo_jq.data import Example, Splits
 from nemo_jq.dryrun.memory import KINDS, MemoryTracker
-from nemo_jq.dryrun.world import GPU, FakeWorld, patched
+from nemo_jq.dryrun.world import GPU, FakeWorld, WrongDevice, patched
 from nemo_jq.models.backends import BackendRequest
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.objectives import Need
@@ -399,6 +399,8 @@ class _DryRun:
         self._wrap(parts.policy, "optimizer_step", "optimizer_step", label="optimizer")
         if self.skip_repeats:
             self._repeats_skipped(parts.policy)
+        if not self.samples:
+            self._rollouts_from_the_sampling_rank(parts.engine)
         sampler = _sampler(parts.engine)
         watching = contextlib.ExitStack()
         watching.enter_context(patched(sampler, "sample", self._full_budget(sampler)))
@@ -458,6 +460,23 @@ class _DryRun:
         if type(policy).forward_backward is HFPolicy.forward_backward:  # its calls are independent, one per chunk
             policy.forward_backward = forward_backward
 
+    def _rollouts_from_the_sampling_rank(self, engine) -> None:
+        """A Megatron rank that samples none (``rollout.engine`` native or hf: each replica's first rank samples)
+        receives its replica's rollouts, values the fake process group cannot carry: they are the ones the sampling
+        rank's dry run makes (every row to its full budget), made here by the engine's own code from a stand-in for
+        that rank's sampler. This rank's own sampler, whose weights are absent (the meta device), is never called."""
+        real_generate = engine.generate
+
+        def generate(prompts, num_samples, **kwargs):
+            def sent_by_the_sampling_rank(rollouts, source, group):
+                with patched(engine.engine, "sampler", _SamplingRank(engine.engine.sampler)):
+                    return engine.engine.generate(prompts, num_samples, **kwargs)
+
+            with patched(engine, "_share", sent_by_the_sampling_rank):
+                return real_generate(prompts, num_samples, **kwargs)
+
+        engine.generate = generate
+
     def _wrap(self, owner: Any, method: str, phase: str, label: str | None = None) -> None:
         real = getattr(owner, method)
 
@@ -479,6 +498,10 @@ class _DryRun:
             return contextlib.nullcontext()
 
         def sample(prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
+            if not self.samples:
+                raise WrongDevice(f"phase {self.world.phase_name}: {self.place.describe()} samples nothing "
+                                  f"(rollout.engine={self.config.rollout.engine}: each replica's first rank samples) and "
+                                  "holds its sampler's weights on the meta device, yet its sampler was called")
             chunk = prompts
             if hasattr(sampler, "prompts_per_chunk"):
                 chunk = prompts[:sampler.prompts_per_chunk(prompts, num_samples, max_new_tokens)]
@@ -531,6 +554,20 @@ class _DryRun:
                 "micro_batch_prompts": self.config.train.micro_batch_size, "sampled_answers": self.sampled_answers,
                 "sampler_weight_bytes": self.sampler_bytes,
                 "kv_bytes_per_token": 2 * 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim}
+
+
+class _SamplingRank:
+    """A replica's sampling rank, as a rank that samples none sees it: the rollouts it sends, every row to its full
+    budget (as that rank's own dry run samples them); the sampler's other attributes are this rank's."""
+
+    def __init__(self, sampler: Any):
+        self.sampler = sampler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sampler, name)
+
+    def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
+        return full_budget_samples(prompts, num_samples, max_new_tokens)
 
 
 def _shapes(batch: TokenBatch) -> tuple:
