@@ -12,6 +12,9 @@
 5. ``sampler_profile``: the native sampler's decode tokens/s at the 0.6B shape (64 prompts x M=8, 64 tokens), with
    the attention it asks for and with torch's own choice (cuDNN), and the plain loop's, against the bandwidth bound;
    where its time goes (torch.profiler).
+6. ``sync``: the weight sync of ``rollout.placement=separate`` (``nemo_jq/rollouts/sync.py``) in one process, its
+   broadcasts a loopback (one GPU cannot hold both ends of an NCCL group): the policy's weights packed into
+   256 MiB buckets, each bucket copied once as a broadcast would, unpacked and loaded into the sampler's copy.
 4. ``sampler``: ``bench/rollouts.py --gpu``: the native sampler's decode tokens/s at the 0.6B shape (64 prompts x
    M=8, a 256-token budget) against the memory-bandwidth bound.
 
@@ -61,7 +64,8 @@ def main() -> None:
              "one_step_off": lambda: one_step_off(args),
              "refit": lambda: refit_bytes_per_second(folder, args.device),
              "sampler": lambda: sampler_against_bound(args, tiny),
-             "sampler_profile": lambda: sampler_profile(folder, args.device, 4 if tiny else 64)}
+             "sampler_profile": lambda: sampler_profile(folder, args.device, 4 if tiny else 64),
+             "sync": lambda: sync_bytes_per_second(folder, args.device)}
     for name, part in ((name, parts[name]) for name in args.parts):
         started = time.perf_counter()
         try:
@@ -195,6 +199,63 @@ def refit_bytes_per_second(folder: Path, device: str) -> dict:
     best = min(seconds)
     return {"policy_bytes_read": sent, "sampler_bytes_written": received, "refit_seconds": seconds,
             "read_plus_written_bytes_per_s": (sent + received) / best}
+
+
+class _Loopback:
+    """A process group of one process playing the source and the receiver in turn: the source's broadcasts are
+    queued as copies (the bytes a broadcast moves), the receiver's take them in order."""
+
+    class _Done:
+        def wait(self) -> None:
+            return None
+
+    def __init__(self):
+        import collections
+
+        self.queue = collections.deque()
+        self.sending = True
+
+    def broadcast(self, tensor, root: int):
+        if self.sending:
+            self.queue.append(tensor.clone())
+        else:
+            tensor.copy_(self.queue.popleft())
+        return self._Done()
+
+
+def sync_bytes_per_second(folder: Path, device: str) -> dict:
+    """The policy's weights through :class:`nemo_jq.rollouts.sync.WeightSync` into the sampler's bf16 copy, timed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nemo_jq.config import RolloutConfig
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.rollouts.hf import NativeSampler
+    from nemo_jq.rollouts.sync import WeightSync
+
+    device = torch.device(device)
+    policy = HFPolicy(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), device=device, precision="bf16")
+    sampler = NativeSampler(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device), pad_id=0,
+                            device=device)
+    bucket_bytes = RolloutConfig().bucket_bytes()
+    rounds = []
+    for _ in range(3):
+        group = _Loopback()
+        sync = WeightSync(group, source=0, bucket_bytes=bucket_bytes, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        sent = sync.send(policy.iter_hf())
+        group.sending = False
+        received = WeightSync(group, source=0, bucket_bytes=bucket_bytes, device=device)
+        started = time.perf_counter()
+        sampler.load_weights(received.receive())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rounds.append({"bytes": sent.bytes, "buckets": sent.buckets, "send_seconds": sent.seconds,
+                       "receive_and_load_seconds": time.perf_counter() - started})
+    best = min(rounds, key=lambda r: r["send_seconds"] + r["receive_and_load_seconds"])
+    return {"bucket_bytes": bucket_bytes, "rounds": rounds,
+            "bytes_per_s": best["bytes"] / (best["send_seconds"] + best["receive_and_load_seconds"])}
 
 
 def sampler_against_bound(args, tiny: bool) -> dict:

@@ -172,11 +172,11 @@ def test_async_rollouts_quick_run_compares_both_modes_per_method(bench_run):
 
 def test_real_gpu_check_runs_its_host_parts_at_the_tiny_shape(tmp_path):
     """bench/real_gpu.py, the GPU check, on the host at the tiny shape: the real run and the dry run of one config side
-    by side (no CUDA peak here to hold against it), and the refit's bytes."""
+    by side (no CUDA peak here to hold against it), and the bytes of the refit and of the bucketed sync."""
     from helpers import qwen3_tokenizer_dir
 
     done = subprocess.run([sys.executable, "bench/real_gpu.py", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
-                           "--tokenizer", str(qwen3_tokenizer_dir()), "--device", "cpu", "--parts", "train", "refit"],
+                           "--tokenizer", str(qwen3_tokenizer_dir()), "--device", "cpu", "--parts", "train", "refit", "sync"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "real_gpu.json").read_text())
@@ -185,3 +185,4 @@ def test_real_gpu_check_runs_its_host_parts_at_the_tiny_shape(tmp_path):
     assert [step["step"] for step in train["steps"]] == [1] and train["steps"][0]["gpu_peak_gib"] is None  # the host
     assert train["dry_run_step_peak_gib"] == max(train["dry_run_phases_gib"][p] for p in ("rollout", "train", "optimizer_step"))
     assert refit["sampler_bytes_written"] * 2 == refit["policy_bytes_read"]  # fp32 policy into the bf16 copy
+    assert all(r["bytes"] == refit["policy_bytes_read"] and r["buckets"] >= 1 for r in report["sync"]["rounds"])  # tied head once

@@ -151,6 +151,15 @@ def test_sampling_is_reproducible_and_samples_by_the_inverse_cdf():
         assert truncated.gather(1, tokens[:, None]).isfinite().all()
 
 
+def test_the_hf_policys_weight_stream_sends_a_tied_head_once():
+    """As Megatron's stream does: the engines take a tied head from the embedding, and over the weight sync the
+    duplicate was a fifth of Qwen3-0.6B's bytes (bench/real_gpu.py)."""
+    _, model, _ = _ragged_setup()
+    assert model.config.tie_word_embeddings
+    names = [name for name, _ in HFPolicy(model, device=CPU).iter_hf()]
+    assert "lm_head.weight" not in names and len(names) == len(set(names)) == len(model.state_dict()) - 1
+
+
 def test_refitted_engine_samples_from_the_policys_weights_after_each_step():
     chat, model, prompts = _ragged_setup()
     policy = HFPolicy(model, device=CPU, lr=1e-2)
