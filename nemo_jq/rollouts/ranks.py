@@ -19,6 +19,7 @@ its rollouts are taken when step t+1 starts: the rollout ranks sample while the 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
@@ -32,7 +33,7 @@ from nemo_jq.models.interfaces import RefittablePolicy, Rollout, require
 from nemo_jq.objectives import Need, ObjectiveSpec
 from nemo_jq.rollouts.budget import BudgetedRollouts
 from nemo_jq.rollouts.process import engine_device
-from nemo_jq.rollouts.refit import share_object
+from nemo_jq.rollouts.refit import reporting_chunks, share_in_chunks, share_object
 from nemo_jq.rollouts.sync import SyncStats, WeightSync
 
 #: The first training rank: it sends the weights and the commands.
@@ -63,13 +64,17 @@ class RemoteRollouts:
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
-        self.request(prompts, num_samples, sample_answers=sample_answers, generator=generator, greedy=greedy)
+        self.request(prompts, num_samples, sample_answers=sample_answers, generator=generator, greedy=greedy,
+                     waited_for=True)
         return self.result()[0]
 
     def request(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
-                generator: torch.Generator, greedy: bool = False) -> None:
+                generator: torch.Generator, greedy: bool = False, waited_for: bool = False) -> None:
         """Send the weights if they moved, then this replica's request; the rollout rank samples it meanwhile, and
-        :meth:`result` takes the rollouts (one request in flight at a time)."""
+        :meth:`result` takes the rollouts (one request in flight at a time). ``waited_for``: the replica waits for
+        them at once, so the rollout rank reports each chunk of its sampling (the replica's ranks then wait one chunk
+        at a time in each collective, never a whole call, which at 8B outlasts ``train.collective_timeout_minutes``);
+        a request sent ahead is not waited for, and a report would stall the sampling until it was taken."""
         import torch.distributed as dist
 
         self._sync()
@@ -79,8 +84,8 @@ class RemoteRollouts:
                 send_object(bridge, ("generate", self.leads[server::self.roles.rollout]), self.roles.training + server,
                             device)
         if dist.get_rank() == self.replica_lead:
-            send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, generator.get_state()), self.server,
-                        device)
+            send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, generator.get_state(), waited_for),
+                        self.server, device)
         self._generator = generator
 
     def result(self) -> tuple[list[list[Rollout]], int, float]:
@@ -88,16 +93,18 @@ class RemoteRollouts:
         took; the request's generator moves as sampling moved it."""
         import torch.distributed as dist
 
+        group = self.policy.model_parallel_group
+        shared = group is not None and dist.get_world_size(group) > 1  # the replica trains on its first rank's rollouts
         reply = None
         if dist.get_rank() == self.replica_lead:
-            rollouts, tokens, state, seconds = receive_object(self.roles.bridge, self.server, self.roles.device)
+            while (message := receive_object(self.roles.bridge, self.server, self.roles.device)) is None:
+                if shared:  # a chunk sampled: the replica's other ranks wait for the next
+                    share_object(None, self.replica_lead, group)
+            rollouts, tokens, state, seconds = message
             self._generator.set_state(state)
             self.tokens_generated += tokens
             reply = (rollouts, tokens, seconds)
-        group = self.policy.model_parallel_group
-        if group is not None and dist.get_world_size(group) > 1:  # the replica trains on its first rank's rollouts
-            reply = share_object(reply, self.replica_lead, group)
-        return reply
+        return share_in_chunks(reply, self.replica_lead, group) if shared else reply
 
     def _sync(self) -> None:
         """The weights to the rollout ranks if they moved: the first replica's ranks gather them (a collective over
@@ -161,15 +168,17 @@ class RolloutServer:
                 self._answer(lead)
 
     def _answer(self, lead: int) -> None:
-        """Sample one replica's request with its generator's state; send back the rollouts, the tokens sampled and
-        the generator's state after them."""
+        """Sample one replica's request with its generator's state (an empty message after each chunk, when the replica
+        waits for it); send back the rollouts, the tokens sampled, the generator's state after them and the seconds."""
         bridge, device = self.roles.bridge, self.roles.device
-        prompts, num_samples, sample_answers, greedy, state = receive_object(bridge, lead, device)
+        prompts, num_samples, sample_answers, greedy, state, waited_for = receive_object(bridge, lead, device)
         generator = torch.Generator(engine_device(self.engine))
         generator.set_state(state)
         started, before = time.perf_counter(), self.engine.tokens_generated
-        rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
-                                        greedy=greedy)
+        with reporting_chunks(self.engine, lambda: send_object(bridge, None, lead, device)) if waited_for else \
+                nullcontext():
+            rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
+                                            greedy=greedy)
         send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state(),
                              time.perf_counter() - started), lead, device)
         self.served += 1

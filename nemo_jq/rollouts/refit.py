@@ -44,7 +44,7 @@ class RefittedRolloutEngine:
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
         """The replica's rollouts on each of its ranks: its sampling ranks' (:meth:`_sampling_ranks`) own. A rank that
-        samples none waits for them in one collective per chunk of the sampler's work (:meth:`_share`), never in one
+        samples none waits for them in one collective per chunk of the sampler's work (:func:`share_in_chunks`), never in one
         for the whole call, which at 8B outlasts the collective timeout (``train.collective_timeout_minutes``)."""
         import torch.distributed as dist
 
@@ -55,36 +55,11 @@ class RefittedRolloutEngine:
             self._refit(samplers)
             if samplers is None or dist.get_rank() in samplers:
                 waited_for = shared and dist.get_world_size(group) > len(samplers)
-                with self._reporting_chunks(lambda: share_object(None, samplers[0], group)) if waited_for else nullcontext():
+                with reporting_chunks(self.engine, lambda: share_object(None, samplers[0], group)) if waited_for else \
+                        nullcontext():
                     rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers,
                                                     generator=generator, greedy=greedy)
-        return self._share(rollouts, samplers[0], group) if shared else rollouts
-
-    @contextmanager
-    def _reporting_chunks(self, report: Callable[[], None]) -> Iterator[None]:
-        """While it lasts, the engine's sampler calls ``report`` after each chunk of its work (:class:`ChunkReporting`);
-        an engine without a sampler (a plugin's own) reports nothing, and its whole call is one chunk."""
-        sampler = getattr(self.engine, "sampler", None)
-        if sampler is None:
-            yield
-            return
-        self.engine.sampler = ChunkReporting(sampler, report)
-        try:
-            yield
-        finally:
-            self.engine.sampler = sampler
-
-    @staticmethod
-    def _share(rollouts: list[list[Rollout]] | None, source: int, group: Any) -> list[list[Rollout]]:
-        """``source``'s rollouts on every rank of ``group``. ``source`` sends an empty message after each chunk of
-        its sampling (:meth:`_reporting_chunks`), then the rollouts; a rank that samples none takes every message, so
-        that it waits at most one chunk in each; another sampling rank has taken the empty ones while it sampled."""
-        import torch.distributed as dist
-
-        message = share_object((rollouts,) if dist.get_rank() == source else None, source, group)
-        while message is None:
-            message = share_object(None, source, group)
-        return message[0]
+        return share_in_chunks(rollouts, samplers[0], group) if shared else rollouts
 
     def _sampling_ranks(self) -> list[int] | None:
         """The global ranks of this replica that run the engine (None: one process)."""
@@ -134,6 +109,33 @@ class ChunkReporting:
                                           generator=generator, greedy=greedy)
             self.report()
         return groups
+
+
+@contextmanager
+def reporting_chunks(engine: BudgetedRollouts, report: Callable[[], None]) -> Iterator[None]:
+    """While it lasts, ``engine``'s sampler calls ``report`` after each chunk of its work (:class:`ChunkReporting`);
+    an engine without a sampler (a plugin's own) reports nothing, and its whole call is one chunk."""
+    sampler = getattr(engine, "sampler", None)
+    if sampler is None:
+        yield
+        return
+    engine.sampler = ChunkReporting(sampler, report)
+    try:
+        yield
+    finally:
+        engine.sampler = sampler
+
+
+def share_in_chunks(rollouts: Any, source: int, group: Any) -> Any:
+    """``source``'s rollouts on every rank of ``group``. ``source`` sends an empty message after each chunk of its
+    sampling (:func:`reporting_chunks`), then the rollouts; a rank that samples none takes every message, so that it
+    waits at most one chunk in each; another sampling rank has taken the empty ones while it sampled."""
+    import torch.distributed as dist
+
+    message = share_object((rollouts,) if dist.get_rank() == source else None, source, group)
+    while message is None:
+        message = share_object(None, source, group)
+    return message[0]
 
 
 def share_object(message: Any, source: int, group: Any) -> Any:
