@@ -48,15 +48,17 @@ COMMON = ["data.format=cold", "data.num_operands=3", "data.train_size=256", "dat
           "train.save_every=1000000", "train.keep_checkpoints=1"]
 #: The methods' phase from the warm policy: 6 epochs of 32 steps.
 SETTINGS = ["train.epochs=6"]
-#: The pre-phase: SFT on the gold rationales, up to 24 epochs (768 steps; it stops at the target).
+#: The pre-phase: SFT on the gold rationales, up to 24 epochs (768 steps; it stops at the target); it comes after the
+#: user's overrides, which set the rest (the model, the data) for both phases.
 WARMUP = ["objective.name=sft", "train.epochs=24"]
 #: The validation p@1 (percent) the warm-up stops at: operations' SFT passed 20 after 512 steps (seed 0), none's sooner.
 TARGET_P1 = 20.0
-#: A few-second version for the smoke test (its numbers mean nothing).
+#: A few-second version for the smoke test (its numbers mean nothing), with a warm-up of one epoch.
 QUICK = ["data.train_size=8", "data.validation_size=4", "data.test_size=4", "train.batch_size=4",
          "train.micro_batch_size=4", "train.epochs=1", "eval.every=1", "eval.num_samples=4",
          "rollout.max_thinking_tokens=3", "rollout.max_answer_tokens=3", "model.tiny.hidden_size=32",
          "model.tiny.intermediate_size=64"]
+QUICK_WARMUP = ["objective.name=sft", "train.epochs=1"]
 #: The rationale-dependence settings run by default.
 DEPENDENCES = ("none", "operations")
 #: A run has collapsed when its validation m@k falls below this share of its peak and stays there to the end.
@@ -183,7 +185,8 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence
         raise ConfigError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, plan))}")
     plan = {name: method for name, method in plan.items() if not only or name in only}
     size = QUICK if quick else []
-    phases = {"warm-up": [*COMMON, *WARMUP, *size, *overrides], "methods": [*COMMON, *SETTINGS, *size, *overrides]}
+    phases = {"warm-up": [*COMMON, *size, *overrides, *(QUICK_WARMUP if quick else WARMUP)],
+              "methods": [*COMMON, *SETTINGS, *size, *overrides]}
     for dependence in dependences:  # every configuration is checked before anything is written or trained
         load_config(None, [*phases["warm-up"], f"data.rationale_dependence={dependence}"])
         for method in plan.values():
