@@ -62,6 +62,9 @@ def test_rationale_dependence_keeps_the_default_task_and_sets_how_far_the_answer
             assert int(result) == total
         assert example.answer == str(total)  # the result of the operations the rationale writes
     assert operations.messages(example, "warm")[0]["content"].startswith("Replace each ?")
+    assert SyntheticArithmetic(answer_width=2, rationale_dependence="operations").splits(1, 1, 1, 0).train[0].answer == "06"
+    with pytest.raises(ValueError, match=r"answer_width=1 cannot hold operations answers of 3 digits \(up to 17\)"):
+        SyntheticArithmetic(answer_width=1, rationale_dependence="operations")
     with pytest.raises(ValueError, match="rationale_dependence must be one of none, sum, operations"):
         SyntheticArithmetic(rationale_dependence="all")
     assert load_config(None, ["data.rationale_dependence=operations"]).data.rationale_dependence == "operations"

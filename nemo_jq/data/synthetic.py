@@ -55,7 +55,8 @@ class SyntheticArithmetic:
         largest = {"none": 9, "sum": 9 * self.num_operands, "operations": 17}[self.rationale_dependence]
         widest = len(str(largest))
         if 0 < self.answer_width < widest:
-            raise ValueError(f"answer_width={self.answer_width} cannot hold the answers of {self.num_operands} digits "
+            what = "sums" if self.rationale_dependence == "sum" else f"{self.rationale_dependence} answers"
+            raise ValueError(f"answer_width={self.answer_width} cannot hold {what} of {self.num_operands} digits "
                              f"(up to {largest}): use 0 or at least {widest}")
 
     def splits(self, train_size: int, validation_size: int, test_size: int, seed: int) -> Splits:
