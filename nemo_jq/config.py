@@ -284,7 +284,7 @@ class Config:
             raise ConfigError(f"data.answer_width pads the synthetic sums; data.name={self.data.name} has its own answers: "
                               "drop data.answer_width")
         try:  # the synthetic task's own check of its knobs
-            SyntheticArithmetic(self.data.num_operands, self.data.answer_width)
+            SyntheticArithmetic(self.data.num_operands, self.data.answer_width, self.data.rationale_dependence)
         except ValueError as err:
             raise ConfigError(f"data.{err}") from None
         self._resolve_data()

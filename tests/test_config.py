@@ -125,3 +125,10 @@ def test_a_file_that_sets_a_key_under_both_names_is_refused(tmp_path):
     path.write_text("model:\n  tensor_parallel: 2\nmegatron:\n  tensor_parallel: 4\n")
     with pytest.raises(ConfigError, match="model.tensor_parallel and megatron.tensor_parallel are both set: keep megatron"):
         load_config(path)
+
+
+def test_the_synthetic_tasks_width_check_is_its_rationale_dependences():
+    """data.rationale_dependence=none answers one digit, which data.answer_width=1 holds; operations' do not fit."""
+    assert load_config(None, ["data.rationale_dependence=none", "data.answer_width=1"]).data.answer_width == 1
+    with pytest.raises(ConfigError, match="data.answer_width=1 cannot hold operations answers"):
+        load_config(None, ["data.rationale_dependence=operations", "data.answer_width=1"])
