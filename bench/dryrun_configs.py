@@ -1,8 +1,11 @@
 """The shipped configs at their real size: ``nemo-jq dryrun`` on every distinct workload under configs/.
 
-Configs that differ only in what the dry run cannot see (q, the dataset's name and sizes, the run directory) share
-one dry run. Each workload runs once (memory does not depend on the GPU); its time bounds are given for every GPU
-profile. Writes bench/results/dryrun_configs.json and prints a table.
+Configs that differ only in what the dry run cannot see (:data:`UNSEEN`: q, the learning rate, the dataset's name,
+format, source and sizes, the run directory, logging) share one dry run (:func:`workloads`). Each workload is
+simulated once, on the H100 profile, and given on every profile of :data:`nemo_jq.dryrun.GPUS` by
+:func:`nemo_jq.dryrun.on_gpu` (80 GB each: the same memory, other time bounds). A megatron config runs at its
+documented world (:data:`WORLD_SIZES`), on the dry run's default ranks. Writes bench/results/dryrun_configs.json and
+the table docs/results/dryrun_configs.md; ``tests/test_dryrun_configs.py`` runs the same workloads in CI.
 
     python bench/dryrun_configs.py [--prompt-tokens 1024] [--only qwen3_0p6b]
 """
@@ -14,28 +17,68 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from nemo_jq import plan
-from nemo_jq.config import load_config
-from nemo_jq.dryrun import GPUS, dry_run
-from nemo_jq.dryrun.run import against_plan, seconds_at_least
-from nemo_jq.objectives import Need, get_objective
+from nemo_jq.config import Config, load_config
+from nemo_jq.dryrun import GPUS, dry_run, on_gpu
+from nemo_jq.dryrun.run import against_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "dryrun_configs.json"
 TABLE = ROOT / "docs" / "results" / "dryrun_configs.md"
+#: The profile each workload is simulated on; the others are derived from it.
+SIMULATED_ON = "h100-80gb"
+#: Config keys (dotted; a section for all of its keys) no dry-run figure depends on: the stand-in task and
+#: tokenizer replace the data, the first step's memory and FLOPs do not read q or the learning rate. (The
+#: evaluation's time bound reads data.validation_size: :func:`on_gpu` and the table take each workload's first config's.)
+UNSEEN = ("data.name", "data.format", "data.source", "data.hub_config", "data.prepared_dir", "data.on_bad_row",
+          "data.train_size", "data.validation_size", "data.test_size", "data.seed", "objective.q", "optim.lr",
+          "train.run_dir", "train.epochs", "train.max_steps", "train.seed", "train.save_every",
+          "train.keep_checkpoints", "train.tensorboard", "eval.every", "tracking")
+#: The GPUs each megatron config's layout is documented for (configs/paper_runs.py's node of eight for the 8B paper
+#: runs; the 32B example's 16 nodes, in its own header): the dry run's world, so DP is the one the run has.
+WORLD_SIZES = {"configs/qwen3_8b/": 8, "configs/examples/qwen3_32b_": 128}
 
 
-def workload_key(config) -> tuple:
-    """What a dry run's numbers depend on."""
-    needs = get_objective(config.objective.name).needs
-    return (config.model.path, config.model.backend, config.rollout.num_samples, config.rollout.max_thinking_tokens,
-            config.rollout.max_answer_tokens, config.rollout.engine, config.rollout.kv_cache_tokens,
-            config.rollout.async_steps, config.train.batch_size, config.train.micro_batch_size,
-            config.train.micro_batch_rows, config.model.activation_checkpointing, config.eval.batch_size,
-            config.eval.num_samples, Need.SAMPLED_ANSWER_REWARD in needs, Need.GIVEN_TARGET in needs)
+def workload_key(config: Config) -> str:
+    """What a dry run's numbers depend on: the config without :data:`UNSEEN`."""
+    flat = dict(_flattened(dataclasses.asdict(config)))
+    return json.dumps({key: value for key, value in flat.items()
+                       if not any(key == unseen or key.startswith(unseen + ".") for unseen in UNSEEN)},
+                      sort_keys=True, default=str)
+
+
+def _flattened(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _flattened(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
+
+
+def workloads(only: str = "") -> list[list[str]]:
+    """Every run config under configs/ (not the schedule fragments) whose path contains ``only``, grouped by
+    :func:`workload_key`: each group's paths, the groups in the order of their first path."""
+    groups: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        rel = str(path.relative_to(ROOT))
+        if only in rel and not rel.startswith("configs/schedules/"):
+            groups.setdefault(workload_key(load_config(path)), []).append(rel)
+    return list(groups.values())
+
+
+def world_size(path: str) -> int | None:
+    """The documented world of a megatron config (None: one replica, the dry run's default)."""
+    return next((size for prefix, size in WORLD_SIZES.items() if path.startswith(prefix)), None)
+
+
+def dry_run_workload(path: str, prompt_tokens: int) -> dict[str, dict[str, Any]]:
+    """The config's dry run on every GPU profile (simulated once, on :data:`SIMULATED_ON`)."""
+    config = load_config(ROOT / path)
+    report = dry_run(config, GPUS[SIMULATED_ON], prompt_tokens=prompt_tokens, world_size=world_size(path))
+    return {name: report if name == SIMULATED_ON else on_gpu(report, config, gpu) for name, gpu in GPUS.items()}
 
 
 def main() -> None:
@@ -44,89 +87,67 @@ def main() -> None:
     parser.add_argument("--only", default="", help="configs whose path contains this")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    groups: dict[tuple, list[str]] = {}
-    for path in sorted((ROOT / "configs").rglob("*.yaml")):
-        rel = str(path.relative_to(ROOT))
-        if args.only not in rel or "schedules" in rel or load_config(path).model.path is None:
-            continue  # schedules are fragments; the examples train the tiny model (the suite dry-runs it)
-        groups.setdefault(workload_key(load_config(path)), []).append(rel)
-    results, megatron = [], []
-    for key, paths in groups.items():
-        config = load_config(ROOT / paths[0])
-        if config.model.backend == "megatron":  # not simulated yet (issue 28): plan's estimate at the config's layout
-            megatron.append({"configs": paths, "plan": planned_at_layout(config, args.prompt_tokens)})
-            continue
+    results = []
+    for paths in workloads(args.only):
         started = time.perf_counter()
-        report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=args.prompt_tokens)
+        reports = dry_run_workload(paths[0], args.prompt_tokens)
         seconds = round(time.perf_counter() - started, 1)
-        bounds = {name: {phase: seconds_at_least(phase, data["flops"], report["shape"], config, gpu)
-                         for phase, data in report["phases"].items()} for name, gpu in GPUS.items()}
-        planned = plan.plan(plan.architecture(config.model.path), plan.Workload.from_config(config, args.prompt_tokens),
-                            gpus_per_node=1, nodes=1, gpu_gb=80)[0]
-        results.append({"configs": paths, "dry_run_seconds": seconds, "report": report, "seconds_at_least": bounds,
-                        "against_plan": against_plan(report, config), "plan_total_gib": planned.total_gib})
+        report = reports[SIMULATED_ON]
+        results.append({"configs": paths, "dry_run_seconds": seconds, "report": report,
+                        "seconds_at_least": {name: {phase: data["seconds_at_least"] for phase, data in r["phases"].items()}
+                                             for name, r in reports.items()},
+                        "against_plan": planned(report, load_config(ROOT / paths[0]))})
         phase = report["phases"][report["peak_phase"]]
         print(f"{paths[0]} (+{len(paths) - 1}): peak {report['peak_gib']:.1f} GiB in {report['peak_phase']} "
-              f"({', '.join(f'{k} {v:.1f}' for k, v in phase['by_kind_gib'].items())}); rollout "
-              f"{report['phases']['rollout']['peak_gib']:.1f} GiB; {seconds} s to simulate", flush=True)
+              f"({', '.join(f'{k} {v:.1f}' for k, v in phase['by_kind_gib'].items())}); {seconds} s to simulate",
+              flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "workloads": results, "megatron_planned": megatron},
-                              indent=1) + "\n")
+    OUT.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "simulated_on": SIMULATED_ON,
+                               "workloads": results}, indent=1) + "\n")
     TABLE.parent.mkdir(parents=True, exist_ok=True)
-    TABLE.write_text(markdown(results, args.prompt_tokens) + megatron_markdown(megatron))
+    TABLE.write_text(markdown(results, args.prompt_tokens))
     print(f"wrote {OUT} and {TABLE}")
+
+
+def planned(report: dict[str, Any], config: Config) -> dict[str, dict[str, float]]:
+    """:func:`~nemo_jq.dryrun.run.against_plan`, for a Qwen3 size (plan knows no tiny demo model: {})."""
+    return against_plan(report, config) if config.model.path else {}
+
+
+#: The phases in the table, in a run's order (a megatron rank's save, restore, evaluation and resume are not simulated).
+TABLE_PHASES = ("rollout", "train", "optimizer_step", "refit", "guard_restore", "evaluate", "resume")
 
 
 def markdown(results: list[dict], prompt_tokens: int) -> str:
     """The table docs/results/dryrun_configs.md holds: per workload, each phase's peak GiB and what dominates it."""
     lines = [f"# The shipped configs at their real size (`python bench/dryrun_configs.py`, prompts of {prompt_tokens} "
              "tokens, 80 GB GPUs: 72 GiB usable)", "",
-             "Peak GiB per phase on the one GPU of `model.backend=hf`; the largest kind at the peak in brackets; "
-             "plan: `nemo-jq plan --config`'s total beside the dry run's. Least seconds per step: rollout + train on "
-             "A100 / H100. Configs that differ only in q, the dataset's name or the run directory share a row.", "",
-             "| configs | rollout | train | optimizer step | guard restore | evaluate | resume | fits | plan | s/step A100 / H100 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "Peak GiB per phase (megatron: the fullest simulated rank's, at the config's documented world); the "
+             "largest kind at the peak in brackets; –: not run for that config. plan/dry: `nemo-jq plan --config`'s "
+             "per-component ratio to the dry run, least and most. Least seconds per step: rollout + train on A100 / "
+             "H100. Configs that differ only in what the dry run cannot see (bench/dryrun_configs.py's `UNSEEN`: q, "
+             "the dataset, the run directory...) share a row; simulated in: seconds on this build machine's 2 shared "
+             "cores.", "",
+             "| configs | GPUs | " + " | ".join(phase.replace("_", " ") for phase in TABLE_PHASES)
+             + " | fits | plan/dry | s/step A100 / H100 | simulated in |",
+             "| --- " * (len(TABLE_PHASES) + 7) + "|"]
     for entry in results:
         report, paths = entry["report"], entry["configs"]
         cells = []
-        for phase in ("rollout", "train", "optimizer_step", "guard_restore", "evaluate", "resume"):
-            data = report["phases"][phase]
+        for phase in TABLE_PHASES:
+            data = report["phases"].get(phase)
+            if data is None:
+                cells.append("–")
+                continue
             kind = max(data["by_kind_gib"], key=data["by_kind_gib"].get)
             cells.append(f"{data['peak_gib']:.1f} ({kind.replace('_', ' ')})")
+        ratios = [row["plan_over_dry_run"] for row in entry["against_plan"].values() if row["plan_over_dry_run"]]
         step = {gpu: bounds["rollout"] + bounds["train"] for gpu, bounds in entry["seconds_at_least"].items()}
         name = paths[0].removeprefix("configs/") + (f" (+{len(paths) - 1})" if len(paths) > 1 else "")
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if report['fits'] else '**no**'} | "
-                     f"{entry['plan_total_gib']:.1f} | {step['a100-80gb']:.0f} / {step['h100-80gb']:.0f} |")
-    return "\n".join(lines) + "\n"
-
-
-#: The node the megatron configs are laid out for (configs/paper_runs.py): eight 80 GB GPUs.
-GPUS_PER_NODE = 8
-
-
-def planned_at_layout(config, prompt_tokens: int) -> dict:
-    """``nemo-jq plan --config``'s components at the config's own TP x PP, the rest of one node data-parallel."""
-    tp, pp = config.megatron.tensor_parallel, config.megatron.pipeline_parallel
-    estimate = plan.estimate(plan.architecture(config.model.path), plan.Workload.from_config(config, prompt_tokens), tp,
-                             pp, GPUS_PER_NODE // (tp * pp), 80, 0.9)
-    return dataclasses.asdict(estimate)
-
-
-def megatron_markdown(entries: list[dict]) -> str:
-    if not entries:
-        return ""
-    lines = ["", "`model.backend=megatron` configs are not simulated by the dry run yet (its layouts need a fake process "
-             f"group per rank): `nemo-jq plan --config`'s estimate at each config's layout on one node of {GPUS_PER_NODE} "
-             "80 GB GPUs, GiB per GPU.", "",
-             "| configs | TP x PP x DP | weights | gradients | optimizer | activations | log-prob head | vLLM | total | fits |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for entry in entries:
-        e, paths = entry["plan"], entry["configs"]
-        name = paths[0].removeprefix("configs/") + (f" (+{len(paths) - 1})" if len(paths) > 1 else "")
-        lines.append(f"| {name} | {e['tensor_parallel']} x {e['pipeline_parallel']} x {e['data_parallel']} | "
-                     f"{e['weights_gib']:.1f} | {e['gradients_gib']:.1f} | {e['optimizer_gib']:.1f} | "
-                     f"{e['activations_gib']:.1f} | {e['logprob_head_gib']:.1f} | {e['vllm_gib']:.1f} | "
-                     f"{e['total_gib']:.1f} | {'yes' if e['fits'] else '**no**'} |")
+        lines.append(f"| {name} | {report.get('world_size', 1)} | " + " | ".join(cells)
+                     + f" | {'yes' if report['fits'] else '**no**'} | "
+                     + (f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "–") + " | "
+                     f"{step['a100-80gb']:.0f} / {step['h100-80gb']:.0f} | {entry['dry_run_seconds']:.0f} s |")
     return "\n".join(lines) + "\n"
 
 
