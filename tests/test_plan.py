@@ -31,8 +31,9 @@ def test_an_8b_layout_by_hand():
     assert got.optimizer_gib == round(12 * params / 2 / 8 / GiB, 2)
     # per layer: 2 bytes * 4096 tokens * (4*4096/2 norm terms + (2*(4096+2*1024) + 4096 + 3*12288)/2) = 285,212,672
     assert got.activations_gib == round(36 * 285_212_672 / GiB, 2)
-    # chunked: the hidden states' and the V/TP weight slice's fp32 gradients, two fp32 chunks of 256 positions' logits
-    assert got.logprob_head_gib == round((4 * 4096 * 4096 + 4 * 75_968 * 4096 + 2 * 4 * 256 * 75_968) / GiB, 2)
+    # chunked: the hidden states' bf16 gradient, the V/TP weight slice's fp32 gradient and its bf16 copy returned (larger
+    # than the loop's chunks of 256 positions' logits)
+    assert got.logprob_head_gib == round((2 * 4096 * 4096 + 4 * 75_968 * 4096 + 2 * 75_968 * 4096) / GiB, 2)
     assert got.rollout_copy_gib == round(2 * params / GiB, 2)  # the whole model, bf16
     # K and V, bf16, 36 layers x 8 heads x 128, for 131072 tokens (the replica's 8 prompts x 32 x 4096 are 1048576)
     # (the answer phase's 32 rows of 4096; a thinking chunk is one prompt's 32 x 4095), and a decode step's copies of
@@ -101,7 +102,7 @@ def test_context_parallel_splits_the_tokens_and_the_distributed_optimizer_state(
     assert split.weights_gib == base.weights_gib and split.optimizer_gib == base.optimizer_gib
     assert split.activations_gib == pytest.approx(base.activations_gib / 2, abs=0.01)
     # the head's hidden-state gradient covers this rank's half of the positions; its weight and chunks are whole
-    assert split.logprob_head_gib == pytest.approx(base.logprob_head_gib - 4 * 32768 * 4096 / 2 / GiB, abs=0.01)
+    assert split.logprob_head_gib == pytest.approx(base.logprob_head_gib - 2 * 32768 * 4096 / 2 / GiB, abs=0.01)
     layouts = plan.plan(arch, plan.Workload(context_parallel=4), gpus_per_node=8, nodes=2, gpu_gb=80)
     assert all(e.tensor_parallel * e.pipeline_parallel * e.data_parallel * 4 == 16 for e in layouts)
     with pytest.raises(ValueError, match="no TP x PP x DP layout of 8 GPUs at CP=16"):
