@@ -168,34 +168,49 @@ def one_step_off(args) -> dict:
             "steps": [{key: step.get(key) for key in ("step", "rollout_lag", "loss", "gpu_peak_gib")} for step in steps]}
 
 
-def refit_bytes_per_second(folder: Path, device: str) -> dict:
-    """The policy's weights into the sampler's own bf16 copy through ``RefittedRolloutEngine``'s refit, timed."""
+def _policy_and_sampler(folder: Path, device):
+    """The folder's model as an fp32 policy training in bf16, and a native sampler over its own bf16 copy of it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from nemo_jq.models.hf import HFPolicy
-    from nemo_jq.rollouts.budget import BudgetedRollouts
     from nemo_jq.rollouts.hf import NativeSampler
+
+    policy = HFPolicy(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), device=device, precision="bf16")
+    copy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device)
+    return policy, NativeSampler(copy, pad_id=0, device=device)
+
+
+def _wait(device) -> None:
+    """Let the device's queued work finish, so that a wall-clock time covers it."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def refit_bytes_per_second(folder: Path, device: str) -> dict:
+    """The policy's weights into the sampler's own bf16 copy through ``RefittedRolloutEngine``'s refit, timed."""
+    import torch
+
+    from nemo_jq.rollouts.budget import BudgetedRollouts
     from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
     device = torch.device(device)
-    policy = HFPolicy(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), device=device, precision="bf16")
-    copy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device)
-    engine = RefittedRolloutEngine(BudgetedRollouts(NativeSampler(copy, pad_id=0, device=device), think_end_id=1,
-                                                    end_of_turn_id=2, max_thinking_tokens=1, max_answer_tokens=1), policy)
+    policy, sampler = _policy_and_sampler(folder, device)
+    engine = RefittedRolloutEngine(BudgetedRollouts(sampler, think_end_id=1, end_of_turn_id=2, max_thinking_tokens=1,
+                                                    max_answer_tokens=1), policy)
     engine.refit()  # the first: allocations and kernels warmed
     seconds = []
     for _ in range(3):
         policy.weights_version += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _wait(device)
         started = time.perf_counter()
         engine.refit()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _wait(device)
         seconds.append(time.perf_counter() - started)
     sent = sum(p.numel() * p.element_size() for p in policy.model.parameters())
-    received = sum(p.numel() * p.element_size() for p in copy.parameters())
+    received = sum(p.numel() * p.element_size() for p in sampler.model.parameters())
     best = min(seconds)
     return {"policy_bytes_read": sent, "sampler_bytes_written": received, "refit_seconds": seconds,
             "read_plus_written_bytes_per_s": (sent + received) / best}
@@ -226,31 +241,24 @@ class _Loopback:
 def sync_bytes_per_second(folder: Path, device: str) -> dict:
     """The policy's weights through :class:`nemo_jq.rollouts.sync.WeightSync` into the sampler's bf16 copy, timed."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from nemo_jq.config import RolloutConfig
-    from nemo_jq.models.hf import HFPolicy
-    from nemo_jq.rollouts.hf import NativeSampler
     from nemo_jq.rollouts.sync import WeightSync
 
     device = torch.device(device)
-    policy = HFPolicy(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), device=device, precision="bf16")
-    sampler = NativeSampler(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device), pad_id=0,
-                            device=device)
+    policy, sampler = _policy_and_sampler(folder, device)
     bucket_bytes = RolloutConfig().bucket_bytes()
     rounds = []
     for _ in range(3):
         group = _Loopback()
         sync = WeightSync(group, source=0, bucket_bytes=bucket_bytes, device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _wait(device)
         sent = sync.send(policy.iter_hf())
         group.sending = False
         received = WeightSync(group, source=0, bucket_bytes=bucket_bytes, device=device)
         started = time.perf_counter()
         sampler.load_weights(received.receive())
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _wait(device)
         rounds.append({"bytes": sent.bytes, "buckets": sent.buckets, "send_seconds": sent.seconds,
                        "receive_and_load_seconds": time.perf_counter() - started})
     best = min(rounds, key=lambda r: r["send_seconds"] + r["receive_and_load_seconds"])
@@ -298,13 +306,11 @@ def sampler_profile(folder: Path, device: str, new_tokens: int = 64) -> dict:
         engine_class, attention = engines[name]
         sampler = engine_class(model, pad_id=chat.pad_id, device=device, precision="bf16")
         with attention():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _wait(device)
             started = time.perf_counter()
             groups = sampler.sample(prompts, 8, stop_ids=[chat.think_end_id], max_new_tokens=tokens,
                                     generator=torch.Generator(device).manual_seed(0))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _wait(device)
         return time.perf_counter() - started, [len(s.token_ids) for g in groups for s in g]
 
     for name in engines:
