@@ -22,7 +22,7 @@ MARKS: dict[str, dict[str, tuple[str, ...]]] = {
     "test_dryrun.py": {"test_the_dry_run_peak_is_the_real_peak": ("slow",),  # 55 s
                        "test_the_command_reports_every_phase_and_refuses_what_does_not_fit": ("slow",),  # 25 s
                        "test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_sequences": ("slow",)},  # 39 s
-    "test_dryrun_megatron.py": {"test_the_command_simulates_the_sampling_rank_and_refuses_one_that_waits_for_rollouts": ("slow",),
+    "test_dryrun_megatron.py": {"test_the_command_simulates_a_rank_that_samples_none_and_refuses_a_pipelines_refit": ("slow",),
                                 "test_plan_activations_agree_with_the_dry_run": ("slow",)},  # 7 s, 5 s
     "test_escape_rates.py": {"test_sgd_is_plain_gradient_descent_without_clipping_and_needs_the_hf_backend": ("slow",),  # 7 s
                              "test_quick_run_measures_p0_per_width_and_another_experiments_option_is_an_error": ("slow",)},

@@ -72,7 +72,7 @@ def test_plan_log_prob_head_agrees_with_the_dry_run(tmp_path, bf16_weights):
     assert 0.95 <= against_plan(report, config)["logprob_head"]["plan_over_dry_run"] <= 1.05
 
 
-def test_the_command_simulates_the_sampling_rank_and_refuses_one_that_waits_for_rollouts(tmp_path, capsys):
+def test_the_command_simulates_a_rank_that_samples_none_and_refuses_a_pipelines_refit(tmp_path, capsys):
     """rollout.engine=native at TP=2 DP=2: rank 0 holds the one HF copy and its KV cache (as plan says); rank 1 samples
     none: it holds no copy (its sampler's weights are on the meta device) and no KV cache, and trains on the rollouts
     rank 0 sends, which the dry run makes as rank 0's own. A pipeline's refit of that copy names every stage's
