@@ -171,12 +171,12 @@ class _ObjectCollectives:
     """
 
     def __enter__(self) -> _ObjectCollectives:
-        from nemo_jq.rollouts.refit import RefittedRolloutEngine
+        from nemo_jq.rollouts import refit
 
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(patched(dist, "all_gather_object", _all_gather_own_object))
         self._stack.enter_context(patched(dist, "broadcast_object_list", _broadcast_own_objects))
-        self._stack.enter_context(patched(RefittedRolloutEngine, "_share", staticmethod(_own_rollouts)))
+        self._stack.enter_context(patched(refit, "share_in_chunks", _own_rollouts))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -34,7 +34,7 @@ from nemo_jq.dryrun.world import GPU, FakeWorld, WrongDevice, patched
 from nemo_jq.models.backends import BackendRequest
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.objectives import Need
-from nemo_jq.rollouts import SAMPLERS
+from nemo_jq.rollouts import SAMPLERS, refit
 from nemo_jq.rollouts.hf import NativeSampler
 from nemo_jq.rollouts.sampling import Sample
 
@@ -472,7 +472,7 @@ class _DryRun:
                 with patched(engine.engine, "sampler", _SamplingRank(engine.engine.sampler)):
                     return engine.engine.generate(prompts, num_samples, **kwargs)
 
-            with patched(engine, "_share", sent_by_the_sampling_rank):
+            with patched(refit, "share_in_chunks", sent_by_the_sampling_rank):
                 return real_generate(prompts, num_samples, **kwargs)
 
         engine.generate = generate

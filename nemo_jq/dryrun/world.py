@@ -181,7 +181,10 @@ def gpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
 @contextlib.contextmanager
 def patched(owner: Any, name: str, replacement: Any) -> Iterator[None]:
     """``owner.name`` is ``replacement`` inside the block; after it, what ``owner`` itself held (a static method as
-    one), or nothing again where the attribute came from its class."""
+    one), or nothing again where the attribute came from its class. A name ``owner`` lacks is an error: a renamed
+    seam must not leave the dry run patching nothing (a fake group's collective then waits forever)."""
+    if not hasattr(owner, name):
+        raise AttributeError(f"the dry run patches {owner!r}.{name}, which no longer exists")
     original = vars(owner).get(name, _ABSENT)
     setattr(owner, name, replacement)
     try:
