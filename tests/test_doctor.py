@@ -44,7 +44,7 @@ def test_doctor_says_whether_vllms_cpu_attention_takes_the_models_head_size(tmp_
     import pytest
 
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (README.md, 'Rollout engines')")
+        pytest.skip("vLLM is not installed (docs/rollouts.md)")
     import torch
 
     if torch.cuda.is_available():

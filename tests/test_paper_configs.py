@@ -89,14 +89,15 @@ def test_the_small_runs_fit_only_with_their_memory_settings(undone):
 
 
 def test_the_readmes_train_commands_load_their_configs_with_their_overrides():
-    """Every ``train --config configs/...`` command in README.md (a GPU's, so not run here) loads: the file exists and
-    its overrides are keys and values the config accepts (e.g. no hf-only memory key left on a megatron run), but
-    for ``data.prepared_dir``, whose folder ``nemo-jq data prepare`` makes first."""
+    """Every ``train --config configs/...`` command in README.md and docs/ (a GPU's, so not run here) loads: the file
+    exists and its overrides are keys and values the config accepts (e.g. no hf-only memory key left on a megatron
+    run), but for ``data.prepared_dir``, whose folder ``nemo-jq data prepare`` makes first."""
     import re
     import shlex
 
-    text = (CONFIGS.parent / "README.md").read_text().replace("\\\n", " ")
-    commands = re.findall(r"train --config (configs/\S+\.yaml)([^\n#`]*)", text)
+    import doc_pages
+
+    commands = re.findall(r"train --config (configs/\S+\.yaml)([^\n#`]*)", doc_pages.text())
     assert len(commands) >= 3, commands
     for path, overrides in commands:
         load_config(CONFIGS.parent / path, [word for word in shlex.split(overrides) if "=" in word and
@@ -104,8 +105,8 @@ def test_the_readmes_train_commands_load_their_configs_with_their_overrides():
 
 
 def test_the_32b_example_fits_sixteen_nodes_at_its_layout():
-    """configs/examples/qwen3_32b_*: README's 32B example as a run config, at plan's recommendation for 16 nodes of
-    eight 80 GB GPUs (TP=8 x DP=16); the dry run of its rank 0 peaks at 68.8 GiB (docs/dryrun.md)."""
+    """configs/examples/qwen3_32b_*: docs/cluster.md's 32B example as a run config, at plan's recommendation for 16
+    nodes of eight 80 GB GPUs (TP=8 x DP=16); the dry run of its rank 0 peaks at 68.8 GiB (docs/dryrun.md)."""
     from nemo_jq import plan
 
     config = load_config(CONFIGS / "examples" / "qwen3_32b_hotpotqa_cold_garl_q0.75.yaml")

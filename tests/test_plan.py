@@ -143,15 +143,16 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
 
 
 def test_the_readmes_plan_commands_say_what_they_print(capsys, monkeypatch):
-    """Each ``nemo-jq plan`` command in README.md's cluster section, run as written from the repository root,
-    recommends the layout its comment says, to the GiB figure."""
+    """Each ``nemo-jq plan`` command with a layout in its comment, in README.md and docs/ (docs/cluster.md has three),
+    run as written from the repository root, recommends the layout its comment says, to the GiB figure."""
     import re
     import shlex
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.chdir(root)
-    text = (root / "README.md").read_text().replace("\\\n", " ")
+    import doc_pages
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    text = doc_pages.text()
     commands = re.findall(r"^nemo-jq (plan .*?)\s+# (TP=\d+ PP=\d+ DP=\d+ \([\d.]+ of \d+ GiB\))$", text, flags=re.M)
     assert len(commands) >= 3, commands
     for command, comment in commands:

@@ -290,10 +290,11 @@ def test_the_hub_hint_names_todays_command(monkeypatch):
 
 
 def test_the_readme_commands_name_a_kept_step_and_a_ui_that_the_install_has():
+    import doc_pages
+
     from nemo_jq.config import load_config
 
-    readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index("## Training\n"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    block = (ROOT / "docs" / "training.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
     [train] = [line.split("#")[0].split() for line in block.splitlines() if line.startswith("nemo-jq train --config")]
     [longer] = [line.split("#")[0].split() for line in block.splitlines() if "--resume" in line and "=" in line]
     [step] = [line.split("--step")[1].split()[0] for line in block.splitlines() if "eval" in line and "--step" in line]
@@ -305,7 +306,7 @@ def test_the_readme_commands_name_a_kept_step_and_a_ui_that_the_install_has():
         saves |= {s for s in range(done + 1, end + 1) if s % run.train.save_every == 0} | {end}
         done = end
     assert int(step) in sorted(saves)[-config.train.keep_checkpoints:], (step, sorted(saves))
-    [ui] = [line for line in readme.splitlines() if "mlflow ui --backend-store-uri" in line]
+    [ui] = [line for line in doc_pages.text().splitlines() if "mlflow ui --backend-store-uri" in line]
     assert "pip install mlflow " in ui or "pip install mlflow&" in ui  # the tracking extra's mlflow-skinny has no server
 
 

@@ -8,7 +8,7 @@ none): a requeue must come from the batch script, on the host (docs/cluster.md).
   without waiting for a time limit) -> a checkpoint on both ranks -> exit 75 -> requeue by the batch script, on the
   host -> a resumed run whose metrics equal an uninterrupted run's;
 - `scancel` (SIGTERM) ends a job for good, after its checkpoint; an external `scontrol requeue` is one line;
-- `nemo-jq launch` with the README's settings (an absolute job_dir) submits through NeMo-Run; the time-limit signal
+- `nemo-jq launch` with docs/cluster.md's settings (an absolute job_dir) submits through NeMo-Run; the time-limit signal
   -> exit 75 -> requeue by NeMo-Run's batch script, on the host -> the job resumes and completes;
 - a failing rank ends the job with its error and no requeue; the no-container mode (NEMO_JQ_IMAGE=none).
 
@@ -194,7 +194,7 @@ def test_a_failing_rank_ends_the_job_with_its_error_and_no_requeue(slurm, tmp_pa
 
 
 def test_nemo_jq_launch_submits_with_the_readme_settings_and_its_script_requeues_from_the_host(slurm, tmp_path):
-    """The README's launch YAML shape (an absolute job_dir, container image and mounts): NeMo-Run submits the sbatch
+    """docs/cluster.md's launch YAML shape (an absolute job_dir, container image and mounts): NeMo-Run submits the sbatch
     script from where it wrote it, and srun starts the task in the (test) container. The time-limit signal, as soon as
     the trainer runs (it catches signals from its start; its steps take a fraction of a second here): a checkpoint,
     exit 75, and NeMo-Run's script requeues the job on the host (the container has no scontrol); the job resumes and

