@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from nemo_jq.demo import markdown_table
+from nemo_jq.recipe.demo import markdown_table
 
 
 def main(summary_path: str, readme_path: str) -> int:

@@ -46,8 +46,8 @@ QUICK = ["data.train_size=24", "train.epochs=1", "eval.every=2", "data.validatio
 
 def train(method: list[str], mode: int, seed: int, run_dir: Path, extra: list[str]) -> dict:
     from nemo_jq.config import load_config
-    from nemo_jq.monitor import read_metrics
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime.monitor import read_metrics
 
     config = load_config(None, [*method, f"rollout.async_steps={mode}", f"train.seed={seed}",
                                 f"train.run_dir={run_dir}", "train.tensorboard=false", *extra])
@@ -67,8 +67,8 @@ def train(method: list[str], mode: int, seed: int, run_dir: Path, extra: list[st
 def step_ratio_at(thinking: int, steps: int, repeats: int, work: Path) -> dict[str, float]:
     """Median step seconds of each mode (after 5 warm-up steps) at a thinking budget, interleaved over repeats."""
     from nemo_jq.config import load_config
-    from nemo_jq.monitor import read_metrics
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime.monitor import read_metrics
 
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
     for repeat in range(repeats):

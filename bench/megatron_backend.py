@@ -40,8 +40,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from step_overhead import SETUP_KEYS, add_common_arguments, paired_ratio, tiny_overrides  # noqa: E402
 
+from nemo_jq.cluster.plan import architecture, layer_parameters  # noqa: E402
 from nemo_jq.models.megatron.provider import read_qwen3_config  # noqa: E402  (imports no megatron)
-from nemo_jq.plan import architecture, layer_parameters  # noqa: E402
 
 #: Dense (no sparsity) bf16 tensor-core peaks by device name, TFLOP/s (the vendor's datasheets); others need --peak-tflops.
 PEAK_BF16_TFLOPS = {"H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H200": 989.4}
@@ -201,7 +201,7 @@ def head_memory(args) -> dict[str, float]:
 def step_times(args, work: Path) -> tuple[list[float], list[float]]:
     """Per-round GARL step seconds of the megatron (TP=1) and hf backends, interleaved."""
     from nemo_jq.config import load_config
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     overrides = ["objective.name=garl", f"objective.q={args.q}"]
     trainers = {backend: Trainer(load_config(None, [*tiny_overrides(args, work / backend), *overrides,

@@ -92,7 +92,7 @@ def make_model_folder(folder: Path, tokenizer: Path, *, tiny: bool, device: str)
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from nemo_jq.plan import hf_config_dict
+    from nemo_jq.cluster.plan import hf_config_dict
 
     shape = hf_config_dict("Qwen/Qwen3-0.6B")
     if tiny:
@@ -111,9 +111,9 @@ def make_model_folder(folder: Path, tokenizer: Path, *, tiny: bool, device: str)
 
 def longest_prompt(folder: Path) -> int:
     """The longest prompt of the run's data in tokens, as the trainer builds it (for the dry run's prompts)."""
-    from nemo_jq.chat import ChatFormat
-    from nemo_jq.components import build_task, load_tokenizer
     from nemo_jq.config import load_config
+    from nemo_jq.data.chat import ChatFormat
+    from nemo_jq.recipe.components import build_task, load_tokenizer
 
     config = load_config(CONFIG, [f"model.path={folder}", *OVERRIDES])
     task, splits = build_task(config)

@@ -43,8 +43,8 @@ import importlib.util  # noqa: E402
 
 from step_overhead import paired_ratio  # noqa: E402
 
-from nemo_jq.chat import ChatFormat, build_tokenizer  # noqa: E402
 from nemo_jq.data import SyntheticArithmetic  # noqa: E402
+from nemo_jq.data.chat import ChatFormat, build_tokenizer  # noqa: E402
 from nemo_jq.models.hf import tiny_qwen3  # noqa: E402
 from nemo_jq.rollouts.hf import HFSampler, NativeSampler, left_pad  # noqa: E402
 from nemo_jq.rollouts.sampling import SamplingSettings  # noqa: E402

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -79,7 +79,7 @@ def timed_estimator(trainer, seconds: list[float]) -> None:
 def estimator_step_times(args, work: Path) -> tuple[dict[str, list[float]], dict[str, list[float]], "Trainer"]:
     """Per-round step seconds and estimator seconds of each method, measured interleaved."""
     from nemo_jq.config import load_config
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     methods = {
         "rb_rloo": ["objective.name=rb_rloo"],

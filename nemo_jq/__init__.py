@@ -5,6 +5,10 @@ Importing the package is light: submodules load their heavy dependencies themsel
 
 from importlib import metadata
 
+from nemo_jq import _moved
+
+_moved.install()  # 0.2's flat module paths (nemo_jq.trainer, ...) still import, with a DeprecationWarning
+
 try:
     __version__ = metadata.version("nemo-jq")  # pyproject.toml's, the one place it is written
 except metadata.PackageNotFoundError:  # a source tree on the import path, not installed

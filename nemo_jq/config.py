@@ -22,10 +22,10 @@ import yaml
 from nemo_jq.data.base import FORMATS
 from nemo_jq.data.prepare import BAD_ROW_POLICIES
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES, SyntheticArithmetic
-from nemo_jq.guard import GUARD_ACTIONS
 from nemo_jq.models import OPTIMIZERS, PRECISIONS
 from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
 from nemo_jq.objectives.importance import CORRECTIONS
+from nemo_jq.recipe.guard import GUARD_ACTIONS
 from nemo_jq.typed import ConfigError, build, describe_fields, option
 
 #: Keys that may name a local file or folder (``section``, ``key``): made absolute when a config loads.
@@ -184,7 +184,7 @@ class EvalConfig:
 
 @dataclass
 class GuardConfig:
-    """The collapse guard (nemo_jq/guard.py): off unless enabled."""
+    """The collapse guard (nemo_jq/recipe/guard.py): off unless enabled."""
 
     enabled: bool = option(False, "watch for a collapse; on one, restore the best checkpoint and apply guard.action")
     min_fraction_of_best: float = option(0.5, "trigger when validation m@k falls below this fraction of its best ...",

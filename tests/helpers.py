@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_jq.chat import ChatFormat, build_tokenizer
 from nemo_jq.data import SyntheticArithmetic
+from nemo_jq.data.chat import ChatFormat, build_tokenizer
 from nemo_jq.models.hf import tiny_qwen3
 
 #: Overrides that make a full run take a few seconds.

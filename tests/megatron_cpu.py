@@ -169,7 +169,7 @@ def _worker(rank: int, world_size: int, port: int, results: str, fn: Callable, a
 #: What the fork server that starts the workers imports once, so that no worker imports it again: importing
 #: transformers' Qwen3 and megatron-core costs each fresh process about 6 s of CPU. The server itself runs no
 #: torch op (no thread pool to break by forking), and each worker applies the CPU patches to its own copy.
-PRELOADED_MODULES = ["megatron_cpu", "helpers", "nemo_jq.trainer", "nemo_jq.models.megatron.policy",
+PRELOADED_MODULES = ["megatron_cpu", "helpers", "nemo_jq.recipe.trainer", "nemo_jq.models.megatron.policy",
                      "transformers.models.qwen3.modeling_qwen3"]
 
 

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from helpers import TINY_RUN, tiny_setup
-from nemo_jq.components import importance_correction
 from nemo_jq.config import load_config
-from nemo_jq.experience import MismatchWatch, experience_from
-from nemo_jq.monitor import merge_metrics, read_metrics
 from nemo_jq.objectives.importance import Correction
+from nemo_jq.recipe.components import importance_correction
+from nemo_jq.recipe.experience import MismatchWatch, experience_from
+from nemo_jq.recipe.trainer import Trainer
 from nemo_jq.rollouts import BudgetedRollouts
 from nemo_jq.rollouts.hf import NativeSampler
 from nemo_jq.rollouts.process import SamplingProcess, share_weights
-from nemo_jq.trainer import Trainer
+from nemo_jq.runtime.monitor import merge_metrics, read_metrics
 
 TIMING = {"step_time", "rollout_tokens_per_s"}
 

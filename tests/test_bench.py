@@ -108,8 +108,8 @@ def test_megatron_gpu_mode_counts_model_flops_and_its_code_runs_on_a_tiny_model(
     from megatron_backend import training_step_flops
 
     from megatron_cpu import run_in_processes
+    from nemo_jq.cluster.plan import architecture
     from nemo_jq.models.megatron.provider import read_qwen3_config
-    from nemo_jq.plan import architecture
 
     # Qwen3-0.6B, one 4096-token sequence: N = 28 layers x 15,730,944 + LM head 151936 x 1024 = 596,048,896;
     # attention 6 x 4096^2 x 16 heads x 128 x 28 layers

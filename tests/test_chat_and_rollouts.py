@@ -5,9 +5,9 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from helpers import SAMPLERS, qwen3_tokenizer_dir, rollout_engine, tiny_setup
-from nemo_jq.chat import ChatFormat
+from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.interfaces import Rollout
-from nemo_jq.sequences import collate, reference_answer_batch, sampled_answer_batch, splice
+from nemo_jq.recipe.sequences import collate, reference_answer_batch, sampled_answer_batch, splice
 
 
 @pytest.fixture(scope="module")

@@ -244,7 +244,7 @@ def test_custom_jsonl_with_a_template(tmp_path):
 def test_trainer_runs_on_a_prepared_dataset(tmp_path):
     from helpers import TINY_RUN
     from nemo_jq.config import load_config
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     splits, manifest = prepare(HotPotQA(), str(FIXTURES / "hotpotqa_hf"), (3, 2, 2), seed=0)
     write_prepared(splits, manifest, tmp_path / "prepared")

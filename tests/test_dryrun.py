@@ -156,7 +156,7 @@ def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_seque
     import dataclasses
 
     from helpers import small_qwen3
-    from nemo_jq import plan
+    from nemo_jq.cluster import plan
     from nemo_jq.dryrun.run import against_plan
 
     model = small_qwen3(tmp_path / "model", layers=2, tied=True)

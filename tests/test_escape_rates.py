@@ -12,8 +12,8 @@ from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data import SyntheticArithmetic
 from nemo_jq.experiments import escape_rates
 from nemo_jq.experiments.escape_rates import escape, fit_line, growth, run_experiment, step_log_p, theory_time, time_scale
-from nemo_jq.monitor import read_metrics
-from nemo_jq.trainer import Trainer
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.monitor import read_metrics
 
 
 def train_records(log_ps, **extra):

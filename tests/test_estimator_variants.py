@@ -15,7 +15,6 @@ import torch
 from helpers import TINY_RUN, run_cli
 from latent_pools import Pools
 from nemo_jq.config import load_config
-from nemo_jq.monitor import read_metrics
 from nemo_jq.objectives import (
     Need,
     ObjectiveOutput,
@@ -29,9 +28,10 @@ from nemo_jq.objectives import (
     rlpr,
 )
 from nemo_jq.objectives.weights import weight_stats
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.theory import default_model
 from nemo_jq.theory.latent import LatentModel, count_vector_probabilities, pools_from_counts, sample_count_vectors
-from nemo_jq.trainer import Trainer
 from nemo_jq.typed import ConfigError
 
 MODEL = default_model()
@@ -370,8 +370,8 @@ def test_the_trainer_hands_each_new_estimator_what_its_pure_function_gets(tmp_pa
     trainer = Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={tmp_path / 'run'}", "objective.name=rlpr"]))
     parts = trainer.components
     examples = parts.splits.train[:2]
-    from nemo_jq.experience import experience_from
     from nemo_jq.objectives import EstimatorInputs
+    from nemo_jq.recipe.experience import experience_from
 
     rollouts = parts.engine.generate(parts.prompt_ids(examples), 4, sample_answers=False, generator=torch.Generator().manual_seed(0))
     batch = experience_from(parts, examples, trainer.estimator, rollouts, 0, 0.0).batch

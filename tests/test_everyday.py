@@ -11,7 +11,7 @@ import pytest
 
 from helpers import TINY_RUN, one_line_error, run_cli
 from nemo_jq.config import load_config
-from nemo_jq.monitor import read_metrics
+from nemo_jq.runtime.monitor import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from helpers import qwen3_tokenizer_dir, rollout_engine, tiny_setup
-from nemo_jq.chat import ChatFormat
+from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.export import EXPORT_MARKER
 from nemo_jq.models.hf import HFPolicy
-from nemo_jq.sequences import given_target_batch
+from nemo_jq.recipe.sequences import given_target_batch
 
 CPU = torch.device("cpu")
 MESSAGES = [{"role": "user", "content": "7+5+8"}]

@@ -13,7 +13,7 @@ import pytest
 from helpers import TINY_RUN
 from nemo_jq.cli import main
 from nemo_jq.config import load_config
-from nemo_jq.monitor import read_metrics
+from nemo_jq.runtime.monitor import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 BIGRAM = Path(__file__).resolve().parent / "plugins" / "bigram_backend.py"
@@ -21,7 +21,7 @@ BIGRAM = Path(__file__).resolve().parent / "plugins" / "bigram_backend.py"
 
 def test_a_backend_that_implements_only_the_protocols_trains_resumes_and_evaluates(tmp_path):
     """No HF model anywhere: the recipe trains a plain-torch bigram policy whose sampler is refitted each step."""
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     overrides = [*TINY_RUN, f"plugins=[{BIGRAM}]", "model.backend=bigram", "objective.name=garl", "train.max_steps=4",
                  "optim.lr=0.05", f"train.run_dir={tmp_path / 'run'}"]
@@ -42,7 +42,7 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
     plugin.write_text(textwrap.dedent("""
         import types
 
-        from nemo_jq.distributed import DataParallel
+        from nemo_jq.runtime.distributed import DataParallel
         from nemo_jq.models.backends import register_backend
         from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
@@ -77,7 +77,7 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
     """))
     import torch
 
-    from nemo_jq.components import build_components
+    from nemo_jq.recipe.components import build_components
 
     for backend, message in [("no_refit", "does not implement RefittablePolicy: it lacks iter_hf, model_parallel_group, "
                                           "weights_version$"),

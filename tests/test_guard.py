@@ -9,10 +9,10 @@ from safetensors.torch import load_file
 
 from helpers import TINY_RUN
 from nemo_jq.config import ConfigError, load_config
-from nemo_jq.guard import CollapseGuard
-from nemo_jq.monitor import read_metrics
 from nemo_jq.objectives import get_objective
-from nemo_jq.trainer import Trainer
+from nemo_jq.recipe.guard import CollapseGuard
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.monitor import read_metrics
 
 
 def guard(**overrides):

@@ -6,13 +6,13 @@ import random
 import pytest
 
 from helpers import TINY_RUN
-from nemo_jq.components import build_task
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data import SyntheticArithmetic
 from nemo_jq.data.base import Example
 from nemo_jq.data.noise import CLEAN_ANSWER, corrupt_labels, noisy_examples
-from nemo_jq.evaluation import memorised
-from nemo_jq.trainer import Trainer
+from nemo_jq.recipe.components import build_task
+from nemo_jq.recipe.evaluation import memorised
+from nemo_jq.recipe.trainer import Trainer
 
 TASK = SyntheticArithmetic(num_operands=3)
 

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("nemo_run")
 
-from nemo_jq import launch  # noqa: E402
 from nemo_jq.cli import main  # noqa: E402
-from nemo_jq.preemption import REQUEUE_EXIT_CODE  # noqa: E402
+from nemo_jq.cluster import launch  # noqa: E402
+from nemo_jq.runtime.preemption import REQUEUE_EXIT_CODE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

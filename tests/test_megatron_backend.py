@@ -693,8 +693,8 @@ def waiting_in_the_backends_groups() -> list[tuple[float, str]]:
     """Rank 1 never joins: rank 0 waits on a megatron-core group (CP) and on the replica group nemo_jq makes."""
     from datetime import timedelta
 
-    from nemo_jq import distributed
     from nemo_jq.models.megatron.policy import MegatronPolicy
+    from nemo_jq.runtime import distributed
 
     distributed.init_from_env(CPU, timedelta(seconds=2))  # one process group already: it records the timeout
     policy = MegatronPolicy.from_hf_model(untied_qwen3(), context_parallel=2)
@@ -719,7 +719,7 @@ def world_timeout_worker() -> tuple[float, str] | None:
     """The world group as ``nemo-jq train`` starts it under torchrun; rank 1 never joins a collective."""
     from datetime import timedelta
 
-    from nemo_jq import distributed
+    from nemo_jq.runtime import distributed
 
     distributed.init_from_env(CPU, timedelta(seconds=2))
     if dist.get_rank() == 1:
@@ -781,7 +781,7 @@ def test_the_distributed_optimizer_holds_what_plan_says(weights):
     """4 bytes per parameter of gradients (one fp32 buffer) and 12 / DP of master weights and moments, within 5% at
     DP = 1, 2 and 4 (the norm's mask used to pin 4 more bytes per parameter at any DP), and no full-length copies
     at construction (it allocated 16 bytes per parameter transiently)."""
-    from nemo_jq.plan import OPTIMIZER_MODES
+    from nemo_jq.cluster.plan import OPTIMIZER_MODES
 
     _, gradient_bytes, optimizer_bytes, sharded = OPTIMIZER_MODES["bf16-distopt" if weights == "bfloat16" else "fp32-distopt"]
     assert sharded
@@ -798,8 +798,8 @@ def train_steps(run_dir, overrides: list[str], steps: int = 3, resume: bool = Fa
     from metrics.jsonl."""
     from helpers import TINY_RUN
     from nemo_jq.config import load_config
-    from nemo_jq.monitor import read_metrics
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime.monitor import read_metrics
 
     if resume:
         Trainer.resume(run_dir, [f"train.max_steps={steps}", *overrides]).fit()
@@ -875,7 +875,7 @@ def garl_at_two_replicas(run_dir) -> dict[str, Any]:
     """One GARL step at DP=2: what each replica trained on, and its weights before and after."""
     from helpers import TINY_RUN
     from nemo_jq.config import load_config
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     trainer = Trainer(load_config(None, [*TINY_RUN, "train.max_steps=1", "eval.every=1000", "objective.name=garl",
                                          "model.backend=megatron", f"train.run_dir={run_dir}"]))
@@ -900,7 +900,7 @@ def test_data_parallel_replicas_split_each_batch_and_stay_identical(tmp_path):
 def refuse_a_layout(run_dir, overrides: list[str]) -> None:
     from helpers import TINY_RUN
     from nemo_jq.config import load_config
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     Trainer(load_config(None, [*TINY_RUN, "model.backend=megatron", f"train.run_dir={run_dir}", *overrides]))
 
@@ -942,7 +942,7 @@ def failing_ranks_worker(rank1_fails_after: float | None, timeout: float) -> flo
     then waited in ``await_failing_ranks`` before it would exit."""
     import time
 
-    from nemo_jq import distributed
+    from nemo_jq.runtime import distributed
 
     if dist.get_rank() == 1:
         if rank1_fails_after is None:
@@ -1030,7 +1030,7 @@ def test_an_hf_folder_is_read_shard_by_shard_bit_exact_and_names_what_is_missing
 def test_the_recipe_from_a_sharded_hf_folder_at_tp2_trains_as_the_hf_backend(tmp_path):
     from helpers import TINY_RUN
     from nemo_jq.config import load_config
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     source = Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={tmp_path / 'source'}"]))
     folder = sharded_hf_folder(tmp_path / "hf", source.policy.model, source.components.tokenizer)
@@ -1192,8 +1192,8 @@ def test_a_tensor_parallel_rollout_engine_refits_and_samples_on_each_of_its_rank
 def sampler_placement(precision: str) -> tuple[str, str]:
     """Where the megatron backend puts its sampler's HF model (a tiny model built in memory: no model.path)."""
     from helpers import TINY_RUN
-    from nemo_jq.components import build_components
     from nemo_jq.config import load_config
+    from nemo_jq.recipe.components import build_components
 
     config = load_config(None, [*TINY_RUN, "model.backend=megatron", "megatron.tensor_parallel=2",
                                 f"model.precision={precision}"])

@@ -12,11 +12,11 @@ import torch
 from helpers import TINY_RUN
 from latent_pools import Pools
 from nemo_jq.config import load_config
-from nemo_jq.monitor import read_metrics
 from nemo_jq.objectives import garl, grpo, paft, rb_rloo, rloo
 from nemo_jq.objectives.importance import Correction, Ratios, SampledTokens, k3_kl
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.theory import default_model
-from nemo_jq.trainer import Trainer
 
 MODEL = default_model()
 #: The behaviour policy: softmax(θ + δ), a sampler with other numerics or an older policy.

@@ -92,3 +92,53 @@ def test_the_version_is_the_packages_own():
 
     declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
     assert nemo_jq.__version__ == declared
+
+
+def _imports_of(path: Path) -> set[str]:
+    """The nemo_jq modules ``path`` imports, at the top or inside a function (the lazy imports count too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name.split(".")[0] == "nemo_jq"}
+
+
+def test_the_packages_import_in_layers():
+    """The estimators and the theory stand alone (a user's own loop imports them); the models and rollout engines never
+    reach up into the recipe, the run plumbing, the cluster tools or the command line that use them."""
+    forbidden = {("objectives", "theory"): ("recipe", "runtime", "cli", "cluster", "models", "rollouts", "dryrun"),
+                 ("models", "rollouts"): ("recipe", "cli", "cluster", "dryrun", "experiments")}
+    crossings = []
+    for packages, above in forbidden.items():
+        for package in packages:
+            for path in sorted((ROOT / "nemo_jq" / package).rglob("*.py")):
+                crossings += [f"{path.relative_to(ROOT)} imports {name}" for name in sorted(_imports_of(path))
+                              if name.split(".")[1] in above]
+    assert not crossings, "; ".join(crossings)
+
+
+def test_the_old_flat_module_paths_import_the_moved_modules_with_a_warning():
+    """0.2's ``nemo_jq.trainer`` and friends still import, for one release, as the very module they moved to (a patch
+    through either name patches both), each saying where it lives now."""
+    code = ("import warnings, importlib, sys; warnings.simplefilter('error', DeprecationWarning)\n"
+            "from nemo_jq._moved import MOVED\n"
+            "for old, new in MOVED.items():\n"
+            "    try:\n"
+            "        importlib.import_module('nemo_jq.' + old)\n"
+            "    except DeprecationWarning as warning:\n"
+            "        assert str(warning).startswith(f'nemo_jq.{old} moved to nemo_jq.{new} '), warning\n"
+            "    else:\n"
+            "        raise AssertionError(f'nemo_jq.{old} imported without a warning')\n"
+            "warnings.simplefilter('ignore', DeprecationWarning)\n"
+            "from nemo_jq import trainer, distributed\n"
+            "import nemo_jq.recipe.trainer, nemo_jq.runtime.distributed\n"
+            "assert trainer is nemo_jq.recipe.trainer and distributed is nemo_jq.runtime.distributed\n"
+            "assert not [m for m in MOVED if __import__('pathlib').Path('nemo_jq', m + '.py').exists()]\n"
+            "print(len(MOVED))")
+    result = _run(["-c", code])
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) == 20

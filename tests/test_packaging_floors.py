@@ -69,7 +69,7 @@ APIS = [
      _transformers_installed(lambda c: list(inspect.signature(c.CacheLayerMixin.get_mask_sizes).parameters)
                              == ["self", "query_length"])),
     # what transformers 5.4.0 itself requires (its METADATA: tokenizers<=0.23.0,>=0.22.0; safetensors>=0.4.3)
-    ("tokenizers", "what transformers 5.4.0 requires", "0.22.0", ("nemo_jq/chat.py", "from tokenizers import"),
+    ("tokenizers", "what transformers 5.4.0 requires", "0.22.0", ("nemo_jq/data/chat.py", "from tokenizers import"),
      lambda: True),
     ("safetensors", "what transformers 5.4.0 requires", "0.4.3", ("nemo_jq/models/common.py", "from safetensors import"),
      lambda: True),

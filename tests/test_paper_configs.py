@@ -65,7 +65,7 @@ def planned(config):
     """``nemo-jq plan --config``'s estimate of ``config`` at its own layout (hf: one GPU; megatron: TP x PP from the
     config, the rest of the node data-parallel). ``plan`` is held to the dry run within 10% (tests/test_dryrun.py,
     docs/results/dryrun_configs.md)."""
-    from nemo_jq import plan
+    from nemo_jq.cluster import plan
 
     layout = config.megatron
     tp, pp = (layout.tensor_parallel, layout.pipeline_parallel) if config.model.backend == "megatron" else (1, 1)
@@ -107,7 +107,7 @@ def test_the_readmes_train_commands_load_their_configs_with_their_overrides():
 def test_the_32b_example_fits_sixteen_nodes_at_its_layout():
     """configs/examples/qwen3_32b_*: docs/cluster.md's 32B example as a run config, at plan's recommendation for 16
     nodes of eight 80 GB GPUs (TP=8 x DP=16); the dry run of its rank 0 peaks at 68.8 GiB (docs/dryrun.md)."""
-    from nemo_jq import plan
+    from nemo_jq.cluster import plan
 
     config = load_config(CONFIGS / "examples" / "qwen3_32b_hotpotqa_cold_garl_q0.75.yaml")
     tp = config.megatron.tensor_parallel

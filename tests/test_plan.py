@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from nemo_jq import plan
 from nemo_jq.cli import main
+from nemo_jq.cluster import plan
 
 GiB = 1024**3
 

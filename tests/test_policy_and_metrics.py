@@ -9,10 +9,10 @@ from transformers import AutoModelForCausalLM
 
 from helpers import tiny_setup
 from nemo_jq.data import Example, SyntheticArithmetic
-from nemo_jq.evaluation import majority_answer, pass_at_k, score_outputs
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.models.logprobs import chunked_token_logprobs
-from nemo_jq.sequences import collate
+from nemo_jq.recipe.evaluation import majority_answer, pass_at_k, score_outputs
+from nemo_jq.recipe.sequences import collate
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])

@@ -27,9 +27,9 @@ def train_run(run_dir: Path, overrides: list[str], steps: int, stop_after: int |
     does; ``resume``: continue ``run_dir``); on the writer, the train records (the metrics compared and the sync's) and
     the test scores; elsewhere, what ``fit`` returned and what the rank holds."""
     from helpers import TINY_RUN
-    from nemo_jq import distributed
-    from nemo_jq.monitor import read_metrics
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime import distributed
+    from nemo_jq.runtime.monitor import read_metrics
 
     trainer = Trainer.resume(run_dir) if resume else Trainer(load_config(None, [
         *TINY_RUN, f"train.max_steps={steps}", f"train.run_dir={run_dir}", "eval.every=1000", *overrides]))
@@ -150,7 +150,7 @@ def test_the_documented_torchrun_command_trains_one_step_off_on_a_rollout_rank(t
     result = subprocess.run(words, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    from nemo_jq.monitor import read_metrics
+    from nemo_jq.runtime.monitor import read_metrics
 
     steps = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
     assert [r["rollout_lag"] for r in steps] == [0, 1]

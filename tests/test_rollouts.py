@@ -11,11 +11,11 @@ import torch
 
 from helpers import SAMPLERS, peak_allocated, rollout_engine, tiny_setup
 from nemo_jq.models.hf import HFPolicy
+from nemo_jq.recipe.sequences import reference_answer_batch, sampled_answer_batch
 from nemo_jq.rollouts import BudgetedRollouts, Sample, SamplingSettings
 from nemo_jq.rollouts.hf import HFSampler, NativeSampler
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
 from nemo_jq.rollouts.vllm import llm_kwargs, sample_from_completion, sampling_params_kwargs
-from nemo_jq.sequences import reference_answer_batch, sampled_answer_batch
 
 CPU = torch.device("cpu")
 THINK_END, END_OF_TURN = 99, 2

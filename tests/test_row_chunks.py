@@ -9,11 +9,11 @@ import torch
 
 from helpers import TINY_RUN, tiny_setup
 from nemo_jq.config import load_config
-from nemo_jq.experience import experience_from
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.objectives import Need, get_objective, list_objectives
 from nemo_jq.objectives.importance import Correction
-from nemo_jq.trainer import Trainer
+from nemo_jq.recipe.experience import experience_from
+from nemo_jq.recipe.trainer import Trainer
 
 SAMPLES = 4
 #: Chunks of one row, of three (across prompt groups and micro-batches) and of one group.
@@ -46,7 +46,7 @@ def test_row_chunks_give_the_whole_group_gradient(tmp_path, name, correction):
     parts = trainer.components
     examples = parts.splits.train[:4]
     if Need.GIVEN_TARGET in estimator.needs:
-        from nemo_jq.experience import make_experience
+        from nemo_jq.recipe.experience import make_experience
 
         experience = make_experience(parts, examples, estimator, torch.Generator().manual_seed(0))
     else:
@@ -104,7 +104,7 @@ def test_activation_checkpointing_keeps_less_and_gives_the_same_gradient():
 
 def megatron_steps(run_dir: str, overrides: list[str]) -> list[dict]:
     """Three steps of the tiny run on the megatron backend (one rank of :func:`megatron_cpu.run_in_processes`)."""
-    from nemo_jq.monitor import read_metrics
+    from nemo_jq.runtime.monitor import read_metrics
 
     Trainer(load_config(None, [*TINY_RUN, "train.max_steps=3", "eval.every=1000", f"train.run_dir={run_dir}",
                                "objective.name=garl", "model.backend=megatron", *overrides])).fit()

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import TINY_RUN, one_line_error, run_cli
-from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint
-from nemo_jq.monitor import RunLogger, read_metrics
-from nemo_jq.trainer import Trainer
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.checkpoint import latest_checkpoint, load_checkpoint
+from nemo_jq.runtime.monitor import RunLogger, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = [*TINY_RUN, "train.max_steps=2", "eval.every=1000"]
@@ -39,7 +39,7 @@ def test_a_second_writer_of_a_held_run_directory_is_one_line_naming_the_holder(t
     run_dir = tmp_path / "run"
     assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
     script = tmp_path / "holder.py"
-    script.write_text("import sys\nfrom nemo_jq.outputs import hold_run_dir\n\nhold_run_dir(sys.argv[1])\n"
+    script.write_text("import sys\nfrom nemo_jq.runtime.outputs import hold_run_dir\n\nhold_run_dir(sys.argv[1])\n"
                       "print('held', flush=True)\nsys.stdin.read()\n")
     holder = subprocess.Popen([sys.executable, script, run_dir], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
@@ -164,7 +164,7 @@ def test_a_quota_is_one_line_naming_it(tmp_path, capsys, monkeypatch, failure):
         original(self, path)
 
     monkeypatch.setattr(HFPolicy, "save", over_quota)
-    monkeypatch.setattr("nemo_jq.checkpoint.shutil.disk_usage", lambda _p: SimpleNamespace(total=1 << 40, used=0, free=1 << 40))
+    monkeypatch.setattr("nemo_jq.runtime.checkpoint.shutil.disk_usage", lambda _p: SimpleNamespace(total=1 << 40, used=0, free=1 << 40))
     run_dir = tmp_path / "run"
     code, _, err = run_cli(capsys, "train", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")
     one_line_error(code, err, "disk quota exceeded", str(run_dir / "checkpoints" / "step_00000002"), "lfs quota", "--resume")
@@ -189,8 +189,8 @@ def test_a_long_prompt_is_dropped_and_named_at_prepare_time_and_a_bom_and_repeat
 def test_a_prompt_beyond_the_models_context_is_one_line_before_anything_is_written(tmp_path, capsys):
     """Training from data.source (no prepared folder, no manifest): a row over the cap is named as it is dropped; a
     prompt under it that the model's context cannot hold is an error naming it."""
-    from nemo_jq.components import build_task
     from nemo_jq.config import load_config
+    from nemo_jq.recipe.components import build_task
 
     source = tmp_path / "mine.jsonl"
     questions = {5: "why " * 300, 8: "x" * 40_000}
@@ -228,8 +228,8 @@ def test_a_start_that_failed_before_its_first_checkpoint_never_blocks_the_retry(
 
 # ----------------------------------------------------------------------------- item 7: model, tokenizer, device
 def test_model_tokenizer_and_device_mistakes_are_one_line_and_leave_nothing(tmp_path, capsys):
-    from nemo_jq.chat import build_tokenizer
     from nemo_jq.data import SyntheticArithmetic
+    from nemo_jq.data.chat import build_tokenizer
     from nemo_jq.models.hf import tiny_qwen3
 
     tokenizer = build_tokenizer(SyntheticArithmetic(3).corpus([]))

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import TINY_RUN, one_line_error, run_cli
-from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint
 from nemo_jq.cli import main
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data.prepare import load_prepared, make_task, prepare, write_prepared
-from nemo_jq.monitor import read_metrics
-from nemo_jq.trainer import Trainer
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.checkpoint import latest_checkpoint, load_checkpoint
+from nemo_jq.runtime.monitor import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -38,7 +38,7 @@ def test_a_run_directory_that_holds_a_run_is_refused_and_kept(tmp_path, capsys):
 
 
 def test_an_earlier_demo_is_refused_or_moved_aside(tmp_path, capsys):
-    from nemo_jq.demo import run_demo
+    from nemo_jq.recipe.demo import run_demo
 
     demo = tmp_path / "demo"
     demo.mkdir()
@@ -215,7 +215,7 @@ def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_stays(tmp_path, ca
         original(self, path)
 
     monkeypatch.setattr(HFPolicy, "save", fill_up)
-    monkeypatch.setattr("nemo_jq.checkpoint.shutil.disk_usage", lambda _path: SimpleNamespace(total=1 << 30, used=1 << 30, free=0))
+    monkeypatch.setattr("nemo_jq.runtime.checkpoint.shutil.disk_usage", lambda _path: SimpleNamespace(total=1 << 30, used=1 << 30, free=0))
     run_dir = tmp_path / "run"
     code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=4", "train.save_every=2", "eval.every=1000",
                            f"train.run_dir={run_dir}")
@@ -318,7 +318,7 @@ def test_prompt_options_typed_in_a_shell_keep_their_new_lines(tmp_path, capsys):
 
 
 def test_the_readme_shows_the_demo_table_ci_checks():
-    from nemo_jq.demo import DEMO_RUNS, markdown_table
+    from nemo_jq.recipe.demo import DEMO_RUNS, markdown_table
 
     readme = (ROOT / "README.md").read_text()
     header = markdown_table({}).splitlines()[0]

@@ -11,8 +11,8 @@ import torch
 
 from helpers import TINY_RUN
 from nemo_jq.config import load_config
+from nemo_jq.recipe.trainer import Trainer
 from nemo_jq.rollouts.process import SamplingProcess, publish_refit, second_process_refused
-from nemo_jq.trainer import Trainer
 
 
 def fake_nvidia_smi(folder, answer: str, exit_code: int = 0):
@@ -57,7 +57,7 @@ def make_trainer(tmp_path, name):
 def test_each_request_follows_its_refit_and_its_publication(tmp_path, monkeypatch):
     """The order a GPU needs: refit the child's copy, wait for those kernels, then send the request."""
     events = []
-    monkeypatch.setattr("nemo_jq.experience.publish_refit", lambda device: events.append("publish"))
+    monkeypatch.setattr("nemo_jq.recipe.experience.publish_refit", lambda device: events.append("publish"))
     submit = SamplingProcess.submit
     monkeypatch.setattr(SamplingProcess, "submit", lambda self, *a, **k: (events.append("submit"), submit(self, *a, **k)))
     trainer = make_trainer(tmp_path, "ordered")
@@ -68,7 +68,7 @@ def test_each_request_follows_its_refit_and_its_publication(tmp_path, monkeypatc
 
 
 def test_an_exclusive_gpu_samples_in_this_process_and_says_so_once(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("nemo_jq.experience.second_process_refused", lambda device: "GPU 0 is in EXCLUSIVE_PROCESS mode")
+    monkeypatch.setattr("nemo_jq.recipe.experience.second_process_refused", lambda device: "GPU 0 is in EXCLUSIVE_PROCESS mode")
     started = []
     monkeypatch.setattr(SamplingProcess, "__init__", lambda self, *a, **k: started.append(1))
     trainer = make_trainer(tmp_path, "exclusive")

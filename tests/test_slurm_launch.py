@@ -28,7 +28,7 @@ import pytest
 
 from helpers import TINY_RUN
 from megatron_cpu import free_port
-from nemo_jq.monitor import read_metrics
+from nemo_jq.runtime.monitor import read_metrics
 
 pytest.importorskip("megatron.core")
 

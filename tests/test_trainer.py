@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from helpers import TINY_RUN
-from nemo_jq.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from nemo_jq.config import load_config, save_config
-from nemo_jq.experience import Experience
-from nemo_jq.monitor import read_metrics
 from nemo_jq.objectives import get_objective, list_objectives
-from nemo_jq.sequences import reference_answer_batch
-from nemo_jq.trainer import Trainer
+from nemo_jq.recipe.experience import Experience
+from nemo_jq.recipe.sequences import reference_answer_batch
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from nemo_jq.runtime.monitor import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"step_time", "rollout_tokens_per_s"}
@@ -80,12 +80,12 @@ def test_micro_batching_gives_the_full_batch_gradient(tmp_path, name, options):
     if name == "garl":
         batch, group, rewards = reference_answer_batch(rollouts, answers, parts.chat.think_end_id, parts.chat.pad_id), 4, None
     elif name == "grpo":
-        from nemo_jq.sequences import sampled_answer_batch
+        from nemo_jq.recipe.sequences import sampled_answer_batch
 
         batch, group = sampled_answer_batch(rollouts, parts.chat.think_end_id, parts.chat.pad_id), 4
         rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
     else:
-        from nemo_jq.sequences import given_target_batch
+        from nemo_jq.recipe.sequences import given_target_batch
 
         rationales = [parts.chat.rationale_ids(e.rationale) for e in examples]
         batch, group, rewards = given_target_batch(prompts, rationales, answers, parts.chat.think_end_id, parts.chat.pad_id), 1, None
@@ -323,8 +323,8 @@ def test_each_step_logs_its_own_gpu_peak_and_a_cpu_step_none(tmp_path, monkeypat
     trainer.fit()
     assert all("gpu_peak_gib" not in r for r in read_metrics(trainer.run_dir) if r["kind"] == "train")
     steps = iter([1.5, 2.5])
-    monkeypatch.setattr("nemo_jq.trainer.peak_memory_gib", lambda device: next(steps))
-    monkeypatch.setattr("nemo_jq.trainer.reset_peak_memory", lambda device: counter.update(resets=counter["resets"] + 1))
+    monkeypatch.setattr("nemo_jq.recipe.trainer.peak_memory_gib", lambda device: next(steps))
+    monkeypatch.setattr("nemo_jq.recipe.trainer.reset_peak_memory", lambda device: counter.update(resets=counter["resets"] + 1))
     trainer = make_trainer(tmp_path, "train.max_steps=2", "eval.every=1000", name="on_gpu")
     trainer.fit()
     assert [r["gpu_peak_gib"] for r in read_metrics(trainer.run_dir) if r["kind"] == "train"] == [1.5, 2.5]

@@ -11,9 +11,9 @@ from test_vllm_routes import StandInLLM
 
 from helpers import rollout_engine, tiny_setup
 from nemo_jq.models.hf import HFPolicy
+from nemo_jq.recipe.sequences import reference_answer_batch, sampled_answer_batch
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
 from nemo_jq.rollouts.vllm import NOISY_LOGGERS, ExpectedNoiseFilter, VLLMSampler
-from nemo_jq.sequences import reference_answer_batch, sampled_answer_batch
 
 pytestmark = pytest.mark.vllm
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -169,7 +169,7 @@ def _train(*args: str, torchrun: bool = False, timeout: int = 400):
 
 
 def _records(run_dir, kind: str = "train") -> list[dict]:
-    from nemo_jq.monitor import read_metrics
+    from nemo_jq.runtime.monitor import read_metrics
 
     return [r for r in read_metrics(run_dir) if r["kind"] == kind]
 

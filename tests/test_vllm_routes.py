@@ -137,7 +137,7 @@ def test_the_installed_vllm_takes_the_reload_route():
     assert "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
     assert engine.installed_refit_route() == RELOAD
     assert engine.version_tuple(engine.installed_vllm().split()[-1]) >= engine.VLLM_FLOOR
-    from nemo_jq.doctor import _vllm
+    from nemo_jq.cluster.doctor import _vllm
 
     assert _vllm(False, 32, "tiny")["vllm refit route"] == engine.ROUTES[RELOAD]
 
@@ -169,7 +169,7 @@ def test_rollout_engine_vllm_without_an_importable_vllm_is_a_one_line_config_err
 def _train_without_vllm(monkeypatch, capsys, tmp_path) -> tuple[int, str, list]:
     """``nemo-jq train rollout.engine=vllm`` in this process with ``import vllm`` failing: (exit code, stderr, the
     models built)."""
-    import nemo_jq.components as components
+    import nemo_jq.recipe.components as components
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr(engine, "installed_vllm", lambda: None)

@@ -12,8 +12,8 @@ from helpers import TINY_RUN, one_line_error, run_cli
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data import SyntheticArithmetic
 from nemo_jq.experiments.warm_start import collapse, latent_variance, measure_variance, train_measured
-from nemo_jq.monitor import read_metrics
-from nemo_jq.trainer import Trainer
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.monitor import read_metrics
 
 
 def test_collapse_is_a_fall_below_the_fraction_of_the_peak_that_lasts_to_the_end():

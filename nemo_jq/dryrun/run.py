@@ -167,7 +167,7 @@ def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, 
     """``nemo-jq plan --config``'s estimate of each component beside the dry run's (GiB), and their ratio. Megatron:
     the plan's layout is the config's over the report's world, and its figure is the layout's fullest rank's, so the
     dry run's is the most any simulated rank holds."""
-    from nemo_jq import plan
+    from nemo_jq.cluster import plan
 
     work = plan.Workload.from_config(config, report["prompt_tokens"])
     layout, simulated, where = (1, 1, 1), [report], PLAN_COMPONENTS
@@ -241,7 +241,7 @@ class _DryRun:
         self.stack = contextlib.ExitStack()
 
     def first_step(self) -> None:
-        from nemo_jq.trainer import Trainer
+        from nemo_jq.recipe.trainer import Trainer
 
         with self.stack:
             self._label_kernels()
@@ -318,8 +318,8 @@ class _DryRun:
     def _components(self):
         """The run's components as ``build_components`` makes them, from a stand-in task and tokenizer and the model
         built from its config on the (fake) host, as ``load_model`` builds it."""
-        from nemo_jq.chat import ChatFormat
-        from nemo_jq.components import assemble_components
+        from nemo_jq.data.chat import ChatFormat
+        from nemo_jq.recipe.components import assemble_components
 
         chat = ChatFormat(_StandInTokenizer(self.prompt_tokens, self.config.rollout.max_answer_tokens))
         examples = [Example(f"dry-{i}", "", "") for i in range(max(self.config.train.batch_size, self.config.eval.batch_size))]
@@ -583,7 +583,7 @@ class ReservedShare:
     ``vllm_memory_utilization`` of the GPU), held while it is awake; it samples every row to its full budget."""
 
     def __init__(self, request, tracker: MemoryTracker, share: int):
-        from nemo_jq import distributed
+        from nemo_jq.runtime import distributed
 
         self.tracker, self.share, self.depth = tracker, share, 0
         self.tensor_parallel = request.config.rollout.tensor_parallel
@@ -618,7 +618,7 @@ def model_config(config: Config, folder: Path) -> Any:
     as a model folder without weights (what an engine that loads a folder is given)."""
     from transformers import AutoConfig, Qwen3Config
 
-    from nemo_jq.plan import hf_config_dict
+    from nemo_jq.cluster.plan import hf_config_dict
 
     path = config.model.path
     if path is None:
@@ -637,8 +637,8 @@ def model_config(config: Config, folder: Path) -> Any:
 
 
 def _parameters(hf_config) -> int:
+    from nemo_jq.cluster.plan import parameter_count
     from nemo_jq.models.megatron.provider import read_qwen3_config
-    from nemo_jq.plan import parameter_count
 
     return parameter_count(read_qwen3_config(hf_config))
 
@@ -777,7 +777,7 @@ class _StandInTokenizer:
         self.prompt_tokens, self.answer_tokens = prompt_tokens, answer_tokens
 
     def get_vocab(self) -> dict[str, int]:
-        from nemo_jq.chat import END_OF_TURN, THINK_END, THINK_START
+        from nemo_jq.data.chat import END_OF_TURN, THINK_END, THINK_START
 
         return {THINK_START: 1, THINK_END: 2, END_OF_TURN: 3}
 

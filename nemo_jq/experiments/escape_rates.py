@@ -29,9 +29,9 @@ from typing import Any, Callable, Sequence
 
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.experiments.noisy_cold_start import slug
-from nemo_jq.monitor import read_metrics
-from nemo_jq.outputs import claim_dir
-from nemo_jq.preemption import Series
+from nemo_jq.runtime.monitor import read_metrics
+from nemo_jq.runtime.outputs import claim_dir
+from nemo_jq.runtime.preemption import Series
 
 #: log P̂ a run must exceed to have escaped: e^-5 ≈ 0.7%, the noisy cold-start experiment's "left P̂ ≈ 0".
 THRESHOLD = -5.0
@@ -217,7 +217,7 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, widths: Sequence[int]
 def plot_curves(out_dir: Path, plan: dict[str, list[str]], width: int, seed: int) -> list[Path]:
     """The Figure-3 panels of every method at one width and seed, one figure per optimizer (``curves_<opt>.png``),
     from the runs' own metrics; an optimizer without such runs is skipped."""
-    from nemo_jq.monitor import plot_runs
+    from nemo_jq.runtime.monitor import plot_runs
 
     written = []
     for optimizer in OPTIMIZERS:
@@ -231,7 +231,7 @@ def plot_curves(out_dir: Path, plan: dict[str, list[str]], width: int, seed: int
 
 def _train(overrides: list[str], cap: int) -> list[dict[str, Any]]:
     """One run of at most ``cap`` steps, stopped after the first step past :data:`THRESHOLD`."""
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     config = load_config(None, overrides)
     epochs = max(config.train.epochs, math.ceil(cap * config.train.batch_size / config.data.train_size))

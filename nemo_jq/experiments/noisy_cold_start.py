@@ -23,9 +23,9 @@ from typing import Any, Sequence
 import yaml
 
 from nemo_jq.config import ConfigError, load_config
-from nemo_jq.monitor import plot_runs, read_metrics
-from nemo_jq.outputs import claim_dir
-from nemo_jq.preemption import Series
+from nemo_jq.runtime.monitor import plot_runs, read_metrics
+from nemo_jq.runtime.outputs import claim_dir
+from nemo_jq.runtime.preemption import Series
 
 #: The one configuration every method trains with: the demo's model, M=4 and budgets on sums of two digits, 64
 #: training prompts (13 of them noisy at rho=0.2) seen 64 times (512 steps of 8 prompts), so that a method can
@@ -84,7 +84,7 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
                    adaptive: dict[str, float] | None = None) -> dict[str, Any]:
     """Every method (or those named in ``only``) over every seed into ``out_dir/<method>/seed<S>``, then the
     table and figures. ``adaptive``: the adaptive rule's knobs (see :func:`methods`)."""
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     out_dir = Path(out_dir)
     base = [*(QUICK if quick else SETTINGS), f"data.label_noise={label_noise}", *overrides]

@@ -34,12 +34,12 @@ import torch
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES
 from nemo_jq.experiments.noisy_cold_start import _mean_sd, slug
-from nemo_jq.monitor import read_metrics
-from nemo_jq.outputs import claim_dir
-from nemo_jq.preemption import Series
+from nemo_jq.runtime.monitor import read_metrics
+from nemo_jq.runtime.outputs import claim_dir
+from nemo_jq.runtime.preemption import Series
 
 if TYPE_CHECKING:
-    from nemo_jq.components import Components
+    from nemo_jq.recipe.components import Components
 
 #: Every run, warm-up included: the demo's model and sums of three digits, a thinking budget that holds the gold
 #: rationale (14 tokens), validation every 16 steps, no checkpoints but the best one.
@@ -112,10 +112,10 @@ def latent_variance(answer_logprob: torch.Tensor) -> dict[str, float]:
 def measure_variance(components: Components, seed: int) -> dict[str, float]:
     """:func:`latent_variance` of the policy on the validation prompts: M rationales each (``rollout.num_samples``),
     y* teacher-forced after each, sampled from a generator of its own (the training streams do not move)."""
-    from nemo_jq.experience import experience_from
     from nemo_jq.models.common import generator_device
     from nemo_jq.objectives import get_objective
     from nemo_jq.objectives.inputs import EstimatorInputs
+    from nemo_jq.recipe.experience import experience_from
 
     examples = components.splits.validation
     generator = torch.Generator(device=generator_device(components.device)).manual_seed(seed)
@@ -132,7 +132,7 @@ def train_measured(overrides: list[str], *, stop_at_p1: float | None = None,
                    variance_seed: int = 0) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
     """One run with Var_z[w] measured before training and at every validation; with ``stop_at_p1``, stopped at the
     first validation whose p@1 reaches it. Returns the trainer, fit's result and the measurements."""
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
 
     config = load_config(None, overrides)
     trainer = Trainer(config)

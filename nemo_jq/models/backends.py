@@ -21,14 +21,14 @@ from typing import Any, Callable
 
 import torch
 
-from nemo_jq import distributed
-from nemo_jq.chat import ChatFormat
+from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.common import autocast_dtype
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.models.interfaces import Policy, RolloutEngine, require
 from nemo_jq.registry import Registry
 from nemo_jq.rollouts import IN_PLACE, SamplerRequest, build_rollouts
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
+from nemo_jq.runtime import distributed
 
 
 @dataclasses.dataclass(frozen=True)

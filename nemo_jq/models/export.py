@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from nemo_jq.chat import ChatFormat
+from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.common import WEIGHTS_FILE
 
 #: Marks a folder as written by ``HFPolicy.export`` and lists its files, so a later export may replace them.

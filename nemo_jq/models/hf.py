@@ -7,7 +7,6 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from nemo_jq.distributed import DataParallel
 from nemo_jq.models.common import (
     WEIGHTS_FILE,
     autocast_context,
@@ -19,6 +18,7 @@ from nemo_jq.models.export import export_hf_model
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.logprobs import chunked_token_logprobs
 from nemo_jq.precision import recompute_contexts
+from nemo_jq.runtime.distributed import DataParallel
 
 
 def tiny_qwen3(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
-from nemo_jq.distributed import DataParallel
+from nemo_jq.runtime.distributed import DataParallel
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Rollouts on ranks of their own (``rollout.placement=separate``): the training ranks ask, the rollout ranks sample.
 
-The world is split (:func:`nemo_jq.distributed.init_from_env`): the training ranks hold the policy and its optimizer
+The world is split (:func:`nemo_jq.runtime.distributed.init_from_env`): the training ranks hold the policy and its optimizer
 and no inference copy; each rollout rank holds an engine (its own HF model, no optimizer). Every training call of
 ``generate`` first brings the rollout ranks the weights, if they moved since the last call (:class:`WeightSync`: from
 the first training rank, gathered from the first replica's shards once, in buckets); then each replica's first rank
@@ -12,8 +12,9 @@ does.
 
 The first training rank leads: its commands (sync, generate, stop) reach every rollout rank in one order, and every
 replica calls ``generate`` alike (``lockstep``: evaluation pads the shorter shares). One step off
-(``rollout.async_steps=1``, :class:`RolloutsAheadOnRanks`) the request for step t+1 leaves before step t trains and
-its rollouts are taken when step t+1 starts: the rollout ranks sample while the training ranks train.
+(``rollout.async_steps=1``, the recipe's :class:`~nemo_jq.recipe.experience.RolloutsAheadOnRanks`) the request for
+step t+1 leaves before step t trains and its rollouts are taken when step t+1 starts: the rollout ranks sample while
+the training ranks train.
 """
 
 from __future__ import annotations
@@ -24,17 +25,13 @@ from typing import Any, Sequence
 
 import torch
 
-from nemo_jq import distributed
-from nemo_jq.data import Example
-from nemo_jq.distributed import Roles, receive_object, send_object
-from nemo_jq.experience import RolloutsAhead
-from nemo_jq.models.common import generator_device
 from nemo_jq.models.interfaces import RefittablePolicy, Rollout, require
-from nemo_jq.objectives import Need, ObjectiveSpec
 from nemo_jq.rollouts.budget import BudgetedRollouts
 from nemo_jq.rollouts.process import engine_device
 from nemo_jq.rollouts.refit import reporting_chunks, share_in_chunks, share_object
 from nemo_jq.rollouts.sync import SyncStats, WeightSync
+from nemo_jq.runtime import distributed
+from nemo_jq.runtime.distributed import Roles, receive_object, send_object
 
 #: The first training rank: it sends the weights and the commands.
 LEAD = 0
@@ -182,23 +179,3 @@ class RolloutServer:
         send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state(),
                              time.perf_counter() - started), lead, device)
         self.served += 1
-
-
-class RolloutsAheadOnRanks(RolloutsAhead):
-    """One step off on the rollout ranks (``rollout.async_steps=1``): :meth:`submit` sends the weights θ_t (if they
-    moved) and step t+1's request, and returns; the rollout ranks sample it while this rank trains step t, and
-    :meth:`settle` takes the rollouts. Checkpoints carry the settled experience as :class:`RolloutsAhead`'s do."""
-
-    def __init__(self, components: Any):
-        self.components, self.engine, self.pending = components, components.engine, None
-        self.worker = self.engine  # whose result() settles the request, as a sampling process's does
-
-    def submit(self, examples: list[Example], estimator: ObjectiveSpec, seed: int) -> None:
-        parts = self.components
-        generator = torch.Generator(generator_device(parts.device)).manual_seed(seed)
-        self.engine.request(parts.prompt_ids(examples), parts.config.rollout.num_samples,
-                            sample_answers=Need.SAMPLED_ANSWER_REWARD in estimator.needs, generator=generator)
-        self.pending = (examples, estimator)
-
-    def close(self) -> None:
-        self.settle()

@@ -287,7 +287,7 @@ class VLLMSampler:
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
 
-        from nemo_jq import distributed
+        from nemo_jq.runtime import distributed
 
         self.settings, self.tensor_parallel = settings, tensor_parallel
         on_gpu = device.type == "cuda"

@@ -11,11 +11,11 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from nemo_jq.distributed import DataParallel
 from nemo_jq.models.backends import BackendRequest, register_backend
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.rollouts import BudgetedRollouts, Sample
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
+from nemo_jq.runtime.distributed import DataParallel
 
 TABLE = "bigram.pt"
 

@@ -22,8 +22,6 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_jq import distributed
-from nemo_jq.distributed import DataParallel
 from nemo_jq.models.common import WEIGHTS_FILE, SafetensorsFolder, autocast_context, autocast_dtype, check_precision
 from nemo_jq.models.export import export_hf_stream
 from nemo_jq.models.interfaces import LossFn, TokenBatch
@@ -41,6 +39,8 @@ from nemo_jq.models.megatron.provider import (
     uses_transformer_engine,
 )
 from nemo_jq.models.megatron.zero import DistributedAdamW
+from nemo_jq.runtime import distributed
+from nemo_jq.runtime.distributed import DataParallel
 
 transformer_engine_usable()  # a broken Transformer Engine must not break the megatron.core import below
 from megatron.core import parallel_state  # noqa: E402

@@ -35,7 +35,7 @@ class RunLogger:
     def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0, writes: bool = True,
                  trackers: Any = ()):
         self.path, self.writes, self.writer = run_dir / METRICS_FILE, writes, None
-        #: W&B, MLflow (nemo_jq.tracking): they get the records logged from now on.
+        #: W&B, MLflow (nemo_jq.runtime.tracking): they get the records logged from now on.
         self.trackers = list(trackers)
         if not writes:  # another rank of a multi-process run writes them
             return

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from nemo_jq.experience import Experience, MicroBatch
 from nemo_jq.models.interfaces import Policy, TokenBatch
+from nemo_jq.recipe.experience import Experience, MicroBatch
 
 #: ``estimate(token_logprobs, micro_batch) -> (loss to backpropagate, metrics)``: the estimator on one micro-batch.
 Estimate = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]

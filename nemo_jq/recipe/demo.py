@@ -13,10 +13,10 @@ import math
 from pathlib import Path
 
 from nemo_jq.config import load_config
-from nemo_jq.monitor import plot_runs, read_metrics
-from nemo_jq.outputs import claim_dir
-from nemo_jq.preemption import Series
-from nemo_jq.trainer import Trainer
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.monitor import plot_runs, read_metrics
+from nemo_jq.runtime.outputs import claim_dir
+from nemo_jq.runtime.preemption import Series
 
 DEMO_RUNS = (
     ("GRPO", "grpo", ["objective.name=grpo"]),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_jq.preemption import REQUEUE_EXIT_CODE
+from nemo_jq.runtime.preemption import REQUEUE_EXIT_CODE
 
 EXECUTORS = ("slurm", "docker", "local")
 #: SLURM's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (sbatch rejects ``4h``).
@@ -31,7 +31,7 @@ SLURM_TIME = re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)
 SLURM_MEM = re.compile(r"\d+[KMGT]?")
 #: The experiment title NeMo-Run files the job under (``job_dir/experiments/nemo-jq/nemo-jq_<id>``).
 TITLE = "nemo-jq"
-#: The batch script's last word after ``train --requeue`` exits with :data:`~nemo_jq.preemption.REQUEUE_EXIT_CODE`:
+#: The batch script's last word after ``train --requeue`` exits with :data:`~nemo_jq.runtime.preemption.REQUEUE_EXIT_CODE`:
 #: requeue the job, from the host (docs/cluster.md). A trap on the script's exit, as NeMo-Run's template has no lines
 #: after srun, and ends with ``exit $exitcode``.
 REQUEUE_ON_EXIT = (f"trap 'status=$?; if [ \"$status\" = {REQUEUE_EXIT_CODE} ]; then echo \"nemo-jq: requeueing job "
@@ -102,7 +102,7 @@ def build_executor(config: LaunchConfig) -> Any:
     import nemo_run as run
 
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", **config.env}
-    if config.executor == "slurm":  # srun starts a process per GPU; nemo_jq.distributed joins from SLURM's variables
+    if config.executor == "slurm":  # srun starts a process per GPU; nemo_jq.runtime.distributed joins from SLURM's variables
         return run.SlurmExecutor(
             account=config.account, partition=config.partition, nodes=config.nodes, ntasks_per_node=config.gpus_per_node,
             gpus_per_node=config.gpus_per_node, launcher=None, time=config.time, container_image=config.container_image,

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from nemo_jq import distributed
 from nemo_jq.models.common import require_files
 from nemo_jq.models.interfaces import Policy
+from nemo_jq.runtime import distributed
 
 RNG, STATE = "rng.pt", "state.json"
 

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from nemo_jq.chat import ChatFormat
 from nemo_jq.data.base import Example, Task
+from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.common import generator_device
 from nemo_jq.models.interfaces import RolloutEngine
 
 if TYPE_CHECKING:
-    from nemo_jq.components import Components
+    from nemo_jq.recipe.components import Components
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -96,8 +96,8 @@ class Evaluator:
 
     def evaluate(self, split: str, seed_offset: int = 0) -> dict[str, float]:
         """p@1, p@k and m@k (k = eval.num_samples) on ``split``."""
-        from nemo_jq import distributed
-        from nemo_jq.monitor import progress
+        from nemo_jq.runtime import distributed
+        from nemo_jq.runtime.monitor import progress
 
         parts, settings = self.components, self.components.config.eval
         examples = parts.splits.get(split)

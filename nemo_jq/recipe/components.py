@@ -19,23 +19,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_jq import distributed
-from nemo_jq.chat import ChatFormat, build_tokenizer
 from nemo_jq.config import Config
 from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
+from nemo_jq.data.chat import ChatFormat, build_tokenizer
 from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.prepare import describe_over_cap, load_prepared, make_task, prepare
-from nemo_jq.distributed import DataParallel
-from nemo_jq.guard import CollapseGuard
 from nemo_jq.models.backends import BackendRequest, build_backend
 from nemo_jq.models.common import SafetensorsFolder, autocast_dtype, resolve_pretrained
 from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
 from nemo_jq.models.interfaces import Policy, RolloutEngine
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
 from nemo_jq.objectives.importance import Correction
+from nemo_jq.recipe.guard import CollapseGuard
 from nemo_jq.rollouts import SamplerRequest, build_rollouts, check_sampler
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
+from nemo_jq.runtime import distributed
+from nemo_jq.runtime.distributed import DataParallel
 
 
 @dataclass

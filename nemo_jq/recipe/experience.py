@@ -20,12 +20,12 @@ from nemo_jq.models.common import generator_device
 from nemo_jq.models.interfaces import Rollout, TokenBatch
 from nemo_jq.objectives import Need, ObjectiveSpec
 from nemo_jq.objectives.importance import Correction, k3_kl
+from nemo_jq.recipe.sequences import given_target_batch, reference_answer_batch, sampled_answer_batch
 from nemo_jq.rollouts.process import SamplingProcess, publish_refit, second_process_refused, share_weights
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
-from nemo_jq.sequences import given_target_batch, reference_answer_batch, sampled_answer_batch
 
 if TYPE_CHECKING:
-    from nemo_jq.components import Components
+    from nemo_jq.recipe.components import Components
 
 
 @dataclass
@@ -109,8 +109,8 @@ class RolloutsAhead:
     """
 
     def __init__(self, components: Components):
-        from nemo_jq import distributed
         from nemo_jq.rollouts import IN_PLACE
+        from nemo_jq.runtime import distributed
 
         engine = components.engine
         if not isinstance(engine, RefittedRolloutEngine):
@@ -204,7 +204,7 @@ class MismatchWatch:
         self.warned_kl: float | None = None
 
     def __call__(self, record: dict[str, Any], step: int) -> None:
-        from nemo_jq import distributed
+        from nemo_jq.runtime import distributed
 
         gap, kl = record.get("max_logprob_gap", 0.0), record.get("kl_k3", 0.0)
         exceeded = gap > self.max_gap or kl > self.max_kl
@@ -216,3 +216,23 @@ class MismatchWatch:
         print(f"warning: step {step}: the rollouts are off-policy: KL(engine || policy) {kl:.3g} per token "
               f"(rollout.max_mismatch_kl={self.max_kl}), log-prob gaps up to {gap:.3g} (rollout.max_logprob_gap="
               f"{self.max_gap}); {handled}", flush=True)
+
+
+class RolloutsAheadOnRanks(RolloutsAhead):
+    """One step off on the rollout ranks (``rollout.async_steps=1``): :meth:`submit` sends the weights θ_t (if they
+    moved) and step t+1's request, and returns; the rollout ranks sample it while this rank trains step t, and
+    :meth:`settle` takes the rollouts. Checkpoints carry the settled experience as :class:`RolloutsAhead`'s do."""
+
+    def __init__(self, components: Any):
+        self.components, self.engine, self.pending = components, components.engine, None
+        self.worker = self.engine  # whose result() settles the request, as a sampling process's does
+
+    def submit(self, examples: list[Example], estimator: ObjectiveSpec, seed: int) -> None:
+        parts = self.components
+        generator = torch.Generator(generator_device(parts.device)).manual_seed(seed)
+        self.engine.request(parts.prompt_ids(examples), parts.config.rollout.num_samples,
+                            sample_answers=Need.SAMPLED_ANSWER_REWARD in estimator.needs, generator=generator)
+        self.pending = (examples, estimator)
+
+    def close(self) -> None:
+        self.settle()

@@ -38,9 +38,9 @@ def report(model: str | None = None) -> dict[str, Any]:
     one whose head size vLLM's CPU attention is asked about."""
     import torch
 
+    from nemo_jq.cluster.plan import architecture
     from nemo_jq.config import TinyModelConfig
     from nemo_jq.models.megatron import transformer_engine_status
-    from nemo_jq.plan import architecture
 
     cuda = torch.cuda.is_available()
     tiny = TinyModelConfig()

@@ -10,14 +10,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from nemo_jq import distributed
-from nemo_jq.checkpoint import STATE, latest_checkpoint, load_checkpoint, saved_steps, step_dir_name
-from nemo_jq.components import Components, build_components
 from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.models.common import resolve_device
-from nemo_jq.monitor import METRICS_FILE, plot_runs, read_metrics
-from nemo_jq.outputs import claim_dir, hold_run_dir, let_go, release_run_dir
-from nemo_jq.tracking import TRACKING_FILE
+from nemo_jq.recipe.components import Components, build_components
+from nemo_jq.runtime import distributed
+from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, load_checkpoint, saved_steps, step_dir_name
+from nemo_jq.runtime.monitor import METRICS_FILE, plot_runs, read_metrics
+from nemo_jq.runtime.outputs import claim_dir, hold_run_dir, let_go, release_run_dir
+from nemo_jq.runtime.tracking import TRACKING_FILE
 
 CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
 #: Where ``nemo-jq eval`` writes its reports in a run's directory.

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_jq.distributed import DataParallel
 from nemo_jq.models.common import generator_device
+from nemo_jq.runtime.distributed import DataParallel
 
 
 @dataclass

@@ -53,7 +53,7 @@ class StopSignals:
 
     def requested(self) -> bool:
         """Whether a stop signal reached any rank (a collective); every rank then agrees on the largest signal number."""
-        from nemo_jq import distributed
+        from nemo_jq.runtime import distributed
 
         self.received = distributed.largest(self.received or 0) or None
         return self.received is not None
@@ -119,7 +119,7 @@ def end_stopped_run(signum: int, step: int, run_dir: Path, *, requeue: bool) -> 
     one line. With ``requeue`` and :data:`REQUEUE_SIGNAL`: :data:`REQUEUE_EXIT_CODE`, for the batch script to requeue
     the job; any other signal ends the run (0): ``scancel`` must not bring a job back, and a job requeued from outside
     (``scontrol requeue``) comes back by itself and resumes."""
-    from nemo_jq import distributed
+    from nemo_jq.runtime import distributed
 
     name = signal_name(signum)
     if requeue and signum == REQUEUE_SIGNAL:
@@ -145,7 +145,7 @@ def _exit_for_requeue(linger: float = 3.0) -> int:
     import sys
     import time
 
-    from nemo_jq import distributed
+    from nemo_jq.runtime import distributed
 
     if distributed.world_size() > 1:
         distributed.barrier()

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from nemo_jq.preemption import Stopped
+from nemo_jq.runtime.preemption import Stopped
 
 #: Set to 1 (or pass --debug) to see the traceback behind an error message.
 DEBUG_ENV = "NEMO_JQ_DEBUG"
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         print(stopped, file=sys.stderr, flush=True)
         return stopped.exit_code
     except Exception as err:
-        from nemo_jq import distributed
+        from nemo_jq.runtime import distributed
 
         message = user_error_message(err)
         if message is None or args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
@@ -216,7 +216,7 @@ def user_error_message(err: BaseException) -> str | None:
 
     Under torchrun, rank 0 also names any other rank that failed, and each failed rank prints its own.
     """
-    from nemo_jq import distributed
+    from nemo_jq.runtime import distributed
 
     if isinstance(err, OSError) and err.errno is not None and err.filename is not None:
         hints = {
@@ -311,7 +311,7 @@ def _knobs(text: str) -> dict[str, float]:
 
 
 def _plan_assumptions() -> str:
-    from nemo_jq import plan
+    from nemo_jq.cluster import plan
 
     return "assumptions:\n" + plan.__doc__.split("\n", 2)[2]
 
@@ -321,7 +321,7 @@ def _dryrun_notes() -> str:
     dry run (torch's private fake-tensor module, which differs between versions) must not be a condition of ``train``."""
     import ast
 
-    folder = Path(__file__).parent / "dryrun"
+    folder = Path(__file__).parents[1] / "dryrun"
     notes = [ast.get_docstring(ast.parse((folder / f"{name}.py").read_text())).split("\n", 2)[2] for name in ("run", "world")]
     return "how it works:\n" + notes[0] + "\n" + notes[1]
 
@@ -366,7 +366,7 @@ PLAN_WORKLOAD = {"seq_len": ("seq_len", 4096), "micro_batch": ("micro_batch", 1)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from nemo_jq import plan
+    from nemo_jq.cluster import plan
 
     given = {option: getattr(args, option) for option in PLAN_WORKLOAD if getattr(args, option) is not None}
     if args.config is None:
@@ -394,7 +394,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from nemo_jq import launch
+    from nemo_jq.cluster import launch
 
     while args.launched and args.launched[0] in ("--dryrun", "--"):  # argparse's remainder keeps options after the config
         args.dryrun |= args.launched.pop(0) == "--dryrun"
@@ -432,7 +432,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "dryrun":
         return _dryrun(args)
     if args.command == "doctor":
-        from nemo_jq import doctor
+        from nemo_jq.cluster import doctor
 
         info = doctor.report(args.model)
         print(json.dumps(info, indent=2) if args.json else doctor.format_report(info))
@@ -442,11 +442,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         run_named_experiment(args)
         return 0
 
-    from nemo_jq import distributed
-    from nemo_jq.runs import load_for_inference
+    from nemo_jq.runtime import distributed
+    from nemo_jq.runtime.runs import load_for_inference
 
     if args.command == "train":
-        from nemo_jq.outputs import release_run_dirs
+        from nemo_jq.runtime.outputs import release_run_dirs
 
         try:
             return _train(args)
@@ -456,8 +456,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     loaded = load_for_inference(args.checkpoint, getattr(args, "overrides", ()), args.step)
     selected = loaded.selected
     if args.command == "eval":
-        from nemo_jq.evaluation import Evaluator
-        from nemo_jq.runs import write_evaluation
+        from nemo_jq.recipe.evaluation import Evaluator
+        from nemo_jq.runtime.runs import write_evaluation
 
         report = {"split": args.split, **selected.describe(), **Evaluator(loaded.components).evaluate(args.split)}
         if distributed.is_writer():
@@ -476,17 +476,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from nemo_jq import distributed
     from nemo_jq.config import load_config
-    from nemo_jq.preemption import StopSignals, end_stopped_run
-    from nemo_jq.runs import holds_this_run
-    from nemo_jq.trainer import Trainer
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime import distributed
+    from nemo_jq.runtime.preemption import StopSignals, end_stopped_run
+    from nemo_jq.runtime.runs import holds_this_run
 
     if args.resume is not None and (args.config is not None or args.overwrite or args.requeue):
         raise ValueError("--resume continues a run with its own config.yaml: drop --config/--overwrite/--requeue "
                          "(key=value overrides of how long it runs and how it is evaluated are allowed)")
     if args.resume is None and args.config is None and not args.overrides:
-        from nemo_jq.demo import run_demo
+        from nemo_jq.recipe.demo import run_demo
 
         run_demo(args.demo_dir, overwrite=args.overwrite)
         return 0
@@ -509,7 +509,7 @@ def _train(args: argparse.Namespace) -> int:
 def _prepare_data(args: argparse.Namespace) -> int:
     from nemo_jq.config import import_plugins
     from nemo_jq.data.prepare import PAPER_SIZES, PREPARED_FILES, describe_rejects, make_task, prepare, write_prepared
-    from nemo_jq.outputs import claim_dir
+    from nemo_jq.runtime.outputs import claim_dir
 
     import_plugins(args.plugin)
     task = make_task(args.dataset, template=args.template, system=args.system)
@@ -533,6 +533,3 @@ def _prepare_data(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}/{{train,validation,test}}.jsonl and manifest.json")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -21,28 +21,36 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from nemo_jq import distributed, runs
-from nemo_jq.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
-from nemo_jq.components import Components, build_components, build_rollout_server
 from nemo_jq.config import Config
 from nemo_jq.data import Example
-from nemo_jq.evaluation import Evaluator
-from nemo_jq.experience import Experience, MicroBatch, MismatchWatch, RolloutsAhead, make_experience, mismatch_metrics
-from nemo_jq.learn import learn
 from nemo_jq.models.common import peak_memory_gib, reset_peak_memory, resolve_device
-from nemo_jq.monitor import RunLogger, merge_metrics, progress
 from nemo_jq.objectives import EstimatorInputs, build_schedule, get_objective
-from nemo_jq.preemption import StopSignals, current_series
-from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutsAheadOnRanks, RolloutServer
+from nemo_jq.recipe.components import Components, build_components, build_rollout_server
+from nemo_jq.recipe.evaluation import Evaluator
+from nemo_jq.recipe.experience import (
+    Experience,
+    MicroBatch,
+    MismatchWatch,
+    RolloutsAhead,
+    RolloutsAheadOnRanks,
+    make_experience,
+    mismatch_metrics,
+)
+from nemo_jq.recipe.learn import learn
+from nemo_jq.recipe.state import Course, RandomStreams, TrainState
+from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.rollouts.sampling import seed_from
-from nemo_jq.runs import CHECKPOINT_DIR, PLOT_FILE, TOKENIZER_DIR, claim_run_dir, open_for_resume, write_results, write_run_files
-from nemo_jq.tracking import open_trackers
-from nemo_jq.train_state import Course, RandomStreams, TrainState
+from nemo_jq.runtime import distributed, runs
+from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
+from nemo_jq.runtime.monitor import RunLogger, merge_metrics, progress
+from nemo_jq.runtime.preemption import StopSignals, current_series
+from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, TOKENIZER_DIR, claim_run_dir, open_for_resume, write_results, write_run_files
+from nemo_jq.runtime.tracking import open_trackers
 
 
 class Trainer:
     """One run in one directory. A new run refuses a directory that already holds one (see
-    :func:`~nemo_jq.runs.claim_run_dir`); :meth:`resume` reopens its own with ``existing=True``."""
+    :func:`~nemo_jq.runtime.runs.claim_run_dir`); :meth:`resume` reopens its own with ``existing=True``."""
 
     def __init__(self, config: Config, *, run_dir: Path | None = None, existing: bool = False, overwrite: bool = False,
                  components: Components | None = None):
@@ -84,7 +92,7 @@ class Trainer:
     def resume(cls, run_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> Trainer:
         """Rebuild a run from its saved config and continue from its latest checkpoint.
 
-        ``overrides`` may change only :data:`~nemo_jq.runs.RESUMABLE_KEYS`; the run's ``config.yaml`` records them.
+        ``overrides`` may change only :data:`~nemo_jq.runtime.runs.RESUMABLE_KEYS`; the run's ``config.yaml`` records them.
         """
         config, checkpoint = open_for_resume(Path(run_dir), overrides)
         trainer = cls(config, run_dir=run_dir, existing=True)
@@ -102,7 +110,7 @@ class Trainer:
             until: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
         """Train until the configured end (or ``max_steps``, or the first step whose record ``until`` accepts, or
         SIGTERM/SIGUSR1/SIGINT), then evaluate. On a signal the current step finishes, a checkpoint is written, and fit
-        returns ``{"preempted": signum}`` (inside a :class:`~nemo_jq.preemption.Series` it raises ``Stopped``: no further
+        returns ``{"preempted": signum}`` (inside a :class:`~nemo_jq.runtime.preemption.Series` it raises ``Stopped``: no further
         run of the command starts). ``stop``: signals already being caught (the CLI catches them from its start; a
         series' own), else caught while this runs."""
         if self.server is not None:  # a rollout rank samples until the training ranks are done
@@ -198,7 +206,7 @@ class Trainer:
         return experience, lag
 
     def _learn(self, experience: Experience, q: float | None, batch_prompts: int) -> list[tuple[int, dict]]:
-        """The gradient of this replica's share (:func:`~nemo_jq.learn.learn`: micro-batches of whole groups, or
+        """The gradient of this replica's share (:func:`~nemo_jq.recipe.learn.learn`: micro-batches of whole groups, or
         ``train.micro_batch_rows`` rows at a time).
 
         Each prompt's loss is divided by the global batch's prompt count, so the replicas' gradients sum to the
