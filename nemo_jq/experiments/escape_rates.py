@@ -41,7 +41,7 @@ WIDTHS = (2, 3, 4)
 #: Steps before a run that has not escaped counts as censored.
 CAP = 200
 #: SGD's learning rate, chosen once on seed 0 with q = 1: 1 and 0.3 diverged (log P̂ to -inf, then NaN), 0.1 escaped
-#: with swings of 20 nats at width 4, 0.05 rose steadily at widths 2 and 4 (README.md, "Escape rates").
+#: with swings of 20 nats at width 4, 0.05 rose steadily at widths 2 and 4 (docs/results/escape_rates/README.md).
 SGD_LR = 0.05
 OPTIMIZERS = {"SGD": ["optim.name=sgd", f"optim.lr={SGD_LR}", "optim.grad_clip=0"], "AdamW": []}
 #: Every run: the demo's model, task and rollouts; no validation or checkpoints along the way (only P̂ is read).

@@ -41,7 +41,7 @@ QUICK = ["data.train_size=24", "data.validation_size=4", "data.test_size=4", "tr
 
 
 #: The adaptive rule's knobs, tuned once on seed 0 at :data:`SETTINGS` over cold_p in {1/4, 1/16, 1/64} x q_min in
-#: {0, 0.25} (best validation m@16 minus memorisation; ties: mean validation m@16); README.md, "Noisy cold start".
+#: {0, 0.25} (best validation m@16 minus memorisation; ties: mean validation m@16); docs/results/noisy_cold_start/README.md.
 TUNED_ADAPTIVE = {"q_max": 1.0, "q_min": 0.0, "cold_p": 1.0 / 64}
 
 

