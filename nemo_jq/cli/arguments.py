@@ -1,0 +1,45 @@
+"""Argument types the commands share: each names what it takes and what it got."""
+
+from __future__ import annotations
+
+import argparse
+
+STEP_HELP = ("for a run directory: best (the best validation m@k; ties keep the earliest, as training does), latest, "
+             "or a step number; the output names the step and why")
+
+
+def with_escapes(text: str) -> str:
+    """``\\n`` and ``\\t`` typed in a shell argument mean a new line and a tab."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
+    return int(text)
+
+
+def positive_gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of GiB > 0; got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1); got {text!r}")
+    return value
+
+
+def whole_number(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0; got {text!r}")
+    return int(text)

@@ -1,0 +1,23 @@
+"""``nemo-jq doctor``: what this node and process see (torch, CUDA, NCCL, GPUs, TE/apex/megatron, the world)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(commands) -> None:
+    doctor = commands.add_parser("doctor", help="print torch/CUDA/NCCL, GPUs, TE/apex/megatron, the layer spec "
+                                 "and the world size/rank this process sees")
+    doctor.add_argument("--json", action="store_true")
+    doctor.add_argument("--model", help="a Qwen3 size or HF config whose head size vLLM's CPU attention is asked about "
+                        "(default: the demo's tiny model)")
+    doctor.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nemo_jq.cluster import doctor
+
+    info = doctor.report(args.model)
+    print(json.dumps(info, indent=2) if args.json else doctor.format_report(info))
+    return 0

@@ -1,0 +1,42 @@
+"""``nemo-jq eval``: a checkpoint's p@1, p@k and m@k on a split, printed and kept beside the run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from nemo_jq.cli import arguments
+
+
+def add_parser(commands) -> None:
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint on a split")
+    evaluate.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
+    evaluate.add_argument("--split", default="test", choices=("train", "validation", "test"))
+    evaluate.add_argument("--step", default="best", help=arguments.STEP_HELP)
+    evaluate.add_argument("overrides", nargs="*", help="e.g. eval.num_samples=16")
+    evaluate.set_defaults(run=run)
+
+
+def load(args: argparse.Namespace):
+    """The checkpoint ``args`` names, loaded for inference with its overrides (eval and export)."""
+    from nemo_jq.runtime.runs import load_for_inference
+
+    return load_for_inference(args.checkpoint, getattr(args, "overrides", ()), args.step)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nemo_jq.recipe.evaluation import Evaluator
+    from nemo_jq.runtime import distributed
+    from nemo_jq.runtime.runs import write_evaluation
+
+    loaded = load(args)
+    selected = loaded.selected
+    report = {"split": args.split, **selected.describe(), **Evaluator(loaded.components).evaluate(args.split)}
+    if distributed.is_writer():
+        print(json.dumps(report, indent=2))
+        written = write_evaluation(selected.run_dir, args.split, selected.step, report)
+        print(f"nemo-jq: evaluated step {selected.step} of {selected.run_dir} ({selected.why}); wrote {written}",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,88 @@
+"""``nemo-jq plan``: per-GPU memory of every TP x PP x DP layout for a model or a run config, and the one to use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from nemo_jq.cli import arguments
+
+#: ``nemo-jq plan``'s workload options: their Workload field, and the value without --config.
+PLAN_WORKLOAD = {"seq_len": ("seq_len", 4096), "micro_batch": ("micro_batch", 1), "samples": ("samples", 32),
+                 "batch_prompts": ("batch_prompts", 64), "recompute": ("recompute", False),
+                 "sequence_parallel": ("sequence_parallel", True), "optimizer": ("optimizer", "fp32-adamw"),
+                 "context_parallel": ("context_parallel", 1), "rollout_engine": ("rollout_engine", "native"),
+                 "kv_cache_tokens": ("kv_cache_tokens", 131072),
+                 "vllm_memory_utilization": ("vllm_memory_utilization", 0.5),
+                 "rollout_tensor_parallel": ("vllm_tensor_parallel", 1)}
+
+
+def add_parser(commands) -> None:
+    planner = commands.add_parser(
+        "plan", help="estimate per-GPU memory of every TP x PP x DP layout (at a CP size) and recommend one",
+        description="nemo-jq plan --model 8b --gpus-per-node 8 --nodes 2 --gpu-memory 80",
+        epilog=assumptions(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    planner.add_argument("--config", type=Path, help="read the workload from a run config (model, micro-batch in the "
+                         "trainer's units, M, budgets, backend, engine, optimizer mode); key=value overrides as train takes")
+    planner.add_argument("--prompt-tokens", type=arguments.positive, default=1024,
+                         help="with --config: the longest prompt the data holds, in tokens")
+    planner.add_argument("overrides", nargs="*", help="with --config: section.key=value overrides")
+    planner.add_argument("--model", help="a Qwen3 size (0.6b, 1.7b, 4b, 8b, 14b, 32b) or an HF config.json / folder "
+                         "(with --config: its model.path)")
+    planner.add_argument("--gpus-per-node", type=arguments.positive, default=8)
+    planner.add_argument("--nodes", type=arguments.positive, default=1)
+    planner.add_argument("--gpu-memory", type=arguments.positive_gb, default=80.0, help="GiB per GPU")
+    planner.add_argument("--seq-len", type=arguments.positive, help="prompt + thinking + answer tokens")
+    planner.add_argument("--micro-batch", type=arguments.positive, help="rows per forward/backward (train.micro_batch_rows)")
+    planner.add_argument("--samples", type=arguments.positive, help="M, rollouts per prompt")
+    planner.add_argument("--batch-prompts", type=arguments.positive, help="prompts per optimizer step (train.batch_size)")
+    planner.add_argument("--recompute", action="store_const", const=True, help="full activation recomputation")
+    planner.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
+    planner.add_argument("--context-parallel", type=arguments.positive,
+                         help="CP: ranks that split every sequence (megatron.context_parallel; GPU only, with TE)")
+    planner.add_argument("--optimizer", choices=("fp32-adamw", "fp32-distopt", "bf16-distopt"),
+                         help="fp32-adamw: the backend's default; fp32-distopt: megatron.distributed_optimizer=true; "
+                              "bf16-distopt: megatron.bf16_weights=true as well")
+    planner.add_argument("--rollout-engine", choices=("native", "hf", "vllm"), help="rollout.engine")
+    planner.add_argument("--kv-cache-tokens", type=arguments.positive,
+                         help="rollout.kv_cache_tokens: the native/hf samplers' most keys and values held at once")
+    planner.add_argument("--vllm-memory-utilization", type=arguments.fraction, help="rollout.vllm_memory_utilization")
+    planner.add_argument("--rollout-tensor-parallel", type=arguments.positive,
+                         help="rollout.tensor_parallel: ranks that hold one vLLM engine")
+    planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    planner.set_defaults(run=run)
+
+
+def assumptions() -> str:
+    from nemo_jq.cluster import plan
+
+    return "assumptions:\n" + plan.__doc__.split("\n", 2)[2]
+
+
+def run(args: argparse.Namespace) -> int:
+    from nemo_jq.cluster import plan
+
+    given = {option: getattr(args, option) for option in PLAN_WORKLOAD if getattr(args, option) is not None}
+    if args.config is None:
+        if args.overrides:
+            raise ValueError(f"key=value overrides ({' '.join(args.overrides)}) need --config: give the run config")
+        if args.model is None:
+            raise ValueError("nemo-jq plan needs --model (a Qwen3 size or an HF config) or --config (a run config)")
+        work = plan.Workload(**{field: given.get(option, default) for option, (field, default) in PLAN_WORKLOAD.items()})
+    else:
+        from nemo_jq.config import load_config
+
+        if given:
+            flags = ", ".join("--" + option.replace("_", "-") for option in given)
+            raise ValueError(f"{flags}: --config gives the workload; set it in the config or as key=value overrides")
+        config = load_config(args.config, args.overrides)
+        work = plan.Workload.from_config(config, args.prompt_tokens)
+        args.model = args.model or config.model.path
+        if args.model is None:
+            raise ValueError(f"{args.config} trains a tiny model from scratch (model.path: null): plan sizes real ones")
+    arch = plan.architecture(args.model)
+    layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
+    result = plan.report(arch, work, layouts, args.gpu_memory, 0.9)
+    print(json.dumps(result, indent=2) if args.json else plan.format_report(result))
+    return 0

@@ -1,0 +1,76 @@
+"""``nemo-jq train``: one run, or with no arguments the embedded CPU cold-start comparison."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(commands) -> None:
+    from nemo_jq.config import describe_keys
+
+    train = commands.add_parser(
+        "train",
+        help="train one run; with no arguments, the embedded CPU cold-start comparison",
+        description="nemo-jq train --config configs/x.yaml objective.name=paft objective.q=0.75\n\n"
+        "A run directory (train.run_dir) holds one run: a new run refuses a directory that already\n"
+        "holds one; --resume continues it; --overwrite moves it aside to RUN_DIR.old-<time> first.",
+        epilog="config keys (section.key = default; allowed values; meaning):\n" + describe_keys(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", type=Path, help="YAML config (defaults: the embedded CPU demo settings)")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                       help="continue a run from its latest checkpoint; overrides may change only how long it runs, "
+                            "how it is evaluated and saved (train.epochs, train.max_steps, eval.*, ...) and the megatron "
+                            "layout (megatron.tensor_parallel, pipeline_parallel, context_parallel, ...)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="if the run directory (or --demo-dir) holds a run, move it aside to NAME.old-<time> first")
+    train.add_argument("--requeue", action="store_true",
+                       help="for a job the scheduler may restart with the same command: resume train.run_dir if it holds "
+                            "this run; after SIGUSR1 (SLURM's signal before the time limit) write a checkpoint and exit "
+                            "with 75, on which the launchers' batch scripts requeue the job from the host (docs/cluster.md: "
+                            "the lines for a batch script of your own); SIGTERM (scancel) checkpoints and ends the run")
+    train.add_argument("--demo-dir", type=Path, default=Path("runs/cold_start"), help="output of the no-argument demo")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    train.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nemo_jq.runtime.outputs import release_run_dirs
+
+    try:
+        return train(args)
+    finally:  # let go of the run directory: a start that failed leaves nothing behind that blocks the next
+        release_run_dirs()
+
+
+def train(args: argparse.Namespace) -> int:
+    from nemo_jq.config import load_config
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime import distributed
+    from nemo_jq.runtime.preemption import StopSignals, end_stopped_run
+    from nemo_jq.runtime.runs import holds_this_run
+
+    if args.resume is not None and (args.config is not None or args.overwrite or args.requeue):
+        raise ValueError("--resume continues a run with its own config.yaml: drop --config/--overwrite/--requeue "
+                         "(key=value overrides of how long it runs and how it is evaluated are allowed)")
+    if args.resume is None and args.config is None and not args.overrides:
+        from nemo_jq.recipe.demo import run_demo
+
+        run_demo(args.demo_dir, overwrite=args.overwrite)
+        return 0
+    with StopSignals() as stop:  # from the start: a time-limit signal while the model loads is not lost
+        if args.resume is not None:
+            trainer = Trainer.resume(args.resume, args.overrides)
+        else:
+            config = load_config(args.config, args.overrides)
+            held = holds_this_run(config) if args.requeue else None
+            trainer = (Trainer.resume(config.train.run_dir) if held == "resume" else
+                       Trainer(config, overwrite=args.overwrite or held == "restart"))
+        result = trainer.fit(stop=stop)
+    if distributed.is_writer():
+        print(json.dumps(result, indent=2))
+    if "preempted" in result:
+        return end_stopped_run(result["preempted"], result["step"], trainer.run_dir, requeue=args.requeue)
+    return 0
