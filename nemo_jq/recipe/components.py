@@ -63,6 +63,8 @@ class Components:
         return self.policy.data_parallel
 
     def prompt_ids(self, examples: list[Example]) -> list[list[int]]:
+        """The token ids of each example's prompt: the one formula training, one-step-off requests, evaluation and
+        the experiments sample from (the task's messages in ``data.format``, in the chat template)."""
         return [self.chat.prompt_ids(self.task.messages(e, self.config.data.format)) for e in examples]
 
 

@@ -8,9 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from nemo_jq.data.base import Example, Task
-from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.common import generator_device
-from nemo_jq.models.interfaces import RolloutEngine
 
 if TYPE_CHECKING:
     from nemo_jq.recipe.components import Components
@@ -50,24 +48,22 @@ def score_outputs(task: Task, examples: Sequence[Example], outputs: Sequence[Seq
 
 
 def sample_outputs(
-    engine: RolloutEngine,
-    chat: ChatFormat,
-    task: Task,
+    components: Components,
     examples: Sequence[Example],
-    prompt_format: str,
     num_samples: int,
     batch_size: int,
     generator: torch.Generator,
     progress=None,
     greedy: bool = False,
 ) -> list[list[str]]:
-    """Decoded answers, ``num_samples`` per example, generated ``batch_size`` prompts at a time."""
+    """Decoded answers, ``num_samples`` per example, generated ``batch_size`` prompts at a time from the prompts
+    training samples from (:meth:`Components.prompt_ids`)."""
     outputs: list[list[str]] = []
     for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        prompts = [chat.prompt_ids(task.messages(e, prompt_format)) for e in chunk]
-        for group in engine.generate(prompts, num_samples, sample_answers=True, generator=generator, greedy=greedy):
-            outputs.append([chat.decode_answer(r.answer_ids or []) for r in group])
+        chunk = list(examples[start : start + batch_size])
+        for group in components.engine.generate(components.prompt_ids(chunk), num_samples, sample_answers=True,
+                                                generator=generator, greedy=greedy):
+            outputs.append([components.chat.decode_answer(r.answer_ids or []) for r in group])
         if progress is not None:
             progress.update(len(chunk))
     return outputs
@@ -105,8 +101,7 @@ class Evaluator:
         seed = parts.data_parallel.replica_seed(parts.config.train.seed + 10_000 + seed_offset)
         generator = torch.Generator(device=generator_device(parts.device)).manual_seed(seed)
         with progress(len(mine), f"eval {split}", shows=distributed.is_writer(), transient=True) as bar:
-            outputs = sample_outputs(parts.engine, parts.chat, parts.task, mine, parts.config.data.format,
-                                     settings.num_samples, settings.batch_size, generator, bar)
+            outputs = sample_outputs(parts, mine, settings.num_samples, settings.batch_size, generator, bar)
         return score_outputs(parts.task, examples, parts.data_parallel.gather(outputs[:count]), settings.num_samples)
 
     def _share(self, examples: list[Example]) -> tuple[list[Example], int]:
@@ -131,7 +126,6 @@ class Evaluator:
             return None
         unused = torch.Generator(device=generator_device(parts.device))  # greedy decoding draws nothing
         mine, count = self._share(noisy)
-        outputs = sample_outputs(parts.engine, parts.chat, parts.task, mine, parts.config.data.format, 1,
-                                 parts.config.eval.batch_size, unused, greedy=True)
+        outputs = sample_outputs(parts, mine, 1, parts.config.eval.batch_size, unused, greedy=True)
         flags = memorised(parts.task, noisy, parts.data_parallel.gather(outputs[:count]))
         return 100 * sum(flags) / len(flags)
