@@ -348,10 +348,8 @@ class Config:
         from nemo_jq.models.backends import BACKENDS
         from nemo_jq.rollouts import SAMPLERS
 
-        if self.model.backend not in BACKENDS:
-            raise ConfigError(f"model.backend must be one of {', '.join(sorted(BACKENDS))}; got {self.model.backend!r}")
-        if self.rollout.engine not in SAMPLERS:
-            raise ConfigError(f"rollout.engine must be one of {', '.join(sorted(SAMPLERS))}; got {self.rollout.engine!r}")
+        BACKENDS.lookup(self.model.backend, "model.backend")
+        SAMPLERS.lookup(self.rollout.engine, "rollout.engine")
         try:
             self.megatron.validate()
         except ValueError as err:
@@ -391,7 +389,7 @@ class Config:
         elif data.name is None:
             data.name = "synthetic"
         if data.name != "synthetic" and data.name not in DATASETS:
-            raise ConfigError(f"data.name must be 'synthetic' or one of {sorted(DATASETS)}; got {data.name!r}")
+            raise ConfigError(f"data.name: {DATASETS.unknown(data.name)} (and 'synthetic', built in)")
 
 
 def import_plugins(plugins: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Names to the things a run is built from (backends, rollout engines, datasets), filled by a decorator."""
+"""Names to the things a run is built from (estimators, backends, rollout engines, datasets), filled by a decorator:
+one class, so that every unknown name gets the same one-line message."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ class Registry(dict):
             return obj
 
         return decorate
+
+    def lookup(self, name: str, where: str) -> T:
+        """The object registered as ``name``; else a one-line ``ConfigError`` from ``where`` (a config key or option)."""
+        from nemo_jq.typed import ConfigError
+
+        if name not in self:
+            raise ConfigError(f"{where}: {self.unknown(name)}")
+        return self[name]
 
     def unknown(self, name: str) -> str:
         """The one-line message for a name nobody registered: the known ones, and the closest."""

@@ -71,7 +71,7 @@ def test_each_registered_estimator_reads_its_inputs_like_the_pure_function():
 
 
 def test_unknown_objective_suggests_the_closest_name():
-    with pytest.raises(KeyError, match="Did you mean 'paft'"):
+    with pytest.raises(KeyError, match="did you mean 'paft'"):
         get_objective("pafft")
 
 
@@ -117,3 +117,21 @@ def test_paft_resampling_is_reproducible_with_a_generator():
     b = paft(rlp, alp, 0.5, generator=torch.Generator().manual_seed(3)).metrics
     assert a == b
     assert 1.0 <= a["ess"] <= 8.0
+
+
+def test_every_registry_is_one_class_with_one_message_for_an_unknown_name():
+    """Estimators, backends, rollout engines and datasets: one Registry, so a misspelt name reads alike everywhere."""
+    from nemo_jq.data.qa import DATASETS
+    from nemo_jq.models.backends import BACKENDS
+    from nemo_jq.objectives import registry as objectives
+    from nemo_jq.registry import Registry
+    from nemo_jq.rollouts import SAMPLERS
+    from nemo_jq.typed import ConfigError
+
+    for registry, close in ((objectives._REGISTRY, "garl"), (BACKENDS, "megatron"), (SAMPLERS, "native"),
+                            (DATASETS, "finqa")):
+        assert isinstance(registry, Registry)
+        with pytest.raises(ConfigError) as caught:
+            registry.lookup(close + "x", "some.key")
+        assert str(caught.value) == (f"some.key: unknown {registry.what} '{close}x' (did you mean '{close}'?); "
+                                     f"known: {', '.join(sorted(registry))}")

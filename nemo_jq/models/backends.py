@@ -55,9 +55,7 @@ register_backend = BACKENDS.register
 
 
 def build_backend(name: str, request: BackendRequest) -> tuple[Policy, RolloutEngine]:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown model.backend {name!r}; known: {sorted(BACKENDS)}")
-    policy, engine = BACKENDS[name](request)
+    policy, engine = BACKENDS.lookup(name, "model.backend")(request)
     return require(policy, Policy, f"backend {name!r}'s policy"), require(engine, RolloutEngine, f"backend {name!r}'s engine")
 
 

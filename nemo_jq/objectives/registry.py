@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
+from nemo_jq.registry import Registry
 from nemo_jq.typed import ConfigError, build
 
 
@@ -59,7 +60,7 @@ class ObjectiveSpec:
         return self.fn(inputs, self.options() if options is None else options)
 
 
-_REGISTRY: dict[str, ObjectiveSpec] = {}
+_REGISTRY: Registry = Registry("objective")
 
 
 def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples: int = 1, options: type = NoOptions,
@@ -67,11 +68,9 @@ def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples
     """Decorator adding ``fn(inputs, options)`` to the registry under ``name``."""
 
     def decorate(fn: Callable[[EstimatorInputs, Any], ObjectiveOutput]) -> Callable[[EstimatorInputs, Any], ObjectiveOutput]:
-        if name in _REGISTRY:
-            raise ValueError(f"objective {name!r} is already registered")
         if not dataclasses.is_dataclass(options):
             raise TypeError(f"objective {name!r}: options must be a dataclass; got {options!r}")
-        _REGISTRY[name] = ObjectiveSpec(name, fn, frozenset(needs), uses_q, min_samples, options, corrects_off_policy)
+        _REGISTRY.register(name)(ObjectiveSpec(name, fn, frozenset(needs), uses_q, min_samples, options, corrects_off_policy))
         return fn
 
     return decorate
@@ -79,12 +78,9 @@ def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples
 
 def get_objective(name: str) -> ObjectiveSpec:
     """The registered estimator called ``name``; an unknown name lists the known ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        close = difflib.get_close_matches(name, _REGISTRY, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown objective {name!r}; known: {sorted(_REGISTRY)}.{hint}") from None
+    if name not in _REGISTRY:
+        raise KeyError(_REGISTRY.unknown(name))
+    return _REGISTRY[name]
 
 
 def list_objectives() -> list[str]:
