@@ -248,7 +248,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not torch.cuda.is_available():
         from megatron_cpu import patch_megatron_for_cpu
-        from nemo_jq.models.backends import MEGATRON_ON_CPU
+        from nemo_jq.backends import MEGATRON_ON_CPU
 
         patch_megatron_for_cpu()
         os.environ[MEGATRON_ON_CPU] = "1"

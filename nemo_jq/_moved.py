@@ -10,22 +10,21 @@ import importlib.util
 import sys
 import warnings
 
-#: old module (under nemo_jq) -> its home since 0.2.
+#: old module (under nemo_jq) -> its home now.
 MOVED = {**{name: f"recipe.{name}" for name in
             ("trainer", "components", "experience", "evaluation", "guard", "sequences", "learn", "demo")},
          "train_state": "recipe.state",
          **{name: f"runtime.{name}" for name in
             ("checkpoint", "runs", "distributed", "preemption", "monitor", "tracking", "outputs")},
          **{name: f"cluster.{name}" for name in ("plan", "launch", "doctor")},
-         "chat": "data.chat"}
+         "chat": "data.chat", "models.backends": "backends"}
 
 
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``nemo_jq.<old>`` and loads it as its new module (the loader puts that one in ``sys.modules``)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        package, _, name = fullname.rpartition(".")
-        if package == "nemo_jq" and name in MOVED:
+        if fullname.startswith("nemo_jq.") and fullname.removeprefix("nemo_jq.") in MOVED:
             return importlib.util.spec_from_loader(fullname, self)
         return None
 
@@ -33,7 +32,7 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None  # a placeholder module: exec_module swaps the real one in
 
     def exec_module(self, module):
-        new = "nemo_jq." + MOVED[module.__name__.rpartition(".")[2]]
+        new = "nemo_jq." + MOVED[module.__name__.removeprefix("nemo_jq.")]
         warnings.warn(f"{module.__name__} moved to {new} (the old path is read until 0.3)", DeprecationWarning,
                       stacklevel=2)
         sys.modules[module.__name__] = importlib.import_module(new)

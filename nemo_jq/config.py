@@ -345,7 +345,7 @@ class Config:
                               "trains on given targets and samples none: set rollout.async_steps=0")
 
     def _check_backend_and_rollouts(self) -> None:
-        from nemo_jq.models.backends import BACKENDS
+        from nemo_jq.backends import BACKENDS
         from nemo_jq.rollouts import SAMPLERS
 
         BACKENDS.lookup(self.model.backend, "model.backend")

@@ -29,14 +29,14 @@ def train_records(run_dir):
 
 def test_auto_corrects_only_rollouts_that_another_policy_sampled():
     config = load_config(None, [])
-    assert importance_correction(config, own_weights=False) is None  # the in-place samplers: every ratio is 1
-    assert importance_correction(config, own_weights=True) == Correction("truncate", cap=2.0, low=0.5, high=2.0)
+    assert importance_correction(config, on_policy=True) is None  # the in-place samplers: every ratio is 1
+    assert importance_correction(config, on_policy=False) == Correction("truncate", cap=2.0, low=0.5, high=2.0)
     lagged = load_config(None, ["rollout.async_steps=1", "objective.importance_cap=3"])
-    assert importance_correction(lagged, own_weights=False) == Correction("truncate", cap=3.0)
+    assert importance_correction(lagged, on_policy=True) == Correction("truncate", cap=3.0)
     masked = load_config(None, ["objective.importance=mask", "objective.importance_bounds=[0.25, 4]"])
-    assert importance_correction(masked, own_weights=False) == Correction("mask", cap=2.0, low=0.25, high=4.0)
+    assert importance_correction(masked, on_policy=True) == Correction("mask", cap=2.0, low=0.25, high=4.0)
     assert importance_correction(load_config(None, ["objective.importance=none", "rollout.async_steps=1"]),
-                                 own_weights=True) is None
+                                 on_policy=False) is None
 
 
 def test_micro_batch_metrics_merge_by_kind():

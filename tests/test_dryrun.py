@@ -114,15 +114,12 @@ def dry(tmp_path: Path, *overrides: str, gpu: str = "h100-80gb", **settings):
 def test_a_sampler_left_on_the_host_is_named(tmp_path, monkeypatch):
     """A backend whose sampler decodes a model it never moved to the GPU (the megatron path's defect, D3, in a
     backend of its own) fails in one line naming the sampler's module and the phase."""
-    from nemo_jq.models.backends import BACKENDS, policy_options, sampler_request
+    from nemo_jq.backends import BACKENDS, engine_for, policy_options
     from nemo_jq.models.hf import HFPolicy
-    from nemo_jq.rollouts import build_rollouts
-    from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
     def sampler_on_host(request):
         policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config))
-        engine = build_rollouts(sampler_request(request, request.load_model()), request.chat)
-        return policy, RefittedRolloutEngine(engine, policy)
+        return policy, engine_for(policy, request, own_copy=request.load_model)  # a copy built, never moved
 
     monkeypatch.setitem(BACKENDS, "sampler_on_host", sampler_on_host)
     with pytest.raises(WrongDevice, match=r"phase rollout: a tensor on the host \(cpu\) met one on the GPU in sampler"):

@@ -80,7 +80,7 @@ def as_rank(rank: int, world_size: int, layout: MegatronLayout) -> Iterator[None
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from nemo_jq.models.backends import MEGATRON_ON_CPU
+    from nemo_jq.backends import MEGATRON_ON_CPU
 
     if dist.is_initialized():
         raise RuntimeError("the Megatron dry run makes this process a rank of its own fake world: it cannot run inside "

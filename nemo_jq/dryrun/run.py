@@ -27,11 +27,11 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from nemo_jq.backends import BackendRequest
 from nemo_jq.config import Config
 from nemo_jq.data import Example, Splits
 from nemo_jq.dryrun.memory import KINDS, MemoryTracker
 from nemo_jq.dryrun.world import GPU, FakeWorld, WrongDevice, patched
-from nemo_jq.models.backends import BackendRequest
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.objectives import Need
 from nemo_jq.rollouts import SAMPLERS, refit

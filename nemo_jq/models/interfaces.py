@@ -138,6 +138,13 @@ class RefittablePolicy(Protocol):
 class RolloutEngine(Protocol):
     #: Tokens sampled so far beyond the prompts (a forced ``</think>`` included), for throughput logging.
     tokens_generated: int
+    #: Whether its rollouts are drawn from the policy's own distribution (its weights, its kernels), so that
+    #: ``objective.importance=auto`` corrects nothing; False for an engine with weights and kernels of its own
+    #: (vLLM's, or an HF copy beside a Megatron policy). The recipe reads this, never the engine's type.
+    on_policy: bool
+    #: Whether every rank of the world calls ``generate`` alike, in step (vLLM's external launcher, rollout ranks):
+    #: evaluation then gives every data-parallel replica a share of the same length.
+    lockstep: bool
 
     def generate(
         self,

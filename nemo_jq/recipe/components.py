@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_jq.backends import BackendRequest, build_backend
 from nemo_jq.config import Config
 from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
 from nemo_jq.data.chat import ChatFormat, build_tokenizer
 from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.prepare import describe_over_cap, load_prepared, make_task, prepare
-from nemo_jq.models.backends import BackendRequest, build_backend
 from nemo_jq.models.common import SafetensorsFolder, autocast_dtype, resolve_pretrained
 from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
 from nemo_jq.models.interfaces import Policy, RolloutEngine
@@ -33,7 +33,6 @@ from nemo_jq.objectives.importance import Correction
 from nemo_jq.recipe.guard import CollapseGuard
 from nemo_jq.rollouts import SamplerRequest, build_rollouts, check_sampler
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
-from nemo_jq.rollouts.refit import RefittedRolloutEngine
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.distributed import DataParallel
 
@@ -80,7 +79,7 @@ def build_components(config: Config, device: torch.device, *, tokenizer_dir: Pat
         return components
     # the backend's own engine goes (with any HF copy it holds): the rollouts come from other ranks, with other weights
     engine = RemoteRollouts(components.policy, roles, config.rollout.bucket_bytes())
-    return dataclasses.replace(components, engine=engine, correction=importance_correction(config, own_weights=True))
+    return dataclasses.replace(components, engine=engine, correction=importance_correction(config, on_policy=engine.on_policy))
 
 
 def build_rollout_server(config: Config, device: torch.device, *, tokenizer_dir: Path | None = None) -> RolloutServer:
@@ -121,18 +120,18 @@ def assemble_components(config: Config, device: torch.device, task: Task, splits
     schedule = build_schedule(objective.q_schedule or objective.q) if estimator.uses_q else None
     return Components(config, device, task, splits, chat.tokenizer, chat, policy, engine, estimator,
                       estimator.parse_options(objective.options), schedule, build_guard(config),
-                      importance_correction(config, own_weights=isinstance(engine, RefittedRolloutEngine)))
+                      importance_correction(config, on_policy=engine.on_policy))
 
 
-def importance_correction(config: Config, *, own_weights: bool) -> Correction | None:
+def importance_correction(config: Config, *, on_policy: bool) -> Correction | None:
     """``objective.importance`` as a :class:`Correction` (None: none). ``auto`` truncates when the rollouts come from
-    another policy than the one trained: an engine with its own copy of the weights (``own_weights``: vLLM's
-    kernels, or megatron's HF sampler) or one-step-off rollouts; it is none for on-policy rollouts (the in-place
-    samplers), where every ratio is 1."""
+    another policy than the one trained: an engine that is not ``on_policy`` (vLLM's kernels, or megatron's HF
+    sampler) or one-step-off rollouts; it is none for on-policy rollouts (the in-place samplers), where every ratio
+    is 1."""
     objective = config.objective
     mode = objective.importance
     if mode == "auto":
-        mode = "truncate" if own_weights or config.rollout.async_steps else "none"
+        mode = "truncate" if not on_policy or config.rollout.async_steps else "none"
     if mode == "none":
         return None
     low, high = objective.importance_bounds

@@ -110,7 +110,7 @@ class Evaluator:
         padded with copies of its last example (or the first one), whose outputs are dropped."""
         parts = self.components
         mine = parts.data_parallel.shard(examples)
-        if not getattr(parts.engine, "lockstep", False) or not examples:
+        if not parts.engine.lockstep or not examples:
             return mine, len(mine)
         most = -(-len(examples) // parts.data_parallel.size)
         return mine + [(mine or examples)[-1]] * (most - len(mine)), len(mine)

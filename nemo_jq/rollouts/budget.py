@@ -21,6 +21,10 @@ from nemo_jq.rollouts.sampling import Sample, Sampler, as_groups
 class BudgetedRollouts:
     """A :class:`~nemo_jq.models.interfaces.RolloutEngine` from a sampler and the budgets."""
 
+    #: The sampler decodes the model it was given: the policy's own where it decodes in place (an engine with weights
+    #: of its own is wrapped in a RefittedRolloutEngine, which is not on-policy).
+    on_policy = True
+
     def __init__(self, sampler: Sampler, *, think_end_id: int, end_of_turn_id: int, max_thinking_tokens: int,
                  max_answer_tokens: int):
         if max_thinking_tokens < 0 or max_answer_tokens < 1:

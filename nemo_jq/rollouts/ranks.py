@@ -40,8 +40,9 @@ LEAD = 0
 class RemoteRollouts:
     """A training rank's rollout engine when rollouts are sampled on ranks of their own (see the module)."""
 
-    #: Every replica makes the same calls (the rollout ranks serve them in one order).
-    lockstep = True
+    #: Every replica makes the same calls (the rollout ranks serve them in one order); the rollouts come from the
+    #: rollout ranks' own copy of the weights, in other processes, which ``objective.importance=auto`` corrects.
+    lockstep, on_policy = True, False
 
     def __init__(self, policy: RefittablePolicy, roles: Roles, bucket_bytes: int):
         import torch.distributed as dist

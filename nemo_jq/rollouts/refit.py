@@ -23,6 +23,8 @@ class RefittedRolloutEngine:
     together) has every rank sample, each replica's ranks with the same prompts and seeds.
     """
 
+    on_policy = False
+
     def __init__(self, engine: BudgetedRollouts, policy: RefittablePolicy):
         self.engine, self.policy, self._version = engine, require(policy, RefittablePolicy, "the policy a rollout "
                                                                    "engine with its own weights refits from"), None

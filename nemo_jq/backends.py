@@ -4,17 +4,17 @@ The recipe asks for ``model.backend`` here and never branches on which one it go
 come from ``nemo_jq.objectives``' registry. A backend is one function registered with
 :func:`register_backend` that returns a :class:`~nemo_jq.models.interfaces.Policy` and a
 :class:`~nemo_jq.models.interfaces.RolloutEngine` (docs/extending.md); both are checked against their
-protocols when the backend is built.
+protocols when the backend is built. The built-in backends build their policy (``nemo_jq.models``) and leave how
+the engine gets its weights to :func:`nemo_jq.rollouts.wiring.compose_engine`: this module sits above both
+packages, so neither imports the other's wiring.
 """
 
 from __future__ import annotations
 
-import atexit
 import copy
 import dataclasses
 import math
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -26,8 +26,7 @@ from nemo_jq.models.common import autocast_dtype
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.models.interfaces import Policy, RolloutEngine, require
 from nemo_jq.registry import Registry
-from nemo_jq.rollouts import IN_PLACE, SamplerRequest, build_rollouts
-from nemo_jq.rollouts.refit import RefittedRolloutEngine
+from nemo_jq.rollouts.wiring import compose_engine
 from nemo_jq.runtime import distributed
 
 
@@ -78,28 +77,15 @@ def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
                          "use model.backend=megatron under torchrun")
     policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config),
                       activation_checkpointing=request.config.model.activation_checkpointing)
-    if request.config.rollout.engine in IN_PLACE and request.config.rollout.async_steps:
-        engine = build_rollouts(sampler_request(request, copy.deepcopy(policy.model)), request.chat)
-        return policy, RefittedRolloutEngine(engine, policy)
-    if request.config.rollout.engine in IN_PLACE:
-        return policy, build_rollouts(sampler_request(request, policy.model), request.chat)
-    engine = build_rollouts(sampler_request(request, None, starting_weights_dir(request, policy)), request.chat)
-    return policy, RefittedRolloutEngine(engine, policy)
+    ahead = request.config.rollout.async_steps > 0
+    return policy, engine_for(policy, request, in_place_model=policy.model,
+                              own_copy=(lambda: copy.deepcopy(policy.model)) if ahead else None)
 
 
-def sampler_request(request: BackendRequest, model: Any, model_dir: Path | None = None) -> SamplerRequest:
-    return SamplerRequest(model, model_dir, request.config, request.chat.pad_id, request.device)
-
-
-def starting_weights_dir(request: BackendRequest, policy: Policy) -> Path:
-    """A local HF folder of the weights the run starts from, for an engine that loads a folder: ``model.path``'s,
-    or the policy's export into a temporary folder (a model built from scratch; one node: the writer's disk)."""
-    if request.model_dir is not None:
-        return request.model_dir
-    folder = Path(distributed.on_writer(lambda: tempfile.mkdtemp(prefix="nemo_jq_starting_weights_")))
-    distributed.on_writer(lambda: atexit.register(shutil.rmtree, folder, ignore_errors=True))
-    policy.export(folder, request.chat.tokenizer)
-    return folder
+def engine_for(policy: Policy, request: BackendRequest, **weights: Any) -> RolloutEngine:
+    """The run's rollout engine over ``policy`` (``weights``: :func:`~nemo_jq.rollouts.wiring.compose_engine`'s)."""
+    return compose_engine(policy, config=request.config, chat=request.chat, device=request.device,
+                          model_dir=request.model_dir, **weights)
 
 
 @register_backend("megatron")
@@ -132,15 +118,13 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
         policy = MegatronPolicy.from_hf_model(in_memory, **settings)
     else:
         policy = MegatronPolicy.from_hf_folder(request.model_dir, **settings)
-    if request.config.rollout.engine not in IN_PLACE:  # an engine with its own weights: no HF copy anywhere
-        engine = build_rollouts(sampler_request(request, None, starting_weights_dir(request, policy)), request.chat)
-        return policy, RefittedRolloutEngine(engine, policy)
-    # the one HF copy: on the replica's sampling rank, in the compute dtype; other ranks hold none
-    samples = dist.get_rank() == dist.get_global_rank(policy.model_parallel_group, 0)
-    dtype = autocast_dtype(request.device, request.config.model.precision) or torch.float32
-    if in_memory is None:
-        with torch.device(request.device if samples else "meta"):  # its weights arrive with the first refit
-            sampler_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    else:  # the model built in this process (no model.path) is that copy, moved where it samples
-        sampler_model = in_memory.to(request.device if samples else "meta", dtype=dtype)
-    return policy, RefittedRolloutEngine(build_rollouts(sampler_request(request, sampler_model), request.chat), policy)
+    def sampler_copy():
+        """The one HF copy: on the replica's sampling rank, in the compute dtype; other ranks hold none."""
+        samples = dist.get_rank() == dist.get_global_rank(policy.model_parallel_group, 0)
+        dtype = autocast_dtype(request.device, request.config.model.precision) or torch.float32
+        if in_memory is None:
+            with torch.device(request.device if samples else "meta"):  # its weights arrive with the first refit
+                return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        return in_memory.to(request.device if samples else "meta", dtype=dtype)  # the model built here, moved
+
+    return policy, engine_for(policy, request, own_copy=sampler_copy)
