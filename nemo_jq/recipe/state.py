@@ -1,14 +1,16 @@
-"""What a run's checkpoint remembers of the loop: where it is, how the guard changed its course, its random streams."""
+"""What a run's checkpoint remembers of the loop: where it is (and the prompt stream it is in), how the guard changed
+its course, its random streams."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from nemo_jq.data import Example
 from nemo_jq.models.common import generator_device
 from nemo_jq.runtime.distributed import DataParallel
 
@@ -41,6 +43,29 @@ class TrainState:
         saved = dict(saved)
         saved["course"] = Course(**saved["course"]) if "course" in saved else course
         return cls(**saved)
+
+
+class PromptStream:
+    """The training prompts, a batch at a time: each epoch a permutation fixed by the seed and the epoch, so that a
+    run resumed at a :class:`TrainState`'s epoch and position takes the batches an uninterrupted one would."""
+
+    def __init__(self, examples: Sequence[Example], batch_size: int, seed: int):
+        self.examples, self.batch_size, self.seed = examples, batch_size, seed
+
+    def next(self, state: TrainState) -> list[Example]:
+        """The next batch of ``state``'s epoch (the next epoch's first, at its end); ``state`` moves past it."""
+        batch, state.epoch, state.position = self._batch_at(state.epoch, state.position)
+        return batch
+
+    def upcoming(self, state: TrainState) -> list[Example]:
+        """The batch :meth:`next` will give (one step off, its rollouts are requested a step early)."""
+        return self._batch_at(state.epoch, state.position)[0]
+
+    def _batch_at(self, epoch: int, position: int) -> tuple[list[Example], int, int]:
+        if position >= len(self.examples):
+            epoch, position = epoch + 1, 0
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        return [self.examples[i] for i in order[position : position + self.batch_size]], epoch, position + self.batch_size
 
 
 class RandomStreams:

@@ -18,7 +18,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from nemo_jq.config import Config
@@ -37,7 +36,7 @@ from nemo_jq.recipe.experience import (
     mismatch_metrics,
 )
 from nemo_jq.recipe.learn import learn
-from nemo_jq.recipe.state import Course, RandomStreams, TrainState
+from nemo_jq.recipe.state import Course, PromptStream, RandomStreams, TrainState
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.rollouts.sampling import seed_from
 from nemo_jq.runtime import distributed, runs
@@ -84,6 +83,7 @@ class Trainer:
         if config.rollout.async_steps:  # on rollout ranks of their own, or beside this process's training
             self.ahead = RolloutsAheadOnRanks(parts) if isinstance(parts.engine, RemoteRollouts) else RolloutsAhead(parts)
         self.state = TrainState(Course(config.objective.name))
+        self.prompts = PromptStream(parts.splits.train, config.train.batch_size, config.train.seed)
         self.resumed_with: list[str] = []
         #: The q of the latest step trained in this process (None before the first).
         self.last_q: float | None = None
@@ -128,7 +128,7 @@ class Trainer:
         with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
             try:
                 while self.state.step < end and not stop.requested():
-                    record = self.train_step(self._next_batch())
+                    record = self.train_step(self.prompts.next(self.state))
                     self.state.step += 1
                     logger.log({"kind": "train", "step": self.state.step, **record})
                     bar.update(1)
@@ -201,8 +201,8 @@ class Trainer:
         if experience is None:
             experience, lag = make_experience(self.components, shard, self.estimator, self.random.rollout), 0
         if self.state.step + 1 < self.total_steps:
-            self.ahead.submit(self.data_parallel.shard(self._batch_at(self.state.epoch, self.state.position)[0]),
-                              self.estimator, seed_from(self.random.rollout))
+            self.ahead.submit(self.data_parallel.shard(self.prompts.upcoming(self.state)), self.estimator,
+                              seed_from(self.random.rollout))
         return experience, lag
 
     def _learn(self, experience: Experience, q: float | None, batch_prompts: int) -> list[tuple[int, dict]]:
@@ -244,19 +244,6 @@ class Trainer:
             self._validate(logger)
         if step % self.config.train.save_every == 0 or step == end:
             self.save()
-
-    def _next_batch(self) -> list[Example]:
-        """The next prompts of the current epoch's permutation (deterministic in seed and epoch)."""
-        batch, self.state.epoch, self.state.position = self._batch_at(self.state.epoch, self.state.position)
-        return batch
-
-    def _batch_at(self, epoch: int, position: int) -> tuple[list[Example], int, int]:
-        """The batch that starts at ``position`` of ``epoch``'s permutation, and the epoch and position after it."""
-        train, size = self.components.splits.train, self.config.train.batch_size
-        if position >= len(train):
-            epoch, position = epoch + 1, 0
-        order = np.random.default_rng([self.config.train.seed, epoch]).permutation(len(train))
-        return [train[i] for i in order[position : position + size]], epoch, position + size
 
     # ----------------------------------------------------------------- evaluate, and the collapse guard
     def _validate(self, logger: RunLogger) -> None:
