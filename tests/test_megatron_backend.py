@@ -879,8 +879,7 @@ def garl_at_two_replicas(run_dir) -> dict[str, Any]:
 
     trainer = Trainer(load_config(None, [*TINY_RUN, "train.max_steps=1", "eval.every=1000", "objective.name=garl",
                                          "model.backend=megatron", f"train.run_dir={run_dir}"]))
-    examples, before = trainer._next_batch(), trainer.policy.hf_state_dict()
-    trainer.state.position = 0
+    examples, before = trainer.prompts.upcoming(trainer.state), trainer.policy.hf_state_dict()
     trainer.fit()
     return {"ids": [e.id for e in trainer.data_parallel.shard(examples)], "before": before,
             "after": trainer.policy.hf_state_dict()}
