@@ -202,7 +202,7 @@ def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> 
 #: What the megatron backend holds while one recomputed layer runs backward, in multiples of that layer's forward
 #: tensors (:func:`layer_activation_bytes`): the recomputed tensors, their gradients, and the sequence-parallel
 #: all-gathered inputs. Measured by the megatron dry run (local spec, TP=2 with SP): 3.19 at a 4-layer 256-wide model,
-#: 3.25 at the 8B paper config (tests/test_dryrun_megatron.py holds plan to it).
+#: 3.25 at the 8B paper config (tests/unit/dryrun/test_dryrun_megatron.py holds plan to it).
 RECOMPUTED_LAYER_BACKWARD = 3.2
 
 #: Buffers of one layer's keys (or values) a decode step holds beside the cache at once: a compaction rebuilds

@@ -128,7 +128,7 @@ def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps:
 def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str, Any]:
     """``report`` (of ``config``) as :func:`dry_run` makes it on ``gpu``, a GPU of the same memory, without simulating
     again: what the run holds depends on the GPU's memory alone (what is usable, vLLM's share), so only the profile
-    and the time bounds differ (``tests/test_dryrun.py`` holds the two equal)."""
+    and the time bounds differ (``tests/unit/dryrun/test_dryrun.py`` holds the two equal)."""
     if gpu.memory_gib != report["gpu"]["memory_gib"]:
         raise ValueError(f"{gpu.name} has {gpu.memory_gib} GiB, not the {report['gpu']['memory_gib']} this report was "
                          "simulated on: dry-run it on that GPU")
@@ -411,7 +411,7 @@ class _DryRun:
         calls, and the hf policy's forward/backward of each chunk (a loop of independent calls), run for real for
         the first two chunks and for any of another shape. A later chunk of the second's shape meets exactly the
         second's state (the first chunk's call made what persists: the scores' buffer, the gradients), so its peak is
-        the second's; its FLOPs, the second's, are added to the phase's. ``tests/test_dryrun.py`` holds the report
+        the second's; its FLOPs, the second's, are added to the phase's. ``tests/unit/dryrun/test_dryrun.py`` holds the report
         equal to one that runs every chunk."""
         from nemo_jq.models.hf import HFPolicy
 

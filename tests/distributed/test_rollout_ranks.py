@@ -1,0 +1,157 @@
+"""Rollouts on ranks of their own (``rollout.placement=separate``, nemo_jq/rollouts/ranks.py): the world split by
+torchrun's variables into training and rollout ranks over gloo, against the same run colocated."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")  # megatron_cpu starts the ranks (and lets the megatron backend run on CPU)
+
+from megatron_cpu import run_in_processes  # noqa: E402
+from nemo_jq.config import ConfigError, load_config  # noqa: E402
+
+#: What must be equal between the placements (no timings).
+KEYS = ("loss", "grad_norm", "rollout_tokens", "train_reward", "log_p_hat", "kl_k3", "logprob_gap")
+
+
+def train_run(run_dir: Path, overrides: list[str], steps: int, stop_after: int | None = None,
+              resume: bool = False) -> dict:
+    """``steps`` steps of the tiny recipe from torchrun's variables (``stop_after``: stop there, as a preempted run
+    does; ``resume``: continue ``run_dir``); on the writer, the train records (the metrics compared and the sync's) and
+    the test scores; elsewhere, what ``fit`` returned and what the rank holds."""
+    from helpers import TINY_RUN
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime import distributed
+    from nemo_jq.runtime.monitor import read_metrics
+
+    trainer = Trainer.resume(run_dir) if resume else Trainer(load_config(None, [
+        *TINY_RUN, f"train.max_steps={steps}", f"train.run_dir={run_dir}", "eval.every=1000", *overrides]))
+    result = trainer.fit(max_steps=stop_after)
+    roles = distributed.roles()
+    held = {"policy": getattr(trainer, "policy", None) is not None, "engine": type(getattr(
+        getattr(trainer, "components", None), "engine", None)).__name__, "world": distributed.world_size()}
+    if not distributed.is_writer():
+        return {"result": result, "samples": roles is not None and roles.samples, **held}
+    records = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    return {"train": records, "test": [r for r in read_metrics(run_dir) if r["kind"] == "test"], **held}
+
+
+def same_training(ours: list[dict], theirs: list[dict]) -> None:
+    assert len(ours) == len(theirs) and all(r.get(k) is not None for r in ours for k in ("loss", "grad_norm", "kl_k3"))
+    for mine, other in zip(ours, theirs, strict=True):
+        assert {k: mine.get(k) for k in KEYS} == {k: other.get(k) for k in KEYS}
+
+
+@pytest.mark.slow  # 20 s
+@pytest.mark.distributed
+def test_one_trainer_and_one_rollout_rank_train_as_one_colocated_process(tmp_path):
+    """hf backend, native engine: the rollout rank samples what the trainer would have, from the synced weights."""
+    both = ["objective.importance=truncate",  # the separate engine has weights of its own: corrected either way
+            "rollout.kv_cache_tokens=1"]  # one prompt a chunk: the rollout rank reports each, and samples alike
+    (colocated,) = run_in_processes(train_run, 1, tmp_path / "colocated", both, 2, process_group=False)
+    trainer, server = run_in_processes(train_run, 2, tmp_path / "separate", [*both, "rollout.placement=separate"], 2,
+                                       process_group=False)
+    same_training(trainer["train"], colocated["train"])
+    assert trainer["test"][0]["p@1"] == colocated["test"][0]["p@1"]
+    assert (trainer["engine"], trainer["world"]) == ("RemoteRollouts", 1)  # the trainer's own world; no sampler here
+    assert server == {"result": {"served": 4, "synced": 3}, "samples": True, "policy": False, "engine": "NoneType",
+                      "world": 1}
+    first, second = trainer["train"]
+    assert first["sync_bytes"] == second["sync_bytes"] > 0 and first["sync_seconds"] > 0
+
+
+@pytest.mark.parametrize("layout, rollout_ranks", [
+    ([], 1), pytest.param(["megatron.tensor_parallel=2", "rollout.kv_cache_tokens=1"], 1, marks=pytest.mark.slow),
+    pytest.param([], 2, marks=pytest.mark.slow)], ids=["dp2", "tp2", "dp2-two-rollout-ranks"])  # 17 s, 42 s, 25 s
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_two_megatron_trainers_and_rollout_ranks_train_as_colocated(layout, rollout_ranks, tmp_path):
+    """megatron backend on two ranks, native engine. DP=2: one rollout rank serves both replicas, each with its own
+    generator's state (or each replica has a rollout rank of its own). TP=2: the replica's two ranks gather each weight
+    from their shards, the first sends it, and shares the rollouts with the second, which waits one chunk (one prompt)
+    at a time. Either way the metrics equal the
+    colocated run's on two ranks."""
+    megatron = ["model.backend=megatron", "objective.name=garl", *layout]
+    colocated = run_in_processes(train_run, 2, tmp_path / "colocated", megatron, 2, process_group=False)[0]
+    separate = run_in_processes(train_run, 2 + rollout_ranks, tmp_path / "separate",
+                                [*megatron, "rollout.placement=separate", f"rollout.ranks={rollout_ranks}"], 2,
+                                process_group=False)
+    same_training(separate[0]["train"], colocated["train"])
+    assert separate[0]["test"][0]["p@1"] == colocated["test"][0]["p@1"]
+    assert [rank.get("samples", False) for rank in separate] == [False, False] + [True] * rollout_ranks
+    replicas = 1 if layout else 2
+    served = [rank["result"]["served"] for rank in separate[2:]]
+    assert sum(served) == replicas * 4 and len(set(served)) == 1  # each replica's 2 steps, validation and test
+
+
+ONE_STEP_OFF = ["rollout.async_steps=1", "train.save_every=100"]
+
+
+@pytest.mark.slow  # 43 s: the colocated run's sampling process starts a Python of its own
+@pytest.mark.distributed
+def test_one_step_off_on_a_rollout_rank_equals_one_step_off_in_a_sampling_process(tmp_path):
+    """async_steps=1: step t+1's request leaves before step t trains and is sampled from θ_t on the rollout rank while
+    the trainer trains, as the colocated run's sampling process samples it from the same weights and seed."""
+    (colocated,) = run_in_processes(train_run, 1, tmp_path / "colocated", ONE_STEP_OFF, 4, process_group=False)
+    trainer, server = run_in_processes(train_run, 2, tmp_path / "separate", [*ONE_STEP_OFF, "rollout.placement=separate"],
+                                       4, process_group=False)
+    same_training(trainer["train"], colocated["train"])
+    assert [r["rollout_lag"] for r in trainer["train"]] == [0, 1, 1, 1]
+    assert server["result"]["served"] == 4 + 2  # the steps' requests, validation and test
+
+
+@pytest.mark.slow  # 11 s
+@pytest.mark.distributed
+def test_an_interrupted_one_step_off_run_on_a_rollout_rank_resumes_exactly(tmp_path):
+    """The checkpoint at the stop carries the experience the rollout rank sampled ahead; new processes resume it."""
+    separate = [*ONE_STEP_OFF, "rollout.placement=separate"]
+    whole, _ = run_in_processes(train_run, 2, tmp_path / "whole", separate, 4, process_group=False)
+    run_in_processes(train_run, 2, tmp_path / "cut", separate, 4, 2, process_group=False)
+    resumed, _ = run_in_processes(train_run, 2, tmp_path / "cut", [], 4, None, True, process_group=False)
+    same_training(resumed["train"], whole["train"])
+    assert [r["rollout_lag"] for r in resumed["train"]] == [0, 1, 1, 1]  # step 3 trained on what step 2 sent ahead
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.engine=vllm"], "rollout.placement=separate samples with rollout.engine=native or hf for now"),
+    (["rollout.ranks=0"], "rollout.ranks must be >= 1"),
+])
+def test_placements_the_split_cannot_serve_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["rollout.placement=separate", *overrides])
+
+
+@pytest.mark.distributed
+def test_a_split_that_leaves_no_trainer_is_named(tmp_path):
+    with pytest.raises(Exception, match="rollout.ranks=1 leaves no training process among the 1"):
+        run_in_processes(train_run, 1, tmp_path / "run", ["rollout.placement=separate"], 1, process_group=False)
+
+
+@pytest.mark.slow  # 30 s
+@pytest.mark.distributed
+def test_the_documented_torchrun_command_trains_one_step_off_on_a_rollout_rank(tmp_path):
+    """docs/rollout_ranks.md's command, as written, with the tiny run's overrides and a run directory of the test's."""
+    from helpers import TINY_RUN
+    from megatron_cpu import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    (command,) = re.findall(r"```bash\n(torchrun .*)\n```", (root / "docs" / "rollout_ranks.md").read_text())
+    words = [w for w in shlex.split(command) if not w.startswith("train.run_dir=")]
+    run_dir = tmp_path / "separate"
+    words = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), *words[1:], *TINY_RUN,
+             "train.max_steps=2", f"train.run_dir={run_dir}"]
+    result = subprocess.run(words, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from nemo_jq.runtime.monitor import read_metrics
+
+    steps = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert [r["rollout_lag"] for r in steps] == [0, 1]
+    assert steps[0]["sync_bytes"] > 0 and "sync_bytes" not in steps[1]  # the last step sends no request ahead

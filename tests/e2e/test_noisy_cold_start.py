@@ -1,0 +1,99 @@
+"""`nemo-jq experiment noisy-cold-start`: its bookkeeping, and a smoke run at the quick size (not a result)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from nemo_jq.config import load_config
+from nemo_jq.experiments.noisy_cold_start import aggregate, methods, steps_to_escape
+
+
+def test_steps_to_escape_is_the_first_step_above_log_one_over_m():
+    records = [{"kind": "train", "step": 1, "log_p_hat": -20.0}, {"kind": "validation", "step": 1},
+               {"kind": "train", "step": 2, "log_p_hat": -math.log(4)}, {"kind": "train", "step": 3, "log_p_hat": -1.0},
+               {"kind": "train", "step": 4, "log_p_hat": -0.5}]
+    assert steps_to_escape(records, -math.log(4)) == 3  # strictly above log(1/M)
+    assert steps_to_escape(records, -5.0) == 2
+    assert steps_to_escape(records[:3], -math.log(4)) is None and steps_to_escape([{"kind": "train", "step": 1}], -5.0) is None
+
+
+def test_aggregate_is_mean_and_sd_over_seeds_and_counts_the_seeds_that_escaped():
+    runs = [{"test": {"p@1": p, "p@4": p, "m@4": p}, "steps_to_escape": s, "steps_to_leave_cold": c, "memorisation": m}
+            for p, s, c, m in [(10.0, 5, 2, 20.0), (20.0, None, 3, 40.0), (30.0, 7, 4, 60.0)]]
+    stats = aggregate(runs, 4)
+    assert stats["p@1"] == {"mean": 20.0, "sd": 10.0, "n": 3}
+    assert stats["steps_to_escape"] == {"mean": 6.0, "sd": math.sqrt(2.0), "n": 2}
+    assert stats["steps_to_leave_cold"] == {"mean": 3.0, "sd": 1.0, "n": 3}
+    assert stats["memorisation"]["mean"] == 40.0
+
+
+def test_every_method_shares_the_settings_and_schedules_span_the_run():
+    plan = methods(steps=384)
+    assert list(plan) == ["GRPO", "q=0.25", "q=0.5", "q=0.75", "q=1", "SFT-then-RLVR", "linear 1->0", "cosine 1->0", "adaptive"]
+    assert "num_steps: 384" in plan["linear 1->0"][-1] and "cold_p: 0.015625" in plan["adaptive"][-1]
+    assert "cold_p: 0.25, ema_decay: 0.5" in methods(steps=384, adaptive={"cold_p": 0.25, "ema_decay": 0.5})["adaptive"][-1]
+    tiny = methods(steps=384, adaptive={"cold_p": 1e-5})["adaptive"][-1]  # written so that YAML reads a number back
+    assert load_config(None, [tiny]).objective.q_schedule["cold_p"] == 1e-5
+
+
+@pytest.mark.slow
+def test_quick_run_writes_table_summary_and_figures_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "experiment"
+    command = [sys.executable, "-m", "nemo_jq.cli", "experiment", "noisy-cold-start", "--quick", "--seeds", "0",
+               "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["runs"]) == 9 and all(len(per_seed) == 1 for per_seed in summary["runs"].values())
+    for per_seed in summary["runs"].values():
+        assert 0 <= per_seed[0]["memorisation"] <= 100 and set(per_seed[0]["test"]) == {"p@1", "p@4", "m@4"}
+    assert summary["theory"]["q=1"]["noise_equilibrium"] > summary["theory"]["q=0.25"]["noise_equilibrium"]
+    assert (out / "table.md").read_text().startswith("| method |")
+    assert (out / "tradeoff.png").exists() and (out / "figure3_seed0.png").exists()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "an earlier experiment" in again.stderr
+
+
+@pytest.mark.slow
+def test_unknown_methods_and_malformed_knobs_are_one_line_errors(tmp_path):
+    base = [sys.executable, "-m", "nemo_jq.cli", "experiment", "noisy-cold-start", "--quick", "--out", str(tmp_path / "x")]
+    unknown = subprocess.run([*base, "--methods", "q=1,adaptiv"], capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "unknown method(s) 'adaptiv'; choose from" in unknown.stderr
+    malformed = subprocess.run([*base, "--adaptive", "cold_p=x"], capture_output=True, text=True, timeout=120)
+    assert malformed.returncode == 2 and "must be KNOB=NUMBER" in malformed.stderr
+    for knobs, message in [("=3", "must be KNOB=NUMBER"), ("cold_p=nan", "cold_p must be a finite number; got nan")]:
+        hostile = subprocess.run([*base, "--adaptive", knobs], capture_output=True, text=True, timeout=120)
+        assert hostile.returncode == 2 and message in hostile.stderr and "Traceback" not in hostile.stderr
+    misspelt = subprocess.run([*base, "--adaptive", "cold=0.1"], capture_output=True, text=True, timeout=120)
+    assert misspelt.returncode == 2 and "unknown key(s) ['cold'] for q schedule 'adaptive'" in misspelt.stderr
+    assert not (tmp_path / "x").exists()  # nothing was started
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_whole_experiment_not_one_run(tmp_path):
+    """A multi-run command (issue 34, item 2): SIGINT during its first training checkpoints that run, starts no
+    further run, says what finished and how to go on, and exits 130 (each run used to catch the signal for itself,
+    and the next run started)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "exp"
+    command = [sys.executable, "-m", "nemo_jq.cli", "experiment", "noisy-cold-start", "--quick", "--seeds", "0",
+               "--out", str(out), "train.epochs=400"]  # a first run long enough to be interrupted
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("**/metrics.jsonl")) or not any(p.stat().st_size for p in out.glob("**/metrics.jsonl")):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "stopped by SIGINT" in err and "no further run started" in err and "--resume" in err, err
+    started = {path.parent for path in out.glob("**/metrics.jsonl")}
+    assert len(started) == 1, started  # no second run began
+    assert list(next(iter(started)).glob("checkpoints/step_*")), "the interrupted run wrote its checkpoint"

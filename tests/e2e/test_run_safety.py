@@ -1,0 +1,347 @@
+"""Runs that never lose a user's work, never silently do the wrong thing, and fail with one actionable line."""
+
+import errno
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import TINY_RUN, one_line_error, run_cli
+from nemo_jq.cli import main
+from nemo_jq.config import ConfigError, load_config
+from nemo_jq.data.prepare import load_prepared, make_task, prepare, write_prepared
+from nemo_jq.recipe.trainer import Trainer
+from nemo_jq.runtime.checkpoint import latest_checkpoint, load_checkpoint
+from nemo_jq.runtime.monitor import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+QUICK = [*TINY_RUN, "train.max_steps=2", "eval.every=1000"]
+
+
+# ----------------------------------------------------------------------------- data loss
+def test_a_run_directory_that_holds_a_run_is_refused_and_kept(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    code, _, err = run_cli(capsys, "train", *QUICK, "objective.name=paft", f"train.run_dir={run_dir}")
+    one_line_error(code, err, str(run_dir), "--resume", "train.run_dir", "--overwrite")
+    assert {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    # --overwrite moves the earlier run aside, whole, before the new one starts.
+    assert run_cli(capsys, "train", *QUICK, "objective.name=paft", f"train.run_dir={run_dir}", "--overwrite")[0] == 0
+    (aside,) = tmp_path.glob("run.old-*")
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == before
+    assert load_config(run_dir / "config.yaml").objective.name == "paft"
+
+
+def test_an_earlier_demo_is_refused_or_moved_aside(tmp_path, capsys):
+    from nemo_jq.recipe.demo import run_demo
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    (demo / "summary.json").write_text("{}")
+    code, _, err = run_cli(capsys, "train", "--demo-dir", demo)
+    one_line_error(code, err, str(demo), "--demo-dir", "--overwrite")
+    assert (demo / "summary.json").read_text() == "{}"
+    with pytest.raises(FileExistsError):
+        run_demo(demo)
+
+
+def test_resume_rebuilds_tensorboard_without_the_steps_after_the_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = [*TINY_RUN, "train.tensorboard=true", "train.save_every=2", f"train.run_dir={tmp_path / 'run'}"]
+    trainer = Trainer(load_config(None, overrides))
+    trainer.fit(max_steps=3)
+    # Killed after logging step 3 but before its checkpoint: latest still names step 2.
+    root = trainer.run_dir / "checkpoints"
+    (root / "latest").write_text("step_00000002")
+    resumed = Trainer.resume(trainer.run_dir)
+    resumed.fit(max_steps=5)
+    events = EventAccumulator(str(trainer.run_dir / "tensorboard"))
+    events.Reload()
+    steps = [event.step for event in events.Scalars("train/loss")]
+    assert steps == [1, 2, 3, 4, 5]
+    assert steps == [r["step"] for r in read_metrics(trainer.run_dir) if r["kind"] == "train"]
+
+
+# ----------------------------------------------------------------------------- silently doing the wrong thing
+def _prepared(tmp_path, name="hotpotqa", folder="hotpotqa_hf", sizes=(3, 2, 2), **prompt):
+    task = make_task(name, **prompt)
+    splits, manifest = prepare(task, str(FIXTURES / folder), sizes, seed=0)
+    out = tmp_path / f"prepared-{name}"
+    write_prepared(splits, manifest, out)
+    return out
+
+
+def test_a_prepared_folder_sets_the_dataset_and_a_conflicting_name_is_an_error(tmp_path):
+    prepared = _prepared(tmp_path)
+    config = load_config(None, [f"data.prepared_dir={prepared}"])
+    assert config.data.name == "hotpotqa"
+    with pytest.raises(ConfigError, match="data.name='musique' but data.prepared_dir=.*was prepared with 'hotpotqa'"):
+        load_config(None, [f"data.prepared_dir={prepared}", "data.name=musique"])
+    assert load_config(None, []).data.name == "synthetic"
+
+
+def test_custom_prompts_travel_with_the_prepared_folder(tmp_path):
+    rows = [{"id": f"c{i}", "question": f"What is {i}+{i}?", "answer": str(2 * i), "context": f"n={i}"} for i in range(8)]
+    source = tmp_path / "mine.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = make_task("jsonl", template="{context} | {question}", system="Digits only.")
+    splits, manifest = prepare(task, str(source), (4, 2, 2), seed=0)
+    write_prepared(splits, manifest, tmp_path / "mine")
+    assert (manifest["template"], manifest["system"]) == ("{context} | {question}", "Digits only.")
+    trainer = Trainer(load_config(None, [*QUICK, f"data.prepared_dir={tmp_path / 'mine'}", "data.format=warm",
+                                         "train.batch_size=2", f"train.run_dir={tmp_path / 'run'}"]))
+    example = trainer.components.splits.train[0]
+    assert trainer.components.task.messages(example, "warm") == [
+        {"role": "system", "content": "Digits only."},
+        {"role": "user", "content": f"{example.context} | {example.question}"},
+    ]
+    with pytest.raises(ConfigError, match="data.template="):
+        load_config(None, [f"data.prepared_dir={tmp_path / 'mine'}", 'data.template="Q: {question}"'])
+
+
+def test_resume_applies_safe_overrides_and_refuses_the_rest(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "optim.lr=1e-2")
+    one_line_error(code, err, "optim.lr=1e-2", "train.epochs", "eval.every")
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "--config", ROOT / "configs/examples" / "synthetic_cold_paft_q0.75.yaml")
+    one_line_error(code, err, "--resume", "--config")
+    # a layout key may change (megatron checkpoints reshard), but only on the backend that has layouts
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "megatron.tensor_parallel=2")
+    one_line_error(code, err, "megatron.tensor_parallel", "model.backend=megatron")
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "model.tensor_parallel=2")  # the key before 0.2
+    assert code == 2 and "megatron.tensor_parallel need model.backend=megatron" in err and "Traceback" not in err
+    assert run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3", "eval.every=3")[0] == 0
+    saved = load_config(run_dir / "config.yaml")
+    assert saved.train.max_steps == 3 and saved.eval.every == 3
+    records = read_metrics(run_dir)
+    assert {"kind": "resume", "step": 2, "overrides": ["train.max_steps=3", "eval.every=3"]} in records
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.save_every=0", "train.save_every must be >= 1; got 0"),
+        ("train.max_steps=-3", "train.max_steps must be >= 1; got -3"),
+        ("train.max_steps=0", "train.max_steps must be >= 1; got 0"),
+        ("optim.lr=-1", "optim.lr must be >= 0.0; got -1.0"),
+        ("data.validation_size=0", "data.validation_size must be >= 1; got 0"),
+        ("data.test_size=-2", "data.test_size must be >= 1; got -2"),
+        ("rollout.top_p=0", "rollout.top_p must be > 0.0 and <= 1.0; got 0.0"),
+        ("rollout.temperature=-0.5", "rollout.temperature must be >= 0.0"),
+        ("eval.every=0", "eval.every must be >= 1"),
+        ("optim.betas=[0.9, 1.5]", "optim.betas must be two numbers in [0, 1)"),
+        ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_at_load_time(override, message, capsys):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [override])
+    one_line_error(*run_cli(capsys, "train", override)[::2], message)
+
+
+@pytest.mark.parametrize("sizes", ["40,-5,10", "40,0,10", "1,2", "a,b,c", "1.5,2,2"])
+def test_data_prepare_refuses_bad_sizes(tmp_path, capsys, sizes):
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "hotpotqa", "--source", FIXTURES / "hotpotqa_hf",
+                           "--sizes", sizes, "--out", tmp_path / "out")
+    one_line_error(code, err, "--sizes", sizes)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_prepared_split_is_an_error(tmp_path):
+    prepared = _prepared(tmp_path)
+    (prepared / "test.jsonl").write_text("")
+    with pytest.raises(ValueError, match="test.jsonl is empty"):
+        load_prepared(prepared)
+
+
+def test_unreadable_lines_are_bad_rows_counted_from_one(tmp_path, capsys):
+    good = (FIXTURES / "hotpotqa_hf" / "train.jsonl").read_bytes().splitlines()
+    source = tmp_path / "train.jsonl"
+    source.write_bytes(b"\n".join([good[0], b'{"id": "broken", "question": ', good[1], b"\xff\xfe not utf-8", good[2]]) + b"\n")
+    (tmp_path / "validation.jsonl").write_bytes((FIXTURES / "hotpotqa_hf" / "validation.jsonl").read_bytes())
+    _, manifest = prepare(make_task("hotpotqa"), str(tmp_path), (3, 1, 1), seed=0)
+    bad = manifest["sources"]["train"]["bad"]
+    assert [(b["row"], b["reason"].split(" (")[0]) for b in bad] == [(2, "not valid JSON"), (4, "not UTF-8 text")]
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "hotpotqa", "--source", tmp_path, "--sizes", "3,1,1",
+                           "--on-bad-row", "fail", "--out", tmp_path / "out")
+    one_line_error(code, err, f"{source}: row 2", "not valid JSON", "--on-bad-row skip")
+
+
+def test_a_json_file_with_bad_bytes_or_syntax_names_file_and_line(tmp_path, capsys):
+    broken = tmp_path / "train.json"
+    broken.write_bytes(b'[\n{"id": 1},\n{"id": "\xe9t\xe9"}\n]')
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "finqa", "--source", broken, "--sizes", "1,1,1",
+                           "--out", tmp_path / "out")
+    one_line_error(code, err, f"{broken}:3", "not UTF-8", "re-encode")
+    broken.write_text('[\n{"id": 1},\n{"id": 2,}\n]')
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "finqa", "--source", broken, "--sizes", "1,1,1",
+                           "--out", tmp_path / "out")
+    one_line_error(code, err, f"{broken}:3:", "not valid JSON")
+
+
+# ----------------------------------------------------------------------------- errors a person can act on
+def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("train:\n  epochs: 3\n  batch_size: [1, 2\n")
+    code, _, err = run_cli(capsys, "train", "--config", config)
+    one_line_error(code, err, f"{config}:4:1", "invalid YAML")
+    with pytest.raises(ConfigError):
+        main(["--debug", "train", "--config", str(config)])  # --debug shows the traceback instead
+
+
+def test_the_debug_environment_variable_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEMO_JQ_DEBUG", "1")
+    with pytest.raises(ConfigError, match="train.save_every"):
+        main(["train", "train.save_every=0"])
+
+
+def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_stays(tmp_path, capsys, monkeypatch):
+    from nemo_jq.models.hf import HFPolicy
+
+    original, calls = HFPolicy.save, []
+
+    def fill_up(self, path):
+        calls.append(path)
+        if len(calls) > 1:
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos: file write failed")
+        original(self, path)
+
+    monkeypatch.setattr(HFPolicy, "save", fill_up)
+    monkeypatch.setattr("nemo_jq.runtime.checkpoint.shutil.disk_usage", lambda _path: SimpleNamespace(total=1 << 30, used=1 << 30, free=0))
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=4", "train.save_every=2", "eval.every=1000",
+                           f"train.run_dir={run_dir}")
+    one_line_error(code, err, "no space left on device", str(run_dir / "checkpoints" / "step_00000004"), "--resume")
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    assert latest.name == "step_00000002" and not list((run_dir / "checkpoints").glob(".tmp-*"))
+    monkeypatch.undo()
+    state, _ = load_checkpoint(latest, Trainer.resume(run_dir).policy)
+    assert state["step"] == 2
+
+
+def test_a_read_only_run_directory_is_one_line(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "locked"
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self == run_dir:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    code, _, err = run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")
+    one_line_error(code, err, "read-only file system", str(run_dir), "writable")
+
+
+def test_the_hub_without_a_network_says_to_pass_local_files(monkeypatch, tmp_path, capsys):
+    import datasets
+
+    def offline(*_args, **_kwargs):
+        raise ConnectionError("Couldn't reach 'hotpotqa/hotpot_qa' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "hotpotqa", "--sizes", "1,1,1", "--out", tmp_path / "o")
+    one_line_error(code, err, "hotpotqa/hotpot_qa", "ConnectionError", "--source")
+
+
+def test_eval_and_export_name_the_step_they_use_and_a_tie_and_take_another_on_request(tmp_path, capsys):
+    """At a cold start every validation ties at 0: the best checkpoint is the earliest, as training keeps it; the
+    output says so, and --step latest (or a number) takes another. Each eval writes a report; none is overwritten."""
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, "train.max_steps=3", "eval.every=1", "train.save_every=1",
+                   "train.keep_checkpoints=10", f"train.run_dir={run_dir}")[0] == 0
+    assert [r["m@4"] for r in read_metrics(run_dir) if r["kind"] == "validation"] == [0.0, 0.0, 0.0]
+    code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "best")
+    assert code == 0 and f"exported step 1 of {run_dir} (the best validation m@4 (0), tied with steps 2, 3: the earliest" in out
+    source = json.loads((tmp_path / "best" / "nemo_jq_export.json").read_text())["source"]
+    assert (source["step"], source["checkpoint"]) == (1, str(run_dir / "checkpoints" / "step_00000001"))
+    code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "latest", "--step", "latest")
+    assert code == 0 and "exported step 3" in out and "(the latest)" in out
+    for _ in range(2):
+        code, out, err = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "2")
+        assert code == 0 and json.loads(out)["step"] == 2 and "evaluated step 2" in err
+    assert sorted(p.name for p in (run_dir / "evals").iterdir()) == ["validation-step_00000002-2.json",
+                                                                    "validation-step_00000002.json"]
+    code, _, err = run_cli(capsys, "eval", run_dir, "--step", "7")
+    one_line_error(code, err, "--step 7", "checkpoints at steps 1, 2, 3")
+
+
+def test_export_onto_an_existing_file_is_one_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    code, _, err = run_cli(capsys, "export", run_dir, "--out", target)
+    one_line_error(code, err, str(target), "choose another --out")
+    assert target.read_text() == "mine"
+
+
+def test_train_help_lists_every_config_key_with_its_default():
+    result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "train", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0
+    for line in ("train.save_every = 25", "optim.lr = 0.005", "rollout.top_p = 1.0", "data.format = cold",
+                 "model.tiny.hidden_size = 128", "eval.num_samples = 16"):
+        assert line in result.stdout, line
+    assert "one of cold, warm" in result.stdout and "--resume" in result.stdout and "--overwrite" in result.stdout
+
+
+def test_data_prepare_never_writes_over_prepared_data(tmp_path, capsys):
+    args = ["data", "prepare", "--dataset", "hotpotqa", "--source", FIXTURES / "hotpotqa_hf", "--sizes", "3,1,1",
+            "--out", tmp_path / "out"]
+    assert run_cli(capsys, *args)[0] == 0
+    before = (tmp_path / "out" / "manifest.json").read_text()
+    code, _, err = run_cli(capsys, *args[:-4], "--sizes", "2,1,1", "--seed", "3", "--out", tmp_path / "out")
+    one_line_error(code, err, str(tmp_path / "out"), "--overwrite")
+    assert (tmp_path / "out" / "manifest.json").read_text() == before
+    assert run_cli(capsys, *args[:-4], "--sizes", "2,1,1", "--out", tmp_path / "out", "--overwrite")[0] == 0
+    (aside,) = tmp_path.glob("out.old-*")
+    assert (aside / "manifest.json").read_text() == before
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["sizes"]["train"] == 2
+
+
+def test_prompt_options_typed_in_a_shell_keep_their_new_lines(tmp_path, capsys):
+    source = tmp_path / "mine.jsonl"
+    source.write_text("".join(json.dumps({"question": f"q{i}?", "answer": str(i), "context": "c"}) + "\n" for i in range(4)))
+    assert run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", source, "--sizes", "2,1,1",
+                   "--template", r"{context}\n\nQ: {question}", "--system", r"Digits.\tOnly.", "--out", tmp_path / "p")[0] == 0
+    manifest = json.loads((tmp_path / "p" / "manifest.json").read_text())
+    assert (manifest["template"], manifest["system"]) == ("{context}\n\nQ: {question}", "Digits.\tOnly.")
+
+
+def test_the_readme_shows_the_demo_table_ci_checks():
+    from nemo_jq.recipe.demo import DEMO_RUNS, markdown_table
+
+    readme = (ROOT / "README.md").read_text()
+    header = markdown_table({}).splitlines()[0]
+    assert header in readme
+    table = readme[readme.index(header):].split("\n\n")[0].splitlines()
+    assert [row.split("|")[1].strip() for row in table[2:]] == [label for label, _, _ in DEMO_RUNS]
+
+
+def test_a_run_that_fails_to_start_leaves_nothing_that_blocks_the_next(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", *QUICK, "model.path=./no/such/model", f"train.run_dir={run_dir}")
+    assert code == 2 and "no/such/model" in err
+    assert not any((run_dir / name).exists() for name in ("config.yaml", "tokenizer", "checkpoints", "metrics.jsonl"))
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    assert (run_dir / "tokenizer").is_dir()
+
+
+def test_a_cuda_device_without_cuda_is_one_line_and_creates_nothing(tmp_path, capsys):
+    """A job submitted to a node without GPUs (or a CPU-only torch) used to end in a 41-line traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run_cli(capsys, "train", *QUICK, "train.device=cuda", f"train.run_dir={tmp_path / 'run'}")
+    one_line_error(code, err, "train.device=cuda but", "train.device=cpu")
+    assert not (tmp_path / "run").exists()

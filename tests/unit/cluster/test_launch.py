@@ -1,0 +1,136 @@
+"""`nemo-jq launch`: NeMo-Run executors from a launch YAML; the dry run's sbatch text; bad launch configs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nemo_run")
+
+from nemo_jq.cli import main  # noqa: E402
+from nemo_jq.cluster import launch  # noqa: E402
+from nemo_jq.runtime.preemption import REQUEUE_EXIT_CODE  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+
+LAUNCH_YAML = """\
+account: acct
+partition: batch
+nodes: 2
+gpus_per_node: 8
+time: "02:00:00"
+cpus_per_task: 16
+container_image: nvcr.io#acme/nemo-jq:latest
+container_mounts: [/lustre/me:/lustre/me]
+env: {NCCL_IB_HCA: mlx5}
+job_dir: JOB_DIR
+"""
+
+
+def write_launch(tmp_path, text: str = LAUNCH_YAML):
+    path = tmp_path / "launch.yaml"
+    path.write_text(text.replace("JOB_DIR", str(tmp_path / "jobs")))
+    return path
+
+
+def test_dryrun_prints_the_sbatch_script_nemo_run_would_submit(tmp_path, capsys):
+    """One task per GPU started by srun (no torchrun: it dies on SLURM's SIGUSR1 and its workers never see it), the
+    rendezvous on the first node, and train --requeue so that the signal checkpoints and requeues."""
+    command = ["train", "--config", "/lustre/me/c.yaml", "model.backend=megatron", "megatron.tensor_parallel=8"]
+    assert main(["launch", str(write_launch(tmp_path)), "--dryrun", *command]) == 0
+    script = capsys.readouterr().out
+    for line in ("#SBATCH --account=acct", "#SBATCH --partition=batch", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --time=02:00:00", "#SBATCH --signal=USR1@300",
+                 "#SBATCH --open-mode=append", "export NCCL_IB_HCA=mlx5", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+                 "export MASTER_PORT=29500", 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'):
+        assert line in script.splitlines(), line
+    srun = next(line for line in script.splitlines() if line.startswith("srun --output"))
+    assert "--container-image nvcr.io#acme/nemo-jq:latest" in srun and "--container-mounts /lustre/me:/lustre/me," in srun
+    for line in ("#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --cpus-per-task=16"):
+        assert line in script.splitlines(), line
+    job_files = f"{tmp_path / 'jobs'}/experiments/nemo-jq/nemo-jq_dryrun/nemo-jq"  # where NeMo-Run would write them
+    assert "torchrun" not in script and f"{job_files}:/nemo_run" in srun  # an absolute mount
+    assert srun.endswith("-m nemo_jq.cli train --requeue " + " ".join(command[1:]))
+    # exit 75 (a checkpoint after SIGUSR1) is requeued by the batch script, on the host: a trap on its exit, set
+    # before srun, sees the status NeMo-Run's template exits with after it
+    lines = script.splitlines()
+    trap = lines.index(launch.REQUEUE_ON_EXIT)
+    assert trap < lines.index(srun) and "exit $exitcode" in [line.strip() for line in lines[lines.index(srun):]]
+    assert f'[ "$status" = {REQUEUE_EXIT_CODE} ]' in lines[trap] and 'scontrol requeue "$SLURM_JOB_ID"' in lines[trap]
+    assert "scontrol" not in srun
+    assert not (tmp_path / "jobs").exists()  # a dry run writes nothing
+
+
+def test_docker_and_local_executors_run_under_torchrun(tmp_path):
+    import nemo_run as run
+
+    docker = launch.build_executor(launch.LaunchConfig(executor="docker", gpus_per_node=4, container_mounts=["/d:/d"],
+                                                       container_image="nemo-jq:latest"))
+    assert isinstance(docker, run.DockerExecutor) and docker.num_gpus == 4 and docker.volumes == ["/d:/d"]
+    local = launch.build_executor(launch.LaunchConfig(executor="local", gpus_per_node=2))
+    assert isinstance(local, run.LocalExecutor) and local.ntasks_per_node == 2
+    assert all(executor.get_launcher().__class__.__name__ == "Torchrun" for executor in (docker, local))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("acount: acct\n", "unknown launch key(s) acount; known: account,"),
+    ("executor: k8s\n", "executor='k8s'; choose one of slurm, docker, local"),
+    ("executor: slurm\n", "executor=slurm needs account"),
+    ("account: a\n", "executor=slurm needs container_image: REGISTRY#IMAGE:TAG for pyxis"),
+    ("account: a\ncontainer_image: x.sqsh\nnodes: 0\n", "nodes=0 must be a whole number >= 1"),
+    ("account: a\ncontainer_image: x.sqsh\ngpus_per_node: true\n", "gpus_per_node=True must be a whole number >= 1"),
+    ("account: a\ncontainer_image: x.sqsh\nnodes: '2'\n", "nodes='2' must be a whole number >= 1"),
+    ("account: a\ncontainer_image: x.sqsh\ntime: 4h\n", "time='4h' is not a SLURM time limit"),
+    ("account: a\ncontainer_image: x.sqsh\ntime: 2:00:00\n", "time=7200 is not a SLURM time limit"),
+    ("account: a\ncontainer_image: x.sqsh\nmem: 80 GB\n", "mem='80 GB' is not a SLURM memory size"),
+    ("account: a\ncontainer_image: x.sqsh\ncpus_per_task: 0\n", "cpus_per_task=0 must be a whole number >= 1"),
+])
+def test_bad_launch_configs_are_one_line_errors(tmp_path, capsys, text, message):
+    assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_launch_without_a_command_is_refused(tmp_path, capsys):
+    assert main(["launch", str(write_launch(tmp_path)), "--dryrun"]) == 2
+    assert "needs the command to run" in capsys.readouterr().err
+
+
+def test_a_misspelt_command_is_refused_and_a_dry_run_writes_nothing(tmp_path, capsys):
+    assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "trian", "--config", "c.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "'trian' is not a nemo-jq command (did you mean 'train'?)" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_the_single_node_launcher_asks_for_no_gpus_and_no_docker_hub_image():
+    """launchers/slurm.sbatch runs any command: the GPUs are asked for on the sbatch line of a command that needs them,
+    and its default image is a squashfs file (a bare nemo-jq:latest means Docker Hub to pyxis)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "launchers" / "slurm.sbatch").read_text()
+    assert "--gpus-per-node" not in "".join(line for line in text.splitlines() if line.startswith("#SBATCH"))
+    assert "nemo-jq:latest}" not in text and 'IMAGE="${NEMO_JQ_IMAGE:-$PWD/nemo-jq.sqsh}"' in text
+
+
+def documented_requeue() -> tuple[list[str], str]:
+    """docs/cluster.md's batch script of one's own: its #SBATCH lines, and its block from the status test on."""
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "docs" / "cluster.md").read_text(), re.S).group(1)
+    sbatch = [line for line in block.splitlines() if line.startswith("#SBATCH")]
+    return sbatch, block[block.index('if [ "$status"'):]
+
+
+@pytest.mark.parametrize("launcher", sorted((ROOT / "launchers").glob("*.sbatch")), ids=lambda path: path.name)
+def test_every_sbatch_launcher_requeues_on_the_requeue_exit_code_from_the_host(launcher):
+    """After srun returns, on the host (a pyxis image has no scontrol): exit REQUEUE_EXIT_CODE -> scontrol requeue,
+    docs/cluster.md's block word for word, in a requeueable job. The two-node launcher runs it on the real SLURM
+    (tests/distributed/test_slurm_launch.py); the others hold the same lines."""
+    text = launcher.read_text()
+    sbatch, block = documented_requeue()
+    assert f'if [ "$status" = {REQUEUE_EXIT_CODE} ]; then' in block
+    assert all(line in text.splitlines() for line in sbatch), sbatch
+    assert text.endswith(block)
+    steps = text[text.index("\nstatus=0\n"):text.index(block)]
+    assert steps.count("srun ") == 1 and steps.rstrip().endswith("|| status=$?") and "scontrol" not in steps

@@ -1,0 +1,204 @@
+"""`nemo-jq plan` against numbers computed by hand from the Qwen3 configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nemo_jq.cli import main
+from nemo_jq.cluster import plan
+
+GiB = 1024**3
+
+
+def test_parameter_counts_match_the_released_shapes():
+    # 0.6B (tied): embedding 151936*1024 + 28 layers * (q 1024*2048 + k, v 1024*1024 each + o 2048*1024
+    # + MLP 3*1024*3072 + norms 2*1024 + 2*128) + final norm 1024
+    assert plan.parameter_count(plan.architecture("0.6b")) == 155_582_464 + 28 * 15_730_944 + 1024 == 596_049_920
+    # 8B (untied): 2 * 151936*4096 + 36 * (2*4096*4096 + 2*4096*1024 + 3*4096*12288 + 2*4096 + 2*128) + 4096
+    assert plan.parameter_count(plan.architecture("Qwen3-8B")) == 2 * 622_329_856 + 36 * 192_946_432 + 4096
+
+
+def test_an_8b_layout_by_hand():
+    """TP=2, PP=1, DP=8 on 16 GPUs, bf16 weights with the distributed optimizer, 4096 tokens, M=32, 64 prompts, the
+    native sampler (one bf16 HF copy on the sampling rank, a KV cache of at most 131072 tokens)."""
+    work = plan.Workload(optimizer="bf16-distopt")
+    got = plan.estimate(plan.architecture("8b"), work, tp=2, pp=1, dp=8, gpu_gb=80, headroom=0.9)
+    params = 8_190_735_360
+    assert got.weights_gib == round(2 * params / 2 / GiB, 2)
+    assert got.gradients_gib == round(4 * params / 2 / GiB, 2)  # the fp32 gradient buffer: it stays all run
+    assert got.optimizer_gib == round(12 * params / 2 / 8 / GiB, 2)
+    # per layer: 2 bytes * 4096 tokens * (4*4096/2 norm terms + (2*(4096+2*1024) + 4096 + 3*12288)/2) = 285,212,672
+    assert got.activations_gib == round(36 * 285_212_672 / GiB, 2)
+    # chunked: the hidden states' bf16 gradient, the V/TP weight slice's fp32 gradient and its bf16 copy returned (larger
+    # than the loop's chunks of 256 positions' logits)
+    assert got.logprob_head_gib == round((2 * 4096 * 4096 + 4 * 75_968 * 4096 + 2 * 75_968 * 4096) / GiB, 2)
+    assert got.rollout_copy_gib == round(2 * params / GiB, 2)  # the whole model, bf16
+    # K and V, bf16, 36 layers x 8 heads x 128, for 131072 tokens (the replica's 8 prompts x 32 x 4096 are 1048576)
+    # (the answer phase's 32 rows of 4096; a thinking chunk is one prompt's 32 x 4095), and a decode step's copies of
+    # one of the 36 layers' keys or values (3 buffers)
+    kv = 2 * 2 * 36 * 8 * 128 * 131072 * (1 + 3 / 72)
+    assert got.kv_cache_gib == round(kv / GiB, 2) == 18.75 and got.vllm_gib == 0
+    staying = params + 2 * params + 12 * params / 16 + 2 * params  # weights, gradient buffer, optimizer, rollout copy
+    assert got.total_gib == round((staying + kv) / GiB, 2) == 62.61  # the KV cache is the larger phase
+    assert got.fits and got.largest == "kv_cache"
+
+
+def test_a_06b_paper_config_by_hand():
+    """The paper's 0.6B runs (4096 thinking tokens, M=32, 64 prompts) on one node, plain AdamW, TP=1 DP=8."""
+    work = plan.Workload(seq_len=4608, samples=32)
+    got = plan.estimate(plan.architecture("0.6b"), work, tp=1, pp=1, dp=8, gpu_gb=80, headroom=0.9)
+    params = 596_049_920
+    # at most 131072 tokens, but one prompt's 32 rows of prompt + thinking (4607) at least; a decode step's copies
+    kv = 2 * 2 * 28 * 8 * 128 * 32 * 4607 * (1 + 3 / 56)
+    per_layer = 2 * 4608 * (4 * 1024 + (2 * (2048 + 2 * 1024) + 2048 + 3 * 3072))
+    training = 4 * params + 28 * per_layer + 2 * 2 * 4608 * 151936
+    staying = 4 * params + 8 * params + 2 * params
+    assert got.kv_cache_gib == round(kv / GiB, 2) and got.activations_gib == round(28 * per_layer / GiB, 2)
+    assert got.total_gib == round((staying + max(training, kv)) / GiB, 2) and got.fits
+
+
+def test_a_32b_shape_needs_vllm_on_16_nodes_and_plan_says_so():
+    """Qwen3-32B (64 layers, hidden 5120, MLP 25600, 64 heads) on 16 nodes x 8 x 80 GiB, bf16 distributed optimizer,
+    recomputation, 4608 tokens, M=16, 64 prompts: the native sampler's HF copy (61 GiB) fits nowhere beside the
+    training state; with vLLM at TP=8 the best layout is TP=8 DP=16."""
+    arch = plan.architecture("32b")
+    params = plan.parameter_count(arch)
+    assert params == 2 * 151936 * 5120 + 64 * (5120 * 64 * 128 * 2 + 5120 * 8 * 128 * 2 + 3 * 5120 * 25600 + 2 * 5120
+                                               + 2 * 128) + 5120
+    work = plan.Workload(seq_len=4608, samples=16, optimizer="bf16-distopt", recompute=True)
+    native = plan.plan(arch, work, gpus_per_node=8, nodes=16, gpu_gb=80)
+    assert not native[0].fits and native[0].largest == "rollout_copy" and "--rollout-engine vllm" in native[0].advice
+    vllm = plan.plan(arch, plan.Workload(seq_len=4608, samples=16, optimizer="bf16-distopt", recompute=True,
+                                         rollout_engine="vllm", vllm_tensor_parallel=8), gpus_per_node=8, nodes=16, gpu_gb=80)
+    best = vllm[0]
+    assert (best.tensor_parallel, best.pipeline_parallel, best.data_parallel, best.fits) == (8, 1, 16, True)
+    per_rank = params / 8
+    tokens = 4608
+    inputs = 2 * tokens * 5120 / 8  # recomputation keeps each layer's bf16 input (split over TP by SP)
+    layer = 2 * tokens * (4 * 5120 / 8 + (2 * (8192 + 2 * 1024) + 8192 + 3 * 25600) / 8)
+    staying = 2 * per_rank + 4 * per_rank + 12 * per_rank / 16
+    training = 64 * inputs + layer + 2 * 2 * tokens * 18992
+    assert best.total_gib == round((staying + max(training, 0.5 * 80 * GiB)) / GiB, 2)
+
+
+def test_recomputation_and_sequence_parallel_shrink_activations_only():
+    arch = plan.architecture("0.6b")
+    base = plan.estimate(arch, plan.Workload(), 2, 1, 4, 80, 0.9)
+    recompute = plan.estimate(arch, plan.Workload(recompute=True), 2, 1, 4, 80, 0.9)
+    no_sp = plan.estimate(arch, plan.Workload(sequence_parallel=False), 2, 1, 4, 80, 0.9)
+    assert recompute.activations_gib < base.activations_gib < no_sp.activations_gib
+    assert recompute.weights_gib == base.weights_gib == no_sp.weights_gib
+
+
+def test_context_parallel_splits_the_tokens_and_the_distributed_optimizer_state():
+    """CP=2 on 16 GPUs at TP=2: each rank holds half of every sequence's activations and log-prob positions, and the
+    distributed optimizer shards over DP x CP = 8; weights are whole per TP rank, as without CP."""
+    arch, work = plan.architecture("8b"), plan.Workload(optimizer="bf16-distopt", seq_len=32768)
+    base = plan.estimate(arch, work, tp=2, pp=1, dp=8, gpu_gb=80, headroom=0.9)
+    split = plan.estimate(arch, plan.Workload(optimizer="bf16-distopt", seq_len=32768, context_parallel=2), tp=2, pp=1,
+                          dp=4, gpu_gb=80, headroom=0.9)
+    assert split.weights_gib == base.weights_gib and split.optimizer_gib == base.optimizer_gib
+    assert split.activations_gib == pytest.approx(base.activations_gib / 2, abs=0.01)
+    # the head's hidden-state gradient covers this rank's half of the positions; its weight and chunks are whole
+    assert split.logprob_head_gib == pytest.approx(base.logprob_head_gib - 2 * 32768 * 4096 / 2 / GiB, abs=0.01)
+    layouts = plan.plan(arch, plan.Workload(context_parallel=4), gpus_per_node=8, nodes=2, gpu_gb=80)
+    assert all(e.tensor_parallel * e.pipeline_parallel * e.data_parallel * 4 == 16 for e in layouts)
+    with pytest.raises(ValueError, match="no TP x PP x DP layout of 8 GPUs at CP=16"):
+        plan.plan(arch, plan.Workload(context_parallel=16), gpus_per_node=8, nodes=1, gpu_gb=80)
+
+
+def test_only_feasible_layouts_are_listed_and_the_recommendation_fits():
+    arch = plan.architecture("0.6b")
+    layouts = plan.plan(arch, plan.Workload(samples=8, batch_prompts=8, seq_len=1024), gpus_per_node=8, nodes=1, gpu_gb=80)
+    assert all(16 % e.tensor_parallel == 0 and 28 % e.pipeline_parallel == 0 for e in layouts)
+    assert all(e.tensor_parallel * e.pipeline_parallel * e.data_parallel == 8 for e in layouts)
+    assert layouts[0].fits and layouts[0].data_parallel == 8 and layouts[0].tensor_parallel == 1
+
+
+def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
+    assert main(["plan", "--model", "8b", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "8.191B parameters" in out and "recommended: TP=1 PP=4 DP=4" in out
+    assert main(["plan", "--model", "32b", "--nodes", "16", "--seq-len", "4608", "--samples", "16", "--optimizer",
+                 "bf16-distopt", "--recompute"]) == 0  # the new user's command
+    assert ("nothing fits in 72 GiB: the closest layout" in (out := capsys.readouterr().out)
+            and "most of it the rollout copy" in out and "try --rollout-engine vllm" in out)
+    assert "total GiB" in out and " GB" not in out
+    assert main(["plan", "--model", "0.6b", "--gpus-per-node", "1", "--samples", "8", "--batch-prompts", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["recommended"]["total_gib"] <= 72 and result["parameters"] == 596_049_920
+    assert main(["plan", "--model", "0.6b", "--nodes", "2", "--context-parallel", "2", "--seq-len", "32768", "--samples", "4",
+                 "--batch-prompts", "8"]) == 0
+    assert "recommended: TP=1 PP=1 CP=2 DP=8" in capsys.readouterr().out
+    assert main(["plan", "--model", "9b"]) == 2
+    assert "--model '9b' is neither a Qwen3 size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "8b", "--nodes", "0"])
+    for memory in ("-1", "0", "nan", "inf", "eighty"):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "8b", "--gpu-memory", memory])
+        assert f"--gpu-memory: must be a number of GiB > 0; got '{memory}'" in capsys.readouterr().err
+
+
+def test_the_readmes_plan_commands_say_what_they_print(capsys, monkeypatch):
+    """Each ``nemo-jq plan`` command with a layout in its comment, in README.md and docs/ (docs/cluster.md has three),
+    run as written from the repository root, recommends the layout its comment says, to the GiB figure."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    import doc_pages
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[3])
+    text = doc_pages.text()
+    commands = re.findall(r"^nemo-jq (plan .*?)\s+# (TP=\d+ PP=\d+ DP=\d+ \([\d.]+ of \d+ GiB\))$", text, flags=re.M)
+    assert len(commands) >= 3, commands
+    for command, comment in commands:
+        assert main(shlex.split(command)) == 0, command
+        assert f"recommended: {comment}" in capsys.readouterr().out, command
+
+
+def test_advice_never_names_a_change_that_raises_the_figure():
+    """8B on three GPUs: the bf16 distributed optimizer at DP=1 holds 18 bytes a parameter against plain AdamW's 16,
+    so it is not advised (it was: 77.38 -> 82.47 GiB); whatever is advised lowers the closest layout's figure."""
+    arch = plan.architecture("8b")
+    work = plan.Workload()
+    closest = plan.plan(arch, work, gpus_per_node=3, nodes=1, gpu_gb=80)[0]
+    assert not closest.fits and closest.largest == "optimizer" and "bf16-distopt" not in closest.advice
+    for layout_estimate in plan.plan(arch, work, gpus_per_node=8, nodes=1, gpu_gb=80, headroom=0.1):
+        for text, changed in plan.remedies(layout_estimate.largest, work):
+            if text == layout_estimate.advice and changed is not None:
+                lowered = plan.estimate(arch, changed, layout_estimate.tensor_parallel,
+                                        layout_estimate.pipeline_parallel, layout_estimate.data_parallel, 80, 0.1)
+                assert lowered.total_gib < layout_estimate.total_gib, (text, layout_estimate)
+
+
+def test_the_recommendations_overrides_train_that_layout(tmp_path, capsys):
+    """``plan``'s ``overrides:`` line, given to a run config, is the workload and layout it recommended: planning that
+    config again at the same layout gives the same figure."""
+    from nemo_jq.config import load_config
+
+    assert main(["plan", "--config", "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("overrides: "))
+    recommended = next(line for line in out.splitlines() if line.startswith("recommended: "))
+    config = load_config("configs/qwen3_8b/finqa_cold_garl_q0.75.yaml", line.removeprefix("overrides: ").split())
+    layout = config.megatron
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    again = plan.estimate(plan.architecture(config.model.path), plan.Workload.from_config(config, 1024), tp, pp,
+                          8 // (tp * pp), 80, 0.9)
+    assert f"TP={layout.tensor_parallel} PP={layout.pipeline_parallel} DP={again.data_parallel} ({again.total_gib} of" in recommended
+
+
+def test_an_hf_peak_counts_the_optimizer_step_where_foreach_adamw_holds_half_its_state_again():
+    """Measured on an H100 (bench/results/real_gpu.json): a 0.6B hf step peaked in its optimizer step at 11.22 GiB,
+    weights + gradients + AdamW's state + sqrt(v) for every parameter at once. Megatron's optimizers step otherwise."""
+    parts = dict.fromkeys(plan.COMPONENTS, 0.0)
+    parts.update(weights=4 * GiB, gradients=4 * GiB, optimizer=8 * GiB, activations=1 * GiB, kv_cache=2 * GiB)
+    peak, largest = plan._peak(parts, plan.Workload(backend="hf"))
+    assert peak == 4 + 8 + 4 + 4 and largest == "optimizer"
+    assert plan._peak(parts, plan.Workload(backend="megatron"))[0] == 4 + 8 + 4 + 1  # the training working set
+    parts["kv_cache"] = 9 * GiB
+    assert plan._peak(parts, plan.Workload(backend="hf"))[0] == 4 + 8 + 9  # the rollouts' is larger still

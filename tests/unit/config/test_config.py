@@ -1,0 +1,134 @@
+"""Typed config: YAML, overrides, and errors that name the key."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from nemo_jq.config import Config, ConfigError, load_config, save_config
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text(yaml.safe_dump({"objective": {"name": "paft", "q": 0.25}, "rollout": {"num_samples": 4}}))
+    config = load_config(path, ["objective.q=0.75", "optim.lr=1e-6", "objective.options={num_resamples: 2}"])
+    assert config.objective.name == "paft" and config.objective.q == 0.75
+    assert config.optim.lr == 1e-6 and config.rollout.num_samples == 4
+    assert config.objective.options == {"num_resamples": 2}
+    save_config(config, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == config
+    assert isinstance(load_config(), Config)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["objective.nmae=garl"], "unknown config key 'objective.nmae'; did you mean 'objective.name'"),
+        (["rollout.num_sample=4"], "did you mean 'rollout.num_samples'"),
+        (["optimm.lr=1"], "unknown config key 'optimm'; did you mean 'optim'"),
+        (["objective.q=1.5"], r"objective.q must be >= 0.0 and <= 1.0; got 1.5"),
+        (["objective.name=gerl"], "objective.name: unknown objective 'gerl' \\(did you mean 'garl'\\?\\); known: garl, "),
+        (["rollout.num_samples=1"], "rollout.num_samples=1 but 'garl' needs at least 2"),
+        (["objective.options={baseline: mean}", "objective.name=paft"], "objective.options.baseline is not an option of 'paft'"),
+        (["objective.options={baseline: mean}"], "objective.options.baseline must be one of rloo, none; got 'mean'"),
+        (["objective.options={num_resamples: 0}", "objective.name=paft"], "objective.options.num_resamples must be >= 1"),
+        (["objective.name=grpo", "objective.options.rewards=1"],
+         "objective.options.rewards: 'rewards' is an input the trainer supplies to 'grpo', not an option; 'grpo' takes clip_eps"),
+        (["objective.name=grpo", "objective.options.tokens_per_example=3"], "'tokens_per_example' is an input the trainer supplies"),
+        (["objective.name=grpo", "objective.options.old_logprob=3"], "'old_logprob' is an input the trainer supplies"),
+        (["objective.name=grpo", "objective.options.clip_ep=0.1"], "did you mean 'clip_eps'"),
+        (["objective.name=paft", "objective.options.q=1"], "'q' is an input the trainer supplies to 'paft'"),
+        (["guard.enabled=true", "guard.estimator=paf"], "guard.estimator: unknown objective 'paf' \\(did you mean 'paft'\\?\\)"),
+        (["model.backend=tpu"], "model.backend: unknown backend 'tpu'; known: hf, megatron"),
+        (["train.batch_size=many"], "train.batch_size must be int; got 'many'"),
+        (["data.format=tepid"], "data.format must be one of cold, warm"),
+        (["model.precision=fp8"], "model.precision must be one of"),
+        (["objective.q_schedule={name: linear, steps: 3}"], r"unknown key\(s\) \['steps'\]"),
+        (["justakey"], "must look like section.key=value"),
+        (["train.batch_size.x=1"], "train.batch_size is not a section|train.batch_size must be"),
+        (["megatron.recompute_activations=true"], "megatron.recompute_activations need model.backend=megatron"),
+        (["megatron.tensor_parallel=2"], "megatron.tensor_parallel need model.backend=megatron"),
+        (["megatron.pipeline_parallel=2", "megatron.context_parallel=2"],
+         "megatron.pipeline_parallel, megatron.context_parallel need model.backend=megatron"),
+        (["megatron.distributed_optimizer=true"], "megatron.distributed_optimizer need model.backend=megatron"),
+        (["model.backend=megatron", "megatron.bf16_weights=true"],
+         "megatron.bf16_weights=true keeps the fp32 master weights in the distributed optimizer: set "
+         "megatron.distributed_optimizer=true"),
+        (["model.backend=megatron", "megatron.sequence_parallel=true"], "megatron.sequence_parallel needs megatron.tensor_parallel > 1"),
+        (["model.backend=megatron", "megatron.tensor_parallel=0"], "megatron.tensor_parallel must be >= 1"),
+        (["rollout.engine=sglang"], "rollout.engine: unknown rollout engine 'sglang'; known: hf, native, vllm"),
+        (["rollout.max_logprob_gap=0"], "rollout.max_logprob_gap must be > 0.0"),
+        (["objective.importance=clip"],
+         "objective.importance must be one of auto, none, plain, truncate, mask, token_truncate, geometric; got 'clip'"),
+        (["objective.importance=off"], r"objective.importance must be str; got False \(YAML reads yes/no/on/off"),
+        (["objective.importance_cap=0.5"], "objective.importance_cap must be >= 1.0"),
+        (["objective.importance_bounds=[1.5, 2]"], r"objective.importance_bounds must be \[low, high\] with 0 <= low <= 1 <= high"),
+        (["objective.name=sft", "objective.importance=truncate"], "objective.importance=truncate corrects sampled rollouts, "
+         "but 'sft' takes no correction: set objective.importance=none"),
+        (["objective.name=sft", "rollout.async_steps=1"], "rollout.async_steps=1 samples rollouts ahead, but 'sft'"),
+        (["rollout.async_steps=2"], "rollout.async_steps must be >= 0 and <= 1"),
+        (["rollout.tensor_parallel=2"], "rollout.tensor_parallel=2 splits a vLLM engine .*got native, hf, 1"),
+        (["rollout.tensor_parallel=3", "rollout.engine=vllm", "model.path=m", "model.backend=megatron",
+          "megatron.tensor_parallel=4"], "a megatron.tensor_parallel it divides"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_every_example_config_loads():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[3] / "configs" / "examples").glob("*.yaml"))
+    assert files
+    for path in files:
+        config = load_config(path)
+        assert config.train.run_dir.startswith("runs/")
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("model.tensor_parallel=2", "megatron.tensor_parallel", 2),
+    ("model.bf16_weights=true", "megatron.bf16_weights", True),
+    ("guard.action=paft", "guard.action=switch_estimator", "switch_estimator"),
+])
+def test_renamed_keys_still_load_with_one_line_naming_the_new_key(capsys, old, new, value):
+    import nemo_jq.config
+
+    nemo_jq.config._ANNOUNCED.clear()
+    extra = ["model.backend=megatron", "model.distributed_optimizer=true"] if "bf16" in old else ["model.backend=megatron"]
+    config = load_config(None, [old, *extra])
+    section, key = new.partition("=")[0].split(".")
+    assert getattr(getattr(config, section), key) == value
+    warnings = [line for line in capsys.readouterr().err.splitlines() if old.partition("=")[0] in line]
+    assert len(warnings) == 1 and f"use {new}" in warnings[0] and "deprecated" in warnings[0]
+    if old.startswith("guard"):
+        assert config.guard.estimator == "paft"
+
+
+def test_a_saved_config_with_the_old_layout_keys_reads_back_the_same(tmp_path):
+    """Run directories written before 0.2 hold model.tensor_parallel etc.: they resume with the same layout."""
+    old = dataclasses.asdict(load_config(None, ["model.backend=megatron", "megatron.tensor_parallel=2"]))
+    old["model"].update(old.pop("megatron"))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert load_config(path).megatron.tensor_parallel == 2
+
+
+def test_a_file_that_sets_a_key_under_both_names_is_refused(tmp_path):
+    path = tmp_path / "both.yaml"
+    path.write_text("model:\n  tensor_parallel: 2\nmegatron:\n  tensor_parallel: 4\n")
+    with pytest.raises(ConfigError, match="model.tensor_parallel and megatron.tensor_parallel are both set: keep megatron"):
+        load_config(path)
+
+
+def test_the_synthetic_tasks_width_check_is_its_rationale_dependences():
+    """data.rationale_dependence=none answers one digit, which data.answer_width=1 holds; operations' do not fit."""
+    assert load_config(None, ["data.rationale_dependence=none", "data.answer_width=1"]).data.answer_width == 1
+    with pytest.raises(ConfigError, match="data.answer_width=1 cannot hold operations answers"):
+        load_config(None, ["data.rationale_dependence=operations", "data.answer_width=1"])

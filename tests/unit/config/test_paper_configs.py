@@ -1,0 +1,119 @@
+"""Every paper run config loads and carries the paper's settings (Section 5, Appendix F)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_jq.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+PAPER_FILES = sorted((CONFIGS / "qwen3_0p6b").glob("*.yaml")) + sorted((CONFIGS / "qwen3_8b").glob("*.yaml"))
+THINKING = {"finqa": 4096, "hotpotqa": 3072, "musique": 2048}
+SIZES = {"finqa": (6145, 872, 1132), "hotpotqa": (9067, 342, 343), "musique": (9985, 579, 445)}
+
+
+def test_the_papers_runs_are_all_there():
+    names = {f"{p.parent.name}/{p.stem}" for p in PAPER_FILES}
+    for required in ("qwen3_0p6b/hotpotqa_warm_paft_q0.75", "qwen3_0p6b/finqa_cold_garl_q0.75", "qwen3_8b/musique_cold_garl_q0.85",
+                     "qwen3_0p6b/musique_cold_grpo", "qwen3_8b/finqa_warm_grpo", "qwen3_0p6b/hotpotqa_warm_garl_q0.25"):
+        assert required in names
+    assert len(PAPER_FILES) == 3 * (12 + 6)
+
+
+@pytest.mark.parametrize("path", PAPER_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_paper_config_values(path):
+    config = load_config(path)
+    small = path.parent.name == "qwen3_0p6b"
+    dataset = path.stem.split("_")[0]
+    assert config.model.path == ("Qwen/Qwen3-0.6B" if small else "Qwen/Qwen3-8B")
+    assert config.train.batch_size == 64 and config.train.epochs == 2
+    assert config.optim.lr == (5e-7 if small else 1e-6)
+    assert config.rollout.num_samples == (32 if small else 16)
+    assert config.rollout.temperature == 1.0 and config.rollout.top_k == 0 and config.rollout.top_p == 1.0
+    assert config.rollout.max_thinking_tokens == THINKING[dataset] and config.rollout.max_answer_tokens == 128
+    assert config.eval.every == 50 and config.eval.num_samples == 16
+    assert (config.data.train_size, config.data.validation_size, config.data.test_size) == SIZES[dataset]
+    assert config.data.name == dataset and config.data.format == path.stem.split("_")[1]
+    assert config.objective.name == path.stem.split("_")[2]
+    if config.objective.name == "paft":
+        assert config.objective.options == {"num_resamples": config.rollout.num_samples}  # K = M
+    if "_q" in path.stem:
+        assert config.objective.q == float(path.stem.split("_q")[1])
+    raw = yaml.safe_load(path.read_text())
+    # No warm-up, decay or KL: the optimiser section holds only a constant lr (and no weight decay).
+    assert set(raw["optim"]) == {"lr", "weight_decay"} and raw["optim"]["weight_decay"] == 0.0
+    assert "kl" not in path.read_text().lower()
+
+
+def test_generator_and_files_agree(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("paper_runs", CONFIGS / "paper_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    for written in module.write_all():
+        assert written.read_text() == (CONFIGS / written.parent.name / written.name).read_text()
+
+
+#: What the paper runs are sized for: one node of eight 80 GB GPUs (an H100 or A100 80 GB), prompts of up to 1024 tokens.
+GPUS_PER_NODE, GPU_GIB, PROMPT_TOKENS = 8, 80, 1024
+
+
+def planned(config):
+    """``nemo-jq plan --config``'s estimate of ``config`` at its own layout (hf: one GPU; megatron: TP x PP from the
+    config, the rest of the node data-parallel). ``plan`` is held to the dry run within 10% (tests/unit/dryrun/test_dryrun.py,
+    docs/results/dryrun_configs.md)."""
+    from nemo_jq.cluster import plan
+
+    layout = config.megatron
+    tp, pp = (layout.tensor_parallel, layout.pipeline_parallel) if config.model.backend == "megatron" else (1, 1)
+    dp = GPUS_PER_NODE // (tp * pp) if config.model.backend == "megatron" else 1
+    return plan.estimate(plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS), tp, pp,
+                         dp, GPU_GIB, 0.9)
+
+
+@pytest.mark.parametrize("path", PAPER_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_paper_run_fits_its_gpus_at_its_layout(path):
+    estimate = planned(load_config(path))
+    assert estimate.fits, (estimate.total_gib, estimate.largest, estimate.advice)
+
+
+@pytest.mark.parametrize("undone", ["model.activation_checkpointing=false", "train.micro_batch_rows=null"])
+def test_the_small_runs_fit_only_with_their_memory_settings(undone):
+    """The 0.6B runs train on the hf backend: without recomputation, or with a whole prompt's M=32 rows per
+    forward/backward, their activations alone pass the GPU."""
+    estimate = planned(load_config(CONFIGS / "qwen3_0p6b" / "finqa_cold_garl_q0.5.yaml", [undone]))
+    assert not estimate.fits and estimate.largest == "activations", estimate
+
+
+def test_the_readmes_train_commands_load_their_configs_with_their_overrides():
+    """Every ``train --config configs/...`` command in README.md and docs/ (a GPU's, so not run here) loads: the file
+    exists and its overrides are keys and values the config accepts (e.g. no hf-only memory key left on a megatron
+    run), but for ``data.prepared_dir``, whose folder ``nemo-jq data prepare`` makes first."""
+    import re
+    import shlex
+
+    import doc_pages
+
+    commands = re.findall(r"train --config (configs/\S+\.yaml)([^\n#`]*)", doc_pages.text())
+    assert len(commands) >= 3, commands
+    for path, overrides in commands:
+        load_config(CONFIGS.parent / path, [word for word in shlex.split(overrides) if "=" in word and
+                                            not word.startswith(("-", "data.prepared_dir="))])  # data made elsewhere
+
+
+def test_the_32b_example_fits_sixteen_nodes_at_its_layout():
+    """configs/examples/qwen3_32b_*: docs/cluster.md's 32B example as a run config, at plan's recommendation for 16
+    nodes of eight 80 GB GPUs (TP=8 x DP=16); the dry run of its rank 0 peaks at 68.8 GiB (docs/dryrun.md)."""
+    from nemo_jq.cluster import plan
+
+    config = load_config(CONFIGS / "examples" / "qwen3_32b_hotpotqa_cold_garl_q0.75.yaml")
+    tp = config.megatron.tensor_parallel
+    estimate = plan.estimate(plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS), tp,
+                             config.megatron.pipeline_parallel, 16 * GPUS_PER_NODE // tp, GPU_GIB, 0.9)
+    assert estimate.fits and (estimate.tensor_parallel, estimate.data_parallel) == (8, 16), estimate
+    best = plan.plan(plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS),
+                     gpus_per_node=GPUS_PER_NODE, nodes=16, gpu_gb=GPU_GIB)[0]
+    assert (best.tensor_parallel, best.pipeline_parallel, best.data_parallel) == (8, 1, 16)

@@ -1,0 +1,83 @@
+"""Label noise (exact share, seeded, evaluation splits clean) and the memorisation metric."""
+
+import json
+import random
+
+import pytest
+
+from helpers import TINY_RUN
+from nemo_jq.config import ConfigError, load_config
+from nemo_jq.data import SyntheticArithmetic
+from nemo_jq.data.base import Example
+from nemo_jq.data.noise import CLEAN_ANSWER, corrupt_labels, noisy_examples
+from nemo_jq.recipe.components import build_task
+from nemo_jq.recipe.evaluation import memorised
+from nemo_jq.recipe.trainer import Trainer
+
+TASK = SyntheticArithmetic(num_operands=3)
+
+
+@pytest.mark.parametrize("size, rate", [(768, 0.2), (10, 0.25), (37, 0.5), (5, 0.0), (64, 0.99)])
+def test_exactly_the_rounded_share_is_corrupted_each_with_a_wrong_label(size, rate):
+    train = TASK.splits(size, 1, 1, seed=3).train
+    corrupted = corrupt_labels(train, rate, seed=0, task=TASK)
+    noisy = noisy_examples(corrupted)
+    assert len(corrupted) == size and len(noisy) == round(rate * size)
+    for before, after in zip(train, corrupted):
+        if CLEAN_ANSWER in after.meta:
+            assert after.meta[CLEAN_ANSWER] == before.answer and after.question == before.question
+            assert not TASK.is_correct(after.answer, before) and after.answer in {e.answer for e in train}
+        else:
+            assert after == before
+
+
+def test_the_corrupted_set_follows_the_seed():
+    train = TASK.splits(200, 1, 1, seed=0).train
+    ids = [{e.id for e in noisy_examples(corrupt_labels(train, 0.2, seed, TASK))} for seed in (0, 0, 1)]
+    assert ids[0] == ids[1] != ids[2]
+    assert corrupt_labels(train, 0.2, 0, TASK) == corrupt_labels(train, 0.2, 0, TASK)
+
+
+def test_a_run_corrupts_training_labels_only_and_bad_rates_are_refused():
+    clean = load_config(None, ["data.train_size=100", "data.validation_size=20", "data.test_size=30"])
+    noisy = load_config(None, ["data.train_size=100", "data.validation_size=20", "data.test_size=30", "data.label_noise=0.3"])
+    (_, clean_splits), (_, noisy_splits) = build_task(clean), build_task(noisy)
+    assert noisy_splits.validation == clean_splits.validation and noisy_splits.test == clean_splits.test
+    assert len(noisy_examples(noisy_splits.train)) == 30 and not noisy_examples(clean_splits.train)
+    for value in ("1.0", "-0.1"):
+        with pytest.raises(ConfigError, match="data.label_noise must be >= 0.0 and < 1.0"):
+            load_config(None, [f"data.label_noise={value}"])
+
+
+def test_memorised_counts_only_outputs_that_reproduce_the_corrupted_label_and_not_the_clean_one():
+    rng = random.Random(0)
+    for _ in range(300):
+        clean, wrong = rng.sample(range(100), 2)
+        example = Example("x", "1+2+3", str(wrong), meta={CLEAN_ANSWER: str(clean)})
+        numbers = rng.sample([clean, wrong, rng.randrange(100, 200)], rng.randint(0, 3))
+        output = " ".join(map(str, numbers)) or "no number"
+        assert memorised(TASK, [example], [[output]]) == [wrong in numbers and clean not in numbers]
+
+
+@pytest.mark.slow
+def test_a_noisy_run_reports_the_memorisation_of_its_final_and_tested_models(tmp_path):
+    trainer = Trainer(load_config(None, [*TINY_RUN, "data.label_noise=0.25", "train.max_steps=2", f"train.run_dir={tmp_path / 'run'}"]))
+    results = trainer.fit()
+    assert len(noisy_examples(trainer.components.splits.train)) == 6
+    assert set(results["memorisation"]) == {"final", "tested"}
+    assert all(0 <= value <= 100 and value * 6 / 100 == pytest.approx(round(value * 6 / 100)) for value in results["memorisation"].values())
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["memorisation"] == results["memorisation"]
+    # the engine's greedy answers are what the metric scores: make them the corrupted labels and it is 100
+    noisy = noisy_examples(trainer.components.splits.train)
+    trainer.components.engine.generate = _answering(trainer, {tuple(trainer.components.prompt_ids([e])[0]): e.answer for e in noisy})
+    assert trainer.evaluator.memorisation() == 100
+
+
+def _answering(trainer, answers):
+    from nemo_jq.models.interfaces import Rollout
+
+    def generate(prompts, num_samples, *, sample_answers, generator, greedy=False):
+        assert greedy and num_samples == 1
+        return [[Rollout(list(p), [], True, trainer.components.chat.answer_ids(answers[tuple(p)]))] for p in prompts]
+
+    return generate

@@ -1,0 +1,232 @@
+"""nemo-jq dryrun: the instrument (fake world, memory tracker) checked against real allocation, the catches it
+exists for, and the command.
+
+The real GPU is the one thing these tests cannot have: the dry run's stand-in GPU is the ``meta`` device (see
+nemo_jq/dryrun/world.py), and its numbers are checked here against a real CPU run of the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_jq.cli import main
+from nemo_jq.config import load_config
+from nemo_jq.dryrun import GPUS, DoesNotFit, GpuProfile, WrongDevice, check_fits, dry_run, on_gpu
+from nemo_jq.dryrun.memory import MemoryTracker
+from nemo_jq.dryrun.world import GPU, MOST, FakeWorld
+from nemo_jq.models.interfaces import TokenBatch
+
+HERE = Path(__file__).resolve().parent
+
+
+def policy_step(device: torch.device, rows: int = 6) -> None:
+    """Build an HF policy, train one micro-batch of ``rows`` and step AdamW (fp32, as the CPU runs it)."""
+    from nemo_jq.models.hf import HFPolicy, tiny_qwen3
+
+    model = tiny_qwen3(8192, hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4, intermediate_size=2048,
+                       max_position_embeddings=512, seed=0)
+    policy = HFPolicy(model, device=device, precision="fp32", logprob_chunk_size=256)
+    length = 256
+    ids = torch.ones((rows, length), dtype=torch.long)
+    mask = torch.ones((rows, length - 1), dtype=torch.bool)
+    batch = TokenBatch(ids, torch.ones_like(ids), mask, torch.zeros_like(mask), None)
+    policy.forward_backward([batch], lambda logprobs, index: logprobs.sum())
+    policy.optimizer_step()
+
+
+def real_peak_bytes() -> int:
+    """Run :func:`policy_step` on the CPU in this process: its peak resident bytes above those before it (after a
+    one-row run, so that the libraries' one-time set-up is not counted)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: resident pages are the bytes touched, not huge pages
+    torch.set_num_threads(1)
+    policy_step(torch.device("cpu"), rows=1)
+    with open("/proc/self/statm") as statm:
+        before = int(statm.read().split()[1]) * resource.getpagesize()
+    policy_step(torch.device("cpu"))
+    # the high-water mark of this process's own memory (ru_maxrss would keep the forking parent's across exec)
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    return peak * 1024 - before
+
+
+@pytest.mark.slow
+def test_the_dry_run_peak_is_the_real_peak():
+    """The fake world's count of the same code's peak equals what the CPU really allocates, within 10% (the real
+    figure is the resident-set growth of a fresh process, which also holds allocator slack and Python objects)."""
+    script = f"import sys; sys.path.insert(0, {str(HERE)!r}); from test_dryrun import real_peak_bytes; print(real_peak_bytes())"
+    # freed tensors go back to the system (so the RSS is live bytes), one thread, nothing else inherited from the suite
+    env = {"PATH": os.environ.get("PATH", ""), "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1",
+           "OMP_NUM_THREADS": "1"}
+    real = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              env=env).stdout.split()[-1])
+    tracker = MemoryTracker(GPU.type)
+    with FakeWorld(tracker), tracker.phase("step"):
+        policy_step(GPU)
+    dry = tracker.phases["step"].peak
+    assert real > 500e6  # large enough that the process's own overheads are small beside it
+    assert abs(dry - real) / real < 0.10, (dry, real)
+
+
+def test_the_world_answers_with_the_most_memory():
+    tracker = MemoryTracker(GPU.type)
+    with FakeWorld(tracker) as world:
+        mask = torch.ones(4, 8, dtype=torch.bool, device=GPU)
+        assert mask.nonzero().shape == (32, 2)  # every element counts
+        assert torch.ones(4, 8, device=GPU)[mask].shape == (32,)
+        assert int(mask.sum()) == MOST and float(mask.float().mean()) == 1.0 and not bool(mask.all())
+        with world.sampling_call():
+            assert [bool(mask.any()) for _ in range(3)] == [True, True, False]  # world.decode_steps == 2
+        assert torch.zeros(3, device=GPU).cpu().tolist() == [0.0, 0.0, 0.0]
+        with pytest.raises(WrongDevice, match="phase build: a tensor on the host"):
+            torch.nn.Linear(8, 8)(torch.ones(2, 8, device=GPU))  # the layer's weights never left the host
+        before = tracker.total
+        kept = torch.empty(1000, device=GPU)
+        assert tracker.total - before == 4000
+        del kept
+        assert tracker.total == before
+
+
+def test_gpu_attention_keeps_no_scores():
+    """On a GPU, SDPA never holds the [L, L] scores; torch's choice on meta would (the math path)."""
+    tracker = MemoryTracker(GPU.type)
+    with FakeWorld(tracker), tracker.phase("attention"):
+        q = torch.empty(1, 8, 4096, 64, device=GPU, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(1, 2, 4096, 64, device=GPU, dtype=torch.bfloat16, requires_grad=True)
+        torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True).sum().backward()
+    scores = 8 * 4096 * 4096 * 2
+    assert tracker.phases["attention"].peak < scores / 4
+
+
+def dry(tmp_path: Path, *overrides: str, gpu: str = "h100-80gb", **settings):
+    return dry_run(load_config(None, ["train.batch_size=4", "train.micro_batch_size=2", "eval.batch_size=4",
+                                      *overrides]), GPUS[gpu], prompt_tokens=24, **settings)
+
+
+def test_a_sampler_left_on_the_host_is_named(tmp_path, monkeypatch):
+    """A backend whose sampler decodes a model it never moved to the GPU (the megatron path's defect, D3, in a
+    backend of its own) fails in one line naming the sampler's module and the phase."""
+    from nemo_jq.backends import BACKENDS, engine_for, policy_options
+    from nemo_jq.models.hf import HFPolicy
+
+    def sampler_on_host(request):
+        policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config))
+        return policy, engine_for(policy, request, own_copy=request.load_model)  # a copy built, never moved
+
+    monkeypatch.setitem(BACKENDS, "sampler_on_host", sampler_on_host)
+    with pytest.raises(WrongDevice, match=r"phase rollout: a tensor on the host \(cpu\) met one on the GPU in sampler"):
+        dry(tmp_path, "model.backend=sampler_on_host")
+
+
+@pytest.mark.slow
+def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path, capsys):
+    out = tmp_path / "dry.json"
+    base = ["dryrun", "--prompt-tokens", "24", "train.batch_size=4", "train.micro_batch_size=2", "eval.batch_size=4"]
+    assert main([*base, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["fits"] and "peak:" in capsys.readouterr().out
+    phases = report["phases"]
+    assert list(phases) == ["build", "rollout", "train", "optimizer_step", "save", "guard_restore", "evaluate", "resume"]
+    assert phases["optimizer_step"]["most_by_kind_gib"]["optimizer"] >= 2 * phases["build"]["by_kind_gib"]["weights"]
+    assert phases["rollout"]["most_by_kind_gib"]["kv_cache"] > 0
+    assert phases["train"]["most_by_kind_gib"]["activations"] > 0 and phases["train"]["flops"] > 0
+    assert main([*base, "--gpu-memory", "0.001"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "nemo-jq dryrun: error: phase" in error and "try " in error
+    with pytest.raises(DoesNotFit):
+        check_fits({**report, "fits": False})
+
+
+@pytest.mark.parametrize("memory", [[], ["train.micro_batch_rows=4", "model.activation_checkpointing=true"]],
+                         ids=["whole_groups", "row_chunks_recomputed"])
+@pytest.mark.slow
+def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_sequences(tmp_path, memory):
+    """``nemo-jq plan --config`` and the dry run count the same workload: every component within 10%, with whole
+    groups per forward/backward and with row chunks and recomputation. Counting the micro-batch in sequences
+    (``train.micro_batch_size``) instead of the trainer's prompts x M (or its row chunks) is caught."""
+    import dataclasses
+
+    from helpers import small_qwen3
+    from nemo_jq.cluster import plan
+    from nemo_jq.dryrun.run import against_plan
+
+    model = small_qwen3(tmp_path / "model", layers=2, tied=True)
+    config = load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
+                                "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=2",
+                                "eval.batch_size=4", "eval.num_samples=8", "model.logprob_chunk_size=128", *memory])
+    report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32)
+    rows = against_plan(report, config)
+    compared = {name: row["plan_over_dry_run"] for name, row in rows.items() if row["plan_over_dry_run"] is not None}
+    assert {"weights", "gradients", "optimizer", "activations", "logprob_head", "kv_cache"} <= set(compared)
+    assert all(0.9 <= ratio <= 1.1 for ratio in compared.values()), compared
+    work = plan.Workload.from_config(config, 32)
+    # in sequences, or whole groups where the trainer takes row chunks
+    miscounted = dataclasses.replace(work, micro_batch=config.train.micro_batch_size * (8 if memory else 1))
+    wrong = plan.estimate(plan.architecture(str(model)), miscounted, 1, 1, 1, 80, 0.9).activations_gib
+    assert not 0.9 <= wrong / rows["activations"]["dry_run_gib"] <= 1.1
+
+
+def test_vllm_holds_its_configured_share_while_it_samples_and_no_copy_beside_the_policy(tmp_path):
+    """rollout.engine=vllm is not run: the dry run holds rollout.vllm_memory_utilization of the GPU while it samples
+    (the refit and the rollouts), and the policy's process holds no HF copy for it."""
+    report = dry(tmp_path, "rollout.engine=vllm", "rollout.vllm_memory_utilization=0.25", gpu="a100-80gb")
+    phases = report["phases"]
+    assert phases["rollout"]["most_by_kind_gib"]["vllm"] == pytest.approx(0.25 * 80, rel=1e-6)
+    assert "vllm" not in phases["train"]["most_by_kind_gib"]  # it sleeps while the policy trains
+    assert "sampler_copy" not in phases["build"]["most_by_kind_gib"] and "refit" in phases
+
+
+def without_timings(report: dict) -> dict:
+    """``report`` less what differs between two simulations of one run (seconds spent) or two GPUs (time bounds)."""
+    kept = {key: value for key, value in report.items() if key != "gpu"}
+    kept["phases"] = {name: {key: value for key, value in phase.items() if key not in ("simulated_in_s", "seconds_at_least")}
+                      for name, phase in report["phases"].items()}
+    return kept
+
+
+def small_row_chunked(tmp_path: Path):
+    from helpers import small_qwen3
+
+    model = small_qwen3(tmp_path / "model", layers=2, tied=True)
+    return load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
+                              "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=2",
+                              "eval.batch_size=4", "eval.num_samples=8", "model.logprob_chunk_size=128",
+                              "train.micro_batch_rows=4", "model.activation_checkpointing=true"])
+
+
+@pytest.mark.slow
+def test_skipping_repeated_row_chunks_changes_nothing_in_the_report(tmp_path):
+    """A micro-batch of 16 rows in chunks of 4: the scoring pass and the training pass each run 2 of their 4 chunks
+    and count the other 2 chunks' FLOPs; every peak, kind and FLOP count equals the run of all 4 (reusing the first
+    chunk's instead of the second's undercounts the training peak by the gradients it makes: seen failing)."""
+    config = small_row_chunked(tmp_path)
+    skipped = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32)
+    every = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, skip_repeats=False)
+    assert without_timings(skipped) == without_timings(every)
+    assert skipped["phases"]["train"]["flops"] > 0
+
+
+@pytest.mark.slow
+def test_another_gpu_of_the_same_memory_changes_only_the_time_bounds(tmp_path):
+    """What CI checks every config on: one simulation, on_gpu for the other profile, equal to simulating it there
+    (a GPU a million times slower than an H100, so that this small shape's bounds differ before rounding)."""
+    config = small_row_chunked(tmp_path)
+    slow = GpuProfile("a slow 80 GB GPU", 80.0, 1e9, 1e6)
+    h100 = dry_run(config, GPUS["h100-80gb"], prompt_tokens=32)
+    simulated = dry_run(config, slow, prompt_tokens=32)
+    moved = on_gpu(h100, config, slow)
+    assert without_timings(moved) == without_timings(simulated) == without_timings(h100)
+    assert moved["gpu"] == simulated["gpu"] and all(
+        moved["phases"][name]["seconds_at_least"] == phase["seconds_at_least"] for name, phase in simulated["phases"].items())
+    assert moved["phases"]["train"]["seconds_at_least"] > h100["phases"]["train"]["seconds_at_least"]
+    with pytest.raises(ValueError, match="not the 80.0 this report was simulated on"):
+        on_gpu(h100, config, GpuProfile("A100 40GB", 40.0, 312e12, 1.6e12))

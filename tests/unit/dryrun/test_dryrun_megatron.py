@@ -1,0 +1,117 @@
+"""nemo-jq dryrun on the Megatron backend: one rank of a TP x PP x DP world at a time, in this process, on torch's
+fake process group (no peers: nemo_jq/dryrun/megatron.py), its memory held against ``nemo-jq plan``'s estimate of
+the same layout. megatron-core's real GPTModel and the project's MegatronPolicy run; the GPU is the dry run's
+stand-in (``meta``), as in tests/unit/dryrun/test_dryrun.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import small_qwen3
+from nemo_jq.cli import main
+from nemo_jq.config import load_config
+from nemo_jq.dryrun import GPUS, dry_run
+from nemo_jq.dryrun.run import against_plan
+
+LAYOUT = ["model.backend=megatron", "megatron.tensor_parallel=2", "megatron.pipeline_parallel=2",
+          "megatron.sequence_parallel=true", "megatron.recompute_activations=true",
+          "megatron.distributed_optimizer=true", "megatron.bf16_weights=true"]
+
+
+def small_config(tmp_path: Path, *overrides: str):
+    model = small_qwen3(tmp_path / "model", layers=4, tied=False)  # untied, as the 8B's
+    return load_config(None, [f"model.path={model}", *LAYOUT, "rollout.num_samples=8",
+                              "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8", "train.batch_size=4",
+                              "train.micro_batch_size=1", "train.micro_batch_rows=4", "eval.batch_size=4",
+                              "eval.num_samples=8", "model.logprob_chunk_size=128", *overrides])
+
+
+def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_path):
+    """TP=2 PP=2 DP=2 with the bf16 distributed optimizer and vLLM (every rank samples): the first and the last
+    stage's ranks are simulated, and plan's weights, gradient buffer, optimizer state (sharded over DP) and vLLM share
+    are within 10% of the dry run's; the last stage alone holds the log-prob head."""
+    config = small_config(tmp_path, "rollout.engine=vllm", "rollout.vllm_memory_utilization=0.25")
+    report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, world_size=8)
+    assert list(report["ranks"]) == ["0", "4"]
+    first, last = report["ranks"]["0"], report["ranks"]["4"]
+    assert "first pipeline stage" in first["rank"] and "last pipeline stage" in last["rank"]
+    assert list(first["phases"]) == ["build", "rollout", "train", "optimizer_step", "refit"]
+    assert "logprob_head" in last["phases"]["train"]["most_by_kind_gib"]
+    assert "logprob_head" not in first["phases"]["train"]["most_by_kind_gib"]
+    rows = against_plan(report, config)
+    compared = {name: rows[name]["plan_over_dry_run"] for name in ("weights", "gradients", "optimizer", "vllm")}
+    assert all(0.9 <= ratio <= 1.1 for ratio in compared.values()), compared
+    # the distributed optimizer's fp32 master weights and moments are sharded over DP: 12 / 2 bytes a parameter
+    weights = first["phases"]["build"]["by_kind_gib"]["weights"]  # bf16: 2 bytes a parameter
+    assert rows["optimizer"]["dry_run_gib"] == pytest.approx(3 * weights, rel=0.01)
+    assert rows["gradients"]["dry_run_gib"] == pytest.approx(2 * weights, rel=0.01)  # the fp32 gradient buffer
+
+
+@pytest.mark.slow
+def test_plan_activations_agree_with_the_dry_run(tmp_path):
+    """A recomputed layer's backward holds its forward tensors, their gradients and the sequence-parallel gathered
+    inputs: plan's RECOMPUTED_LAYER_BACKWARD (it counted the forward tensors alone: 0.36 of the dry run here)."""
+    config = small_config(tmp_path, "rollout.engine=vllm", "rollout.max_thinking_tokens=400")
+    report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, world_size=8)
+    assert 0.9 <= against_plan(report, config)["activations"]["plan_over_dry_run"] <= 1.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16_weights", ["true", "false"])
+def test_plan_log_prob_head_agrees_with_the_dry_run(tmp_path, bf16_weights):
+    """The last stage's log-prob head in backward: the hidden states' bf16 gradient, the fp32 gradient of the head's
+    V/TP slice and its bf16 copy returned (bf16 weights), or the slice's bf16 copy for the products (fp32 weights).
+    A small chunk and short rows make those copies count, as at 8B (plan counted fp32 hidden-state gradients and
+    neither copy: 0.85 of the dry run at 8B, 0.82 and 0.74 here)."""
+    config = small_config(tmp_path, "rollout.engine=vllm", f"megatron.bf16_weights={bf16_weights}",
+                          "model.logprob_chunk_size=16")
+    report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, world_size=8, ranks=[4])
+    assert 0.95 <= against_plan(report, config)["logprob_head"]["plan_over_dry_run"] <= 1.05
+
+
+@pytest.mark.slow
+def test_the_command_simulates_a_rank_that_samples_none_and_refuses_a_pipelines_refit(tmp_path, capsys):
+    """rollout.engine=native at TP=2 DP=2: rank 0 holds the one HF copy and its KV cache (as plan says); rank 1 samples
+    none: it holds no copy (its sampler's weights are on the meta device) and no KV cache, and trains on the rollouts
+    rank 0 sends, which the dry run makes as rank 0's own. A pipeline's refit of that copy names every stage's
+    weights from the other stages (an object the fake group cannot carry): refused in one line."""
+    model = small_qwen3(tmp_path / "model", layers=4, tied=False)  # untied, as the 8B's
+    out = tmp_path / "dry.json"
+    layout = [key for key in LAYOUT if not key.startswith("megatron.pipeline_parallel")]
+    common = ["dryrun", "--prompt-tokens", "32", "--gpus", "4", f"model.path={model}", *layout,
+              "rollout.engine=native", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
+              "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=1",
+              "train.micro_batch_rows=4", "eval.batch_size=4", "eval.num_samples=8"]
+    assert main([*common, "--ranks", "0,1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["ranks"]) == ["0", "1"] and "peak:" in capsys.readouterr().out
+    config = load_config(None, common[5:])
+    rows = against_plan(report, config)
+    assert 0.9 <= rows["rollout_copy"]["plan_over_dry_run"] <= 1.1, rows
+    sampling, idle = report["ranks"]["0"]["phases"], report["ranks"]["1"]["phases"]
+    assert sampling["rollout"]["most_by_kind_gib"]["kv_cache"] > 0 and sampling["rollout"]["most_by_kind_gib"]["sampler_copy"] > 0
+    assert not {"kv_cache", "sampler_copy"} & {kind for phase in idle.values() for kind in phase["most_by_kind_gib"]}
+    assert idle["train"]["most_by_kind_gib"]["activations"] == sampling["train"]["most_by_kind_gib"]["activations"]
+    assert main([*common, "megatron.pipeline_parallel=2"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "megatron.pipeline_parallel=2 is not dry-run yet" in error
+
+
+def test_a_rank_that_samples_none_has_no_sampler_to_call(tmp_path, monkeypatch):
+    """Were rank 1's native sampler called (here: an engine that takes every rank of the replica for a sampling one),
+    the dry run fails naming the rank: its copy of the weights is absent."""
+    from nemo_jq.dryrun import WrongDevice
+    from nemo_jq.rollouts.refit import RefittedRolloutEngine
+
+    model = small_qwen3(tmp_path / "model", layers=2, tied=False)
+    layout = [key for key in LAYOUT if not key.startswith("megatron.pipeline_parallel")]
+    config = load_config(None, [f"model.path={model}", *layout, "rollout.engine=native", "rollout.num_samples=4",
+                                "rollout.max_thinking_tokens=16", "rollout.max_answer_tokens=4", "train.batch_size=2",
+                                "train.micro_batch_size=1", "eval.batch_size=2", "eval.num_samples=4"])
+    monkeypatch.setattr(RefittedRolloutEngine, "_sampling_ranks", lambda self: [0, 1])
+    with pytest.raises(WrongDevice, match="phase rollout: rank 1: .* samples nothing .* its sampler was called"):
+        dry_run(config, GPUS["a100-80gb"], prompt_tokens=16, world_size=2, ranks=[1])
