@@ -15,6 +15,10 @@
 6. ``sync``: the weight sync of ``rollout.placement=separate`` (``nemo_jq/rollouts/sync.py``) in one process, its
    broadcasts a loopback (one GPU cannot hold both ends of an NCCL group): the policy's weights packed into
    256 MiB buckets, each bucket copied once as a broadcast would, unpacked and loaded into the sampler's copy.
+7. ``megatron``: part 1 with ``model.backend=megatron`` (TP=PP=DP=1, megatron's own recomputation in place of HF's
+   checkpointing, as ``docs/megatron.md`` launches it), beside ``nemo-jq dryrun`` of the same config: megatron-core's
+   model, optimizer, log-prob head and refit into the HF sampler on a GPU (on ``--device cpu``, under the test
+   suite's CPU patches).
 4. ``sampler``: ``bench/rollouts.py --gpu``: the native sampler's decode tokens/s at the 0.6B shape (64 prompts x
    M=8, a 256-token budget) against the memory-bandwidth bound.
 
@@ -42,6 +46,8 @@ OVERRIDES = ["data.name=synthetic", "data.source=null", "data.train_size=8", "da
              "rollout.max_thinking_tokens=256", "rollout.max_answer_tokens=32", "train.batch_size=4",
              "train.micro_batch_size=2", "train.micro_batch_rows=8", "train.max_steps=1", "eval.num_samples=2",
              "eval.batch_size=4"]
+#: ``model.backend=megatron`` at one GPU: megatron-core recomputes with its own key (docs/megatron.md).
+MEGATRON = ["model.backend=megatron", "model.activation_checkpointing=false", "megatron.recompute_activations=true"]
 #: The phases a step's ``gpu_peak_gib`` spans, as the dry run names them.
 STEP_PHASES = ("rollout", "train", "optimizer_step")
 
@@ -61,6 +67,7 @@ def main() -> None:
     tiny = args.device == "cpu"
     folder = make_model_folder(args.work / "model", args.tokenizer, tiny=tiny, device=args.device)
     parts = {"train": lambda: train_against_dry_run(args, folder, tiny),
+             "megatron": lambda: train_against_dry_run(args, folder, tiny, MEGATRON),
              "one_step_off": lambda: one_step_off(args),
              "refit": lambda: refit_bytes_per_second(folder, args.device),
              "sampler": lambda: sampler_against_bound(args, tiny),
@@ -122,22 +129,29 @@ def longest_prompt(folder: Path) -> int:
                for split in (splits.train, splits.validation, splits.test) for example in split)
 
 
-def train_against_dry_run(args, folder: Path, tiny: bool) -> dict:
-    """The real run's per-step peak beside the dry run's, both of one config; the dry run on the CPU meanwhile."""
-    overrides = [f"model.path={folder}", *OVERRIDES]
+def train_against_dry_run(args, folder: Path, tiny: bool, backend: list[str] = ()) -> dict:
+    """The real run's per-step peak beside the dry run's, both of one config; the dry run on the CPU meanwhile.
+    ``backend``: its overrides (none: HF's)."""
+    overrides = [f"model.path={folder}", *OVERRIDES, *backend]
     if tiny:
         overrides += ["rollout.max_thinking_tokens=16", "rollout.num_samples=4"]
     prompt_tokens = longest_prompt(folder)
-    dry_json = args.out / "dryrun.json"
+    dry_json = args.out / ("dryrun_megatron.json" if backend else "dryrun.json")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the dry run's GPU is the meta device; keep it off this one
     dry = subprocess.Popen([sys.executable, "-m", "nemo_jq.cli", "dryrun", "--config", str(CONFIG), "--gpu", "h100-80gb",
                             "--prompt-tokens", str(prompt_tokens), "--json", str(dry_json), *overrides],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    run_dir = args.work / "run"
-    real = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "train", "--config", str(CONFIG), *overrides,
+    run_dir = args.work / ("run_megatron" if backend else "run")
+    # megatron-core on CPU runs only under the suite's patches (tests/megatron_cpu.py), as in the CPU tests
+    command = ["tests/megatron_cpu.py"] if backend and args.device == "cpu" else ["-m", "nemo_jq.cli"]
+    real = subprocess.run([sys.executable, *command, "train", "--config", str(CONFIG), *overrides,
                            f"train.run_dir={run_dir}", f"train.device={args.device}"],
-                          capture_output=True, text=True, timeout=200)
-    dry_output = dry.communicate(timeout=200)[0]
+                          capture_output=True, text=True, timeout=200, cwd=ROOT)
+    try:
+        dry_output = dry.communicate(timeout=300)[0]
+    except subprocess.TimeoutExpired:  # the real run's figures still count; the dry run can be run apart
+        dry.kill()
+        dry_output = "the dry run took over 300 s and was stopped\n" + dry.communicate()[0]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if '"gpu_peak_gib"' in line or '"step_time"' in line] if (run_dir / "metrics.jsonl").exists() else []
     result = {"overrides": overrides, "prompt_tokens": prompt_tokens, "train_exit": real.returncode,

@@ -109,9 +109,10 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
             "model.backend=megatron needs a CUDA device (train.device): megatron-core 0.16.1 calls CUDA in its "
             "rotary embeddings and RNG tracker; on CPU it runs only under the test suite's patches"
         )
-    if not dist.is_initialized():  # one process, not started by torchrun
+    if not dist.is_initialized():  # one process, not started by torchrun: NCCL on a GPU, as torchrun's ranks use
         store = tempfile.NamedTemporaryFile(prefix="nemo_jq_pg_", delete=False).name
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        backend = "nccl" if request.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     layout.validate(world_size=dist.get_world_size())
     settings = dict(device=request.device, **dataclasses.asdict(layout), **policy_options(request.config))
     if in_memory is not None:

@@ -916,6 +916,33 @@ def test_impossible_layouts_are_named(world_size, overrides, message, tmp_path):
         run_in_processes(refuse_a_layout, world_size, tmp_path / "run", overrides)
 
 
+def test_a_one_process_run_on_a_gpu_joins_an_nccl_group_as_torchrun_ranks_do(tmp_path, monkeypatch):
+    """Without torchrun the backend makes its own one-process group: NCCL for a GPU (gloo would move every CUDA
+    tensor of a collective through the host), gloo on CPU. This CPU build has no NCCL: the group's start is
+    stood in for by a recorder that stops the build there (on the H100, calls 5-7 of docs/results/real_gpu.md)."""
+    import torch.distributed as dist
+
+    from helpers import small_qwen3
+    from nemo_jq.backends import BackendRequest, megatron_backend
+    from nemo_jq.config import load_config
+
+    class Started(Exception):
+        pass
+
+    def record(backend, **_):
+        raise Started(backend)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", record)
+    monkeypatch.setenv("NEMO_JQ_MEGATRON_ON_CPU", "1")
+    folder = small_qwen3(tmp_path / "model", layers=2, tied=True)  # its config is all the build reads first
+    config = load_config(None, [f"model.path={folder}", "model.backend=megatron"])
+    for device, backend in (("cuda", "nccl"), ("cpu", "gloo")):
+        request = BackendRequest(load_model=None, model_dir=folder, config=config, chat=None, device=torch.device(device))
+        with pytest.raises(Started, match=f"^{backend}$"):
+            megatron_backend(request)
+
+
 def test_the_megatron_backend_on_cpu_without_the_patches_is_a_clear_error(tmp_path, capsys):
     from helpers import TINY_RUN
     from nemo_jq.cli import main

@@ -35,10 +35,10 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   policy trains;
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
   copy) plus the largest of the training working set (gradients without the distributed optimizer,
-  activations, log-prob head), the rollout working set (KV cache, or vLLM's share) and, for ``hf``, the
-  optimizer step's (the gradients, and the square root of AdamW's second moment that torch's foreach kernels
-  hold for every parameter at once on a GPU: measured on an H100, ``bench/results/real_gpu.json``), which do
-  not coexist.
+  activations, log-prob head), the rollout working set (KV cache, or vLLM's share) and the optimizer step's
+  (the square root of AdamW's second moment, which torch's foreach kernels hold for every parameter they step at
+  once on a GPU, plus the gradients without the distributed optimizer: measured on an H100 for both backends and
+  both optimizers, ``bench/results/real_gpu.json``), which do not coexist.
 
 When nothing fits, the report names the component of the closest layout that takes the most and the setting
 that shrinks it (one not already chosen). Sizes are GiB (2^30 bytes).
@@ -271,8 +271,9 @@ def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
     staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
     training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
     rollout = ["kv_cache", "vllm"]
-    # torch's foreach AdamW (hf on a GPU) holds sqrt(v) for every parameter at once while it steps: half its state
-    stepping = (["gradients"], parts["gradients"] + parts["optimizer"] / 2) if work.backend == "hf" and not sharded else ([], 0.0)
+    # torch's foreach AdamW holds sqrt(v) for every parameter it steps at once: half the replicated state, a third of
+    # the distributed optimizer's shard (master weights and moments); measured on an H100: docs/results/real_gpu.md
+    stepping = ([], parts["optimizer"] / 3) if sharded else (["gradients"], parts["gradients"] + parts["optimizer"] / 2)
     phase, phase_bytes = max([(names, sum(parts[name] for name in names)) for names in (training, rollout)] + [stepping],
                              key=lambda working: working[1])
     return (sum(parts[name] for name in staying) + phase_bytes) / GiB, max(staying + phase, key=lambda name: parts[name])

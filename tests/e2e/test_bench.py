@@ -176,13 +176,31 @@ def test_real_gpu_check_runs_its_host_parts_at_the_tiny_shape(tmp_path):
     from helpers import qwen3_tokenizer_dir
 
     done = subprocess.run([sys.executable, "bench/real_gpu.py", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
-                           "--tokenizer", str(qwen3_tokenizer_dir()), "--device", "cpu", "--parts", "train", "refit", "sync"],
+                           "--tokenizer", str(qwen3_tokenizer_dir()), "--device", "cpu", "--parts", "train", "megatron", "refit", "sync"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "real_gpu.json").read_text())
     train, refit = report["train"], report["refit"]
-    assert train["train_exit"] == 0 and train["dry_run_exit"] == 0, train
-    assert [step["step"] for step in train["steps"]] == [1] and train["steps"][0]["gpu_peak_gib"] is None  # the host
-    assert train["dry_run_step_peak_gib"] == max(train["dry_run_phases_gib"][p] for p in ("rollout", "train", "optimizer_step"))
+    for train in (report["train"], report["megatron"]):  # megatron-core here under the suite's CPU patches
+        assert train["train_exit"] == 0 and train["dry_run_exit"] == 0, train
+        assert [step["step"] for step in train["steps"]] == [1] and train["steps"][0]["gpu_peak_gib"] is None  # the host
+        assert train["dry_run_step_peak_gib"] == max(train["dry_run_phases_gib"][p] for p in ("rollout", "train", "optimizer_step"))
+    assert "refit" in report["megatron"]["dry_run_phases_gib"] and "model.backend=megatron" in report["megatron"]["overrides"]
     assert refit["sampler_bytes_written"] * 2 == refit["policy_bytes_read"]  # fp32 policy into the bf16 copy
     assert all(r["bytes"] == refit["policy_bytes_read"] and r["buckets"] >= 1 for r in report["sync"]["rounds"])  # tied head once
+
+
+def test_phase_peaks_records_each_phase_of_a_step_in_call_order(tmp_path):
+    """bench/phase_peaks.py, which told where a real GPU step's peak was: on the host it records each call with its
+    seconds (no allocator to read), in the order a GARL step makes them, and the wrapped command still succeeds."""
+    from helpers import TINY_RUN
+
+    out = tmp_path / "phases.json"
+    done = subprocess.run([sys.executable, "bench/phase_peaks.py", str(out), "-m", "nemo_jq.cli", "train", *TINY_RUN,
+                           "train.max_steps=1", f"train.run_dir={tmp_path / 'run'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    phases = [call["phase"] for call in json.loads(out.read_text())]
+    step = phases[:phases.index("HFPolicy.optimizer_step") + 1]
+    assert step[0] == "HFSampler.sample" and "HFPolicy.forward_backward" in step, phases
+    assert step.index("HFPolicy.forward_backward") < step.index("HFPolicy.optimizer_step")

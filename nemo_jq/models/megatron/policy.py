@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_jq.models.common import WEIGHTS_FILE, SafetensorsFolder, autocast_context, autocast_dtype, check_precision
+from nemo_jq.models.common import WEIGHTS_FILE, SafetensorsFolder, autocast_context, autocast_dtype, build_optimizer, check_precision
 from nemo_jq.models.export import export_hf_stream
 from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron import transformer_engine_usable
@@ -153,8 +153,8 @@ class MegatronPolicy:
             counted = {id(param) for param in self._counted_in_norm}
             params = list(self.model.parameters())
             self.optimizer = DistributedAdamW(params, self.dp_cp_group, counted_in_norm=[id(p) in counted for p in params], **adamw)
-        else:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)
+        else:  # torch's kernels as a GPU picks them, on the dry run's stand-in too (build_optimizer)
+            self.optimizer = build_optimizer(self.model.parameters(), **adamw)
 
     @classmethod
     def from_hf_model(cls, model: Any, **kwargs: Any) -> "MegatronPolicy":

@@ -192,13 +192,16 @@ def test_the_recommendations_overrides_train_that_layout(tmp_path, capsys):
     assert f"TP={layout.tensor_parallel} PP={layout.pipeline_parallel} DP={again.data_parallel} ({again.total_gib} of" in recommended
 
 
-def test_an_hf_peak_counts_the_optimizer_step_where_foreach_adamw_holds_half_its_state_again():
-    """Measured on an H100 (bench/results/real_gpu.json): a 0.6B hf step peaked in its optimizer step at 11.22 GiB,
-    weights + gradients + AdamW's state + sqrt(v) for every parameter at once. Megatron's optimizers step otherwise."""
+def test_a_peak_counts_the_optimizer_step_where_foreach_adamw_holds_the_square_root_of_v_at_once():
+    """Measured on an H100 (bench/results/real_gpu.json): 0.6B steps peaked in their optimizer step, at weights +
+    gradients + AdamW's state + sqrt(v) for every parameter at once with either backend's replicated AdamW (hf 11.22
+    GiB, megatron 12.28 with its sampler's copy), and at the state + sqrt(v) of the distributed optimizer's shard."""
     parts = dict.fromkeys(plan.COMPONENTS, 0.0)
     parts.update(weights=4 * GiB, gradients=4 * GiB, optimizer=8 * GiB, activations=1 * GiB, kv_cache=2 * GiB)
-    peak, largest = plan._peak(parts, plan.Workload(backend="hf"))
-    assert peak == 4 + 8 + 4 + 4 and largest == "optimizer"
-    assert plan._peak(parts, plan.Workload(backend="megatron"))[0] == 4 + 8 + 4 + 1  # the training working set
+    for backend in ("hf", "megatron"):
+        peak, largest = plan._peak(parts, plan.Workload(backend=backend))
+        assert peak == 4 + 8 + 4 + 4 and largest == "optimizer"
     parts["kv_cache"] = 9 * GiB
     assert plan._peak(parts, plan.Workload(backend="hf"))[0] == 4 + 8 + 9  # the rollouts' is larger still
+    parts.update(weights=2 * GiB, optimizer=12 * GiB, kv_cache=0.0)  # the distributed optimizer's master and moments
+    assert plan._peak(parts, plan.Workload(backend="megatron", optimizer="bf16-distopt"))[0] == 2 + 12 + 4 + 4

@@ -51,6 +51,21 @@ def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_
     assert rows["gradients"]["dry_run_gib"] == pytest.approx(2 * weights, rel=0.01)  # the fp32 gradient buffer
 
 
+@pytest.mark.parametrize("distributed", ["true", "false"])
+def test_the_optimizer_step_holds_the_square_root_of_v_once_as_a_gpus_foreach_adamw(tmp_path, distributed):
+    """Measured on an H100 (docs/results/real_gpu.md): a 0.6B Megatron step peaks in its optimizer step with AdamW's
+    state plus sqrt(v) once, for the replicated AdamW (12.28 GiB) and the distributed optimizer's shard (13.39). On
+    ``meta`` torch picked the host's per-tensor kernels: the largest tensor's sqrt(v) only (11.15, x1.10 low), and
+    for the shard's one flat tensor sqrt(v) twice (15.54, x0.86); the dry run now says 12.21 and 13.32."""
+    config = small_config(tmp_path, "megatron.tensor_parallel=1", "megatron.pipeline_parallel=1",
+                          "megatron.sequence_parallel=false", f"megatron.distributed_optimizer={distributed}",
+                          f"megatron.bf16_weights={distributed}")
+    phases = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32)["phases"]
+    state = phases["refit"]["by_kind_gib"]["optimizer"]  # after the step: moments (and master weights)
+    square_root_of_v = state / (3 if distributed == "true" else 2)  # 4 bytes of its 12 or 8 a parameter
+    assert phases["optimizer_step"]["by_kind_gib"]["optimizer"] == pytest.approx(state + square_root_of_v, rel=0.02)
+
+
 @pytest.mark.slow
 def test_plan_activations_agree_with_the_dry_run(tmp_path):
     """A recomputed layer's backward holds its forward tensors, their gradients and the sequence-parallel gathered
