@@ -72,7 +72,7 @@ def random_sequences(vocab_size: int, rows: int, seq_len: int, device) -> list:
 
 
 def mean_logprob_loss(tokens: int):
-    return lambda logprobs, index: -logprobs.sum() / tokens
+    return lambda logprobs, index: (-logprobs.sum() / tokens, {})
 
 
 def synchronize(device: torch.device) -> None:
@@ -129,9 +129,10 @@ def bf16_parity(hf_config: dict, device: str, seq_len: int, rows: int) -> dict:
     loss_fn = mean_logprob_loss(rows * (seq_len - 1))
     with torch.no_grad():
         logprob_error = max(float((policy.token_logprobs(b) - hf.token_logprobs(b)).abs().max()) for b in batches)
-    losses: dict[str, list[float]] = {"megatron": [], "hf": []}
+    losses: dict[str, list[float]] = {}
     for name, trained in (("megatron", policy), ("hf", hf)):
-        trained.forward_backward(batches, lambda logprobs, index, name=name: _recorded(loss_fn(logprobs, index), losses[name]))
+        metrics = trained.forward_backward(batches, lambda logprobs, index: _with_loss(*loss_fn(logprobs, index)))
+        losses[name] = [micro["loss"] for micro in metrics]
     grads = policy.gather_hf({name: param.main_grad for name, param in policy.model.named_parameters()})
     grad_error = max(float((grads[name] - param.grad).norm() / param.grad.norm()) for name, param in hf.model.named_parameters())
     loss, hf_loss = sum(losses["megatron"]), sum(losses["hf"])
@@ -139,9 +140,8 @@ def bf16_parity(hf_config: dict, device: str, seq_len: int, rows: int) -> dict:
             "loss_rel_diff": abs(loss - hf_loss) / abs(hf_loss), "grad_max_rel_norm_error": grad_error}
 
 
-def _recorded(loss: torch.Tensor, into: list[float]) -> torch.Tensor:
-    into.append(float(loss.detach()))
-    return loss
+def _with_loss(loss: torch.Tensor, metrics: dict) -> tuple[torch.Tensor, dict]:
+    return loss, {**metrics, "loss": float(loss.detach())}
 
 
 def measure_gpu(args) -> dict:

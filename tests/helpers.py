@@ -55,6 +55,14 @@ def tiny_setup(seed: int = 0, num_heads: int = 4):
     return task, tokenizer, ChatFormat(tokenizer), model
 
 
+def learn_on(trainer, experience, q, batch_prompts) -> list[tuple[int, dict]]:
+    """The gradient a trainer's step takes of ``experience`` (its estimator, options and random stream), accumulated."""
+    from nemo_jq.recipe.learn import estimator_gradient
+
+    return estimator_gradient(trainer.components, trainer.estimator, trainer.estimator_options, experience, q=q,
+                              batch_prompts=batch_prompts, generator=trainer.random.estimator)
+
+
 def rollout_engine(model, chat, *, budget: int, answers: int = 3, sampler: str = "native", **settings):
     """A budgeted rollout engine on CPU over ``model`` with the named sampler (``hf``, ``native``, or ``vllm``: an
     engine loaded from the model's export, with its own copy of the weights)."""

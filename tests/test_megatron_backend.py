@@ -85,13 +85,13 @@ def garl_batch(vocab_size: int, seed: int = 1) -> TokenBatch:
 
 def garl_loss_fn(micro_batches: list[TokenBatch], losses: list[float]):
     """The trainer's loss: GARL(q=0.75) per prompt group, summed and divided by all prompts (over all DP ranks)."""
-    def loss_fn(logprobs: torch.Tensor, index: int) -> torch.Tensor:
+    def loss_fn(logprobs: torch.Tensor, index: int) -> tuple[torch.Tensor, dict[str, float]]:
         micro = micro_batches[index]
         rationale = (logprobs * micro.rationale_mask).sum(-1).view(-1, SAMPLES)
         answer = (logprobs * micro.answer_mask).sum(-1).view(-1, SAMPLES)
         loss = garl(rationale, answer, q=0.75).per_example.sum() / PROMPTS
-        losses.append(float(loss.detach()))
-        return loss
+        losses.append(float(loss.detach()))  # the calls on this rank
+        return loss, {"loss": float(loss.detach()), "micro_batch": index}
     return loss_fn
 
 
@@ -255,10 +255,13 @@ def pipeline_parity_worker(tensor_parallel: int, pipeline_parallel: int, scratch
 
     micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]  # of different lengths
     hf_losses, losses = [], []
-    hf.forward_backward(micro_batches, garl_loss_fn(micro_batches, hf_losses))
-    policy.forward_backward(micro_batches, garl_loss_fn(micro_batches, losses))
+    hf_metrics = hf.forward_backward(micro_batches, garl_loss_fn(micro_batches, hf_losses))
+    metrics = policy.forward_backward(micro_batches, garl_loss_fn(micro_batches, losses))
     diffs["loss_calls"] = len(losses)  # the last stage's
     diffs["loss"] = max((abs(a - b) for a, b in zip(losses, hf_losses)), default=0.0)
+    # every stage has the last stage's metrics, in micro-batch order
+    diffs["metrics_order"] = [micro["micro_batch"] for micro in metrics]
+    diffs["metrics_loss"] = max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, hf_metrics))
     hf_grads = {name: param.grad for name, param in hf.model.named_parameters()}
     diffs["grads"] = max_diff(policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
     diffs["grad_norm"] = abs(policy.optimizer_step()["grad_norm"] - hf.optimizer_step()["grad_norm"])
@@ -288,6 +291,7 @@ def test_pipeline_parallel_matches_hf_and_resumes_from_its_checkpoint(tensor_par
         assert diffs["logprobs"] < 2e-5 and diffs["loss"] < 2e-5 and diffs["grads"] < 2e-6, (rank, diffs)
         assert diffs["grad_norm"] < 1e-5 and diffs["weights_after_step"] < 1e-6, (rank, diffs)
         assert diffs["checkpoint_round_trip"] < 1e-6 and diffs["weights_after_resumed_step"] < 1e-6, (rank, diffs)
+        assert diffs["metrics_order"] == list(range(PROMPTS)) and diffs["metrics_loss"] < 2e-5, (rank, diffs)
     # the loss runs on the last stage (ranks are TP-, then CP-major: stage 0 holds the first TP x CP ranks)
     stage = tensor_parallel * context_parallel
     assert [diffs["loss_calls"] for diffs in ranks] == [0] * stage + [PROMPTS] * stage

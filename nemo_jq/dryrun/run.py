@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -390,12 +390,13 @@ class _DryRun:
 
     def _watch(self, trainer) -> contextlib.ExitStack:
         """Phases inside the trainer's own step, and gradients counted as such once accumulated; closing the stack
-        returns the sampler its own ``sample``."""
+        returns the sampler its own ``sample`` and the trainer its gradient."""
+        from nemo_jq.recipe import trainer as trainer_module
+
         parts = trainer.components
         for parameter in parts.policy.model.parameters():
             parameter.register_post_accumulate_grad_hook(lambda p: self.tracker.relabel([p.grad], "gradients"))
         self._wrap(parts.engine, "generate", "rollout")
-        self._wrap(trainer, "_learn", "train", label="activations")  # row chunks score every row first
         self._wrap(parts.policy, "optimizer_step", "optimizer_step", label="optimizer")
         if self.skip_repeats:
             self._repeats_skipped(parts.policy)
@@ -404,6 +405,9 @@ class _DryRun:
         sampler = _sampler(parts.engine)
         watching = contextlib.ExitStack()
         watching.enter_context(patched(sampler, "sample", self._full_budget(sampler)))
+        # row chunks score every row first: activations until the gradients are accumulated
+        gradient = self._in_phase(trainer_module.estimator_gradient, "train", "activations")
+        watching.enter_context(patched(trainer_module, "estimator_gradient", gradient))
         return watching
 
     def _repeats_skipped(self, policy) -> None:
@@ -442,19 +446,22 @@ class _DryRun:
             shape, dtype, device = repeat[2]
             return torch.empty(shape, dtype=dtype, device=device)  # what the call returns, its values unknown anyway
 
-        def forward_backward(micro_batches, loss_fn) -> None:
+        def forward_backward(micro_batches, loss_fn) -> list[dict[str, Any]]:
             if self.counter is None:
                 return real_forward_backward(micro_batches, loss_fn)
+            metrics = []
             for index, micro in enumerate(micro_batches):
                 repeat = repeat_of("train", micro)
                 if repeat is not None:
                     self.skipped_flops["train"] = self.skipped_flops.get("train", 0.0) + repeat[1]
+                    metrics.append({})  # a repeat runs in its FLOPs only: no loss to report
                     continue
 
                 def one(micro=micro, index=index):
                     return real_forward_backward([micro], lambda logprobs, _: loss_fn(logprobs, index))
 
-                counted("train", index, micro, one)
+                metrics += counted("train", index, micro, one)
+            return metrics
 
         policy.token_logprobs = token_logprobs
         if type(policy).forward_backward is HFPolicy.forward_backward:  # its calls are independent, one per chunk
@@ -478,13 +485,15 @@ class _DryRun:
         engine.generate = generate
 
     def _wrap(self, owner: Any, method: str, phase: str, label: str | None = None) -> None:
-        real = getattr(owner, method)
+        setattr(owner, method, self._in_phase(getattr(owner, method), phase, label))
 
+    def _in_phase(self, real: Callable, phase: str, label: str | None = None) -> Callable:
+        """``real``, run in ``phase``, what it allocates labelled ``label`` (else by the tracker's own rules)."""
         def wrapped(*args, **kwargs):
             with self._phase(phase), self.tracker.label(label) if label else contextlib.nullcontext():
                 return real(*args, **kwargs)
 
-        setattr(owner, method, wrapped)
+        return wrapped
 
     def _full_budget(self, sampler):
         """The sampler's ``sample``: its real code on the largest chunk it samples at once (the peak is the same for

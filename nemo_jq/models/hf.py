@@ -15,7 +15,7 @@ from nemo_jq.models.common import (
     require_files,
 )
 from nemo_jq.models.export import export_hf_model
-from nemo_jq.models.interfaces import LossFn, TokenBatch
+from nemo_jq.models.interfaces import LossFn, TokenBatch, backward_each
 from nemo_jq.models.logprobs import chunked_token_logprobs
 from nemo_jq.precision import recompute_contexts
 from nemo_jq.runtime.distributed import DataParallel
@@ -122,10 +122,9 @@ class HFPolicy:
         out = torch.zeros(targets.shape, dtype=torch.float32, device=self.device)
         return out.index_put((targets,), picked.float())
 
-    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
+    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> list[dict[str, Any]]:
         self.model.train()
-        for index, micro in enumerate(micro_batches):
-            loss_fn(self.token_logprobs(micro), index).backward()
+        return backward_each(self, micro_batches, loss_fn)
 
     def optimizer_step(self) -> dict[str, float]:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -137,9 +136,6 @@ class HFPolicy:
     def set_learning_rate(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-
-    def from_loss_stage(self, value: Any) -> Any:
-        return value  # one process runs every loss_fn call
 
     def save(self, directory: Path) -> None:
         """``model.safetensors`` and ``optimizer.pt``."""

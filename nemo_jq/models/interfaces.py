@@ -75,8 +75,19 @@ class TokenBatch:
         return self.input_ids, self.attention_mask, self.rationale_mask, self.answer_mask, self.engine_logprobs
 
 
-#: ``loss_fn(token_logprobs [n, L-1], micro_batch_index) -> scalar`` to backpropagate.
-LossFn = Callable[[torch.Tensor, int], torch.Tensor]
+#: ``loss_fn(token_logprobs [n, L-1], micro_batch_index) -> (scalar to backpropagate, its metrics)``.
+LossFn = Callable[[torch.Tensor, int], "tuple[torch.Tensor, dict[str, Any]]"]
+
+
+def backward_each(policy: "Policy", micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> list[dict[str, Any]]:
+    """``forward_backward`` of a policy that runs every ``loss_fn`` call itself (no pipeline): one backward per
+    micro-batch, their metrics in order."""
+    metrics = []
+    for index, micro in enumerate(micro_batches):
+        loss, micro_metrics = loss_fn(policy.token_logprobs(micro), index)
+        loss.backward()
+        metrics.append(micro_metrics)
+    return metrics
 
 
 class Policy(Protocol):
@@ -87,16 +98,10 @@ class Policy(Protocol):
         """``[N, L-1]`` fp32 log-probs of the target tokens (0 elsewhere); differentiable under grad."""
         ...
 
-    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
-        """Accumulate gradients of ``loss_fn`` over the micro-batches (no optimizer step).
-
-        Under pipeline parallelism only the last stage calls ``loss_fn``; what it records there
-        reaches the other stages through ``from_loss_stage``.
-        """
-        ...
-
-    def from_loss_stage(self, value: Any) -> Any:
-        """``value`` as the ranks that ran ``loss_fn`` have it (a collective; identity in one stage)."""
+    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> list[dict[str, Any]]:
+        """Accumulate gradients of ``loss_fn`` over the micro-batches (no optimizer step); return the metrics
+        ``loss_fn`` gave for each, in order, on every rank (under pipeline parallelism only the last stage calls
+        it, and the policy shares them: NeMo-RL's ``policy.train(...) -> metrics``)."""
         ...
 
     def optimizer_step(self) -> dict[str, float]:

@@ -26,6 +26,7 @@ from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
 if TYPE_CHECKING:
     from nemo_jq.recipe.components import Components
+    from nemo_jq.recipe.step import StepResult
 
 
 @dataclass
@@ -203,10 +204,10 @@ class MismatchWatch:
         self.max_gap, self.max_kl, self.correction = rollout.max_logprob_gap, rollout.max_mismatch_kl, correction
         self.warned_kl: float | None = None
 
-    def __call__(self, record: dict[str, Any], step: int) -> None:
+    def __call__(self, result: StepResult) -> None:
         from nemo_jq.runtime import distributed
 
-        gap, kl = record.get("max_logprob_gap", 0.0), record.get("kl_k3", 0.0)
+        step, gap, kl = result.step, result.max_logprob_gap, result.kl_k3
         exceeded = gap > self.max_gap or kl > self.max_kl
         if not exceeded or (self.warned_kl is not None and kl <= 2 * self.warned_kl) or not distributed.is_writer():
             return

@@ -17,10 +17,46 @@ from typing import Any, Callable
 import torch
 
 from nemo_jq.models.interfaces import Policy, TokenBatch
-from nemo_jq.recipe.experience import Experience, MicroBatch
+from nemo_jq.objectives import EstimatorInputs, ObjectiveSpec
+from nemo_jq.recipe.components import Components
+from nemo_jq.recipe.experience import Experience, MicroBatch, mismatch_metrics
 
 #: ``estimate(token_logprobs, micro_batch) -> (loss to backpropagate, metrics)``: the estimator on one micro-batch.
 Estimate = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def estimator_gradient(parts: Components, estimator: ObjectiveSpec, options: Any, experience: Experience, *,
+                       q: float | None, batch_prompts: int, generator: torch.Generator) -> list[tuple[int, dict[str, Any]]]:
+    """The gradient of ``estimator`` on this replica's share of a step's ``experience`` (:func:`learn`: micro-batches of
+    whole groups, or ``train.micro_batch_rows`` rows at a time); returns each micro-batch's prompt count and metrics.
+
+    Each prompt's loss is divided by the global batch's prompt count, so the replicas' gradients sum to the
+    full batch's mean; the estimator's normalisers (token count, reward pool) are the global batch's too.
+    """
+    data_parallel, device = parts.data_parallel, parts.device
+    tokens_per_example = data_parallel.sum(float(experience.batch.target_mask.sum())) / batch_prompts
+    batch_rewards = None if experience.rewards is None else torch.tensor(
+        data_parallel.gather(experience.rewards.tolist()), device=device)
+    correction = parts.correction if estimator.corrects_off_policy else None
+    if correction is not None and experience.batch.engine_logprobs is None:
+        raise ValueError(f"objective.importance={correction.mode} needs the log-probs of the sampled tokens, which "
+                         f"rollout.engine={parts.config.rollout.engine} does not report: set objective.importance=none")
+
+    def estimate(logprobs: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        batch = micro.batch.to(device)
+        inputs = EstimatorInputs(logprobs, batch.rationale_mask, batch.answer_mask, experience.group, q=q,
+                                 rewards=micro.rewards, tokens_per_example=tokens_per_example,
+                                 batch_rewards=batch_rewards, generator=generator,
+                                 behavior_token_logprob=batch.engine_logprobs if correction else None,
+                                 correction=correction)
+        out = estimator(inputs, options)
+        metrics = {"loss": float(out.per_example.detach().mean()), **out.metrics,
+                   **mismatch_metrics(logprobs.detach(), batch)}
+        return out.per_example.sum() / batch_prompts, metrics
+
+    train = parts.config.train
+    return learn(parts.policy, experience, estimate, prompts_per_micro_batch=train.micro_batch_size,
+                 rows_per_chunk=train.micro_batch_rows)
 
 
 def learn(policy: Policy, experience: Experience, estimate: Estimate, *, prompts_per_micro_batch: int,
@@ -35,15 +71,9 @@ def learn(policy: Policy, experience: Experience, estimate: Estimate, *, prompts
 
 
 def _in_micro_batches(policy: Policy, micro_batches: list[MicroBatch], estimate: Estimate) -> list[tuple[int, dict]]:
-    collected: list[tuple[int, dict]] = []
-
-    def loss_fn(logprobs: torch.Tensor, index: int) -> torch.Tensor:
-        loss, metrics = estimate(logprobs, micro_batches[index])
-        collected.append((micro_batches[index].num_prompts, metrics))
-        return loss
-
-    policy.forward_backward([micro.batch for micro in micro_batches], loss_fn)
-    return policy.from_loss_stage(collected)
+    metrics = policy.forward_backward([micro.batch for micro in micro_batches],
+                                      lambda logprobs, index: estimate(logprobs, micro_batches[index]))
+    return [(micro.num_prompts, micro_metrics) for micro, micro_metrics in zip(micro_batches, metrics)]
 
 
 def _in_row_chunks(policy: Policy, experience: Experience, micro_batches: list[MicroBatch], estimate: Estimate,
@@ -73,9 +103,9 @@ def _in_row_chunks(policy: Policy, experience: Experience, micro_batches: list[M
         collected.append((micro.num_prompts, metrics))
         first = last
 
-    def loss_fn(logprobs: torch.Tensor, index: int) -> torch.Tensor:
+    def loss_fn(logprobs: torch.Tensor, index: int) -> tuple[torch.Tensor, dict]:
         start, end = chunks[index]
-        return (logprobs * coefficients[start:end, :logprobs.shape[1]]).sum()
+        return (logprobs * coefficients[start:end, :logprobs.shape[1]]).sum(), {}  # the metrics came from the estimator
 
     policy.forward_backward(batches, loss_fn)
     return collected

@@ -24,6 +24,16 @@ class Course:
     lr_scale: float = 1.0
     guard_triggers: int = 0
 
+    def change(self, guard: Any) -> None:
+        """The guard's ``action`` (config.guard): switch the estimator, or lower q or the learning rate by its factor."""
+        self.guard_triggers += 1
+        if guard.action == "switch_estimator":
+            self.objective = guard.estimator
+        elif guard.action == "lower_q":
+            self.q_scale *= guard.factor
+        else:
+            self.lr_scale *= guard.factor
+
 
 @dataclass
 class TrainState:

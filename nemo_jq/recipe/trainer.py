@@ -18,25 +18,22 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from nemo_jq.config import Config
 from nemo_jq.data import Example
 from nemo_jq.models.common import peak_memory_gib, reset_peak_memory, resolve_device
-from nemo_jq.objectives import EstimatorInputs, build_schedule, get_objective
+from nemo_jq.objectives import build_schedule, get_objective
 from nemo_jq.recipe.components import Components, build_components, build_rollout_server
 from nemo_jq.recipe.evaluation import Evaluator
 from nemo_jq.recipe.experience import (
     Experience,
-    MicroBatch,
     MismatchWatch,
     RolloutsAhead,
     RolloutsAheadOnRanks,
     make_experience,
-    mismatch_metrics,
 )
-from nemo_jq.recipe.learn import learn
+from nemo_jq.recipe.learn import estimator_gradient
 from nemo_jq.recipe.state import Course, PromptStream, RandomStreams, TrainState
+from nemo_jq.recipe.step import StepResult
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.rollouts.sampling import seed_from
 from nemo_jq.runtime import distributed, runs
@@ -128,12 +125,13 @@ class Trainer:
         with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
             try:
                 while self.state.step < end and not stop.requested():
-                    record = self.train_step(self.prompts.next(self.state))
+                    result = self.train_step(self.prompts.next(self.state))
+                    record = result.record
                     self.state.step += 1
                     logger.log({"kind": "train", "step": self.state.step, **record})
                     bar.update(1)
                     bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "train_reward", "q") if record.get(k) is not None})
-                    self._after_step(record, logger, end)
+                    self._after_step(result, logger, end)
                     if until is not None and until(record):
                         break
                 if stop.requested():
@@ -152,22 +150,20 @@ class Trainer:
                 if isinstance(self.components.engine, RemoteRollouts):
                     self.components.engine.close()
 
-    def train_step(self, batch_examples: list[Example]) -> dict[str, Any]:
+    def train_step(self, batch_examples: list[Example]) -> StepResult:
         """One optimizer step on a global batch; this replica samples and trains on its share of the prompts."""
-        started = time.perf_counter()
+        started, step = time.perf_counter(), self.state.step + 1
         reset_peak_memory(self.components.device)
         q = self.last_q = self._q(self.state.step)
         experience, lag = self._experience(batch_examples)
-        micro_metrics = self._learn(experience, q, len(batch_examples))
+        micro_metrics = estimator_gradient(self.components, self.estimator, self.estimator_options, experience, q=q,
+                                           batch_prompts=len(batch_examples), generator=self.random.estimator)
         merged = merge_metrics(self.data_parallel.gather(micro_metrics))
-        self._stop_if_diverged(self.state.step + 1, "the loss", merged.get("loss"))  # before the weights take it
+        self._stop_if_diverged(step, "the loss", merged.get("loss"))  # before the weights take it
         record = {"epoch": self.state.epoch, "q": q, **merged, **self.policy.optimizer_step()}
-        self._stop_if_diverged(self.state.step + 1, "the gradient norm", record.get("grad_norm"))
-        distributed.everywhere(lambda: self._stop_if_diverged(self.state.step + 1, *runs.nonfinite_weights(self.policy)))
-        if self.schedule is not None and "log_p_hat" in record:
-            self.schedule.observe(record["log_p_hat"])
+        self._stop_if_diverged(step, "the gradient norm", record.get("grad_norm"))
+        distributed.everywhere(lambda: self._stop_if_diverged(step, *runs.nonfinite_weights(self.policy)))
         record["train_reward"] = record.get("reward", record.get("p_hat"))
-        self.mismatch(record, self.state.step + 1)
         if self.ahead is not None:
             record["rollout_lag"] = lag
         rollout_tokens = int(self.data_parallel.sum(experience.rollout_tokens))
@@ -179,7 +175,11 @@ class Trainer:
         peak = peak_memory_gib(self.components.device)
         if peak is not None:  # the fullest rank's, over the step's rollouts and training
             record["gpu_peak_gib"] = distributed.largest(peak)
-        return record
+        result = StepResult.from_record(step, record)
+        if self.schedule is not None and result.log_p_hat is not None:
+            self.schedule.observe(result.log_p_hat)
+        self.mismatch(result)
+        return result
 
     def _stop_if_diverged(self, step: int, what: str, value: Any) -> None:
         """A NaN or inf ``value`` (the loss, the gradient norm, a weight) stops the run before anything saves it."""
@@ -205,41 +205,10 @@ class Trainer:
                               seed_from(self.random.rollout))
         return experience, lag
 
-    def _learn(self, experience: Experience, q: float | None, batch_prompts: int) -> list[tuple[int, dict]]:
-        """The gradient of this replica's share (:func:`~nemo_jq.recipe.learn.learn`: micro-batches of whole groups, or
-        ``train.micro_batch_rows`` rows at a time).
-
-        Each prompt's loss is divided by the global batch's prompt count, so the replicas' gradients sum to the
-        full batch's mean; the estimator's normalisers (token count, reward pool) are the global batch's too.
-        """
-        tokens_per_example = self.data_parallel.sum(float(experience.batch.target_mask.sum())) / batch_prompts
-        batch_rewards = None if experience.rewards is None else torch.tensor(
-            self.data_parallel.gather(experience.rewards.tolist()), device=self.components.device)
-        correction = self.components.correction if self.estimator.corrects_off_policy else None
-        if correction is not None and experience.batch.engine_logprobs is None:
-            raise ValueError(f"objective.importance={correction.mode} needs the log-probs of the sampled tokens, which "
-                             f"rollout.engine={self.config.rollout.engine} does not report: set objective.importance=none")
-
-        def estimate(logprobs: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-            batch = micro.batch.to(self.components.device)
-            inputs = EstimatorInputs(logprobs, batch.rationale_mask, batch.answer_mask, experience.group, q=q,
-                                     rewards=micro.rewards, tokens_per_example=tokens_per_example,
-                                     batch_rewards=batch_rewards, generator=self.random.estimator,
-                                     behavior_token_logprob=batch.engine_logprobs if correction else None,
-                                     correction=correction)
-            out = self.estimator(inputs, self.estimator_options)
-            metrics = {"loss": float(out.per_example.detach().mean()), **out.metrics,
-                       **mismatch_metrics(logprobs.detach(), batch)}
-            return out.per_example.sum() / batch_prompts, metrics
-
-        train = self.config.train
-        return learn(self.policy, experience, estimate, prompts_per_micro_batch=train.micro_batch_size,
-                     rows_per_chunk=train.micro_batch_rows)
-
-    def _after_step(self, record: dict[str, Any], logger: RunLogger, end: int) -> None:
+    def _after_step(self, result: StepResult, logger: RunLogger, end: int) -> None:
         step = self.state.step
         if self.guard is not None:
-            self._watch(self.guard.train(record.get("log_p_hat")), logger)
+            self._watch(self.guard.train(result.log_p_hat), logger)
         if step % self.config.eval.every == 0 or step == self.total_steps:
             self._validate(logger)
         if step % self.config.train.save_every == 0 or step == end:
@@ -268,13 +237,7 @@ class Trainer:
             self.ahead.take()
         if best is not None:
             self.policy.load(self.run_dir / CHECKPOINT_DIR / step_dir_name(best), with_optimizer=True)
-        course.guard_triggers += 1
-        if guard.action == "switch_estimator":
-            course.objective = guard.estimator
-        elif guard.action == "lower_q":
-            course.q_scale *= guard.factor
-        else:
-            course.lr_scale *= guard.factor
+        course.change(guard)
         self._follow_course()
         self.guard.restart()
         logger.log({"kind": "guard", "step": self.state.step, "reason": reason, "action": guard.action,

@@ -170,7 +170,7 @@ def optimizer_load_worker(scratch_dir: str, weights_dtype: str) -> dict[str, Any
                                             distributed_optimizer=True, bf16_weights=weights_dtype == "bfloat16", lr=1e-2)
 
     def step(policy: MegatronPolicy) -> None:
-        policy.forward_backward([batch], lambda logprobs, index: -logprobs.sum() / 32)
+        policy.forward_backward([batch], lambda logprobs, index: (-logprobs.sum() / 32, {}))
         policy.optimizer_step()
 
     def state(policy: MegatronPolicy) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from nemo_jq.models.backends import BackendRequest, register_backend
-from nemo_jq.models.interfaces import TokenBatch
+from nemo_jq.models.interfaces import TokenBatch, backward_each
 from nemo_jq.rollouts import BudgetedRollouts, Sample
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
 from nemo_jq.runtime.distributed import DataParallel
@@ -34,12 +34,8 @@ class BigramPolicy:
         picked = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
         return picked * batch.target_mask
 
-    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn) -> None:
-        for index, micro in enumerate(micro_batches):
-            loss_fn(self.token_logprobs(micro), index).backward()
-
-    def from_loss_stage(self, value: Any) -> Any:
-        return value
+    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn) -> list[dict[str, Any]]:
+        return backward_each(self, micro_batches, loss_fn)
 
     def optimizer_step(self) -> dict[str, float]:
         norm = torch.nn.utils.clip_grad_norm_([self.table], 1.0)

@@ -5,11 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import TINY_RUN, tiny_setup
+from helpers import TINY_RUN, learn_on, tiny_setup
 from nemo_jq.config import load_config
 from nemo_jq.objectives.importance import Correction
 from nemo_jq.recipe.components import importance_correction
 from nemo_jq.recipe.experience import MismatchWatch, experience_from
+from nemo_jq.recipe.step import StepResult
 from nemo_jq.recipe.trainer import Trainer
 from nemo_jq.rollouts import BudgetedRollouts
 from nemo_jq.rollouts.hf import NativeSampler
@@ -49,12 +50,12 @@ def test_the_mismatch_warning_says_what_and_repeats_only_when_the_kl_doubles(cap
     config = load_config(None, ["rollout.max_mismatch_kl=0.1"])
     watch = MismatchWatch(config.rollout, None)
     for step, kl in enumerate([0.05, 0.2, 0.3, 0.39, 0.5, 0.9], start=1):
-        watch({"kl_k3": kl, "max_logprob_gap": 0.5, "logprob_gap": 0.1}, step)
+        watch(StepResult.from_record(step, {"kl_k3": kl, "max_logprob_gap": 0.5, "logprob_gap": 0.1}))
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["warning", "warning"] and "step 2:" in lines[0] and "step 5:" in lines[1]
     assert "KL(engine || policy) 0.2 per token (rollout.max_mismatch_kl=0.1)" in lines[0]
     assert "uncorrected: set objective.importance" in lines[0]
-    MismatchWatch(config.rollout, Correction())({"kl_k3": 0.2, "max_logprob_gap": 0.1}, 1)
+    MismatchWatch(config.rollout, Correction())(StepResult.from_record(1, {"kl_k3": 0.2, "max_logprob_gap": 0.1}))
     assert "corrected by objective.importance=truncate" in capsys.readouterr().out
 
 
@@ -66,7 +67,7 @@ def _gradient(trainer, engine, num_samples, seed):
                                generator=torch.Generator().manual_seed(seed))
     experience = dataclasses.replace(experience_from(trainer.components, examples, trainer.estimator, rollouts, 0, 0.0),
                                      group=num_samples)
-    [(_, metrics)] = trainer._learn(experience, 0.0, 1)
+    [(_, metrics)] = learn_on(trainer, experience, 0.0, 1)
     return torch.cat([p.grad.flatten() for p in trainer.policy.model.parameters() if p.grad is not None]), metrics
 
 

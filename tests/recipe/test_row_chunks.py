@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import TINY_RUN, tiny_setup
+from helpers import TINY_RUN, learn_on, tiny_setup
 from nemo_jq.config import load_config
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.objectives import Need, get_objective, list_objectives
@@ -25,7 +25,7 @@ def learned(trainer, experience, rows):
     the estimator's random stream as it was before."""
     state = trainer.random.estimator.get_state()
     trainer.config.train.micro_batch_rows = rows
-    metrics = trainer._learn(experience, 0.5 if trainer.estimator.uses_q else None, experience.num_prompts)
+    metrics = learn_on(trainer, experience, 0.5 if trainer.estimator.uses_q else None, experience.num_prompts)
     trainer.random.estimator.set_state(state)
     grads = [p.grad.clone() for p in trainer.policy.model.parameters()]
     trainer.policy.optimizer.zero_grad(set_to_none=True)
@@ -92,7 +92,7 @@ def test_activation_checkpointing_keeps_less_and_gives_the_same_gradient():
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            policy.forward_backward([batch], lambda logprobs, index: -logprobs.sum())
+            policy.forward_backward([batch], lambda logprobs, index: (-logprobs.sum(), {}))
         return sum(saved), [p.grad for p in policy.model.parameters()]
 
     kept, grads = step(False)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_RUN
+from helpers import TINY_RUN, learn_on
 from nemo_jq.config import load_config, save_config
 from nemo_jq.objectives import get_objective, list_objectives
 from nemo_jq.recipe.experience import Experience
@@ -93,7 +93,7 @@ def test_micro_batching_gives_the_full_batch_gradient(tmp_path, name, options):
 
     def gradient(micro_batch_size):
         trainer.config.train.micro_batch_size = micro_batch_size
-        trainer._learn(experience, 0.5 if get_objective(name).uses_q else None, 4)
+        learn_on(trainer, experience, 0.5 if get_objective(name).uses_q else None, 4)
         grads = [p.grad.clone() for p in trainer.policy.model.parameters()]
         trainer.policy.optimizer.zero_grad(set_to_none=True)
         return grads

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nemo_jq.models.common import WEIGHTS_FILE, SafetensorsFolder, autocast_context, autocast_dtype, build_optimizer, check_precision
 from nemo_jq.models.export import export_hf_stream
-from nemo_jq.models.interfaces import LossFn, TokenBatch
+from nemo_jq.models.interfaces import LossFn, TokenBatch, backward_each
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
@@ -233,9 +233,10 @@ class MegatronPolicy:
             return self.model.shared_embedding_or_output_weight()
         return self.model.output_layer.weight
 
-    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> None:
+    def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> list[dict[str, Any]]:
         """Accumulate gradients of ``loss_fn`` over the micro-batches, synchronised over TP, PP, CP and DP (the
-        distributed optimizer sums over DP at its step); a second call before the step adds to the first's."""
+        distributed optimizer sums over DP at its step); a second call before the step adds to the first's. The
+        metrics of each, from the last stage (where ``loss_fn`` runs), on every stage."""
         self.model.train()
         earlier = {}
         if self._accumulated:  # what the sums below would count twice: set it aside, add it back after them
@@ -243,18 +244,22 @@ class MegatronPolicy:
             for param in earlier:
                 self._grad_of(param).zero_()
         if self.pp_size > 1:
-            self._run_pipeline([micro.to(self.device) for micro in micro_batches], loss_fn)
+            metrics = self._run_pipeline([micro.to(self.device) for micro in micro_batches], loss_fn)
+            box = [metrics if self.model.post_process else None]
+            dist.broadcast_object_list(box, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+            metrics = box[0]
         else:
-            for index, micro in enumerate(micro_batches):
-                loss_fn(self.token_logprobs(micro), index).backward()
+            metrics = backward_each(self, micro_batches, loss_fn)
         self._synchronise_gradients()
         for param, grad in earlier.items():
             self._grad_of(param).add_(grad)
         self._accumulated = True
+        return metrics
 
     def _run_pipeline(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn | None = None) -> list[Any]:
         """Megatron-core's 1F1B schedule over the micro-batches: backward of ``loss_fn`` of each one's log-probs,
-        or with ``loss_fn=None`` forward only, returning the log-probs (on the last stage; ``[]`` elsewhere).
+        returning its metrics, or with ``loss_fn=None`` forward only, returning the log-probs (on the last stage;
+        ``[]`` elsewhere).
 
         Stages exchange activations of one fixed shape, so every micro-batch is right-padded to the
         most rows and the longest sequence (to a multiple of ``sequence_multiple``).
@@ -273,7 +278,8 @@ class MegatronPolicy:
                     return logprobs.new_zeros(()), logprobs
                 # The schedule averages the micro-batches' losses and multiplies by CP (for Megatron's DDP, which
                 # averages gradients over DP x CP); the protocol sums them, and so do our gradient reductions.
-                return loss_fn(logprobs, index) * len(micro_batches) / self.cp_size, None
+                loss, metrics = loss_fn(logprobs, index)
+                return loss * len(micro_batches) / self.cp_size, metrics
 
             return self._forward(padded.input_ids), loss_func
 
@@ -322,14 +328,6 @@ class MegatronPolicy:
     def set_learning_rate(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-
-    def from_loss_stage(self, value: Any) -> Any:
-        """``value`` from the last pipeline stage (where ``loss_fn`` runs), on every stage."""
-        if self.pp_size == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
-        return box[0]
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip to ``grad_clip`` by the norm over the whole model (as ``clip_grad_norm_``), step, zero."""

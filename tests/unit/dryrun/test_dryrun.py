@@ -38,7 +38,7 @@ def policy_step(device: torch.device, rows: int = 6) -> None:
     ids = torch.ones((rows, length), dtype=torch.long)
     mask = torch.ones((rows, length - 1), dtype=torch.bool)
     batch = TokenBatch(ids, torch.ones_like(ids), mask, torch.zeros_like(mask), None)
-    policy.forward_backward([batch], lambda logprobs, index: logprobs.sum())
+    policy.forward_backward([batch], lambda logprobs, index: (logprobs.sum(), {}))
     policy.optimizer_step()
 
 

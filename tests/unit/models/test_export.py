@@ -30,7 +30,7 @@ def trained():
     rationale, answer = chat.rationale_ids("7+5=12, 12+8=20"), chat.answer_ids("20")
     batch = given_target_batch([prompt], [rationale], [answer], chat.think_end_id, chat.pad_id)
     for _ in range(80):  # the logit margins of the fitted completion reach ~10
-        policy.forward_backward([batch], lambda logprobs, _index: -logprobs.sum())
+        policy.forward_backward([batch], lambda logprobs, _index: (-logprobs.sum(), {}))
         policy.optimizer_step()
     return tokenizer, chat, policy, prompt, rationale + [chat.think_end_id] + answer
 

@@ -59,7 +59,9 @@ def test_policy_step_changes_weights_and_clips():
     task, _, chat, model = tiny_setup()
     policy = HFPolicy(model, device=torch.device("cpu"), lr=1e-2, grad_clip=0.5)
     before = model.get_output_embeddings().weight.detach().clone()
-    policy.forward_backward([_batch(chat, task)], lambda lp, _i: -lp.sum())
+    batch = _batch(chat, task)
+    metrics = policy.forward_backward([batch, batch], lambda lp, index: (-lp.sum(), {"micro_batch": index}))
+    assert metrics == [{"micro_batch": 0}, {"micro_batch": 1}]  # what each loss_fn call reported, in order
     stats = policy.optimizer_step()
     assert stats["grad_norm"] > 0.5  # reported before clipping
     assert not torch.equal(before, model.get_output_embeddings().weight)
@@ -109,7 +111,7 @@ def test_bf16_autocast_path_runs_on_cpu():
     assert logprobs.dtype == torch.float32
     fp32 = HFPolicy(tiny_setup()[3], device=torch.device("cpu"), precision="fp32").token_logprobs(batch)
     torch.testing.assert_close(logprobs, fp32, atol=0.1, rtol=0.05)  # bf16 rounding only
-    policy.forward_backward([batch], lambda lp, _i: -lp.sum())
+    policy.forward_backward([batch], lambda lp, _i: (-lp.sum(), {}))
     assert all(p.grad is None or (p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()) for p in model.parameters())
     assert policy.optimizer_step()["grad_norm"] > 0
     with pytest.raises(ValueError, match="precision"):

@@ -168,7 +168,7 @@ def test_refitted_engine_samples_from_the_policys_weights_after_each_step():
     for _ in range(2):
         batch = reference_answer_batch(in_place.generate(prompts, 2, sample_answers=False, generator=torch.Generator()),
                                        [chat.answer_ids("3")] * len(prompts), chat.think_end_id, chat.pad_id)
-        policy.forward_backward([batch], lambda logprobs, _: -logprobs.sum())
+        policy.forward_backward([batch], lambda logprobs, _: (-logprobs.sum(), {}))
         policy.optimizer_step()
         ours = copy_engine.generate(prompts, 4, sample_answers=True, generator=torch.Generator().manual_seed(5))
         theirs = in_place.generate(prompts, 4, sample_answers=True, generator=torch.Generator().manual_seed(5))

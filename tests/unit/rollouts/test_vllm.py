@@ -37,7 +37,7 @@ def _gap(policy, groups, chat) -> float:
 def _step(policy, groups, chat, answer_ids) -> None:
     """One optimizer step that moves the weights a lot (so a missed refit shows)."""
     batch = reference_answer_batch(groups, [answer_ids] * len(groups), chat.think_end_id, chat.pad_id)
-    policy.forward_backward([batch], lambda logprobs, _: -logprobs.sum())
+    policy.forward_backward([batch], lambda logprobs, _: (-logprobs.sum(), {}))
     policy.optimizer_step()
 
 
