@@ -33,7 +33,7 @@ RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.
                   "train.micro_batch_rows", "model.activation_checkpointing", "eval.every", "eval.num_samples",
                   "eval.batch_size", "megatron.tensor_parallel",
                   "megatron.pipeline_parallel", "megatron.context_parallel", "megatron.sequence_parallel",
-                  "megatron.recompute_activations", "megatron.distributed_optimizer")
+                  "megatron.recompute_activations", "megatron.distributed_optimizer", "rollout.placement", "rollout.ranks")
 
 
 def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:

@@ -31,7 +31,7 @@ def train_run(run_dir: Path, overrides: list[str], steps: int, stop_after: int |
     from nemo_jq.runtime import distributed
     from nemo_jq.runtime.monitor import read_metrics
 
-    trainer = Trainer.resume(run_dir) if resume else Trainer(load_config(None, [
+    trainer = Trainer.resume(run_dir, overrides) if resume else Trainer(load_config(None, [
         *TINY_RUN, f"train.max_steps={steps}", f"train.run_dir={run_dir}", "eval.every=1000", *overrides]))
     result = trainer.fit(max_steps=stop_after)
     roles = distributed.roles()
@@ -117,6 +117,20 @@ def test_an_interrupted_one_step_off_run_on_a_rollout_rank_resumes_exactly(tmp_p
     resumed, _ = run_in_processes(train_run, 2, tmp_path / "cut", [], 4, None, True, process_group=False)
     same_training(resumed["train"], whole["train"])
     assert [r["rollout_lag"] for r in resumed["train"]] == [0, 1, 1, 1]  # step 3 trained on what step 2 sent ahead
+
+
+@pytest.mark.slow  # 30 s: the colocated run's sampling process starts a Python of its own
+@pytest.mark.distributed
+def test_a_one_step_off_run_resumes_exactly_at_another_placement(tmp_path):
+    """Cut on a rollout rank, resumed in one process (its sampling process takes over the experience sampled ahead):
+    the uninterrupted run's steps (which equal the colocated run's: the test above)."""
+    separate = [*ONE_STEP_OFF, "rollout.placement=separate"]
+    whole, _ = run_in_processes(train_run, 2, tmp_path / "whole", separate, 4, process_group=False)
+    run_in_processes(train_run, 2, tmp_path / "cut", separate, 4, 2, process_group=False)
+    (resumed,) = run_in_processes(train_run, 1, tmp_path / "cut", ["rollout.placement=colocated"], 4, None, True,
+                                  process_group=False)
+    same_training(resumed["train"], whole["train"])
+    assert [r["rollout_lag"] for r in resumed["train"]] == [0, 1, 1, 1]
 
 
 @pytest.mark.parametrize("overrides, message", [
