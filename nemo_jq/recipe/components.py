@@ -13,6 +13,7 @@ import json
 import random
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
 from nemo_jq.data.chat import ChatFormat, build_tokenizer
 from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.prepare import describe_over_cap, load_prepared, make_task, prepare
-from nemo_jq.models.common import SafetensorsFolder, autocast_dtype, resolve_pretrained
+from nemo_jq.models.common import SafetensorsFolder, autocast_dtype, resolve_device, resolve_pretrained
 from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
 from nemo_jq.models.interfaces import Policy, RolloutEngine
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
@@ -65,6 +66,24 @@ class Components:
         """The token ids of each example's prompt: the one formula training, one-step-off requests, evaluation and
         the experiments sample from (the task's messages in ``data.format``, in the chat template)."""
         return [self.chat.prompt_ids(self.task.messages(e, self.config.data.format)) for e in examples]
+
+
+def this_ranks_part(config: Config, run_dir: Path, *, existing: bool, overwrite: bool = False) -> Components | RolloutServer:
+    """What this process does in a run: it joins torchrun's world (split into roles under ``rollout.placement=separate``);
+    a rollout rank gets the server it runs, a training rank the run directory (claimed, for a new run) and the
+    components. ``existing``: reopening ``run_dir`` (with its saved tokenizer)."""
+    from nemo_jq.runtime.runs import TOKENIZER_DIR, claim_run_dir  # runs reopens a run's components: it imports this
+
+    separate = config.rollout.ranks if config.rollout.placement == "separate" else 0
+    device = distributed.init_from_env(resolve_device(config.train.device),
+                                        timedelta(minutes=config.train.collective_timeout_minutes), rollout_ranks=separate)
+    tokenizer_dir = run_dir / TOKENIZER_DIR if existing else None
+    roles = distributed.roles()
+    if roles is not None and roles.samples:
+        return build_rollout_server(config, device, tokenizer_dir=tokenizer_dir)
+    if not existing:
+        distributed.on_writer(lambda: claim_run_dir(run_dir, overwrite=overwrite))
+    return build_components(config, device, tokenizer_dir=tokenizer_dir)
 
 
 def build_components(config: Config, device: torch.device, *, tokenizer_dir: Path | None = None) -> Components:

@@ -14,15 +14,14 @@ import contextlib
 import dataclasses
 import math
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 from nemo_jq.config import Config
 from nemo_jq.data import Example
-from nemo_jq.models.common import peak_memory_gib, reset_peak_memory, resolve_device
+from nemo_jq.models.common import peak_memory_gib, reset_peak_memory
 from nemo_jq.objectives import build_schedule, get_objective
-from nemo_jq.recipe.components import Components, build_components, build_rollout_server
+from nemo_jq.recipe.components import Components, this_ranks_part
 from nemo_jq.recipe.evaluation import Evaluator
 from nemo_jq.recipe.experience import (
     Experience,
@@ -40,7 +39,7 @@ from nemo_jq.runtime import distributed, runs
 from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
 from nemo_jq.runtime.monitor import RunLogger, merge_metrics, progress
 from nemo_jq.runtime.preemption import StopSignals, current_series
-from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, TOKENIZER_DIR, claim_run_dir, open_for_resume, write_results, write_run_files
+from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, open_for_resume, run_results, write_results, write_run_files
 from nemo_jq.runtime.tracking import open_trackers
 
 
@@ -56,18 +55,10 @@ class Trainer:
         #: On a rollout rank (``rollout.placement=separate``): what it serves instead of training.
         self.server: RolloutServer | None = None
         if components is None:
-            separate = config.rollout.ranks if config.rollout.placement == "separate" else 0
-            device = distributed.init_from_env(resolve_device(config.train.device),
-                                                timedelta(minutes=config.train.collective_timeout_minutes),
-                                                rollout_ranks=separate)
-            roles = distributed.roles()
-            if roles is not None and roles.samples:
-                self.server = build_rollout_server(config, device, tokenizer_dir=self.run_dir / TOKENIZER_DIR
-                                                   if existing else None)
+            components = this_ranks_part(config, self.run_dir, existing=existing, overwrite=overwrite)
+            if isinstance(components, RolloutServer):
+                self.server = components
                 return
-            if not existing:
-                distributed.on_writer(lambda: claim_run_dir(self.run_dir, overwrite=overwrite))
-            components = build_components(config, device, tokenizer_dir=self.run_dir / TOKENIZER_DIR if existing else None)
         self.components = parts = components
         device = parts.device
         self.policy, self.data_parallel, self.evaluator = parts.policy, parts.data_parallel, Evaluator(parts)
@@ -264,11 +255,8 @@ class Trainer:
         memorisation = {"final": final_memorisation, "tested": self.evaluator.memorisation()} if final_memorisation is not None else None
         logger.log({"kind": "test", "step": self.state.step, "best_step": best, **scores,
                     **({"memorisation": memorisation["tested"]} if memorisation else {})})
-        objective, scheduled = self.config.objective, self.estimator.uses_q and self.config.objective.q_schedule is not None
-        results = {"objective": objective.name, "q": objective.q if self.estimator.uses_q and not scheduled else None,
-                   **({"q_schedule": objective.q_schedule, "final_q": self.last_q} if scheduled else {}),
-                   "best_step": best, "best_validation": self.state.best_metric, "test": scores,
-                   **({"memorisation": memorisation} if memorisation else {})}
+        results = run_results(self.config.objective, self.estimator.uses_q, self.last_q, best, self.state.best_metric,
+                              scores, memorisation)
         distributed.on_writer(lambda: write_results(self.run_dir, results))
         logger.attach(self.run_dir / PLOT_FILE)
         return results

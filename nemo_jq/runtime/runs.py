@@ -107,6 +107,17 @@ def write_run_files(run_dir: Path, config: Config, tokenizer: Any) -> None:
         tokenizer.save_pretrained(run_dir / TOKENIZER_DIR)
 
 
+def run_results(objective: Any, uses_q: bool, final_q: float | None, best_step: int | None,
+                best_validation: float | None, test: dict[str, Any], memorisation: dict | None) -> dict[str, Any]:
+    """What ``results.json`` holds: the method (q, or its schedule and the last q trained with), the best validation
+    checkpoint's step and m@k, its test scores and, for a noisy run, its memorisation."""
+    scheduled = uses_q and objective.q_schedule is not None
+    return {"objective": objective.name, "q": objective.q if uses_q and not scheduled else None,
+            **({"q_schedule": objective.q_schedule, "final_q": final_q} if scheduled else {}),
+            "best_step": best_step, "best_validation": best_validation, "test": test,
+            **({"memorisation": memorisation} if memorisation else {})}
+
+
 def write_results(run_dir: Path, results: dict[str, Any]) -> None:
     """What a finished run writes: its test results and the Figure-3 panels of its metrics; then it lets go of its
     directory (a process that goes on to other runs holds only the one it writes)."""
