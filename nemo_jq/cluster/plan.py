@@ -7,7 +7,8 @@ An estimate from shapes, not a measurement; every assumption is printed with the
 * ``fp32-adamw`` (``model.backend=megatron``'s default): fp32 weights and gradients and two
   fp32 AdamW moments, 16 bytes a parameter, split over TP x PP and replicated over DP;
   ``fp32-distopt`` (``megatron.distributed_optimizer=true``): fp32 weights, a persistent fp32 gradient
-  buffer, and fp32 master weights plus moments (12 bytes) sharded over DP (measured: tests/test_megatron_backend.py);
+  buffer, and fp32 master weights plus moments (12 bytes) sharded over DP (measured:
+  tests/distributed/megatron/test_megatron_optimizer_memory.py);
   ``bf16-distopt`` (``megatron.bf16_weights=true``, Megatron's usual recipe): bf16 weights, the fp32 gradient
   buffer, and the 12 bytes of master weights and moments sharded over DP;
 * activations in bf16 for one micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens per
