@@ -12,7 +12,7 @@ import pytest
 from helpers import TINY_RUN
 from nemo_jq.runtime.monitor import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPORT = """
 import json
 from nemo_jq.config import load_config
