@@ -25,6 +25,8 @@ def add_parser(commands) -> None:
                             "settings (default none operations; also sum)")
     experiment.add_argument("--target-p1", type=float, help="warm-start: the validation p@1 (percent) the warm-up SFT "
                             "stops at (default 20)")
+    experiment.add_argument("--methods-override", action="append", metavar="KEY=VALUE", help="warm-start: an override "
+                            "of the methods' phase only, not the warm-up (repeatable; e.g. optim.lr=1e-3)")
     experiment.add_argument("--quick", action="store_true", help="a few-second smoke size (not a result)")
     experiment.add_argument("--overwrite", action="store_true", help="if --out holds an experiment, move it aside first")
     experiment.add_argument("--methods", type=lambda text: [name.strip() for name in text.split(",")], default=[],
@@ -42,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
     own = {"noisy-cold-start": {"--label-noise": args.label_noise, "--adaptive": args.adaptive or None},
            "escape-rates": {"--widths": args.widths, "--cap": args.cap},
-           "warm-start": {"--dependences": args.dependences, "--target-p1": args.target_p1}}
+           "warm-start": {"--dependences": args.dependences, "--target-p1": args.target_p1,
+                          "--methods-override": args.methods_override}}
     foreign = {flag: value for name, flags in own.items() if name != args.name for flag, value in flags.items()}
     given = [flag for flag, value in foreign.items() if value is not None]
     if given:
@@ -61,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         from nemo_jq.experiments.warm_start import TARGET_P1, run_experiment
 
         run_experiment(args.out or Path("runs/warm_start"), args.seeds, dependences=args.dependences,
-                       target_p1=TARGET_P1 if args.target_p1 is None else args.target_p1, **common)
+                       target_p1=TARGET_P1 if args.target_p1 is None else args.target_p1,
+                       methods_overrides=args.methods_override or (), **common)
     return 0
 
 

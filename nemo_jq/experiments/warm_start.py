@@ -168,9 +168,11 @@ def warm_up(out_dir: Path, overrides: list[str], dependence: str, target_p1: flo
 @Series("experiment warm-start", again="`--out NEW_DIR` (or --overwrite) runs the whole experiment again")
 def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence[str] | None = None,
                    target_p1: float = TARGET_P1, quick: bool = False, overrides: Sequence[str] = (),
-                   overwrite: bool = False, only: Sequence[str] = ()) -> dict[str, Any]:
+                   overwrite: bool = False, only: Sequence[str] = (),
+                   methods_overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Per rationale-dependence setting: the warm policy, then every method (or those in ``only``) over every seed
-    into ``out_dir/<setting>/<method>/seed<S>``; then the table and figures."""
+    into ``out_dir/<setting>/<method>/seed<S>``; then the table and figures. ``overrides`` set both phases,
+    ``methods_overrides`` the methods' phase only (e.g. its learning rate: the warm-up's SFT keeps its own)."""
     out_dir = Path(out_dir)
     dependences = list(dependences or DEPENDENCES)
     unknown = sorted(set(dependences) - set(RATIONALE_DEPENDENCES))
@@ -186,7 +188,7 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence
     plan = {name: method for name, method in plan.items() if not only or name in only}
     size = QUICK if quick else []
     phases = {"warm-up": [*COMMON, *size, *overrides, *(QUICK_WARMUP if quick else WARMUP)],
-              "methods": [*COMMON, *SETTINGS, *size, *overrides]}
+              "methods": [*COMMON, *SETTINGS, *size, *overrides, *methods_overrides]}
     for dependence in dependences:  # every configuration is checked before anything is written or trained
         load_config(None, [*phases["warm-up"], f"data.rationale_dependence={dependence}"])
         for method in plan.values():

@@ -94,7 +94,8 @@ def test_measuring_the_variance_does_not_move_the_training_streams(tmp_path):
 def test_quick_run_through_the_cli_writes_table_summary_and_figures_and_refuses_bad_input(tmp_path, capsys):
     out = tmp_path / "warm"
     code, stdout, err = run_cli(capsys, "experiment", "warm-start", "--quick", "--seeds", "0", "--out", out,
-                                "--dependences", "none", "--methods", "GRPO,GARL q=0.25 score only", "--target-p1", "10")
+                                "--dependences", "none", "--methods", "GRPO,GARL q=0.25 score only", "--target-p1", "10",
+                                "--methods-override", "optim.lr=0.001")
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
     warm = summary["warm"]["none"]
@@ -103,7 +104,9 @@ def test_quick_run_through_the_cli_writes_table_summary_and_figures_and_refuses_
         (run,) = summary["runs"]["none"][name]
         assert run["curve"][0] == [0, warm["validation_m@4"]] and len(run["curve"]) == 3  # the warm point, 2 steps
         assert [v["step"] for v in run["variance"]] == [0, 1, 2]
-        assert load_config(out / "none" / name.replace(" ", "_") / "seed0" / "config.yaml", saved=True).model.path == warm["policy"]
+        saved = load_config(out / "none" / name.replace(" ", "_") / "seed0" / "config.yaml", saved=True)
+        assert saved.model.path == warm["policy"] and saved.optim.lr == 0.001  # the methods' phase only
+    assert load_config(out / "warm" / "none" / "config.yaml", saved=True).optim.lr != 0.001
     assert "| none |" in stdout and (out / "table.md").exists() and (out / "curves_none.png").stat().st_size > 0
     one_line_error(*run_cli(capsys, "experiment", "warm-start", "--quick", "--seeds", "0", "--out", out)[::2],
                    "an earlier experiment")
@@ -115,3 +118,7 @@ def test_quick_run_through_the_cli_writes_table_summary_and_figures_and_refuses_
                    "takes no --dependences")
     one_line_error(*run_cli(capsys, "experiment", "warm-start", "--out", tmp_path / "x", "data.rationale_dependence=x")[::2],
                    "data.rationale_dependence")
+    one_line_error(*run_cli(capsys, "experiment", "warm-start", "--out", tmp_path / "x", "--methods-override", "optim.lr=x")[::2],
+                   "optim.lr")
+    one_line_error(*run_cli(capsys, "experiment", "escape-rates", "--methods-override", "optim.lr=1", "--out", tmp_path / "x")[::2],
+                   "takes no --methods-override")
