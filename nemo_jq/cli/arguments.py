@@ -19,14 +19,22 @@ def positive(text: str) -> int:
     return int(text)
 
 
-def positive_gb(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of GiB > 0; got {text!r}")
-    return value
+def positive_amount(unit: str):
+    """A finite number > 0 of ``unit`` (GiB, MiB, GB/s)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a number of {unit} > 0; got {text!r}")
+        return value
+
+    return parse
+
+
+positive_gb = positive_amount("GiB")
 
 
 def fraction(text: str) -> float:

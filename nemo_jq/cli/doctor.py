@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def add_parser(commands) -> None:
@@ -12,12 +13,18 @@ def add_parser(commands) -> None:
     doctor.add_argument("--json", action="store_true")
     doctor.add_argument("--model", help="a Qwen3 size or HF config whose head size vLLM's CPU attention is asked about "
                         "(default: the demo's tiny model)")
+    doctor.add_argument("--config", type=Path, help="a run config: with rollout.placement=separate, say this rank's role")
+    doctor.add_argument("overrides", nargs="*", help="section.key=value overrides of --config (e.g. "
+                        "rollout.placement=separate rollout.ranks=8)")
     doctor.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.cluster import doctor
+    from nemo_jq.cluster.launch import separate_rollout_ranks
 
-    info = doctor.report(args.model)
+    if args.config is not None and not args.config.is_file():
+        raise ValueError(f"--config {args.config}: no such file")
+    info = doctor.report(args.model, separate_rollout_ranks(args.config, args.overrides))
     print(json.dumps(info, indent=2) if args.json else doctor.format_report(info))
     return 0

@@ -15,7 +15,8 @@ PLAN_WORKLOAD = {"seq_len": ("seq_len", 4096), "micro_batch": ("micro_batch", 1)
                  "context_parallel": ("context_parallel", 1), "rollout_engine": ("rollout_engine", "native"),
                  "kv_cache_tokens": ("kv_cache_tokens", 131072),
                  "vllm_memory_utilization": ("vllm_memory_utilization", 0.5),
-                 "rollout_tensor_parallel": ("vllm_tensor_parallel", 1)}
+                 "rollout_tensor_parallel": ("vllm_tensor_parallel", 1), "rollout_ranks": ("rollout_ranks", 0),
+                 "sync_bucket_mb": ("sync_bucket_mb", 256.0)}
 
 
 def add_parser(commands) -> None:
@@ -50,6 +51,11 @@ def add_parser(commands) -> None:
     planner.add_argument("--vllm-memory-utilization", type=arguments.fraction, help="rollout.vllm_memory_utilization")
     planner.add_argument("--rollout-tensor-parallel", type=arguments.positive,
                          help="rollout.tensor_parallel: ranks that hold one vLLM engine")
+    planner.add_argument("--rollout-ranks", type=arguments.positive, help="rollout.placement=separate with "
+                         "rollout.ranks=N: the last N GPUs only sample (default: colocated)")
+    planner.add_argument("--sync-bucket-mb", type=arguments.positive_amount("MiB"), help="rollout.sync_bucket_mb (default 256)")
+    planner.add_argument("--sync-bandwidth", type=arguments.positive_amount("GB/s"), default=25.0, help="GB/s of the weight sync's "
+                         "broadcast to the rollout ranks (default 25: one 200 Gb/s InfiniBand port)")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
     planner.set_defaults(run=run)
 
@@ -83,6 +89,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.config} trains a tiny model from scratch (model.path: null): plan sizes real ones")
     arch = plan.architecture(args.model)
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
-    result = plan.report(arch, work, layouts, args.gpu_memory, 0.9)
+    result = plan.report(arch, work, layouts, args.gpu_memory, 0.9, args.sync_bandwidth)
     print(json.dumps(result, indent=2) if args.json else plan.format_report(result))
     return 0

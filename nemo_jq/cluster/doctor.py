@@ -33,9 +33,10 @@ def _imports(module: str) -> str:
         return f"no ({type(err).__name__}: {' '.join(str(err).split())[:160]})"
 
 
-def report(model: str | None = None) -> dict[str, Any]:
+def report(model: str | None = None, rollout_ranks: int = 0) -> dict[str, Any]:
     """What this process sees; ``model`` (a Qwen3 size or an HF config path; default the demo's tiny model) is the
-    one whose head size vLLM's CPU attention is asked about."""
+    one whose head size vLLM's CPU attention is asked about; ``rollout_ranks`` (``rollout.placement=separate``): the
+    role this rank would take."""
     import torch
 
     from nemo_jq.cluster.plan import architecture
@@ -71,7 +72,21 @@ def report(model: str | None = None) -> dict[str, Any]:
     info.update(_vllm(cuda, head_dim, model or "the demo's tiny model"))
     info["launch"] = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
     info["world size / rank"] = f"{os.environ.get('WORLD_SIZE', '1')} / {os.environ.get('RANK', '0')}"
+    if rollout_ranks:
+        info["role (rollout.placement=separate)"] = role(rollout_ranks)
     return info
+
+
+def role(rollout_ranks: int) -> str:
+    """This rank's role in a world whose last ``rollout_ranks`` sample (the rule the run splits by), or what is wrong."""
+    from nemo_jq.runtime.distributed import role_of
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if rollout_ranks >= world:
+        return (f"none: rollout.ranks={rollout_ranks} leaves no training rank in a world of {world} (start at least "
+                f"{rollout_ranks + 1} processes)")
+    name, within, size = role_of(rank, world, rollout_ranks)
+    return f"{name} rank {within} of {size} (global rank {rank} of {world})"
 
 
 def _vllm(cuda: bool, head_dim: int, model: str) -> dict[str, Any]:

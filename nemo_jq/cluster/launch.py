@@ -153,13 +153,68 @@ def sbatch_script(config: LaunchConfig, command: list[str], name: str = "nemo-jq
         return request.materialize().replace(scratch, real)
 
 
+def separate_rollout_ranks(config: Path | None, overrides: list[str]) -> int:
+    """``rollout.ranks`` when a run config (if this host can read it: a launch may name a path inside the container)
+    or its overrides set ``rollout.placement=separate``; 0 otherwise (every rank trains and samples)."""
+    import yaml
+
+    rollout = {}
+    if config is not None and Path(config).is_file():
+        rollout = dict((yaml.safe_load(Path(config).read_text()) or {}).get("rollout") or {})
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in ("rollout.placement", "rollout.ranks"):
+            rollout[key.split(".")[1]] = yaml.safe_load(value)
+    return int(rollout.get("ranks", 1)) if rollout.get("placement") == "separate" else 0
+
+
+def trained_split(command: list[str]) -> int:
+    """:func:`separate_rollout_ranks` of a ``train`` command (0 for any other command)."""
+    import argparse
+
+    if command[:1] != ["train"]:
+        return 0
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", type=Path)
+    known, rest = parser.parse_known_args(command[1:])
+    return separate_rollout_ranks(known.config, rest)
+
+
+def roles(config: LaunchConfig, command: list[str]) -> str | None:
+    """Which of the job's ranks train and which sample (``rollout.placement=separate``: the last ``rollout.ranks``;
+    srun numbers the tasks node by node, so they are the allocation's last GPUs), as a comment line; None when every
+    rank trains. A split that leaves no training rank is an error before anything is queued."""
+    rollout = trained_split(command)
+    if not rollout:
+        return None
+    from nemo_jq.runtime.distributed import role_of
+
+    world, per_node = config.nodes * config.gpus_per_node, config.gpus_per_node
+    if rollout >= world:
+        raise ValueError(f"rollout.ranks={rollout} leaves no training rank among the job's {world} GPUs (nodes="
+                         f"{config.nodes} x gpus_per_node={per_node}): more nodes, or fewer rollout.ranks")
+    spans = {}
+    for rank in range(world):
+        spans.setdefault(role_of(rank, world, rollout)[0], []).append(rank)
+
+    def where(ranks: list[int]) -> str:
+        first, last = ranks[0] // per_node, ranks[-1] // per_node
+        return f"ranks {ranks[0]}-{ranks[-1]} " + (f"(node {first})" if first == last else f"(nodes {first}-{last})")
+
+    return (f"# nemo-jq roles (rollout.placement=separate, rollout.ranks={rollout}): {where(spans['training'])} train, "
+            f"{where(spans['rollout'])} sample; nodes counted from 0 in the allocation's order")
+
+
 def launch(config: LaunchConfig, command: list[str], *, dryrun: bool) -> str | None:
-    """Submit ``command`` (or, with ``dryrun`` on SLURM, return the script instead); a submission returns a line
-    naming the job and where NeMo-Run keeps its files."""
+    """Submit ``command`` (or, with ``dryrun`` on SLURM, return the script instead, with the roles of a split world
+    as a comment after its first line); a submission returns a line naming the job and where NeMo-Run keeps its
+    files (and the roles)."""
     import nemo_run as run
 
+    split = roles(config, command)
     if dryrun and config.executor == "slurm":
-        return sbatch_script(config, command)
+        first, rest = sbatch_script(config, command).split("\n", 1)
+        return "\n".join([first, split, rest]) if split else "\n".join([first, rest])
     executor = build_executor(config)
     if dryrun:
         run.run(task(command, config.executor), executor=executor, name=TITLE, dryrun=True)
@@ -168,7 +223,7 @@ def launch(config: LaunchConfig, command: list[str], *, dryrun: bool) -> str | N
         exp.add(task(command, config.executor), name=TITLE)
         exp.run(detach=True)
         submitted = exp.jobs[0]
-    files = submitted.executor.job_dir
+    files, split = submitted.executor.job_dir, f"\n{split.removeprefix('# ')}" if split else ""
     if config.executor == "slurm":
-        return f"nemo-jq launch: submitted SLURM job {submitted.handle.rsplit('/', 1)[-1]}; its files: {files}"
-    return f"nemo-jq launch: started {submitted.handle}; its files: {files}"
+        return f"nemo-jq launch: submitted SLURM job {submitted.handle.rsplit('/', 1)[-1]}; its files: {files}{split}"
+    return f"nemo-jq launch: started {submitted.handle}; its files: {files}{split}"

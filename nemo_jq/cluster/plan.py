@@ -41,6 +41,13 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   once on a GPU, plus the gradients without the distributed optimizer: measured on an H100 for both backends and
   both optimizers, ``bench/results/real_gpu.json``), which do not coexist.
 
+With ``rollout_ranks`` (``rollout.placement=separate``) the last ``rollout_ranks`` GPUs only sample: the layouts
+are of the other GPUs, whose ranks hold no rollout copy, KV cache or vLLM share; each rollout rank holds the whole
+model in bf16, the KV cache as above (one replica's request at a time) and two sync buckets
+(``rollout.sync_bucket_mb``: one in flight, one filling), and no optimizer. Each optimizer step sends the whole
+model in bf16 to them (``weight_sync``), at ``sync_bandwidth`` GB/s (a broadcast over NCCL: the slowest link between
+the first training rank and a rollout rank; across nodes, one InfiniBand port's rate).
+
 When nothing fits, the report names the component of the closest layout that takes the most and the setting
 that shrinks it (one not already chosen). Sizes are GiB (2^30 bytes).
 
@@ -138,6 +145,10 @@ class Workload:
     answer_tokens: int = 0
     #: An evaluation call's prompts and samples of each (``eval.batch_size``, ``eval.num_samples``).
     eval_call: tuple[int, int] = (32, 16)
+    #: ``rollout.ranks`` under ``rollout.placement=separate`` (the world's last GPUs only sample); 0: colocated.
+    rollout_ranks: int = 0
+    #: ``rollout.sync_bucket_mb``: the weight sync's bucket (MiB; a rollout rank holds two).
+    sync_bucket_mb: float = 256.0
 
     @classmethod
     def from_config(cls, config: Any, prompt_tokens: int) -> Workload:
@@ -149,6 +160,7 @@ class Workload:
                      else "fp32-adamw")
         group_rows = config.train.micro_batch_size * rollout.num_samples
         hf = config.model.backend == "hf"
+        separate = rollout.placement == "separate"
         return cls(seq_len=prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens,
                    micro_batch=min(group_rows, config.train.micro_batch_rows or group_rows),
                    samples=rollout.num_samples, batch_prompts=config.train.batch_size,
@@ -157,9 +169,10 @@ class Workload:
                    context_parallel=layout.context_parallel, rollout_engine=rollout.engine,
                    kv_cache_tokens=rollout.kv_cache_tokens, vllm_memory_utilization=rollout.vllm_memory_utilization,
                    vllm_tensor_parallel=rollout.tensor_parallel, backend=config.model.backend,
-                   async_copy=bool(rollout.async_steps) and rollout.engine != "vllm",
+                   async_copy=bool(rollout.async_steps) and rollout.engine != "vllm" and not separate,
                    logprob_chunk=config.model.logprob_chunk_size, answer_tokens=rollout.max_answer_tokens,
-                   eval_call=(config.eval.batch_size, config.eval.num_samples))
+                   eval_call=(config.eval.batch_size, config.eval.num_samples),
+                   rollout_ranks=rollout.ranks if separate else 0, sync_bucket_mb=rollout.sync_bucket_mb)
 
     @property
     def tokens_per_rank(self) -> float:
@@ -295,22 +308,45 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     else:
         activations = in_flight * layers * per_layer
     vllm = work.rollout_engine == "vllm"
-    kv_per_token = 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
-    held_tokens = max(sampler_kv_tokens(work, work.batch_prompts // dp, work.samples),
-                      sampler_kv_tokens(work, *work.eval_call)) * (1 + KV_COPIES / (2 * arch.num_layers))
     hf = work.backend == "hf"
     in_place = hf and not vllm and not work.async_copy  # the native/hf samplers decode the policy's own model
+    samples_here = not work.rollout_ranks  # separate: the rollout ranks sample (rollout_rank_bytes)
     parts = {
         "weights": weight_bytes * params_per_rank,
         "gradients": gradient_bytes * params_per_rank,
         "optimizer": optimizer_bytes * params_per_rank / (dp * work.context_parallel if sharded else 1),
         "activations": hf_activation_bytes(arch, work) if hf else activations,
         "logprob_head": logprob_head_bytes(arch, work, 1 if hf else tp),
-        "rollout_copy": 0.0 if vllm or in_place else (4 if hf else 2) * parameter_count(arch),
-        "kv_cache": 0.0 if vllm else kv_per_token * held_tokens,
-        "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm else 0.0,
+        "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else 2) * parameter_count(arch),
+        "kv_cache": kv_cache_bytes(arch, work, work.batch_prompts // dp) if samples_here and not vllm else 0.0,
+        "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm and samples_here else 0.0,
     }
     return parts
+
+
+def kv_cache_bytes(arch: Qwen3Architecture, work: Workload, prompts: int) -> float:
+    """The native/hf samplers' bf16 KV cache at its high-water mark: a call of ``prompts`` x M rows (or an evaluation
+    call, if larger) under ``kv_cache_tokens``, plus a decode step's copies of one layer's keys and values."""
+    kv_per_token = 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
+    held_tokens = max(sampler_kv_tokens(work, prompts, work.samples),
+                      sampler_kv_tokens(work, *work.eval_call)) * (1 + KV_COPIES / (2 * arch.num_layers))
+    return kv_per_token * held_tokens
+
+
+def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: int) -> dict[str, float]:
+    """A rollout rank's memory (``rollout.placement=separate``), in bytes: the whole model in bf16, the KV cache of
+    one replica's request (it serves one at a time) and two sync buckets; no gradients, no optimizer."""
+    return {"weights": 2 * parameter_count(arch),
+            "kv_cache": kv_cache_bytes(arch, work, max(1, work.batch_prompts // data_parallel)),
+            "sync_buckets": 2 * work.sync_bucket_mb * 2**20}
+
+
+def weight_sync(arch: Qwen3Architecture, work: Workload, bandwidth_gb_s: float) -> dict[str, float]:
+    """What each optimizer step sends the rollout ranks: the whole model in bf16, in buckets, and the seconds it takes
+    at ``bandwidth_gb_s`` (10^9 bytes/s)."""
+    sent = 2 * parameter_count(arch)
+    return {"bytes": sent, "buckets": math.ceil(sent / (work.sync_bucket_mb * 2**20)), "gb_per_s": bandwidth_gb_s,
+            "seconds": sent / (bandwidth_gb_s * 1e9)}
 
 
 def remedies(component: str, work: Workload) -> list[tuple[str, Workload | None]]:
@@ -377,6 +413,8 @@ def overrides(layout: LayoutEstimate, work: Workload) -> str:
     if work.rollout_engine == "vllm":
         keys.append(f"rollout.tensor_parallel={work.vllm_tensor_parallel} "
                     f"rollout.vllm_memory_utilization={work.vllm_memory_utilization:g}")
+    if work.rollout_ranks:
+        keys.append(f"rollout.placement=separate rollout.ranks={work.rollout_ranks}")
     return " ".join(keys)
 
 
@@ -385,9 +423,18 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
     """Every feasible layout's estimate, in recommendation order (fitting ones first, then the least memory)."""
     if work.optimizer not in OPTIMIZER_MODES:
         raise ValueError(f"--optimizer {work.optimizer!r}: choose one of {', '.join(OPTIMIZER_MODES)}")
-    if work.backend == "hf":  # one process, one GPU
+    gpus, cp = gpus_per_node * nodes - work.rollout_ranks, work.context_parallel
+    if work.rollout_ranks:
+        from nemo_jq.config import SEPARATE_ENGINES
+
+        if gpus < 1:
+            raise ValueError(f"--rollout-ranks {work.rollout_ranks} of {gpus + work.rollout_ranks} GPUs leaves none to "
+                             "train: fewer rollout ranks, or more --nodes/--gpus-per-node")
+        if work.rollout_engine not in SEPARATE_ENGINES:
+            raise ValueError(f"rollout ranks of their own sample with {' or '.join(SEPARATE_ENGINES)} for now, not "
+                             f"{work.rollout_engine}: --rollout-engine native, or colocated rollouts (no --rollout-ranks)")
+    if work.backend == "hf":  # one training process, one GPU
         return [estimate(arch, work, 1, 1, 1, gpu_gb, headroom)]
-    gpus, cp = gpus_per_node * nodes, work.context_parallel
     layouts = []
     for tp in range(1, gpus_per_node + 1):
         for pp in range(1, arch.num_layers + 1):
@@ -398,7 +445,8 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
                 continue
             layouts.append(estimate(arch, work, tp, pp, layout.data_parallel(gpus), gpu_gb, headroom))
     if not layouts:
-        raise ValueError(f"no TP x PP x DP layout of {gpus} GPUs at CP={cp} divides this model and a batch of "
+        which = "training GPUs" if work.rollout_ranks else "GPUs"
+        raise ValueError(f"no TP x PP x DP layout of {gpus} {which} at CP={cp} divides this model and a batch of "
                          f"{work.batch_prompts} prompts: change --nodes/--gpus-per-node, --context-parallel or "
                          f"--batch-prompts")
     fitting = sorted((e for e in layouts if e.fits), key=lambda e: (-e.data_parallel, e.tensor_parallel, e.total_gib))
@@ -406,11 +454,20 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
 
 
 def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate], gpu_gb: float,
-           headroom: float) -> dict[str, Any]:
+           headroom: float, sync_gb_s: float = 25.0) -> dict[str, Any]:
+    """The layouts, the recommendation and its overrides; with rollout ranks, also a rollout rank's memory (GiB) at
+    the first layout's DP and the weight sync (``sync_gb_s``: GB/s); a rollout rank that does not fit leaves no
+    recommendation."""
     best = layouts[0] if layouts[0].fits else None
-    return {"parameters": parameter_count(arch), "workload": asdict(work), "gpu_memory_gib": gpu_gb,
-            "headroom": headroom, "recommended": asdict(best) if best else None,
-            "overrides": overrides(best, work) if best else None,
+    result = {"parameters": parameter_count(arch), "workload": asdict(work), "gpu_memory_gib": gpu_gb,
+              "headroom": headroom}
+    if work.rollout_ranks:
+        parts = {name: round(size / GiB, 2) for name, size in rollout_rank_bytes(arch, work, layouts[0].data_parallel).items()}
+        total = round(sum(parts.values()), 2)
+        result["rollout_rank"] = {**parts, "total": total, "fits": total <= gpu_gb * headroom}
+        result["weight_sync"] = weight_sync(arch, work, sync_gb_s)
+        best = best if result["rollout_rank"]["fits"] else None
+    return {**result, "recommended": asdict(best) if best else None, "overrides": overrides(best, work) if best else None,
             "layouts": [asdict(layout) for layout in layouts]}
 
 
@@ -423,10 +480,21 @@ def format_report(result: dict[str, Any]) -> str:
     best, closest = result["recommended"], result["layouts"][0]
     budget = result["gpu_memory_gib"] * result["headroom"]
     context = f" CP={result['workload']['context_parallel']}" if result["workload"]["context_parallel"] > 1 else ""
+    sampler = result.get("rollout_rank")
+    if sampler:
+        sync = result["weight_sync"]
+        lines.append(f"rollout ranks (the last {result['workload']['rollout_ranks']} GPUs; the layouts above are the "
+                     f"others'): each {sampler['weights']} GiB bf16 weights + {sampler['kv_cache']} KV cache + "
+                     f"{sampler['sync_buckets']} sync buckets = {sampler['total']} GiB"
+                     + ("" if sampler["fits"] else f": does not fit in {budget:.0f} GiB: try a smaller --kv-cache-tokens"))
+        lines.append(f"weight sync per step: {sync['bytes'] / 1e9:.2f} GB in {sync['buckets']} buckets, "
+                     f"{sync['seconds']:.2f} s at {sync['gb_per_s']:g} GB/s (--sync-bandwidth)")
     if best:
         lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']}{context} "
                      f"DP={best['data_parallel']} ({best['total_gib']} of {budget:.0f} GiB)")
         lines.append(f"overrides: {result['overrides']}")
+    elif closest["fits"]:
+        lines.append("nothing recommended: a training layout fits, the rollout ranks do not")
     else:
         largest = closest["largest"]
         lines.append(f"nothing fits in {budget:.0f} GiB: the closest layout, TP={closest['tensor_parallel']} "

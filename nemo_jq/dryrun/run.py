@@ -85,6 +85,11 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
     (the same report, sooner: ``_DryRun._repeats_skipped``). ``model.backend=megatron``: ``ranks`` (default:
     :func:`.megatron.default_ranks`) of a world of ``world_size`` GPUs (default: one replica), each simulated apart;
     the report's phases are the fullest one's."""
+    if config.rollout.placement == "separate":
+        raise ValueError("nemo-jq dryrun simulates ranks that sample and train (rollout.placement=colocated) only: "
+                         "`nemo-jq plan --config C.yaml rollout.placement=separate ...` sizes a split world's training "
+                         "and rollout ranks; a colocated dry run of the same layout bounds its training ranks (they "
+                         "hold the sampler's copy and KV cache as well)")
     usable = gpu.memory_gib * headroom
     report = {"gpu": asdict(gpu), "usable_gib": usable, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps}
     if config.model.backend != "megatron":

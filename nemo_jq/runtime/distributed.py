@@ -86,6 +86,13 @@ def roles() -> Roles | None:
     return _ROLES
 
 
+def role_of(rank: int, world: int, rollout_ranks: int) -> tuple[str, int, int]:
+    """A global rank's role in a world the last ``rollout_ranks`` of which sample: ("training" or "rollout", its rank
+    within the role, the role's size). The one rule the split, ``doctor`` and ``launch`` all follow."""
+    training = world - rollout_ranks
+    return ("rollout", rank - training, rollout_ranks) if rank >= training else ("training", rank, training)
+
+
 def _split_world(backend: str, world: int, rollout_ranks: int, device: torch.device) -> None:
     """Join this rank's role's default group and the bridge and sync groups (:class:`Roles`), all over the one
     rendezvous store torchrun describes, each under a prefix of its own."""
@@ -93,8 +100,8 @@ def _split_world(backend: str, world: int, rollout_ranks: int, device: torch.dev
     rank = int(os.environ["RANK"])
     training = world - rollout_ranks
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=_TIMEOUT or timedelta(minutes=30)))
-    samples = rank >= training
-    role, role_rank, role_size = ("rollout", rank - training, rollout_ranks) if samples else ("training", rank, training)
+    role, role_rank, role_size = role_of(rank, world, rollout_ranks)
+    samples = role == "rollout"
     dist.init_process_group(backend, store=dist.PrefixStore(f"nemo_jq/{role}/", store), rank=role_rank,
                             world_size=role_size, timeout=_TIMEOUT)
     bridge = _group_outside_the_world(backend, dist.PrefixStore("nemo_jq/bridge/", store), rank, world)

@@ -68,3 +68,21 @@ def test_doctor_says_whether_vllms_cpu_attention_takes_the_models_head_size(tmp_
 
     for head_dim, model in [(32, "the demo's tiny model"), (128, "0.6b")]:  # the same probe, in this process
         assert _vllm(False, head_dim, model)[f"vllm CPU attention takes head_dim {head_dim} ({model})"] is True
+
+
+def test_doctor_says_this_ranks_role_in_a_split_world(tmp_path, monkeypatch):
+    """``rollout.placement=separate`` from a config or overrides: the role by the run's own rule (the last
+    ``rollout.ranks`` sample), and a split that leaves no trainer said as such."""
+    from nemo_jq.cluster import doctor
+    from nemo_jq.cluster.launch import separate_rollout_ranks
+
+    config = tmp_path / "c.yaml"
+    config.write_text("rollout:\n  placement: separate\n  ranks: 2\n")
+    assert separate_rollout_ranks(config, []) == 2 and separate_rollout_ranks(config, ["rollout.ranks=3"]) == 3
+    assert separate_rollout_ranks(config, ["rollout.placement=colocated"]) == 0
+    assert separate_rollout_ranks(None, ["rollout.placement=separate"]) == 1  # rollout.ranks' default
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for rank, role in ((1, "training rank 1 of 2 (global rank 1 of 4)"), (3, "rollout rank 1 of 2 (global rank 3 of 4)")):
+        monkeypatch.setenv("RANK", str(rank))
+        assert doctor.role(2) == role
+    assert doctor.role(4).startswith("none: rollout.ranks=4 leaves no training rank in a world of 4")

@@ -134,3 +134,23 @@ def test_every_sbatch_launcher_requeues_on_the_requeue_exit_code_from_the_host(l
     assert text.endswith(block)
     steps = text[text.index("\nstatus=0\n"):text.index(block)]
     assert steps.count("srun ") == 1 and steps.rstrip().endswith("|| status=$?") and "scontrol" not in steps
+
+
+def test_a_split_world_says_which_gpus_train_and_which_sample_and_refuses_a_split_without_trainers(tmp_path, capsys):
+    """``rollout.placement=separate`` (from the config, if this host can read it, or the overrides): the script names
+    the roles by the same rule the run splits its world by (``role_of``); the last node's GPUs sample here."""
+    config = tmp_path / "c.yaml"
+    config.write_text("rollout:\n  placement: separate\n  ranks: 4\n")
+    for command, roles in ((["train", "--config", config], "rollout.ranks=4): ranks 0-11 (nodes 0-1) train, ranks 12-15 (node 1) sample"),
+                           (["train", "--config", "/not/here.yaml", "rollout.placement=separate", "rollout.ranks=8"],
+                            "rollout.ranks=8): ranks 0-7 (node 0) train, ranks 8-15 (node 1) sample")):
+        assert main(["launch", str(write_launch(tmp_path)), "--dryrun", *map(str, command)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0] == "#!/bin/bash" and lines[1].startswith("# nemo-jq roles") and roles in lines[1], lines[1]
+        assert sum(line.startswith("#SBATCH") for line in lines) > 5  # sbatch still reads its options after a comment
+    assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "train", "--config", str(config),
+                 "rollout.placement=colocated"]) == 0
+    assert "nemo-jq roles" not in capsys.readouterr().out
+    assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "train", "rollout.placement=separate",
+                 "rollout.ranks=16"]) == 2
+    assert "rollout.ranks=16 leaves no training rank among the job's 16 GPUs" in capsys.readouterr().err

@@ -205,3 +205,41 @@ def test_a_peak_counts_the_optimizer_step_where_foreach_adamw_holds_the_square_r
     assert plan._peak(parts, plan.Workload(backend="hf"))[0] == 4 + 8 + 9  # the rollouts' is larger still
     parts.update(weights=2 * GiB, optimizer=12 * GiB, kv_cache=0.0)  # the distributed optimizer's master and moments
     assert plan._peak(parts, plan.Workload(backend="megatron", optimizer="bf16-distopt"))[0] == 2 + 12 + 4 + 4
+
+
+def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_and_are_planned_themselves(capsys):
+    """``rollout.placement=separate``: the layouts are of the training GPUs (16 - 8 here), whose ranks hold no rollout
+    copy or KV cache; a rollout rank holds the bf16 model, the KV cache of one replica's request and two sync buckets;
+    each step sends the bf16 model (numbers by hand for the 8B)."""
+    arch, params = plan.architecture("8b"), 8_190_735_360
+    colocated = plan.Workload(optimizer="bf16-distopt", recompute=True)
+    separate = plan.Workload(optimizer="bf16-distopt", recompute=True, rollout_ranks=8, sync_bucket_mb=64)
+    trainers = plan.plan(arch, separate, gpus_per_node=8, nodes=2, gpu_gb=80)
+    assert {e.tensor_parallel * e.pipeline_parallel * e.data_parallel for e in trainers} == {8}
+    assert all(e.rollout_copy_gib == e.kv_cache_gib == e.vllm_gib == 0 for e in trainers)
+    same = plan.estimate(arch, colocated, 2, 1, 4, 80, 0.9)
+    split = plan.estimate(arch, separate, 2, 1, 4, 80, 0.9)
+    assert (split.weights_gib, split.optimizer_gib, split.activations_gib) == (same.weights_gib, same.optimizer_gib,
+                                                                              same.activations_gib)
+    assert split.total_gib < same.total_gib
+    result = plan.report(arch, separate, trainers, 80, 0.9, sync_gb_s=50)
+    kv = 2 * 2 * 36 * 8 * 128 * 131072 * (1 + 3 / 72)  # 8 prompts x 32 rows per replica: the 131072-token cap
+    assert result["rollout_rank"] == {"weights": round(2 * params / GiB, 2), "kv_cache": round(kv / GiB, 2),
+                                      "sync_buckets": round(2 * 64 * 2**20 / GiB, 2), "fits": True,
+                                      "total": round(round(2 * params / GiB, 2) + round(kv / GiB, 2) + 0.12, 2)}
+    assert result["weight_sync"] == {"bytes": 2 * params, "buckets": -(-2 * params // (64 * 2**20)), "gb_per_s": 50,
+                                     "seconds": 2 * params / 50e9}
+    assert result["overrides"].endswith("rollout.placement=separate rollout.ranks=8")
+
+    code = main(["plan", "--config", "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml", "--nodes", "2",
+                 "rollout.placement=separate", "rollout.ranks=8", "rollout.engine=native"])
+    out = capsys.readouterr().out
+    assert code == 0 and "rollout ranks (the last 8 GPUs" in out and "weight sync per step: 16.38 GB" in out
+    for args, fragment in ((["--model", "8b", "--rollout-ranks", "8"], "leaves none to train"),
+                           (["--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm"],
+                            "--rollout-engine native")):
+        assert main(["plan", *args]) == 2
+        assert fragment in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "8b", "--sync-bandwidth", "0"])
+    assert "number of GB/s > 0" in capsys.readouterr().err

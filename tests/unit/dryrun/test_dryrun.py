@@ -144,6 +144,10 @@ def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path,
     assert len(error.splitlines()) == 1 and "nemo-jq dryrun: error: phase" in error and "try " in error
     with pytest.raises(DoesNotFit):
         check_fits({**report, "fits": False})
+    # a split world is not simulated (its training ranks would be shown holding the sampler): said, not guessed at
+    assert main([*base, "rollout.placement=separate"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "rollout.placement=separate" in error and "nemo-jq plan" in error
 
 
 @pytest.mark.parametrize("memory", [[], ["train.micro_batch_rows=4", "model.activation_checkpointing=true"]],
