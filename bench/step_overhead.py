@@ -65,7 +65,7 @@ def timed_estimator(trainer, seconds: list[float]) -> None:
     """Make ``trainer`` record how long each call of its estimator takes (the forward part of its work)."""
     import dataclasses
 
-    estimator = trainer.estimator.fn
+    estimator = trainer.objective.estimator.fn
 
     def timed(inputs, options):
         started = time.perf_counter()
@@ -73,7 +73,7 @@ def timed_estimator(trainer, seconds: list[float]) -> None:
         seconds[-1] += time.perf_counter() - started
         return out
 
-    trainer.estimator = dataclasses.replace(trainer.estimator, fn=timed)
+    trainer.objective.estimator = dataclasses.replace(trainer.objective.estimator, fn=timed)
 
 
 def estimator_step_times(args, work: Path) -> tuple[dict[str, list[float]], dict[str, list[float]], "Trainer"]:

@@ -59,7 +59,7 @@ def learn_on(trainer, experience, q, batch_prompts) -> list[tuple[int, dict]]:
     """The gradient a trainer's step takes of ``experience`` (its estimator, options and random stream), accumulated."""
     from nemo_jq.recipe.learn import estimator_gradient
 
-    return estimator_gradient(trainer.components, trainer.estimator, trainer.estimator_options, experience, q=q,
+    return estimator_gradient(trainer.components, trainer.objective.estimator, trainer.objective.options, experience, q=q,
                               batch_prompts=batch_prompts, generator=trainer.random.estimator)
 
 

@@ -256,7 +256,7 @@ class _DryRun:
             self.sampler_bytes = (2 * _parameters(self.hf_config) if sampler_model is None else  # vLLM: bf16 weights
                                   sum(p.numel() * p.element_size() for p in sampler_model.parameters()))
             del sampler_model
-            self.sampled_answers = Need.SAMPLED_ANSWER_REWARD in trainer.estimator.needs
+            self.sampled_answers = Need.SAMPLED_ANSWER_REWARD in trainer.objective.estimator.needs
             examples = trainer.components.splits.train
             if self.samples:
                 trainer.components.engine.generate(

@@ -23,6 +23,7 @@ from nemo_jq.objectives.importance import Correction, k3_kl
 from nemo_jq.recipe.sequences import given_target_batch, reference_answer_batch, sampled_answer_batch
 from nemo_jq.rollouts.process import SamplingProcess, publish_refit, second_process_refused, share_weights
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
+from nemo_jq.rollouts.sampling import seed_from
 
 if TYPE_CHECKING:
     from nemo_jq.recipe.components import Components
@@ -142,6 +143,18 @@ class RolloutsAhead:
         self.worker.submit(self.components.prompt_ids(examples), self.components.config.rollout.num_samples,
                            sample_answers=Need.SAMPLED_ANSWER_REWARD in estimator.needs, seed=seed)
         self.pending = (examples, estimator)
+
+    def step_experience(self, shard: list[Example], upcoming: list[Example] | None, estimator: ObjectiveSpec,
+                        generator: torch.Generator) -> tuple[Experience, int]:
+        """A step's experience and how many steps older than the weights its sampler's were: the one sampled ahead,
+        or (the first step, and the first after the guard restored a checkpoint) ``shard``'s sampled now; then the
+        next step's request (``upcoming``: None on the last step), sent before this step trains."""
+        experience, lag = self.take(), 1
+        if experience is None:
+            experience, lag = make_experience(self.components, shard, estimator, generator), 0
+        if upcoming is not None:
+            self.submit(upcoming, estimator, seed_from(generator))
+        return experience, lag
 
     def settle(self) -> Experience | None:
         """Wait for the request in flight; its experience (None if there is none)."""

@@ -1,5 +1,5 @@
 """What a run's checkpoint remembers of the loop: where it is (and the prompt stream it is in), how the guard changed
-its course, its random streams."""
+its course (and the objective it trains with now), its random streams."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from nemo_jq.data import Example
 from nemo_jq.models.common import generator_device
+from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
 from nemo_jq.runtime.distributed import DataParallel
 
 
@@ -33,6 +34,30 @@ class Course:
             self.q_scale *= guard.factor
         else:
             self.lr_scale *= guard.factor
+
+
+@dataclass
+class ObjectiveInUse:
+    """The estimator the run trains with now, its options and its q schedule: what the guard's course changes
+    (``switch_estimator`` swaps the estimator; ``lower_q`` scales q)."""
+
+    estimator: ObjectiveSpec
+    options: Any
+    #: None for estimators without a q.
+    schedule: QSchedule | None
+
+    def q(self, step: int, course: Course) -> float | None:
+        """The step's q: the schedule's, scaled by the course's ``q_scale``; None for estimators without one."""
+        return self.schedule(step) * course.q_scale if self.schedule is not None else None
+
+    def follow(self, course: Course, q: Any) -> None:
+        """Switch to the course's estimator, if it is another (with its own options; a q schedule built from the
+        config's ``objective.q`` if the run had none)."""
+        if course.objective != self.estimator.name:
+            self.estimator = get_objective(course.objective)
+            self.options = self.estimator.options()  # the earlier estimator's options need not be this one's
+            if self.schedule is None and self.estimator.uses_q:
+                self.schedule = build_schedule(q)
 
 
 @dataclass

@@ -20,7 +20,6 @@ from typing import Any, Callable
 from nemo_jq.config import Config
 from nemo_jq.data import Example
 from nemo_jq.models.common import peak_memory_gib, reset_peak_memory
-from nemo_jq.objectives import build_schedule, get_objective
 from nemo_jq.recipe.components import Components, this_ranks_part
 from nemo_jq.recipe.evaluation import Evaluator
 from nemo_jq.recipe.experience import (
@@ -31,10 +30,9 @@ from nemo_jq.recipe.experience import (
     make_experience,
 )
 from nemo_jq.recipe.learn import estimator_gradient
-from nemo_jq.recipe.state import Course, PromptStream, RandomStreams, TrainState
-from nemo_jq.recipe.step import StepResult
+from nemo_jq.recipe.state import Course, ObjectiveInUse, PromptStream, RandomStreams, TrainState
+from nemo_jq.recipe.step import StepResult, rollout_record
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
-from nemo_jq.rollouts.sampling import seed_from
 from nemo_jq.runtime import distributed, runs
 from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
 from nemo_jq.runtime.monitor import RunLogger, merge_metrics, progress
@@ -62,8 +60,7 @@ class Trainer:
         self.components = parts = components
         device = parts.device
         self.policy, self.data_parallel, self.evaluator = parts.policy, parts.data_parallel, Evaluator(parts)
-        self.estimator, self.estimator_options = parts.estimator, parts.estimator_options
-        self.schedule, self.guard = parts.schedule, parts.guard
+        self.objective, self.guard = ObjectiveInUse(parts.estimator, parts.estimator_options, parts.schedule), parts.guard
         self.random = RandomStreams(config.train.seed, self.data_parallel, device)
         self.mismatch = MismatchWatch(config.rollout, parts.correction)
         #: The next step's rollouts, sampled while this step trains (rollout.async_steps=1); None: on-policy.
@@ -145,30 +142,24 @@ class Trainer:
         """One optimizer step on a global batch; this replica samples and trains on its share of the prompts."""
         started, step = time.perf_counter(), self.state.step + 1
         reset_peak_memory(self.components.device)
-        q = self.last_q = self._q(self.state.step)
+        q = self.last_q = self.objective.q(self.state.step, self.state.course)
         experience, lag = self._experience(batch_examples)
-        micro_metrics = estimator_gradient(self.components, self.estimator, self.estimator_options, experience, q=q,
-                                           batch_prompts=len(batch_examples), generator=self.random.estimator)
+        micro_metrics = estimator_gradient(self.components, self.objective.estimator, self.objective.options, experience,
+                                           q=q, batch_prompts=len(batch_examples), generator=self.random.estimator)
         merged = merge_metrics(self.data_parallel.gather(micro_metrics))
         self._stop_if_diverged(step, "the loss", merged.get("loss"))  # before the weights take it
         record = {"epoch": self.state.epoch, "q": q, **merged, **self.policy.optimizer_step()}
         self._stop_if_diverged(step, "the gradient norm", record.get("grad_norm"))
         distributed.everywhere(lambda: self._stop_if_diverged(step, *runs.nonfinite_weights(self.policy)))
         record["train_reward"] = record.get("reward", record.get("p_hat"))
-        if self.ahead is not None:
-            record["rollout_lag"] = lag
-        rollout_tokens = int(self.data_parallel.sum(experience.rollout_tokens))
-        record["rollout_tokens"] = rollout_tokens
-        record["rollout_tokens_per_s"] = rollout_tokens / experience.rollout_seconds if rollout_tokens else None
-        if isinstance(self.components.engine, RemoteRollouts):
-            record.update(self.components.engine.take_sync_record())
+        record.update(rollout_record(self.components, experience, lag if self.ahead is not None else None))
         record["step_time"] = time.perf_counter() - started
         peak = peak_memory_gib(self.components.device)
         if peak is not None:  # the fullest rank's, over the step's rollouts and training
             record["gpu_peak_gib"] = distributed.largest(peak)
         result = StepResult.from_record(step, record)
-        if self.schedule is not None and result.log_p_hat is not None:
-            self.schedule.observe(result.log_p_hat)
+        if self.objective.schedule is not None and result.log_p_hat is not None:
+            self.objective.schedule.observe(result.log_p_hat)
         self.mismatch(result)
         return result
 
@@ -177,24 +168,14 @@ class Trainer:
         if value is not None and not math.isfinite(value):
             raise runs.diverged(self.run_dir, step, what, value, self.config.optim.lr)
 
-    def _q(self, step: int) -> float | None:
-        """The step's q: the schedule's, scaled by the collapse guard's ``lower_q``; None for estimators without one."""
-        return self.schedule(step) * self.state.course.q_scale if self.schedule is not None else None
-
     def _experience(self, batch_examples: list[Example]) -> tuple[Experience, int]:
-        """This replica's experience for the step, and how many steps older than the weights its sampler's were.
-        One step off, the next step's is requested before this one trains; the first step's (and the first after
-        the guard restores a checkpoint) is sampled now."""
-        shard = self.data_parallel.shard(batch_examples)
+        """This replica's experience for the step, and how many steps older than the weights its sampler's were (one
+        step off: :meth:`~nemo_jq.recipe.experience.RolloutsAhead.step_experience`)."""
+        shard, estimator = self.data_parallel.shard(batch_examples), self.objective.estimator
         if self.ahead is None:
-            return make_experience(self.components, shard, self.estimator, self.random.rollout), 0
-        experience, lag = self.ahead.take(), 1
-        if experience is None:
-            experience, lag = make_experience(self.components, shard, self.estimator, self.random.rollout), 0
-        if self.state.step + 1 < self.total_steps:
-            self.ahead.submit(self.data_parallel.shard(self.prompts.upcoming(self.state)), self.estimator,
-                              seed_from(self.random.rollout))
-        return experience, lag
+            return make_experience(self.components, shard, estimator, self.random.rollout), 0
+        upcoming = self.data_parallel.shard(self.prompts.upcoming(self.state)) if self.state.step + 1 < self.total_steps else None
+        return self.ahead.step_experience(shard, upcoming, estimator, self.random.rollout)
 
     def _after_step(self, result: StepResult, logger: RunLogger, end: int) -> None:
         step = self.state.step
@@ -236,13 +217,8 @@ class Trainer:
 
     def _follow_course(self) -> None:
         """Apply the guard's changes so far (the estimator, q's scale, the learning rate's), also after a resume."""
-        course = self.state.course
-        if course.objective != self.estimator.name:
-            self.estimator = get_objective(course.objective)
-            self.estimator_options = self.estimator.options()  # the earlier estimator's options need not be this one's
-            if self.schedule is None and self.estimator.uses_q:
-                self.schedule = build_schedule(self.config.objective.q)
-        self.policy.set_learning_rate(self.config.optim.lr * course.lr_scale)
+        self.objective.follow(self.state.course, self.config.objective.q)
+        self.policy.set_learning_rate(self.config.optim.lr * self.state.course.lr_scale)
 
     def _finish(self, logger: RunLogger) -> dict[str, Any]:
         """Evaluate the best validation checkpoint on the test split and write results.json."""
@@ -255,7 +231,7 @@ class Trainer:
         memorisation = {"final": final_memorisation, "tested": self.evaluator.memorisation()} if final_memorisation is not None else None
         logger.log({"kind": "test", "step": self.state.step, "best_step": best, **scores,
                     **({"memorisation": memorisation["tested"]} if memorisation else {})})
-        results = run_results(self.config.objective, self.estimator.uses_q, self.last_q, best, self.state.best_metric,
+        results = run_results(self.config.objective, self.objective.estimator.uses_q, self.last_q, best, self.state.best_metric,
                               scores, memorisation)
         distributed.on_writer(lambda: write_results(self.run_dir, results))
         logger.attach(self.run_dir / PLOT_FILE)
@@ -269,7 +245,8 @@ class Trainer:
 
     def save(self) -> Path:
         """A checkpoint of the run; one step off, it carries the next step's experience (waited for)."""
-        state = {**dataclasses.asdict(self.state), "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+        schedule = self.objective.schedule
+        state = {**dataclasses.asdict(self.state), "schedule": schedule.state_dict() if schedule is not None else None,
                  "guard": self.guard.state_dict() if self.guard is not None else None}
         rng = {**self.random.state_dict(), **({"ahead": self.ahead.state_dict()} if self.ahead is not None else {})}
         root = self.run_dir / CHECKPOINT_DIR
@@ -286,8 +263,8 @@ class Trainer:
         schedule_state, guard_state = state.pop("schedule"), state.pop("guard", None)
         self.state = TrainState.from_json(state, self.state.course)
         self._follow_course()
-        if self.schedule is not None and schedule_state is not None:
-            self.schedule.load_state_dict(schedule_state)
+        if self.objective.schedule is not None and schedule_state is not None:
+            self.objective.schedule.load_state_dict(schedule_state)
         if self.guard is not None and guard_state is not None:
             self.guard.load_state_dict(guard_state)
         self.random.load_state_dict(rng, self.state.step)

@@ -65,7 +65,7 @@ def _gradient(trainer, engine, num_samples, seed):
     examples = trainer.components.splits.train[:1]
     rollouts = engine.generate(trainer.components.prompt_ids(examples), num_samples, sample_answers=False,
                                generator=torch.Generator().manual_seed(seed))
-    experience = dataclasses.replace(experience_from(trainer.components, examples, trainer.estimator, rollouts, 0, 0.0),
+    experience = dataclasses.replace(experience_from(trainer.components, examples, trainer.objective.estimator, rollouts, 0, 0.0),
                                      group=num_samples)
     [(_, metrics)] = learn_on(trainer, experience, 0.0, 1)
     return torch.cat([p.grad.flatten() for p in trainer.policy.model.parameters() if p.grad is not None]), metrics

@@ -105,10 +105,10 @@ def test_a_collapse_restores_the_best_checkpoint_switches_to_paft_and_is_logged(
     assert name == "step_00000002"
     saved = load_file(str(trainer.run_dir / "checkpoints" / name / "model.safetensors"))
     assert all(torch.equal(weights[key], saved[key]) for key in saved)
-    assert trainer.estimator.name == "paft"
+    assert trainer.objective.estimator.name == "paft"
     assert [r["objective"] for r in read_metrics(trainer.run_dir) if r["kind"] == "guard"] == ["paft"]
     resumed = Trainer.resume(trainer.run_dir)
-    assert resumed.estimator.name == "paft" and resumed.state.course.guard_triggers == 1
+    assert resumed.objective.estimator.name == "paft" and resumed.state.course.guard_triggers == 1
     assert (trainer.run_dir / "training.png").exists()
 
 
@@ -147,5 +147,5 @@ def test_the_guard_switches_to_any_registered_estimator_with_its_defaults(tmp_pa
     trainer, _ = scripted_trainer(tmp_path, [50, 60, 20, 10], "guard.estimator=rb_rloo", "objective.options={baseline: none}")
     trainer.fit()
     [event] = [r for r in read_metrics(trainer.run_dir) if r["kind"] == "guard"]
-    assert event["objective"] == "rb_rloo" and trainer.estimator.name == "rb_rloo"
-    assert trainer.estimator_options == get_objective("rb_rloo").options()  # garl's options do not carry over
+    assert event["objective"] == "rb_rloo" and trainer.objective.estimator.name == "rb_rloo"
+    assert trainer.objective.options == get_objective("rb_rloo").options()  # garl's options do not carry over

@@ -25,7 +25,7 @@ def learned(trainer, experience, rows):
     the estimator's random stream as it was before."""
     state = trainer.random.estimator.get_state()
     trainer.config.train.micro_batch_rows = rows
-    metrics = learn_on(trainer, experience, 0.5 if trainer.estimator.uses_q else None, experience.num_prompts)
+    metrics = learn_on(trainer, experience, 0.5 if trainer.objective.estimator.uses_q else None, experience.num_prompts)
     trainer.random.estimator.set_state(state)
     grads = [p.grad.clone() for p in trainer.policy.model.parameters()]
     trainer.policy.optimizer.zero_grad(set_to_none=True)

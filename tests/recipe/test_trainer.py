@@ -33,13 +33,13 @@ def make_trainer(tmp_path, *overrides, name="run"):
 def test_trainer_passes_the_estimator_what_a_direct_call_gets(tmp_path):
     trainer = make_trainer(tmp_path, "objective.name=garl", "objective.q=0.5", "train.micro_batch_size=4")
     calls = []
-    registered = trainer.estimator.fn
+    registered = trainer.objective.estimator.fn
 
     def recording(inputs, options):
         calls.append((inputs, options))
         return registered(inputs, options)
 
-    trainer.estimator = dataclasses.replace(trainer.estimator, fn=recording)
+    trainer.objective.estimator = dataclasses.replace(trainer.objective.estimator, fn=recording)
     batches = []
     original = trainer.policy.forward_backward
     trainer.policy.forward_backward = lambda micro, fn: (batches.extend(micro), original(micro, fn))[1]

@@ -374,7 +374,7 @@ def test_the_trainer_hands_each_new_estimator_what_its_pure_function_gets(tmp_pa
     from nemo_jq.recipe.experience import experience_from
 
     rollouts = parts.engine.generate(parts.prompt_ids(examples), 4, sample_answers=False, generator=torch.Generator().manual_seed(0))
-    batch = experience_from(parts, examples, trainer.estimator, rollouts, 0, 0.0).batch
+    batch = experience_from(parts, examples, trainer.objective.estimator, rollouts, 0, 0.0).batch
     token_lp = trainer.policy.token_logprobs(batch).detach()
     inputs = EstimatorInputs(token_lp, batch.rationale_mask, batch.answer_mask, 4, q=0.5,
                              generator=torch.Generator().manual_seed(2))
