@@ -26,6 +26,7 @@ BENCH_RUNS = {
     "test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mode_needs_cuda": {"gpu": ["rollouts.py", "--gpu"]},
     "test_async_rollouts_quick_run_compares_both_modes_per_method": {
         "quick": ["async_rollouts.py", "--quick", "--seeds", "0", "--methods", "GRPO", "GARL q=0.5"]},
+    "test_rollout_ranks_quick_run_times_every_placement_and_logs_the_sync": {"quick": ["rollout_ranks.py", "--quick"]},
 }
 RUN_AS_MAIN = "import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
 
@@ -168,6 +169,20 @@ def test_async_rollouts_quick_run_compares_both_modes_per_method(bench_run):
     assert [len(holds) for holds in report["ordering_holds"].values()] == [1, 1]
     assert {"one_step_off_1.3x_per_step", "ordering_holds_in_every_seed"} <= report["targets_met"].keys()
     assert all(timing["speedup"] > 0 for timing in report["speedup_at_thinking_budget"].values())
+
+
+def test_rollout_ranks_quick_run_times_every_placement_and_logs_the_sync(bench_run):
+    """Each placement ran under torchrun (a rollout rank of its own included), and the separate runs' weight syncs
+    carried the tiny model (fp32, about 1.7 MB) in one bucket."""
+    report = quick_report(bench_run)
+    (timing,) = report["timing"].values()
+    assert all(timing[f"{name} step_seconds"] > 0 for name in ("colocated 1 thread", "colocated 2 threads", "separate 1+1"))
+    assert timing["speedup_over_colocated_2_threads"] > 0 and "separate_1.5x_over_colocated_at_64" in report["targets_met"]
+    learned = report["learning"]
+    assert set(learned["runs"]) == {"colocated 2 threads", "separate 1+1"}
+    assert all(len(runs) == 1 and runs[0]["validation"] for runs in learned["runs"].values())
+    assert not any(run["syncs"] for run in learned["runs"]["colocated 2 threads"])
+    assert learned["sync"]["count"] >= 1 and 1e6 < learned["sync"]["bytes"] < 3e6 and learned["sync"]["buckets"] == 1
 
 
 def test_real_gpu_check_runs_its_host_parts_at_the_tiny_shape(tmp_path):
