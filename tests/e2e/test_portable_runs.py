@@ -1,0 +1,35 @@
+"""A run directory is portable: a run resumes and evaluates from another working directory and after a move."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY_RUN, run_cli
+from nemo_jq.config import load_config
+from nemo_jq.runtime.monitor import read_metrics
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+QUICK = [*TINY_RUN, "train.max_steps=2", "eval.every=1000"]
+
+
+@pytest.mark.slow
+def test_a_run_resumes_and_evaluates_from_another_directory_and_after_a_move(tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    assert run_cli(capsys, "data", "prepare", "--dataset", "hotpotqa", "--source", FIXTURES / "hotpotqa_hf",
+                   "--sizes", "3,2,2", "--out", "data/mine")[0] == 0
+    assert run_cli(capsys, "train", *QUICK, "data.prepared_dir=data/mine", "train.epochs=2", "train.batch_size=1",
+                   "train.micro_batch_size=1", "train.run_dir=runs/r")[0] == 0
+    monkeypatch.chdir(tmp_path)  # elsewhere: the saved config names the data by its absolute path
+    code, _, err = run_cli(capsys, "train", "--resume", "work/runs/r", "train.max_steps=3")
+    assert code == 0, err
+    moved = shutil.move(work / "runs" / "r", tmp_path / "moved")  # as clusters move scratch to project space
+    code, out, err = run_cli(capsys, "eval", moved, "--split", "validation")
+    assert code == 0 and json.loads(out)["run_dir"] == str(moved), err
+    code, _, err = run_cli(capsys, "train", "--resume", moved, "train.max_steps=4")
+    assert code == 0, err
+    assert load_config(Path(moved) / "config.yaml").train.run_dir == str(moved)
+    assert [r["step"] for r in read_metrics(moved) if r["kind"] == "train"] == [1, 2, 3, 4]
