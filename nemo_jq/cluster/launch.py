@@ -154,18 +154,15 @@ def sbatch_script(config: LaunchConfig, command: list[str], name: str = "nemo-jq
 
 
 def separate_rollout_ranks(config: Path | None, overrides: list[str]) -> int:
-    """``rollout.ranks`` when a run config (if this host can read it: a launch may name a path inside the container)
-    or its overrides set ``rollout.placement=separate``; 0 otherwise (every rank trains and samples)."""
-    import yaml
+    """``rollout.ranks`` when the run's config, loaded as ``train`` loads it, sets ``rollout.placement=separate``; 0
+    otherwise (every rank trains and samples). A config this host cannot read (a launch may name a path inside the
+    container) leaves the defaults and the overrides of the two keys."""
+    from nemo_jq.config import load_config
 
-    rollout = {}
-    if config is not None and Path(config).is_file():
-        rollout = dict((yaml.safe_load(Path(config).read_text()) or {}).get("rollout") or {})
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key in ("rollout.placement", "rollout.ranks"):
-            rollout[key.split(".")[1]] = yaml.safe_load(value)
-    return int(rollout.get("ranks", 1)) if rollout.get("placement") == "separate" else 0
+    if config is None or not Path(config).is_file():
+        config, overrides = None, [o for o in overrides if o.partition("=")[0] in ("rollout.placement", "rollout.ranks")]
+    rollout = load_config(config, overrides).rollout
+    return rollout.ranks if rollout.placement == "separate" else 0
 
 
 def trained_split(command: list[str]) -> int:
