@@ -4,7 +4,7 @@ its course (and the objective it trains with now), its random streams."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -34,6 +34,11 @@ class Course:
             self.q_scale *= guard.factor
         else:
             self.lr_scale *= guard.factor
+
+    def apply(self, objective: ObjectiveInUse, policy: Any, config: Any) -> None:
+        """Make the run follow this course (the estimator, q's scale, the learning rate's), also after a resume."""
+        objective.follow(self, config.objective.q)
+        policy.set_learning_rate(config.optim.lr * self.lr_scale)
 
 
 @dataclass
@@ -130,3 +135,30 @@ class RandomStreams:
             seed = self.seed + 7919 * step
             self.rollout.manual_seed(self.data_parallel.replica_seed(seed))
             self.estimator.manual_seed(self.data_parallel.replica_seed(seed + 1))
+
+
+def loop_checkpoint(state: TrainState, objective: ObjectiveInUse, guard: Any, random: RandomStreams,
+                     ahead: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a checkpoint saves of the loop beside the policy: ``state.json`` (where the run is, its course, the q
+    schedule's and the guard's state) and the random streams (with the rollouts sampled ahead, one step off)."""
+    schedule = objective.schedule
+    saved = {**asdict(state), "schedule": schedule.state_dict() if schedule is not None else None,
+             "guard": guard.state_dict() if guard is not None else None}
+    return saved, {**random.state_dict(), **({"ahead": ahead.state_dict()} if ahead is not None else {})}
+
+
+def restore_loop(saved: dict[str, Any], rng: dict[str, Any], course: Course, objective: ObjectiveInUse,
+                          guard: Any, random: RandomStreams, ahead: Any) -> TrainState:
+    """Restore what :func:`loop_checkpoint` saved into the loop's parts; the run's :class:`TrainState`."""
+    saved = dict(saved)
+    schedule_state, guard_state = saved.pop("schedule"), saved.pop("guard", None)
+    state = TrainState.from_json(saved, course)
+    if objective.schedule is not None and schedule_state is not None:
+        objective.schedule.load_state_dict(schedule_state)
+    if guard is not None and guard_state is not None:
+        guard.load_state_dict(guard_state)
+    random.load_state_dict(rng, state.step)
+    if ahead is not None:
+        ahead.load_state_dict(rng.get("ahead", {}))
+    return state
+

@@ -22,15 +22,9 @@ from nemo_jq.data import Example
 from nemo_jq.models.common import peak_memory_gib, reset_peak_memory
 from nemo_jq.recipe.components import Components, this_ranks_part
 from nemo_jq.recipe.evaluation import Evaluator
-from nemo_jq.recipe.experience import (
-    Experience,
-    MismatchWatch,
-    RolloutsAhead,
-    RolloutsAheadOnRanks,
-    make_experience,
-)
+from nemo_jq.recipe.experience import Experience, MismatchWatch, RolloutsAhead, RolloutsAheadOnRanks, make_experience
 from nemo_jq.recipe.learn import estimator_gradient
-from nemo_jq.recipe.state import Course, ObjectiveInUse, PromptStream, RandomStreams, TrainState
+from nemo_jq.recipe.state import Course, ObjectiveInUse, PromptStream, RandomStreams, TrainState, loop_checkpoint, restore_loop
 from nemo_jq.recipe.step import StepResult, rollout_record
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.runtime import distributed, runs
@@ -210,15 +204,10 @@ class Trainer:
         if best is not None:
             self.policy.load(self.run_dir / CHECKPOINT_DIR / step_dir_name(best), with_optimizer=True)
         course.change(guard)
-        self._follow_course()
+        course.apply(self.objective, self.policy, self.config)
         self.guard.restart()
         logger.log({"kind": "guard", "step": self.state.step, "reason": reason, "action": guard.action,
                     "restored_step": best, **dataclasses.asdict(course)})
-
-    def _follow_course(self) -> None:
-        """Apply the guard's changes so far (the estimator, q's scale, the learning rate's), also after a resume."""
-        self.objective.follow(self.state.course, self.config.objective.q)
-        self.policy.set_learning_rate(self.config.optim.lr * self.state.course.lr_scale)
 
     def _finish(self, logger: RunLogger) -> dict[str, Any]:
         """Evaluate the best validation checkpoint on the test split and write results.json."""
@@ -245,10 +234,7 @@ class Trainer:
 
     def save(self) -> Path:
         """A checkpoint of the run; one step off, it carries the next step's experience (waited for)."""
-        schedule = self.objective.schedule
-        state = {**dataclasses.asdict(self.state), "schedule": schedule.state_dict() if schedule is not None else None,
-                 "guard": self.guard.state_dict() if self.guard is not None else None}
-        rng = {**self.random.state_dict(), **({"ahead": self.ahead.state_dict()} if self.ahead is not None else {})}
+        state, rng = loop_checkpoint(self.state, self.objective, self.guard, self.random, self.ahead)
         root = self.run_dir / CHECKPOINT_DIR
         distributed.everywhere(lambda: self._stop_if_diverged(self.state.step, *runs.nonfinite_weights(self.policy)))
         path = save_checkpoint(root, self.state.step, self.policy, state, rng)
@@ -260,13 +246,5 @@ class Trainer:
         if self.server is not None:  # a rollout rank's weights arrive with the first sync
             return
         state, rng = load_checkpoint(checkpoint, self.policy)
-        schedule_state, guard_state = state.pop("schedule"), state.pop("guard", None)
-        self.state = TrainState.from_json(state, self.state.course)
-        self._follow_course()
-        if self.objective.schedule is not None and schedule_state is not None:
-            self.objective.schedule.load_state_dict(schedule_state)
-        if self.guard is not None and guard_state is not None:
-            self.guard.load_state_dict(guard_state)
-        self.random.load_state_dict(rng, self.state.step)
-        if self.ahead is not None:
-            self.ahead.load_state_dict(rng.get("ahead", {}))
+        self.state = restore_loop(state, rng, self.state.course, self.objective, self.guard, self.random, self.ahead)
+        self.state.course.apply(self.objective, self.policy, self.config)
