@@ -36,7 +36,7 @@ FP32_MAX = 3.4028234663852886e38
 IMPORTANCE_MODES = ("auto", "none", *CORRECTIONS)
 #: ``rollout.placement``: rollouts on the training ranks, or on ranks of their own; the engines those may run.
 PLACEMENTS = ("colocated", "separate")
-SEPARATE_ENGINES = ("native", "hf")
+SEPARATE_ENGINES = ("native", "hf", "vllm")
 
 __all__ = ["Config", "ConfigError", "describe_keys", "load_config", "save_config"]
 
@@ -134,8 +134,12 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         if self.placement == "separate" and self.engine not in SEPARATE_ENGINES:
-            raise ConfigError(f"rollout.placement=separate samples with rollout.engine={' or '.join(SEPARATE_ENGINES)} "
+            raise ConfigError(f"rollout.placement=separate samples with rollout.engine={', '.join(SEPARATE_ENGINES)} "
                               f"for now; got rollout.engine={self.engine}: use one of those, or rollout.placement=colocated")
+        if self.placement == "separate" and self.tensor_parallel > 1:
+            raise ConfigError(f"rollout.tensor_parallel={self.tensor_parallel} with rollout.placement=separate: each rollout "
+                              "rank holds one whole engine for now: set rollout.tensor_parallel=1 (and rollout.ranks to "
+                              "the engines you want)")
 
     def bucket_bytes(self) -> int:
         return max(16, int(self.sync_bucket_mb * 2**20))

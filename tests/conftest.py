@@ -43,8 +43,8 @@ def registrations_stay_in_their_test():
     that after the test, and forget the modules that registered them (a later test naming the plugin imports it and
     registers it again), so what ran before a test in this process (pytest-xdist gives each worker its own share and
     order) changes nothing it sees, e.g. the names an error lists."""
+    from nemo_jq.backends import BACKENDS
     from nemo_jq.data.qa import DATASETS
-    from nemo_jq.models.backends import BACKENDS
     from nemo_jq.objectives import registry
     from nemo_jq.rollouts import SAMPLERS
 

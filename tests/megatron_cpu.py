@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from nemo_jq.models.backends import MEGATRON_ON_CPU
+from nemo_jq.backends import MEGATRON_ON_CPU
 
 
 def _rotary_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:

@@ -43,7 +43,7 @@ An estimate from shapes, not a measurement; every assumption is printed with the
 
 With ``rollout_ranks`` (``rollout.placement=separate``) the last ``rollout_ranks`` GPUs only sample: the layouts
 are of the other GPUs, whose ranks hold no rollout copy, KV cache or vLLM share; each rollout rank holds the whole
-model in bf16, the KV cache as above (one replica's request at a time) and two sync buckets
+model in bf16 and the KV cache as above (one replica's request at a time), or vLLM's share, and two sync buckets
 (``rollout.sync_bucket_mb``: one in flight, one filling), and no optimizer. Each optimizer step sends the whole
 model in bf16 to them (``weight_sync``), at ``sync_bandwidth`` GB/s (a broadcast over NCCL: the slowest link between
 the first training rank and a rollout rank; across nodes, one InfiniBand port's rate).
@@ -333,12 +333,15 @@ def kv_cache_bytes(arch: Qwen3Architecture, work: Workload, prompts: int) -> flo
     return kv_per_token * held_tokens
 
 
-def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: int) -> dict[str, float]:
-    """A rollout rank's memory (``rollout.placement=separate``), in bytes: the whole model in bf16, the KV cache of
-    one replica's request (it serves one at a time) and two sync buckets; no gradients, no optimizer."""
+def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: int, gpu_gb: float) -> dict[str, float]:
+    """A rollout rank's memory (``rollout.placement=separate``), in bytes: the native/hf samplers' whole model in bf16
+    and KV cache of one replica's request (it serves one at a time), or vLLM's share of the GPU (its weights and KV
+    cache are inside it, and it never sleeps here), and two sync buckets; no gradients, no optimizer."""
+    buckets = {"sync_buckets": 2 * work.sync_bucket_mb * 2**20}
+    if work.rollout_engine == "vllm":
+        return {"vllm": work.vllm_memory_utilization * gpu_gb * GiB, **buckets}
     return {"weights": 2 * parameter_count(arch),
-            "kv_cache": kv_cache_bytes(arch, work, max(1, work.batch_prompts // data_parallel)),
-            "sync_buckets": 2 * work.sync_bucket_mb * 2**20}
+            "kv_cache": kv_cache_bytes(arch, work, max(1, work.batch_prompts // data_parallel)), **buckets}
 
 
 def weight_sync(arch: Qwen3Architecture, work: Workload, bandwidth_gb_s: float) -> dict[str, float]:
@@ -431,8 +434,11 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
             raise ValueError(f"--rollout-ranks {work.rollout_ranks} of {gpus + work.rollout_ranks} GPUs leaves none to "
                              "train: fewer rollout ranks, or more --nodes/--gpus-per-node")
         if work.rollout_engine not in SEPARATE_ENGINES:
-            raise ValueError(f"rollout ranks of their own sample with {' or '.join(SEPARATE_ENGINES)} for now, not "
+            raise ValueError(f"rollout ranks of their own sample with {', '.join(SEPARATE_ENGINES)} for now, not "
                              f"{work.rollout_engine}: --rollout-engine native, or colocated rollouts (no --rollout-ranks)")
+        if work.rollout_engine == "vllm" and work.vllm_tensor_parallel > 1:
+            raise ValueError(f"--rollout-tensor-parallel {work.vllm_tensor_parallel} with --rollout-ranks: each rollout "
+                             "rank holds one whole vLLM engine for now: --rollout-tensor-parallel 1")
     if work.backend == "hf":  # one training process, one GPU
         return [estimate(arch, work, 1, 1, 1, gpu_gb, headroom)]
     layouts = []
@@ -462,9 +468,11 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
     result = {"parameters": parameter_count(arch), "workload": asdict(work), "gpu_memory_gib": gpu_gb,
               "headroom": headroom}
     if work.rollout_ranks:
-        parts = {name: round(size / GiB, 2) for name, size in rollout_rank_bytes(arch, work, layouts[0].data_parallel).items()}
+        sizes = rollout_rank_bytes(arch, work, layouts[0].data_parallel, gpu_gb)
+        parts = {name: round(size / GiB, 2) for name, size in sizes.items()}
         total = round(sum(parts.values()), 2)
-        result["rollout_rank"] = {**parts, "total": total, "fits": total <= gpu_gb * headroom}
+        fits = total <= gpu_gb * headroom and sizes.get("vllm", math.inf) > 2 * parameter_count(arch)
+        result["rollout_rank"] = {**parts, "total": total, "fits": fits}
         result["weight_sync"] = weight_sync(arch, work, sync_gb_s)
         best = best if result["rollout_rank"]["fits"] else None
     return {**result, "recommended": asdict(best) if best else None, "overrides": overrides(best, work) if best else None,
@@ -483,10 +491,14 @@ def format_report(result: dict[str, Any]) -> str:
     sampler = result.get("rollout_rank")
     if sampler:
         sync = result["weight_sync"]
+        vllm = "vllm" in sampler
+        held = (f"{sampler['vllm']} GiB vLLM share (its weights and KV cache)" if vllm else
+                f"{sampler['weights']} GiB bf16 weights + {sampler['kv_cache']} KV cache")
+        advice = ("a --vllm-memory-utilization whose share holds the bf16 weights, below the headroom" if vllm else
+                  "a smaller --kv-cache-tokens")
         lines.append(f"rollout ranks (the last {result['workload']['rollout_ranks']} GPUs; the layouts above are the "
-                     f"others'): each {sampler['weights']} GiB bf16 weights + {sampler['kv_cache']} KV cache + "
-                     f"{sampler['sync_buckets']} sync buckets = {sampler['total']} GiB"
-                     + ("" if sampler["fits"] else f": does not fit in {budget:.0f} GiB: try a smaller --kv-cache-tokens"))
+                     f"others'): each {held} + {sampler['sync_buckets']} sync buckets = {sampler['total']} GiB"
+                     + ("" if sampler["fits"] else f": does not fit in {budget:.0f} GiB: try {advice}"))
         lines.append(f"weight sync per step: {sync['bytes'] / 1e9:.2f} GB in {sync['buckets']} buckets, "
                      f"{sync['seconds']:.2f} s at {sync['gb_per_s']:g} GB/s (--sync-bandwidth)")
     if best:

@@ -27,13 +27,15 @@ from nemo_jq.data.chat import ChatFormat, build_tokenizer
 from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.prepare import describe_over_cap, load_prepared, make_task, prepare
 from nemo_jq.models.common import SafetensorsFolder, autocast_dtype, resolve_device, resolve_pretrained
+from nemo_jq.models.export import export_hf_model
 from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
 from nemo_jq.models.interfaces import Policy, RolloutEngine
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
 from nemo_jq.objectives.importance import Correction
 from nemo_jq.recipe.guard import CollapseGuard
-from nemo_jq.rollouts import SamplerRequest, build_rollouts, check_sampler
+from nemo_jq.rollouts import IN_PLACE, SamplerRequest, build_rollouts, check_sampler
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
+from nemo_jq.rollouts.wiring import scratch_model_dir
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.distributed import DataParallel
 
@@ -93,22 +95,29 @@ def build_components(config: Config, device: torch.device, *, tokenizer_dir: Pat
     components = assemble_components(config, device, task, splits, chat, BackendRequest(
         load_model=lambda: load_model(config, model_dir, len(chat.tokenizer)), model_dir=model_dir, config=config,
         chat=chat, device=device))
-    roles = distributed.roles()
-    if roles is None:
-        return components
-    # the backend's own engine goes (with any HF copy it holds): the rollouts come from other ranks, with other weights
-    engine = RemoteRollouts(components.policy, roles, config.rollout.bucket_bytes())
-    return dataclasses.replace(components, engine=engine, correction=importance_correction(config, on_policy=engine.on_policy))
+    if distributed.roles() is not None and not isinstance(components.engine, RemoteRollouts):
+        raise ValueError(f"model.backend={config.model.backend} built a rollout engine of its own on a training rank of a "
+                         "split world (rollout.placement=separate): compose it with nemo_jq.rollouts.wiring.compose_engine "
+                         "(nemo_jq.backends.engine_for), which asks the rollout ranks, or set rollout.placement=colocated")
+    return components
 
 
 def build_rollout_server(config: Config, device: torch.device, *, tokenizer_dir: Path | None = None) -> RolloutServer:
-    """A rollout rank's part (``rollout.placement=separate``): the engine over an HF model of its own, in the compute
-    dtype (as the megatron backend's sampler), whose weights arrive with the first sync; no policy, no optimizer."""
+    """A rollout rank's part (``rollout.placement=separate``): an engine over weights of its own, which arrive with the
+    first sync; no policy, no optimizer. An in-place sampler (native, hf) decodes an HF model in the compute dtype (as
+    the megatron backend's sampler); an engine that loads a folder (vLLM) starts from ``model.path``, or from this
+    rank's export of the model built from scratch."""
     task, splits, model_dir, chat = _prepare(config, tokenizer_dir)
-    dtype = autocast_dtype(device, config.model.precision) or torch.float32
-    model = load_model(config, model_dir, len(chat.tokenizer)).to(device, dtype=dtype)
-    engine = build_rollouts(SamplerRequest(model, model_dir, config, chat.pad_id, device), chat)
-    return RolloutServer(engine, distributed.roles(), config.rollout.bucket_bytes())
+    if config.rollout.engine in IN_PLACE:
+        dtype = autocast_dtype(device, config.model.precision) or torch.float32
+        model = load_model(config, model_dir, len(chat.tokenizer)).to(device, dtype=dtype)
+        request = SamplerRequest(model, model_dir, config, chat.pad_id, device)
+    else:
+        if model_dir is None:  # a model built from scratch: the engine loads this rank's export of it
+            model_dir = Path(scratch_model_dir())
+            export_hf_model(load_model(config, None, len(chat.tokenizer)), model_dir, chat.tokenizer)
+        request = SamplerRequest(None, model_dir, config, chat.pad_id, device)
+    return RolloutServer(build_rollouts(request, chat), distributed.roles(), config.rollout.bucket_bytes())
 
 
 def _prepare(config: Config, tokenizer_dir: Path | None) -> tuple[Task, Splits, Path | None, ChatFormat]:

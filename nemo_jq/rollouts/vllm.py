@@ -177,12 +177,13 @@ def sample_from_completion(completion: Any) -> Sample:
 
 def llm_kwargs(model_dir: str, *, tensor_parallel: int, world_size: int, on_gpu: bool, dtype: str,
                memory_utilization: float, kv_cache_bytes: int | None, seed: int,
-               engine_fields: set[str]) -> dict[str, Any]:
+               engine_fields: set[str], torchrun: bool = False) -> dict[str, Any]:
     """``vllm.LLM`` arguments; ``engine_fields``: the installed vLLM's ``EngineArgs`` fields (what it accepts).
 
-    Under ``torchrun`` (``world_size`` > 1) every rank builds an engine through vLLM's external launcher
-    (each on its own device: vLLM's uniprocess executor would put every rank's engine on device 0):
-    ``tensor_parallel`` consecutive ranks per engine, the engines its data-parallel ranks. On GPU the
+    Under ``torchrun`` (its process group joined; ``world_size``: the group's size, one on a rollout rank of its own)
+    every rank builds an engine through vLLM's external launcher (each on its own device: vLLM's uniprocess
+    executor would put every rank's engine on device 0): ``tensor_parallel`` consecutive ranks per engine, the
+    engines its data-parallel ranks. On GPU the
     engine takes ``memory_utilization`` of the device and may sleep; on CPU (no sleep mode) the KV cache
     is sized in bytes, since the share there is of a NUMA node's RAM, layers are not compiled, and prefills
     are not chunked (vLLM rewinds a seeded request's generator after a partial prefill, which only a CUDA
@@ -198,7 +199,7 @@ def llm_kwargs(model_dir: str, *, tensor_parallel: int, world_size: int, on_gpu:
         kwargs.update(gpu_memory_utilization=memory_utilization, enable_sleep_mode=True)
     if kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
-    if world_size > 1:
+    if torchrun or world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
         if world_size // tensor_parallel > 1:
             kwargs["data_parallel_size"] = world_size // tensor_parallel
@@ -217,6 +218,23 @@ def random_state_kept() -> Iterator[None]:
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_rng_state(states[2])
+
+
+@contextlib.contextmanager
+def rank_in_engine_world() -> Iterator[None]:
+    """``RANK`` as this process's rank in its default group while an engine is built: vLLM's external launcher reads it
+    there, and a rollout rank of its own (``rollout.placement=separate``) is rank 0 of its engine's world, not torchrun's
+    ``RANK`` (its device stays ``LOCAL_RANK``'s)."""
+    saved = os.environ.get("RANK")
+    if torch.distributed.is_initialized():
+        os.environ["RANK"] = str(torch.distributed.get_rank())
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RANK", None)
+        else:
+            os.environ["RANK"] = saved
 
 
 def with_tied_head(tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -299,11 +317,12 @@ class VLLMSampler:
         kwargs = llm_kwargs(str(model_dir), tensor_parallel=tensor_parallel, world_size=distributed.world_size(),
                             on_gpu=on_gpu, dtype="bfloat16" if on_gpu and precision != "fp32" else "float32",
                             memory_utilization=memory_utilization, kv_cache_bytes=kv_cache_bytes, seed=seed,
-                            engine_fields={field for field in EngineArgs.__dataclass_fields__})
+                            engine_fields={field for field in EngineArgs.__dataclass_fields__},
+                            torchrun=torch.distributed.is_initialized())
         self.sleeps = bool(kwargs.get("enable_sleep_mode"))
         quiet_expected_noise()
         shut_down_engine()
-        with random_state_kept():
+        with random_state_kept(), rank_in_engine_world():
             self.llm = LLM(**kwargs)
         _LIVE["sampler"] = self
         self._awake, self._depth = {"weights", "kv_cache"}, 0

@@ -1,9 +1,12 @@
 """How a rollout engine gets its weights, decided in one place for every backend.
 
-Three ways, by the engine and the run: an engine that loads a folder (``rollout.engine`` not in-place: vLLM) starts
-from the starting weights' HF folder and is refitted after every step; an in-place sampler (native, hf) decodes its
-own HF copy, refitted likewise, where the backend gives one (rollouts sampled one step ahead, which sample while the
-policy trains; a Megatron policy, whose weights are not an HF model); else it decodes the policy's HF model itself.
+On a training rank of a split world (``rollout.placement=separate``) the engine asks the rollout ranks, which hold
+the weights they are sent (:class:`~nemo_jq.rollouts.ranks.RemoteRollouts`): no engine or HF copy is built there.
+Otherwise three ways, by the engine and the run: an engine that loads a folder (``rollout.engine`` not in-place:
+vLLM) starts from the starting weights' HF folder and is refitted after every step; an in-place sampler (native, hf)
+decodes its own HF copy, refitted likewise, where the backend gives one (rollouts sampled one step ahead, which sample
+while the policy trains; a Megatron policy, whose weights are not an HF model); else it decodes the policy's HF model
+itself.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from nemo_jq.models.interfaces import Policy, RolloutEngine
 from nemo_jq.rollouts import IN_PLACE, SamplerRequest, build_rollouts
+from nemo_jq.rollouts.ranks import RemoteRollouts
 from nemo_jq.rollouts.refit import RefittedRolloutEngine
 from nemo_jq.runtime import distributed
 
@@ -29,6 +33,10 @@ def compose_engine(policy: Policy, *, config: Any, chat: Any, device: torch.devi
     may decode; ``own_copy()``: the HF copy an in-place sampler decodes instead (it is refitted from the policy)."""
     def request(model: Any, folder: Path | None = None) -> SamplerRequest:
         return SamplerRequest(model, folder, config, chat.pad_id, device)
+
+    roles = distributed.roles()
+    if roles is not None:  # a training rank of a split world: no engine or copy here, the rollout ranks sample
+        return RemoteRollouts(policy, roles, config.rollout.bucket_bytes())
 
     if config.rollout.engine not in IN_PLACE:  # an engine with its own weights: no HF copy anywhere
         folder = starting_weights_dir(policy, chat, model_dir)
@@ -46,7 +54,13 @@ def starting_weights_dir(policy: Policy, chat: Any, model_dir: Path | None) -> P
     policy's export into a temporary folder (a model built from scratch; one node: the writer's disk)."""
     if model_dir is not None:
         return model_dir
-    folder = Path(distributed.on_writer(lambda: tempfile.mkdtemp(prefix="nemo_jq_starting_weights_")))
-    distributed.on_writer(lambda: atexit.register(shutil.rmtree, folder, ignore_errors=True))
+    folder = Path(distributed.on_writer(scratch_model_dir))
     policy.export(folder, chat.tokenizer)
+    return folder
+
+
+def scratch_model_dir() -> str:
+    """A temporary folder for starting weights, removed when this process exits."""
+    folder = tempfile.mkdtemp(prefix="nemo_jq_starting_weights_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder

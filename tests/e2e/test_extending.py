@@ -44,7 +44,7 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
         import types
 
         from nemo_jq.runtime.distributed import DataParallel
-        from nemo_jq.models.backends import register_backend
+        from nemo_jq.backends import register_backend
         from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
 

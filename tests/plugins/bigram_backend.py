@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from nemo_jq.models.backends import BackendRequest, register_backend
+from nemo_jq.backends import BackendRequest, register_backend
 from nemo_jq.models.interfaces import TokenBatch, backward_each
 from nemo_jq.rollouts import BudgetedRollouts, Sample
 from nemo_jq.rollouts.refit import RefittedRolloutEngine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -235,9 +236,18 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
                  "rollout.placement=separate", "rollout.ranks=8", "rollout.engine=native"])
     out = capsys.readouterr().out
     assert code == 0 and "rollout ranks (the last 8 GPUs" in out and "weight sync per step: 16.38 GB" in out
+    code = main(["plan", "--config", "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml", "--nodes", "2",
+                 "rollout.placement=separate", "rollout.ranks=8"])  # the config's own vLLM (docs/cluster.md)
+    assert code == 0 and "each 40.0 GiB vLLM share (its weights and KV cache) + 0.5 sync buckets" in capsys.readouterr().out
+    vllm = plan.report(arch, replace(separate, rollout_engine="vllm", vllm_memory_utilization=0.85), trainers, 80, 0.9)
+    assert vllm["rollout_rank"] == {"vllm": 68.0, "sync_buckets": 0.12, "total": 68.12, "fits": True}  # 0.85 x 80 GiB
+    assert vllm["overrides"] is not None
+    starved = plan.report(arch, replace(separate, rollout_engine="vllm", vllm_memory_utilization=0.15), trainers, 80, 0.9)
+    assert not starved["rollout_rank"]["fits"] and starved["overrides"] is None  # 12 GiB < the 15.26 GiB of bf16 weights
+    assert "--vllm-memory-utilization whose share holds the bf16 weights" in plan.format_report(starved)
     for args, fragment in ((["--model", "8b", "--rollout-ranks", "8"], "leaves none to train"),
-                           (["--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm"],
-                            "--rollout-engine native")):
+                           (["--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm",
+                             "--rollout-tensor-parallel", "2"], "--rollout-tensor-parallel 1")):
         assert main(["plan", *args]) == 2
         assert fragment in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -121,8 +121,8 @@ def test_paft_resampling_is_reproducible_with_a_generator():
 
 def test_every_registry_is_one_class_with_one_message_for_an_unknown_name():
     """Estimators, backends, rollout engines and datasets: one Registry, so a misspelt name reads alike everywhere."""
+    from nemo_jq.backends import BACKENDS
     from nemo_jq.data.qa import DATASETS
-    from nemo_jq.models.backends import BACKENDS
     from nemo_jq.objectives import registry as objectives
     from nemo_jq.registry import Registry
     from nemo_jq.rollouts import SAMPLERS
