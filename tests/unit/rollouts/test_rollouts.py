@@ -185,8 +185,9 @@ OLD_VLLM = NEW_VLLM - {"logprobs_mode", "kv_cache_memory_bytes"}
 
 
 def test_vllm_engines_use_the_external_launcher_at_every_world_size_above_one():
-    """C1: under torchrun at rollout.tensor_parallel=1 vLLM's uniprocess executor puts every rank's engine on device 0;
-    the external launcher places each on its own rank's device, the engines vLLM's data-parallel ranks."""
+    """C1: under torchrun at rollout.tensor_parallel=1 vLLM's uniprocess executor puts every rank's engine on device 0
+    (a rollout rank's too, in its world of one); the external launcher places each on its own rank's device, the
+    engines vLLM's data-parallel ranks."""
     def kwargs(world, tp, gpu=True, fields=NEW_VLLM):
         return llm_kwargs("m", tensor_parallel=tp, world_size=world, on_gpu=gpu, dtype="bfloat16", memory_utilization=0.5,
                           kv_cache_bytes=None if gpu else 2**30, seed=3, engine_fields=fields)
@@ -202,6 +203,10 @@ def test_vllm_engines_use_the_external_launcher_at_every_world_size_above_one():
     assert "enable_sleep_mode" not in cpu and cpu["kv_cache_memory_bytes"] == 2**30 and cpu["enforce_eager"]
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["enable_chunked_prefill"] is False
     assert "enable_chunked_prefill" not in single  # on GPU the split prefill's seeded generator rewinds fine
+    alone = llm_kwargs("m", tensor_parallel=1, world_size=1, on_gpu=True, dtype="bfloat16", memory_utilization=0.85,
+                       kv_cache_bytes=None, seed=3, engine_fields=NEW_VLLM, torchrun=True, alone=True)
+    assert alone["distributed_executor_backend"] == "external_launcher" and "data_parallel_size" not in alone
+    assert alone["enable_sleep_mode"] is False  # a rollout rank of its own: on its LOCAL_RANK GPU, and never asleep
     old = kwargs(1, 1, gpu=False, fields=OLD_VLLM)  # L4: a vLLM without these arguments is not given them
     assert "logprobs_mode" not in old and "kv_cache_memory_bytes" not in old
 
