@@ -43,10 +43,12 @@ An estimate from shapes, not a measurement; every assumption is printed with the
 
 With ``rollout_ranks`` (``rollout.placement=separate``) the last ``rollout_ranks`` GPUs only sample: the layouts
 are of the other GPUs, whose ranks hold no rollout copy, KV cache or vLLM share; each rollout rank holds the whole
-model in bf16 and the KV cache as above (one replica's request at a time), or vLLM's share, and two sync buckets
-(``rollout.sync_bucket_mb``: one in flight, one filling), and no optimizer. Each optimizer step sends the whole
-model in bf16 to them (``weight_sync``), at ``sync_bandwidth`` GB/s (a broadcast over NCCL: the slowest link between
-the first training rank and a rollout rank; across nodes, one InfiniBand port's rate).
+model in bf16 and the KV cache as above (one replica's request at a time), or vLLM's share, and the sync's receiving
+side: one bucket (``rollout.sync_bucket_mb``) and a tensor spread over buckets put together whole; no optimizer (the
+dry run of a rollout rank agrees: ``nemo-jq dryrun ... rollout.placement=separate``). Each optimizer step sends the
+whole model to them as the policy holds it, bf16 with ``bf16-distopt`` and fp32 otherwise (``weight_sync``), at
+``sync_bandwidth`` GB/s (a broadcast over NCCL: the slowest link between the first training rank and a rollout rank;
+across nodes, one InfiniBand port's rate).
 
 When nothing fits, the report names the component of the closest layout that takes the most and the setting
 that shrinks it (one not already chosen). Sizes are GiB (2^30 bytes).
@@ -336,18 +338,30 @@ def kv_cache_bytes(arch: Qwen3Architecture, work: Workload, prompts: int) -> flo
 def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: int, gpu_gb: float) -> dict[str, float]:
     """A rollout rank's memory (``rollout.placement=separate``), in bytes: the native/hf samplers' whole model in bf16
     and KV cache of one replica's request (it serves one at a time), or vLLM's share of the GPU (its weights and KV
-    cache are inside it, and it never sleeps here), and two sync buckets; no gradients, no optimizer."""
-    buckets = {"sync_buckets": 2 * work.sync_bucket_mb * 2**20}
+    cache are inside it, and it never sleeps here), and what the sync's receiving side holds: one bucket, and a tensor
+    spread over buckets put together whole (the embedding, at real vocabularies); no gradients, no optimizer."""
+    buckets = {"sync_buckets": work.sync_bucket_mb * 2**20 + largest_tensor_bytes(arch, work)}
     if work.rollout_engine == "vllm":
         return {"vllm": work.vllm_memory_utilization * gpu_gb * GiB, **buckets}
     return {"weights": 2 * parameter_count(arch),
             "kv_cache": kv_cache_bytes(arch, work, max(1, work.batch_prompts // data_parallel)), **buckets}
 
 
+def sent_bytes_per_parameter(work: Workload) -> int:
+    """The weight sync sends the policy's weights as they are: bf16 with Megatron's bf16 weights (``bf16-distopt``),
+    else fp32."""
+    return 2 if work.optimizer == "bf16-distopt" else 4
+
+
+def largest_tensor_bytes(arch: Qwen3Architecture, work: Workload) -> int:
+    """The largest weight the sync sends (the embedding or an MLP projection), in its sent dtype."""
+    return max(arch.vocab_size, arch.intermediate_size) * arch.hidden_size * sent_bytes_per_parameter(work)
+
+
 def weight_sync(arch: Qwen3Architecture, work: Workload, bandwidth_gb_s: float) -> dict[str, float]:
-    """What each optimizer step sends the rollout ranks: the whole model in bf16, in buckets, and the seconds it takes
-    at ``bandwidth_gb_s`` (10^9 bytes/s)."""
-    sent = 2 * parameter_count(arch)
+    """What each optimizer step sends the rollout ranks: the whole model as the policy holds it
+    (:func:`sent_bytes_per_parameter`), in buckets, and the seconds it takes at ``bandwidth_gb_s`` (10^9 bytes/s)."""
+    sent = sent_bytes_per_parameter(work) * parameter_count(arch)
     return {"bytes": sent, "buckets": math.ceil(sent / (work.sync_bucket_mb * 2**20)), "gb_per_s": bandwidth_gb_s,
             "seconds": sent / (bandwidth_gb_s * 1e9)}
 

@@ -53,12 +53,13 @@ class RankPlace:
 
 
 def default_ranks(config: Any, world_size: int) -> list[int]:
-    """Replica 0's first rank of the first pipeline stage (its sampling rank) and, where it samples too (vLLM), of the
-    last stage: the stages that differ (the embedding and the most micro-batches in flight; the final norm, the LM
-    head and the log-probs)."""
+    """Replica 0's first rank of the first pipeline stage (its sampling rank) and, where it samples too (vLLM) or no
+    training rank samples (a split world), of the last stage: the stages that differ (the embedding and the most
+    micro-batches in flight; the final norm, the LM head and the log-probs)."""
     layout = config.megatron
     last = (layout.pipeline_parallel - 1) * world_size // layout.pipeline_parallel
-    return sorted({0, last} if samples(config, RankPlace.of(last, layout, world_size)) else {0})
+    alike = samples(config, RankPlace.of(last, layout, world_size)) or config.rollout.placement == "separate"
+    return sorted({0, last} if alike else {0})
 
 
 def check_ranks(config: Any, ranks: list[int], world_size: int) -> None:
@@ -66,7 +67,8 @@ def check_ranks(config: Any, ranks: list[int], world_size: int) -> None:
     wrong = [rank for rank in ranks if not 0 <= rank < world_size]
     if wrong:
         raise ValueError(f"--ranks {','.join(map(str, wrong))}: a rank of {world_size} GPUs is 0 to {world_size - 1}")
-    if config.rollout.engine != "vllm" and config.megatron.pipeline_parallel > 1:
+    colocated = config.rollout.placement == "colocated"  # rollout ranks of their own take any names (sent, not refitted)
+    if colocated and config.rollout.engine != "vllm" and config.megatron.pipeline_parallel > 1:
         raise ValueError(f"rollout.engine={config.rollout.engine} with megatron.pipeline_parallel="
                          f"{config.megatron.pipeline_parallel} is not dry-run yet: its refit names every stage's weights "
                          "from the other stages (an object the fake process group cannot carry); dry-run "

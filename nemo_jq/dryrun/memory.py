@@ -19,7 +19,7 @@ import torch
 
 #: The kinds of bytes, in the report's order.
 KINDS = ("weights", "gradients", "optimizer", "activations", "logprob_head", "kv_cache", "sampler_copy", "vllm",
-         "temporaries")
+         "sync_buckets", "temporaries")
 
 
 @dataclass

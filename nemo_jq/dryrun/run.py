@@ -33,10 +33,11 @@ from nemo_jq.data import Example, Splits
 from nemo_jq.dryrun.memory import KINDS, MemoryTracker
 from nemo_jq.dryrun.world import GPU, FakeWorld, WrongDevice, patched
 from nemo_jq.models.interfaces import TokenBatch
-from nemo_jq.objectives import Need
-from nemo_jq.rollouts import SAMPLERS, refit
+from nemo_jq.objectives import Need, get_objective
+from nemo_jq.rollouts import SAMPLERS, BudgetedRollouts, refit
 from nemo_jq.rollouts.hf import NativeSampler
 from nemo_jq.rollouts.sampling import Sample
+from nemo_jq.rollouts.sync import ALIGNMENT, WeightSync
 
 GiB = 1024**3
 
@@ -70,7 +71,11 @@ KNOBS = {
     "sampler_copy": "rollout.engine=vllm (no HF copy of the model beside the policy)",
     "vllm": "a smaller rollout.vllm_memory_utilization",
     "temporaries": "a smaller rollout.kv_cache_tokens or eval.batch_size (fewer rows sampled at once)",
+    "sync_buckets": "a smaller rollout.sync_bucket_mb",
 }
+#: A rollout rank's knobs, where they differ: it holds one whole engine.
+ROLLOUT_RANK_KNOBS = {"weights": "rollout.engine=vllm within its rollout.vllm_memory_utilization share, or a GPU that "
+                                 "holds the whole model in bf16 (a rollout rank holds one whole engine)"}
 
 
 class DoesNotFit(ValueError):
@@ -85,40 +90,55 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
     (the same report, sooner: ``_DryRun._repeats_skipped``). ``model.backend=megatron``: ``ranks`` (default:
     :func:`.megatron.default_ranks`) of a world of ``world_size`` GPUs (default: one replica), each simulated apart;
     the report's phases are the fullest one's."""
-    if config.rollout.placement == "separate":
-        raise ValueError("nemo-jq dryrun simulates ranks that sample and train (rollout.placement=colocated) only: "
-                         "`nemo-jq plan --config C.yaml rollout.placement=separate ...` sizes a split world's training "
-                         "and rollout ranks; a colocated dry run of the same layout bounds its training ranks (they "
-                         "hold the sampler's copy and KV cache as well)")
+    separate = config.rollout.placement == "separate"
+    if separate:  # a training rank holds the same with rollouts sampled a step ahead: token ids, sent by the rollout ranks
+        config = copy.deepcopy(config)
+        config.rollout.async_steps = 0
     usable = gpu.memory_gib * headroom
     report = {"gpu": asdict(gpu), "usable_gib": usable, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps}
     if config.model.backend != "megatron":
         simulated = _simulate(config, gpu, prompt_tokens, decode_steps, None, skip_repeats)
-        simulated["rank"] = "the one process of model.backend=hf: it samples and trains"
-        return {**report, **simulated, "fits": simulated["peak_gib"] <= usable}
-    from nemo_jq.dryrun import megatron
+        simulated["rank"] = ("the training process of model.backend=hf: it trains and asks the rollout ranks" if separate
+                             else "the one process of model.backend=hf: it samples and trains")
+        replicas, sent = 1, simulated.pop("sent")
+        report = {**report, **simulated, "fits": simulated["peak_gib"] <= usable}
+    else:
+        from nemo_jq.dryrun import megatron
 
-    layout = config.megatron
-    world_size = world_size or layout.replica_size
-    ranks = sorted(set(ranks)) if ranks else megatron.default_ranks(config, world_size)
-    megatron.check_ranks(config, ranks, world_size)
-    by_rank = {}
-    for rank in ranks:
-        place = megatron.RankPlace.of(rank, layout, world_size)
-        with megatron.as_rank(rank, world_size, layout):
-            by_rank[str(rank)] = {**_simulate(config, gpu, prompt_tokens, decode_steps, place, skip_repeats), "rank": place.describe()}
-    fullest = max(by_rank.values(), key=lambda simulated: simulated["peak_gib"])
-    return {**report, **fullest, "world_size": world_size, "ranks": by_rank, "fits": fullest["peak_gib"] <= usable}
+        layout = config.megatron
+        world_size = world_size or layout.replica_size
+        ranks = sorted(set(ranks)) if ranks else megatron.default_ranks(config, world_size)
+        megatron.check_ranks(config, ranks, world_size)
+        by_rank = {}
+        for rank in ranks:
+            place = megatron.RankPlace.of(rank, layout, world_size)
+            with megatron.as_rank(rank, world_size, layout):
+                by_rank[str(rank)] = {**_simulate(config, gpu, prompt_tokens, decode_steps, place, skip_repeats), "rank": place.describe()}
+        sent = next((simulated["sent"] for simulated in by_rank.values() if simulated["sent"]), [])
+        for simulated in by_rank.values():
+            del simulated["sent"]
+        fullest = max(by_rank.values(), key=lambda simulated: simulated["peak_gib"])
+        report = {**report, **fullest, "world_size": world_size, "ranks": by_rank, "fits": fullest["peak_gib"] <= usable}
+        replicas = layout.data_parallel(world_size)
+    if separate:
+        serving = _simulate(config, gpu, prompt_tokens, decode_steps, None, skip_repeats, serves=(replicas, sent))
+        del serving["sent"]
+        report["rollout_rank"] = {**serving, "rank": f"a rollout rank: it samples one of the {replicas} replicas' requests at "
+                                  "a time, and takes the weights each step sends", "fits": serving["peak_gib"] <= usable}
+        report["fits"] = report["fits"] and report["rollout_rank"]["fits"]
+    return report
 
 
 def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps: int, place: Any,
-              skip_repeats: bool) -> dict[str, Any]:
-    """One process's (or simulated rank's) phases: each one's peak by kind, FLOPs, time bound and simulation time."""
+              skip_repeats: bool, serves: tuple[int, list] | None = None) -> dict[str, Any]:
+    """One process's (or simulated rank's) phases: each one's peak by kind, FLOPs, time bound and simulation time, and
+    the weights it sent the rollout ranks (``sent``: name, dtype and shape of each). ``serves``: a rollout rank's, of
+    that many replicas, receiving what a training rank sent."""
     tracker = MemoryTracker(GPU.type)
     flops: dict[str, float] = {}
     with FakeWorld(tracker, decode_steps=decode_steps) as world, tempfile.TemporaryDirectory() as scratch:
         run = _DryRun(config, world, Path(scratch), prompt_tokens, flops, gpu, place, skip_repeats)
-        run.first_step()
+        run.serve(*serves) if serves is not None else run.first_step()
         shape, wall = run.shape, run.wall
     phases = {name: {"peak_gib": _gib(peak.peak), "by_kind_gib": {k: _gib(v) for k, v in peak.by_kind.items() if v},
                      "most_by_kind_gib": {k: _gib(v) for k, v in peak.most_by_kind.items() if v},
@@ -127,7 +147,7 @@ def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps:
     for name, phase in phases.items():
         phase["seconds_at_least"] = round(seconds_at_least(name, phase["flops"], shape, config, gpu), 3)
     worst = max(phases, key=lambda name: phases[name]["peak_gib"])
-    return {"shape": shape, "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst}
+    return {"shape": shape, "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst, "sent": run.sent}
 
 
 def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str, Any]:
@@ -139,7 +159,7 @@ def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str,
                          "simulated on: dry-run it on that GPU")
     moved = copy.deepcopy(report)
     moved["gpu"] = asdict(gpu)
-    for simulated in [moved, *moved.get("ranks", {}).values()]:
+    for simulated in [moved, *moved.get("ranks", {}).values(), *([moved["rollout_rank"]] if "rollout_rank" in moved else [])]:
         for name, phase in simulated["phases"].items():
             phase["seconds_at_least"] = round(seconds_at_least(name, phase["flops"], simulated["shape"], config, gpu), 3)
     return moved
@@ -149,11 +169,13 @@ def check_fits(report: dict[str, Any]) -> None:
     """Raise :class:`DoesNotFit` naming the worst phase's largest kind and its knob, when the peak is over."""
     if report["fits"]:
         return
-    phase = report["phases"][report["peak_phase"]]
+    serving = report.get("rollout_rank")
+    where, knobs = (serving, {**KNOBS, **ROLLOUT_RANK_KNOBS}) if serving and not serving["fits"] else (report, KNOBS)
+    phase = where["phases"][where["peak_phase"]]
     kind = max(phase["by_kind_gib"], key=phase["by_kind_gib"].get)
-    raise DoesNotFit(f"phase {report['peak_phase']} needs {phase['peak_gib']:.1f} GiB of the {report['usable_gib']:.0f} "
-                     f"usable on {report['gpu']['name']}, {phase['by_kind_gib'][kind]:.1f} GiB of it {kind.replace('_', ' ')}: "
-                     f"try {KNOBS[kind]}")
+    raise DoesNotFit(f"phase {where['peak_phase']}{' of a rollout rank' if where is serving else ''} needs "
+                     f"{phase['peak_gib']:.1f} GiB of the {report['usable_gib']:.0f} usable on {report['gpu']['name']}, "
+                     f"{phase['by_kind_gib'][kind]:.1f} GiB of it {kind.replace('_', ' ')}: try {knobs[kind]}")
 
 
 #: Where each of ``nemo-jq plan``'s components is seen in a dry run: the phases, and the kind at its most there.
@@ -162,10 +184,16 @@ PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer
                    "logprob_head": (("train",), "logprob_head"), "rollout_copy": (("build",), "sampler_copy"),
                    "kv_cache": (("rollout", "evaluate"), "kv_cache"), "vllm": (("rollout",), "vllm")}
 #: The same for a Megatron rank, which is not saved, evaluated or resumed: the optimizer's state at rest after the
-#: step is seen in the refit that follows it, the KV cache in the rollouts; the weights and the sampler's copy after
-#: the build, which counts the copy as weights until the backend has made it (its peak shows them together).
-MEGATRON_PLAN_COMPONENTS = {**PLAN_COMPONENTS, "weights": (("train",), "weights"), "optimizer": (("refit",), "optimizer"),
+#: step is seen in the refit (or a split world's sync) that follows it, the KV cache in the rollouts; the weights and
+#: the sampler's copy after the build, which counts the copy as weights until the backend has made it (its peak shows
+#: them together).
+MEGATRON_PLAN_COMPONENTS = {**PLAN_COMPONENTS, "weights": (("train",), "weights"), "optimizer": (("refit", "sync"), "optimizer"),
                             "rollout_copy": (("rollout",), "sampler_copy"), "kv_cache": (("rollout",), "kv_cache")}
+
+
+#: Where each of ``plan``'s parts of a rollout rank is seen in its dry run.
+ROLLOUT_RANK_COMPONENTS = {"weights": (("build",), "weights"), "kv_cache": (("rollout", "evaluate"), "kv_cache"),
+                           "vllm": (("rollout",), "vllm"), "sync_buckets": (("sync",), "sync_buckets")}
 
 
 def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, float]]:
@@ -189,6 +217,15 @@ def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, 
         planned = _gib(planned_bytes[component])
         rows[component] = {"dry_run_gib": dry, "plan_gib": planned,
                            "plan_over_dry_run": round(planned / dry, 3) if dry else None}
+    serving = report.get("rollout_rank")
+    if serving:  # what plan says of a rollout rank (at the layout's DP), beside its dry run
+        planned_bytes = plan.rollout_rank_bytes(plan.architecture(config.model.path or ""), work, layout[2],
+                                                report["gpu"]["memory_gib"])
+        for component, size in planned_bytes.items():
+            phases, kind = ROLLOUT_RANK_COMPONENTS[component]
+            dry = max(serving["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for phase in phases)
+            rows[f"rollout_rank.{component}"] = {"dry_run_gib": dry, "plan_gib": _gib(size),
+                                                 "plan_over_dry_run": round(_gib(size) / dry, 3) if dry else None}
     return rows
 
 
@@ -197,13 +234,16 @@ def format_report(report: dict[str, Any]) -> str:
     world = f"rank(s) of {report['world_size']} GPUs, each simulated apart" if "ranks" in report else report["rank"]
     lines = [f"{report['shape']['parameters'] / 1e9:.3f}B parameters on {report['gpu']['name']} "
              f"({report['usable_gib']:.0f} GiB usable); {world}; prompts of {report['prompt_tokens']} tokens"]
-    for rank in simulated:
-        if "ranks" in report:
+    serving = report.get("rollout_rank")
+    for rank in [*simulated, *([serving] if serving else [])]:
+        if "ranks" in report or serving:
             lines.append(f"{rank['rank']} (peak {rank['peak_gib']:.2f} GiB in phase {rank['peak_phase']})")
         lines += _phase_table(rank["phases"])
     verdict = "fits" if report["fits"] else "does NOT fit"
     lines.append(f"peak: {report['peak_gib']:.2f} GiB in phase {report['peak_phase']}"
-                 + (f" of {report['rank'].split(':')[0]}" if "ranks" in report else "") + f": {verdict}. TFLOP run: what "
+                 + (f" of {report['rank'].split(':')[0]}" if "ranks" in report else "")
+                 + (f"; a rollout rank's {serving['peak_gib']:.2f} GiB in phase {serving['peak_phase']}" if serving else "")
+                 + f": {verdict}. TFLOP run: what "
                  f"the dry run executed ({report['decode_steps']} decode steps a sampling call, one micro-batch"
                  f"{' (PP of them under pipeline parallelism)' if 'ranks' in report else ''}); s at least: the whole "
                  "step's bound (docs/dryrun.md)")
@@ -244,6 +284,10 @@ class _DryRun:
         self.model_dir.mkdir()
         self.hf_config = model_config(config, self.model_dir)
         self.stack = contextlib.ExitStack()
+        #: A training rank of a split world (``rollout.placement=separate``): its rollouts come from the rollout ranks.
+        self.separate = config.rollout.placement == "separate"
+        #: The weights this rank sent the rollout ranks: (HF name, dtype, shape) of each, in order.
+        self.sent: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
 
     def first_step(self) -> None:
         from nemo_jq.recipe.trainer import Trainer
@@ -264,7 +308,10 @@ class _DryRun:
                     self.config.rollout.num_samples, sample_answers=self.sampled_answers, generator=trainer.random.rollout)
             trainer.train_step(examples[:self._trained_prompts(trainer.data_parallel.size)])
             trainer.state.step = 1
-            if hasattr(trainer.components.engine, "refit"):
+            if self.separate:
+                with self._phase("sync"):
+                    trainer.components.engine.sync()
+            elif hasattr(trainer.components.engine, "refit"):
                 with self._phase("refit"):
                     trainer.components.engine.refit()
             if self.place is not None:  # its distributed checkpoints and evaluation are not simulated yet
@@ -295,12 +342,55 @@ class _DryRun:
             prompts = max(prompts, math.ceil(self.place.pipeline_stages * rows / samples))
         return replicas * min(share, prompts)
 
+    def serve(self, replicas: int, sent: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        """A rollout rank of a split world: its engine built as the run builds it (``rollout_rank_engine``), the whole
+        HF model taken in (:func:`received`) in the dtype a training rank ``sent`` (a pipeline stage's dry run sends
+        its own stage's names for every stage), then one replica's request of the step (the batch's share of one of
+        ``replicas``) and an evaluation call, each row to its full budget."""
+        from transformers import AutoModelForCausalLM
+
+        from nemo_jq.data.chat import ChatFormat
+        from nemo_jq.recipe.components import rollout_rank_engine
+
+        config, rollout = self.config, self.config.rollout
+        with self.stack:
+            self._label_kernels()
+            chat = ChatFormat(_StandInTokenizer(self.prompt_tokens, rollout.max_answer_tokens))
+            def load_model():
+                return AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
+
+            with self._phase("build"), self.tracker.label("weights"):
+                engine = rollout_rank_engine(config, GPU, chat, self.model_dir, load_model)
+            dtype, seen, whole = sent[0][1] if sent else torch.float32, set(), []
+            for name, tensor in load_model().state_dict(keep_vars=True).items():  # as iter_hf: a tied head once
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    whole.append((name, dtype, tuple(tensor.shape)))
+            model = getattr(engine.sampler, "model", None)
+            if model is not None:
+                self.world.name_modules(model, "sampler")
+            self.sampler_bytes = 2 * _parameters(self.hf_config) if model is None else sum(
+                p.numel() * p.element_size() for p in model.parameters())
+            self.sampled_answers = Need.SAMPLED_ANSWER_REWARD in get_objective(config.objective.name).needs
+            with patched(engine.sampler, "sample", self._full_budget(engine.sampler)):
+                with self._phase("sync"), engine.awake():
+                    engine.load_weights(received(whole, rollout.bucket_bytes(), self.tracker))
+                prompt = chat.prompt_ids(_StandInTask().messages(Example("dry", "", ""), config.data.format))
+                generator = torch.Generator()
+                with self._phase("rollout"):
+                    engine.generate([prompt] * -(-config.train.batch_size // replicas), rollout.num_samples,
+                                    sample_answers=self.sampled_answers, generator=generator)
+                with self._phase("evaluate"):
+                    engine.generate([prompt] * config.eval.batch_size, config.eval.num_samples, sample_answers=True,
+                                    generator=generator)
+
     @property
     def samples(self) -> bool:
-        """Whether this process samples: the hf backend's one, or the simulated Megatron rank (``.megatron.samples``)."""
+        """Whether this process samples: the hf backend's one, or the simulated Megatron rank (``.megatron.samples``); in
+        a split world every training rank takes its rollouts from the stand-in (:class:`_RolloutRanks`) alike."""
         from nemo_jq.dryrun.megatron import samples
 
-        return self.place is None or samples(self.config, self.place)
+        return self.place is None or self.separate or samples(self.config, self.place)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -336,7 +426,8 @@ class _DryRun:
             return AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
 
         request = BackendRequest(load_model=load_model, model_dir=self.model_dir, config=self.config, chat=chat, device=GPU)
-        with self._phase("build"), self.tracker.label("weights"), self._megatron_folder(), self._optimizer_labels():
+        with self._phase("build"), self.tracker.label("weights"), self._megatron_folder(), self._optimizer_labels(), \
+                self._rollout_ranks(chat):
             components = assemble_components(self.config, GPU, _StandInTask(), splits, chat, request)
         self.policy = components.policy
         sampler_model = getattr(_sampler(components.engine), "model", None)
@@ -354,6 +445,24 @@ class _DryRun:
         if sampler_model is not None and sampler_model is not policy_model:
             self.world.name_modules(sampler_model, "sampler")
         return components
+
+    def _rollout_ranks(self, chat: Any):
+        """In a split world the backend composes the engine of a training rank (``compose_engine``), which asks the
+        rollout ranks: here :class:`_RolloutRanks` in :class:`~nemo_jq.rollouts.ranks.RemoteRollouts`' place."""
+        if not self.separate:
+            return contextlib.nullcontext()
+        from nemo_jq.rollouts import wiring
+        from nemo_jq.runtime import distributed
+
+        rollout, sends = self.config.rollout, self.place is None or self.place.rank == 0
+        budgets = BudgetedRollouts(_SamplingRank(None), think_end_id=chat.think_end_id, end_of_turn_id=chat.end_of_turn_id,
+                                   max_thinking_tokens=rollout.max_thinking_tokens, max_answer_tokens=rollout.max_answer_tokens)
+        roles = distributed.Roles(0, 1, rollout.ranks, None, None, GPU)  # what compose_engine asks: is the world split
+        stack = contextlib.ExitStack()
+        stack.enter_context(patched(distributed, "roles", lambda: roles))
+        stack.enter_context(patched(wiring, "RemoteRollouts", lambda policy, roles, bucket_bytes: _RolloutRanks(
+            policy, budgets, _LabelledSync(self.tracker, bucket_bytes), self.sent if sends else None)))
+        return stack
 
     def _megatron_folder(self):
         """The Megatron backend reads ``model.path``'s folder one tensor at a time, as a real run does: from the
@@ -570,9 +679,101 @@ class _DryRun:
                 "kv_bytes_per_token": 2 * 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim}
 
 
+class _RolloutRanks:
+    """A training rank's engine in a split world, in :class:`~nemo_jq.rollouts.ranks.RemoteRollouts`' place, whose
+    requests and rollouts are values a fake process group cannot carry: the rollouts arrive as a rollout rank's dry
+    run samples them (every row to its full budget: token ids, nothing on this GPU), through the budget core.
+    :meth:`sync` is the sending side of the weight sync: the real ``WeightSync.send`` over a group without peers."""
+
+    lockstep, on_policy = True, False
+
+    def __init__(self, policy: Any, budgets: BudgetedRollouts, weight_sync: WeightSync, sent: list | None):
+        self.policy, self.engine, self.weight_sync, self.sent = policy, budgets, weight_sync, sent
+
+    @property
+    def sampler(self) -> Any:
+        return self.engine.sampler
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.engine.tokens_generated
+
+    def generate(self, prompts, num_samples, **kwargs) -> list:
+        return self.engine.generate(prompts, num_samples, **kwargs)
+
+    def sync(self) -> None:
+        """As ``RemoteRollouts._sync``: the first replica's ranks gather each weight from its shards (the policy's
+        ``iter_hf``), and the first training rank (``sent`` not None, where what it sends is recorded) packs and
+        sends them; the other replicas take no part."""
+        if self.policy.data_parallel.rank != 0:
+            return
+        tensors = iter(self.policy.iter_hf())
+        if self.sent is not None:
+            self.weight_sync.send(self._recorded(tensors))
+        for _ in tensors:
+            pass
+
+    def _recorded(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            self.sent.append((name, tensor.dtype, tuple(tensor.shape)))
+            yield name, tensor
+
+
+class _LabelledSync(WeightSync):
+    """The weight sync on the stand-in GPU, over a group without peers (its broadcasts done at once), its buckets
+    counted as ``sync_buckets``."""
+
+    def __init__(self, tracker: MemoryTracker, bucket_bytes: int):
+        super().__init__(_NoPeers(), source=0, bucket_bytes=bucket_bytes, device=GPU)
+        self.tracker = tracker
+
+    def _new_bucket(self) -> torch.Tensor:
+        with self.tracker.label("sync_buckets"):
+            return super()._new_bucket()
+
+
+class _NoPeers:
+    """A process group of one: its broadcasts are done when made."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Any:
+        return self
+
+    def wait(self) -> None:
+        return None
+
+
+def received(sent: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int,
+             tracker: MemoryTracker) -> Iterator[tuple[str, torch.Tensor]]:
+    """What ``WeightSync.receive`` hands a rollout rank's engine for the tensors ``sent``, allocated as it allocates
+    them on the GPU: each bucket's bytes (one alive at a time, counted as ``sync_buckets``), a whole tensor as a view
+    of its bucket, a tensor spread over buckets put together in one of its own. The packing is ``WeightSync.send``'s;
+    the real receive reads it from the bucket's table of contents, a value fake tensors do not carry."""
+    bucket, filled = None, bucket_bytes
+    for name, dtype, shape in sent:
+        total, start, whole = math.prod(shape) * dtype.itemsize, 0, None
+        while start < total:
+            filled = -(-filled // ALIGNMENT) * ALIGNMENT
+            if filled >= bucket_bytes:
+                bucket = None
+                with tracker.label("sync_buckets"):
+                    bucket, filled = torch.empty(bucket_bytes, dtype=torch.uint8, device=GPU), 0
+            size = min(total - start, bucket_bytes - filled)
+            if size == total:
+                yield name, bucket[filled:filled + size].view(dtype).view(shape)
+            else:
+                if whole is None:
+                    with tracker.label("sync_buckets"):
+                        whole = torch.empty(shape, dtype=dtype, device=GPU)
+                whole.view(-1).view(torch.uint8)[start:start + size].copy_(bucket[filled:filled + size])
+            start, filled = start + size, filled + size
+        if whole is not None:
+            yield name, whole
+
+
 class _SamplingRank:
     """A replica's sampling rank, as a rank that samples none sees it: the rollouts it sends, every row to its full
-    budget (as that rank's own dry run samples them); the sampler's other attributes are this rank's."""
+    budget (as that rank's own dry run samples them); the sampler's other attributes are this rank's (None: a training
+    rank of a split world, which has no sampler of its own)."""
 
     def __init__(self, sampler: Any):
         self.sampler = sampler

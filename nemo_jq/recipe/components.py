@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from nemo_jq.models.interfaces import Policy, RolloutEngine
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
 from nemo_jq.objectives.importance import Correction
 from nemo_jq.recipe.guard import CollapseGuard
-from nemo_jq.rollouts import IN_PLACE, SamplerRequest, build_rollouts, check_sampler
+from nemo_jq.rollouts import IN_PLACE, BudgetedRollouts, SamplerRequest, build_rollouts, check_sampler
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.rollouts.wiring import scratch_model_dir
 from nemo_jq.runtime import distributed
@@ -103,21 +103,27 @@ def build_components(config: Config, device: torch.device, *, tokenizer_dir: Pat
 
 
 def build_rollout_server(config: Config, device: torch.device, *, tokenizer_dir: Path | None = None) -> RolloutServer:
-    """A rollout rank's part (``rollout.placement=separate``): an engine over weights of its own, which arrive with the
-    first sync; no policy, no optimizer. An in-place sampler (native, hf) decodes an HF model in the compute dtype (as
-    the megatron backend's sampler); an engine that loads a folder (vLLM) starts from ``model.path``, or from this
-    rank's export of the model built from scratch."""
+    """A rollout rank's part (``rollout.placement=separate``): its engine (:func:`rollout_rank_engine`), serving the
+    training ranks; no policy, no optimizer."""
     task, splits, model_dir, chat = _prepare(config, tokenizer_dir)
+    engine = rollout_rank_engine(config, device, chat, model_dir, lambda: load_model(config, model_dir, len(chat.tokenizer)))
+    return RolloutServer(engine, distributed.roles(), config.rollout.bucket_bytes())
+
+
+def rollout_rank_engine(config: Config, device: torch.device, chat: ChatFormat, model_dir: Path | None,
+                        load_model: Callable[[], Any]) -> BudgetedRollouts:
+    """A rollout rank's engine, over weights of its own that arrive with the first sync (the dry run builds it too).
+    An in-place sampler (native, hf) decodes ``load_model()`` in the compute dtype (as the megatron backend's sampler);
+    an engine that loads a folder (vLLM) starts from ``model_dir``, or from this rank's export of the model built from
+    scratch."""
     if config.rollout.engine in IN_PLACE:
         dtype = autocast_dtype(device, config.model.precision) or torch.float32
-        model = load_model(config, model_dir, len(chat.tokenizer)).to(device, dtype=dtype)
-        request = SamplerRequest(model, model_dir, config, chat.pad_id, device)
-    else:
-        if model_dir is None:  # a model built from scratch: the engine loads this rank's export of it
-            model_dir = Path(scratch_model_dir())
-            export_hf_model(load_model(config, None, len(chat.tokenizer)), model_dir, chat.tokenizer)
-        request = SamplerRequest(None, model_dir, config, chat.pad_id, device)
-    return RolloutServer(build_rollouts(request, chat), distributed.roles(), config.rollout.bucket_bytes())
+        return build_rollouts(SamplerRequest(load_model().to(device, dtype=dtype), model_dir, config, chat.pad_id, device),
+                              chat)
+    if model_dir is None:  # a model built from scratch: the engine loads this rank's export of it
+        model_dir = Path(scratch_model_dir())
+        export_hf_model(load_model(), model_dir, chat.tokenizer)
+    return build_rollouts(SamplerRequest(None, model_dir, config, chat.pad_id, device), chat)
 
 
 def _prepare(config: Config, tokenizer_dir: Path | None) -> tuple[Task, Splits, Path | None, ChatFormat]:

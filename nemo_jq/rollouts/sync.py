@@ -3,8 +3,9 @@
 The source (a training rank) streams ``policy.iter_hf()`` — for a Megatron policy each tensor is gathered from its
 TP/PP shards once, as for a refit — into a byte bucket of ``rollout.sync_bucket_mb``; each full bucket is broadcast
 over the sync group (gloo on CPU, NCCL on GPU) while the next one fills. A tensor larger than a bucket spans several,
-and a bucket holds as many small tensors as fit, so no rank ever holds more than two buckets beside the model: never
-a full copy of the weights on one host. The receivers unpack each bucket into views and hand them, one tensor at a
+and a bucket holds as many small tensors as fit: the source holds at most two buckets beside the model, a receiver
+one bucket and a tensor spread over buckets put together whole (the embedding, at real vocabularies); never a full copy
+of the weights on one host. The receivers unpack each bucket into views and hand them, one tensor at a
 time, to the engine's ``load_weights`` (the refit path), which copies them into its model.
 
 Each bucket is three broadcasts: the sizes of its table of contents (name, dtype, shape, which bytes of the tensor it

@@ -144,10 +144,18 @@ def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path,
     assert len(error.splitlines()) == 1 and "nemo-jq dryrun: error: phase" in error and "try " in error
     with pytest.raises(DoesNotFit):
         check_fits({**report, "fits": False})
-    # a split world is not simulated (its training ranks would be shown holding the sampler): said, not guessed at
-    assert main([*base, "rollout.placement=separate"]) == 2
-    error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and "rollout.placement=separate" in error and "nemo-jq plan" in error
+    # a split world: the training rank holds no sampler, no KV cache, and syncs; a rollout rank holds them
+    assert main([*base, "--json", str(out), "rollout.placement=separate"]) == 0
+    split = json.loads(out.read_text())
+    assert "a rollout rank's" in capsys.readouterr().out
+    phases, serving = split["phases"], split["rollout_rank"]["phases"]
+    assert list(phases) == ["build", "rollout", "train", "optimizer_step", "sync", "save", "guard_restore", "evaluate",
+                            "resume"]
+    assert not any(phase["most_by_kind_gib"].get(kind) for phase in phases.values() for kind in ("kv_cache", "sampler_copy"))
+    assert phases["sync"]["most_by_kind_gib"]["sync_buckets"] > 0
+    assert list(serving) == ["build", "sync", "rollout", "evaluate"]
+    assert serving["rollout"]["most_by_kind_gib"]["kv_cache"] > 0 and serving["sync"]["most_by_kind_gib"]["sync_buckets"] > 0
+    assert not any(phase["most_by_kind_gib"].get(kind) for phase in serving.values() for kind in ("gradients", "optimizer"))
 
 
 @pytest.mark.parametrize("memory", [[], ["train.micro_batch_rows=4", "model.activation_checkpointing=true"]],
@@ -177,6 +185,34 @@ def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_seque
     miscounted = dataclasses.replace(work, micro_batch=config.train.micro_batch_size * (8 if memory else 1))
     wrong = plan.estimate(plan.architecture(str(model)), miscounted, 1, 1, 1, 80, 0.9).activations_gib
     assert not 0.9 <= wrong / rows["activations"]["dry_run_gib"] <= 1.1
+
+
+@pytest.mark.parametrize("engine", ["native", "vllm"])
+@pytest.mark.slow
+def test_plan_agrees_with_the_dry_run_of_a_rollout_rank_and_catches_a_receiver_counted_as_two_buckets(tmp_path, engine):
+    """``rollout.placement=separate``: plan's rollout rank (its bf16 weights and KV cache, or vLLM's share, and the
+    sync's receiving side) within 10% of the rollout rank's dry run, which takes in what the training rank's dry run
+    sent. Buckets of 8 KiB, so that the embedding (and the fp32 MLP weights) spread over several and are put together
+    whole: two buckets, what plan counted until this dry run showed otherwise, are far from it."""
+    from helpers import small_qwen3
+    from nemo_jq.cluster import plan
+    from nemo_jq.dryrun.run import against_plan
+
+    model = small_qwen3(tmp_path / "model", layers=2, tied=True)
+    config = load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
+                                "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=2",
+                                "eval.batch_size=4", "eval.num_samples=8", "model.logprob_chunk_size=128",
+                                "rollout.placement=separate", "rollout.sync_bucket_mb=0.0078125", f"rollout.engine={engine}",
+                                "rollout.vllm_memory_utilization=0.25"])
+    report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32)
+    rows = {name: row for name, row in against_plan(report, config).items() if name.startswith("rollout_rank.")}
+    expected = {"vllm", "sync_buckets"} if engine == "vllm" else {"weights", "kv_cache", "sync_buckets"}
+    assert {name.removeprefix("rollout_rank.") for name in rows} == expected
+    assert all(0.9 <= row["plan_over_dry_run"] <= 1.1 for row in rows.values()), rows
+    two_buckets = 2 * config.rollout.bucket_bytes() / 2**30
+    assert not 0.9 <= two_buckets / rows["rollout_rank.sync_buckets"]["dry_run_gib"] <= 1.1
+    sent = plan.weight_sync(plan.architecture(str(model)), plan.Workload.from_config(config, 32), 25)["bytes"]
+    assert sent == 4 * plan.parameter_count(plan.architecture(str(model)))  # the hf policy sends its fp32 weights
 
 
 def test_vllm_holds_its_configured_share_while_it_samples_and_no_copy_beside_the_policy(tmp_path):

@@ -51,6 +51,25 @@ def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_
     assert rows["gradients"]["dry_run_gib"] == pytest.approx(2 * weights, rel=0.01)  # the fp32 gradient buffer
 
 
+@pytest.mark.slow  # 30 s
+def test_a_split_worlds_pipeline_trains_syncs_and_its_rollout_rank_holds_what_plan_says(tmp_path):
+    """rollout.placement=separate at TP=2 PP=2 DP=2 (8 training GPUs) with the native engine on rollout ranks: both
+    stages are simulated, hold no sampler and no KV cache, and sync (the first replica's ranks gather, rank 0 sends
+    bf16); the rollout rank takes the whole model in, in bf16. Every component within 10% of plan's."""
+    config = small_config(tmp_path, "rollout.engine=native", "rollout.placement=separate",
+                          "rollout.sync_bucket_mb=0.0078125")
+    report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, world_size=8)
+    assert list(report["ranks"]) == ["0", "4"]
+    for rank in report["ranks"].values():
+        assert list(rank["phases"]) == ["build", "rollout", "train", "optimizer_step", "sync"]
+        assert not {"kv_cache", "sampler_copy"} & {kind for phase in rank["phases"].values() for kind in phase["most_by_kind_gib"]}
+    assert list(report["rollout_rank"]["phases"]) == ["build", "sync", "rollout", "evaluate"]
+    rows = {name: row["plan_over_dry_run"] for name, row in against_plan(report, config).items()
+            if row["plan_over_dry_run"] is not None}
+    assert {"weights", "optimizer", "rollout_rank.weights", "rollout_rank.kv_cache", "rollout_rank.sync_buckets"} <= set(rows)
+    assert all(0.9 <= ratio <= 1.1 for ratio in rows.values()), rows
+
+
 @pytest.mark.parametrize("distributed", ["true", "false"])
 def test_the_optimizer_step_holds_the_square_root_of_v_once_as_a_gpus_foreach_adamw(tmp_path, distributed):
     """Measured on an H100 (docs/results/real_gpu.md): a 0.6B Megatron step peaks in its optimizer step with AdamW's
