@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -83,6 +84,7 @@ def as_rank(rank: int, world_size: int, layout: MegatronLayout) -> Iterator[None
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from nemo_jq.backends import MEGATRON_ON_CPU
+    from nemo_jq.runtime import distributed
 
     if dist.is_initialized():
         raise RuntimeError("the Megatron dry run makes this process a rank of its own fake world: it cannot run inside "
@@ -95,6 +97,12 @@ def as_rank(rank: int, world_size: int, layout: MegatronLayout) -> Iterator[None
             stack.enter_context(_environment(MEGATRON_ON_CPU, "1"))
             stack.enter_context(megatron_on_stand_in_gpu())
             stack.enter_context(_ObjectCollectives())
+            stack.enter_context(_DistributedCheckpoints())
+            # every simulated rank writes the run's files as global rank 0 does (a checkpoint's folder, its rename, the
+            # RNG file every rank can fall back on): on a real run they are on one shared disk, here the simulated
+            # rank's own checkpoint is the one it reads back
+            stack.enter_context(patched(distributed, "is_writer", lambda: True))
+            stack.enter_context(patched(distributed, "rank", lambda: 0))
             # no gloo groups: gloo would wait for peers that do not exist (the policy uses none of them)
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=layout.tensor_parallel, pipeline_model_parallel_size=layout.pipeline_parallel,
@@ -183,6 +191,74 @@ class _ObjectCollectives:
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
+
+
+class _DistributedCheckpoints:
+    """megatron-core's distributed checkpoints (``dist_checkpointing``), kept as the dry run keeps ``torch.save``'s
+    files: its validation gathers every rank's shards, which on a fake group are this rank's alone (its integrity
+    check fails: "Invalid access pattern"), and its writers and readers move bytes a fake tensor has not. A save keeps
+    the common (non-sharded) state and each sharded tensor's key, after megatron-core's own preprocessing (its
+    factories applied); a load reads each tensor into the one it is given, in place (as the ``torch_dist`` format
+    loads), and merges the factories' parts with megatron-core's own code. What the project does around them (the
+    distributed optimizer's gathered state in ``MegatronPolicy.save``, ``_zero_shard_reads``' reads) runs as it is."""
+
+    def __enter__(self) -> _DistributedCheckpoints:
+        from megatron.core import dist_checkpointing
+
+        self.saved: dict[str, tuple[dict, set[str]]] = {}
+        self._stack = contextlib.ExitStack()
+        from nemo_jq.models.megatron import checkpoint
+
+        for name, replacement in (("save", self._save), ("load", self._load), ("load_common_state_dict", self._common),
+                                  ("load_tensors_metadata", self._keys)):
+            self._stack.enter_context(patched(dist_checkpointing, name, replacement))
+        # the writer's helper processes, which nothing here writes with
+        self._stack.enter_context(patched(checkpoint, "_start_writer_helpers", lambda: None))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _save(self, state: dict, checkpoint_dir: str, *args: Any, **kwargs: Any) -> None:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import apply_factories
+        from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+
+        apply_factories(state)
+        _, state = extract_nonpersistent(state)
+        sharded, common = extract_sharded_base(state)
+        key = f"dry run checkpoint {len(self.saved)}"  # in the folder, so that it survives the checkpoint's rename
+        self.saved[key] = (common, {value.key for value in nested_values(sharded)})
+        (Path(checkpoint_dir) / "metadata.json").write_text(key)
+
+    def _of(self, checkpoint_dir: str) -> tuple[dict, set[str]]:
+        return self.saved[(Path(checkpoint_dir) / "metadata.json").read_text()]
+
+    def _common(self, checkpoint_dir: str) -> dict:
+        """A copy of the saved common state's nesting (its values, a few scalars and the step count, as they are)."""
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+
+        return dict_list_map_outplace(lambda value: value, self._of(checkpoint_dir)[0])
+
+    def _keys(self, checkpoint_dir: str, *args: Any, **kwargs: Any) -> dict[str, None]:
+        return dict.fromkeys(self._of(checkpoint_dir)[1])
+
+    def _load(self, request: dict, checkpoint_dir: str, *args: Any, **kwargs: Any) -> dict:
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge, nested_values
+        from megatron.core.dist_checkpointing.mapping import apply_factory_merges
+        from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+        from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+        common = self._common(checkpoint_dir)
+        request, nonpersistent, factories = load_preprocess(request)
+        merge(common, nonpersistent)
+        request, _ = extract_sharded_base(request)
+        missing = {value.key for value in nested_values(request)} - self._of(checkpoint_dir)[1]
+        if missing:
+            raise KeyError(f"the dry run's checkpoint {checkpoint_dir} lacks {sorted(missing)[:3]}")
+        dict_list_map_inplace(lambda value: value.data, request)  # read in place; a ShardedObject's value as it is
+        merge(common, request)
+        return apply_factory_merges(common, factories)
 
 
 def _all_gather_own_object(object_list: list, obj: Any, group: Any = None) -> None:

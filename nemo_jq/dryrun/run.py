@@ -8,8 +8,8 @@ resumes the run in a fresh process's place. Nothing is allocated: :mod:`nemo_jq.
 phase's peak GPU bytes by kind and its FLOPs (``torch.utils.flop_counter.FlopCounterMode``) go into the report,
 with the lower bound on its time those FLOPs and the bytes a decode step reads imply on the named GPU.
 model.backend=megatron: one rank of the layout's world at a time (--gpus, --ranks; :mod:`nemo_jq.dryrun.megatron`),
-each built, sampling, trained on its part of the 1F1B schedule, stepped and refitted (not saved, evaluated or
-resumed yet).
+each through the same phases on its part of the 1F1B schedule, its distributed checkpoint kept as shapes.
+rollout.placement=separate: the training ranks (their rollouts sent, their weights synced) and a rollout rank apart.
 """
 
 from __future__ import annotations
@@ -183,9 +183,9 @@ PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer
                    "optimizer": (("save",), "optimizer"), "activations": (("train",), "activations"),
                    "logprob_head": (("train",), "logprob_head"), "rollout_copy": (("build",), "sampler_copy"),
                    "kv_cache": (("rollout", "evaluate"), "kv_cache"), "vllm": (("rollout",), "vllm")}
-#: The same for a Megatron rank, which is not saved, evaluated or resumed: the optimizer's state at rest after the
-#: step is seen in the refit (or a split world's sync) that follows it, the KV cache in the rollouts; the weights and
-#: the sampler's copy after the build, which counts the copy as weights until the backend has made it (its peak shows
+#: The same for a Megatron rank: the optimizer's state at rest after the step is seen in the refit (or a split
+#: world's sync) that follows it, before the save gathers it, the KV cache in the rollouts; the weights and the
+#: sampler's copy after the build, which counts the copy as weights until the backend has made it (its peak shows
 #: them together).
 MEGATRON_PLAN_COMPONENTS = {**PLAN_COMPONENTS, "weights": (("train",), "weights"), "optimizer": (("refit", "sync"), "optimizer"),
                             "rollout_copy": (("rollout",), "sampler_copy"), "kv_cache": (("rollout",), "kv_cache")}
@@ -314,9 +314,6 @@ class _DryRun:
             elif hasattr(trainer.components.engine, "refit"):
                 with self._phase("refit"):
                     trainer.components.engine.refit()
-            if self.place is not None:  # its distributed checkpoints and evaluation are not simulated yet
-                watching.close()
-                return
             with self._phase("save"):
                 checkpoint = trainer.save()
             with self._phase("guard_restore"):
@@ -429,7 +426,6 @@ class _DryRun:
         with self._phase("build"), self.tracker.label("weights"), self._megatron_folder(), self._optimizer_labels(), \
                 self._rollout_ranks(chat):
             components = assemble_components(self.config, GPU, _StandInTask(), splits, chat, request)
-        self.policy = components.policy
         sampler_model = getattr(_sampler(components.engine), "model", None)
         policy_model = components.policy.model
         if sampler_model is not None and sampler_model is not policy_model:

@@ -177,14 +177,15 @@ def sample_from_completion(completion: Any) -> Sample:
 
 def llm_kwargs(model_dir: str, *, tensor_parallel: int, world_size: int, on_gpu: bool, dtype: str,
                memory_utilization: float, kv_cache_bytes: int | None, seed: int,
-               engine_fields: set[str], torchrun: bool = False, alone: bool = False) -> dict[str, Any]:
+               engine_fields: set[str], rollout_rank: bool = False) -> dict[str, Any]:
     """``vllm.LLM`` arguments; ``engine_fields``: the installed vLLM's ``EngineArgs`` fields (what it accepts).
 
-    Under ``torchrun`` (its process group joined; ``world_size``: the group's size, one on a rollout rank of its own)
-    every rank builds an engine through vLLM's external launcher (each on its own device: vLLM's uniprocess
-    executor would put every rank's engine on device 0): ``tensor_parallel`` consecutive ranks per engine, the
-    engines its data-parallel ranks. On GPU the engine takes ``memory_utilization`` of the device and sleeps
-    between calls, unless it is ``alone`` there (a rollout rank's: no policy to make room for); on CPU (no sleep mode) the KV cache
+    Under ``torchrun`` (``world_size`` > 1) every rank builds an engine through vLLM's external launcher (each on its
+    own device: vLLM's uniprocess executor would put every rank's engine on device 0): ``tensor_parallel``
+    consecutive ranks per engine, the engines its data-parallel ranks. So does a ``rollout_rank`` of its own
+    (``rollout.placement=separate``), a world of one on its ``LOCAL_RANK`` device. On GPU the engine takes
+    ``memory_utilization`` of the device and sleeps between calls, except on a rollout rank (no policy to make room
+    for); on CPU (no sleep mode) the KV cache
     is sized in bytes, since the share there is of a NUMA node's RAM, layers are not compiled, and prefills
     are not chunked (vLLM rewinds a seeded request's generator after a partial prefill, which only a CUDA
     generator can do: ``RuntimeError: CPU Generator does not use offset``).
@@ -196,10 +197,10 @@ def llm_kwargs(model_dir: str, *, tensor_parallel: int, world_size: int, on_gpu:
     if not on_gpu:  # a prefill split over steps discards a sample and rewinds its seeded generator: CUDA generators only
         kwargs["enable_chunked_prefill"] = False
     if on_gpu:
-        kwargs.update(gpu_memory_utilization=memory_utilization, enable_sleep_mode=not alone)
+        kwargs.update(gpu_memory_utilization=memory_utilization, enable_sleep_mode=not rollout_rank)
     if kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
-    if torchrun or world_size > 1:
+    if rollout_rank or world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
         if world_size // tensor_parallel > 1:
             kwargs["data_parallel_size"] = world_size // tensor_parallel
@@ -318,8 +319,7 @@ class VLLMSampler:
                             on_gpu=on_gpu, dtype="bfloat16" if on_gpu and precision != "fp32" else "float32",
                             memory_utilization=memory_utilization, kv_cache_bytes=kv_cache_bytes, seed=seed,
                             engine_fields={field for field in EngineArgs.__dataclass_fields__},
-                            torchrun=torch.distributed.is_initialized(),
-                            alone=distributed.roles() is not None and distributed.roles().samples)
+                            rollout_rank=distributed.roles() is not None and distributed.roles().samples)
         self.sleeps = bool(kwargs.get("enable_sleep_mode"))
         quiet_expected_noise()
         shut_down_engine()

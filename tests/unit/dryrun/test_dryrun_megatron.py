@@ -39,7 +39,8 @@ def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_
     assert list(report["ranks"]) == ["0", "4"]
     first, last = report["ranks"]["0"], report["ranks"]["4"]
     assert "first pipeline stage" in first["rank"] and "last pipeline stage" in last["rank"]
-    assert list(first["phases"]) == ["build", "rollout", "train", "optimizer_step", "refit"]
+    assert list(first["phases"]) == ["build", "rollout", "train", "optimizer_step", "refit", "save", "guard_restore",
+                                     "evaluate", "resume"]
     assert "logprob_head" in last["phases"]["train"]["most_by_kind_gib"]
     assert "logprob_head" not in first["phases"]["train"]["most_by_kind_gib"]
     rows = against_plan(report, config)
@@ -49,6 +50,14 @@ def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_
     weights = first["phases"]["build"]["by_kind_gib"]["weights"]  # bf16: 2 bytes a parameter
     assert rows["optimizer"]["dry_run_gib"] == pytest.approx(3 * weights, rel=0.01)
     assert rows["gradients"]["dry_run_gib"] == pytest.approx(2 * weights, rel=0.01)  # the fp32 gradient buffer
+    # the checkpoint stores the replicated AdamW state: the save gathers it one full fp32 vector at a time on the GPU
+    phases = first["phases"]
+    assert phases["save"]["most_by_kind_gib"]["temporaries"] == pytest.approx(2 * weights, rel=0.01)
+    # a resume builds the run afresh (one model, one gradient buffer: the old run's are gone) and reads only this
+    # rank's DP shard of the moments (1 x weights each in fp32 / DP=2), never the whole replicated state
+    resumed = phases["resume"]["most_by_kind_gib"]
+    assert resumed["weights"] == pytest.approx(weights, rel=0.01) and resumed["gradients"] == pytest.approx(2 * weights, rel=0.01)
+    assert resumed["temporaries"] < 2.5 * weights
 
 
 @pytest.mark.slow  # 30 s
@@ -61,7 +70,8 @@ def test_a_split_worlds_pipeline_trains_syncs_and_its_rollout_rank_holds_what_pl
     report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, world_size=8)
     assert list(report["ranks"]) == ["0", "4"]
     for rank in report["ranks"].values():
-        assert list(rank["phases"]) == ["build", "rollout", "train", "optimizer_step", "sync"]
+        assert list(rank["phases"]) == ["build", "rollout", "train", "optimizer_step", "sync", "save", "guard_restore",
+                                        "evaluate", "resume"]
         assert not {"kv_cache", "sampler_copy"} & {kind for phase in rank["phases"].values() for kind in phase["most_by_kind_gib"]}
     assert list(report["rollout_rank"]["phases"]) == ["build", "sync", "rollout", "evaluate"]
     rows = {name: row["plan_over_dry_run"] for name, row in against_plan(report, config).items()

@@ -204,7 +204,7 @@ def test_vllm_engines_use_the_external_launcher_at_every_world_size_above_one():
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["enable_chunked_prefill"] is False
     assert "enable_chunked_prefill" not in single  # on GPU the split prefill's seeded generator rewinds fine
     alone = llm_kwargs("m", tensor_parallel=1, world_size=1, on_gpu=True, dtype="bfloat16", memory_utilization=0.85,
-                       kv_cache_bytes=None, seed=3, engine_fields=NEW_VLLM, torchrun=True, alone=True)
+                       kv_cache_bytes=None, seed=3, engine_fields=NEW_VLLM, rollout_rank=True)
     assert alone["distributed_executor_backend"] == "external_launcher" and "data_parallel_size" not in alone
     assert alone["enable_sleep_mode"] is False  # a rollout rank of its own: on its LOCAL_RANK GPU, and never asleep
     old = kwargs(1, 1, gpu=False, fields=OLD_VLLM)  # L4: a vLLM without these arguments is not given them
