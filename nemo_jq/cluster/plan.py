@@ -338,9 +338,14 @@ def kv_cache_bytes(arch: Qwen3Architecture, work: Workload, prompts: int) -> flo
 def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: int, gpu_gb: float) -> dict[str, float]:
     """A rollout rank's memory (``rollout.placement=separate``), in bytes: the native/hf samplers' whole model in bf16
     and KV cache of one replica's request (it serves one at a time), or vLLM's share of the GPU (its weights and KV
-    cache are inside it, and it never sleeps here), and what the sync's receiving side holds: one bucket, and a tensor
-    spread over buckets put together whole (the embedding, at real vocabularies); no gradients, no optimizer."""
-    buckets = {"sync_buckets": work.sync_bucket_mb * 2**20 + largest_tensor_bytes(arch, work)}
+    cache are inside it, and it never sleeps here), and what the sync's receiving side holds: a tensor spread over
+    buckets put together whole (the embedding or the head, at real vocabularies) and the bucket it ends in, and with
+    an untied head (the last tensor) the bucket before, of which the engine still holds the view it loaded last; no
+    gradients, no optimizer."""
+    # the largest tensor arrives whole after the bucket it ends in; an untied head arrives last, while the engine
+    # still holds its view of the bucket before (a tied embedding arrives first): measured by the dry run
+    held_buckets = 1 if arch.tie_word_embeddings else 2
+    buckets = {"sync_buckets": held_buckets * work.sync_bucket_mb * 2**20 + largest_tensor_bytes(arch, work)}
     if work.rollout_engine == "vllm":
         return {"vllm": work.vllm_memory_utilization * gpu_gb * GiB, **buckets}
     return {"weights": 2 * parameter_count(arch),
