@@ -205,10 +205,10 @@ class _DistributedCheckpoints:
     def __enter__(self) -> _DistributedCheckpoints:
         from megatron.core import dist_checkpointing
 
-        self.saved: dict[str, tuple[dict, set[str]]] = {}
-        self._stack = contextlib.ExitStack()
         from nemo_jq.models.megatron import checkpoint
 
+        self.saved: dict[str, tuple[dict, set[str]]] = {}
+        self._stack = contextlib.ExitStack()
         for name, replacement in (("save", self._save), ("load", self._load), ("load_common_state_dict", self._common),
                                   ("load_tensors_metadata", self._keys)):
             self._stack.enter_context(patched(dist_checkpointing, name, replacement))

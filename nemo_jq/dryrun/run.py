@@ -32,6 +32,7 @@ from nemo_jq.config import Config
 from nemo_jq.data import Example, Splits
 from nemo_jq.dryrun.memory import KINDS, MemoryTracker
 from nemo_jq.dryrun.world import GPU, FakeWorld, WrongDevice, patched
+from nemo_jq.models.hf import hf_tensors
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.objectives import Need, get_objective
 from nemo_jq.rollouts import SAMPLERS, BudgetedRollouts, refit
@@ -100,7 +101,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
         simulated = _simulate(config, gpu, prompt_tokens, decode_steps, None, skip_repeats)
         simulated["rank"] = ("the training process of model.backend=hf: it trains and asks the rollout ranks" if separate
                              else "the one process of model.backend=hf: it samples and trains")
-        replicas, sent = 1, simulated.pop("sent")
+        replicas, sent_dtype = 1, simulated.pop("sent_dtype")
         report = {**report, **simulated, "fits": simulated["peak_gib"] <= usable}
     else:
         from nemo_jq.dryrun import megatron
@@ -114,15 +115,13 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
             place = megatron.RankPlace.of(rank, layout, world_size)
             with megatron.as_rank(rank, world_size, layout):
                 by_rank[str(rank)] = {**_simulate(config, gpu, prompt_tokens, decode_steps, place, skip_repeats), "rank": place.describe()}
-        sent = next((simulated["sent"] for simulated in by_rank.values() if simulated["sent"]), [])
-        for simulated in by_rank.values():
-            del simulated["sent"]
+        sent_dtype = next(filter(None, [simulated.pop("sent_dtype") for simulated in by_rank.values()]), None)
         fullest = max(by_rank.values(), key=lambda simulated: simulated["peak_gib"])
         report = {**report, **fullest, "world_size": world_size, "ranks": by_rank, "fits": fullest["peak_gib"] <= usable}
         replicas = layout.data_parallel(world_size)
     if separate:
-        serving = _simulate(config, gpu, prompt_tokens, decode_steps, None, skip_repeats, serves=(replicas, sent))
-        del serving["sent"]
+        serving = _simulate(config, gpu, prompt_tokens, decode_steps, None, skip_repeats, serves=(replicas, sent_dtype))
+        del serving["sent_dtype"]
         report["rollout_rank"] = {**serving, "rank": f"a rollout rank: it samples one of the {replicas} replicas' requests at "
                                   "a time, and takes the weights each step sends", "fits": serving["peak_gib"] <= usable}
         report["fits"] = report["fits"] and report["rollout_rank"]["fits"]
@@ -130,10 +129,10 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
 
 
 def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps: int, place: Any,
-              skip_repeats: bool, serves: tuple[int, list] | None = None) -> dict[str, Any]:
+              skip_repeats: bool, serves: tuple[int, torch.dtype | None] | None = None) -> dict[str, Any]:
     """One process's (or simulated rank's) phases: each one's peak by kind, FLOPs, time bound and simulation time, and
-    the weights it sent the rollout ranks (``sent``: name, dtype and shape of each). ``serves``: a rollout rank's, of
-    that many replicas, receiving what a training rank sent."""
+    the dtype of the weights it sent the rollout ranks (``sent_dtype``; None: it sent none). ``serves``: a rollout
+    rank's, of that many replicas, taking in weights of that dtype (None: fp32)."""
     tracker = MemoryTracker(GPU.type)
     flops: dict[str, float] = {}
     with FakeWorld(tracker, decode_steps=decode_steps) as world, tempfile.TemporaryDirectory() as scratch:
@@ -147,7 +146,7 @@ def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps:
     for name, phase in phases.items():
         phase["seconds_at_least"] = round(seconds_at_least(name, phase["flops"], shape, config, gpu), 3)
     worst = max(phases, key=lambda name: phases[name]["peak_gib"])
-    return {"shape": shape, "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst, "sent": run.sent}
+    return {"shape": shape, "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst, "sent_dtype": run.sent_dtype}
 
 
 def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str, Any]:
@@ -286,8 +285,8 @@ class _DryRun:
         self.stack = contextlib.ExitStack()
         #: A training rank of a split world (``rollout.placement=separate``): its rollouts come from the rollout ranks.
         self.separate = config.rollout.placement == "separate"
-        #: The weights this rank sent the rollout ranks: (HF name, dtype, shape) of each, in order.
-        self.sent: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        #: The dtype of the weights this rank sent the rollout ranks (None: it sent none).
+        self.sent_dtype: torch.dtype | None = None
 
     def first_step(self) -> None:
         from nemo_jq.recipe.trainer import Trainer
@@ -296,10 +295,7 @@ class _DryRun:
             self._label_kernels()
             trainer = Trainer(self.config, run_dir=self.scratch / "run", components=self._components())
             watching = self._watch(trainer)
-            sampler_model = getattr(_sampler(trainer.components.engine), "model", None)
-            self.sampler_bytes = (2 * _parameters(self.hf_config) if sampler_model is None else  # vLLM: bf16 weights
-                                  sum(p.numel() * p.element_size() for p in sampler_model.parameters()))
-            del sampler_model
+            self.sampler_bytes = self._weight_bytes(_sampler(trainer.components.engine))
             self.sampled_answers = Need.SAMPLED_ANSWER_REWARD in trainer.objective.estimator.needs
             examples = trainer.components.splits.train
             if self.samples:
@@ -310,7 +306,7 @@ class _DryRun:
             trainer.state.step = 1
             if self.separate:
                 with self._phase("sync"):
-                    trainer.components.engine.sync()
+                    self.sent_dtype = trainer.components.engine.sync()
             elif hasattr(trainer.components.engine, "refit"):
                 with self._phase("refit"):
                     trainer.components.engine.refit()
@@ -339,11 +335,11 @@ class _DryRun:
             prompts = max(prompts, math.ceil(self.place.pipeline_stages * rows / samples))
         return replicas * min(share, prompts)
 
-    def serve(self, replicas: int, sent: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    def serve(self, replicas: int, sent_dtype: torch.dtype | None) -> None:
         """A rollout rank of a split world: its engine built as the run builds it (``rollout_rank_engine``), the whole
-        HF model taken in (:func:`received`) in the dtype a training rank ``sent`` (a pipeline stage's dry run sends
-        its own stage's names for every stage), then one replica's request of the step (the batch's share of one of
-        ``replicas``) and an evaluation call, each row to its full budget."""
+        HF model taken in (:func:`received`) in the dtype a training rank sent (its names and shapes are the model's:
+        a pipeline stage's dry run sends its own stage's for every stage), then one replica's request of the step (the
+        batch's share of one of ``replicas``) and an evaluation call, each row to its full budget."""
         from transformers import AutoModelForCausalLM
 
         from nemo_jq.data.chat import ChatFormat
@@ -353,21 +349,13 @@ class _DryRun:
         with self.stack:
             self._label_kernels()
             chat = ChatFormat(_StandInTokenizer(self.prompt_tokens, rollout.max_answer_tokens))
-            def load_model():
-                return AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
-
+            host = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)  # on the fake host: no memory
+            whole = [(name, sent_dtype or torch.float32, tuple(tensor.shape)) for name, tensor in hf_tensors(host)]
             with self._phase("build"), self.tracker.label("weights"):
-                engine = rollout_rank_engine(config, GPU, chat, self.model_dir, load_model)
-            dtype, seen, whole = sent[0][1] if sent else torch.float32, set(), []
-            for name, tensor in load_model().state_dict(keep_vars=True).items():  # as iter_hf: a tied head once
-                if id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    whole.append((name, dtype, tuple(tensor.shape)))
-            model = getattr(engine.sampler, "model", None)
-            if model is not None:
-                self.world.name_modules(model, "sampler")
-            self.sampler_bytes = 2 * _parameters(self.hf_config) if model is None else sum(
-                p.numel() * p.element_size() for p in model.parameters())
+                engine = rollout_rank_engine(config, GPU, chat, self.model_dir, lambda: host)
+            if hasattr(engine.sampler, "model"):
+                self.world.name_modules(engine.sampler.model, "sampler")
+            self.sampler_bytes = self._weight_bytes(engine.sampler)
             self.sampled_answers = Need.SAMPLED_ANSWER_REWARD in get_objective(config.objective.name).needs
             with patched(engine.sampler, "sample", self._full_budget(engine.sampler)):
                 with self._phase("sync"), engine.awake():
@@ -380,6 +368,11 @@ class _DryRun:
                 with self._phase("evaluate"):
                     engine.generate([prompt] * config.eval.batch_size, config.eval.num_samples, sample_answers=True,
                                     generator=generator)
+
+    def _weight_bytes(self, sampler: Any) -> int:
+        """The bytes of the weights a sampling call reads: its HF model's, or (vLLM, or none here) the bf16 model's."""
+        model = getattr(sampler, "model", None)
+        return 2 * _parameters(self.hf_config) if model is None else sum(p.numel() * p.element_size() for p in model.parameters())
 
     @property
     def samples(self) -> bool:
@@ -457,7 +450,7 @@ class _DryRun:
         stack = contextlib.ExitStack()
         stack.enter_context(patched(distributed, "roles", lambda: roles))
         stack.enter_context(patched(wiring, "RemoteRollouts", lambda policy, roles, bucket_bytes: _RolloutRanks(
-            policy, budgets, _LabelledSync(self.tracker, bucket_bytes), self.sent if sends else None)))
+            policy, budgets, _LabelledSync(self.tracker, bucket_bytes), sends)))
         return stack
 
     def _megatron_folder(self):
@@ -683,8 +676,8 @@ class _RolloutRanks:
 
     lockstep, on_policy = True, False
 
-    def __init__(self, policy: Any, budgets: BudgetedRollouts, weight_sync: WeightSync, sent: list | None):
-        self.policy, self.engine, self.weight_sync, self.sent = policy, budgets, weight_sync, sent
+    def __init__(self, policy: Any, budgets: BudgetedRollouts, weight_sync: WeightSync, sends: bool):
+        self.policy, self.engine, self.weight_sync, self.sends = policy, budgets, weight_sync, sends
 
     @property
     def sampler(self) -> Any:
@@ -697,22 +690,24 @@ class _RolloutRanks:
     def generate(self, prompts, num_samples, **kwargs) -> list:
         return self.engine.generate(prompts, num_samples, **kwargs)
 
-    def sync(self) -> None:
+    def sync(self) -> torch.dtype | None:
         """As ``RemoteRollouts._sync``: the first replica's ranks gather each weight from its shards (the policy's
-        ``iter_hf``), and the first training rank (``sent`` not None, where what it sends is recorded) packs and
-        sends them; the other replicas take no part."""
+        ``iter_hf``), and the first training rank (``sends``) packs and sends them; the other replicas take no part.
+        The dtype of what was sent, on the rank that sent it (else None)."""
         if self.policy.data_parallel.rank != 0:
-            return
-        tensors = iter(self.policy.iter_hf())
-        if self.sent is not None:
-            self.weight_sync.send(self._recorded(tensors))
+            return None
+        tensors, sent = iter(self.policy.iter_hf()), set()
+
+        def noting_dtypes() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in tensors:
+                sent.add(tensor.dtype)
+                yield name, tensor
+
+        if self.sends:
+            self.weight_sync.send(noting_dtypes())
         for _ in tensors:
             pass
-
-    def _recorded(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in tensors:
-            self.sent.append((name, tensor.dtype, tuple(tensor.shape)))
-            yield name, tensor
+        return next(iter(sent), None)
 
 
 class _LabelledSync(WeightSync):

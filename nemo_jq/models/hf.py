@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -67,6 +67,16 @@ def enable_activation_checkpointing(model: Any) -> None:
         model.disable_input_require_grads()
 
 
+def hf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """An HF model's tensors under their names, each once: a tied head once, as the embedding (engines take it from
+    there; sent twice, it was a fifth of what Qwen3-0.6B sent)."""
+    seen = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor.detach()
+
+
 class HFPolicy:
     """Trains an HF causal LM in one process: chunked log-probs, AdamW (or SGD), gradient clipping, bf16 autocast on
     GPU."""
@@ -96,13 +106,8 @@ class HFPolicy:
 
     def iter_hf(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The weights under their HF names, one tensor at a time (what a refitted engine loads, or the weight sync
-        sends): a tied head once, as the embedding (engines take it from there; sent twice, it was a fifth of what
-        Qwen3-0.6B sent)."""
-        seen = set()
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                yield name, tensor.detach()
+        sends): :func:`hf_tensors`."""
+        return hf_tensors(self.model)
 
     def autocast(self):
         return autocast_context(self.device, self.precision)
