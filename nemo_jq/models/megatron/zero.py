@@ -11,8 +11,9 @@ replicated optimizer's.
 Bytes per parameter held between steps on each rank, D ranks: the weights (4 fp32, 2 bf16) + 4 (the
 gradient buffer) + 12 / D (master, two moments); nothing else grows with the model (the gradient norm's
 mask is a list of index ranges). A step adds the gathered weights (2 or 4) and a few D-th parts; a
-checkpoint save one full fp32 vector on the device at a time (the replicated moments go to host memory); a load
-reads only the rank's shard of the state (``checkpoint.load_sharded``).
+checkpoint save at most :data:`SAVE_PIECE_BYTES` on the device (the replicated state is put together in host
+memory, piece by piece: gathered whole, its fp32 vector was the 8B config's peak); a load reads only the rank's
+shard of the state (``checkpoint.load_sharded``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from nemo_jq.models.common import build_optimizer
 #: torch 2.13 renames the flat collectives; the images' older torch has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: The most device memory a checkpoint save's gather of the replicated AdamW state takes at once (all ranks' pieces).
+SAVE_PIECE_BYTES = 256 * 2**20
 
 
 def _accumulate(param: torch.nn.Parameter) -> None:
@@ -124,13 +127,22 @@ class DistributedAdamW:
             param.copy_(piece.view_as(param))
 
     def _gather(self, mine: torch.Tensor) -> torch.Tensor:
-        full = torch.empty(self.shard * self.size, dtype=mine.dtype, device=mine.device)
+        full = torch.empty(mine.numel() * self.size, dtype=mine.dtype, device=mine.device)
         _all_gather(full, mine.contiguous(), group=self.group)
         return full
 
+    def _gather_to_host(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``mine`` (a shard-long vector), put together in host memory from device pieces of at most
+        :data:`SAVE_PIECE_BYTES` over all ranks."""
+        full = torch.empty(self.size, self.shard, dtype=mine.dtype, device="cpu")
+        step = max(1, SAVE_PIECE_BYTES // (mine.element_size() * self.size))
+        for start in range(0, self.shard, step):  # each piece freed before the next is gathered
+            full[:, start:start + step].copy_(self._gather(mine[start:start + step]).view(self.size, -1))
+        return full.view(-1)
+
     def replicated(self) -> torch.optim.AdamW:
         """The equivalent replicated AdamW over the parameters, its moments gathered (a collective) into host
-        memory, one full vector at a time: what a checkpoint stores, so it resumes with or without this optimizer,
+        memory (:meth:`_gather_to_host`): what a checkpoint stores, so it resumes with or without this optimizer,
         at any DP size. Parameters that are not fp32 (bf16 weights) also get their fp32 master weights, as
         ``master``, which they cannot hold."""
         replicated = torch.optim.AdamW(self.params, **{key: value for key, value in self.optimizer.param_groups[0].items()
@@ -142,7 +154,7 @@ class DistributedAdamW:
             for param in self.params:
                 replicated.state[param] = {"step": mine["step"].clone()}
             for key in ("exp_avg", "exp_avg_sq", *(("master",) if self.holds_more_than_params else ())):
-                full = self._gather(slices[key]).cpu()
+                full = self._gather_to_host(slices[key])
                 for param, piece in zip(self.params, full[:self.total].split(numels)):
                     replicated.state[param][key] = piece.view_as(param)
         return replicated
