@@ -114,8 +114,8 @@ def planned(report: dict[str, Any], config: Config) -> dict[str, dict[str, float
     return against_plan(report, config) if config.model.path else {}
 
 
-#: The phases in the table, in a run's order (a megatron rank's save, restore, evaluation and resume are not simulated).
-TABLE_PHASES = ("rollout", "train", "optimizer_step", "refit", "guard_restore", "evaluate", "resume")
+#: The phases in the table, in a run's order.
+TABLE_PHASES = ("rollout", "train", "optimizer_step", "refit", "save", "guard_restore", "evaluate", "resume")
 
 
 def markdown(results: list[dict], prompt_tokens: int) -> str:

@@ -178,6 +178,7 @@ def test_rollout_ranks_quick_run_times_every_placement_and_logs_the_sync(bench_r
     (timing,) = report["timing"].values()
     assert all(timing[f"{name} step_seconds"] > 0 for name in ("colocated 1 thread", "colocated 2 threads", "separate 1+1"))
     assert timing["speedup_over_colocated_2_threads"] > 0 and "separate_1.5x_over_colocated_at_64" in report["targets_met"]
+    assert timing["overlap_bound_over_colocated_2_threads"] > 0
     learned = report["learning"]
     assert set(learned["runs"]) == {"colocated 2 threads", "separate 1+1"}
     assert all(len(runs) == 1 and runs[0]["validation"] for runs in learned["runs"].values())
