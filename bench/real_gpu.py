@@ -21,6 +21,14 @@
    suite's CPU patches).
 4. ``sampler``: ``bench/rollouts.py --gpu``: the native sampler's decode tokens/s at the 0.6B shape (64 prompts x
    M=8, a 256-token budget) against the memory-bandwidth bound.
+8. ``speed``: the step against the GPU's bounds, old path beside new in one call (``bench/gpu_speed.py``): (a) decode
+   steps alone, eager and under CUDA graphs, at the paper config's chunk and at 512 rows x 64 tokens, against the
+   bytes a step must move, with host launches per step; (b) the training phase on one micro-batch of the paper's
+   row length and its MFU, the old tree (``--baseline``: the package as it was, e.g. ``git archive <commit>
+   nemo_jq``) beside this one; (c) the steady-state step (steps 2 and on) of part 1's cut config, old tree and this
+   one (as configured, and with all 128 rows in one chunk and 2,048 positions a log-prob chunk).
+9. ``generator``: a request's CUDA generator state through a rollout rank's path (``nemo_jq/rollouts/ranks.py``)
+   to a sampler without a ``device`` (as vLLM's is), and the state that comes back into the trainer's generator.
 
 Writes ``real_gpu.json`` (and the parts' own files) to --out. Usage, on a machine with one CUDA GPU, from the repo:
 
@@ -60,6 +68,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, required=True, help="a folder with Qwen3's tokenizer files")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script at the tiny shape")
     parser.add_argument("--parts", nargs="+", default=["train", "one_step_off", "refit", "sampler"], help="which to run")
+    parser.add_argument("--baseline", type=Path, default=ROOT / ".gpu" / "baseline",
+                        help="speed: a folder holding the old tree's nemo_jq package")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.work, ignore_errors=True)
@@ -72,7 +82,9 @@ def main() -> None:
              "refit": lambda: refit_bytes_per_second(folder, args.device),
              "sampler": lambda: sampler_against_bound(args, tiny),
              "sampler_profile": lambda: sampler_profile(folder, args.device, 4 if tiny else 64),
-             "sync": lambda: sync_bytes_per_second(folder, args.device)}
+             "sync": lambda: sync_bytes_per_second(folder, args.device),
+             "speed": lambda: speed(args, folder, tiny),
+             "generator": lambda: generator_through_rollout_rank(args.device)}
     for name, part in ((name, parts[name]) for name in args.parts):
         started = time.perf_counter()
         try:
@@ -349,6 +361,92 @@ def sampler_profile(folder: Path, device: str, new_tokens: int = 64) -> dict:
         decode("native", 16)
     result["native_top_by_self_cpu"] = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
                                                                      max_name_column_width=50)
+    return result
+
+
+def speed(args, folder: Path, tiny: bool) -> dict:
+    """(a) and (b) in processes of their own (each frees its GPU memory), then (c)."""
+    def probe(name: str, *extra: str, timeout: int = 240) -> dict:
+        out = args.out / f"speed_{name}.json"
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_speed.py"), *extra, "--out", str(out),
+                               "--device", args.device], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        print(f"[speed {name}] exit {done.returncode}", flush=True)
+        if done.returncode or not out.exists():
+            return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-2500:]}
+        return json.loads(out.read_text())
+
+    result = {"decode": probe("decode", "decode"),
+              "train_old": probe("train_old", "train", "--root", str(args.baseline), "--chunks", "256", timeout=120),
+              "train_new": probe("train_new", "train", "--chunks", "256", "2048", "--profile", timeout=150)}
+    result["steps"] = steady_steps(args, folder, tiny)
+    return result
+
+
+def steady_steps(args, folder: Path, tiny: bool) -> dict:
+    """Part 1's cut config for a few steps: each step's time, from the old tree and this one."""
+    overrides = [f"model.path={folder}", *OVERRIDES, f"train.device={args.device}"]
+    if tiny:
+        overrides += ["rollout.max_thinking_tokens=16", "rollout.num_samples=4"]
+    runs = {"old": (args.baseline, ["train.max_steps=2"]), "new": (ROOT, ["train.max_steps=3"]),
+            "new_rows128_chunk2048": (ROOT, ["train.max_steps=3", "train.micro_batch_rows=128",
+                                             "model.logprob_chunk_size=2048"])}
+    result = {}
+    for name, (tree, extra) in runs.items():
+        run_dir = args.work / f"steps_{name}"
+        started = time.perf_counter()
+        try:
+            done = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "train", "--config", str(CONFIG), *overrides, *extra,
+                                   f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=150, cwd=tree)
+        except subprocess.TimeoutExpired:
+            result[name] = {"error": "over 150 s"}
+            continue
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+        steps = [json.loads(line) for line in lines if '"step_time"' in line]
+        result[name] = {"exit": done.returncode, "wall_s": round(time.perf_counter() - started, 1),
+                        "tail": (done.stdout + done.stderr)[-1500:] if done.returncode else None,
+                        "steps": [{key: step.get(key) for key in ("step", "step_time", "rollout_tokens_per_s",
+                                                                   "rollout_tokens", "gpu_peak_gib")} for step in steps]}
+        print(f"[speed steps {name}] exit {done.returncode} {result[name]['wall_s']} s", flush=True)
+    return result
+
+
+def generator_through_rollout_rank(device: str) -> dict:
+    """Issue 43's N1 on a GPU: the trainer's CUDA generator state, sent as a request carries it, served by a rollout
+    rank's engine whose sampler has no ``device``, and taken back; beside what the old path did with the state (a
+    generator of the engine's device, the CPU's)."""
+    import torch
+
+    from nemo_jq.rollouts.budget import BudgetedRollouts
+    from nemo_jq.rollouts.process import engine_device
+    from nemo_jq.rollouts.ranks import generator_from, generator_state
+    from nemo_jq.rollouts.sampling import Sample, as_groups
+
+    class NoDevice:  # as VLLMSampler: no ``device``; draws its tokens from the generator it is given
+        tensor_parallel = 1
+
+        def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
+            rows = len(prompts) * num_samples
+            drawn = torch.randint(3, 50, (rows, max_new_tokens), generator=generator, device=generator.device)
+            return as_groups([Sample(row.tolist(), False, None) for row in drawn.cpu()], num_samples)
+
+    engine = BudgetedRollouts(NoDevice(), think_end_id=1, end_of_turn_id=2, max_thinking_tokens=4, max_answer_tokens=2)
+    trainer, reference = torch.Generator(device).manual_seed(0), torch.Generator(device).manual_seed(0)
+    state = generator_state(trainer)
+    result = {"sent_device_type": state[0], "sent_state_bytes": state[1].numel()}
+    try:
+        old = torch.Generator(engine_device(engine))
+        old.set_state(state[1])
+        result["old_path"] = "accepted"
+    except Exception as error:  # noqa: BLE001 - the defect being shown
+        result["old_path"] = f"{type(error).__name__}: {error}"
+    served = generator_from(state, engine_device(engine))
+    rollouts = engine.generate([[5, 6]], 2, sample_answers=True, generator=served)
+    trainer.set_state(served.get_state())
+    expected = engine.generate([[5, 6]], 2, sample_answers=True, generator=reference)
+    result.update(served_on=str(served.device), same_rollouts=[r.rationale_ids for g in rollouts for r in g] ==
+                  [r.rationale_ids for g in expected for r in g],
+                  trainer_moved_as_sampling_did=bool(torch.equal(torch.rand(4, generator=trainer, device=trainer.device),
+                                                                torch.rand(4, generator=reference, device=reference.device))))
     return result
 
 

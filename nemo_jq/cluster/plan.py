@@ -30,7 +30,8 @@ An estimate from shapes, not a measurement; every assumption is printed with the
   model, or an fp32 copy one step ahead) with a bf16 KV cache of at most ``kv_cache_tokens`` tokens
   (``rollout.kv_cache_tokens``: the thinking phase samples chunks of whole groups, at least one prompt's M rows;
   the answer phase chunks of rows; an evaluation call's too), or of all of the replica's rows when that is fewer,
-  plus a decode step's copies of one layer's keys and values (``KV_COPIES``); ``vllm`` keeps no HF copy and takes
+  plus a decode step's copies of one layer's keys and values (``KV_COPIES``), and, with the hf backend's CUDA-graph
+  decode, a bf16 cast of the fp32 policy's weights while it samples; ``vllm`` keeps no HF copy and takes
   ``vllm_memory_utilization`` of the GPU (its weights, shared over
   ``vllm_tensor_parallel`` ranks, and its KV cache) while it samples, and sleeps (holds ~nothing) while the
   policy trains;
@@ -143,6 +144,9 @@ class Workload:
     async_copy: bool = False
     #: hf: positions the log-prob kernel projects at once (``model.logprob_chunk_size``).
     logprob_chunk: int = 256
+    #: hf with the native engine's CUDA-graph decode (``rollout.cuda_graphs``): each sampling call decodes from a bf16
+    #: cast of the fp32 policy's weights, held while it samples.
+    decode_cast: bool = False
     #: The answer budget within ``seq_len`` (the thinking phase's rows end before it).
     answer_tokens: int = 0
     #: An evaluation call's prompts and samples of each (``eval.batch_size``, ``eval.num_samples``).
@@ -173,6 +177,7 @@ class Workload:
                    vllm_tensor_parallel=rollout.tensor_parallel, backend=config.model.backend,
                    async_copy=bool(rollout.async_steps) and rollout.engine != "vllm" and not separate,
                    logprob_chunk=config.model.logprob_chunk_size, answer_tokens=rollout.max_answer_tokens,
+                   decode_cast=hf and rollout.engine == "native" and rollout.cuda_graphs and not separate,
                    eval_call=(config.eval.batch_size, config.eval.num_samples),
                    rollout_ranks=rollout.ranks if separate else 0, sync_bucket_mb=rollout.sync_bucket_mb)
 
@@ -320,7 +325,9 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "activations": hf_activation_bytes(arch, work) if hf else activations,
         "logprob_head": logprob_head_bytes(arch, work, 1 if hf else tp),
         "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else 2) * parameter_count(arch),
-        "kv_cache": kv_cache_bytes(arch, work, work.batch_prompts // dp) if samples_here and not vllm else 0.0,
+        # the rollouts' working set: the KV cache, and the graph path's bf16 cast of an fp32 policy's weights
+        "kv_cache": (kv_cache_bytes(arch, work, work.batch_prompts // dp) + 2 * parameter_count(arch) * work.decode_cast
+                     if samples_here and not vllm else 0.0),
         "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm and samples_here else 0.0,
     }
     return parts

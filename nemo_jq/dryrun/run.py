@@ -69,7 +69,8 @@ KNOBS = {
                    "whatever M; the same gradient), or model.backend=megatron with megatron.recompute_activations=true",
     "logprob_head": "a smaller model.logprob_chunk_size",
     "kv_cache": "a smaller rollout.kv_cache_tokens",
-    "sampler_copy": "rollout.engine=vllm (no HF copy of the model beside the policy)",
+    "sampler_copy": "rollout.engine=vllm (no HF copy of the model beside the policy); with an fp32 policy, "
+                    "rollout.cuda_graphs=false (the native decode's weights cast to bf16 once a sampling call)",
     "vllm": "a smaller rollout.vllm_memory_utilization",
     "temporaries": "a smaller rollout.kv_cache_tokens or eval.batch_size (fewer rows sampled at once)",
     "sync_buckets": "a smaller rollout.sync_bucket_mb",
@@ -370,8 +371,11 @@ class _DryRun:
                                     generator=generator)
 
     def _weight_bytes(self, sampler: Any) -> int:
-        """The bytes of the weights a sampling call reads: its HF model's, or (vLLM, or none here) the bf16 model's."""
+        """The bytes of the weights a sampling call reads: as the sampler reads them (the graph path: in the compute
+        dtype), else its HF model's, or (vLLM, or none here) the bf16 model's."""
         model = getattr(sampler, "model", None)
+        if hasattr(sampler, "weight_bytes"):
+            return sampler.weight_bytes()
         return 2 * _parameters(self.hf_config) if model is None else sum(p.numel() * p.element_size() for p in model.parameters())
 
     @property
@@ -629,9 +633,11 @@ class _DryRun:
         from transformers.cache_utils import DynamicLayer
 
         from nemo_jq.models.logprobs import _ChunkedTokenLogprob
+        from nemo_jq.rollouts.graphs import GraphSampler, StaticDecode
         from nemo_jq.rollouts.hf import PreallocatedCacheLayer
 
         kernels = [(PreallocatedCacheLayer, "update", "kv_cache"), (PreallocatedCacheLayer, "_rebuild", "kv_cache"),
+                   (StaticDecode, "allocate_cache", "kv_cache"), (GraphSampler, "decode_step", "sampler_copy"),
                    (DynamicLayer, "update", "kv_cache"), (_ChunkedTokenLogprob, "forward", "logprob_head"),
                    (_ChunkedTokenLogprob, "backward", "logprob_head")]
         if self.place is not None:

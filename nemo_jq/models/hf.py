@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
 from nemo_jq.models.common import (
+    ACCELERATORS,
     WEIGHTS_FILE,
     autocast_context,
     build_optimizer,
@@ -77,6 +79,34 @@ def hf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor.detach()
 
 
+class CompiledLayers:
+    """While entered, each decoder layer's attention, MLP and norms run compiled (``torch.compile``, shapes dynamic:
+    their code is the same in every layer, so one compile serves all). Only the policy's own scoring and training
+    enter it: a sampler decoding the same model in place keeps the plain modules (its cache is not the compiler's).
+    The layers stay plain, so activation checkpointing wraps them as before; backward is inside it too, so that their
+    recomputation runs the compiled code. Re-entrant (scoring inside a training pass)."""
+
+    PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+
+    def __init__(self, model: Any):
+        self.parts = [(part, torch.compile(part.forward, dynamic=True))
+                      for layer in model.get_decoder().layers for part in (getattr(layer, name) for name in self.PARTS)]
+        self.depth = 0
+
+    def __enter__(self) -> "CompiledLayers":
+        if self.depth == 0:
+            for module, forward in self.parts:
+                module.forward = forward
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for module, _ in self.parts:
+                del module.forward  # the class's own again
+
+
 class HFPolicy:
     """Trains an HF causal LM in one process: chunked log-probs, AdamW (or SGD), gradient clipping, bf16 autocast on
     GPU."""
@@ -88,8 +118,9 @@ class HFPolicy:
     def __init__(self, model: Any, *, device: torch.device, precision: str = "auto", lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  grad_clip: float = 1.0, logprob_chunk_size: int = 256, optimizer: str = "adamw", momentum: float = 0.0,
-                 activation_checkpointing: bool = False):
-        """``activation_checkpointing``: keep each decoder layer's input only, and run the layer again in backward."""
+                 activation_checkpointing: bool = False, compiled: bool = False):
+        """``activation_checkpointing``: keep each decoder layer's input only, and run the layer again in backward;
+        ``compiled``: score and train with each layer's attention, MLP and norms under ``torch.compile``."""
         if getattr(model.get_output_embeddings(), "bias", None) is not None:
             raise ValueError("LM heads with a bias are not supported by the chunked log-prob kernel")
         self.model = model.to(device)
@@ -103,6 +134,7 @@ class HFPolicy:
                                          eps=eps, momentum=momentum)
         #: Moves whenever the weights change, so an engine with its own copy knows to refit.
         self.weights_version = 0
+        self.compiled = CompiledLayers(self.model) if compiled else None
 
     def iter_hf(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The weights under their HF names, one tensor at a time (what a refitted engine loads, or the weight sync
@@ -115,8 +147,11 @@ class HFPolicy:
     def token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         batch = batch.to(self.device)
         targets = batch.target_mask
-        with self.autocast():
-            hidden = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+        # Rows are right-padded, so causality alone keeps every real token from the padding: on a GPU the forward
+        # takes no padding mask, and attention runs FlashAttention's causal kernel instead of a masked one.
+        mask = None if self.device.type in ACCELERATORS else batch.attention_mask
+        with self.autocast(), self.compiled or contextlib.nullcontext():
+            hidden = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=mask,
                                               use_cache=False).last_hidden_state  # a cache would hold every layer's K, V
             picked = chunked_token_logprobs(
                 hidden[:, :-1][targets],
@@ -129,7 +164,8 @@ class HFPolicy:
 
     def forward_backward(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> list[dict[str, Any]]:
         self.model.train()
-        return backward_each(self, micro_batches, loss_fn)
+        with self.compiled or contextlib.nullcontext():
+            return backward_each(self, micro_batches, loss_fn)
 
     def optimizer_step(self) -> dict[str, float]:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_jq.precision import compute_dtype, upcast
+from nemo_jq.precision import autocast_dtype_now, compute_dtype, upcast
 
 
 def _exponentiate_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +36,9 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             out[start:end] = (chosen - top - total.log()).squeeze(1)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk_size = chunk_size
+        # backward runs outside autocast: its products take the forward's dtype explicitly (Qwen3's final norm gives
+        # fp32 hidden states under bf16 autocast, and fp32 products would miss the GPU's bf16 matrix rate)
+        ctx.matmul_dtype = autocast_dtype_now(hidden.device.type)
         return out
 
     @staticmethod
@@ -43,19 +46,23 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=compute_dtype(weight), device=weight.device) if ctx.needs_input_grad[1] else None
-        projection = weight.to(hidden.dtype)
+        low = ctx.matmul_dtype  # None: no autocast, the products in the inputs' own dtype
+        projection = weight.to(low or hidden.dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h, g = hidden[start:end], upcast(grad_out[start:end, None])
+            h_low = h if low is None else h.to(low)
             # d logp_t / d logits = onehot(target) - softmax(logits), formed in place: one chunk-sized buffer
-            logits = upcast(h @ projection.T)
+            logits = upcast(h_low @ projection.T)
             _, total = _exponentiate_(logits)
             grad_logits = logits.div_(total).mul_(-g)
             grad_logits.scatter_add_(1, targets[start:end, None], g)
-            if grad_weight is not None:  # accumulate without a [V, H] temporary
+            if grad_weight is not None and low is None:  # accumulate without a [V, H] temporary
                 grad_weight.addmm_(grad_logits.T, upcast(h))
+            elif grad_weight is not None:  # the product in the forward's dtype, accumulated in fp32
+                grad_weight += grad_logits.T.to(low) @ h_low
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_logits.to(hidden.dtype) @ projection
+                grad_hidden[start:end] = grad_logits.to(projection.dtype) @ projection
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None

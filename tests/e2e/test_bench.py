@@ -143,6 +143,10 @@ def test_rollouts_quick_run_writes_every_engines_rate_and_ratio(bench_run):
     # the engines sample the same distribution: their mean lengths agree (native and hf exactly, same seeds)
     assert case["mean_rationale_tokens"]["native"] == case["mean_rationale_tokens"]["hf"]
     assert report["sampling_step"]["inverse_cdf_s"] > 0
+    # the CPU proxy of a GPU's launches: the graph path's host dispatches a handful of operators a step around its
+    # replayed step, the eager loop every layer's (a change that adds host work to a step shows here)
+    ops = case["host_ops_per_decode_step"]
+    assert 0 < ops["graph_path_outside_the_step"] < ops["native"] / 5 and ops["graph_path_step"] > ops["native"] / 2
 
 
 def test_rollouts_bandwidth_bound_counts_weights_and_live_kv_per_step_and_gpu_mode_needs_cuda(bench_run):
@@ -204,6 +208,36 @@ def test_real_gpu_check_runs_its_host_parts_at_the_tiny_shape(tmp_path):
     assert "refit" in report["megatron"]["dry_run_phases_gib"] and "model.backend=megatron" in report["megatron"]["overrides"]
     assert refit["sampler_bytes_written"] * 2 == refit["policy_bytes_read"]  # fp32 policy into the bf16 copy
     assert all(r["bytes"] == refit["policy_bytes_read"] and r["buckets"] >= 1 for r in report["sync"]["rounds"])  # tied head once
+
+
+@pytest.mark.slow
+def test_the_speed_check_runs_end_to_end_on_the_host_at_the_tiny_shape(tmp_path):
+    """bench/gpu_speed.py, real_gpu.py's ``speed`` measurements, with --device cpu: decode eager and on the graph path
+    (here eager steps) at the paper chunk's and the 512-row shapes, each against its bound; the training micro-batch
+    and its MFU from this tree and from a tree given as ``--root``; and real_gpu.py's ``generator`` part (issue 43's
+    N1: the request's generator state through a rollout rank's path)."""
+    decode_out, train_out = tmp_path / "decode.json", tmp_path / "train.json"
+    for extra in (["decode", "--out", str(decode_out), "--engines", "eager", "graphs_matmul", "--shapes", "paper", "rows512"],
+                  ["train", "--out", str(train_out), "--root", str(ROOT), "--chunks", "64", "256"]):
+        done = subprocess.run([sys.executable, "bench/gpu_speed.py", *extra, "--device", "cpu"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+    decode = json.loads(decode_out.read_text())
+    for case in (*decode["paper_chunk"]["by_context"].values(), decode["rows512_tokens64"]):
+        assert set(case) == {"eager", "graphs_matmul"}
+        assert all(0 < run["bound_over_measured"] and run["decode_tokens"] > 0 for run in case.values())
+        assert case["eager"]["decode_tokens"] == case["graphs_matmul"]["decode_tokens"]  # none stops: every step's token
+    assert set(decode["paper_chunk"]["integrated"]) == {"eager", "graphs_matmul"}
+    train = json.loads(train_out.read_text())
+    assert train["package"] == str(ROOT / "nemo_jq")
+    for chunk in ("chunk_64", "chunk_256"):
+        assert train[chunk]["mfu"] == pytest.approx(train["model_flops"] / train[chunk]["best_s"] / 989e12)
+    done = subprocess.run([sys.executable, "bench/real_gpu.py", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                           "--tokenizer", str(tmp_path), "--device", "cpu", "--parts", "generator"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    generator = json.loads((tmp_path / "out" / "real_gpu.json").read_text())["generator"]
+    assert generator["same_rollouts"] and generator["trainer_moved_as_sampling_did"] and generator["sent_device_type"] == "cpu"
 
 
 def test_phase_peaks_records_each_phase_of_a_step_in_call_order(tmp_path):

@@ -1,5 +1,6 @@
 """Chunked log-probs, the HF policy, export round trip, and the evaluation metrics."""
 
+import contextlib
 import itertools
 import math
 
@@ -127,3 +128,58 @@ def test_the_optimizer_runs_a_gpus_kernels_on_any_accelerator_and_the_hosts_on_t
         params = [torch.nn.Parameter(torch.zeros(3, device=device))]
         for name in ("adamw", "sgd"):
             assert build_optimizer(params, name, lr=1e-3).defaults["foreach"] is foreach, (device, name)
+
+
+def test_under_autocast_the_log_prob_head_s_backward_multiplies_in_the_forward_s_dtype():
+    """Backward runs outside autocast: the head's products take the forward's bf16 explicitly (fp32 hidden states
+    from Qwen3's final norm would otherwise make them fp32 products, off a GPU's bf16 matrix rate), accumulating the
+    weight's gradient in fp32; the gradients stay those of fp32 within bf16 rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.dtypes.append(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=generator)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(50, (40,), generator=generator)
+    grads = {}
+    for name, context in (("fp32", contextlib.nullcontext()), ("bf16", torch.autocast("cpu", dtype=torch.bfloat16))):
+        leaf = hidden.clone().requires_grad_()
+        with context:
+            out = chunked_token_logprobs(leaf, weight, targets, chunk_size=16)
+        weight.grad = None
+        with Products() as products:
+            out.sum().backward()
+        grads[name] = (leaf.grad, weight.grad, products.dtypes)
+    assert set(grads["fp32"][2]) == {torch.float32} and set(grads["bf16"][2]) == {torch.bfloat16}
+    assert grads["bf16"][1].dtype == torch.float32
+    for ours, reference in zip(grads["bf16"][:2], grads["fp32"][:2]):
+        torch.testing.assert_close(ours, reference, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.slow
+def test_a_compiled_policy_scores_and_trains_as_the_plain_one():
+    """``model.compile``: each layer's attention, MLP and norms under torch.compile (its CPU backend here) while the
+    policy scores and trains, activation checkpointing's recomputation included; the sampler's own forwards of the
+    same model stay plain."""
+    task, _, chat, _ = tiny_setup()
+    batch = _batch(chat, task)
+    results = []
+    for compiled in (False, True):
+        model = tiny_setup()[3]
+        policy = HFPolicy(model, device=torch.device("cpu"), compiled=compiled, activation_checkpointing=True)
+        scored = policy.token_logprobs(batch)
+        policy.forward_backward([batch], lambda lp, _i: (-lp.sum(), {}))
+        results.append((scored, [p.grad.clone() for p in model.parameters()]))
+        assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)  # plain outside
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)
+    for ours, reference in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-3)

@@ -264,3 +264,20 @@ def test_the_native_samplers_kv_cache_is_in_the_compute_dtype(monkeypatch):
     sampler = NativeSampler(model, pad_id=chat.pad_id, device=CPU, precision="bf16")
     sampler.sample(prompts, 2, stop_ids=[chat.think_end_id], max_new_tokens=4, generator=torch.Generator())
     assert dtypes == {torch.bfloat16}
+
+
+def test_a_request_s_generator_is_rebuilt_on_its_own_device_type_not_the_engine_s():
+    """Issue 43's N1: a rollout rank built its generator on its engine's device, which is the CPU for vLLM's sampler (it
+    has no ``device``), and a CUDA state (16 bytes) does not fit a CPU generator (5,056); on a GPU the request then
+    failed. The request carries its generator's device type, and the rollout rank builds that type (tried on a GPU:
+    bench/results/real_gpu.json). Here the other way round: a CPU state meets an engine on a GPU this torch lacks."""
+    from nemo_jq.rollouts.ranks import generator_from, generator_state
+
+    trainer = torch.Generator().manual_seed(3)
+    sent = generator_state(trainer)
+    assert sent[0] == "cpu" and sent[1].numel() == 5056
+    with pytest.raises(RuntimeError):
+        torch.Generator(torch.device("cuda"))  # the old path: the engine's device (this CPU build has no CUDA)
+    served = generator_from(sent, torch.device("cuda"))
+    assert served.device.type == "cpu"
+    assert torch.equal(torch.rand(4, generator=served), torch.rand(4, generator=torch.Generator().manual_seed(3)))

@@ -1,0 +1,397 @@
+"""Decode and training speed against their bounds: the measurements of ``bench/real_gpu.py --parts speed``.
+
+``decode``: the native sampler's decode steps, timed alone (prefill and graph capture excluded: each is timed apart,
+synchronised, and taken off the call's time), eager (``NativeSampler``, the old path) and under CUDA graphs
+(``GraphSampler``, each attention kernel), at the Qwen3-0.6B shape in bf16, against the bound of the bytes one decode
+step must move: the weights once, each live row's keys and values at its real length, and the logits written once.
+Shapes: the paper config's own chunk (one prompt's M=32 rows, the rows its KV budget allows, at contexts from 1k to
+5k tokens: 48 steps at each of five contexts, integrated over 1,024..5,120), 512 rows x 64 tokens (none stops), and
+512 rows with a 256-token budget whose rows stop as a trained model's do (the stop id's output row tilted). Host
+launches per decode step from torch.profiler (calls of two lengths, their difference).
+
+``train``: the training phase's forward and backward (``Policy.forward_backward``) on one micro-batch of the paper's
+full row length, 8 rows x (1,024 prompt + 4,096 thinking + 128 answer) tokens, with the package found at ``--root``
+(the old tree runs the same function), and its MFU: 6·N·D over the trained tokens (N without the embedding lookup),
+6·V·H per scored position for the head, and causal attention's 2·s²·(heads·head_dim) per layer and row forward,
+three times that with backward, over the time and 989 TFLOP/s (recomputation not counted).
+
+Usage: python bench/gpu_speed.py {decode,train} --out FILE [--device cuda|cpu] [--root DIR] [--chunks N ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Qwen3-0.6B's shape, and a tiny one for --device cpu (a smoke run of this script).
+SHAPES = {"qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                             max_position_embeddings=40960),
+          "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=8192)}
+#: Datasheet HBM bandwidth (TB/s) and dense bf16 rate (TFLOP/s) by device name.
+DATASHEET = {"H100 80GB HBM3": (3.35, 989.0), "H100": (3.35, 989.0), "H200": (4.8, 989.0)}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def model_of(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape])).to(dtype).eval()
+
+
+def measured_bandwidth(device: torch.device) -> float | None:
+    """A device-to-device copy of 2 GiB, bytes read plus written per second (the ceiling METHOD.md asks for)."""
+    if device.type != "cuda":
+        return None
+    source = torch.randn(2**29, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(10):
+        target.copy_(source)
+    synchronize(device)
+    return 10 * 2 * source.numel() * 4 / (time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------------------------------------- decode
+class DecodeClock:
+    """The decode steps' share of a sampling call: the call's time less its prefills and graph captures, each
+    timed apart between synchronisations."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.excluded = device, 0.0
+
+    def wrap(self, owner, name: str):
+        real = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            synchronize(self.device)
+            started = time.perf_counter()
+            out = real(*args, **kwargs)
+            synchronize(self.device)
+            self.excluded += time.perf_counter() - started
+            return out
+
+        return _patched(owner, name, timed)
+
+    @contextlib.contextmanager
+    def call(self):
+        from nemo_jq.rollouts import graphs, hf
+
+        self.excluded = 0.0
+        with self.wrap(hf.NativeSampler, "_prefill"), self.wrap(graphs.StaticDecode, "_prefill"), \
+                self.wrap(graphs.StaticDecode, "capture"):
+            synchronize(self.device)
+            started = time.perf_counter()
+            yield self
+            synchronize(self.device)
+        self.total = time.perf_counter() - started
+        self.decode = self.total - self.excluded
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value):
+    original = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def decode_bound_bytes(model, prompt_lengths: list[int], lengths: list[int]) -> float:
+    """Bytes the decode steps of rows with these prompt and sampled lengths must move: every step the weights once,
+    each live row's keys and values so far, its logits once (bf16); the first token comes from the prefill."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    logits_row = config.vocab_size * 2
+    total = 0.0
+    for step in range(1, max(lengths)):
+        live = [prompt + step for prompt, length in zip(prompt_lengths, lengths) if length > step]
+        if live:
+            total += weights + kv_token * sum(live) + logits_row * len(live)
+    return total
+
+
+def engines(device: torch.device, chat_pad: int):
+    from nemo_jq.rollouts.graphs import GraphSampler
+    from nemo_jq.rollouts.hf import NativeSampler
+
+    gpu = device.type == "cuda"
+    return {"eager": lambda m: NativeSampler(m, pad_id=chat_pad, device=device, precision="bf16"),
+            "static_eager": lambda m: GraphSampler(m, pad_id=chat_pad, device=device, precision="bf16", graphs=False),
+            "graphs_sdpa": lambda m: GraphSampler(m, pad_id=chat_pad, device=device, precision="bf16", graphs=gpu),
+            "graphs_matmul": lambda m: GraphSampler(m, pad_id=chat_pad, device=device, precision="bf16", graphs=gpu,
+                                                    attention="matmul"),
+            "graphs_sdpa_compiled": lambda m: GraphSampler(m, pad_id=chat_pad, device=device, precision="bf16",
+                                                           graphs=gpu, compiled=True),
+            "graphs_matmul_compiled": lambda m: GraphSampler(m, pad_id=chat_pad, device=device, precision="bf16",
+                                                             graphs=gpu, attention="matmul", compiled=True)}
+
+
+def time_decode(sampler, prompts, samples: int, steps: int, stop_ids, device, seed: int) -> dict:
+    clock = DecodeClock(device)
+    with clock.call():
+        groups = sampler.sample(prompts, samples, stop_ids=stop_ids, max_new_tokens=steps,
+                                generator=torch.Generator(device).manual_seed(seed))
+    lengths = [len(s.token_ids) for g in groups for s in g]
+    return {"decode_s": clock.decode, "excluded_s": clock.excluded, "lengths": lengths,
+            "prompt_lengths": [len(p) for p in prompts for _ in range(samples)]}
+
+
+def decode_case(model, names: list[str], prompts, samples: int, steps: int, stop_ids, device, bandwidth: float,
+                rounds: int = 2) -> dict:
+    """Each engine warmed once, then timed ``rounds`` times, in turn."""
+    made = engines(device, 0)
+    samplers = {name: made[name](model) for name in names}
+    warm = {}
+    for name, sampler in samplers.items():
+        started = time.perf_counter()
+        time_decode(sampler, prompts, samples, steps, stop_ids, device, seed=0)
+        warm[name] = round(time.perf_counter() - started, 2)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        for name in (names if round_index % 2 == 0 else names[::-1]):
+            runs[name].append(time_decode(samplers[name], prompts, samples, steps, stop_ids, device, seed=1))
+    out = {}
+    for name, timed in runs.items():
+        best = min(timed, key=lambda r: r["decode_s"])
+        bound = decode_bound_bytes(model, best["prompt_lengths"], best["lengths"]) / bandwidth
+        tokens = sum(length - 1 for length in best["lengths"])  # the decode steps' tokens (the first is the prefill's)
+        out[name] = {"decode_s": [round(r["decode_s"], 5) for r in timed], "excluded_s": [round(r["excluded_s"], 4) for r in timed],
+                     "decode_tokens": tokens, "decode_tokens_per_s": tokens / best["decode_s"],
+                     "bound_s": bound, "bound_over_measured": bound / best["decode_s"], "warm_call_s": warm[name]}
+    return out
+
+
+def launches_per_step(model, name: str, prompts, samples: int, device, short: int = 8, long: int = 24) -> float | None:
+    """Host launches (kernels, graphs, copies, memsets) per decode step: two calls' counts, their difference."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sampler = engines(device, 0)[name](model)
+    counts = []
+    for steps in (short, long):
+        time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)
+        counts.append(sum(event.count for event in profiler.key_averages()
+                          if event.key.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy",
+                                                   "cudaMemset"))))
+    return (counts[1] - counts[0]) / (long - short)
+
+
+def tilt_stop_row(model, prompts, stop_id: int, budget: int, device) -> float:
+    sys.path[:0] = [str(ROOT / "bench")]
+    from rollouts import tilt_stop_row as tilt
+
+    return tilt(model, prompts, stop_id, 0, budget, device)
+
+
+def decode(args) -> dict:
+    device = torch.device(args.device)
+    tiny = device.type == "cpu"
+    model = model_of("tiny" if tiny else "qwen3-0.6b", device, torch.bfloat16)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    sheet = next((v for k, v in DATASHEET.items() if k in name), (None, None))
+    copy = measured_bandwidth(device)
+    bandwidth = sheet[0] * 1e12 if sheet[0] else (copy or 50e9)
+    result = {"device": name, "datasheet_tbs": sheet[0], "copy_tbs": copy / 1e12 if copy else None,
+              "bound_bandwidth_tbs": bandwidth / 1e12}
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def random_prompt(length: int) -> list[int]:
+        return torch.randint(10, vocab, (length,), generator=generator).tolist()
+
+    names = args.engines
+    # the paper config's chunk: one prompt's 32 rows, 48 steps at each context
+    contexts = [64, 128, 192] if tiny else args.contexts
+    paper = {}
+    for context in contexts if "paper" in args.shapes else []:
+        started = time.perf_counter()
+        try:
+            paper[context] = decode_case(model, names, [random_prompt(context)], 32, 8 if tiny else 48, [-1], device,
+                                         bandwidth)
+        except Exception as error:  # noqa: BLE001 - a finding; the other shapes still run
+            paper[context] = {"error": f"{type(error).__name__}: {error}"[-2000:]}
+        print(f"[decode paper chunk {context}] {time.perf_counter() - started:.1f}s", flush=True)
+    result["paper_chunk"] = {"rows": 32, "steps_per_context": 8 if tiny else 48, "by_context": paper,
+                             "integrated": integrate(paper, contexts[0], contexts[-1] + 64 if tiny else 5120)}
+    sys.path[:0] = [str(ROOT / "bench")]
+    from rollouts import task_prompts
+
+    chat, prompts = task_prompts(8 if tiny else 64)
+    if "rows512" in args.shapes:
+        started = time.perf_counter()
+        result["rows512_tokens64"] = _guarded(lambda: decode_case(model, names, prompts, 8, 8 if tiny else 64, [-1],
+                                                                  device, bandwidth))
+        print(f"[decode 512x64] {time.perf_counter() - started:.1f}s", flush=True)
+    if "launches" in args.shapes:
+        result["launches_per_decode_step"] = {
+            name: _guarded(lambda name=name: launches_per_step(model, name, prompts, 8, device)) for name in names}
+    if "stopping" in args.shapes:
+        started = time.perf_counter()
+        budget = 16 if tiny else 256
+        reached = tilt_stop_row(model, prompts, chat.think_end_id, budget, device)
+        result["rows512_stopping"] = {"budget": budget, "mean_fraction_of_budget_at_calibration": reached, **_guarded(
+            lambda: decode_case(model, names, prompts, 8, budget, [chat.think_end_id], device, bandwidth))}
+        print(f"[decode stopping] {time.perf_counter() - started:.1f}s", flush=True)
+    return result
+
+
+def _guarded(measure):
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - a finding; the other shapes still run
+        return {"error": f"{type(error).__name__}: {error}"[-2000:]}
+
+
+def integrate(by_context: dict, first: int, last: int) -> dict:
+    """Seconds of one chunk's whole decode (contexts ``first``..``last``, one step each), per engine: per-step time
+    and per-step bound interpolated linearly between the measured contexts."""
+    contexts = sorted(c for c in by_context if "error" not in by_context[c])
+    if len(contexts) < 2:
+        return {}
+    engines_seen = [name for name in by_context[contexts[0]] if "error" not in by_context[contexts[0]][name]]
+    out = {}
+    for name in engines_seen:
+        per_step = [min(by_context[c][name]["decode_s"]) / by_context[c][name]["decode_tokens"] * 32 for c in contexts]
+        bound = [by_context[c][name]["bound_s"] / by_context[c][name]["decode_tokens"] * 32 for c in contexts]
+        measured = sum(_interpolate(contexts, per_step, c) for c in range(first, last))
+        least = sum(_interpolate(contexts, bound, c) for c in range(first, last))
+        out[name] = {"chunk_decode_s": measured, "chunk_bound_s": least, "bound_over_measured": least / measured}
+    return out
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    if x <= xs[0]:
+        return ys[0] + (ys[1] - ys[0]) * (x - xs[0]) / (xs[1] - xs[0])
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-2] + (ys[-1] - ys[-2]) * (x - xs[-2]) / (xs[-1] - xs[-2])
+
+
+# ------------------------------------------------------------------------------------------------------------ train
+def train(args) -> dict:
+    """One micro-batch of the paper's row length through ``forward_backward``, per log-prob chunk size."""
+    sys.path.insert(0, str(Path(args.root).resolve()))
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.models.interfaces import TokenBatch
+
+    device = torch.device(args.device)
+    tiny = device.type == "cpu"
+    shape = SHAPES["tiny" if tiny else "qwen3-0.6b"]
+    rows, prompt, thinking, answer = (2, 32, 64, 8) if tiny else (8, 1024, 4096, 128)
+    length = prompt + thinking + 1 + answer - 1  # prompt, rationale, </think>, answer: targets are all but the prompt's
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, shape["vocab_size"], (rows, length), generator=generator)
+    positions = torch.arange(length - 1)
+    rationale = (positions >= prompt - 1) & (positions < prompt + thinking)
+    answers = positions >= prompt + thinking
+    batch = TokenBatch(ids, torch.ones_like(ids), rationale.expand(rows, -1).clone(), answers.expand(rows, -1).clone())
+    coefficient = torch.randn(rows, length - 1, generator=generator).to(device) * 1e-3
+    import nemo_jq
+
+    results = {"rows": rows, "tokens_per_row": length, "package": str(Path(nemo_jq.__file__).parent),
+               "compiled_layers": args.compiled}
+    flops = model_flops(shape, rows, length, int(batch.target_mask.sum()))
+    results["model_flops"] = flops
+    for chunk in args.chunks:
+        model = model_of("tiny" if tiny else "qwen3-0.6b", device, torch.float32)
+        if args.compiled:  # each layer's attention, MLP and norms under torch.compile (one compile serves every layer;
+            # the layer itself stays eager: activation checkpointing wraps it, and compiled code may not hold a checkpoint)
+            for layer in model.model.layers:
+                for part in (layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+                    part.forward = torch.compile(part.forward, dynamic=True)
+        policy = HFPolicy(model, device=device, precision="auto", logprob_chunk_size=chunk, activation_checkpointing=True)
+
+        def step(policy=policy):
+            policy.forward_backward([batch], lambda logprobs, index: ((logprobs * coefficient).sum(), {}))
+            policy.optimizer.zero_grad(set_to_none=True)
+
+        times = []
+        try:
+            for _ in range(3):
+                synchronize(device)
+                started = time.perf_counter()
+                step()
+                synchronize(device)
+                times.append(time.perf_counter() - started)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            best = min(times[1:])
+            results[f"chunk_{chunk}"] = {"seconds": [round(t, 4) for t in times], "best_s": best,
+                                         "mfu": flops / best / 989e12, "peak_gib": peak}
+            if args.profile and device.type == "cuda":
+                results[f"chunk_{chunk}"]["top_kernels"] = profile_top(step)
+        except Exception as error:  # noqa: BLE001 - a finding
+            results[f"chunk_{chunk}"] = {"error": f"{type(error).__name__}: {error}"[-2000:]}
+        del policy, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+    return results
+
+
+def model_flops(shape: dict, rows: int, length: int, scored: int) -> float:
+    """6·N·D (N: the decoder's parameters, no embedding) + 6·V·H per scored position + causal attention, fwd+bwd."""
+    hidden, layers, heads, dim = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"], shape["head_dim"]
+    kv, inter = shape["num_key_value_heads"], shape["intermediate_size"]
+    per_layer = hidden * (heads * dim) * 2 + hidden * (kv * dim) * 2 + 3 * hidden * inter
+    body = layers * per_layer
+    attention = 3 * 2 * layers * heads * dim * length * length * rows
+    return 6 * body * rows * length + 6 * shape["vocab_size"] * hidden * scored + attention
+
+
+def profile_top(step, rows: int = 15) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        step()
+        torch.cuda.synchronize()
+    return profiler.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["decode", "train"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--root", default=str(ROOT), help="train: the tree whose nemo_jq is timed (the old one's too)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[256], help="train: model.logprob_chunk_size values")
+    parser.add_argument("--profile", action="store_true", help="train: the top kernels by GPU time")
+    parser.add_argument("--compiled", action="store_true", help="train: each layer's attention, MLP and norms under torch.compile")
+    parser.add_argument("--engines", nargs="+", default=["eager", "graphs_sdpa", "graphs_matmul"], help="decode: samplers")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 3072, 4096, 5056],
+                        help="decode: the paper chunk's contexts measured")
+    parser.add_argument("--shapes", nargs="+", default=["paper", "rows512", "launches", "stopping"],
+                        help="decode: which cases")
+    args = parser.parse_args()
+    if args.what == "decode":
+        sys.path.insert(0, str(ROOT))
+    result = decode(args) if args.what == "decode" else train(args)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result)[:3000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Qwen3's decode step over a static KV cache, for :mod:`nemo_jq.rollouts.graphs` (one file per model family).
+
+One token per row through the HF model's own modules and tensors: its RMS norms and rotary embedding are called as
+they are; its matrix products take the weights in the compute dtype, cast once per sampling call where the model
+holds them in another (an fp32 policy under bf16 autocast: the cast autocast would redo at every step), else the
+model's own tensors (a bf16 sampler copy, refitted in place, which a captured graph then reads). Keys and values go
+into the caller's buffers at one column for every row, and attention reads the first ``length`` columns under the
+caller's mask. The dtypes follow what HF's forward does under autocast: the residual stream in the embedding's
+dtype, matrix products and attention in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from nemo_jq.rollouts.graphs import register_decode_step
+
+#: Rotary embeddings whose HF module computes cos/sin from the positions alone (the dynamic kinds read the longest
+#: position on the host at every call, which a captured graph cannot).
+STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+
+
+def supports(model: Any) -> bool:
+    """Whether the model's shape is the one :class:`Qwen3DecodeStep` computes: full attention in every layer, a rotary
+    embedding of a static kind, SiLU gates, no biases."""
+    config = model.config.get_text_config(decoder=True)
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    return (rotary is not None and getattr(rotary, "rope_type", "default") in STATIC_ROPE
+            and config.hidden_act == "silu" and not getattr(config, "attention_bias", False)
+            and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
+            and not getattr(config, "use_sliding_window", False))
+
+
+@register_decode_step("qwen3", supports=supports)
+class Qwen3DecodeStep:
+    """``step(tokens [b], positions [b], column [1], mask [b, length], keys, values, attend) -> logits [b, V]``.
+
+    Each layer is two pure functions of tensors around the cache write and attention (:func:`attention_inputs`,
+    :func:`layer_output`): the same code for every layer, so that ``compiled`` (``torch.compile``, shapes dynamic)
+    compiles each once and fuses its elementwise work, and the cache, written in place, stays outside it."""
+
+    def __init__(self, model: Any, compute_dtype: torch.dtype | None, compiled: bool = False):
+        decoder, config = model.get_decoder(), model.config.get_text_config(decoder=True)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale, self.eps = self.head_dim ** -0.5, config.rms_norm_eps
+        self.dtype = compute_dtype or decoder.embed_tokens.weight.dtype
+        #: The weights cast to ``dtype`` for this step (the memory it holds beyond the model's).
+        self.copies: list[torch.Tensor] = []
+        self.embedding, self.rotary, self.final_norm = decoder.embed_tokens.weight, decoder.rotary_emb, decoder.norm.weight
+        self.layers = [self._layer(layer) for layer in decoder.layers]
+        self.head = self._cast(model.get_output_embeddings().weight)
+        self.inputs, self.output = (compiled_pair() if compiled else (attention_inputs, layer_output))
+
+    def _cast(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None or tensor.dtype == self.dtype:
+            return None if tensor is None else tensor.detach()
+        self.copies.append(tensor.detach().to(self.dtype))
+        return self.copies[-1]
+
+    def _layer(self, layer: Any) -> dict[str, Any]:
+        attention, mlp = layer.self_attn, layer.mlp
+        cast = {name: self._cast(linear.weight) for name, linear in (
+            ("q", attention.q_proj), ("k", attention.k_proj), ("v", attention.v_proj), ("o", attention.o_proj),
+            ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj))}
+        norms = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                 "q_norm": attention.q_norm.weight, "k_norm": attention.k_norm.weight}
+        return {**cast, **{name: weight.detach() for name, weight in norms.items()}}
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, mask: torch.Tensor,
+                 keys: list[torch.Tensor], values: list[torch.Tensor], attend) -> torch.Tensor:
+        x = F.embedding(tokens, self.embedding)[:, None]  # [b, 1, H]
+        cos, sin = self.rotary(x, positions[:, None])
+        length = mask.shape[1]
+        for w, layer_keys, layer_values in zip(self.layers, keys, values):
+            q, k, v = self.inputs(x, cos, sin, w["input_norm"], w["q"], w["k"], w["v"], w["q_norm"], w["k_norm"],
+                                  self.heads, self.kv_heads, self.head_dim, self.eps, layer_keys.dtype)
+            layer_keys.index_copy_(2, column, k)
+            layer_values.index_copy_(2, column, v)
+            out = attend(q, layer_keys[:, :, :length], layer_values[:, :, :length], mask, self.scale)
+            x = self.output(x, out, w["o"], w["post_norm"], w["gate"], w["up"], w["down"], self.eps)
+        return F.linear(rms_norm(x, self.final_norm, self.eps)[:, 0].to(self.dtype), self.head)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Qwen3RMSNorm: normalised in fp32, back in ``x``'s dtype, times the weight (in their promoted dtype)."""
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def attention_inputs(x, cos, sin, input_norm, wq, wk, wv, q_norm, k_norm, heads: int, kv_heads: int, dim: int,
+                     eps: float, kv_dtype: torch.dtype):
+    """The layer's queries [b, heads, 1, d], keys and values [b, kv_heads, 1, d] (keys and values in ``kv_dtype``)."""
+    rows = x.shape[0]
+    h = rms_norm(x, input_norm, eps).to(wq.dtype)
+    q = rms_norm(F.linear(h, wq).view(rows, 1, heads, dim), q_norm, eps).transpose(1, 2)
+    k = rms_norm(F.linear(h, wk).view(rows, 1, kv_heads, dim), k_norm, eps).transpose(1, 2)
+    v = F.linear(h, wv).view(rows, 1, kv_heads, dim).transpose(1, 2)
+    return rotate(q, cos, sin).to(kv_dtype), rotate(k, cos, sin).to(kv_dtype), v.to(kv_dtype)
+
+
+def layer_output(x, attended, wo, post_norm, gate, up, down, eps: float):
+    """The residual stream after the attention's projection and the MLP."""
+    x = x + F.linear(attended.reshape(x.shape[0], 1, -1).to(wo.dtype), wo)
+    h = rms_norm(x, post_norm, eps).to(gate.dtype)
+    return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+
+
+class Fused:
+    """``plain`` under ``torch.compile`` (shapes dynamic); if compiling fails, ``plain`` itself from then on, said once
+    (the compiler's failure is not the run's: the same step, unfused). Compiling happens at the first call, which is
+    an eager step, never inside a graph's capture."""
+
+    def __init__(self, plain: Callable):
+        self.plain, self.compiled = plain, torch.compile(plain, dynamic=True)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # noqa: BLE001 - any compiler failure: the plain function computes the same
+                warnings.warn(f"torch.compile of the decode step's {self.plain.__name__} failed ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}); the decode runs unfused (set "
+                              "rollout.compile=false to skip trying)", stacklevel=2)
+                self.compiled = None
+        return self.plain(*args)
+
+
+_COMPILED: tuple[Fused, Fused] | None = None
+
+
+def compiled_pair() -> tuple[Fused, Fused]:
+    """:func:`attention_inputs` and :func:`layer_output` compiled, once a process (every call's steps share them)."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = (Fused(attention_inputs), Fused(layer_output))
+    return _COMPILED
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding on ``x`` [b, heads, 1, d] (``cos``, ``sin``: [b, 1, d])."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
