@@ -45,6 +45,15 @@ SAMPLERS = ["hf", "native", pytest.param("vllm", marks=[pytest.mark.vllm, pytest
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (docs/rollouts.md)")])]
 
 
+def machine_kind() -> str:
+    """This machine's kind as CI's demo check names it (CPU family, torch's CPU capability): ``.ci/check_demo_readme.py``."""
+    spec = importlib.util.spec_from_file_location("check_demo_readme", Path(__file__).resolve().parents[1] / ".ci" /
+                                                  "check_demo_readme.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    return check.machine_kind()
+
+
 def tiny_setup(seed: int = 0, num_heads: int = 4):
     """The synthetic task, a tokenizer, and a tiny Qwen3 (hidden 32; ``num_heads=1`` gives head_dim 32, the least
     vLLM's CPU attention accepts)."""

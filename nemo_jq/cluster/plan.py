@@ -144,9 +144,16 @@ class Workload:
     async_copy: bool = False
     #: hf: positions the log-prob kernel projects at once (``model.logprob_chunk_size``).
     logprob_chunk: int = 256
-    #: hf with the native engine's CUDA-graph decode (``rollout.cuda_graphs``): each sampling call decodes from a bf16
-    #: cast of the fp32 policy's weights, held while it samples.
+    #: The native engine's decode from a static cache (``rollout.cuda_graphs``): no compaction rebuilds a layer's
+    #: buffer whole (``KV_COPIES``): it copies the kept rows' filled columns, one layer's keys or values at a time,
+    #: under a quarter of a layer's share of the cache once half the rows are done (left uncounted).
+    graph_decode: bool = False
+    #: hf with that decode: each sampling call decodes from a bf16 cast of the fp32 policy's weights, held while it
+    #: samples.
     decode_cast: bool = False
+    #: hf: the forward runs under bf16 autocast (``model.precision`` other than fp32, on a GPU), and so do the log-prob
+    #: head's backward products.
+    autocast: bool = True
     #: The answer budget within ``seq_len`` (the thinking phase's rows end before it).
     answer_tokens: int = 0
     #: An evaluation call's prompts and samples of each (``eval.batch_size``, ``eval.num_samples``).
@@ -177,7 +184,9 @@ class Workload:
                    vllm_tensor_parallel=rollout.tensor_parallel, backend=config.model.backend,
                    async_copy=bool(rollout.async_steps) and rollout.engine != "vllm" and not separate,
                    logprob_chunk=config.model.logprob_chunk_size, answer_tokens=rollout.max_answer_tokens,
+                   graph_decode=rollout.engine == "native" and rollout.cuda_graphs,
                    decode_cast=hf and rollout.engine == "native" and rollout.cuda_graphs and not separate,
+                   autocast=config.model.precision != "fp32",
                    eval_call=(config.eval.batch_size, config.eval.num_samples),
                    rollout_ranks=rollout.ranks if separate else 0, sync_bucket_mb=rollout.sync_bucket_mb)
 
@@ -188,7 +197,8 @@ class Workload:
 
 
 #: The components of a layout's estimate, in the report's order (each in GiB).
-COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logprob_head", "rollout_copy", "kv_cache", "vllm")
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logprob_head", "rollout_copy", "kv_cache", "decode_cast",
+              "vllm")
 
 
 @dataclass(frozen=True)
@@ -203,6 +213,7 @@ class LayoutEstimate:
     logprob_head_gib: float
     rollout_copy_gib: float
     kv_cache_gib: float
+    decode_cast_gib: float
     vllm_gib: float
     total_gib: float
     fits: bool
@@ -264,12 +275,16 @@ def hf_activation_bytes(arch: Qwen3Architecture, work: Workload) -> float:
 
 def logprob_head_bytes(arch: Qwen3Architecture, work: Workload, tp: int = 1) -> float:
     """The chunked log-prob kernel in backward, as the dry run counts it. hf: fp32 weights and hidden states, so the
-    fp32 gradients of both and two fp32 chunks of logits. Megatron: bf16 hidden states (its norms run under
+    fp32 gradients of both and two fp32 chunks of logits; under autocast its products run in bf16: the head's bf16
+    copy, and at the peak one fp32 chunk, its bf16 copy and their [V, H] product before it joins the fp32 gradient.
+    Megatron: bf16 hidden states (its norms run under
     autocast), so their bf16 gradient, the fp32 gradient of the head's ``V/TP`` slice, the slice's bf16 copy where
     the weights are fp32 (the products run in bf16), and the larger of the loop's chunks (the last chunk's fp32
     gradient, the next one's bf16 product and its fp32 copy) and, with bf16 weights, the gradient's bf16 copy the
     kernel returns once the loop is done (at 8B TP=2 the larger: 0.58 GiB)."""
     vocab, h, tokens, chunk = math.ceil(arch.vocab_size / tp), arch.hidden_size, work.tokens_per_rank, work.logprob_chunk
+    if work.backend == "hf" and work.autocast:
+        return 4 * tokens * h + 4 * vocab * h + 2 * 2 * vocab * h + (4 + 2) * chunk * vocab
     if work.backend == "hf":
         return 4 * tokens * h + 4 * vocab * h + 2 * 4 * chunk * vocab
     bf16_weights = OPTIMIZER_MODES[work.optimizer][0] == 2
@@ -291,7 +306,7 @@ def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
     # What stays all run, and the two phases' working sets, which do not coexist.
     staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
     training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
-    rollout = ["kv_cache", "vllm"]
+    rollout = ["kv_cache", "decode_cast", "vllm"]
     # torch's foreach AdamW holds sqrt(v) for every parameter it steps at once: half the replicated state, a third of
     # the distributed optimizer's shard (master weights and moments); measured on an H100: docs/results/real_gpu.md
     stepping = ([], parts["optimizer"] / 3) if sharded else (["gradients"], parts["gradients"] + parts["optimizer"] / 2)
@@ -325,9 +340,8 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "activations": hf_activation_bytes(arch, work) if hf else activations,
         "logprob_head": logprob_head_bytes(arch, work, 1 if hf else tp),
         "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else 2) * parameter_count(arch),
-        # the rollouts' working set: the KV cache, and the graph path's bf16 cast of an fp32 policy's weights
-        "kv_cache": (kv_cache_bytes(arch, work, work.batch_prompts // dp) + 2 * parameter_count(arch) * work.decode_cast
-                     if samples_here and not vllm else 0.0),
+        "kv_cache": kv_cache_bytes(arch, work, work.batch_prompts // dp) if samples_here and not vllm else 0.0,
+        "decode_cast": 2 * parameter_count(arch) if work.decode_cast and samples_here else 0.0,
         "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm and samples_here else 0.0,
     }
     return parts
@@ -338,7 +352,7 @@ def kv_cache_bytes(arch: Qwen3Architecture, work: Workload, prompts: int) -> flo
     call, if larger) under ``kv_cache_tokens``, plus a decode step's copies of one layer's keys and values."""
     kv_per_token = 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
     held_tokens = max(sampler_kv_tokens(work, prompts, work.samples),
-                      sampler_kv_tokens(work, *work.eval_call)) * (1 + KV_COPIES / (2 * arch.num_layers))
+                      sampler_kv_tokens(work, *work.eval_call)) * (1 + KV_COPIES * (not work.graph_decode) / (2 * arch.num_layers))
     return kv_per_token * held_tokens
 
 
@@ -391,6 +405,9 @@ def remedies(component: str, work: Workload) -> list[tuple[str, Workload | None]
             found.insert(0, ("a smaller --kv-cache-tokens (rollout.kv_cache_tokens)",
                              replace(work, kv_cache_tokens=work.kv_cache_tokens // 2)))
         return found
+    if component == "decode_cast":
+        return [("rollout.cuda_graphs=false (the eager decode, no bf16 cast of the fp32 policy; slower on a GPU)",
+                 replace(work, decode_cast=False))]
     if component == "vllm":
         return [("a smaller --vllm-memory-utilization (rollout.vllm_memory_utilization)",
                  replace(work, vllm_memory_utilization=work.vllm_memory_utilization * 0.75))]

@@ -182,7 +182,8 @@ def check_fits(report: dict[str, Any]) -> None:
 PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer_step",), "gradients"),
                    "optimizer": (("save",), "optimizer"), "activations": (("train",), "activations"),
                    "logprob_head": (("train",), "logprob_head"), "rollout_copy": (("build",), "sampler_copy"),
-                   "kv_cache": (("rollout", "evaluate"), "kv_cache"), "vllm": (("rollout",), "vllm")}
+                   "kv_cache": (("rollout", "evaluate"), "kv_cache"), "decode_cast": (("rollout", "evaluate"), "sampler_copy"),
+                   "vllm": (("rollout",), "vllm")}
 #: The same for a Megatron rank: the optimizer's state at rest after the step is seen in the refit (or a split
 #: world's sync) that follows it, before the save gathers it, the KV cache in the rollouts; the weights and the
 #: sampler's copy after the build, which counts the copy as weights until the backend has made it (its peak shows

@@ -57,12 +57,13 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             _, total = _exponentiate_(logits)
             grad_logits = logits.div_(total).mul_(-g)
             grad_logits.scatter_add_(1, targets[start:end, None], g)
+            grad_low = grad_logits if low is None else grad_logits.to(low)
             if grad_weight is not None and low is None:  # accumulate without a [V, H] temporary
                 grad_weight.addmm_(grad_logits.T, upcast(h))
             elif grad_weight is not None:  # the product in the forward's dtype, accumulated in fp32
-                grad_weight += grad_logits.T.to(low) @ h_low
+                grad_weight += grad_low.T @ h_low
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_logits.to(projection.dtype) @ projection
+                grad_hidden[start:end] = grad_low.to(projection.dtype) @ projection
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
