@@ -24,6 +24,7 @@ be captured once and replayed: one launch a step.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -238,15 +239,22 @@ class StaticDecode:
         self.capture(batch, length)
 
     def capture(self, batch: int, length: int) -> None:
-        """This step run on the capture stream (the warm-up the capture needs, and a real step), then recorded."""
+        """This step run on the capture stream (the warm-up the capture needs, and a real step), then recorded. If the
+        recording fails, the step has run all the same: the sampler goes on eagerly, and says so once."""
         current = torch.cuda.current_stream(self.sampler.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             self._step(batch, length)
         current.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            self._step(batch, length)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                self._step(batch, length)
+        except RuntimeError as error:  # a capture torch refused: the steps run as they are, unrecorded
+            warnings.warn(f"a decode step could not be captured as a CUDA graph ({str(error).splitlines()[0]}); this "
+                          "sampler decodes eagerly from now on (rollout.cuda_graphs=false skips trying)", stacklevel=2)
+            self.graphs, self.sampler.graphs = None, False
+            return
         self.graphs[(batch, length)] = graph
 
     def _step(self, batch: int, length: int) -> None:

@@ -144,6 +144,32 @@ def test_a_compiler_failure_leaves_the_step_unfused_and_says_so(monkeypatch):
         fused(x, weight, 1e-6)
 
 
+def test_a_refused_capture_leaves_the_sampler_decoding_eagerly_with_the_same_samples(monkeypatch):
+    """Where torch refuses to record a step (a fake CUDA stands in: this CPU has none), that step has run all the same:
+    the call goes on eagerly, draws what the eager sampler draws, says so once, and the sampler stays eager."""
+    import contextlib
+    from types import SimpleNamespace
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    for name, fake in (("graph_pool_handle", lambda: None), ("Stream", lambda device: stream),
+                       ("current_stream", lambda device: stream), ("stream", lambda s: contextlib.nullcontext()),
+                       ("CUDAGraph", object), ("graph", refused)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    model, prompts = _model(), _prompts()
+    expected = _sample(NativeSampler(model, pad_id=0, device=CPU), prompts)
+    sampler = GraphSampler(model, pad_id=0, device=CPU, graphs=True)
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph .operation not permitted"):
+        got = _sample(sampler, prompts)
+    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in expected]
+    assert sampler.graphs is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _sample(sampler, prompts)
+
+
 @pytest.mark.slow
 def test_the_compiled_step_samples_what_the_native_sampler_samples():
     """``torch.compile`` (here its CPU backend) fuses the step's elementwise work; the samples stay the same."""
