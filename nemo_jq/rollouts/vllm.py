@@ -119,9 +119,24 @@ def engine_environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def check_engine_device(device: torch.device, *, launched: bool) -> None:
+    """vLLM built in one process (its uniprocess executor) lands on the process's first visible GPU whatever device it
+    is named: a run on ``cuda:N``, N > 0, would put its engine on GPU 0, beside another run's (issue 43's N3). Refused
+    in one line naming the fix; ``launched``: built through the external launcher (torchrun's ranks, a rollout rank of
+    its own), which places the engine on ``LOCAL_RANK``'s device."""
+    if device.type == "cuda" and device.index not in (None, 0) and not launched:
+        raise ConfigError(f"train.device={device} with rollout.engine=vllm in one process: vLLM builds its engine on this "
+                          f"process's first visible GPU, not {device}; run with CUDA_VISIBLE_DEVICES={device.index} and "
+                          "train.device=cuda, so that GPU is the process's first")
+
+
 def require_vllm(config: Any = None) -> None:
-    """Raise a one-line :class:`ConfigError` where this Python cannot import vLLM (``rollout.engine=vllm``'s check,
-    run before any model is built: :func:`nemo_jq.rollouts.check_sampler`)."""
+    """Raise a one-line :class:`ConfigError` where this Python cannot import vLLM, or would build its engine on another
+    GPU than the run's (``rollout.engine=vllm``'s check, run before any model is built:
+    :func:`nemo_jq.rollouts.check_sampler`)."""
+    if config is not None and str(config.train.device).startswith("cuda:"):
+        launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or config.rollout.placement == "separate"
+        check_engine_device(torch.device(config.train.device), launched=launched)
     engine_environment()
     try:
         importlib.import_module("vllm")
@@ -315,11 +330,13 @@ class VLLMSampler:
         self.lockstep = distributed.world_size() > 1
         self.tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
         kv_cache_bytes = int(kv_cache_gb * 1024**3) if kv_cache_gb else (None if on_gpu else 1024**3)
+        rollout_rank = distributed.roles() is not None and distributed.roles().samples
+        check_engine_device(device, launched=rollout_rank or distributed.world_size() > 1)
         kwargs = llm_kwargs(str(model_dir), tensor_parallel=tensor_parallel, world_size=distributed.world_size(),
                             on_gpu=on_gpu, dtype="bfloat16" if on_gpu and precision != "fp32" else "float32",
                             memory_utilization=memory_utilization, kv_cache_bytes=kv_cache_bytes, seed=seed,
                             engine_fields={field for field in EngineArgs.__dataclass_fields__},
-                            rollout_rank=distributed.roles() is not None and distributed.roles().samples)
+                            rollout_rank=rollout_rank)
         self.sleeps = bool(kwargs.get("enable_sleep_mode"))
         quiet_expected_noise()
         shut_down_engine()

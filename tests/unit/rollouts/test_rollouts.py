@@ -281,3 +281,27 @@ def test_a_request_s_generator_is_rebuilt_on_its_own_device_type_not_the_engine_
     served = generator_from(sent, torch.device("cuda"))
     assert served.device.type == "cpu"
     assert torch.equal(torch.rand(4, generator=served), torch.rand(4, generator=torch.Generator().manual_seed(3)))
+
+
+def test_vllm_in_one_process_on_a_gpu_other_than_the_first_is_refused_in_one_line(monkeypatch):
+    """Issue 43's N3: vLLM's uniprocess executor builds on the process's first visible GPU, so a run on cuda:3 would put
+    its engine on GPU 0 (beside another run's, which then fails vLLM's free-memory check). Refused before any model is
+    built, naming CUDA_VISIBLE_DEVICES; through torchrun or on a rollout rank of its own the external launcher places
+    the engine on LOCAL_RANK's device, and cuda:0 is the first GPU anyway."""
+    from nemo_jq.config import load_config
+    from nemo_jq.rollouts.vllm import check_engine_device, require_vllm
+    from nemo_jq.typed import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.device=cuda:3 .*CUDA_VISIBLE_DEVICES=3 and train.device=cuda"):
+        check_engine_device(torch.device("cuda:3"), launched=False)
+    for device, launched in (("cuda:3", True), ("cuda:0", False), ("cuda", False), ("cpu", False)):
+        check_engine_device(torch.device(device), launched=launched)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = load_config(None, ["rollout.engine=vllm", "train.device=cuda:3"])
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=3"):
+        require_vllm(config)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: the external launcher, which reads LOCAL_RANK
+    try:
+        require_vllm(config)
+    except ConfigError as error:  # where vLLM does not import here: that is what it says, not the device
+        assert "CUDA_VISIBLE_DEVICES" not in str(error)
