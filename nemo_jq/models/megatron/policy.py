@@ -461,9 +461,11 @@ def _initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, con
                              f"asked for {asked}")
         return
     timeout = distributed.collective_timeout()
+    # no gloo twins of every group (megatron-core's default): nothing here uses them, and across nodes each is a
+    # socket that must find the right network interface (issue 43's N4); the dry run builds the same groups
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                              pipeline_model_parallel_size=pipeline_parallel,
-                                             context_parallel_size=context_parallel,
+                                             context_parallel_size=context_parallel, create_gloo_process_groups=False,
                                              **({"distributed_timeout_minutes": timeout / timedelta(minutes=1)}
                                                 if timeout is not None else {}))
 

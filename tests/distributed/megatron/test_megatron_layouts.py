@@ -139,6 +139,24 @@ def context_parallel_worker() -> dict[str, bool]:
             "gathered": torch.equal(gathered, whole), "grad": torch.equal(mine.grad, split_for_rank(weights, group.rank(), 2))}
 
 
+def model_parallel_groups_worker() -> dict[str, bool]:
+    """The groups the policy starts megatron-core with: its own, and no gloo twin of each."""
+    from megatron.core import parallel_state
+
+    from nemo_jq.models.megatron.policy import _initialize_model_parallel
+
+    _initialize_model_parallel(2, 1, 1)
+    return {"tensor_parallel": parallel_state.get_tensor_model_parallel_world_size() == 2,
+            "gloo_twins": parallel_state._DATA_PARALLEL_GROUP_GLOO is not None}
+
+
+@pytest.mark.distributed
+def test_megatron_core_starts_without_gloo_twins_of_its_groups():
+    """Issue 43's N4: megatron-core makes a gloo twin of every group by default, unused here, and across nodes each is
+    a socket that must find the right network interface; the policy starts it without them, as the dry run does."""
+    assert run_in_processes(model_parallel_groups_worker, 2) == [{"tensor_parallel": True, "gloo_twins": False}] * 2
+
+
 @pytest.mark.distributed
 def test_context_parallel_split_is_megatrons_and_the_gather_undoes_it():
     assert run_in_processes(context_parallel_worker, 2) == [{"as_megatron": True, "gathered": True, "grad": True}] * 2
