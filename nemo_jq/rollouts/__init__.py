@@ -65,11 +65,11 @@ def sampling_settings(config: Any) -> SamplingSettings:
     return SamplingSettings(rollout.temperature, rollout.top_k, rollout.top_p)
 
 
-def _in_this_process(sampler_class: type) -> SamplerBuilder:
+def _in_this_process(sampler_class: type, **options: Any) -> SamplerBuilder:
     def build(request: SamplerRequest) -> Sampler:
         return sampler_class(request.model, pad_id=request.pad_id, device=request.device,
                              precision=request.config.model.precision, settings=sampling_settings(request.config),
-                             kv_cache_tokens=request.config.rollout.kv_cache_tokens)
+                             kv_cache_tokens=request.config.rollout.kv_cache_tokens, **options)
 
     return build
 
@@ -83,9 +83,7 @@ def _native(request: SamplerRequest) -> Sampler:
     if not (rollout.cuda_graphs and device.type in ACCELERATORS and request.model is not None
             and decode_step_for(request.model) is not None):
         return _in_this_process(NativeSampler)(request)
-    return GraphSampler(request.model, pad_id=request.pad_id, device=device, precision=request.config.model.precision,
-                        settings=sampling_settings(request.config), kv_cache_tokens=rollout.kv_cache_tokens,
-                        compiled=rollout.compile and device.type == "cuda")
+    return _in_this_process(GraphSampler, compiled=rollout.compile and device.type == "cuda")(request)
 
 
 register_sampler("hf", in_place=True)(_in_this_process(HFSampler))

@@ -143,7 +143,9 @@ def compiled_pair() -> tuple[Fused, Fused]:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotary embedding on ``x`` [b, heads, 1, d] (``cos``, ``sin``: [b, 1, d])."""
+    """HF's rotary embedding on ``x`` [b, heads, 1, d] (``cos``, ``sin``: [b, 1, d]), written here: importing HF's
+    modeling file would load transformers with ``nemo_jq.rollouts``, and its ``apply_rotary_pos_emb`` may be replaced
+    by a hub kernel."""
     cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
