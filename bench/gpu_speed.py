@@ -130,6 +130,20 @@ def decode_bound_bytes(model, prompt_lengths: list[int], lengths: list[int]) -> 
     return total
 
 
+def decode_flops(model, prompt_lengths: list[int], lengths: list[int]) -> float:
+    """The matrix FLOPs of the same decode steps: 2 per weight (the head's too) per live row, and attention's
+    4·heads·head_dim per layer and key of each live row (the compute roof beside the bytes' one)."""
+    config = model.config
+    weights = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name) + \
+        config.vocab_size * config.hidden_size
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    total = 0.0
+    for step in range(1, max(lengths)):
+        live = [prompt + step for prompt, length in zip(prompt_lengths, lengths) if length > step]
+        total += 2 * weights * len(live) + attention * sum(live)
+    return total
+
+
 def engines(device: torch.device, chat_pad: int):
     from nemo_jq.rollouts.graphs import GraphSampler
     from nemo_jq.rollouts.hf import NativeSampler
@@ -157,10 +171,11 @@ def time_decode(sampler, prompts, samples: int, steps: int, stop_ids, device, se
 
 
 def decode_case(model, names: list[str], prompts, samples: int, steps: int, stop_ids, device, bandwidth: float,
-                rounds: int = 2) -> dict:
-    """Each engine warmed once, then timed ``rounds`` times, in turn."""
-    made = engines(device, 0)
-    samplers = {name: made[name](model) for name in names}
+                rounds: int = 2, peak: float = 989e12) -> dict:
+    """Each engine warmed once, then timed ``rounds`` times, in turn. An engine named ``NAME@fp32`` samples from an
+    fp32 copy of the model under bf16 (as the paper config samples from its fp32 policy); the bounds are the bf16
+    model's."""
+    samplers = {name: sampler_for(name, model, device) for name in names}
     warm = {}
     for name, sampler in samplers.items():
         started = time.perf_counter()
@@ -174,11 +189,29 @@ def decode_case(model, names: list[str], prompts, samples: int, steps: int, stop
     for name, timed in runs.items():
         best = min(timed, key=lambda r: r["decode_s"])
         bound = decode_bound_bytes(model, best["prompt_lengths"], best["lengths"]) / bandwidth
+        compute = decode_flops(model, best["prompt_lengths"], best["lengths"]) / peak
         tokens = sum(length - 1 for length in best["lengths"])  # the decode steps' tokens (the first is the prefill's)
         out[name] = {"decode_s": [round(r["decode_s"], 5) for r in timed], "excluded_s": [round(r["excluded_s"], 4) for r in timed],
                      "decode_tokens": tokens, "decode_tokens_per_s": tokens / best["decode_s"],
-                     "bound_s": bound, "bound_over_measured": bound / best["decode_s"], "warm_call_s": warm[name]}
+                     "bound_s": bound, "bound_over_measured": bound / best["decode_s"], "compute_bound_s": compute,
+                     "roofline_over_measured": max(bound, compute) / best["decode_s"], "warm_call_s": warm[name]}
     return out
+
+
+def sampler_for(name: str, model, device: torch.device):
+    """Engine ``name`` over ``model``, or over its fp32 twin for ``NAME@fp32``."""
+    return engines(device, 0)[name.split("@")[0]](fp32_twin(model) if name.endswith("@fp32") else model)
+
+
+_TWINS: dict[int, object] = {}
+
+
+def fp32_twin(model):
+    """The fp32 model the bf16 one was cast from (same seed): what the paper config's sampler reads."""
+    if id(model) not in _TWINS:
+        shape = "qwen3-0.6b" if model.config.vocab_size == SHAPES["qwen3-0.6b"]["vocab_size"] else "tiny"
+        _TWINS[id(model)] = model_of(shape, model.device, torch.float32)
+    return _TWINS[id(model)]
 
 
 def launches_per_step(model, name: str, prompts, samples: int, device, short: int = 8, long: int = 24) -> float | None:
@@ -187,7 +220,7 @@ def launches_per_step(model, name: str, prompts, samples: int, device, short: in
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    sampler = engines(device, 0)[name](model)
+    sampler = sampler_for(name, model, device)
     counts = []
     for steps in (short, long):
         time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)
@@ -197,6 +230,29 @@ def launches_per_step(model, name: str, prompts, samples: int, device, short: in
                           if event.key.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy",
                                                    "cudaMemset"))))
     return (counts[1] - counts[0]) / (long - short)
+
+
+def kernels_per_step(model, name: str, prompts, samples: int, device, short: int = 16, long: int = 48) -> dict | None:
+    """GPU kernels per decode step and their summed GPU time per step (two calls' difference, so a call's prefill and
+    captures cancel), beside the step's wall time; the longer call's top kernels by GPU time."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sampler = sampler_for(name, model, device)
+    seen = []
+    for steps in (short, long):
+        time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            wall = time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)["decode_s"]
+        kernels = [event for event in profiler.events() if event.device_type.name == "CUDA"
+                   and not event.name.startswith(("Memcpy", "Memset"))]
+        seen.append((len(kernels), sum(event.device_time for event in kernels) / 1e6, wall, profiler))
+    steps = long - short
+    return {"kernels_per_step": (seen[1][0] - seen[0][0]) / steps,
+            "kernel_ms_per_step": 1e3 * (seen[1][1] - seen[0][1]) / steps,
+            "wall_ms_per_step": 1e3 * (seen[1][2] - seen[0][2]) / steps,
+            "top_kernels": seen[1][3].key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)}
 
 
 def tilt_stop_row(model, prompts, stop_id: int, budget: int, device) -> float:
@@ -248,6 +304,14 @@ def decode(args) -> dict:
     if "launches" in args.shapes:
         result["launches_per_decode_step"] = {
             name: _guarded(lambda name=name: launches_per_step(model, name, prompts, 8, device)) for name in names}
+    if "profile" in args.shapes:
+        graph_engines = [name for name in names if name != "eager"]
+        result["kernels_per_decode_step"] = {
+            "paper_chunk_1024": {name: _guarded(lambda name=name: kernels_per_step(
+                model, name, [random_prompt(32 if tiny else 1024)], 32, device)) for name in graph_engines},
+            "rows512": {name: _guarded(lambda name=name: kernels_per_step(model, name, prompts, 8, device))
+                        for name in graph_engines}}
+        print("[decode profile] done", flush=True)
     if "stopping" in args.shapes:
         started = time.perf_counter()
         budget = 16 if tiny else 256
@@ -293,16 +357,31 @@ def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
 
 # ------------------------------------------------------------------------------------------------------------ train
 def train(args) -> dict:
-    """One micro-batch of the paper's row length through ``forward_backward``, per log-prob chunk size."""
+    """One micro-batch of the paper's row length through ``forward_backward``, per row count and log-prob chunk size."""
     sys.path.insert(0, str(Path(args.root).resolve()))
-    from nemo_jq.models.hf import HFPolicy
-    from nemo_jq.models.interfaces import TokenBatch
-
     device = torch.device(args.device)
     tiny = device.type == "cpu"
     shape = SHAPES["tiny" if tiny else "qwen3-0.6b"]
-    rows, prompt, thinking, answer = (2, 32, 64, 8) if tiny else (8, 1024, 4096, 128)
+    prompt, thinking, answer = (32, 64, 8) if tiny else (1024, 4096, 128)
     length = prompt + thinking + 1 + answer - 1  # prompt, rationale, </think>, answer: targets are all but the prompt's
+    import nemo_jq
+
+    results = {"tokens_per_row": length, "package": str(Path(nemo_jq.__file__).parent),
+               "compiled_layers": args.compiled, "activation_checkpointing": not args.no_checkpointing}
+    for rows in args.rows:
+        for chunk in args.chunks:
+            key = f"chunk_{chunk}" if len(args.rows) == 1 else f"rows_{rows}_chunk_{chunk}"
+            results[key] = train_case(args, shape, device, rows, length, prompt, thinking, chunk)
+    return results
+
+
+def train_case(args, shape: dict, device: torch.device, rows: int, length: int, prompt: int, thinking: int,
+               chunk: int) -> dict:
+    """``rows`` rows of ``length`` tokens through ``forward_backward``, three times: seconds, MFU, peak memory."""
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.models.interfaces import TokenBatch
+
+    tiny = device.type == "cpu"
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(10, shape["vocab_size"], (rows, length), generator=generator)
     positions = torch.arange(length - 1)
@@ -310,46 +389,38 @@ def train(args) -> dict:
     answers = positions >= prompt + thinking
     batch = TokenBatch(ids, torch.ones_like(ids), rationale.expand(rows, -1).clone(), answers.expand(rows, -1).clone())
     coefficient = torch.randn(rows, length - 1, generator=generator).to(device) * 1e-3
-    import nemo_jq
-
-    results = {"rows": rows, "tokens_per_row": length, "package": str(Path(nemo_jq.__file__).parent),
-               "compiled_layers": args.compiled}
     flops = model_flops(shape, rows, length, int(batch.target_mask.sum()))
-    results["model_flops"] = flops
-    for chunk in args.chunks:
-        model = model_of("tiny" if tiny else "qwen3-0.6b", device, torch.float32)
-        if args.compiled:  # each layer's attention, MLP and norms under torch.compile (one compile serves every layer;
-            # the layer itself stays eager: activation checkpointing wraps it, and compiled code may not hold a checkpoint)
-            for layer in model.model.layers:
-                for part in (layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
-                    part.forward = torch.compile(part.forward, dynamic=True)
-        policy = HFPolicy(model, device=device, precision="auto", logprob_chunk_size=chunk, activation_checkpointing=True)
+    result = {"rows": rows, "model_flops": flops}
+    model = model_of("tiny" if tiny else "qwen3-0.6b", device, torch.float32)
+    # the product's model.compile (each layer's attention, MLP and norms compiled; the old tree has no such key)
+    options = {"compiled": True} if args.compiled else {}
+    policy = HFPolicy(model, device=device, precision="auto", logprob_chunk_size=chunk,
+                      activation_checkpointing=not args.no_checkpointing, **options)
 
-        def step(policy=policy):
-            policy.forward_backward([batch], lambda logprobs, index: ((logprobs * coefficient).sum(), {}))
-            policy.optimizer.zero_grad(set_to_none=True)
+    def step(policy=policy):
+        policy.forward_backward([batch], lambda logprobs, index: ((logprobs * coefficient).sum(), {}))
+        policy.optimizer.zero_grad(set_to_none=True)
 
-        times = []
-        try:
-            for _ in range(3):
-                synchronize(device)
-                started = time.perf_counter()
-                step()
-                synchronize(device)
-                times.append(time.perf_counter() - started)
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            best = min(times[1:])
-            results[f"chunk_{chunk}"] = {"seconds": [round(t, 4) for t in times], "best_s": best,
-                                         "mfu": flops / best / 989e12, "peak_gib": peak}
-            if args.profile and device.type == "cuda":
-                results[f"chunk_{chunk}"]["top_kernels"] = profile_top(step)
-        except Exception as error:  # noqa: BLE001 - a finding
-            results[f"chunk_{chunk}"] = {"error": f"{type(error).__name__}: {error}"[-2000:]}
-        del policy, model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-    return results
+    times = []
+    try:
+        for _ in range(3):
+            synchronize(device)
+            started = time.perf_counter()
+            step()
+            synchronize(device)
+            times.append(time.perf_counter() - started)
+        best = min(times[1:])
+        result.update(seconds=[round(t, 4) for t in times], best_s=best, mfu=flops / best / 989e12,
+                      peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+        if args.profile and device.type == "cuda":
+            result["top_kernels"] = profile_top(step)
+    except Exception as error:  # noqa: BLE001 - a finding (an out-of-memory one too)
+        result["error"] = f"{type(error).__name__}: {error}"[-2000:]
+    del policy, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return result
 
 
 def model_flops(shape: dict, rows: int, length: int, scored: int) -> float:
@@ -376,10 +447,13 @@ def main() -> None:
     parser.add_argument("what", choices=["decode", "train"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--root", default=str(ROOT), help="train: the tree whose nemo_jq is timed (the old one's too)")
+    parser.add_argument("--root", default=str(ROOT), help="the tree whose nemo_jq is timed (an old one's too)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[256], help="train: model.logprob_chunk_size values")
     parser.add_argument("--profile", action="store_true", help="train: the top kernels by GPU time")
-    parser.add_argument("--compiled", action="store_true", help="train: each layer's attention, MLP and norms under torch.compile")
+    parser.add_argument("--compiled", action="store_true", help="train: model.compile (each layer's attention, MLP and "
+                        "norms under torch.compile)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8], help="train: rows of the micro-batch")
+    parser.add_argument("--no-checkpointing", action="store_true", help="train: without activation checkpointing")
     parser.add_argument("--engines", nargs="+", default=["eager", "graphs_sdpa", "graphs_matmul"], help="decode: samplers")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 3072, 4096, 5056],
                         help="decode: the paper chunk's contexts measured")
@@ -387,7 +461,7 @@ def main() -> None:
                         help="decode: which cases")
     args = parser.parse_args()
     if args.what == "decode":
-        sys.path.insert(0, str(ROOT))
+        sys.path.insert(0, str(Path(args.root).resolve()))
     result = decode(args) if args.what == "decode" else train(args)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result)[:3000])

@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["train", "one_step_off", "refit", "sampler"], help="which to run")
     parser.add_argument("--baseline", type=Path, default=ROOT / ".gpu" / "baseline",
                         help="speed: a folder holding the old tree's nemo_jq package")
+    parser.add_argument("--previous", type=Path, default=ROOT / ".gpu" / "previous",
+                        help="speed: a folder holding an earlier graph path's tree (its decode beside this one's)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.work, ignore_errors=True)
@@ -375,9 +377,19 @@ def speed(args, folder: Path, tiny: bool) -> dict:
             return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-2500:]}
         return json.loads(out.read_text())
 
-    result = {"decode": probe("decode", "decode"),
+    decode = ["decode", "--contexts", "1024", "3072", "5056", "--shapes", "paper", "rows512", "launches", "profile"]
+    result = {"decode": probe("decode", *decode, "--engines", "eager", "graphs_matmul_compiled",
+                              "graphs_matmul_compiled@fp32", timeout=200),
+              "decode_previous": probe("decode_previous", "decode", "--contexts", "1024", "3072", "5056", "--shapes",
+                                       "paper", "rows512", "profile", "--root",
+                                       str(args.previous), "--engines", "graphs_matmul_compiled",
+                                       "graphs_matmul_compiled@fp32", timeout=150),
               "train_old": probe("train_old", "train", "--root", str(args.baseline), "--chunks", "256", timeout=120),
-              "train_new": probe("train_new", "train", "--chunks", "256", "2048", "--profile", timeout=150)}
+              "train_new": probe("train_new", "train", "--chunks", "256", "2048", timeout=150),
+              "train_compiled": probe("train_compiled", "train", "--chunks", "2048", "--compiled", "--rows", "8", timeout=150),
+              "train_compiled_no_checkpointing": probe("train_compiled_no_checkpointing", "train", "--chunks", "2048",
+                                                       "--compiled", "--no-checkpointing", "--rows", "4", "8",
+                                                       "--profile", timeout=180)}
     result["steps"] = steady_steps(args, folder, tiny)
     return result
 
@@ -388,8 +400,9 @@ def steady_steps(args, folder: Path, tiny: bool) -> dict:
     if tiny:
         overrides += ["rollout.max_thinking_tokens=16", "rollout.num_samples=4"]
     runs = {"old": (args.baseline, ["train.max_steps=2"]), "new": (ROOT, ["train.max_steps=3"]),
-            "new_rows128_chunk2048": (ROOT, ["train.max_steps=3", "train.micro_batch_rows=128",
-                                             "model.logprob_chunk_size=2048"])}
+            "new_rows128_chunk2048_compiled": (ROOT, ["train.max_steps=3", "train.micro_batch_rows=128",
+                                                      "model.logprob_chunk_size=2048", "model.compile=true",
+                                                      "model.activation_checkpointing=false"])}
     result = {}
     for name, (tree, extra) in runs.items():
         run_dir = args.work / f"steps_{name}"
@@ -405,7 +418,8 @@ def steady_steps(args, folder: Path, tiny: bool) -> dict:
         result[name] = {"exit": done.returncode, "wall_s": round(time.perf_counter() - started, 1),
                         "tail": (done.stdout + done.stderr)[-1500:] if done.returncode else None,
                         "steps": [{key: step.get(key) for key in ("step", "step_time", "rollout_tokens_per_s",
-                                                                   "rollout_tokens", "gpu_peak_gib")} for step in steps]}
+                                                                   "rollout_tokens", "gpu_peak_gib", "logprob_gap",
+                                                                   "max_logprob_gap", "kl_k3")} for step in steps]}
         print(f"[speed steps {name}] exit {done.returncode} {result[name]['wall_s']} s", flush=True)
     return result
 

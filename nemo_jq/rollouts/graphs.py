@@ -90,6 +90,36 @@ def attend_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
 ATTENTION = {"sdpa": attend_sdpa, "matmul": attend_matmul}
 
 
+class Fused:
+    """``plain`` under ``torch.compile`` (shapes dynamic); if compiling fails, ``plain`` itself from then on, said once
+    (the compiler's failure is not the run's: the same step, unfused). Compiling happens at the first call, which is
+    an eager step, never inside a graph's capture."""
+
+    def __init__(self, plain: Callable):
+        self.plain, self.compiled = plain, torch.compile(plain, dynamic=True)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # noqa: BLE001 - any compiler failure: the plain function computes the same
+                warnings.warn(f"torch.compile of the decode step's {self.plain.__name__} failed ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}); the decode runs unfused (set "
+                              "rollout.compile=false to skip trying)", stacklevel=2)
+                self.compiled = None
+        return self.plain(*args)
+
+
+_FUSED: dict[Callable, Fused] = {}
+
+
+def fused(plain: Callable) -> Fused:
+    """``plain`` compiled, once a process (every call's steps share it)."""
+    if plain not in _FUSED:
+        _FUSED[plain] = Fused(plain)
+    return _FUSED[plain]
+
+
 class GraphSampler(NativeSampler):
     """:class:`NativeSampler` whose decode steps run from a static cache, under CUDA graphs on a GPU (eagerly
     elsewhere); its prefill and chunking are the native sampler's. ``graphs``: None = on CUDA devices; ``compiled``:
@@ -105,7 +135,8 @@ class GraphSampler(NativeSampler):
             raise ValueError(f"no decode step is registered for model_type {model.config.model_type!r} with this "
                              f"shape (known: {', '.join(DECODE_STEPS)}): use the native sampler's eager loop")
         self.graphs = device.type == "cuda" if graphs is None else graphs
-        self.attention, self.compiled = ATTENTION[attention], compiled
+        self.attention = fused(ATTENTION[attention]) if compiled else ATTENTION[attention]
+        self.compiled = compiled
 
     def _compact(self, cache: Any, keep: torch.Tensor, batch_rows: int) -> bool:
         """Whether the live rows fit the next smaller row bucket."""

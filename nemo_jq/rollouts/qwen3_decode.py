@@ -11,13 +11,12 @@ dtype, matrix products and attention in the compute dtype.
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from nemo_jq.rollouts.graphs import register_decode_step
+from nemo_jq.rollouts.graphs import fused, register_decode_step
 
 #: Rotary embeddings whose HF module computes cos/sin from the positions alone (the dynamic kinds read the longest
 #: position on the host at every call, which a captured graph cannot).
@@ -53,23 +52,27 @@ class Qwen3DecodeStep:
         self.copies: list[torch.Tensor] = []
         self.embedding, self.rotary, self.final_norm = decoder.embed_tokens.weight, decoder.rotary_emb, decoder.norm.weight
         self.layers = [self._layer(layer) for layer in decoder.layers]
-        self.head = self._cast(model.get_output_embeddings().weight)
-        self.inputs, self.output = (compiled_pair() if compiled else (attention_inputs, layer_output))
+        (self.head,) = self._cast([model.get_output_embeddings().weight])
+        self.inputs, self.output = (fused(attention_inputs), fused(layer_output)) if compiled else (attention_inputs, layer_output)
 
-    def _cast(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None or tensor.dtype == self.dtype:
-            return None if tensor is None else tensor.detach()
-        self.copies.append(tensor.detach().to(self.dtype))
-        return self.copies[-1]
+    def _cast(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """``tensors`` as the step reads them: the model's own where already in ``dtype``, else one cast of them all,
+        stacked along the output features."""
+        if all(tensor.dtype == self.dtype for tensor in tensors):
+            return tuple(tensor.detach() for tensor in tensors)
+        self.copies.append(torch.cat([tensor.detach() for tensor in tensors]).to(self.dtype))
+        return (self.copies[-1],)
 
     def _layer(self, layer: Any) -> dict[str, Any]:
+        """The layer's weights: where they are cast anyway, q/k/v and gate/up each cast into one matrix (one matrix
+        product where there were three and two: fewer kernels a step, no memory beyond the cast's)."""
         attention, mlp = layer.self_attn, layer.mlp
-        cast = {name: self._cast(linear.weight) for name, linear in (
-            ("q", attention.q_proj), ("k", attention.k_proj), ("v", attention.v_proj), ("o", attention.o_proj),
-            ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj))}
+        groups = {"qkv": (attention.q_proj, attention.k_proj, attention.v_proj), "o": (attention.o_proj,),
+                  "gate_up": (mlp.gate_proj, mlp.up_proj), "down": (mlp.down_proj,)}
+        weights = {name: self._cast([linear.weight for linear in linears]) for name, linears in groups.items()}
         norms = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
                  "q_norm": attention.q_norm.weight, "k_norm": attention.k_norm.weight}
-        return {**cast, **{name: weight.detach() for name, weight in norms.items()}}
+        return {**weights, **{name: weight.detach() for name, weight in norms.items()}}
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, mask: torch.Tensor,
                  keys: list[torch.Tensor], values: list[torch.Tensor], attend) -> torch.Tensor:
@@ -77,12 +80,12 @@ class Qwen3DecodeStep:
         cos, sin = self.rotary(x, positions[:, None])
         length = mask.shape[1]
         for w, layer_keys, layer_values in zip(self.layers, keys, values):
-            q, k, v = self.inputs(x, cos, sin, w["input_norm"], w["q"], w["k"], w["v"], w["q_norm"], w["k_norm"],
+            q, k, v = self.inputs(x, cos, sin, w["input_norm"], w["qkv"], w["q_norm"], w["k_norm"],
                                   self.heads, self.kv_heads, self.head_dim, self.eps, layer_keys.dtype)
             layer_keys.index_copy_(2, column, k)
             layer_values.index_copy_(2, column, v)
             out = attend(q, layer_keys[:, :, :length], layer_values[:, :, :length], mask, self.scale)
-            x = self.output(x, out, w["o"], w["post_norm"], w["gate"], w["up"], w["down"], self.eps)
+            x = self.output(x, out, w["o"][0], w["post_norm"], w["gate_up"], w["down"][0], self.eps)
         return F.linear(rms_norm(x, self.final_norm, self.eps)[:, 0].to(self.dtype), self.head)
 
 
@@ -93,53 +96,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def attention_inputs(x, cos, sin, input_norm, wq, wk, wv, q_norm, k_norm, heads: int, kv_heads: int, dim: int,
+def attention_inputs(x, cos, sin, input_norm, qkv: tuple, q_norm, k_norm, heads: int, kv_heads: int, dim: int,
                      eps: float, kv_dtype: torch.dtype):
-    """The layer's queries [b, heads, 1, d], keys and values [b, kv_heads, 1, d] (keys and values in ``kv_dtype``)."""
+    """The layer's queries [b, heads, 1, d], keys and values [b, kv_heads, 1, d] (keys and values in ``kv_dtype``);
+    ``qkv``: the three projections' weights, or one matrix stacking them."""
     rows = x.shape[0]
-    h = rms_norm(x, input_norm, eps).to(wq.dtype)
-    q = rms_norm(F.linear(h, wq).view(rows, 1, heads, dim), q_norm, eps).transpose(1, 2)
-    k = rms_norm(F.linear(h, wk).view(rows, 1, kv_heads, dim), k_norm, eps).transpose(1, 2)
-    v = F.linear(h, wv).view(rows, 1, kv_heads, dim).transpose(1, 2)
+    h = rms_norm(x, input_norm, eps).to(qkv[0].dtype)
+    q, k, v = project(h, qkv, [heads * dim, kv_heads * dim, kv_heads * dim])
+    q = rms_norm(q.view(rows, 1, heads, dim), q_norm, eps).transpose(1, 2)
+    k = rms_norm(k.view(rows, 1, kv_heads, dim), k_norm, eps).transpose(1, 2)
+    v = v.view(rows, 1, kv_heads, dim).transpose(1, 2)
     return rotate(q, cos, sin).to(kv_dtype), rotate(k, cos, sin).to(kv_dtype), v.to(kv_dtype)
 
 
-def layer_output(x, attended, wo, post_norm, gate, up, down, eps: float):
-    """The residual stream after the attention's projection and the MLP."""
+def layer_output(x, attended, wo, post_norm, gate_up: tuple, down, eps: float):
+    """The residual stream after the attention's projection and the MLP (``gate_up``: two weights, or one stacking
+    them)."""
     x = x + F.linear(attended.reshape(x.shape[0], 1, -1).to(wo.dtype), wo)
-    h = rms_norm(x, post_norm, eps).to(gate.dtype)
-    return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+    h = rms_norm(x, post_norm, eps).to(gate_up[0].dtype)
+    gate, up = project(h, gate_up, [down.shape[1]] * 2)
+    return x + F.linear(F.silu(gate) * up, down)
 
 
-class Fused:
-    """``plain`` under ``torch.compile`` (shapes dynamic); if compiling fails, ``plain`` itself from then on, said once
-    (the compiler's failure is not the run's: the same step, unfused). Compiling happens at the first call, which is
-    an eager step, never inside a graph's capture."""
-
-    def __init__(self, plain: Callable):
-        self.plain, self.compiled = plain, torch.compile(plain, dynamic=True)
-
-    def __call__(self, *args):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as error:  # noqa: BLE001 - any compiler failure: the plain function computes the same
-                warnings.warn(f"torch.compile of the decode step's {self.plain.__name__} failed ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}); the decode runs unfused (set "
-                              "rollout.compile=false to skip trying)", stacklevel=2)
-                self.compiled = None
-        return self.plain(*args)
-
-
-_COMPILED: tuple[Fused, Fused] | None = None
-
-
-def compiled_pair() -> tuple[Fused, Fused]:
-    """:func:`attention_inputs` and :func:`layer_output` compiled, once a process (every call's steps share them)."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = (Fused(attention_inputs), Fused(layer_output))
-    return _COMPILED
+def project(h: torch.Tensor, weights: tuple, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """``h`` through each weight, or through one stacking them all, split into ``sizes`` features."""
+    if len(weights) == 1:
+        return F.linear(h, weights[0]).split(sizes, dim=-1)
+    return tuple(F.linear(h, weight) for weight in weights)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from helpers import tiny_setup
 from nemo_jq.config import Config
 from nemo_jq.dryrun.world import patched
 from nemo_jq.models.hf import tiny_qwen3
-from nemo_jq.rollouts import SAMPLERS, SamplerRequest, qwen3_decode
+from nemo_jq.rollouts import SAMPLERS, SamplerRequest, graphs, qwen3_decode
 from nemo_jq.rollouts.graphs import GraphSampler, StaticDecode, length_bucket, row_bucket
 from nemo_jq.rollouts.hf import NativeSampler
 
@@ -98,11 +98,20 @@ def test_the_step_reads_the_model_s_own_weights_so_a_refit_in_place_is_seen():
 
 def test_an_fp32_policy_decodes_from_weights_cast_once_a_call():
     """Under bf16 (the GPU's autocast), the step's matrix products read bf16 copies of the fp32 policy's weights, made
-    when the step is built (once a sampling call), not at every step as autocast would."""
+    when the step is built (once a sampling call), not at every step as autocast would; q/k/v and gate/up each cast
+    into one matrix, whose products are the separate ones'."""
     model = _model()
     step = GraphSampler(model, pad_id=0, device=CPU, precision="bf16").decode_step()
-    linears = 7 * len(model.model.layers) + 1  # q, k, v, o, gate, up, down per layer, and the (tied) head
-    assert len(step.copies) == linears and all(copy.dtype == torch.bfloat16 for copy in step.copies)
+    matrices = 4 * len(model.model.layers) + 1  # qkv, o, gate_up, down per layer, and the (tied) head
+    assert len(step.copies) == matrices and all(copy.dtype == torch.bfloat16 for copy in step.copies)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert torch.equal(step.layers[0]["qkv"][0], torch.cat([attention.q_proj.weight, attention.k_proj.weight,
+                                                            attention.v_proj.weight]).bfloat16())
+    assert torch.equal(step.layers[0]["gate_up"][0], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).bfloat16())
+    h = torch.randn(3, 1, model.config.hidden_size).bfloat16()
+    q, k, v = qwen3_decode.project(h, step.layers[0]["qkv"], [64, 32, 32])
+    torch.testing.assert_close(q, torch.nn.functional.linear(h, attention.q_proj.weight.bfloat16()))
+    torch.testing.assert_close(v, torch.nn.functional.linear(h, attention.v_proj.weight.bfloat16()))
 
 
 def _request(model, device, **rollout):
@@ -134,7 +143,7 @@ def test_a_compiler_failure_leaves_the_step_unfused_and_says_so(monkeypatch):
         raise RuntimeError("no C compiler here\nmore")
 
     monkeypatch.setattr(torch, "compile", lambda function, **options: failing)
-    fused = qwen3_decode.Fused(qwen3_decode.rms_norm)
+    fused = graphs.Fused(qwen3_decode.rms_norm)
     x, weight = torch.randn(3, 8), torch.rand(8)
     with pytest.warns(UserWarning, match="rms_norm failed .RuntimeError: no C compiler here.; the decode runs unfused"):
         out = fused(x, weight, 1e-6)
