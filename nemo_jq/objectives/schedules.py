@@ -67,7 +67,8 @@ class StepQ(_StepOnly):
 
 @dataclass
 class _Anneal(_StepOnly):
-    """From ``q_start`` at step 0 to ``q_end`` at ``num_steps``, then flat; subclasses shape the path."""
+    """From ``q_start`` at the first step (0) to ``q_end`` at the last of ``num_steps`` (``num_steps - 1``; the only
+    one, when ``num_steps`` is 1), then flat; subclasses shape the path."""
 
     num_steps: int
     q_start: float = 1.0
@@ -79,7 +80,9 @@ class _Anneal(_StepOnly):
             raise ValueError(f"num_steps must be >= 1; got num_steps={self.num_steps!r}")
 
     def progress(self, step: int) -> float:
-        return min(max(step / self.num_steps, 0.0), 1.0)
+        """0 at the first step, 1 at the last scheduled one and after."""
+        last = int(self.num_steps) - 1
+        return 1.0 if last == 0 else min(max(step / last, 0.0), 1.0)
 
 
 @dataclass

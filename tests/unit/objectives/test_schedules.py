@@ -16,11 +16,19 @@ def test_step_only_schedules():
     assert ConstantQ(0.75)(0) == ConstantQ(0.75)(10_000) == 0.75
     sft_then_rl = StepQ(switch_step=100)
     assert [sft_then_rl(s) for s in (0, 99, 100, 5000)] == [1.0, 1.0, 0.0, 0.0]
-    lin = LinearQ(num_steps=10, q_start=1.0, q_end=0.2)
+    lin = LinearQ(num_steps=11, q_start=1.0, q_end=0.2)
     assert [lin(s) for s in (0, 5, 10, 20)] == pytest.approx([1.0, 0.6, 0.2, 0.2])
-    cos = CosineQ(num_steps=10, q_start=0.85, q_end=0.25)
+    cos = CosineQ(num_steps=11, q_start=0.85, q_end=0.25)
     assert [cos(s) for s in (0, 5, 10, 11)] == pytest.approx([0.85, 0.55, 0.25, 0.25])
-    assert cos(2) > LinearQ(num_steps=10, q_start=0.85, q_end=0.25)(2)  # cosine stays high longer
+    assert cos(2) > LinearQ(num_steps=11, q_start=0.85, q_end=0.25)(2)  # cosine stays high longer
+
+
+@pytest.mark.parametrize("schedule", [LinearQ, CosineQ])
+def test_the_last_scheduled_step_has_q_end(schedule):
+    """Steps count from 0, so ``num_steps`` steps end at ``num_steps - 1``: there q is ``q_end`` (one step: that one)."""
+    twelve = schedule(num_steps=12, q_start=1.0, q_end=0.25)
+    assert twelve(0) == 1.0 and twelve(11) == pytest.approx(0.25) and twelve(10) > 0.25
+    assert schedule(num_steps=1, q_start=1.0, q_end=0.25)(0) == 0.25
 
 
 def test_adaptive_keeps_q_high_in_cold_start_and_anneals_as_p_hat_grows():
