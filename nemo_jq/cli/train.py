@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    from nemo_jq.config import load_config
+    from nemo_jq.config import ConfigError, load_config
     from nemo_jq.recipe.trainer import Trainer
     from nemo_jq.runtime import distributed
     from nemo_jq.runtime.preemption import StopSignals, end_stopped_run
@@ -63,6 +63,8 @@ def train(args: argparse.Namespace) -> int:
     with StopSignals() as stop:  # from the start: a time-limit signal while the model loads is not lost
         if args.resume is not None:
             trainer = Trainer.resume(args.resume, args.overrides)
+            if (finished := trainer.finished()) is not None:
+                raise ConfigError(finished)
         else:
             config = load_config(args.config, args.overrides)
             held = holds_this_run(config) if args.requeue else None

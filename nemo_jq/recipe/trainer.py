@@ -31,7 +31,7 @@ from nemo_jq.runtime import distributed, runs
 from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
 from nemo_jq.runtime.monitor import RunLogger, merge_metrics, progress
 from nemo_jq.runtime.preemption import StopSignals, current_series
-from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, open_for_resume, run_results, write_results, write_run_files
+from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, RESULTS_FILE, open_for_resume, run_results, write_results, write_run_files
 from nemo_jq.runtime.tracking import open_trackers
 
 
@@ -81,8 +81,26 @@ class Trainer:
 
     @property
     def total_steps(self) -> int:
+        return min(self.epochs_steps, self.config.train.max_steps or math.inf)
+
+    @property
+    def epochs_steps(self) -> int:
+        """The steps of ``train.epochs`` passes over the training split."""
         train = self.config.train
-        return min(train.epochs * math.ceil(len(self.components.splits.train) / train.batch_size), train.max_steps or math.inf)
+        return train.epochs * math.ceil(len(self.components.splits.train) / train.batch_size)
+
+    def finished(self) -> str | None:
+        """For a resumed run: why it has no step left to train, in one line with the key to raise (None: it has steps
+        left, or its end's evaluation has not been written yet, which resuming then does)."""
+        if self.state.step < self.total_steps or not (self.run_dir / RESULTS_FILE).exists():
+            return None
+        train, epochs_steps = self.config.train, self.epochs_steps
+        if self.state.step >= epochs_steps:
+            return (f"{self.run_dir}: the run finished its {train.epochs} epoch{'s' * (train.epochs != 1)} ({epochs_steps} "
+                    f"steps) and has nothing "
+                    f"left to train; raise train.epochs (e.g. --resume {self.run_dir} train.epochs={train.epochs * 2})")
+        return (f"{self.run_dir}: the run finished its train.max_steps={train.max_steps} steps and has nothing left to "
+                f"train; raise train.max_steps (e.g. --resume {self.run_dir} train.max_steps={min(epochs_steps, 2 * train.max_steps)})")
 
     # ----------------------------------------------------------------- train
     def fit(self, max_steps: int | None = None, stop: StopSignals | None = None,

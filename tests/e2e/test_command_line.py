@@ -89,6 +89,16 @@ def test_a_misspelt_key_a_closed_pipe_a_file_as_run_directory_and_a_failed_start
     assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_step=70")
     one_line_error(code, err, "unknown config key 'train.max_step'; did you mean 'train.max_steps'?")
+    results = (run_dir / "results.json").read_text()
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir)  # a finished run: nothing to train, said, nothing lost
+    one_line_error(code, err, "the run finished its train.max_steps=2 steps and has nothing left to train; raise "
+                   f"train.max_steps (e.g. --resume {run_dir} train.max_steps=4)")
+    assert (run_dir / "results.json").read_text() == results
+    assert run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=42")[0] == 0  # on to the epoch's end, 6 steps
+    results = (run_dir / "results.json").read_text()
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=42")
+    one_line_error(code, err, "the run finished its 1 epoch (6 steps) and has nothing left to train; raise train.epochs")
+    assert (run_dir / "results.json").read_text() == results
 
     plan = subprocess.Popen(f"{sys.executable} -m nemo_jq.cli plan --model 8b --gpus-per-node 8 --nodes 2 | head -1",
                             shell=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
