@@ -81,7 +81,7 @@ def prepare(
     for names in dict.fromkeys(source_of.values()):
         rows, origin = _read_source_split(task, source, hub_config, names)
         entry = {**origin, "rows": len(rows), "bad": [], "over_cap": []}
-        pool, sources, rows_of = [], Counter(), defaultdict(list)
+        pool, sources, rows_of, empty = [], Counter(), defaultdict(list), defaultdict(list)
         for number, record in rows:
             row_id = record_id(record, f"{names[0]}:{number}")
             rows_of[row_id].append(number)
@@ -98,12 +98,15 @@ def prepare(
                 entry["bad"].append({"id": row_id, "row": number, "reason": str(err)})
                 continue
             sources[reference_source(example)] += 1
+            for name in task.empty_fields(example):
+                empty[name].append(number)
             length = len(task.linearize(example))
             if task.max_input_chars is not None and length >= task.max_input_chars:
                 entry["over_cap"].append({"id": row_id, "row": number, "chars": length})
                 continue
             pool.append(example)
         warn_duplicate_ids(entry.get("file", source), rows_of)
+        warn_empty_fields(entry.get("file", source), task, empty)
         random.Random(f"{seed}:{names[0]}").shuffle(pool)
         pools[names] = pool
         entry.update(eligible=len(pool), selected={}, unused=len(pool), reference_sources=dict(sources))
@@ -164,6 +167,15 @@ def warn_duplicate_ids(source: str, rows_of: dict[str, list[int]]) -> None:
         print(f"nemo-jq: warning: {source}: {len(repeated)} example id(s) on more than one row: {named}"
               f"{'; ...' if len(repeated) > 5 else ''}: reports name examples by id, so make the ids unique",
               file=sys.stderr)
+
+
+def warn_empty_fields(source: str, task: QATask, empty: dict[str, list[int]]) -> None:
+    """Say which rows leave a field of the prompt template empty (their prompts hold it blank)."""
+    for name, rows in empty.items():
+        shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+        print(f"nemo-jq: warning: {source}: {len(rows)} row(s) have no {name!r} (rows {shown}), which the prompt "
+              f"template {getattr(task, 'template', '')!r} uses: their prompts hold it blank; fill the field, or "
+              f"pass a --template without {{{name}}}", file=sys.stderr)
 
 
 def reference_source(example: Example) -> str:

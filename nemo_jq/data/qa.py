@@ -17,6 +17,7 @@ tokenizer's chat template with thinking on.
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,11 @@ class QATask:
     def linearize(self, example: Example) -> str:
         """x* as one string: the context (if any), then the question."""
         return f"{example.context}\n\nQuestion: {example.question}" if example.context else example.question
+
+    def empty_fields(self, example: Example) -> list[str]:
+        """Fields the prompt uses that ``example`` leaves empty (none here: the prompt is built around them)."""
+        del example
+        return []
 
     def messages(self, example: Example, prompt_format: str) -> list[dict[str, str]]:
         user = {"role": "user", "content": self.linearize(example)}
@@ -259,6 +265,10 @@ class FinQA(QATask):
         return finqa_output_match(output, example.answer, example.meta.get("exe_ans"))
 
 
+#: The custom dataset's user turn: the context (when the row has one), then the question.
+DEFAULT_TEMPLATE = "{context}\n\nQuestion: {question}"
+
+
 @register_dataset("jsonl")
 @dataclass
 class CustomQA(QATask):
@@ -273,7 +283,7 @@ class CustomQA(QATask):
     #: tokens, within Qwen3's 40,960-token context with room for a thinking budget); a training run then checks
     #: every prompt, in tokens, against the model's own context.
     max_input_chars: int | None = 32000
-    template: str = "{context}\n\nQuestion: {question}"
+    template: str = DEFAULT_TEMPLATE
     system: str = "Answer the question. Think step by step, then reply with only the final answer."
 
     def __post_init__(self) -> None:
@@ -296,6 +306,14 @@ class CustomQA(QATask):
 
     def linearize(self, example: Example) -> str:
         return self.template.format(question=example.question, context=example.context).strip()
+
+    def empty_fields(self, example: Example) -> list[str]:
+        """The fields a custom template uses that ``example`` leaves empty (its prompt holds them blank; the default
+        template's context stands first, so a row without one is a plain question)."""
+        if self.template == DEFAULT_TEMPLATE:
+            return []
+        used = {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
+        return [name for name in ("question", "context") if name in used and not getattr(example, name)]
 
 
 

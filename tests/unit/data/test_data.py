@@ -264,3 +264,18 @@ def test_finqa_rows_without_an_annotated_answer_are_kept_and_counted():
     assert manifest["splits"]["validation"]["reference_sources"] == {"answer": 3, "exe_ans": 1}
     derived = next(e for e in splits.validation if e.id == "ADI/2009/page_49.pdf-13")
     assert derived.answer == "1.12" and FinQA().reward("Answer: 1.122", derived) == 1.0
+
+
+def test_a_custom_template_warns_of_rows_that_leave_its_fields_empty(tmp_path, capsys):
+    """A row without the context a custom template uses would get a prompt with it blank: named, with the fix."""
+    rows = [{"id": f"c{i}", "question": f"What is {i}?", "answer": str(i), **({"context": f"n={i}"} if i % 3 else {})}
+            for i in range(8)]
+    source = tmp_path / "mine.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    prepare(make_task("jsonl", template="Passage: {context}\n\nQ: {question}"), str(source), (4, 2, 2), seed=0)
+    err = capsys.readouterr().err
+    assert f"{source}: 3 row(s) have no 'context' (rows 1, 4, 7), which the prompt template" in err
+    assert "pass a --template without {context}" in err and len(err.splitlines()) == 1
+    prepare(make_task("jsonl"), str(source), (4, 2, 2), seed=0)  # the default template: a row without context is a question
+    prepare(make_task("jsonl", template="Q: {question}"), str(source), (4, 2, 2), seed=0)
+    assert capsys.readouterr().err == ""
