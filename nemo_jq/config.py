@@ -460,6 +460,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if "name" in raw and not isinstance(raw["name"], dict):
             raise ConfigError(f"{path} holds a q schedule, not a run's config: pass it as objective.q_schedule={path}")
     _migrate(raw)
+    _override(raw, overrides)
+    config = build(Config, raw, prefix="").validate()
+    if not saved:
+        _warn_unused(raw, config)
+    return config
+
+
+def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+    """``key=value`` overrides checked alone against the schema: each key (with a did-you-mean), type and range; the
+    checks across keys need the whole config, which :func:`load_config` builds."""
+    raw: dict[str, Any] = {}
+    _override(raw, overrides)
+    build(Config, raw, prefix="")
+
+
+def _override(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> None:
+    """``overrides`` written into ``raw`` (values parsed as YAML; renamed keys under their current names)."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -468,10 +485,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             _deprecated(key, current_key(key))
         _set_path(raw, current_key(key).split("."), _parse_yaml(value, f"override {item!r}"))
     _migrate(raw)
-    config = build(Config, raw, prefix="").validate()
-    if not saved:
-        _warn_unused(raw, config)
-    return config
 
 
 def _warn_unused(raw: dict[str, Any], config: Config) -> None:

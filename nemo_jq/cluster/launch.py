@@ -16,7 +16,9 @@ script it wrote there. ``--dryrun`` prints the sbatch script NeMo-Run would subm
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +77,10 @@ def load_launch_config(path: Path) -> LaunchConfig:
     known = {f.name for f in dataclasses.fields(LaunchConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{path}: unknown launch key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        close = [match for key in unknown for match in difflib.get_close_matches(key, known, n=1)]
+        raise ValueError(f"{path}: unknown launch key(s) {', '.join(unknown)}"
+                         + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+                         + f"; known: {', '.join(sorted(known))}")
     config = LaunchConfig(**values)
     if config.executor not in EXECUTORS:
         raise ValueError(f"{path}: executor={config.executor!r}; choose one of {', '.join(EXECUTORS)}")
@@ -165,23 +170,39 @@ def separate_rollout_ranks(config: Path | None, overrides: list[str]) -> int:
     return rollout.ranks if rollout.placement == "separate" else 0
 
 
-def trained_split(command: list[str]) -> int:
-    """:func:`separate_rollout_ranks` of a ``train`` command (0 for any other command)."""
+def train_config(command: list[str]) -> Any | None:
+    """The config a launched ``train`` command trains, checked here before anything is written or queued: its file
+    and overrides as ``train`` loads them where the file is readable here; where it is not (a path inside the
+    container, or ``--resume``'s run), the overrides alone against the schema (keys with a did-you-mean, types,
+    ranges), said in a line, and the defaults under the overrides of the rollout split's keys. None for another
+    command."""
     import argparse
 
+    from nemo_jq.config import check_overrides, load_config
+
     if command[:1] != ["train"]:
-        return 0
+        return None
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config", type=Path)
+    parser.add_argument("--resume", type=Path)
     known, rest = parser.parse_known_args(command[1:])
-    return separate_rollout_ranks(known.config, rest)
+    overrides = [word for word in rest if "=" in word and not word.startswith("-")]
+    if known.config is not None and known.config.is_file():
+        return load_config(known.config, overrides)
+    check_overrides(overrides)
+    unread = known.config or known.resume
+    if unread is not None:
+        print(f"nemo-jq launch: {unread} is not readable here: the overrides were checked against the schema, the "
+              "whole config is checked when the job starts", file=sys.stderr)
+    return load_config(None, [o for o in overrides if o.partition("=")[0] in ("rollout.placement", "rollout.ranks")])
 
 
 def roles(config: LaunchConfig, command: list[str]) -> str | None:
     """Which of the job's ranks train and which sample (``rollout.placement=separate``: the last ``rollout.ranks``;
     srun numbers the tasks node by node, so they are the allocation's last GPUs), as a comment line; None when every
     rank trains. A split that leaves no training rank is an error before anything is queued."""
-    rollout = trained_split(command)
+    trained = train_config(command)
+    rollout = trained.rollout.ranks if trained is not None and trained.rollout.placement == "separate" else 0
     if not rollout:
         return None
     from nemo_jq.runtime.distributed import role_of

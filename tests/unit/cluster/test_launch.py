@@ -75,7 +75,7 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("acount: acct\n", "unknown launch key(s) acount; known: account,"),
+    ("acount: acct\n", "unknown launch key(s) acount (did you mean 'account'?); known: account,"),
     ("executor: k8s\n", "executor='k8s'; choose one of slurm, docker, local"),
     ("executor: slurm\n", "executor=slurm needs account"),
     ("account: a\n", "executor=slurm needs container_image: REGISTRY#IMAGE:TAG for pyxis"),
@@ -154,3 +154,25 @@ def test_a_split_world_says_which_gpus_train_and_which_sample_and_refuses_a_spli
     assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "train", "rollout.placement=separate",
                  "rollout.ranks=16"]) == 2
     assert "rollout.ranks=16 leaves no training rank among the job's 16 GPUs" in capsys.readouterr().err
+
+
+def test_a_launched_training_command_is_checked_before_anything_is_written_or_queued(tmp_path, capsys):
+    """A misspelt or out-of-range override, or a config file readable here that train would refuse, is one line
+    before a script is written; a config only the job can read has its overrides checked, and says so."""
+    launch_yaml = str(write_launch(tmp_path))
+    for words, message in ((["megatron.tensor_paralel=8"], "unknown config key 'megatron.tensor_paralel'; did you mean "
+                            "'megatron.tensor_parallel'?"),
+                           (["megatron.tensor_parallel=0"], "megatron.tensor_parallel must be >= 1; got 0")):
+        assert main(["launch", launch_yaml, "--dryrun", "train", "--config", "/lustre/me/c.yaml", *words]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    here = tmp_path / "c.yaml"
+    here.write_text("model:\n  backend: megatron\n  activation_checkpointing: true\n")
+    assert main(["launch", launch_yaml, "--dryrun", "train", "--config", str(here)]) == 2
+    err = capsys.readouterr().err
+    assert "model.activation_checkpointing is the hf backend's" in err and len(err.strip().splitlines()) == 1
+    assert main(["launch", launch_yaml, "--dryrun", "train", "--config", "/lustre/me/c.yaml",
+                 "megatron.tensor_parallel=8"]) == 0
+    out, err = capsys.readouterr()
+    assert "srun" in out and "/lustre/me/c.yaml is not readable here: the overrides were checked" in err
+    assert not (tmp_path / "jobs").exists()
