@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -60,19 +61,43 @@ def train(args: argparse.Namespace) -> int:
 
         run_demo(args.demo_dir, overwrite=args.overwrite)
         return 0
-    with StopSignals() as stop:  # from the start: a time-limit signal while the model loads is not lost
-        if args.resume is not None:
-            trainer = Trainer.resume(args.resume, args.overrides)
-            if (finished := trainer.finished()) is not None:
-                raise ConfigError(finished)
-        else:
-            config = load_config(args.config, args.overrides)
-            held = holds_this_run(config) if args.requeue else None
-            trainer = (Trainer.resume(config.train.run_dir) if held == "resume" else
-                       Trainer(config, overwrite=args.overwrite or held == "restart"))
-        result = trainer.fit(stop=stop)
+    trainer = None
+    try:
+        with StopSignals() as stop:  # from the start: a time-limit signal while the model loads is not lost
+            if args.resume is not None:
+                trainer = Trainer.resume(args.resume, args.overrides)
+                if (finished := trainer.finished()) is not None:
+                    raise ConfigError(finished)
+            else:
+                config = load_config(args.config, args.overrides)
+                held = holds_this_run(config) if args.requeue else None
+                trainer = (Trainer.resume(config.train.run_dir) if held == "resume" else
+                           Trainer(config, overwrite=args.overwrite or held == "restart"))
+            result = trainer.fit(stop=stop)
+    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step; say which one the run goes on from
+        if distributed.is_writer():
+            print(f"nemo-jq train: interrupted; {surviving_checkpoint(trainer)}", file=sys.stderr, flush=True)
+        return 130
+    if "preempted" in result:  # the line says what stopped it and how to go on
+        return end_stopped_run(result["preempted"], result["step"], trainer.run_dir, requeue=args.requeue)
     if distributed.is_writer():
         print(json.dumps(result, indent=2))
-    if "preempted" in result:
-        return end_stopped_run(result["preempted"], result["step"], trainer.run_dir, requeue=args.requeue)
     return 0
+
+
+def surviving_checkpoint(trainer) -> str:
+    """Which checkpoint a run stopped mid-step goes on from, in words (a checkpoint is complete or absent)."""
+    from nemo_jq.runtime.checkpoint import latest_checkpoint
+    from nemo_jq.runtime.runs import CHECKPOINT_DIR
+
+    if trainer is None:
+        return ("before the first step: a run's checkpoints are as they were, and a new run's start is moved aside by "
+                "the next start there")
+    try:
+        latest = latest_checkpoint(trainer.run_dir / CHECKPOINT_DIR)
+    except FileNotFoundError:
+        latest = None
+    if latest is None:
+        return f"{trainer.run_dir} has no checkpoint yet: the next start there moves it aside and begins afresh"
+    return (f"the last checkpoint written, {latest}, is intact (this step's is not written): `nemo-jq train --resume "
+            f"{trainer.run_dir}` continues from it")

@@ -65,10 +65,16 @@ def report(model: str | None = None, rollout_ranks: int = 0) -> dict[str, Any]:
     info["megatron.core imports"] = _imports("megatron.core") if info["megatron-core"] != "not installed" else "not installed"
     info["megatron layer spec"] = ("transformer_engine" if cuda and transformer_engine == "usable"
                                    else "local (megatron-core's torch layers)")
-    info["model.backend=megatron usable"] = cuda and info["megatron.core imports"] == "yes"
+    core = info["megatron.core imports"]
+    info["model.backend=megatron usable"] = usable(
+        "" if cuda and core == "yes" else "it needs a CUDA GPU; this machine has none" if not cuda else
+        f"megatron-core {core}" + (": pip install megatron-core==0.16.1" if core == "not installed" else ""))
     # megatron-core's local attention has no context parallelism; TE's does
-    info["megatron.context_parallel > 1 usable"] = (info["model.backend=megatron usable"]
-                                                 and info["megatron layer spec"] == "transformer_engine")
+    info["megatron.context_parallel > 1 usable"] = usable(
+        "model.backend=megatron is not usable here" if info["model.backend=megatron usable"] != "yes" else
+        "" if info["megatron layer spec"] == "transformer_engine" else
+        f"it needs Transformer Engine's attention (transformer engine: {transformer_engine}); megatron-core's local "
+        "layers have none")
     info.update(_vllm(cuda, head_dim, model or "the demo's tiny model"))
     info["launch"] = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
     info["world size / rank"] = f"{os.environ.get('WORLD_SIZE', '1')} / {os.environ.get('RANK', '0')}"
@@ -96,7 +102,7 @@ def _vllm(cuda: bool, head_dim: int, model: str) -> dict[str, Any]:
 
     flavour = engine.installed_vllm()
     if flavour is None:
-        return {"vllm": "not installed", "rollout.engine=vllm usable": False}
+        return {"vllm": "not installed", "rollout.engine=vllm usable": usable("vLLM is not installed (docs/vllm.md)")}
     imports = _imports("vllm")
     floor = ".".join(map(str, engine.VLLM_FLOOR))
     route = engine.installed_refit_route() if imports == "yes" else None
@@ -104,13 +110,22 @@ def _vllm(cuda: bool, head_dim: int, model: str) -> dict[str, Any]:
             f"vllm >= {floor} (nemo_jq's floor)": engine.version_tuple(flavour.split()[-1]) >= engine.VLLM_FLOOR,
             "vllm refit route": engine.ROUTES[route] if route else "unknown (vllm.v1.worker.gpu_model_runner does not import)"}
     if cuda:
-        info["rollout.engine=vllm usable"] = imports == "yes"
+        info["rollout.engine=vllm usable"] = usable("" if imports == "yes" else f"vllm does not import ({imports})")
         return info
     sizes = engine.cpu_attention_head_sizes() if imports == "yes" else None
     info["vllm CPU attention head sizes"] = sizes or "unknown"
     info[f"vllm CPU attention takes head_dim {head_dim} ({model})"] = bool(sizes) and head_dim in sizes
-    info["rollout.engine=vllm usable"] = bool(sizes) and head_dim in sizes and route == engine.RELOAD  # CPU: no in-place refit
+    info["rollout.engine=vllm usable"] = usable(  # CPU: no in-place refit
+        f"vllm does not import ({imports})" if imports != "yes" else
+        "its CPU attention's head sizes are unknown" if not sizes else
+        f"its CPU attention takes head_dim {', '.join(map(str, sizes))}, not {head_dim} ({model})" if head_dim not in sizes
+        else "" if route == engine.RELOAD else f"its refit route here is {engine.ROUTES.get(route, route)}, not a reload")
     return info
+
+
+def usable(why_not: str) -> str:
+    """``yes``, or ``no`` with the reason and, where there is one, the fix."""
+    return f"no: {why_not}" if why_not else "yes"
 
 
 def format_report(info: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from nemo_jq.data import Example
 from nemo_jq.models.common import generator_device
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
 from nemo_jq.runtime.distributed import DataParallel
+from nemo_jq.runtime.runs import best_step_of
 
 
 @dataclass
@@ -153,6 +154,8 @@ def restore_loop(saved: dict[str, Any], rng: dict[str, Any], course: Course, obj
     saved = dict(saved)
     schedule_state, guard_state = saved.pop("schedule"), saved.pop("guard", None)
     state = TrainState.from_json(saved, course)
+    if best_step_of(saved) is None:  # saved before the rule: a best validation of 0 is no best
+        state.best_step = state.best_metric = None
     if objective.schedule is not None and schedule_state is not None:
         objective.schedule.load_state_dict(schedule_state)
     if guard is not None and guard_state is not None:

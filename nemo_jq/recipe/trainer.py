@@ -204,7 +204,7 @@ class Trainer:
         scores = self.evaluator.evaluate("validation", seed_offset=self.state.step)
         logger.log({"kind": "validation", "step": self.state.step, **scores})
         value = scores[f"m@{self.config.eval.num_samples}"]  # the paper selects by m@16
-        if self.state.best_metric is None or value > self.state.best_metric:
+        if runs.beats_best(value, self.state.best_metric):
             self.state.best_metric, self.state.best_step = value, self.state.step
             self.save()
         if self.guard is not None:
@@ -239,7 +239,7 @@ class Trainer:
         logger.log({"kind": "test", "step": self.state.step, "best_step": best, **scores,
                     **({"memorisation": memorisation["tested"]} if memorisation else {})})
         results = run_results(self.config.objective, self.objective.estimator.uses_q, self.last_q, best, self.state.best_metric,
-                              scores, memorisation)
+                              scores, memorisation, step=self.state.step, key=f"m@{self.config.eval.num_samples}")
         distributed.on_writer(lambda: write_results(self.run_dir, results))
         logger.attach(self.run_dir / PLOT_FILE)
         return results

@@ -107,14 +107,32 @@ def write_run_files(run_dir: Path, config: Config, tokenizer: Any) -> None:
         tokenizer.save_pretrained(run_dir / TOKENIZER_DIR)
 
 
+def beats_best(value: float, best: float | None) -> bool:
+    """The one rule for a run's best checkpoint (training keeps it; the guard restores it; the test split, ``eval`` and
+    ``export`` take it): the validation that beats zero and every earlier one (ties keep the earliest). When no
+    validation beat zero there is no best, and the latest checkpoint stands in: the earliest of equal zeros is the
+    least trained, whose answers say nothing."""
+    return value > max(best or 0.0, 0.0)
+
+
+def best_step_of(state: dict[str, Any]) -> int | None:
+    """A checkpoint's ``state.json``'s best step by :func:`beats_best` (a run saved before the rule kept a best
+    validation of 0)."""
+    return state.get("best_step") if (state.get("best_metric") or 0.0) > 0.0 else None
+
+
 def run_results(objective: Any, uses_q: bool, final_q: float | None, best_step: int | None,
-                best_validation: float | None, test: dict[str, Any], memorisation: dict | None) -> dict[str, Any]:
+                best_validation: float | None, test: dict[str, Any], memorisation: dict | None, *, step: int,
+                key: str) -> dict[str, Any]:
     """What ``results.json`` holds: the method (q, or its schedule and the last q trained with), the best validation
-    checkpoint's step and m@k, its test scores and, for a noisy run, its memorisation."""
+    checkpoint's step and m@k, which checkpoint the test split scored (``tested``, in words), its test scores and, for
+    a noisy run, its memorisation."""
     scheduled = uses_q and objective.q_schedule is not None
+    tested = (f"the best validation {key} (step {best_step})" if best_step is not None else
+              f"the latest (step {step}): no validation {key} rose above 0")
     return {"objective": objective.name, "q": objective.q if uses_q and not scheduled else None,
             **({"q_schedule": objective.q_schedule, "final_q": final_q} if scheduled else {}),
-            "best_step": best_step, "best_validation": best_validation, "test": test,
+            "best_step": best_step, "best_validation": best_validation, "tested": tested, "test": test,
             **({"memorisation": memorisation} if memorisation else {})}
 
 
@@ -205,8 +223,9 @@ class Selected:
 
 
 def select_checkpoint(path: Path, which: str = "best") -> Selected:
-    """The checkpoint at ``path`` (a checkpoint directory), or, for a run directory, its ``which``: ``best`` (the best
-    validation m@k; ties keep the earliest, as training does, and the reason names the tie), ``latest``, or a step."""
+    """The checkpoint at ``path`` (a checkpoint directory), or, for a run directory, its ``which``: ``best`` (by
+    :func:`beats_best`, as training keeps it; the reason names a tie, and says when the latest stands in), ``latest``,
+    or a step."""
     path = Path(path)
     if (path / STATE).exists():
         if which != "best":
@@ -227,10 +246,12 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
             raise ValueError(f"--step {which}: {path} has checkpoints at steps {', '.join(map(str, saved))} (or use best, "
                              "latest)")
         return Selected(path, root / step_dir_name(step), step, f"step {step}, as asked")
-    best = state.get("best_step")
-    if best is None:
-        return Selected(path, latest, state["step"], "the latest (the run has no validation yet)")
+    best = best_step_of(state)
     key = f"m@{load_config(path / CONFIG_FILE, saved=True).eval.num_samples}"
+    if best is None:
+        validated = any(record["kind"] == "validation" for record in read_metrics(path))
+        return Selected(path, latest, state["step"], f"the latest (no validation {key} rose above 0)" if validated
+                        else "the latest (the run has no validation yet)")
     tied = [r["step"] for r in read_metrics(path) if r["kind"] == "validation" and r["step"] != best
             and r.get(key) == state["best_metric"] and r["step"] in saved]
     why = f"the best validation {key} ({state['best_metric']:g})"

@@ -252,19 +252,29 @@ def test_the_hub_without_a_network_says_to_pass_local_files(monkeypatch, tmp_pat
     one_line_error(code, err, "hotpotqa/hotpot_qa", "ConnectionError", "--source")
 
 
-def test_eval_and_export_name_the_step_they_use_and_a_tie_and_take_another_on_request(tmp_path, capsys):
-    """At a cold start every validation ties at 0: the best checkpoint is the earliest, as training keeps it; the
-    output says so, and --step latest (or a number) takes another. Each eval writes a report; none is overwritten."""
+def test_eval_and_export_name_the_step_they_use_and_take_another_on_request(tmp_path, capsys):
+    """At a cold start every validation is 0: no checkpoint is the best, so the test split, eval and export take the
+    latest (the earliest of the zeros is the least trained) and say so; --step N (or latest) takes another. Each eval
+    writes a report; none is overwritten."""
     run_dir = tmp_path / "run"
     assert run_cli(capsys, "train", *QUICK, "train.max_steps=3", "eval.every=1", "train.save_every=1",
                    "train.keep_checkpoints=10", f"train.run_dir={run_dir}")[0] == 0
     assert [r["m@4"] for r in read_metrics(run_dir) if r["kind"] == "validation"] == [0.0, 0.0, 0.0]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["best_step"] is None and results["tested"] == "the latest (step 3): no validation m@4 rose above 0"
     code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "best")
-    assert code == 0 and f"exported step 1 of {run_dir} (the best validation m@4 (0), tied with steps 2, 3: the earliest" in out
+    assert code == 0 and f"exported step 3 of {run_dir} (the latest (no validation m@4 rose above 0))" in out, out
     source = json.loads((tmp_path / "best" / "nemo_jq_export.json").read_text())["source"]
-    assert (source["step"], source["checkpoint"]) == (1, str(run_dir / "checkpoints" / "step_00000001"))
-    code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "latest", "--step", "latest")
-    assert code == 0 and "exported step 3" in out and "(the latest)" in out
+    assert (source["step"], source["checkpoint"]) == (3, str(run_dir / "checkpoints" / "step_00000003"))
+    code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "first", "--step", "1")
+    assert code == 0 and "exported step 1" in out and "(step 1, as asked)" in out
+    # the same validations at 0.5 (written as a run that scored them would): the best is the earliest of the tie
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"m@4": 0.0', '"m@4": 0.5'))
+    state_file = run_dir / "checkpoints" / "step_00000003" / "state.json"
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "best_metric": 0.5, "best_step": 1}))
+    code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "tied")
+    assert code == 0 and "exported step 1" in out and "(the best validation m@4 (0.5), tied with steps 2, 3" in out, out
     for _ in range(2):
         code, out, err = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "2")
         assert code == 0 and json.loads(out)["step"] == 2 and "evaluated step 2" in err

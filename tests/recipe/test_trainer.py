@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_RUN, learn_on, machine_kind
+from helpers import TINY_RUN, learn_on, machine_kind, run_cli
 from nemo_jq.config import load_config, save_config
 from nemo_jq.objectives import get_objective, list_objectives
 from nemo_jq.recipe.experience import Experience
@@ -215,11 +215,30 @@ def test_a_signal_writes_a_loadable_checkpoint_and_exits_zero(tmp_path, signum):
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()[-2000:]
-    assert f'"preempted": {int(signum)}' in out.decode()
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert f"nemo-jq train: stopped by {signum.name} at step {int(checkpoint.name.split('_')[1])} with a checkpoint; " \
+        f"`nemo-jq train --resume {run_dir}` continues" in out.decode() and '"preempted"' not in out.decode(), out
     trainer = Trainer.resume(run_dir)
     assert trainer.state.step == int(checkpoint.name.split("_")[1]) >= 1
     assert trainer.state.step < trainer.total_steps
+
+
+def test_a_second_ctrl_c_says_which_checkpoint_the_run_goes_on_from(tmp_path, capsys, monkeypatch):
+    """A second Ctrl-C raises KeyboardInterrupt mid-step (StopSignals); train exits 130 naming the last checkpoint
+    written, or saying there is none. Here fit is interrupted by hand: two real signals coalesce when they arrive
+    together, and one apart races the checkpoint the first asks for."""
+    def interrupted(self, **_):
+        if self.config.train.save_every == 1:
+            self.save()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "fit", interrupted)
+    for save_every, said in ((1, "the last checkpoint written, {run}/checkpoints/step_00000000, is intact (this step's "
+                                 "is not written): `nemo-jq train --resume {run}` continues from it"),
+                             (1000, "{run} has no checkpoint yet: the next start there moves it aside and begins afresh")):
+        run_dir = tmp_path / f"every_{save_every}"
+        code, _, err = run_cli(capsys, "train", *TINY_RUN, f"train.save_every={save_every}", f"train.run_dir={run_dir}")
+        assert code == 130 and f"nemo-jq train: interrupted; {said.format(run=run_dir)}" in err, err
 
 
 def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
