@@ -115,6 +115,7 @@ def build_executor(config: LaunchConfig) -> Any:
             setup_lines="\n".join(['export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                                     REQUEUE_ON_EXIT]),
             signal=config.signal, exclusive=config.exclusive or None, mem=config.mem, cpus_per_task=config.cpus_per_task,
+            job_name_prefix=f"{TITLE}-",  # the job is nemo-jq-<command> (NeMo-Run's own: <account>-<account>.<name>)
             # where NeMo-Run writes the script (the experiment's folder under job_dir) is where it submits it from
             tunnel=run.LocalTunnel(job_dir=str(Path(config.job_dir).resolve() / "experiments")), packager=run.Packager())
     if config.executor == "docker":
@@ -136,12 +137,13 @@ def task(command: list[str], executor: str) -> Any:
     return run.Script(path="nemo_jq.cli", entrypoint="python", m=True, args=command)
 
 
-def sbatch_script(config: LaunchConfig, command: list[str], name: str = "nemo-jq") -> str:
+def sbatch_script(config: LaunchConfig, command: list[str]) -> str:
     """The sbatch script NeMo-Run would submit, rendered as its SLURM scheduler's dry run does, with the paths a
-    submission would have (``job_dir/experiments/nemo-jq/nemo-jq_dryrun/``); nothing is written there."""
+    submission would have (``job_dir/experiments/nemo-jq/nemo-jq_dryrun/<command>``); nothing is written there."""
     from nemo_run.core.execution.slurm import SlurmBatchRequest
     from nemo_run.run.torchx_backend.packaging import package
 
+    name = command[0]
     experiment_id = f"{TITLE}_dryrun"
     real = str(Path(config.job_dir).resolve())
     with tempfile.TemporaryDirectory() as scratch:
@@ -238,7 +240,7 @@ def launch(config: LaunchConfig, command: list[str], *, dryrun: bool) -> str | N
         run.run(task(command, config.executor), executor=executor, name=TITLE, dryrun=True)
         return None
     with run.Experiment(title=TITLE, executor=executor, base_dir=str(Path(config.job_dir).resolve()), log_level="WARN") as exp:
-        exp.add(task(command, config.executor), name=TITLE)
+        exp.add(task(command, config.executor), name=command[0])
         exp.run(detach=True)
         submitted = exp.jobs[0]
     files, split = submitted.executor.job_dir, f"\n{split.removeprefix('# ')}" if split else ""

@@ -1,6 +1,6 @@
 """``nemo-jq plan``: per-GPU memory of every feasible TP x PP x DP layout (at a given CP), before a run is queued.
 
-An estimate from shapes, not a measurement; every assumption is printed with the table:
+An estimate from shapes, not a measurement; what it assumes (the table's last line points here):
 
 * parameters are counted exactly from the Qwen3 config (embedding, untied head, per layer: QKV,
   output projection, SwiGLU MLP, four norms);
@@ -525,7 +525,8 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
 def format_report(result: dict[str, Any]) -> str:
     keys = [name for name in LayoutEstimate.__dataclass_fields__][:-2]
     columns = ["TP", "PP", "DP", *(key.removesuffix("_gib").replace("_", " ") for key in keys[3:-2]), "total GiB", "fits"]
-    lines = [f"{result['parameters'] / 1e9:.3f}B parameters; {result['workload']}",
+    lines = [f"{result['parameters'] / 1e9:.3f}B parameters; workload: "
+             + ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in result["workload"].items()),
              " ".join(f"{c:>12}" for c in columns)]
     lines += [" ".join(f"{str(layout[k]):>12}" for k in keys) for layout in result["layouts"]]
     best, closest = result["recommended"], result["layouts"][0]

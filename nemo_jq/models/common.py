@@ -79,6 +79,22 @@ def autocast_context(device: torch.device, precision: str):
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 
 
+@contextlib.contextmanager
+def quiet_weight_files() -> Iterator[None]:
+    """transformers' "Loading weights" and "Writing model shards" bars off while local weight files are read or
+    written (two lines each in a batch log, a tenth of an experiment's output); the bars come back after, for the hub's
+    downloads. Only around local files: a hub download keeps its bar."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
 def resolve_pretrained(path: str, *, local_files_only: bool = False) -> Path:
     """``model.path`` as a local HF folder holding config.json: a folder as it is, or a hub name's snapshot in the
     Hugging Face cache (downloaded into it, unless ``local_files_only`` or ``HF_HUB_OFFLINE``). A name the cache

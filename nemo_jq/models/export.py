@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from nemo_jq.data.chat import ChatFormat
-from nemo_jq.models.common import WEIGHTS_FILE
+from nemo_jq.models.common import WEIGHTS_FILE, quiet_weight_files
 
 #: Marks a folder as written by ``HFPolicy.export`` and lists its files, so a later export may replace them.
 EXPORT_MARKER = "nemo_jq_export.json"
@@ -60,7 +60,8 @@ def export_hf_model(model: Any, out_dir: Path, tokenizer: Any) -> None:
     every file is readable by group and others. ``out_dir`` must be missing, empty or an
     earlier export (which is replaced); anything else raises ``ValueError``, untouched.
     """
-    _export(out_dir, tokenizer, model.config, model.save_pretrained)
+    with quiet_weight_files():
+        _export(out_dir, tokenizer, model.config, model.save_pretrained)
 
 
 def export_hf_stream(config: Any, tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, tokenizer: Any,

@@ -14,6 +14,7 @@ from nemo_jq.models.common import (
     autocast_context,
     build_optimizer,
     check_precision,
+    quiet_weight_files,
     require_files,
 )
 from nemo_jq.models.export import export_hf_model
@@ -48,7 +49,8 @@ def load_causal_lm(folder: Path) -> Any:
     """An HF causal LM from a local folder, in fp32."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with quiet_weight_files():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
 #: The optimizer state of an HF policy's checkpoint (its weights are ``WEIGHTS_FILE``, in HF layout).

@@ -225,8 +225,8 @@ class Selected:
 def select_checkpoint(path: Path, which: str = "best") -> Selected:
     """The checkpoint at ``path`` (a checkpoint directory), or, for a run directory, its ``which``: ``best`` (by
     :func:`beats_best`, as training keeps it; the reason names a tie, and says when the latest stands in), ``latest``,
-    or a step."""
-    path = Path(path)
+    or a step. Paths come back absolute, as reports carry them."""
+    path = Path(path).resolve()
     if (path / STATE).exists():
         if which != "best":
             raise ValueError(f"--step {which} picks among a run's checkpoints: give the run directory, not {path}")

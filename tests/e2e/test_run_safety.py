@@ -252,7 +252,7 @@ def test_the_hub_without_a_network_says_to_pass_local_files(monkeypatch, tmp_pat
     one_line_error(code, err, "hotpotqa/hotpot_qa", "ConnectionError", "--source")
 
 
-def test_eval_and_export_name_the_step_they_use_and_take_another_on_request(tmp_path, capsys):
+def test_eval_and_export_name_the_step_they_use_and_take_another_on_request(tmp_path, capsys, monkeypatch):
     """At a cold start every validation is 0: no checkpoint is the best, so the test split, eval and export take the
     latest (the earliest of the zeros is the least trained) and say so; --step N (or latest) takes another. Each eval
     writes a report; none is overwritten."""
@@ -282,6 +282,9 @@ def test_eval_and_export_name_the_step_they_use_and_take_another_on_request(tmp_
                                                                     "validation-step_00000002.json"]
     code, _, err = run_cli(capsys, "eval", run_dir, "--step", "7")
     one_line_error(code, err, "--step 7", "checkpoints at steps 1, 2, 3")
+    monkeypatch.chdir(tmp_path)  # a relative run directory: the report carries it absolute
+    code, out, _ = run_cli(capsys, "eval", "run", "--split", "validation", "--step", "3")
+    assert code == 0 and json.loads(out)["run_dir"] == str(run_dir) and json.loads(out)["checkpoint"].startswith("/")
 
 
 def test_export_onto_an_existing_file_is_one_line(tmp_path, capsys):

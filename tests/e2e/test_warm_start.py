@@ -97,6 +97,7 @@ def test_quick_run_through_the_cli_writes_table_summary_and_figures_and_refuses_
                                 "--dependences", "none", "--methods", "GRPO,GARL q=0.25 score only", "--target-p1", "10",
                                 "--methods-override", "optim.lr=0.001")
     assert code == 0, err
+    assert "Loading weights" not in err and "Writing model shards" not in err  # transformers' bars, per weight file
     summary = json.loads((out / "summary.json").read_text())
     warm = summary["warm"]["none"]
     assert warm["target_p@1"] == 10 and warm["steps"] >= 1 and (out / "warm" / "none" / "policy" / "config.json").exists()
@@ -122,3 +123,14 @@ def test_quick_run_through_the_cli_writes_table_summary_and_figures_and_refuses_
                    "optim.lr")
     one_line_error(*run_cli(capsys, "experiment", "escape-rates", "--methods-override", "optim.lr=1", "--out", tmp_path / "x")[::2],
                    "takes no --methods-override")
+
+
+def test_each_experiment_s_help_is_its_own():
+    """``experiment NAME --help``: NAME's summary and the options it takes, not another's."""
+    import subprocess
+    import sys
+
+    text = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "experiment", "warm-start", "--help"],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert text.startswith("usage: nemo-jq experiment warm-start") and "does GARL collapse where PAFT stays" in text
+    assert "--target-p1" in text and "--seeds" in text and "--widths" not in text and "--label-noise" not in text

@@ -50,7 +50,8 @@ def test_dryrun_prints_the_sbatch_script_nemo_run_would_submit(tmp_path, capsys)
     assert "--container-image nvcr.io#acme/nemo-jq:latest" in srun and "--container-mounts /lustre/me:/lustre/me," in srun
     for line in ("#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --cpus-per-task=16"):
         assert line in script.splitlines(), line
-    job_files = f"{tmp_path / 'jobs'}/experiments/nemo-jq/nemo-jq_dryrun/nemo-jq"  # where NeMo-Run would write them
+    assert "#SBATCH --job-name=nemo-jq-train" in script.splitlines()
+    job_files = f"{tmp_path / 'jobs'}/experiments/nemo-jq/nemo-jq_dryrun/train"  # where NeMo-Run would write them
     assert "torchrun" not in script and f"{job_files}:/nemo_run" in srun  # an absolute mount
     assert srun.endswith("-m nemo_jq.cli train --requeue " + " ".join(command[1:]))
     # exit 75 (a checkpoint after SIGUSR1) is requeued by the batch script, on the host: a trap on its exit, set

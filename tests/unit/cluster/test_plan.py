@@ -122,6 +122,8 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
     assert main(["plan", "--model", "8b", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
     assert "8.191B parameters" in out and "recommended: TP=1 PP=4 DP=4" in out
+    first = out.splitlines()[0]  # the workload in words, not a Python dict
+    assert "{" not in first and "seq len 4096, micro batch 1, samples 32" in first
     assert main(["plan", "--model", "32b", "--nodes", "16", "--seq-len", "4608", "--samples", "16", "--optimizer",
                  "bf16-distopt", "--recompute"]) == 0  # the new user's command
     assert ("nothing fits in 72 GiB: the closest layout" in (out := capsys.readouterr().out)
