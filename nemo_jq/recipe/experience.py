@@ -8,6 +8,7 @@ is sampled and scored by the task's reward (GRPO, RLOO). Rows are prompt-major (
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -211,25 +212,44 @@ def mismatch_metrics(policy_logprobs: torch.Tensor, batch: TokenBatch) -> dict[s
 class MismatchWatch:
     """Says so, on the writer, when the rollouts stray from the policy: a sampled token's log-prob more than
     ``rollout.max_logprob_gap`` apart, or the per-token KL above ``rollout.max_mismatch_kl``; again only when the
-    KL has doubled since (every step's values are in metrics.jsonl)."""
+    KL has doubled since (every step's values are in metrics.jsonl).
+
+    One step off under a correction, the lag itself puts every step past those thresholds, by design: there a step
+    is judged against what the lag gives (the median KL of the lagged steps before it, once it has :data:`LAG_STEPS`
+    of them), and only a KL :data:`LAG_JUMP` times that and past the threshold is said (a refit that failed, an
+    engine in another precision); the first step, sampled from the current weights, is judged as any on-policy step."""
+
+    #: Lagged steps seen before the lag's own level is known (none is said before).
+    LAG_STEPS = 3
+    #: How far past the lag's median KL a lagged step's KL must be to be said.
+    LAG_JUMP = 4.0
 
     def __init__(self, rollout: Any, correction: Correction | None):
         self.max_gap, self.max_kl, self.correction = rollout.max_logprob_gap, rollout.max_mismatch_kl, correction
         self.warned_kl: float | None = None
+        self.lagged_kls: list[float] = []
 
     def __call__(self, result: StepResult) -> None:
         from nemo_jq.runtime import distributed
 
         step, gap, kl = result.step, result.max_logprob_gap, result.kl_k3
         exceeded = gap > self.max_gap or kl > self.max_kl
+        explained = ""
+        if result.record.get("rollout_lag") and self.correction is not None:
+            seen, self.lagged_kls = self.lagged_kls, [*self.lagged_kls, kl]
+            if len(seen) < self.LAG_STEPS:
+                return
+            lag_kl = statistics.median(seen)
+            exceeded = kl > self.max_kl and kl > self.LAG_JUMP * lag_kl
+            explained = f", {kl / lag_kl:.3g} times the {lag_kl:.3g} the one-step lag gave before"
         if not exceeded or (self.warned_kl is not None and kl <= 2 * self.warned_kl) or not distributed.is_writer():
             return
         self.warned_kl = max(kl, self.max_kl)
         handled = (f"corrected by objective.importance={self.correction.mode}" if self.correction is not None else
                    "uncorrected: set objective.importance (docs/off_policy.md), or check the engine's precision and refit")
         print(f"warning: step {step}: the rollouts are off-policy: KL(engine || policy) {kl:.3g} per token "
-              f"(rollout.max_mismatch_kl={self.max_kl}), log-prob gaps up to {gap:.3g} (rollout.max_logprob_gap="
-              f"{self.max_gap}); {handled}", flush=True)
+              f"(rollout.max_mismatch_kl={self.max_kl}{explained}), log-prob gaps up to {gap:.3g} "
+              f"(rollout.max_logprob_gap={self.max_gap}); {handled}", flush=True)
 
 
 class RolloutsAheadOnRanks(RolloutsAhead):

@@ -59,6 +59,24 @@ def test_the_mismatch_warning_says_what_and_repeats_only_when_the_kl_doubles(cap
     assert "corrected by objective.importance=truncate" in capsys.readouterr().out
 
 
+def test_one_step_off_the_watch_says_only_what_the_lag_does_not_explain(capsys):
+    """A corrected one-step-off run's lag puts every step past max_mismatch_kl by design: nothing is said for it; a
+    KL four times the lag's own (a refit that failed) is. The first step, at lag 0, is judged as on-policy."""
+    config = load_config(None, ["rollout.max_mismatch_kl=0.1"])
+    watch = MismatchWatch(config.rollout, Correction())
+    watch(StepResult.from_record(1, {"kl_k3": 0.05, "max_logprob_gap": 0.5, "rollout_lag": 0}))
+    for step, kl in enumerate([0.2, 0.3, 0.25, 0.22, 0.4, 0.3], start=2):
+        watch(StepResult.from_record(step, {"kl_k3": kl, "max_logprob_gap": 1.5, "rollout_lag": 1}))
+    assert capsys.readouterr().out == ""
+    watch(StepResult.from_record(8, {"kl_k3": 1.5, "max_logprob_gap": 4.0, "rollout_lag": 1}))
+    line = capsys.readouterr().out
+    assert line.startswith("warning: step 8:") and "KL(engine || policy) 1.5 per token (rollout.max_mismatch_kl=0.1, " \
+        "5.45 times the 0.275 the one-step lag gave before)" in line and "corrected by" in line, line
+    uncorrected = MismatchWatch(config.rollout, None)  # without a correction the lag is not by design: said at once
+    uncorrected(StepResult.from_record(2, {"kl_k3": 0.2, "max_logprob_gap": 1.5, "rollout_lag": 1}))
+    assert "uncorrected" in capsys.readouterr().out
+
+
 def _gradient(trainer, engine, num_samples, seed):
     """The gradient of the trainer's loss on its first training prompt, from ``num_samples`` rollouts of ``engine``."""
     trainer.policy.model.zero_grad(set_to_none=True)
