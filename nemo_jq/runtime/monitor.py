@@ -6,7 +6,9 @@ import json
 import math
 import shutil
 import sys
+import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,47 @@ METRICS_FILE = "metrics.jsonl"
 #: JavaScript gives them); :func:`read_metrics` reads them back as floats (and a bare ``NaN`` of older files too).
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 #: The paper's Figure 3 panels: (record kind, key, panel title).
-PANELS = (
-    ("train", "train_reward", "train reward"),
-    ("train", "log_p_hat", "log P̂ (mean log w̄)"),
-    ("train", "max_amplified_advantage", "max amplified advantage |c_m|/M^q"),
-    ("validation", "m@16", "validation m@16"),
-    ("train", "kl_k3", "KL(engine ‖ policy) per token, k3"),
-)
+#: Below this, a KL between the engine's and the policy's log-probs is float rounding (an on-policy run).
+KL_NOISE = 1e-6
+
+
+@dataclass
+class Panel:
+    """One panel of :func:`plot_runs`: its title and, per run label, the (steps, values) logged."""
+
+    title: str
+    lines: dict[str, tuple[list[int], list[float]]]
+    validation: bool = False
+    #: Written in the panel: what is logged but not drawn.
+    note: str = ""
+
+
+def panels(runs: dict[str, list[dict[str, Any]]]) -> list[Panel]:
+    """What was logged, a panel per quantity that some run logged: the sampled reward (GRPO, RLOO, SFT; GARL and PAFT
+    log P̂ instead, in the log P̂ panel), log P̂, the largest amplified advantage, validation m@k (k as logged), the
+    engine/policy KL (a run whose KL never leaves float rounding is named in the title, not drawn), and q where it
+    changes during a run (a schedule, the guard)."""
+    def series(kind: str, key: str) -> dict[str, tuple[list[int], list[float]]]:
+        found = {}
+        for label, records in runs.items():
+            points = [(r["step"], r[key]) for r in records if r["kind"] == kind and r.get(key) is not None]
+            if points:
+                found[label] = tuple(map(list, zip(*points)))
+        return found
+
+    validation_keys = sorted({key for records in runs.values() for r in records if r["kind"] == "validation"
+                              for key in r if key.startswith("m@")}, key=lambda key: int(key[2:]))
+    out = [Panel("sampled reward (mean over rollouts)", series("train", "reward")),
+           Panel("log P̂ (mean log w̄)", series("train", "log_p_hat")),
+           Panel("max amplified advantage |c_m|/M^q", series("train", "max_amplified_advantage"))]
+    out += [Panel(f"validation {key}", series("validation", key), validation=True) for key in validation_keys]
+    kl = series("train", "kl_k3")
+    quiet = sorted(label for label, (_, values) in kl.items() if max(values) < KL_NOISE)
+    out.append(Panel("KL(engine ‖ policy) per token, k3", {label: line for label, line in kl.items() if label not in quiet},
+                     note=f"below {KL_NOISE:g} (float rounding), not drawn: {', '.join(quiet)}" if quiet else ""))
+    q = {label: line for label, line in series("train", "q").items() if len(set(line[1])) > 1}
+    out.append(Panel("q", q))
+    return [panel for panel in out if panel.lines or panel.note]
 
 
 class RunLogger:
@@ -157,27 +193,32 @@ def _nonfinite_back(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """One panel per Figure-3 quantity against step, one line per run (label -> records); a dashed vertical
-    line where the collapse guard acted."""
+    """:func:`panels` against step, one colour per run (label -> records) in every panel; a dashed vertical line
+    where the collapse guard acted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), sharex=True)
-    colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}  # one colour per run in every panel
-    for ax, (kind, key, title) in zip(axes.flat, PANELS):
-        for label, records in runs.items():
-            points = [(r["step"], r[key]) for r in records if r["kind"] == kind and r.get(key) is not None]
-            if points:
-                steps, values = zip(*points)
-                ax.plot(steps, values, label=label, color=colors[label], marker="o" if kind == "validation" else None, ms=3)
-            for record in records:  # the collapse guard's interventions
+    shown = panels(runs)
+    columns = max(1, -(-len(shown) // 2))
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7.5), sharex=True, squeeze=False)
+    colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}
+    for ax, panel in zip(axes.flat, shown):
+        for label, (steps, values) in panel.lines.items():
+            ax.plot(steps, values, label=label, color=colors[label], marker="o" if panel.validation else None, ms=3)
+        for label, records in runs.items():  # the collapse guard's interventions
+            for record in records:
                 if record["kind"] == "guard":
                     ax.axvline(record["step"], color=colors[label], linestyle="--", linewidth=1)
-        ax.set_title(title)
+        ax.set_title(panel.title, fontsize=9)
         ax.grid(alpha=0.3)
-    for ax in axes.flat[len(PANELS):]:
+        if not panel.lines:
+            ax.set_yticks([])
+        if panel.note:
+            ax.text(0.5, 0.5 if not panel.lines else 0.95, textwrap.fill(panel.note, 50), transform=ax.transAxes,
+                    ha="center", va="center" if not panel.lines else "top", fontsize=8)
+    for ax in axes.flat[len(shown):]:
         ax.set_visible(False)
     for ax in axes[1]:
         ax.set_xlabel("step")

@@ -1,0 +1,30 @@
+"""``training.png``'s panels (``nemo_jq.runtime.monitor.panels``): what was logged, labelled for what it is."""
+
+from nemo_jq.runtime.monitor import KL_NOISE, panels, plot_runs
+
+
+def _train(step, **values):
+    return {"kind": "train", "step": step, **values}
+
+
+def test_panels_plot_what_was_logged_and_say_what_each_is(tmp_path):
+    """GRPO's sampled reward and GARL's P̂ are not one axis; validation m@k is the k logged; an on-policy run's
+    float-noise KL is named, not drawn; a scheduled q is drawn, a fixed one is not."""
+    runs = {
+        "grpo": [_train(s, reward=0.1 * s, q=None, kl_k3=1e-13) for s in (1, 2)]
+                + [{"kind": "validation", "step": 2, "m@4": 25.0, "p@1": 10.0}],
+        "garl scheduled": [_train(s, p_hat=0.01, log_p_hat=-4.6, q=1.0 - 0.5 * s, kl_k3=0.02) for s in (1, 2)]
+                          + [{"kind": "validation", "step": 2, "m@4": 50.0}],
+        "garl fixed": [_train(s, p_hat=0.02, log_p_hat=-3.9, q=0.75, kl_k3=2e-14) for s in (1, 2)],
+    }
+    by_title = {panel.title: panel for panel in panels(runs)}
+    assert list(by_title["sampled reward (mean over rollouts)"].lines) == ["grpo"]
+    assert set(by_title["log P̂ (mean log w̄)"].lines) == {"garl scheduled", "garl fixed"}
+    assert "validation m@16" not in by_title and set(by_title["validation m@4"].lines) == {"grpo", "garl scheduled"}
+    kl = by_title["KL(engine ‖ policy) per token, k3"]
+    assert kl.note == f"below {KL_NOISE:g} (float rounding), not drawn: garl fixed, grpo"
+    assert list(kl.lines) == ["garl scheduled"]
+    assert by_title["q"].lines == {"garl scheduled": ([1, 2], [0.5, 0.0])}
+    assert "max amplified advantage |c_m|/M^q" not in by_title  # nobody logged it
+    plot_runs(runs, tmp_path / "training.png")
+    assert (tmp_path / "training.png").stat().st_size > 0
