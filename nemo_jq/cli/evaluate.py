@@ -21,7 +21,7 @@ def add_parser(commands) -> None:
 
 def load(args: argparse.Namespace):
     """The checkpoint ``args`` names, loaded for inference with its overrides (eval and export)."""
-    from nemo_jq.runtime.runs import load_for_inference
+    from nemo_jq.recipe.components import load_for_inference
 
     return load_for_inference(args.checkpoint, getattr(args, "overrides", ()), args.step)
 

@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -154,13 +154,6 @@ class SafetensorsFolder(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.files)
-
-
-def require_files(directory: Path, names: Sequence[str]) -> None:
-    """Raise ``FileNotFoundError`` naming every file of ``names`` that ``directory`` lacks."""
-    missing = [name for name in names if not (Path(directory) / name).exists()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {directory} is missing {', '.join(missing)}")
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], name: str = "adamw", *, lr: float, weight_decay: float = 0.0,

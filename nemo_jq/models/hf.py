@@ -15,12 +15,12 @@ from nemo_jq.models.common import (
     build_optimizer,
     check_precision,
     quiet_weight_files,
-    require_files,
 )
 from nemo_jq.models.export import export_hf_model
 from nemo_jq.models.interfaces import LossFn, TokenBatch, backward_each
 from nemo_jq.models.logprobs import chunked_token_logprobs
 from nemo_jq.precision import recompute_contexts
+from nemo_jq.runtime.checkpoint import require_files
 from nemo_jq.runtime.distributed import DataParallel
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from nemo_jq.backends import BackendRequest, build_backend
-from nemo_jq.config import Config
+from nemo_jq.config import Config, load_config
 from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
 from nemo_jq.data.chat import ChatFormat, build_tokenizer
 from nemo_jq.data.noise import corrupt_labels
@@ -37,7 +37,9 @@ from nemo_jq.rollouts import IN_PLACE, BudgetedRollouts, SamplerRequest, build_r
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.rollouts.wiring import scratch_model_dir
 from nemo_jq.runtime import distributed
+from nemo_jq.runtime.checkpoint import load_checkpoint
 from nemo_jq.runtime.distributed import DataParallel
+from nemo_jq.runtime.runs import CONFIG_FILE, TOKENIZER_DIR, Selected, at_home, claim_run_dir, select_checkpoint
 
 
 @dataclass
@@ -74,8 +76,6 @@ def this_ranks_part(config: Config, run_dir: Path, *, existing: bool, overwrite:
     """What this process does in a run: it joins torchrun's world (split into roles under ``rollout.placement=separate``);
     a rollout rank gets the server it runs, a training rank the run directory (claimed, for a new run) and the
     components. ``existing``: reopening ``run_dir`` (with its saved tokenizer)."""
-    from nemo_jq.runtime.runs import TOKENIZER_DIR, claim_run_dir  # runs reopens a run's components: it imports this
-
     separate = config.rollout.ranks if config.rollout.placement == "separate" else 0
     device = distributed.init_from_env(resolve_device(config.train.device),
                                         timedelta(minutes=config.train.collective_timeout_minutes), rollout_ranks=separate)
@@ -302,3 +302,25 @@ def build_guard(config: Config) -> CollapseGuard | None:
         return None
     return CollapseGuard(min_fraction_of_best=guard.min_fraction_of_best, patience=guard.patience,
                          logp_drop=guard.logp_drop, window=guard.window, min_drop_se=guard.min_drop_se)
+
+
+@dataclass
+class LoadedRun:
+    """A run's components holding one checkpoint's weights (its optimizer state not loaded)."""
+
+    selected: Selected
+    components: Components
+
+
+def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), which: str = "best") -> LoadedRun:
+    """The components of the run at ``path`` (a run directory: its ``which`` checkpoint, see
+    :func:`select_checkpoint`; or a checkpoint directory), with that checkpoint's weights; ``overrides`` as for the
+    run's config (e.g. ``eval.num_samples=4``)."""
+    selected = select_checkpoint(path, which)
+    run_dir = selected.run_dir
+    config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir)
+    device = distributed.init_from_env(resolve_device(config.train.device),
+                                      timedelta(minutes=config.train.collective_timeout_minutes))
+    components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)
+    load_checkpoint(selected.checkpoint, components.policy, with_optimizer=False)
+    return LoadedRun(selected, components)

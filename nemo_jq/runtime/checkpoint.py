@@ -12,12 +12,10 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import torch
 
-from nemo_jq.models.common import require_files
-from nemo_jq.models.interfaces import Policy
 from nemo_jq.runtime import distributed
 
 RNG, STATE = "rng.pt", "state.json"
@@ -32,7 +30,22 @@ def rng_file(rank: int) -> str:
     return RNG if rank == 0 else f"rng-rank{rank}.pt"
 
 
-def save_checkpoint(root: Path, step: int, policy: Policy, state: dict[str, Any], rng: dict[str, Any]) -> Path:
+class Checkpointed(Protocol):
+    """What a checkpoint needs of a policy (``nemo_jq.models.interfaces.Policy`` has it): its own files in a folder."""
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path, *, with_optimizer: bool = True) -> None: ...
+
+
+def require_files(directory: Path, names: Sequence[str]) -> None:
+    """Raise ``FileNotFoundError`` naming every file of ``names`` that ``directory`` lacks."""
+    missing = [name for name in names if not (Path(directory) / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {directory} is missing {', '.join(missing)}")
+
+
+def save_checkpoint(root: Path, step: int, policy: Checkpointed, state: dict[str, Any], rng: dict[str, Any]) -> Path:
     """Write checkpoint ``step`` under ``root`` and point ``latest`` at it; returns its directory.
 
     A collective: every rank writes its part (the policy's shards, its RNG states) into one
@@ -98,7 +111,7 @@ def saved_steps(root: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if (p / STATE).exists())
 
 
-def load_checkpoint(path: Path, policy: Policy, *, with_optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_checkpoint(path: Path, policy: Checkpointed, *, with_optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load weights (and optimizer) into ``policy``; return (trainer state, this rank's RNG states).
 
     A rank with no RNG file of its own (the run was saved with fewer ranks) gets rank 0's.

@@ -6,15 +6,12 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
-from nemo_jq.models.common import resolve_device
-from nemo_jq.recipe.components import Components, build_components
 from nemo_jq.runtime import distributed
-from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, load_checkpoint, saved_steps, step_dir_name
+from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, saved_steps, step_dir_name
 from nemo_jq.runtime.monitor import METRICS_FILE, plot_runs, read_metrics
 from nemo_jq.runtime.outputs import claim_dir, hold_run_dir, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE
@@ -259,28 +256,6 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
         why += (f", tied with step{'s' if len(tied) > 1 else ''} {', '.join(map(str, tied))}: the earliest is kept, as "
                 "training keeps it (--step latest or --step N for another)")
     return Selected(path, root / step_dir_name(best), best, why)
-
-
-@dataclass
-class LoadedRun:
-    """A run's components holding one checkpoint's weights (its optimizer state not loaded)."""
-
-    selected: Selected
-    components: Components
-
-
-def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), which: str = "best") -> LoadedRun:
-    """The components of the run at ``path`` (a run directory: its ``which`` checkpoint, see
-    :func:`select_checkpoint`; or a checkpoint directory), with that checkpoint's weights; ``overrides`` as for the
-    run's config (e.g. ``eval.num_samples=4``)."""
-    selected = select_checkpoint(path, which)
-    run_dir = selected.run_dir
-    config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir)
-    device = distributed.init_from_env(resolve_device(config.train.device),
-                                      timedelta(minutes=config.train.collective_timeout_minutes))
-    components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)
-    load_checkpoint(selected.checkpoint, components.policy, with_optimizer=False)
-    return LoadedRun(selected, components)
 
 
 def write_evaluation(run_dir: Path, split: str, step: int, report: dict[str, Any]) -> Path:

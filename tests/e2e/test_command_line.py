@@ -26,7 +26,7 @@ def test_q_schedules_from_the_command_line(tmp_path, capsys):
     assert code == 0, err
     results = json.loads((tmp_path / "b" / "results.json").read_text())
     assert results["q"] is None and results["q_schedule"] == {"name": "linear", "num_steps": 200, "q_start": 1.0, "q_end": 0.0}
-    assert results["final_q"] == pytest.approx(1.0 - 1 / 200)  # the q of step 2 (index 1) of 200
+    assert results["final_q"] == pytest.approx(1.0 - 1 / 199)  # the q of step 2 (index 1) of 0..199
     assert load_config(tmp_path / "b" / "config.yaml").objective.q_schedule == results["q_schedule"]  # inlined
     code, _, err = run_cli(capsys, "train", "--config", ROOT / "configs" / "schedules" / "adaptive.yaml")
     one_line_error(code, err, "holds a q schedule, not a run's config: pass it as objective.q_schedule=")

@@ -113,12 +113,16 @@ def _imports_of(path: Path) -> set[str]:
 
 
 def test_the_packages_import_in_layers():
-    """The estimators and the theory stand alone (a user's own loop imports them); the models and rollout engines never
-    reach up into the recipe, the cluster tools, the command line or the backends that use them, and the rollout engines
-    build on the models, not the models on them (nemo_jq/backends.py, above both, composes a policy with its engine)."""
+    """The estimators and the theory stand alone (a user's own loop imports them); the run plumbing (runtime: the
+    process world, checkpoints, run folders) stands under the models and engines that use it; the models and rollout
+    engines never reach up into the recipe, the cluster tools, the command line or the backends that use them, and the
+    rollout engines build on the models, not the models on them (nemo_jq/backends.py, above both, composes a policy with
+    its engine); the recipe is under the commands, the cluster tools, the dry run and the experiments that run it."""
     forbidden = {("objectives", "theory"): ("recipe", "runtime", "cli", "cluster", "models", "rollouts", "dryrun", "backends"),
+                 ("runtime",): ("models", "rollouts", "recipe", "cli", "cluster", "dryrun", "experiments", "backends"),
                  ("models", "rollouts"): ("recipe", "cli", "cluster", "dryrun", "experiments", "backends"),
-                 ("models",): ("rollouts",)}  # the engines build on the models' protocols, never the other way round
+                 ("models",): ("rollouts",),  # the engines build on the models' protocols, never the other way round
+                 ("recipe",): ("cli", "cluster", "dryrun", "experiments")}
     crossings = []
     for packages, above in forbidden.items():
         for package in packages:

@@ -154,7 +154,10 @@ def test_three_step_run_per_estimator(tmp_path, name):
         assert all(0 <= r["logprob_gap"] <= r["max_logprob_gap"] < 1e-4 for r in train)
     assert [r["step"] for r in records if r["kind"] == "validation"] == [3]
     assert set(result["test"]) == {"p@1", "p@4", "m@4"}
-    assert json.loads((trainer.run_dir / "results.json").read_text())["best_step"] == 3
+    results = json.loads((trainer.run_dir / "results.json").read_text())
+    validation = next(r["m@4"] for r in records if r["kind"] == "validation")
+    assert (results["best_step"], results["best_validation"]) == ((3, validation) if validation > 0 else (None, None))
+    assert results["tested"].startswith("the best validation m@4 (step 3)" if validation > 0 else "the latest (step 3)")
     assert latest_checkpoint(trainer.run_dir / "checkpoints").name == "step_00000003"
     assert (trainer.run_dir / "training.png").exists() and (trainer.run_dir / "config.yaml").exists()
     assert_stored_numbers(name, train)
