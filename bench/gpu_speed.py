@@ -214,18 +214,26 @@ def fp32_twin(model):
     return _TWINS[id(model)]
 
 
+def profiled_call(sampler, prompts, samples: int, steps: int, device, activities) -> tuple:
+    """One warm-up call, then one call of ``steps`` decode steps under torch.profiler: (profiler, its decode seconds)."""
+    from torch.profiler import profile
+
+    time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)
+    with profile(activities=activities) as profiler:
+        wall = time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)["decode_s"]
+    return profiler, wall
+
+
 def launches_per_step(model, name: str, prompts, samples: int, device, short: int = 8, long: int = 24) -> float | None:
     """Host launches (kernels, graphs, copies, memsets) per decode step: two calls' counts, their difference."""
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     sampler = sampler_for(name, model, device)
     counts = []
     for steps in (short, long):
-        time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-            time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)
+        profiler, _ = profiled_call(sampler, prompts, samples, steps, device, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
         counts.append(sum(event.count for event in profiler.key_averages()
                           if event.key.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy",
                                                    "cudaMemset"))))
@@ -237,14 +245,12 @@ def kernels_per_step(model, name: str, prompts, samples: int, device, short: int
     captures cancel), beside the step's wall time; the longer call's top kernels by GPU time."""
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     sampler = sampler_for(name, model, device)
     seen = []
     for steps in (short, long):
-        time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)
-        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-            wall = time_decode(sampler, prompts, samples, steps, [-1], device, seed=0)["decode_s"]
+        profiler, wall = profiled_call(sampler, prompts, samples, steps, device, [ProfilerActivity.CUDA])
         kernels = [event for event in profiler.events() if event.device_type.name == "CUDA"
                    and not event.name.startswith(("Memcpy", "Memset"))]
         seen.append((len(kernels), sum(event.device_time for event in kernels) / 1e6, wall, profiler))
