@@ -23,7 +23,7 @@ import torch
 
 from nemo_jq.config import Config, load_config
 from nemo_jq.dryrun import GPUS, dry_run, on_gpu
-from nemo_jq.dryrun.run import against_plan
+from nemo_jq.dryrun.report import against_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "dryrun_configs.json"
@@ -110,7 +110,7 @@ def main() -> None:
 
 
 def planned(report: dict[str, Any], config: Config) -> dict[str, dict[str, float]]:
-    """:func:`~nemo_jq.dryrun.run.against_plan`, for a Qwen3 size (plan knows no tiny demo model: {})."""
+    """:func:`~nemo_jq.dryrun.report.against_plan`, for a Qwen3 size (plan knows no tiny demo model: {})."""
     return against_plan(report, config) if config.model.path else {}
 
 

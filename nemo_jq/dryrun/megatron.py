@@ -177,7 +177,7 @@ class _ObjectCollectives:
     rank's slot with this rank's object; ``broadcast_object_list`` leaves the list as this rank holds it. A replica's
     rollouts, which its first rank sends to the others, are this rank's own: vLLM samples on every rank, in lockstep,
     the same prompts with the same seeds; a rank that samples none (the native or hf sampler's replicas but their
-    first rank) is sent what the sampling rank's dry run samples (``run._DryRun._rollouts_from_the_sampling_rank``).
+    first rank) is sent what the sampling rank's dry run samples (``phases.DryRun._rollouts_from_the_sampling_rank``).
     """
 
     def __enter__(self) -> _ObjectCollectives:

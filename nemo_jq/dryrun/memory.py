@@ -129,3 +129,10 @@ class MemoryTracker:
             current.most_by_kind[kind] = self.by_kind[kind]
         if self.total > current.peak:
             current.peak, current.by_kind = self.total, dict(self.by_kind)
+
+
+GiB = 1024**3
+
+
+def gib(size: int) -> float:
+    return round(size / GiB, 6)

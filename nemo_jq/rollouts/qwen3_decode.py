@@ -60,8 +60,11 @@ class Qwen3DecodeStep:
         stacked along the output features."""
         if all(tensor.dtype == self.dtype for tensor in tensors):
             return tuple(tensor.detach() for tensor in tensors)
-        self.copies.append(torch.cat([tensor.detach() for tensor in tensors]).to(self.dtype))
-        return (self.copies[-1],)
+        stacked = tensors[0].new_empty((sum(tensor.shape[0] for tensor in tensors), *tensors[0].shape[1:]), dtype=self.dtype)
+        for part, tensor in zip(stacked.split([tensor.shape[0] for tensor in tensors]), tensors):
+            part.copy_(tensor.detach())  # cast in place: no fp32 stack, no bf16 pieces beside it
+        self.copies.append(stacked)
+        return (stacked,)
 
     def _layer(self, layer: Any) -> dict[str, Any]:
         """The layer's weights: where they are cast anyway, q/k/v and gate/up each cast into one matrix (one matrix

@@ -169,7 +169,7 @@ def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_seque
 
     from helpers import small_qwen3
     from nemo_jq.cluster import plan
-    from nemo_jq.dryrun.run import against_plan
+    from nemo_jq.dryrun.report import against_plan
 
     model = small_qwen3(tmp_path / "model", layers=2, tied=True)
     config = load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
@@ -196,7 +196,7 @@ def test_plan_agrees_with_the_dry_run_of_a_rollout_rank_and_catches_a_receiver_c
     whole: two buckets, what plan counted until this dry run showed otherwise, are far from it."""
     from helpers import small_qwen3
     from nemo_jq.cluster import plan
-    from nemo_jq.dryrun.run import against_plan
+    from nemo_jq.dryrun.report import against_plan
 
     model = small_qwen3(tmp_path / "model", layers=2, tied=True)
     config = load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",

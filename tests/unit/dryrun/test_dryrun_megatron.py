@@ -15,7 +15,7 @@ from helpers import small_qwen3
 from nemo_jq.cli import main
 from nemo_jq.config import load_config
 from nemo_jq.dryrun import GPUS, dry_run
-from nemo_jq.dryrun.run import against_plan
+from nemo_jq.dryrun.report import against_plan
 from nemo_jq.models.megatron import zero
 
 LAYOUT = ["model.backend=megatron", "megatron.tensor_parallel=2", "megatron.pipeline_parallel=2",

@@ -1,0 +1,94 @@
+"""The dry run's GPUs and the least time a phase can take on one: its FLOPs at the GPU's peak, a decode step's bytes
+at its bandwidth (:func:`seconds_at_least`), counted by :func:`total_flops_counter`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.flop_counter import FlopCounterMode
+
+from nemo_jq.config import Config
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """What the report holds a run against: memory, and the peaks that bound its time."""
+
+    name: str
+    memory_gib: float
+    bf16_flops: float  # dense bf16 FLOP/s
+    bandwidth: float  # memory bytes/s
+
+
+#: The GPUs the shipped configs are checked against (dense bf16, no sparsity; SXM parts).
+GPUS = {
+    "a100-80gb": GpuProfile("A100 80GB", 80.0, 312e12, 2.0e12),
+    "h100-80gb": GpuProfile("H100 80GB", 80.0, 989e12, 3.35e12),
+}
+
+
+def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Config, gpu: GpuProfile) -> float:
+    """A lower bound on the phase's time in the run on ``gpu``. Training: the FLOPs counted on one micro-batch, times
+    the replica's micro-batches, at the bf16 peak. Sampling (the step's rollouts; an evaluation of the validation
+    split): every decode step of every chunk reads the sampler's weights as it holds them and the keys and values so
+    far, at the memory bandwidth (or its 2 FLOPs a parameter a token at the peak, where that is more); the dry run
+    itself ran only a few of those steps. Other phases: their FLOPs at the peak."""
+    seconds = flops / gpu.bf16_flops
+    if phase == "train":
+        return seconds * math.ceil(shape["batch_prompts"] / shape["micro_batch_prompts"])
+    if phase == "rollout":
+        return sampling_seconds(shape, config, gpu, shape["batch_prompts"], config.rollout.num_samples,
+                                answers=shape["sampled_answers"])
+    if phase == "evaluate":
+        calls = math.ceil(config.data.validation_size / config.eval.batch_size)
+        return calls * sampling_seconds(shape, config, gpu, config.eval.batch_size, config.eval.num_samples, answers=True)
+    return seconds
+
+
+def sampling_seconds(shape: dict[str, Any], config: Config, gpu: GpuProfile, prompts: int, samples: int, *,
+                     answers: bool) -> float:
+    """The bound of :func:`seconds_at_least` for one sampling call of ``prompts`` x ``samples`` rows: the thinking
+    phase in chunks of whole groups, then (``answers``) the answer phase in chunks of rows, as the samplers chunk."""
+    rollout, kv_budget = config.rollout, config.rollout.kv_cache_tokens
+    weights, per_token = shape["sampler_weight_bytes"], shape["kv_bytes_per_token"]
+
+    def phase(rows: int, context: int, steps: int, rows_per_chunk: int) -> float:
+        chunks, total = math.ceil(rows / rows_per_chunk), 0.0
+        for chunk in range(chunks):
+            r = min(rows_per_chunk, rows - chunk * rows_per_chunk)
+            kv = r * per_token * (steps * context + steps * (steps + 1) / 2)
+            flops = 2 * shape["parameters"] * r * (context + steps)
+            total += max((steps * weights + kv) / gpu.bandwidth, flops / gpu.bf16_flops)
+        return total
+
+    prompt, thinking = shape["prompt_tokens"], rollout.max_thinking_tokens
+    group = samples * (prompt + thinking)
+    prompts_per_chunk = prompts if kv_budget is None else max(1, kv_budget // group)
+    seconds = phase(prompts * samples, prompt, thinking, prompts_per_chunk * samples)
+    if answers:
+        context = prompt + thinking + 1
+        rows = prompts * samples if kv_budget is None else max(1, kv_budget // (context + rollout.max_answer_tokens))
+        seconds += phase(prompts * samples, context, rollout.max_answer_tokens, rows)
+    return seconds
+
+
+class NoModules:
+    """``FlopCounterMode``'s module tracker, tracking none: ``ModuleTracker`` hooks every module's inputs and outputs
+    into autograd, and those hooks keep activation checkpointing's recomputed tensors alive past their use (on a GPU
+    nothing holds them, and the dry run would count them). Only the total is read."""
+
+    parents = {"Global"}
+
+    def __enter__(self) -> "NoModules":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def total_flops_counter() -> FlopCounterMode:
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = NoModules()
+    return counter

@@ -1,0 +1,93 @@
+"""The dry run's report: its table (:func:`format_report`) and its peaks held against ``nemo-jq plan``'s components
+(:func:`against_plan`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_jq.config import Config
+from nemo_jq.dryrun.memory import KINDS, gib
+
+#: Where each of ``nemo-jq plan``'s components is seen in a dry run: the phases, and the kind at its most there.
+PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer_step",), "gradients"),
+                   "optimizer": (("save",), "optimizer"), "activations": (("train",), "activations"),
+                   "logprob_head": (("train",), "logprob_head"), "rollout_copy": (("build",), "sampler_copy"),
+                   "kv_cache": (("rollout", "evaluate"), "kv_cache"), "decode_cast": (("rollout", "evaluate"), "sampler_copy"),
+                   "vllm": (("rollout",), "vllm")}
+
+
+#: The same for a Megatron rank: the optimizer's state at rest after the step is seen in the refit (or a split
+#: world's sync) that follows it, before the save gathers it, the KV cache in the rollouts; the weights and the
+#: sampler's copy after the build, which counts the copy as weights until the backend has made it (its peak shows
+#: them together).
+MEGATRON_PLAN_COMPONENTS = {**PLAN_COMPONENTS, "weights": (("train",), "weights"), "optimizer": (("refit", "sync"), "optimizer"),
+                            "rollout_copy": (("rollout",), "sampler_copy"), "kv_cache": (("rollout",), "kv_cache")}
+
+
+#: Where each of ``plan``'s parts of a rollout rank is seen in its dry run.
+ROLLOUT_RANK_COMPONENTS = {"weights": (("build",), "weights"), "kv_cache": (("rollout", "evaluate"), "kv_cache"),
+                           "vllm": (("rollout",), "vllm"), "sync_buckets": (("sync",), "sync_buckets")}
+
+
+def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, float]]:
+    """``nemo-jq plan --config``'s estimate of each component beside the dry run's (GiB), and their ratio. Megatron:
+    the plan's layout is the config's over the report's world, and its figure is the layout's fullest rank's, so the
+    dry run's is the most any simulated rank holds."""
+    from nemo_jq.cluster import plan
+
+    work = plan.Workload.from_config(config, report["prompt_tokens"])
+    layout, simulated, where = (1, 1, 1), [report], PLAN_COMPONENTS
+    if "ranks" in report:
+        megatron = config.megatron
+        layout = (megatron.tensor_parallel, megatron.pipeline_parallel, megatron.data_parallel(report["world_size"]))
+        simulated, where = list(report["ranks"].values()), MEGATRON_PLAN_COMPONENTS
+    planned_bytes = plan.component_bytes(plan.architecture(config.model.path or ""), work, *layout,
+                                         report["gpu"]["memory_gib"])
+    rows = {}
+    for component, (phases, kind) in where.items():
+        dry = max(rank["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for rank in simulated for phase in phases
+                  if phase in rank["phases"])
+        planned = gib(planned_bytes[component])
+        rows[component] = {"dry_run_gib": dry, "plan_gib": planned,
+                           "plan_over_dry_run": round(planned / dry, 3) if dry else None}
+    serving = report.get("rollout_rank")
+    if serving:  # what plan says of a rollout rank (at the layout's DP), beside its dry run
+        planned_bytes = plan.rollout_rank_bytes(plan.architecture(config.model.path or ""), work, layout[2],
+                                                report["gpu"]["memory_gib"])
+        for component, size in planned_bytes.items():
+            phases, kind = ROLLOUT_RANK_COMPONENTS[component]
+            dry = max(serving["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for phase in phases)
+            rows[f"rollout_rank.{component}"] = {"dry_run_gib": dry, "plan_gib": gib(size),
+                                                 "plan_over_dry_run": round(gib(size) / dry, 3) if dry else None}
+    return rows
+
+
+def format_report(report: dict[str, Any]) -> str:
+    simulated = list(report["ranks"].values()) if "ranks" in report else [report]
+    world = f"rank(s) of {report['world_size']} GPUs, each simulated apart" if "ranks" in report else report["rank"]
+    lines = [f"{report['shape']['parameters'] / 1e9:.3f}B parameters on {report['gpu']['name']} "
+             f"({report['usable_gib']:.0f} GiB usable); {world}; prompts of {report['prompt_tokens']} tokens"]
+    serving = report.get("rollout_rank")
+    for rank in [*simulated, *([serving] if serving else [])]:
+        if "ranks" in report or serving:
+            lines.append(f"{rank['rank']} (peak {rank['peak_gib']:.2f} GiB in phase {rank['peak_phase']})")
+        lines += phase_table(rank["phases"])
+    verdict = "fits" if report["fits"] else "does NOT fit"
+    lines.append(f"peak: {report['peak_gib']:.2f} GiB in phase {report['peak_phase']}"
+                 + (f" of {report['rank'].split(':')[0]}" if "ranks" in report else "")
+                 + (f"; a rollout rank's {serving['peak_gib']:.2f} GiB in phase {serving['peak_phase']}" if serving else "")
+                 + f": {verdict}. TFLOP run: what "
+                 f"the dry run executed ({report['decode_steps']} decode steps a sampling call, one micro-batch"
+                 f"{' (PP of them under pipeline parallelism)' if 'ranks' in report else ''}); s at least: the whole "
+                 "step's bound (docs/dryrun.md)")
+    return "\n".join(lines)
+
+
+def phase_table(phases: dict[str, Any]) -> list[str]:
+    kinds = [kind for kind in KINDS if any(kind in phase["by_kind_gib"] for phase in phases.values())]
+    lines = [f"{'phase':<14}{'peak GiB':>10}" + "".join(f"{k.replace('_', ' '):>14}" for k in kinds)
+             + f"{'TFLOP run':>10}{'s at least':>12}"]
+    for name, phase in phases.items():
+        lines.append(f"{name:<14}{phase['peak_gib']:>10.2f}" + "".join(f"{phase['by_kind_gib'].get(k, 0.0):>14.2f}" for k in kinds)
+                     + f"{phase['flops'] / 1e12:>10.1f}{phase['seconds_at_least']:>12.2f}")
+    return lines
