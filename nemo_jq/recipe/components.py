@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import sys
 from dataclasses import dataclass
@@ -201,11 +202,23 @@ def _clean_task(config: Config) -> tuple[Task, Splits]:
 
 def resolve_model_dir(path: str | None) -> Path | None:
     """``model.path`` as a local folder on every rank (None: a model from scratch). A hub name is looked up, and
-    downloaded if it must be, once, by the writer; then every rank finds the same snapshot in its cache."""
+    downloaded if it must be, once, by torchrun's rank 0 while every rank waits (a split world's rollout ranks too);
+    then every rank finds the same snapshot in its cache, which must be one every node reads (``HF_HOME``)."""
     if not path:
         return None
-    distributed.on_writer(lambda: resolve_pretrained(path))
-    return resolve_pretrained(path, local_files_only=True)
+    distributed.first_on_global_rank_0(lambda: resolve_pretrained(path))
+    try:
+        return resolve_pretrained(path, local_files_only=True)
+    except FileNotFoundError:
+        if distributed.rank() == 0:
+            raise
+        import socket
+
+        raise FileNotFoundError(
+            f"model.path={path}: rank 0 has it in its Hugging Face cache, which this rank (rank {distributed.rank()} on "
+            f"{socket.gethostname()}) does not see at HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}: "
+            "point HF_HOME at a folder every node reads (a shared file system), or download the model on every node "
+            "first (`hf download NAME`), or set model.path to a shared local folder") from None
 
 
 def load_tokenizer(config: Config, model_dir: Path | None, task: Task, splits: Splits, saved: Path | None) -> Any:

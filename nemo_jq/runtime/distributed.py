@@ -202,6 +202,27 @@ def on_writer(write: Callable[[], T]) -> T:
     return everywhere(write if is_writer() else lambda: None, share_from_writer=True)
 
 
+def first_on_global_rank_0(action: Callable[[], Any]) -> None:
+    """Run ``action`` on torchrun's rank 0 while every rank of the world waits, a split world's rollout ranks too
+    (each is a world of its own, so :func:`on_writer` would not hold them: they wait on the bridge). If it fails there,
+    every rank raises."""
+    if _ROLES is None:
+        on_writer(action)
+        return
+    error = None
+    if _ROLES.rank == 0:
+        try:
+            action()
+        except Exception as err:  # re-raised below, here; said to the others as a flag
+            error = err
+    failed = torch.tensor([float(error is not None)], device=_ROLES.device)
+    _ROLES.bridge.allreduce([failed]).wait()  # SUM: every rank waits here until rank 0 is done
+    if error is not None:
+        raise error
+    if failed.item():
+        raise OtherRankFailed("rank 0 failed first (its own message says why)")
+
+
 def everywhere(action: Callable[[], T], *, share_from_writer: bool = False) -> T:
     """Run ``action`` on every rank; if it fails on any, every rank raises, so none waits forever
     in a later collective (a full disk seen by one rank stops them all).
