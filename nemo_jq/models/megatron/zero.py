@@ -12,8 +12,8 @@ Bytes per parameter held between steps on each rank, D ranks: the weights (4 fp3
 gradient buffer) + 12 / D (master, two moments); nothing else grows with the model (the gradient norm's
 mask is a list of index ranges). A step adds the gathered weights (2 or 4) and a few D-th parts; a
 checkpoint save at most :data:`SAVE_PIECE_BYTES` on the device (the replicated state is put together in host
-memory, piece by piece: gathered whole, its fp32 vector was the 8B config's peak); a load reads only the rank's
-shard of the state (``checkpoint.load_sharded``).
+memory, piece by piece, on DP rank 0 alone: the replica megatron-core's checkpoint writes); a load reads only the
+rank's shard of the state (``checkpoint.load_sharded``).
 """
 
 from __future__ import annotations
@@ -132,19 +132,27 @@ class DistributedAdamW:
         return full
 
     def _gather_to_host(self, mine: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``mine`` (a shard-long vector), put together in host memory from device pieces of at most
-        :data:`SAVE_PIECE_BYTES` over all ranks."""
-        full = torch.empty(self.size, self.shard, dtype=mine.dtype, device="cpu")
+        """Every rank's ``mine`` (a shard-long vector), put together in host memory on DP rank 0, the replica whose
+        copy a checkpoint writes, from device pieces of at most :data:`SAVE_PIECE_BYTES` over all ranks. The other
+        ranks send their pieces and get a zero of the whole vector's shape that holds no memory: megatron-core's
+        checkpoint writes only the main replica (DP rank 0's), so their copy is never read."""
+        writer = dist.get_global_rank(self.group, 0)
         step = max(1, SAVE_PIECE_BYTES // (mine.element_size() * self.size))
-        for start in range(0, self.shard, step):  # each piece freed before the next is gathered
-            full[:, start:start + step].copy_(self._gather(mine[start:start + step]).view(self.size, -1))
-        return full.view(-1)
+        full = torch.empty(self.size, self.shard, dtype=mine.dtype, device="cpu") if self.rank == 0 else None
+        received = mine.new_empty(self.size, min(step, self.shard)) if full is not None else None  # one piece's, reused
+        for start in range(0, self.shard, step):
+            piece = mine[start:start + step].contiguous()
+            into = list(received[:, :piece.numel()]) if received is not None else None
+            dist.gather(piece, into, dst=writer, group=self.group)
+            if full is not None:
+                full[:, start:start + piece.numel()].copy_(received[:, :piece.numel()])
+        return full.view(-1) if full is not None else torch.zeros((), dtype=mine.dtype).expand(self.size * self.shard)
 
     def replicated(self) -> torch.optim.AdamW:
-        """The equivalent replicated AdamW over the parameters, its moments gathered (a collective) into host
-        memory (:meth:`_gather_to_host`): what a checkpoint stores, so it resumes with or without this optimizer,
-        at any DP size. Parameters that are not fp32 (bf16 weights) also get their fp32 master weights, as
-        ``master``, which they cannot hold."""
+        """The equivalent replicated AdamW over the parameters, its moments gathered (a collective) into DP rank 0's
+        host memory (:meth:`_gather_to_host`; the other ranks' are zeros that hold nothing): what a checkpoint stores,
+        so it resumes with or without this optimizer, at any DP size. Parameters that are not fp32 (bf16 weights)
+        also get their fp32 master weights, as ``master``, which they cannot hold."""
         replicated = torch.optim.AdamW(self.params, **{key: value for key, value in self.optimizer.param_groups[0].items()
                                                         if key in ("lr", "weight_decay", "betas", "eps")})
         mine = self.optimizer.state.get(self.master)
