@@ -12,7 +12,8 @@ def add_parser(commands) -> None:
         "launch", help="run a nemo-jq command through NeMo-Run (SLURM, Docker or local), under torchrun",
         description="nemo-jq launch launch.yaml [--dryrun] train --config /abs/config.yaml model.backend=megatron ...\n\n"
         "launch.yaml keys: executor (slurm, docker, local), account, partition, nodes, gpus_per_node, time,\n"
-        "container_image, container_mounts (host:container), env, job_dir, signal. Needs the launch extra.",
+        "container_image, container_mounts (host:container), env, network_interface (gloo's and NCCL's sockets),\n"
+        "job_dir, signal. Needs the launch extra.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     launcher.add_argument("launch_config", type=Path, help="launch YAML")
     launcher.add_argument("--dryrun", action="store_true", help="print the sbatch script (SLURM) instead of submitting")

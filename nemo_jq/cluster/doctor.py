@@ -77,10 +77,50 @@ def report(model: str | None = None, rollout_ranks: int = 0) -> dict[str, Any]:
         "layers have none")
     info.update(_vllm(cuda, head_dim, model or "the demo's tiny model"))
     info["launch"] = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
+    info["network interfaces"] = network_interfaces()
     info["world size / rank"] = f"{os.environ.get('WORLD_SIZE', '1')} / {os.environ.get('RANK', '0')}"
     if rollout_ranks:
         info["role (rollout.placement=separate)"] = role(rollout_ranks)
     return info
+
+
+#: The variables naming the interface gloo's and NCCL's sockets use (the launchers' NEMO_JQ_IFNAME and ``nemo-jq
+#: launch``'s ``network_interface`` set both).
+SOCKET_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def network_interfaces() -> str:
+    """This host's interfaces, and whether each of :data:`SOCKET_VARIABLES` set names one of them: gloo takes exact
+    names (comma-separated), NCCL prefixes (``=`` exact, ``^`` excluded); an interface without an address (down, or
+    no IPv4) does not count."""
+    import fcntl
+    import socket
+    import struct
+
+    def address(name: str) -> str | None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:  # SIOCGIFADDR
+                return socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))[20:24])
+            except OSError:
+                return None
+
+    up = {name: ip for _, name in socket.if_nameindex() if (ip := address(name))}
+    found = [f"{name} {ip}" for name, ip in up.items()]
+    said = []
+    for variable in SOCKET_VARIABLES:
+        value = os.environ.get(variable)
+        if not value:
+            continue
+        exact = variable == "GLOO_SOCKET_IFNAME" or value.startswith("=")
+        names = [name.strip() for name in value.lstrip("=^").split(",") if name.strip()]
+        if value.startswith("^"):
+            matched = [name for name in up if not any(name.startswith(n) for n in names)]
+        else:
+            matched = [name for name in up if any(name == n if exact else name.startswith(n) for n in names)]
+        said.append(f"{variable}={value}: " + (f"yes ({', '.join(matched)})" if matched else
+                                               "no: no interface of this host with an address matches it"))
+    unset = "" if said else "; GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME not set (gloo and NCCL pick one themselves)"
+    return f"{', '.join(found) or 'none with an address'}" + (f"; {'; '.join(said)}" if said else unset)
 
 
 def role(rollout_ranks: int) -> str:

@@ -56,6 +56,9 @@ class LaunchConfig:
     #: host:container pairs; the config and run directory must be reachable through them (absolute paths).
     container_mounts: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    #: The network interface the ranks talk over (multi-NIC nodes, containers): GLOO_SOCKET_IFNAME and
+    #: NCCL_SOCKET_IFNAME, unless ``env`` sets them (``nemo-jq doctor`` says whether it resolves on a node).
+    network_interface: str | None = None
     #: Where NeMo-Run keeps its job files and logs (on SLURM: a shared filesystem).
     job_dir: str = "nemo_run_jobs"
     signal: str = "USR1@300"
@@ -106,7 +109,9 @@ def load_launch_config(path: Path) -> LaunchConfig:
 def build_executor(config: LaunchConfig) -> Any:
     import nemo_run as run
 
-    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", **config.env}
+    interface = config.network_interface
+    sockets = {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface} if interface else {}
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", **sockets, **config.env}
     if config.executor == "slurm":  # srun starts a process per GPU; nemo_jq.runtime.distributed joins from SLURM's variables
         return run.SlurmExecutor(
             account=config.account, partition=config.partition, nodes=config.nodes, ntasks_per_node=config.gpus_per_node,

@@ -90,3 +90,20 @@ def test_doctor_says_this_ranks_role_in_a_split_world(tmp_path, monkeypatch):
         monkeypatch.setenv("RANK", str(rank))
         assert doctor.role(2) == role
     assert doctor.role(4).startswith("none: rollout.ranks=4 leaves no training rank in a world of 4")
+
+
+def test_doctor_says_whether_the_socket_interface_resolves(monkeypatch):
+    """Issue 43's N4: the interface gloo's and NCCL's sockets are told to use is one of this host's with an address
+    (gloo: exact names; NCCL: prefixes, ``^`` to exclude), or it says it is not."""
+    from nemo_jq.cluster.doctor import network_interfaces
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib")
+    said = network_interfaces()
+    assert "lo 127.0.0.1" in said and "GLOO_SOCKET_IFNAME=lo: yes (lo)" in said
+    assert "NCCL_SOCKET_IFNAME=ib: no: no interface of this host with an address matches it" in said
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "^ib,docker")
+    assert "NCCL_SOCKET_IFNAME=^ib,docker: yes (lo" in network_interfaces()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    assert network_interfaces().endswith("GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME not set (gloo and NCCL pick one themselves)")

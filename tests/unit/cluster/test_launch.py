@@ -177,3 +177,19 @@ def test_a_launched_training_command_is_checked_before_anything_is_written_or_qu
     out, err = capsys.readouterr()
     assert "srun" in out and "/lustre/me/c.yaml is not readable here: the overrides were checked" in err
     assert not (tmp_path / "jobs").exists()
+
+
+def test_the_network_interface_reaches_gloo_and_nccl_in_the_launch_and_the_batch_script(tmp_path, capsys):
+    """Issue 43's N4: ``network_interface`` in the launch YAML, NEMO_JQ_IFNAME for the batch script, set both sockets'
+    interface (a cluster's own variables win in the batch script)."""
+    import subprocess
+
+    assert main(["launch", str(write_launch(tmp_path, LAUNCH_YAML + "network_interface: ib0\n")), "--dryrun", "train"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "export GLOO_SOCKET_IFNAME=ib0" in lines and "export NCCL_SOCKET_IFNAME=ib0" in lines
+    script = (ROOT / "launchers" / "slurm_multinode.sbatch").read_text()
+    block = script[script.index('if [ -n "${NEMO_JQ_IFNAME:-}" ]'):script.index("fi\n", script.index("NEMO_JQ_IFNAME:-}"))] + "fi"
+    shown = subprocess.run(["bash", "-c", block + '\necho "$GLOO_SOCKET_IFNAME $NCCL_SOCKET_IFNAME"'], text=True,
+                           capture_output=True, env={"PATH": "/usr/bin:/bin", "NEMO_JQ_IFNAME": "ib0",
+                                                     "NCCL_SOCKET_IFNAME": "=eth1"}).stdout.strip()
+    assert shown == "ib0 =eth1"
