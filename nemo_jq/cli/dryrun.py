@@ -24,6 +24,10 @@ def add_parser(commands) -> None:
                      "layout splits into TP x PP x CP x DP (default: one replica, TP x PP x CP)")
     dry.add_argument("--ranks", type=ranks, help="model.backend=megatron: the global ranks to simulate, one at a time, "
                      "comma-separated (default: replica 0's first rank of the first and of the last pipeline stage)")
+    dry.add_argument("--gpus-per-node", type=arguments.positive, default=8, help="processes a node runs (one a GPU): "
+                     "what a node's host memory holds")
+    dry.add_argument("--host-memory", type=arguments.positive_gb, metavar="GiB", help="a node's host memory: exit 2 "
+                     "in one line if its processes need more")
     dry.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
     dry.add_argument("overrides", nargs="*", help="section.key=value overrides (as train takes them)")
     dry.set_defaults(run=run)
@@ -60,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if config.model.backend != "megatron" and (args.gpus or args.ranks):
         raise ValueError(f"--gpus and --ranks lay out model.backend=megatron; this config's is {config.model.backend!r}")
     report = dry_run(config, gpu, prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps,
-                     world_size=args.gpus, ranks=args.ranks)
+                     world_size=args.gpus, ranks=args.ranks, gpus_per_node=args.gpus_per_node,
+                     host_memory_gib=args.host_memory)
     print(format_report(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

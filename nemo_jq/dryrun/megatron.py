@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from nemo_jq.dryrun.world import GPU, patched
+from nemo_jq.dryrun.world import GPU, active_world, patched
 from nemo_jq.models.megatron.layout import MegatronLayout
 
 
@@ -221,14 +221,18 @@ class _DistributedCheckpoints:
 
     def _save(self, state: dict, checkpoint_dir: str, *args: Any, **kwargs: Any) -> None:
         from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import apply_factories
+        from megatron.core.dist_checkpointing.mapping import apply_factories, is_main_replica
         from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 
         apply_factories(state)
         _, state = extract_nonpersistent(state)
         sharded, common = extract_sharded_base(state)
+        # its writer copies this rank's main-replica shards to the host before it writes them (those on the GPU)
+        staged = sum(value.data.nbytes for value in nested_values(sharded) if is_main_replica(value.replica_id)
+                     and isinstance(getattr(value, "data", None), torch.Tensor) and value.data.device.type != "cpu")
         key = f"dry run checkpoint {len(self.saved)}"  # in the folder, so that it survives the checkpoint's rename
-        self.saved[key] = (common, {value.key for value in nested_values(sharded)})
+        with active_world().tracker.host_reserved(staged):
+            self.saved[key] = (common, {value.key for value in nested_values(sharded)})
         (Path(checkpoint_dir) / "metadata.json").write_text(key)
 
     def _of(self, checkpoint_dir: str) -> tuple[dict, set[str]]:

@@ -1,4 +1,4 @@
-"""Live bytes on the stand-in GPU, by kind, and each phase's peak.
+"""Live bytes on the stand-in GPU, by kind, and each phase's peak; and the host's (the tensors on ``cpu``), in total.
 
 The design is torch's ``torch.distributed._tools.mem_tracker.MemTracker``'s: every tensor an operator returns is
 counted once per storage (its ``untyped_storage()``, whose Python object lives exactly as long as the storage,
@@ -30,14 +30,20 @@ class PhasePeak:
     by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     #: Each kind's own most during the phase (the log-prob head peaks when the activations have gone, say).
     most_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    #: The most bytes of host (``cpu``) tensors live at once during the phase.
+    host_peak: int = 0
 
 
 class MemoryTracker:
-    """Counts the storages on ``device_type`` that :meth:`track` is shown; :meth:`phase` records a phase's peak."""
+    """Counts the storages on ``device_type`` that :meth:`track` is shown, and apart those on the host (``cpu``: the
+    checkpoint's gathered optimizer state, the rollouts read back, a model loaded before it moves);
+    :meth:`phase` records a phase's peaks."""
 
     def __init__(self, device_type: str):
         self.device_type = device_type
         self.live: dict[int, list] = {}  # storage address -> [bytes, kind]
+        self.host_live: dict[int, int] = {}  # storage address -> bytes
+        self.host_total = 0
         self.by_kind = dict.fromkeys(KINDS, 0)
         self.total = 0
         self.labels = ["temporaries"]
@@ -56,7 +62,7 @@ class MemoryTracker:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[PhasePeak]:
         """Record the peak from here to the end of the block as phase ``name`` (the larger, if it ran before)."""
-        outer, self.current = self.current, PhasePeak(self.total, dict(self.by_kind), dict(self.by_kind))
+        outer, self.current = self.current, PhasePeak(self.total, dict(self.by_kind), dict(self.by_kind), self.host_total)
         try:
             yield self.current
         finally:
@@ -64,10 +70,11 @@ class MemoryTracker:
             if name in self.phases:
                 for kind, size in self.phases[name].most_by_kind.items():
                     done.most_by_kind[kind] = max(done.most_by_kind[kind], size)
+                done.host_peak = max(done.host_peak, self.phases[name].host_peak)
             if name not in self.phases or done.peak > self.phases[name].peak:
                 self.phases[name] = done
             else:
-                self.phases[name].most_by_kind = done.most_by_kind
+                self.phases[name].most_by_kind, self.phases[name].host_peak = done.most_by_kind, done.host_peak
 
     @contextlib.contextmanager
     def reserved(self, kind: str, size: int) -> Iterator[None]:
@@ -78,7 +85,19 @@ class MemoryTracker:
         finally:
             self._add(kind, -size)
 
+    @contextlib.contextmanager
+    def host_reserved(self, size: int) -> Iterator[None]:
+        """``size`` host bytes held for the block by something whose buffers are not tensors the dry run sees (a
+        checkpoint writer's copies)."""
+        self._add_host(size)
+        try:
+            yield
+        finally:
+            self._add_host(-size)
+
     def track(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "cpu":
+            return self._track_host(tensor.untyped_storage())
         if tensor.device.type != self.device_type:
             return
         storage = tensor.untyped_storage()
@@ -89,6 +108,22 @@ class MemoryTracker:
         self.live[key] = [size, kind]
         self._add(kind, size)
         weakref.finalize(storage, self._free, key)
+
+    def _track_host(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self.host_live:
+            return
+        self.host_live[key] = storage.nbytes()
+        self._add_host(storage.nbytes())
+        weakref.finalize(storage, self._free_host, key)
+
+    def _free_host(self, key: int) -> None:
+        self._add_host(-self.host_live.pop(key, 0))
+
+    def _add_host(self, size: int) -> None:
+        self.host_total += size
+        if self.current is not None and self.host_total > self.current.host_peak:
+            self.current.host_peak = self.host_total
 
     def relabel(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
         """From now on count these tensors' storages as ``kind``."""

@@ -80,14 +80,21 @@ def format_report(report: dict[str, Any]) -> str:
                  f"the dry run executed ({report['decode_steps']} decode steps a sampling call, one micro-batch"
                  f"{' (PP of them under pipeline parallelism)' if 'ranks' in report else ''}); s at least: the whole "
                  "step's bound (docs/dryrun.md)")
+    host = report.get("host")
+    if host:
+        limit = f" of the {host['memory_gib']:g} GiB given: {'fits' if host['fits'] else 'does NOT fit'}" \
+            if host["memory_gib"] is not None else ""
+        lines.append(f"host: {host['gib']:.2f} GiB a node{limit} ({host['processes']} process{'es' * (host['processes'] != 1)} x "
+                     f"{host['per_process_gib']:.2f} GiB, the fullest's peak, in phase {host['phase']}); what this "
+                     "project's code puts on the host, not vLLM's own process memory, Python or the libraries")
     return "\n".join(lines)
 
 
 def phase_table(phases: dict[str, Any]) -> list[str]:
     kinds = [kind for kind in KINDS if any(kind in phase["by_kind_gib"] for phase in phases.values())]
     lines = [f"{'phase':<14}{'peak GiB':>10}" + "".join(f"{k.replace('_', ' '):>14}" for k in kinds)
-             + f"{'TFLOP run':>10}{'s at least':>12}"]
+             + f"{'host GiB':>10}{'TFLOP run':>10}{'s at least':>12}"]
     for name, phase in phases.items():
         lines.append(f"{name:<14}{phase['peak_gib']:>10.2f}" + "".join(f"{phase['by_kind_gib'].get(k, 0.0):>14.2f}" for k in kinds)
-                     + f"{phase['flops'] / 1e12:>10.1f}{phase['seconds_at_least']:>12.2f}")
+                     + f"{phase.get('host_peak_gib', 0.0):>10.2f}{phase['flops'] / 1e12:>10.1f}{phase['seconds_at_least']:>12.2f}")
     return lines

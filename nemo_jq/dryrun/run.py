@@ -58,12 +58,13 @@ class DoesNotFit(ValueError):
 
 def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decode_steps: int = 2,
             headroom: float = 0.9, world_size: int | None = None, ranks: list[int] | None = None,
-            skip_repeats: bool = True) -> dict[str, Any]:
+            skip_repeats: bool = True, gpus_per_node: int = 8, host_memory_gib: float | None = None) -> dict[str, Any]:
     """The report of ``config``'s first step on ``gpu`` (see the module docstring); ``prompt_tokens``: the longest
     prompt the data holds; ``skip_repeats``: run a training chunk of a shape already seen twice only in its FLOPs
     (the same report, sooner: ``DryRun._repeats_skipped``). ``model.backend=megatron``: ``ranks`` (default:
     :func:`.megatron.default_ranks`) of a world of ``world_size`` GPUs (default: one replica), each simulated apart;
-    the report's phases are the fullest one's."""
+    the report's phases are the fullest one's. ``host_memory_gib``: a node's host memory, which the processes of a
+    node (``gpus_per_node`` at most) must fit in (``host_per_node``)."""
     separate = config.rollout.placement == "separate"
     if separate:  # a training rank holds the same with rollouts sampled a step ahead: token ids, sent by the rollout ranks
         config = copy.deepcopy(config)
@@ -98,6 +99,8 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
         report["rollout_rank"] = {**serving, "rank": f"a rollout rank: it samples one of the {replicas} replicas' requests at "
                                   "a time, and takes the weights each step sends", "fits": serving["peak_gib"] <= usable}
         report["fits"] = report["fits"] and report["rollout_rank"]["fits"]
+    report["host"] = {**host_per_node(report, gpus_per_node), "memory_gib": host_memory_gib}
+    report["host"]["fits"] = host_memory_gib is None or report["host"]["gib"] <= host_memory_gib
     return report
 
 
@@ -114,12 +117,25 @@ def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps:
         shape, wall = run.shape, run.wall
     phases = {name: {"peak_gib": gib(peak.peak), "by_kind_gib": {k: gib(v) for k, v in peak.by_kind.items() if v},
                      "most_by_kind_gib": {k: gib(v) for k, v in peak.most_by_kind.items() if v},
+                     "host_peak_gib": gib(peak.host_peak),
                      "flops": flops.get(name, 0.0), "simulated_in_s": round(wall.get(name, 0.0), 1)}
               for name, peak in tracker.phases.items()}
     for name, phase in phases.items():
         phase["seconds_at_least"] = round(seconds_at_least(name, phase["flops"], shape, config, gpu), 3)
     worst = max(phases, key=lambda name: phases[name]["peak_gib"])
-    return {"shape": shape, "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst, "sent_dtype": run.sent_dtype}
+    host = max(phases, key=lambda name: phases[name]["host_peak_gib"])
+    return {"shape": shape, "phases": phases, "peak_gib": phases[worst]["peak_gib"], "peak_phase": worst,
+            "host_peak_gib": phases[host]["host_peak_gib"], "host_peak_phase": host, "sent_dtype": run.sent_dtype}
+
+
+def host_per_node(report: dict[str, Any], gpus_per_node: int) -> dict[str, Any]:
+    """The host memory a node needs: its processes (one a GPU: the world's, or one for model.backend=hf), each counted
+    at the fullest simulated process's host peak (a rollout rank's too) — a bound where a node's processes differ."""
+    simulated = [*report.get("ranks", {}).values(), *([report["rollout_rank"]] if "rollout_rank" in report else [])]
+    fullest = max(simulated or [report], key=lambda part: part["host_peak_gib"])
+    processes = min(gpus_per_node, report.get("world_size", 1) + (1 if "rollout_rank" in report else 0))
+    return {"processes": processes, "per_process_gib": fullest["host_peak_gib"], "phase": fullest["host_peak_phase"],
+            "gib": round(processes * fullest["host_peak_gib"], 6)}
 
 
 def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str, Any]:
@@ -138,7 +154,14 @@ def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str,
 
 
 def check_fits(report: dict[str, Any]) -> None:
-    """Raise :class:`DoesNotFit` naming the worst phase's largest kind and its knob, when the peak is over."""
+    """Raise :class:`DoesNotFit` naming the worst phase's largest kind and its knob, when the peak is over; or the
+    host's phase, when a node's processes need more host memory than it has."""
+    host = report.get("host", {})
+    if report["fits"] and not host.get("fits", True):
+        processes = f"{host['processes']} process{'es' * (host['processes'] != 1)}"
+        raise DoesNotFit(f"phase {host['phase']} needs {host['gib']:.1f} GiB of host memory on a node ({processes} x "
+                         f"{host['per_process_gib']:.1f} GiB), more than --host-memory {host['memory_gib']:g}: fewer "
+                         "processes a node (--gpus-per-node), or a node with more memory")
     if report["fits"]:
         return
     serving = report.get("rollout_rank")

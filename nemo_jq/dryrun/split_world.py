@@ -12,6 +12,8 @@ from nemo_jq.dryrun.memory import MemoryTracker
 from nemo_jq.dryrun.standins import full_budget_samples
 from nemo_jq.dryrun.world import GPU
 from nemo_jq.rollouts import BudgetedRollouts
+from nemo_jq.rollouts.process import engine_device
+from nemo_jq.rollouts.ranks import generator_from, generator_state
 from nemo_jq.rollouts.sync import ALIGNMENT, WeightSync
 
 
@@ -34,8 +36,15 @@ class RolloutRanks:
     def tokens_generated(self) -> int:
         return self.engine.tokens_generated
 
-    def generate(self, prompts, num_samples, **kwargs) -> list:
-        return self.engine.generate(prompts, num_samples, **kwargs)
+    def generate(self, prompts, num_samples, *, generator: torch.Generator, **kwargs) -> list:
+        """The rollouts, with the request's generator carried as the bridge carries it: its state out
+        (``ranks.generator_state``), a generator of the rollout rank's engine made from it (``ranks.generator_from``),
+        its state back. On the stand-in GPU the state is a GPU generator's kind, so a state that crosses to a
+        generator of another device type fails here as on a GPU (issue 43's N1)."""
+        served = generator_from(generator_state(generator), engine_device(self.engine))
+        rollouts = self.engine.generate(prompts, num_samples, generator=served, **kwargs)
+        generator.set_state(served.get_state())
+        return rollouts
 
     def sync(self) -> torch.dtype | None:
         """As ``RemoteRollouts._sync``: the first replica's ranks gather each weight from its shards (the policy's

@@ -79,10 +79,12 @@ class FakeWorld:
         stack.callback(lambda: [hook.remove() for hook in hooks])
         stack.enter_context(self.fake)
         stack.enter_context(_Dispatch(self))
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
+        _ACTIVE.remove(self)
 
     def name_modules(self, model: torch.nn.Module, prefix: str) -> None:
         """Name ``model``'s modules ``prefix.path`` in device errors."""
@@ -127,10 +129,17 @@ class FakeWorld:
         self._swap(first, second)
 
     # ---------------------------------------------------------------- files of tensors
-    def _save(self, obj: Any, path: Any, *args, **kwargs) -> None:
-        """The file holds a key to what was saved (so that it survives the checkpoint's atomic rename)."""
+    def _save(self, obj: Any, path: Any, *args, host_bytes: int | None = None, **kwargs) -> None:
+        """The file holds a key to what was saved (so that it survives the checkpoint's atomic rename). ``torch.save``
+        copies one GPU storage to the host at a time as it writes: the largest is held on the host meanwhile
+        (``host_bytes``: another writer's)."""
         key = f"dry run file {len(self._files)}"
-        self._files[key] = tree_map_only(FakeTensor, _Saved.of, obj)  # real ones (generator states) kept as they are
+        tensors = [value for value in tree_leaves(obj) if isinstance(value, torch.Tensor)]
+        if host_bytes is None:
+            host_bytes = max((tensor.untyped_storage().nbytes() for tensor in tensors if tensor.device.type != "cpu"),
+                             default=0)
+        with self.tracker.host_reserved(host_bytes):
+            self._files[key] = tree_map_only(FakeTensor, _Saved.of, obj)  # real ones (generator states) kept as they are
         Path(path).write_text(key)
 
     def _load(self, path: Any, map_location: Any = None, **kwargs) -> Any:
@@ -138,11 +147,22 @@ class FakeWorld:
         return tree_map_only(_Saved, lambda saved: saved.allocate(device), self._files[Path(path).read_text()])
 
     def _save_model(self, model: torch.nn.Module, filename: str, **kwargs) -> None:
-        self._save(dict(model.state_dict()), filename)
+        """safetensors serialises the whole file in host memory before it writes it: every tensor's bytes at once."""
+        state = dict(model.state_dict())
+        self._save(state, filename, host_bytes=sum(tensor.nbytes for tensor in state.values()))
 
     def _load_model(self, model: torch.nn.Module, filename: str, strict: bool = True, device: Any = "cpu"):
         """As safetensors' ``load_model``: the whole file loaded onto ``device``, then copied into the model."""
         return model.load_state_dict(self._load(filename, map_location=device), strict=strict)
+
+
+#: The worlds entered, innermost last (what a patch made outside one, such as megatron's checkpoints, reports to).
+_ACTIVE: list[FakeWorld] = []
+
+
+def active_world() -> FakeWorld:
+    """The innermost :class:`FakeWorld` entered."""
+    return _ACTIVE[-1]
 
 
 class _Saved:
@@ -219,7 +239,9 @@ class _Dispatch(TorchDispatchMode):
             return args[0]  # torch.tensor(data, device=GPU) makes a real meta tensor, then detaches it in place
         if func is aten._to_copy.default and _to_host(args[0], kwargs):
             with unset_fake_temporarily():  # values read back on the host are unknown: zeros, and cheap to read
-                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+                read = torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            self.world.tracker.track(read)  # host bytes, as the real read's
+            return read
         if func in _INDEXED:
             args = (args[0], _mask_free(args[1]), *args[2:])
         try:

@@ -112,13 +112,13 @@ def latent_variance(answer_logprob: torch.Tensor) -> dict[str, float]:
 def measure_variance(components: Components, seed: int) -> dict[str, float]:
     """:func:`latent_variance` of the policy on the validation prompts: M rationales each (``rollout.num_samples``),
     y* teacher-forced after each, sampled from a generator of its own (the training streams do not move)."""
-    from nemo_jq.models.common import generator_device
+    from nemo_jq.models.common import new_generator
     from nemo_jq.objectives import get_objective
     from nemo_jq.objectives.inputs import EstimatorInputs
     from nemo_jq.recipe.experience import experience_from
 
     examples = components.splits.validation
-    generator = torch.Generator(device=generator_device(components.device)).manual_seed(seed)
+    generator = new_generator(components.device).manual_seed(seed)
     rollouts = components.engine.generate(components.prompt_ids(examples), components.config.rollout.num_samples,
                                           sample_answers=False, generator=generator)
     batch = experience_from(components, examples, get_objective("garl"), rollouts, 0, 0.0).batch

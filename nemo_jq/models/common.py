@@ -56,10 +56,31 @@ def check_precision(precision: str) -> str:
 ACCELERATORS = ("cuda", "meta")
 
 
-def generator_device(device: torch.device) -> torch.device:
-    """Where a run's random generators for ``device`` live: there, except on the dry run's stand-in GPU (``meta``),
-    which has none: the host's generators stand in."""
-    return torch.device("cpu") if device.type == "meta" else device
+def new_generator(device: torch.device) -> torch.Generator:
+    """A random generator for ``device``; on the dry run's stand-in GPU (``meta``), which has none,
+    :class:`StandInGenerator`."""
+    return StandInGenerator() if device.type == "meta" else torch.Generator(device)
+
+
+class StandInGenerator(torch.Generator):
+    """The dry run's stand-in GPU's generator: it draws as the host's (its values are never read), and its device and
+    state are a GPU generator's kind: ``meta``, 16 bytes (the seed and an offset, as CUDA's). So a state carried to a
+    generator of another device type fails in the dry run as it fails on a GPU (issue 43's N1: a CUDA state in a CPU
+    generator)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("meta")
+
+    def get_state(self) -> torch.Tensor:
+        return torch.tensor([self.initial_seed(), 0], dtype=torch.int64).view(torch.uint8)
+
+    def set_state(self, new_state: torch.Tensor) -> StandInGenerator:
+        if new_state.numel() != 16:
+            raise RuntimeError("Expected a CUDAGeneratorImplState of size 16 but found the input RNG state size to be "
+                               f"{new_state.numel()}")
+        self.manual_seed(int(new_state.view(torch.int64)[0]))
+        return self
 
 
 def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:

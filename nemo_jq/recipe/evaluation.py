@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from nemo_jq.data.base import Example, Task
-from nemo_jq.models.common import generator_device
+from nemo_jq.models.common import new_generator
 
 if TYPE_CHECKING:
     from nemo_jq.recipe.components import Components
@@ -99,7 +99,7 @@ class Evaluator:
         examples = parts.splits.get(split)
         mine, count = self._share(examples)
         seed = parts.data_parallel.replica_seed(parts.config.train.seed + 10_000 + seed_offset)
-        generator = torch.Generator(device=generator_device(parts.device)).manual_seed(seed)
+        generator = new_generator(parts.device).manual_seed(seed)
         with progress(len(mine), f"eval {split}", shows=distributed.is_writer(), transient=True) as bar:
             outputs = sample_outputs(parts, mine, settings.num_samples, settings.batch_size, generator, bar)
         return score_outputs(parts.task, examples, parts.data_parallel.gather(outputs[:count]), settings.num_samples)
@@ -124,7 +124,7 @@ class Evaluator:
         noisy = noisy_examples(parts.splits.train)
         if not noisy:
             return None
-        unused = torch.Generator(device=generator_device(parts.device))  # greedy decoding draws nothing
+        unused = new_generator(parts.device)  # greedy decoding draws nothing
         mine, count = self._share(noisy)
         outputs = sample_outputs(parts, mine, 1, parts.config.eval.batch_size, unused, greedy=True)
         flags = memorised(parts.task, noisy, parts.data_parallel.gather(outputs[:count]))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_jq.data import Example
-from nemo_jq.models.common import generator_device
+from nemo_jq.models.common import new_generator
 from nemo_jq.models.interfaces import Rollout, TokenBatch
 from nemo_jq.objectives import Need, ObjectiveSpec
 from nemo_jq.objectives.importance import Correction, k3_kl
@@ -135,7 +135,7 @@ class RolloutsAhead:
         self.engine.refit()
         if not self.overlaps:
             self.pending = make_experience(self.components, examples, estimator,
-                                           torch.Generator(generator_device(self.components.device)).manual_seed(seed))
+                                           new_generator(self.components.device).manual_seed(seed))
             return
         if self.worker is None:
             share_weights(self.engine.engine)
@@ -263,7 +263,7 @@ class RolloutsAheadOnRanks(RolloutsAhead):
 
     def submit(self, examples: list[Example], estimator: ObjectiveSpec, seed: int) -> None:
         parts = self.components
-        generator = torch.Generator(generator_device(parts.device)).manual_seed(seed)
+        generator = new_generator(parts.device).manual_seed(seed)
         self.engine.request(parts.prompt_ids(examples), parts.config.rollout.num_samples,
                             sample_answers=Need.SAMPLED_ANSWER_REWARD in estimator.needs, generator=generator)
         self.pending = (examples, estimator)

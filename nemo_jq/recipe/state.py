@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from nemo_jq.data import Example
-from nemo_jq.models.common import generator_device
+from nemo_jq.models.common import new_generator
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
 from nemo_jq.runtime.distributed import DataParallel
 from nemo_jq.runtime.runs import best_step_of
@@ -115,9 +115,8 @@ class RandomStreams:
 
     def __init__(self, seed: int, data_parallel: DataParallel, device: torch.device):
         self.seed, self.data_parallel = seed, data_parallel
-        device = generator_device(device)
-        self.rollout = torch.Generator(device=device).manual_seed(data_parallel.replica_seed(seed))
-        self.estimator = torch.Generator(device=device).manual_seed(data_parallel.replica_seed(seed + 1))
+        self.rollout = new_generator(device).manual_seed(data_parallel.replica_seed(seed))
+        self.estimator = new_generator(device).manual_seed(data_parallel.replica_seed(seed + 1))
 
     def state_dict(self) -> dict[str, Any]:
         return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),

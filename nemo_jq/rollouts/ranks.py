@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from nemo_jq.models.common import new_generator
 from nemo_jq.models.interfaces import RefittablePolicy, Rollout, require
 from nemo_jq.rollouts.budget import BudgetedRollouts
 from nemo_jq.rollouts.process import engine_device
@@ -192,7 +193,7 @@ def generator_from(state: tuple[str, torch.Tensor], device: torch.device) -> tor
     that type's current device (an engine without a ``device``, as vLLM's, samples wherever it runs; a CUDA state
     does not depend on the index)."""
     kind, values = state
-    generator = torch.Generator(device if device.type == kind else torch.device(kind))
+    generator = new_generator(device if device.type == kind else torch.device(kind))
     generator.set_state(values)
     return generator
 

@@ -139,6 +139,10 @@ def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path,
     assert phases["optimizer_step"]["most_by_kind_gib"]["optimizer"] >= 2 * phases["build"]["by_kind_gib"]["weights"]
     assert phases["rollout"]["most_by_kind_gib"]["kv_cache"] > 0
     assert phases["train"]["most_by_kind_gib"]["activations"] > 0 and phases["train"]["flops"] > 0
+    # the host: the save's safetensors serialises every weight at once there (fp32 on the hf backend: the GPU's)
+    weights = phases["build"]["by_kind_gib"]["weights"]
+    assert phases["save"]["host_peak_gib"] >= weights and report["host"]["processes"] == 1
+    assert report["host"]["gib"] == max(phase["host_peak_gib"] for phase in phases.values())
     assert main([*base, "--gpu-memory", "0.001"]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "nemo-jq dryrun: error: phase" in error and "try " in error
@@ -270,3 +274,30 @@ def test_another_gpu_of_the_same_memory_changes_only_the_time_bounds(tmp_path):
     assert moved["phases"]["train"]["seconds_at_least"] > h100["phases"]["train"]["seconds_at_least"]
     with pytest.raises(ValueError, match="not the 80.0 this report was simulated on"):
         on_gpu(h100, config, GpuProfile("A100 40GB", 40.0, 312e12, 1.6e12))
+
+
+def test_the_dry_run_sees_a_generator_state_crossing_to_another_device_type(tmp_path, monkeypatch):
+    """Issue 43's N1 seen by the dry run: a split world with vLLM on its rollout ranks carries each request's generator
+    as the bridge does; on the stand-in GPU the state is a GPU generator's kind (16 bytes), so the code before N1's fix
+    (a generator of the engine's device, the CPU for vLLM, fed that state) fails here as it failed on a GPU."""
+    import torch
+
+    from helpers import small_qwen3
+    from nemo_jq.dryrun import split_world
+
+    model = small_qwen3(tmp_path / "model", layers=2, tied=True)
+    config = load_config(None, [f"model.path={model}", "rollout.num_samples=4", "rollout.max_thinking_tokens=16",
+                                "rollout.max_answer_tokens=4", "train.batch_size=2", "train.micro_batch_size=1",
+                                "eval.batch_size=2", "eval.num_samples=4", "rollout.placement=separate",
+                                "rollout.engine=vllm", "rollout.vllm_memory_utilization=0.25"])
+    assert dry_run(config, GPUS["a100-80gb"], prompt_tokens=16)["fits"]
+
+    def before_the_fix(state, device):  # a521ab1's ranks.generator_from: the engine's device, whatever the state's
+        generator = torch.Generator(device)
+        generator.set_state(state[1])
+        return generator
+
+    monkeypatch.setattr(split_world, "generator_from", before_the_fix)
+    with pytest.raises(RuntimeError, match="Expected a CPUGeneratorImplState of size 5056 but found the input RNG "
+                                           "state size to be 16"):
+        dry_run(config, GPUS["a100-80gb"], prompt_tokens=16)

@@ -163,3 +163,29 @@ def test_a_rank_that_samples_none_has_no_sampler_to_call(tmp_path, monkeypatch):
     monkeypatch.setattr(RefittedRolloutEngine, "_sampling_ranks", lambda self: [0, 1])
     with pytest.raises(WrongDevice, match="phase rollout: rank 1: .* samples nothing .* its sampler was called"):
         dry_run(config, GPUS["a100-80gb"], prompt_tokens=16, world_size=2, ranks=[1])
+
+
+def test_the_host_memory_of_a_save_is_the_writing_replica_s_and_a_node_that_cannot_hold_it_is_one_line(tmp_path, capsys):
+    """Issue 43's N6 seen by the dry run: at TP=2 PP=2 DP=2 the save puts the replicated AdamW state (fp32 moments and
+    master weights: 3 x 4 bytes a parameter of the rank's shard) in DP rank 0's host memory, beside its writer's copy
+    of the rank's bf16 weights (megatron-core's writer stages what it writes on the host), and none in DP rank 1's,
+    which writes nothing (not the main replica); a node's host memory is its processes' (8 here) at the fullest's
+    peak, and ``--host-memory`` below it exits 2."""
+    config = small_config(tmp_path, "rollout.engine=vllm", "rollout.vllm_memory_utilization=0.25")
+    report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, world_size=8, ranks=[0, 2])
+    writer, other = report["ranks"]["0"], report["ranks"]["2"]
+    assert "DP rank 0" in writer["rank"] and "DP rank 1" in other["rank"]
+    weights = writer["phases"]["build"]["by_kind_gib"]["weights"]  # bf16: 2 bytes a parameter
+    assert writer["phases"]["save"]["host_peak_gib"] == pytest.approx(6 * weights + weights, rel=0.05)
+    assert other["phases"]["save"]["host_peak_gib"] < 0.05 * writer["phases"]["save"]["host_peak_gib"]
+    host = report["host"]
+    assert host["processes"] == 8 and host["gib"] == pytest.approx(8 * host["per_process_gib"], abs=0.02)
+    model = config.model.path
+    code = main(["dryrun", "--gpu", "a100-80gb", "--prompt-tokens", "32", "--gpus", "8", "--ranks", "0",
+                 "--host-memory", "0.0001", *[f"{key}={value}" for key, value in (("model.path", model),)],
+                 *LAYOUT, "rollout.num_samples=8", "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8",
+                 "train.batch_size=4", "train.micro_batch_size=1", "train.micro_batch_rows=4", "eval.batch_size=4",
+                 "eval.num_samples=8", "model.logprob_chunk_size=128", "rollout.engine=vllm",
+                 "rollout.vllm_memory_utilization=0.25"])
+    err = capsys.readouterr().err
+    assert code == 2 and "GiB of host memory on a node (8 processes x" in err and "more than --host-memory 0.0001" in err
