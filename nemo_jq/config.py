@@ -220,10 +220,12 @@ class TrainConfig:
     epochs: int = option(8, ge=1)
     batch_size: int = option(8, "prompts per optimizer step", ge=1)
     micro_batch_size: int = option(8, "prompts per forward/backward; whole groups of M rollouts stay together", ge=1)
-    micro_batch_rows: int | None = option(
+    micro_batch_rows: int | str | None = option(
         None, "rows per forward/backward, whatever M: the estimator's group statistics come from a no-grad pass over "
         "the rows first (one more forward), then the exact same gradient is taken this many rows at a time, so "
-        "training memory does not grow with M; null = micro_batch_size whole groups in one pass", ge=1)
+        "training memory does not grow with M; null = micro_batch_size whole groups in one pass; auto = the most "
+        "rows nemo-jq plan's memory model fits on this GPU (nemo-jq train and dryrun resolve it, and say the number)",
+        ge=1, choices=("auto",))
     max_steps: int | None = option(None, "stop after this many steps; null = all epochs", ge=1)
     seed: int = option(0, ge=0)
     device: str = option("auto", "auto, cpu, cuda or cuda:N")

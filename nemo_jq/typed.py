@@ -70,7 +70,7 @@ def check_range(value: Any, metadata: Any, key: str) -> Any:
     if value is None or isinstance(value, bool):
         return value
     choices = metadata.get("choices")
-    if choices and value not in choices:
+    if choices and isinstance(value, str) and value not in choices:  # a number is held to the field's range
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
     if isinstance(value, (int, float)) and not all(
         check(value, metadata[key]) for key, (_, check) in _BOUNDS.items() if metadata.get(key) is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from nemo_jq.cli import arguments
@@ -83,10 +84,16 @@ def run(args: argparse.Namespace) -> int:
             flags = ", ".join("--" + option.replace("_", "-") for option in given)
             raise ValueError(f"{flags}: --config gives the workload; set it in the config or as key=value overrides")
         config = load_config(args.config, args.overrides)
-        work = plan.Workload.from_config(config, args.prompt_tokens)
         args.model = args.model or config.model.path
         if args.model is None:
             raise ValueError(f"{args.config} trains a tiny model from scratch (model.path: null): plan sizes real ones")
+        if config.train.micro_batch_rows == "auto":  # as train resolves it, for the config's own layout
+            world = args.gpus_per_node * args.nodes - (config.rollout.ranks if config.rollout.placement == "separate" else 0)
+            config.train.micro_batch_rows = plan.auto_micro_batch_rows(config, args.prompt_tokens, args.gpu_memory,
+                                                                       world)[0]
+            print(f"train.micro_batch_rows=auto: {config.train.micro_batch_rows} rows at the config's layout "
+                  f"({args.gpu_memory:g} GiB GPUs)", file=sys.stderr)
+        work = plan.Workload.from_config(config, args.prompt_tokens)
     arch = plan.architecture(args.model)
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
     result = plan.report(arch, work, layouts, args.gpu_memory, 0.9, args.sync_bandwidth)

@@ -175,7 +175,7 @@ class Workload:
         hf = config.model.backend == "hf"
         separate = rollout.placement == "separate"
         return cls(seq_len=prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens,
-                   micro_batch=min(group_rows, config.train.micro_batch_rows or group_rows),
+                   micro_batch=min(group_rows, rows if isinstance(rows := config.train.micro_batch_rows, int) else group_rows),
                    samples=rollout.num_samples, batch_prompts=config.train.batch_size,
                    recompute=config.model.activation_checkpointing if hf else layout.recompute_activations,
                    sequence_parallel=layout.sequence_parallel, optimizer=optimizer,
@@ -199,6 +199,27 @@ class Workload:
 #: The components of a layout's estimate, in the report's order (each in GiB).
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logprob_head", "rollout_copy", "kv_cache", "decode_cast",
               "vllm")
+
+
+def auto_micro_batch_rows(config: Any, prompt_tokens: int, gpu_gb: float, world_size: int = 1,
+                          headroom: float = 0.9) -> tuple[int, LayoutEstimate]:
+    """``train.micro_batch_rows=auto``: the most rows a forward/backward may hold (at most ``micro_batch_size`` x M)
+    for which this memory model (the dry run's within a few percent: docs/results/dryrun_configs.md) fits the run's
+    layout on a GPU of ``gpu_gb`` GiB, and that estimate. A row count that fits nowhere is a ``ValueError`` naming
+    what takes the most at one row."""
+    arch = architecture(str(config.model.path))
+    work = Workload.from_config(config, prompt_tokens)
+    layout = config.megatron
+    tp, pp = (layout.tensor_parallel, layout.pipeline_parallel) if work.backend == "megatron" else (1, 1)
+    dp = max(1, world_size // (tp * pp * work.context_parallel)) if work.backend == "megatron" else 1
+    group_rows = config.train.micro_batch_size * config.rollout.num_samples
+    for rows in range(group_rows, 0, -1):
+        fitted = estimate(arch, replace(work, micro_batch=rows), tp, pp, dp, gpu_gb, headroom)
+        if fitted.fits:
+            return rows, fitted
+    raise ValueError(f"train.micro_batch_rows=auto: even 1 row needs {fitted.total_gib} GiB of the "
+                     f"{gpu_gb * headroom:.0f} usable, most of it the {fitted.largest.replace('_', ' ')}: try "
+                     f"{fitted.advice}")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nemo_jq.cluster.plan import auto_micro_batch_rows
 from nemo_jq.config import Config
 from nemo_jq.dryrun.bounds import GpuProfile, seconds_at_least
 from nemo_jq.dryrun.memory import MemoryTracker, gib
@@ -66,11 +67,16 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
     the report's phases are the fullest one's. ``host_memory_gib``: a node's host memory, which the processes of a
     node (``gpus_per_node`` at most) must fit in (``host_per_node``)."""
     separate = config.rollout.placement == "separate"
+    config = copy.deepcopy(config)
     if separate:  # a training rank holds the same with rollouts sampled a step ahead: token ids, sent by the rollout ranks
-        config = copy.deepcopy(config)
         config.rollout.async_steps = 0
     usable = gpu.memory_gib * headroom
     report = {"gpu": asdict(gpu), "usable_gib": usable, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps}
+    if config.train.micro_batch_rows == "auto":  # as nemo-jq train resolves it on this GPU (whole groups: no Qwen3 size)
+        config.train.micro_batch_rows = auto_micro_batch_rows(
+            config, prompt_tokens, gpu.memory_gib, world_size or config.megatron.replica_size, headroom)[0] \
+            if config.model.path else None
+        report["micro_batch_rows"] = config.train.micro_batch_rows
     if config.model.backend != "megatron":
         simulated = _simulate(config, gpu, prompt_tokens, decode_steps, None, skip_repeats)
         simulated["rank"] = ("the training process of model.backend=hf: it trains and asks the rollout ranks" if separate

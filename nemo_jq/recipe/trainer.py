@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from nemo_jq.config import Config
+from nemo_jq.config import Config, ConfigError
 from nemo_jq.data import Example
 from nemo_jq.models.common import peak_memory_gib, reset_peak_memory
 from nemo_jq.recipe.components import Components, this_ranks_part
@@ -40,9 +40,14 @@ class Trainer:
     :func:`~nemo_jq.runtime.runs.claim_run_dir`); :meth:`resume` reopens its own with ``existing=True``."""
 
     def __init__(self, config: Config, *, run_dir: Path | None = None, existing: bool = False, overwrite: bool = False,
-                 components: Components | None = None):
-        """``components``: built already (the dry run builds them on its stand-in GPU); else built here."""
+                 components: Components | None = None, rows_for: Callable[[Components], int | None] | None = None):
+        """``components``: built already (the dry run builds them on its stand-in GPU); else built here.
+        ``rows_for``: what ``train.micro_batch_rows=auto`` resolves to once the components exist (``nemo-jq train``
+        passes ``nemo_jq.cluster.plan``'s memory model, a layer above this one); the config then holds the number."""
         self.config = config.validate()
+        if config.train.micro_batch_rows == "auto" and rows_for is None:  # before anything is built or claimed
+            raise ConfigError("train.micro_batch_rows=auto is resolved by `nemo-jq train` (nemo-jq plan's memory "
+                              "model) or a Trainer given rows_for=; set a number of rows here, or null")
         self.run_dir = Path(run_dir or config.train.run_dir)
         #: On a rollout rank (``rollout.placement=separate``): what it serves instead of training.
         self.server: RolloutServer | None = None
@@ -52,6 +57,8 @@ class Trainer:
                 self.server = components
                 return
         self.components = parts = components
+        if config.train.micro_batch_rows == "auto":
+            config.train.micro_batch_rows = rows_for(parts)
         device = parts.device
         self.policy, self.data_parallel, self.evaluator = parts.policy, parts.data_parallel, Evaluator(parts)
         self.objective, self.guard = ObjectiveInUse(parts.estimator, parts.estimator_options, parts.schedule), parts.guard
@@ -68,13 +75,14 @@ class Trainer:
         self.last_q: float | None = None
 
     @classmethod
-    def resume(cls, run_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> Trainer:
+    def resume(cls, run_dir: Path, overrides: list[str] | tuple[str, ...] = (),
+               rows_for: Callable[[Components], int | None] | None = None) -> Trainer:
         """Rebuild a run from its saved config and continue from its latest checkpoint.
 
         ``overrides`` may change only :data:`~nemo_jq.runtime.runs.RESUMABLE_KEYS`; the run's ``config.yaml`` records them.
         """
         config, checkpoint = open_for_resume(Path(run_dir), overrides)
-        trainer = cls(config, run_dir=run_dir, existing=True)
+        trainer = cls(config, run_dir=run_dir, existing=True, rows_for=rows_for)
         trainer.restore(checkpoint)
         trainer.resumed_with = list(overrides)
         return trainer

@@ -113,3 +113,20 @@ def test_a_misspelt_key_a_closed_pipe_a_file_as_run_directory_and_a_failed_start
 
     code, _, err = run_cli(capsys, "train", *QUICK, f"model.path={tmp_path / 'no_model'}", f"train.run_dir={tmp_path / 'new'}")
     assert code == 2 and not (tmp_path / "new").exists()  # a failed start leaves no run directory behind
+
+
+def test_auto_row_chunks_are_resolved_said_and_saved(tmp_path, capsys):
+    """``train.micro_batch_rows=auto``: `nemo-jq train` resolves it once the run is built (on the CPU, or for a model
+    built from scratch, whole groups: the memory model sizes a Qwen3 on a GPU), says so, and saves the number it
+    trained with; a Trainer not told how to resolve it refuses in one line."""
+    from nemo_jq.config import ConfigError
+    from nemo_jq.recipe.trainer import Trainer
+
+    run_dir = tmp_path / "auto"
+    code, out, err = run_cli(capsys, "train", *QUICK, "train.micro_batch_rows=auto", f"train.run_dir={run_dir}")
+    assert code == 0, err
+    assert "nemo-jq train: train.micro_batch_rows=auto: whole groups (the CPU: the memory model sizes a Qwen3 on a GPU)" in out
+    assert load_config(run_dir / "config.yaml", saved=True).train.micro_batch_rows is None
+    with pytest.raises(ConfigError, match="train.micro_batch_rows=auto is resolved by `nemo-jq train`"):
+        Trainer(load_config(None, [*QUICK, "train.micro_batch_rows=auto", f"train.run_dir={tmp_path / 'api'}"]))
+    assert not (tmp_path / "api").exists()  # refused before anything was claimed

@@ -259,3 +259,25 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
     with pytest.raises(SystemExit):
         main(["plan", "--model", "8b", "--sync-bandwidth", "0"])
     assert "number of GB/s > 0" in capsys.readouterr().err
+
+
+def test_auto_micro_batch_rows_is_the_most_rows_the_memory_model_fits():
+    """``train.micro_batch_rows=auto`` (issue 44): the 0.6B FinQA config's rows on an 80 GB GPU are the most for which
+    the estimate fits (one more does not, or all of micro_batch_size x M fit); a smaller GPU gets fewer; a GPU too
+    small for one row is one line naming what takes the most."""
+    from pathlib import Path
+
+    from nemo_jq.cluster.plan import Workload, architecture, auto_micro_batch_rows, estimate
+    from nemo_jq.config import load_config
+
+    paper = Path(__file__).resolve().parents[3] / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.75.yaml"
+    config = load_config(paper, ["train.micro_batch_rows=auto"])
+    rows, fitted = auto_micro_batch_rows(config, 1024, 80.0)
+    group = config.train.micro_batch_size * config.rollout.num_samples
+    assert 8 < rows <= group and fitted.fits and fitted.total_gib <= 72
+    if rows < group:
+        work = replace(Workload.from_config(config, 1024), micro_batch=rows + 1)
+        assert not estimate(architecture(config.model.path), work, 1, 1, 1, 80.0, 0.9).fits
+    assert auto_micro_batch_rows(config, 1024, 40.0)[0] < rows
+    with pytest.raises(ValueError, match="train.micro_batch_rows=auto: even 1 row needs .* GiB of the 4 usable, most of it"):
+        auto_micro_batch_rows(config, 1024, 5.0)

@@ -7,6 +7,7 @@ nemo_jq/dryrun/world.py), and its numbers are checked here against a real CPU ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -301,3 +302,22 @@ def test_the_dry_run_sees_a_generator_state_crossing_to_another_device_type(tmp_
     with pytest.raises(RuntimeError, match="Expected a CPUGeneratorImplState of size 5056 but found the input RNG "
                                            "state size to be 16"):
         dry_run(config, GPUS["a100-80gb"], prompt_tokens=16)
+
+
+def test_the_dry_run_resolves_auto_row_chunks_as_train_does_and_they_fit(tmp_path):
+    """``train.micro_batch_rows=auto``: the dry run takes the rows plan's memory model fits on its GPU profile (as
+    `nemo-jq train` does on a real GPU), says them, and the step it simulates with them fits."""
+    from helpers import small_qwen3
+    from nemo_jq.cluster.plan import auto_micro_batch_rows
+    from nemo_jq.dryrun.report import format_report
+
+    model = small_qwen3(tmp_path / "model", layers=2, tied=True)
+    config = load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
+                                "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=2",
+                                "eval.batch_size=4", "eval.num_samples=8", "train.micro_batch_rows=auto"])
+    gpu = dataclasses.replace(GPUS["a100-80gb"], memory_gib=0.1)  # a GPU small enough that fewer rows than 16 fit
+    expected = auto_micro_batch_rows(config, 32, gpu.memory_gib)[0]
+    report = dry_run(config, gpu, prompt_tokens=32)
+    assert report["micro_batch_rows"] == expected and 1 <= expected < 16 and report["fits"]
+    assert f"train.micro_batch_rows=auto: {expected}" in format_report(report)
+    assert config.train.micro_batch_rows == "auto"  # the caller's config is left as it was
