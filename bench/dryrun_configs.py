@@ -126,11 +126,12 @@ def markdown(results: list[dict], prompt_tokens: int) -> str:
              "largest kind at the peak in brackets; –: not run for that config. plan/dry: `nemo-jq plan --config`'s "
              "per-component ratio to the dry run, least and most. Least seconds per step: rollout + train on A100 / "
              "H100. Configs that differ only in what the dry run cannot see (bench/dryrun_configs.py's `UNSEEN`: q, "
-             "the dataset, the run directory...) share a row; simulated in: seconds on this build machine's 2 shared "
-             "cores.", "",
+             "the dataset, the run directory...) share a row; host GiB a node: the host memory this project's code "
+             "holds on a node of 8 GPUs at the fullest process's peak (in its phase; not vLLM's own process memory, "
+             "Python or the libraries); simulated in: seconds on this build machine's 2 shared cores.", "",
              "| configs | GPUs | " + " | ".join(phase.replace("_", " ") for phase in TABLE_PHASES)
-             + " | fits | plan/dry | s/step A100 / H100 | simulated in |",
-             "| --- " * (len(TABLE_PHASES) + 7) + "|"]
+             + " | host GiB a node | fits | plan/dry | s/step A100 / H100 | simulated in |",
+             "| --- " * (len(TABLE_PHASES) + 8) + "|"]
     for entry in results:
         report, paths = entry["report"], entry["configs"]
         cells = []
@@ -144,8 +145,9 @@ def markdown(results: list[dict], prompt_tokens: int) -> str:
         ratios = [row["plan_over_dry_run"] for row in entry["against_plan"].values() if row["plan_over_dry_run"]]
         step = {gpu: bounds["rollout"] + bounds["train"] for gpu, bounds in entry["seconds_at_least"].items()}
         name = paths[0].removeprefix("configs/") + (f" (+{len(paths) - 1})" if len(paths) > 1 else "")
+        host = report["host"]
         lines.append(f"| {name} | {report.get('world_size', 1)} | " + " | ".join(cells)
-                     + f" | {'yes' if report['fits'] else '**no**'} | "
+                     + f" | {host['gib']:.1f} ({host['phase'].replace('_', ' ')}) | {'yes' if report['fits'] else '**no**'} | "
                      + (f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "–") + " | "
                      f"{step['a100-80gb']:.0f} / {step['h100-80gb']:.0f} | {entry['dry_run_seconds']:.0f} s |")
     return "\n".join(lines) + "\n"

@@ -19,7 +19,7 @@ import copy
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -105,7 +105,9 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
         report["rollout_rank"] = {**serving, "rank": f"a rollout rank: it samples one of the {replicas} replicas' requests at "
                                   "a time, and takes the weights each step sends", "fits": serving["peak_gib"] <= usable}
         report["fits"] = report["fits"] and report["rollout_rank"]["fits"]
-    report["host"] = {**host_per_node(report, gpus_per_node), "memory_gib": host_memory_gib}
+    replica_of = None if config.model.backend != "megatron" else \
+        (lambda rank: megatron.RankPlace.of(rank, config.megatron, report["world_size"]).data_parallel)
+    report["host"] = {**host_per_node(report, gpus_per_node, replica_of), "memory_gib": host_memory_gib}
     report["host"]["fits"] = host_memory_gib is None or report["host"]["gib"] <= host_memory_gib
     return report
 
@@ -134,14 +136,22 @@ def _simulate(config: Config, gpu: GpuProfile, prompt_tokens: int, decode_steps:
             "host_peak_gib": phases[host]["host_peak_gib"], "host_peak_phase": host, "sent_dtype": run.sent_dtype}
 
 
-def host_per_node(report: dict[str, Any], gpus_per_node: int) -> dict[str, Any]:
-    """The host memory a node needs: its processes (one a GPU: the world's, or one for model.backend=hf), each counted
-    at the fullest simulated process's host peak (a rollout rank's too) — a bound where a node's processes differ."""
+def host_per_node(report: dict[str, Any], gpus_per_node: int, data_parallel_rank: Callable[[int], int] | None = None
+                  ) -> dict[str, Any]:
+    """The host memory the first node needs: its processes (one a GPU: the world's, or one for model.backend=hf),
+    each at the fullest simulated process's host peak (a rollout rank's too); under data parallelism
+    (``data_parallel_rank`` of a global rank) the ranks of the other replicas at that process's peak outside the save,
+    the one phase where the writing
+    replica's ranks hold more (they gather the optimizer's state and stage what they write). A bound where a node's
+    processes differ otherwise."""
     simulated = [*report.get("ranks", {}).values(), *([report["rollout_rank"]] if "rollout_rank" in report else [])]
     fullest = max(simulated or [report], key=lambda part: part["host_peak_gib"])
     processes = min(gpus_per_node, report.get("world_size", 1) + (1 if "rollout_rank" in report else 0))
+    writing = processes if data_parallel_rank is None else sum(data_parallel_rank(rank) == 0 for rank in range(processes))
+    outside_save = max(phase["host_peak_gib"] for name, phase in fullest["phases"].items() if name != "save")
+    total = writing * fullest["host_peak_gib"] + (processes - writing) * outside_save
     return {"processes": processes, "per_process_gib": fullest["host_peak_gib"], "phase": fullest["host_peak_phase"],
-            "gib": round(processes * fullest["host_peak_gib"], 6)}
+            "writing_replica_processes": writing, "gib": round(total, 6)}
 
 
 def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str, Any]:
