@@ -5,6 +5,9 @@ closest valid key, and values are checked against the field's type and range. Na
 hold (estimators and their options, backends, rollout engines, datasets, the guard's estimator) are
 checked against those registries once ``plugins`` are imported. The defaults are the embedded CPU demo
 (a tiny Qwen3 on the synthetic task).
+
+One file of ~580 lines: every section of a run's config, with each key's help, default and range beside it, is
+what `nemo-jq train --help` prints and what every layer reads; the checks across sections need them all.
 """
 
 from __future__ import annotations
@@ -166,8 +169,9 @@ class ObjectiveConfig:
                              "none (assume on-policy), plain (the ratio as is), truncate (at importance_cap), mask (drop "
                              "samples outside importance_bounds); for long rationales, from the per-token ratios: "
                              "token_truncate (each token's, at importance_cap) or geometric (their geometric mean per "
-                             "sample, at importance_cap), both biased (§11); auto: truncate with rollout.engine=vllm or "
-                             "rollout.async_steps=1, else none", choices=IMPORTANCE_MODES)
+                             "sample, at importance_cap), both biased (§11); auto: truncate with rollout.async_steps=1, "
+                             "token_truncate for an engine whose numerics differ (rollout.engine=vllm; megatron's "
+                             "sampler), else none (bench/results/importance_modes.md)", choices=IMPORTANCE_MODES)
     importance_cap: float = option(2.0, "truncate, token_truncate, geometric: the largest importance ratio used", ge=1.0)
     importance_bounds: list[float] = option(help="mask: the ratios [low, high] kept, low <= 1 <= high",
                                             factory=lambda: [0.5, 2.0])

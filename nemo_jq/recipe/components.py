@@ -159,14 +159,16 @@ def assemble_components(config: Config, device: torch.device, task: Task, splits
 
 
 def importance_correction(config: Config, *, on_policy: bool) -> Correction | None:
-    """``objective.importance`` as a :class:`Correction` (None: none). ``auto`` truncates when the rollouts come from
-    another policy than the one trained: an engine that is not ``on_policy`` (vLLM's kernels, or megatron's HF
-    sampler) or one-step-off rollouts; it is none for on-policy rollouts (the in-place samplers), where every ratio
-    is 1."""
+    """``objective.importance`` as a :class:`Correction` (None: none). ``auto``: for rollouts one step off (a
+    systematic shift: the policy has moved), the sequence ratio truncated; for an engine that is not ``on_policy``
+    (vLLM's kernels, megatron's HF sampler: per-token numerical noise), each token's ratio truncated, which over 1k-4k
+    -token rationales keeps the gradient's error at the on-policy estimator's where sequence truncation's bias grows to
+    0.3-0.7 of it (bench/results/importance_modes.md); none for on-policy rollouts (the in-place samplers), where every
+    ratio is 1."""
     objective = config.objective
     mode = objective.importance
     if mode == "auto":
-        mode = "truncate" if not on_policy or config.rollout.async_steps else "none"
+        mode = "truncate" if config.rollout.async_steps else "none" if on_policy else "token_truncate"
     if mode == "none":
         return None
     low, high = objective.importance_bounds

@@ -231,7 +231,7 @@ def test_the_speed_check_runs_end_to_end_on_the_host_at_the_tiny_shape(tmp_path)
     train = json.loads(train_out.read_text())
     assert train["package"] == str(ROOT / "nemo_jq")
     for chunk in ("chunk_64", "chunk_256"):
-        assert train[chunk]["mfu"] == pytest.approx(train["model_flops"] / train[chunk]["best_s"] / 989e12)
+        assert train[chunk]["mfu"] == pytest.approx(train[chunk]["model_flops"] / train[chunk]["best_s"] / 989e12)
     done = subprocess.run([sys.executable, "bench/real_gpu.py", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
                            "--tokenizer", str(tmp_path), "--device", "cpu", "--parts", "generator"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

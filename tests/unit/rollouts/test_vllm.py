@@ -184,7 +184,8 @@ def test_the_demo_config_trains_alike_with_vllm_and_the_native_engine(tmp_path):
         _train(*common, f"rollout.engine={engine}", f"train.run_dir={tmp_path / engine}")
     native, vllm = _records(tmp_path / "native"), _records(tmp_path / "vllm")
     assert all(r["max_logprob_gap"] < 1e-4 for r in vllm)  # on-policy: the engine holds the policy's weights
-    # objective.importance=auto truncates what an engine with its own weights samples (ratios ~1 here), and only that
+    # objective.importance=auto corrects (token_truncate) what an engine with its own weights samples (ratios ~1 here),
+    # and only that
     assert all(abs(r["is_ratio_mean"] - 1) < 1e-3 and r["is_truncated_fraction"] == 0 for r in vllm)
     assert not any("is_ratio_mean" in r for r in native)
     assert abs(native[0]["log_p_hat"] - vllm[0]["log_p_hat"]) < 0.5  # the same starting model
