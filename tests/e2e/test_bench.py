@@ -5,6 +5,7 @@ from one Python that has imported torch and transformers (``helpers.run_scripts`
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -254,3 +255,18 @@ def test_phase_peaks_records_each_phase_of_a_step_in_call_order(tmp_path):
     step = phases[:phases.index("HFPolicy.optimizer_step") + 1]
     assert step[0] == "HFSampler.sample" and "HFPolicy.forward_backward" in step, phases
     assert step.index("HFPolicy.forward_backward") < step.index("HFPolicy.optimizer_step")
+
+
+def test_the_importance_modes_study_runs_at_its_smoke_size(tmp_path):
+    """bench/importance_modes.py --quick: every mode against the exact gradient, the per-token forms keeping every
+    sample (ESS 1), the plain ratio not (issue 43's L5; the full run is bench/results/importance_modes.md)."""
+    out = tmp_path / "modes.json"
+    done = subprocess.run([sys.executable, "bench/importance_modes.py", "--quick", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    [case] = json.loads(out.read_text())["results"]
+    modes = case["modes"]
+    assert set(modes) == {"on-policy", "none", "plain", "truncate", "mask", "token_truncate", "geometric"}
+    assert case["exact_gradient"] != 0 and all(math.isfinite(row["relative_error_64"]) for row in modes.values())
+    assert min(modes["token_truncate"]["ess_fraction"], modes["geometric"]["ess_fraction"]) > 0.999
+    assert modes["plain"]["ess_fraction"] < 1.0 and modes["on-policy"]["ess_fraction"] is None
