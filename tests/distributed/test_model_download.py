@@ -40,6 +40,9 @@ WORKER = textwrap.dedent('''
         print("resolved", components.resolve_model_dir("Qwen/Qwen3-8B"), flush=True)
     except FileNotFoundError as error:
         print("error", error, flush=True)
+    # out without the groups' destructors: a gloo group torn down while its peer still closes its side can end the
+    # process in "terminate called without an active exception" (this worker exits right after the collective)
+    os._exit(0)
 ''')
 
 
