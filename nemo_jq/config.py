@@ -156,6 +156,11 @@ class RolloutConfig:
     def bucket_bytes(self) -> int:
         return max(16, int(self.sync_bucket_mb * 2**20))
 
+    @property
+    def own_ranks(self) -> int:
+        """The processes that only sample (``placement=separate``'s ``ranks``); 0 when every rank samples."""
+        return self.ranks if self.placement == "separate" else 0
+
 
 @dataclass
 class ObjectiveConfig:

@@ -56,10 +56,15 @@ def add_parser(commands) -> None:
                                      + ", ".join(EXPERIMENTS) + " (nemo-jq experiment NAME --help: its options)")
     experiment.add_argument("-h", "--help", action=ExperimentHelp, nargs=0, help="this help, or NAME's")
     experiment.add_argument("name", choices=EXPERIMENTS)
-    for flags, options in SHARED + [option for own in OWN.values() for option in own]:
-        experiment.add_argument(*flags, **options)
-    experiment.add_argument("overrides", **OVERRIDES)
+    add_options(experiment, [option for own in OWN.values() for option in own])
     experiment.set_defaults(run=run)
+
+
+def add_options(parser: argparse.ArgumentParser, own: list) -> None:
+    """The shared options, ``own`` (an experiment's, or all of them), and the overrides."""
+    for flags, options in SHARED + own:
+        parser.add_argument(*flags, **options)
+    parser.add_argument("overrides", **OVERRIDES)
 
 
 class ExperimentHelp(argparse.Action):
@@ -75,9 +80,7 @@ class ExperimentHelp(argparse.Action):
         module = importlib.import_module(f"nemo_jq.experiments.{name.replace('-', '_')}")
         own = argparse.ArgumentParser(prog=f"{parser.prog} {name}", description=module.__doc__.split("\n\n", 1)[0].replace("``", ""),
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
-        for flags, options in SHARED + OWN[name]:
-            own.add_argument(*flags, **options)
-        own.add_argument("overrides", **OVERRIDES)
+        add_options(own, OWN[name])
         own.print_help()
         parser.exit()
 

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None:
             raise ValueError(f"{args.config} trains a tiny model from scratch (model.path: null): plan sizes real ones")
         if config.train.micro_batch_rows == "auto":  # as train resolves it, for the config's own layout
-            world = args.gpus_per_node * args.nodes - (config.rollout.ranks if config.rollout.placement == "separate" else 0)
+            world = args.gpus_per_node * args.nodes - config.rollout.own_ranks
             config.train.micro_batch_rows = plan.auto_micro_batch_rows(config, args.prompt_tokens, args.gpu_memory,
                                                                        world)[0]
             print(f"train.micro_batch_rows=auto: {config.train.micro_batch_rows} rows at the config's layout "
@@ -96,6 +96,6 @@ def run(args: argparse.Namespace) -> int:
         work = plan.Workload.from_config(config, args.prompt_tokens)
     arch = plan.architecture(args.model)
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
-    result = plan.report(arch, work, layouts, args.gpu_memory, 0.9, args.sync_bandwidth)
+    result = plan.report(arch, work, layouts, args.gpu_memory, plan.HEADROOM, args.sync_bandwidth)
     print(json.dumps(result, indent=2) if args.json else plan.format_report(result))
     return 0

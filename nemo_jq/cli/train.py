@@ -104,13 +104,13 @@ def rows_on_this_gpu(parts) -> int | None:
         say(f"whole groups ({'the CPU' if device.type != 'cuda' else 'a model built from scratch'}: the memory "
             "model sizes a Qwen3 on a GPU)")
         return None
-    from nemo_jq.cluster.plan import auto_micro_batch_rows
+    from nemo_jq.cluster.plan import HEADROOM, auto_micro_batch_rows
 
     longest = sorted(parts.splits.train, key=lambda e: len(e.question) + len(e.context), reverse=True)[:LONGEST_PROMPTS]
     prompt = max(map(len, parts.prompt_ids(longest)))
     gpu = torch.cuda.get_device_properties(device).total_memory / 2**30
     rows, fitted = auto_micro_batch_rows(config, prompt, gpu, distributed.world_size())
-    say(f"{rows} rows ({fitted.total_gib:.1f} of the {0.9 * gpu:.0f} GiB usable on {torch.cuda.get_device_name(device)} "
+    say(f"{rows} rows ({fitted.total_gib:.1f} of the {HEADROOM * gpu:.0f} GiB usable on {torch.cuda.get_device_name(device)} "
         f"by nemo-jq plan's memory model, prompts of {prompt} tokens)")
     return rows
 

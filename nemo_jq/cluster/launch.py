@@ -174,7 +174,7 @@ def separate_rollout_ranks(config: Path | None, overrides: list[str]) -> int:
     if config is None or not Path(config).is_file():
         config, overrides = None, [o for o in overrides if o.partition("=")[0] in ("rollout.placement", "rollout.ranks")]
     rollout = load_config(config, overrides).rollout
-    return rollout.ranks if rollout.placement == "separate" else 0
+    return rollout.own_ranks
 
 
 def train_config(command: list[str]) -> Any | None:
@@ -209,7 +209,7 @@ def roles(config: LaunchConfig, command: list[str]) -> str | None:
     srun numbers the tasks node by node, so they are the allocation's last GPUs), as a comment line; None when every
     rank trains. A split that leaves no training rank is an error before anything is queued."""
     trained = train_config(command)
-    rollout = trained.rollout.ranks if trained is not None and trained.rollout.placement == "separate" else 0
+    rollout = trained.rollout.own_ranks if trained is not None else 0
     if not rollout:
         return None
     from nemo_jq.runtime.distributed import role_of

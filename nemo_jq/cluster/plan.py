@@ -205,8 +205,12 @@ COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logprob_head"
               "vllm")
 
 
+#: The share of a GPU's memory a layout may fill (the rest: the allocator's fragmentation, CUDA's context, NCCL).
+HEADROOM = 0.9
+
+
 def auto_micro_batch_rows(config: Any, prompt_tokens: int, gpu_gb: float, world_size: int = 1,
-                          headroom: float = 0.9) -> tuple[int, LayoutEstimate]:
+                          headroom: float = HEADROOM) -> tuple[int, LayoutEstimate]:
     """``train.micro_batch_rows=auto``: the most rows a forward/backward may hold (at most ``micro_batch_size`` x M)
     for which this memory model (the dry run's within a few percent: docs/results/dryrun_configs.md) fits the run's
     layout on a GPU of ``gpu_gb`` GiB, and that estimate. A row count that fits nowhere is a ``ValueError`` naming
@@ -490,7 +494,7 @@ def overrides(layout: LayoutEstimate, work: Workload) -> str:
 
 
 def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: int, gpu_gb: float,
-         headroom: float = 0.9) -> list[LayoutEstimate]:
+         headroom: float = HEADROOM) -> list[LayoutEstimate]:
     """Every feasible layout's estimate, in recommendation order (fitting ones first, then the least memory)."""
     if work.optimizer not in OPTIMIZER_MODES:
         raise ValueError(f"--optimizer {work.optimizer!r}: choose one of {', '.join(OPTIMIZER_MODES)}")

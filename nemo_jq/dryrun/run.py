@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from nemo_jq.cluster.plan import auto_micro_batch_rows
+from nemo_jq.cluster.plan import HEADROOM, auto_micro_batch_rows
 from nemo_jq.config import Config
 from nemo_jq.dryrun.bounds import GpuProfile, seconds_at_least
 from nemo_jq.dryrun.memory import MemoryTracker, gib
@@ -58,7 +58,7 @@ class DoesNotFit(ValueError):
 
 
 def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decode_steps: int = 2,
-            headroom: float = 0.9, world_size: int | None = None, ranks: list[int] | None = None,
+            headroom: float = HEADROOM, world_size: int | None = None, ranks: list[int] | None = None,
             skip_repeats: bool = True, gpus_per_node: int = 8, host_memory_gib: float | None = None) -> dict[str, Any]:
     """The report of ``config``'s first step on ``gpu`` (see the module docstring); ``prompt_tokens``: the longest
     prompt the data holds; ``skip_repeats``: run a training chunk of a shape already seen twice only in its FLOPs

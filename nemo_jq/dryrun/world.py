@@ -134,10 +134,9 @@ class FakeWorld:
         copies one GPU storage to the host at a time as it writes: the largest is held on the host meanwhile
         (``host_bytes``: another writer's)."""
         key = f"dry run file {len(self._files)}"
-        tensors = [value for value in tree_leaves(obj) if isinstance(value, torch.Tensor)]
         if host_bytes is None:
-            host_bytes = max((tensor.untyped_storage().nbytes() for tensor in tensors if tensor.device.type != "cpu"),
-                             default=0)
+            host_bytes = max((value.untyped_storage().nbytes() for value in tree_leaves(obj)
+                              if isinstance(value, torch.Tensor) and value.device.type != "cpu"), default=0)
         with self.tracker.host_reserved(host_bytes):
             self._files[key] = tree_map_only(FakeTensor, _Saved.of, obj)  # real ones (generator states) kept as they are
         Path(path).write_text(key)

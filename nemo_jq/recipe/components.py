@@ -77,7 +77,7 @@ def this_ranks_part(config: Config, run_dir: Path, *, existing: bool, overwrite:
     """What this process does in a run: it joins torchrun's world (split into roles under ``rollout.placement=separate``);
     a rollout rank gets the server it runs, a training rank the run directory (claimed, for a new run) and the
     components. ``existing``: reopening ``run_dir`` (with its saved tokenizer)."""
-    separate = config.rollout.ranks if config.rollout.placement == "separate" else 0
+    separate = config.rollout.own_ranks
     device = distributed.init_from_env(resolve_device(config.train.device),
                                         timedelta(minutes=config.train.collective_timeout_minutes), rollout_ranks=separate)
     tokenizer_dir = run_dir / TOKENIZER_DIR if existing else None

@@ -104,11 +104,13 @@ class Trainer:
             return None
         train, epochs_steps = self.config.train, self.epochs_steps
         if self.state.step >= epochs_steps:
-            return (f"{self.run_dir}: the run finished its {train.epochs} epoch{'s' * (train.epochs != 1)} ({epochs_steps} "
-                    f"steps) and has nothing "
-                    f"left to train; raise train.epochs (e.g. --resume {self.run_dir} train.epochs={train.epochs * 2})")
-        return (f"{self.run_dir}: the run finished its train.max_steps={train.max_steps} steps and has nothing left to "
-                f"train; raise train.max_steps (e.g. --resume {self.run_dir} train.max_steps={min(epochs_steps, 2 * train.max_steps)})")
+            limit, key = f"its {train.epochs} epoch{'s' * (train.epochs != 1)} ({epochs_steps} steps)", "train.epochs"
+            raised = train.epochs * 2
+        else:
+            limit, key = f"its train.max_steps={train.max_steps} steps", "train.max_steps"
+            raised = min(epochs_steps, 2 * train.max_steps)
+        return (f"{self.run_dir}: the run finished {limit} and has nothing left to train; raise {key} (e.g. --resume "
+                f"{self.run_dir} {key}={raised})")
 
     # ----------------------------------------------------------------- train
     def fit(self, max_steps: int | None = None, stop: StopSignals | None = None,
