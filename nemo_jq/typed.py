@@ -35,10 +35,13 @@ _BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", ope
 
 
 def bounds_text(metadata: Any) -> str:
-    """What a field allows, as ``nemo-jq train --help`` prints it (``>= 1``, ``one of a, b``)."""
-    if metadata.get("choices"):
-        return "one of " + ", ".join(metadata["choices"])
-    return " and ".join(f"{symbol} {metadata[key]}" for key, (symbol, _) in _BOUNDS.items() if metadata.get(key) is not None)
+    """What a field allows, as ``nemo-jq train --help`` prints it (``>= 1``, ``one of a, b``, ``>= 1, or auto`` for a
+    number that may also be one of its words)."""
+    words = metadata.get("choices") or ()
+    numbers = " and ".join(f"{symbol} {metadata[key]}" for key, (symbol, _) in _BOUNDS.items() if metadata.get(key) is not None)
+    if numbers and words:
+        return f"{numbers}, or {', '.join(words)}"
+    return "one of " + ", ".join(words) if words else numbers
 
 
 def build(cls: type, raw: Any, prefix: str) -> Any:
@@ -71,7 +74,7 @@ def check_range(value: Any, metadata: Any, key: str) -> Any:
         return value
     choices = metadata.get("choices")
     if choices and isinstance(value, str) and value not in choices:  # a number is held to the field's range
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+        raise ConfigError(f"{key} must be {bounds_text(metadata)}; got {value!r}")
     if isinstance(value, (int, float)) and not all(
         check(value, metadata[key]) for key, (_, check) in _BOUNDS.items() if metadata.get(key) is not None
     ):

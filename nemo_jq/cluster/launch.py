@@ -101,6 +101,11 @@ def load_launch_config(path: Path) -> LaunchConfig:
                          "\"D-HH:MM:SS\" or minutes (\"240\"); an unquoted 2:00:00 is YAML's number 7200")
     if not isinstance(config.mem, str) or not SLURM_MEM.fullmatch(config.mem):
         raise ValueError(f"{path}: mem={config.mem!r} is not a SLURM memory size: \"0\" (all of the node's), \"512G\", ...")
+    interface = config.network_interface
+    if interface is not None and (not isinstance(interface, str) or not re.fullmatch(r"[=^]?[\w.:-]+(,[\w.:-]+)*", interface)):
+        raise ValueError(f"{path}: network_interface={interface!r} is not an interface name: write it as the node calls it "
+                         "(ib0, eth0; a comma-separated list, as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME take it), or "
+                         "leave it out")
     if not isinstance(config.exclusive, bool):
         raise ValueError(f"{path}: exclusive={config.exclusive!r} must be true or false")
     return config

@@ -87,6 +87,9 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("account: a\ncontainer_image: x.sqsh\ntime: 2:00:00\n", "time=7200 is not a SLURM time limit"),
     ("account: a\ncontainer_image: x.sqsh\nmem: 80 GB\n", "mem='80 GB' is not a SLURM memory size"),
     ("account: a\ncontainer_image: x.sqsh\ncpus_per_task: 0\n", "cpus_per_task=0 must be a whole number >= 1"),
+    ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: 5\n", "network_interface=5 is not an interface name"),
+    ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: ''\n", "network_interface='' is not an interface name"),
+    ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: ib0 eth0\n", "network_interface='ib0 eth0' is not an"),
 ])
 def test_bad_launch_configs_are_one_line_errors(tmp_path, capsys, text, message):
     assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train"]) == 2
