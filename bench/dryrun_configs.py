@@ -128,10 +128,12 @@ def markdown(results: list[dict], prompt_tokens: int) -> str:
              "H100. Configs that differ only in what the dry run cannot see (bench/dryrun_configs.py's `UNSEEN`: q, "
              "the dataset, the run directory...) share a row; host GiB a node: the host memory this project's code "
              "holds on a node of 8 GPUs at the fullest process's peak (in its phase; not vLLM's own process memory, "
-             "Python or the libraries); simulated in: seconds on this build machine's 2 shared cores.", "",
+             "Python or the libraries); decode: the prompts a step's rollouts have an engine decode of its replica's, "
+             "over the replica's engines (counted on the simulated ranks; **twice**: a prompt decoded by more than one "
+             "engine); simulated in: seconds on this build machine's 2 shared cores.", "",
              "| configs | GPUs | " + " | ".join(phase.replace("_", " ") for phase in TABLE_PHASES)
-             + " | host GiB a node | fits | plan/dry | s/step A100 / H100 | simulated in |",
-             "| --- " * (len(TABLE_PHASES) + 8) + "|"]
+             + " | host GiB a node | fits | plan/dry | decode | s/step A100 / H100 | simulated in |",
+             "| --- " * (len(TABLE_PHASES) + 9) + "|"]
     for entry in results:
         report, paths = entry["report"], entry["configs"]
         cells = []
@@ -148,9 +150,17 @@ def markdown(results: list[dict], prompt_tokens: int) -> str:
         host = report["host"]
         lines.append(f"| {name} | {report.get('world_size', 1)} | " + " | ".join(cells)
                      + f" | {host['gib']:.1f} ({host['phase'].replace('_', ' ')}) | {'yes' if report['fits'] else '**no**'} | "
-                     + (f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "–") + " | "
+                     + (f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "–") + f" | {decode_cell(report['decode'])} | "
                      f"{step['a100-80gb']:.0f} / {step['h100-80gb']:.0f} | {entry['dry_run_seconds']:.0f} s |")
     return "\n".join(lines) + "\n"
+
+
+def decode_cell(decode: dict[str, Any] | None) -> str:
+    """``8 of 32, 4 engines``: the most an engine decoded of its replica's prompts (–: rollout ranks of their own)."""
+    if decode is None:
+        return "–"
+    cell = f"{decode['most_decoded']} of {decode['replica_prompts']}, {decode['engines']} engine{'s' * (decode['engines'] > 1)}"
+    return cell + (" **twice**" if decode["duplicated"] else "")
 
 
 if __name__ == "__main__":

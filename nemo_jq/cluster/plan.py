@@ -493,6 +493,47 @@ def overrides(layout: LayoutEstimate, work: Workload) -> str:
     return " ".join(keys)
 
 
+def decode_engines(work: Workload, tp: int, pp: int) -> int:
+    """The engines that sample one replica's rollouts: colocated vLLM has one on every ``vllm_tensor_parallel``
+    ranks of the replica (each decodes a share of every call: ``rollouts.refit.ReplicaShares``); the native and hf
+    samplers decode on the replica's first rank alone; rollout ranks of their own serve whole replicas."""
+    if work.rollout_engine == "vllm" and not work.rollout_ranks:
+        return tp * pp * work.context_parallel // work.vllm_tensor_parallel
+    return 1
+
+
+def decode_work(work: Workload, tp: int, pp: int, dp: int) -> dict[str, Any] | None:
+    """How a step's rollouts are decoded at a layout, and what the setting leaves unused while they are: each
+    replica's prompts, its engines and the prompts each decodes, its ranks that decode nothing (they wait), and its
+    engines that get no prompt (fewer prompts than engines: they step with the others, empty). None with rollout ranks
+    of their own, which sample while the training ranks train."""
+    if work.rollout_ranks:
+        return None
+    engines, ranks = decode_engines(work, tp, pp), tp * pp * work.context_parallel
+    prompts = math.ceil(work.batch_prompts / dp)
+    engine_ranks = work.vllm_tensor_parallel if work.rollout_engine == "vllm" else 1
+    return {"replica_prompts": prompts, "samples": work.samples, "replica_ranks": ranks, "engines": engines,
+            "prompts_per_engine": math.ceil(prompts / engines), "waiting_ranks": ranks - engines * engine_ranks,
+            "empty_engines": max(0, engines - prompts)}
+
+
+def format_decode(decode: dict[str, Any], engine: str) -> str:
+    """:func:`decode_work` in one line, naming the setting that puts what waits to work."""
+    line = f"decode: each replica's {decode['replica_prompts']} prompts x {decode['samples']} rollouts"
+    if engine == "vllm":
+        line += (f" over its {decode['engines']} vLLM engine{'s' * (decode['engines'] > 1)} "
+                 f"({decode['prompts_per_engine']} prompts each, none decoded twice)")
+        if decode["empty_engines"]:
+            line += (f"; {decode['empty_engines']} engines get no prompt (fewer prompts than engines): a larger "
+                     "--batch-prompts or --rollout-tensor-parallel")
+        return line
+    line += " on its first rank"
+    if decode["waiting_ranks"]:
+        line += (f"; its other {decode['waiting_ranks']} ranks wait while it decodes: --rollout-engine vllm splits the "
+                 "prompts over the replica's ranks")
+    return line
+
+
 def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: int, gpu_gb: float,
          headroom: float = HEADROOM) -> list[LayoutEstimate]:
     """Every feasible layout's estimate, in recommendation order (fitting ones first, then the least memory)."""
@@ -547,6 +588,8 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
         result["rollout_rank"] = {**parts, "total": total, "fits": fits}
         result["weight_sync"] = weight_sync(arch, work, sync_gb_s)
         best = best if result["rollout_rank"]["fits"] else None
+    shown = best or layouts[0]
+    result["decode"] = decode_work(work, shown.tensor_parallel, shown.pipeline_parallel, shown.data_parallel)
     return {**result, "recommended": asdict(best) if best else None, "overrides": overrides(best, work) if best else None,
             "layouts": [asdict(layout) for layout in layouts]}
 
@@ -586,5 +629,8 @@ def format_report(result: dict[str, Any]) -> str:
                      f"PP={closest['pipeline_parallel']}{context} DP={closest['data_parallel']}, needs "
                      f"{closest['total_gib']} GiB, most of it the {largest.replace('_', ' ')} "
                      f"({closest[largest + '_gib']} GiB): try {closest['advice']}")
+    if result.get("decode"):
+        lines.append(format_decode(result["decode"], result["workload"]["rollout_engine"])
+                     + ("" if best else " (at the closest layout)"))
     lines.append("assumptions: see `nemo-jq plan --help` (estimates from shapes, not measurements)")
     return "\n".join(lines)

@@ -31,19 +31,21 @@ GPUS = {
 
 def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Config, gpu: GpuProfile) -> float:
     """A lower bound on the phase's time in the run on ``gpu``. Training: the FLOPs counted on one micro-batch, times
-    the replica's micro-batches, at the bf16 peak. Sampling (the step's rollouts; an evaluation of the validation
+    the replica's micro-batches (its share of the batch), at the bf16 peak. Sampling (the step's rollouts; an evaluation of the validation
     split): every decode step of every chunk reads the sampler's weights as it holds them and the keys and values so
     far, at the memory bandwidth (or its 2 FLOPs a parameter a token at the peak, where that is more); the dry run
-    itself ran only a few of those steps. Other phases: their FLOPs at the peak."""
+    itself ran only a few of those steps, of the prompts this rank's engine decodes or waits for (its replica's share
+    over the replica's engines: the shape's ``rollout_prompts`` and ``evaluate_prompts``). Other phases: their FLOPs at
+    the peak."""
     seconds = flops / gpu.bf16_flops
     if phase == "train":
-        return seconds * math.ceil(shape["batch_prompts"] / shape["micro_batch_prompts"])
+        return seconds * math.ceil(shape["replica_prompts"] / shape["micro_batch_prompts"])
     if phase == "rollout":
-        return sampling_seconds(shape, config, gpu, shape["batch_prompts"], config.rollout.num_samples,
+        return sampling_seconds(shape, config, gpu, shape["rollout_prompts"], config.rollout.num_samples,
                                 answers=shape["sampled_answers"])
     if phase == "evaluate":
-        calls = math.ceil(config.data.validation_size / config.eval.batch_size)
-        return calls * sampling_seconds(shape, config, gpu, config.eval.batch_size, config.eval.num_samples, answers=True)
+        return shape["evaluate_calls"] * sampling_seconds(shape, config, gpu, shape["evaluate_prompts"],
+                                                          config.eval.num_samples, answers=True)
     return seconds
 
 

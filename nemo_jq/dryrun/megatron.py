@@ -175,9 +175,10 @@ class _ObjectCollectives:
     parameter names and dtypes (another stage's layers have the same shapes, and the weights refit and exported one
     at a time have the largest, the embedding's or the LM head's, on either stage). ``all_gather_object`` fills every
     rank's slot with this rank's object; ``broadcast_object_list`` leaves the list as this rank holds it. A replica's
-    rollouts, which its first rank sends to the others, are this rank's own: vLLM samples on every rank, in lockstep,
-    the same prompts with the same seeds; a rank that samples none (the native or hf sampler's replicas but their
-    first rank) is sent what the sampling rank's dry run samples (``phases.DryRun._rollouts_from_the_sampling_rank``).
+    rollouts, which its first rank sends to the others, are this rank's own; where vLLM's engines of a replica each
+    sample a share of its prompts, the other shares are full-budget rows (``phases.DryRun._other_shares``); a rank that
+    samples none (the native or hf sampler's replicas but their first rank) is sent what the sampling rank's dry run
+    samples (``phases.DryRun._rollouts_from_the_sampling_rank``).
     """
 
     def __enter__(self) -> _ObjectCollectives:

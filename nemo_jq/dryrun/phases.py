@@ -15,6 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from nemo_jq.backends import BackendRequest
+from nemo_jq.cluster.plan import Workload, decode_engines
 from nemo_jq.config import Config
 from nemo_jq.data import Example, Splits
 from nemo_jq.dryrun.bounds import GpuProfile, total_flops_counter
@@ -65,6 +66,11 @@ class DryRun:
         self.separate = config.rollout.placement == "separate"
         #: The dtype of the weights this rank sent the rollout ranks (None: it sent none).
         self.sent_dtype: torch.dtype | None = None
+        #: The prompts this rank's engine decoded in each phase's first sampling call (:meth:`_counted`), of the
+        #: replicas' (``replicas``) shares of a call; and the current call's rows a prompt and budget.
+        self.decoded_prompts: dict[str, int] = {}
+        self.replicas = 1
+        self.sampling_call: tuple[int, int] = (1, 1)
 
     def first_step(self) -> None:
         from nemo_jq.recipe.trainer import Trainer
@@ -73,6 +79,7 @@ class DryRun:
             self._label_kernels()
             trainer = Trainer(self.config, run_dir=self.scratch / "run", components=self._components())
             watching = self._watch(trainer)
+            self.replicas = trainer.data_parallel.size
             self.sampler_bytes = self._weight_bytes(sampler_of(trainer.components.engine))
             self.sampled_answers = Need.SAMPLED_ANSWER_REWARD in trainer.objective.estimator.needs
             examples = trainer.components.splits.train
@@ -124,6 +131,7 @@ class DryRun:
         from nemo_jq.recipe.components import rollout_rank_engine
 
         config, rollout = self.config, self.config.rollout
+        self.replicas = replicas
         with self.stack:
             self._label_kernels()
             chat = ChatFormat(StandInTokenizer(self.prompt_tokens, rollout.max_answer_tokens))
@@ -162,6 +170,29 @@ class DryRun:
         from nemo_jq.dryrun.megatron import samples
 
         return self.place is None or self.separate or samples(self.config, self.place)
+
+    def _decode_work(self) -> dict[str, int]:
+        """The prompts this rank's engine decodes (or waits for) in a step's rollouts and in each evaluation call,
+        and the evaluation's calls: each replica's share of the batch (of the validation split, in calls of
+        ``eval.batch_size``), over its engines (``decode_engines``), at least what was counted (:meth:`_counted`);
+        with rollout ranks of their own, the busiest one's replicas' (the training ranks wait for it)."""
+        config, replicas = self.config, self.replicas
+        validation = -(-config.data.validation_size // replicas)
+        shares = {"rollout": -(-config.train.batch_size // replicas), "evaluate": min(config.eval.batch_size, validation)}
+        if self.separate:
+            served = -(-replicas // config.rollout.ranks)
+            decoded = {phase: served * prompts for phase, prompts in shares.items()}
+        else:
+            engines = decode_engines(Workload.from_config(config, self.prompt_tokens), *self._model_parallel())
+            decoded = {phase: max(self.decoded_prompts.get(phase, 0), -(-prompts // engines))
+                       for phase, prompts in shares.items()}
+        return {"replica_prompts": shares["rollout"], "rollout_prompts": decoded["rollout"],
+                "evaluate_prompts": decoded["evaluate"], "evaluate_calls": -(-validation // config.eval.batch_size)}
+
+    def _model_parallel(self) -> tuple[int, int]:
+        """TP and PP of the simulated Megatron rank's layout; (1, 1) for the hf backend's one process."""
+        layout = self.config.megatron
+        return (1, 1) if self.place is None else (layout.tensor_parallel, layout.pipeline_parallel)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -288,7 +319,12 @@ class DryRun:
             self._rollouts_from_the_sampling_rank(parts.engine)
         sampler = sampler_of(parts.engine)
         watching = contextlib.ExitStack()
-        watching.enter_context(patched(sampler, "sample", self._full_budget(sampler)))
+        watching.enter_context(patched(sampler, "sample", self._counted(self._full_budget(sampler))))
+        if hasattr(sampler, "sample_seeded"):  # vLLM's: each engine of a replica samples a share (refit.ReplicaShares)
+            stand_in = sampler.sample_seeded
+            watching.enter_context(patched(sampler, "sample_seeded", self._counted(
+                lambda prompts, seeds, *args, **kwargs: stand_in(prompts, seeds, *args, **kwargs))))
+            watching.enter_context(patched(refit, "gather_shares", self._other_shares))
         # row chunks score every row first: activations until the gradients are accumulated
         gradient = self._in_phase(trainer_module.estimator_gradient, "train", "activations")
         watching.enter_context(patched(trainer_module, "estimator_gradient", gradient))
@@ -379,6 +415,23 @@ class DryRun:
 
         return wrapped
 
+    def _counted(self, sample: Callable) -> Callable:
+        """``sample`` (a sampler's, or its ``sample_seeded``) counting the prompts of each phase's first call: what
+        this rank's engine decodes of its replica's (the shape's ``decoded_prompts``)."""
+        def counted(prompts, *args, **kwargs):
+            self.decoded_prompts.setdefault(self.world.phase_name, len(prompts))
+            self.sampling_call = (args[-1], kwargs["max_new_tokens"])  # num_samples: both signatures' last positional
+            return sample(prompts, *args, **kwargs)
+
+        return counted
+
+    def _other_shares(self, own, share, sizes, group, *, sends):
+        """``refit.gather_shares`` on the fake group, which carries no peer's object: this rank's engine's share as it
+        sampled it, the replica's other engines' as rows at their full budget."""
+        num_samples, max_new_tokens = self.sampling_call
+        row_group = full_budget_samples([[0]], num_samples, max_new_tokens)[0]
+        return [own if index == share else [row_group] * size for index, size in enumerate(sizes)]
+
     def _full_budget(self, sampler):
         """The sampler's ``sample``: its real code on the largest chunk it samples at once (the peak is the same for
         every chunk), for the world's decode steps; every row then runs to its full budget (the longest rows)."""
@@ -447,5 +500,8 @@ class DryRun:
                 "sequence_tokens": self.prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens,
                 "samples": rollout.num_samples, "batch_prompts": self.config.train.batch_size,
                 "micro_batch_prompts": self.config.train.micro_batch_size, "sampled_answers": self.sampled_answers,
-                "sampler_weight_bytes": self.sampler_bytes,
+                "sampler_weight_bytes": self.sampler_bytes, "replicas": self.replicas,
+                "decode_engines": decode_engines(Workload.from_config(self.config, self.prompt_tokens),
+                                                 *self._model_parallel()) if not self.separate else 0,
+                "decoded_prompts": dict(self.decoded_prompts), **self._decode_work(),
                 "kv_bytes_per_token": 2 * 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim}

@@ -62,6 +62,33 @@ def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, 
     return rows
 
 
+def decode_work(report: dict[str, Any]) -> dict[str, Any] | None:
+    """How each replica's rollouts were decoded: its prompts a step, its engines (``plan.decode_engines``), an engine's
+    share, and the most any simulated rank's engine decoded (counted: ``DryRun._counted``); ``duplicated`` where that
+    is more than its share, as when every engine of a replica decoded all of its prompts. None with rollout ranks of
+    their own (each serves whole replicas)."""
+    shape = report["shape"]
+    if not shape["decode_engines"]:
+        return None
+    simulated = list(report["ranks"].values()) if "ranks" in report else [report]
+    prompts, engines = shape["replica_prompts"], shape["decode_engines"]
+    share = -(-prompts // engines)
+    most = max(rank["shape"]["decoded_prompts"].get("rollout", 0) for rank in simulated)
+    return {"replica_prompts": prompts, "engines": engines, "share": share, "most_decoded": most,
+            "duplicated": most > share}
+
+
+def format_decode(decode: dict[str, Any]) -> str:
+    if decode["duplicated"]:
+        return (f"decode: DUPLICATED: a rank's engine decoded {decode['most_decoded']} of its replica's "
+                f"{decode['replica_prompts']} prompts, where its share over the replica's {decode['engines']} engines "
+                f"is {decode['share']}: the replica decodes each prompt up to "
+                f"{decode['engines'] * decode['most_decoded'] / decode['replica_prompts']:.1f} times")
+    return (f"decode: each replica's {decode['replica_prompts']} prompts a step over its {decode['engines']} "
+            f"engine{'s' * (decode['engines'] > 1)}, {decode['share']} at most each (counted: "
+            f"{decode['most_decoded']}); none decoded twice")
+
+
 def format_report(report: dict[str, Any]) -> str:
     simulated = list(report["ranks"].values()) if "ranks" in report else [report]
     world = f"rank(s) of {report['world_size']} GPUs, each simulated apart" if "ranks" in report else report["rank"]
@@ -82,6 +109,8 @@ def format_report(report: dict[str, Any]) -> str:
                  f"the dry run executed ({report['decode_steps']} decode steps a sampling call, one micro-batch"
                  f"{' (PP of them under pipeline parallelism)' if 'ranks' in report else ''}); s at least: the whole "
                  "step's bound (docs/dryrun.md)")
+    if report.get("decode"):
+        lines.append(format_decode(report["decode"]))
     host = report.get("host")
     if host:
         limit = f" of the {host['memory_gib']:g} GiB given: {'fits' if host['fits'] else 'does NOT fit'}" \

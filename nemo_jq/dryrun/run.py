@@ -28,6 +28,7 @@ from nemo_jq.config import Config
 from nemo_jq.dryrun.bounds import GpuProfile, seconds_at_least
 from nemo_jq.dryrun.memory import MemoryTracker, gib
 from nemo_jq.dryrun.phases import DryRun
+from nemo_jq.dryrun.report import decode_work
 from nemo_jq.dryrun.world import GPU, FakeWorld
 
 #: The knob that shrinks each kind of bytes, for the one line a run that does not fit gets.
@@ -107,6 +108,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
         report["fits"] = report["fits"] and report["rollout_rank"]["fits"]
     replica_of = None if config.model.backend != "megatron" else \
         (lambda rank: megatron.RankPlace.of(rank, config.megatron, report["world_size"]).data_parallel)
+    report["decode"] = decode_work(report)
     report["host"] = {**host_per_node(report, gpus_per_node, replica_of), "memory_gib": host_memory_gib}
     report["host"]["fits"] = host_memory_gib is None or report["host"]["gib"] <= host_memory_gib
     return report

@@ -52,6 +52,9 @@ class ReservedShare:
     def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
         return full_budget_samples(prompts, num_samples, max_new_tokens)
 
+    def sample_seeded(self, prompts, seeds, num_samples, *, stop_ids, max_new_tokens, greedy=False):
+        return full_budget_samples(prompts, num_samples, max_new_tokens)
+
 
 def full_budget_samples(prompts, num_samples: int, max_new_tokens: int) -> list[list[Sample]]:
     """Every row run to its full budget without stopping: the longest rollouts (their token values are unknown)."""

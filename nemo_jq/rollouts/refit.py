@@ -9,7 +9,8 @@ import torch
 
 from nemo_jq.models.interfaces import RefittablePolicy, Rollout, require
 from nemo_jq.rollouts.budget import BudgetedRollouts
-from nemo_jq.rollouts.sampling import Sample
+from nemo_jq.rollouts.sampling import Sample, seed_from
+from nemo_jq.typed import ConfigError
 
 
 class RefittedRolloutEngine:
@@ -20,7 +21,8 @@ class RefittedRolloutEngine:
     same rollouts: the group's first ``engine.tensor_parallel`` ranks (consecutive: the first stage's first
     tensor-parallel ranks) refit and sample together, in step, and the first of them sends the rollouts to
     the others. An engine in ``lockstep`` (vLLM under torchrun: its engines are data-parallel ranks that step
-    together) has every rank sample, each replica's ranks with the same prompts and seeds.
+    together) is on every rank; where a replica holds several (``rollout.tensor_parallel`` below the replica's
+    ranks), each samples a distinct share of every call and every rank gets them all (:class:`ReplicaShares`).
     """
 
     on_policy = False
@@ -55,6 +57,10 @@ class RefittedRolloutEngine:
         rollouts = None
         with self.engine.awake():  # one wake and one sleep for the refit and both phases
             self._refit(samplers)
+            if self.lockstep and shared and dist.get_world_size(group) > self.engine.tensor_parallel:
+                with replica_shares(self.engine, group):  # every rank samples its engine's share, and gets them all
+                    return self.engine.generate(prompts, num_samples, sample_answers=sample_answers,
+                                                generator=generator, greedy=greedy)
             if samplers is None or dist.get_rank() in samplers:
                 waited_for = shared and dist.get_world_size(group) > len(samplers)
                 with reporting_chunks(self.engine, lambda: share_object(None, samplers[0], group)) if waited_for else \
@@ -124,6 +130,79 @@ def reporting_chunks(engine: BudgetedRollouts, report: Callable[[], None]) -> It
     engine.sampler = ChunkReporting(sampler, report)
     try:
         yield
+    finally:
+        engine.sampler = sampler
+
+
+class ReplicaShares:
+    """A lockstep ``sampler`` (vLLM under torchrun) on the ranks of one model replica (``group``) that hold several of
+    its engines (``sampler.tensor_parallel`` consecutive ranks each): every call's prompts are cut into one contiguous
+    share per engine (the first ones a prompt longer where they do not divide), each engine samples its own, and every
+    rank gets them all (:func:`gather_shares`). Each prompt's seed is drawn from ``generator`` as one engine sampling
+    the whole call draws it (:meth:`sample`, then ``sample_seeded``), so the samples are that engine's, and the replica
+    decodes each prompt once where every engine decoding the whole call decoded it once per engine (issue 43's N5)."""
+
+    def __init__(self, sampler: Any, group: Any):
+        import torch.distributed as dist
+
+        if not hasattr(sampler, "sample_seeded"):
+            raise ConfigError(f"{type(sampler).__name__} samples in lockstep on every rank but has no sample_seeded("
+                              "prompts, seeds, ...): the engines of one replica cannot split its prompts, and each would "
+                              "decode all of them (docs/extending.md)")
+        tp = sampler.tensor_parallel
+        engines = sorted({rank // tp for rank in dist.get_process_group_ranks(group)})
+        self.sampler, self.group = sampler, group
+        self.share, self.engines = engines.index(dist.get_rank() // tp), len(engines)
+        self.lead = dist.get_rank() % tp == 0  # the engine's first rank sends its share; its other ranks hold the same
+        #: Prompts this rank's engine decoded, call by call (what the dry run counts against the replica's).
+        self.decoded: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the sampler (tensor_parallel, awake, load_weights...)
+        return getattr(self.sampler, name)
+
+    def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
+               generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
+        seeds = [seed_from(generator) for _ in prompts]
+        sizes = share_sizes(len(prompts), self.engines)
+        start = sum(sizes[:self.share])
+        end = start + sizes[self.share]
+        own = self.sampler.sample_seeded(prompts[start:end], seeds[start:end], num_samples, stop_ids=stop_ids,
+                                         max_new_tokens=max_new_tokens, greedy=greedy)
+        self.decoded.append(end - start)
+        return [group for share in gather_shares(own, self.share, sizes, self.group, sends=self.lead) for group in share]
+
+
+def share_sizes(prompts: int, engines: int) -> list[int]:
+    """How many of ``prompts`` each of ``engines`` samples: as even as they go, the first ones the longer."""
+    return [prompts // engines + (index < prompts % engines) for index in range(engines)]
+
+
+def gather_shares(own: list[list[Sample]], share: int, sizes: list[int], group: Any, *,
+                  sends: bool) -> list[list[list[Sample]]]:
+    """Every engine's samples, by share, on every rank of ``group``, in one collective: ``own``, this rank's engine's
+    (share ``share``), from the ranks that ``sends`` (each engine's first; its others hold the same). ``sizes``: each
+    share's prompts."""
+    import torch.distributed as dist
+
+    slots: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(slots, (share, own if sends else None), group=group)
+    shares: list[Any] = [None] * len(sizes)
+    for index, samples in slots:
+        if samples is not None:
+            shares[index] = samples
+    if any(found is None or len(found) != size for found, size in zip(shares, sizes)):
+        raise RuntimeError(f"the replica's engines sent shares of {[None if f is None else len(f) for f in shares]} "
+                           f"prompts where {sizes} were asked")
+    return shares
+
+
+@contextmanager
+def replica_shares(engine: BudgetedRollouts, group: Any) -> Iterator[ReplicaShares]:
+    """While it lasts, ``engine``'s sampler samples this rank's engine's share of every call (:class:`ReplicaShares`)."""
+    sampler = engine.sampler
+    engine.sampler = shares = ReplicaShares(sampler, group)
+    try:
+        yield shares
     finally:
         engine.sampler = sampler
 

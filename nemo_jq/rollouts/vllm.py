@@ -405,13 +405,23 @@ class VLLMSampler:
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
                generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
+        """A seed per prompt drawn from ``generator`` (one shared seed gives every prompt the same noise), then
+        :meth:`sample_seeded`."""
+        return self.sample_seeded(prompts, [seed_from(generator) for _ in prompts], num_samples, stop_ids=stop_ids,
+                                  max_new_tokens=max_new_tokens, greedy=greedy)
+
+    def sample_seeded(self, prompts: Sequence[list[int]], seeds: Sequence[int], num_samples: int, *,
+                      stop_ids: Sequence[int], max_new_tokens: int, greedy: bool = False) -> list[list[Sample]]:
+        """Each prompt's ``num_samples`` continuations from its own seed: a prompt's samples do not depend on the
+        others in the call, so the engines of one replica can each take a share of a call (``refit.ReplicaShares``).
+        An empty call still steps with the other data-parallel engines until they finish (vLLM's dummy batches)."""
         from vllm import SamplingParams
 
         check_request(prompts, num_samples, max_new_tokens)
         settings = SamplingSettings(temperature=0.0) if greedy else self.settings
         params = [SamplingParams(**sampling_params_kwargs(settings, num_samples=num_samples, stop_ids=stop_ids,
-                                                          max_new_tokens=max_new_tokens, seed=seed_from(generator)))
-                  for _ in prompts]  # a seed per prompt: one shared seed gives every prompt the same noise
+                                                          max_new_tokens=max_new_tokens, seed=seed))
+                  for seed in seeds]
         with self.awake():
             outputs = self._engine().generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [[sample_from_completion(c) for c in output.outputs] for output in outputs]

@@ -281,3 +281,22 @@ def test_auto_micro_batch_rows_is_the_most_rows_the_memory_model_fits():
     assert auto_micro_batch_rows(config, 1024, 40.0)[0] < rows
     with pytest.raises(ValueError, match="train.micro_batch_rows=auto: even 1 row needs .* GiB of the 4 usable, most of it"):
         auto_micro_batch_rows(config, 1024, 5.0)
+
+
+def test_plan_says_how_a_steps_decode_is_split_and_what_waits(capsys):
+    """Issue 43's N5: at TP=2 PP=2 DP=2 with rollout.tensor_parallel=1 a replica holds 4 vLLM engines, each decoding a
+    quarter of its 32 prompts; the native sampler decodes on the replica's first rank while the other 3 wait (plan
+    names the setting that splits it); with fewer prompts than engines, the engines left without one are named."""
+    vllm = plan.Workload(rollout_engine="vllm", batch_prompts=64, samples=16)
+    assert plan.decode_work(vllm, 2, 2, 2) == {"replica_prompts": 32, "samples": 16, "replica_ranks": 4, "engines": 4,
+                                               "prompts_per_engine": 8, "waiting_ranks": 0, "empty_engines": 0}
+    assert plan.decode_work(replace(vllm, vllm_tensor_parallel=2), 2, 2, 2)["engines"] == 2
+    native = plan.decode_work(replace(vllm, rollout_engine="native"), 2, 2, 2)
+    assert native["engines"] == 1 and native["prompts_per_engine"] == 32 and native["waiting_ranks"] == 3
+    assert "other 3 ranks wait" in plan.format_decode(native, "native")
+    few = plan.decode_work(replace(vllm, batch_prompts=4), 2, 2, 2)
+    assert few["empty_engines"] == 2 and "2 engines get no prompt" in plan.format_decode(few, "vllm")
+    assert plan.decode_work(replace(vllm, rollout_ranks=2), 2, 2, 2) is None  # rollout ranks serve whole replicas
+    main(["plan", "--model", "8b", "--rollout-engine", "vllm", "--samples", "16"])
+    assert "decode: each replica's 32 prompts x 16 rollouts over its 4 vLLM engines (8 prompts each, none decoded " \
+           "twice)" in capsys.readouterr().out

@@ -35,12 +35,16 @@ def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_
     """TP=2 PP=2 DP=2 with the bf16 distributed optimizer and vLLM (every rank samples): the first and the last
     stage's ranks are simulated, and plan's weights, gradient buffer, optimizer state (sharded over DP) and vLLM share
     are within 10% of the dry run's; the last stage alone holds the log-prob head; a save gathers the replicated AdamW
-    state a piece at a time (pieces of 16 KiB here, far below the tiny model's vector)."""
+    state a piece at a time (pieces of 16 KiB here, far below the tiny model's vector). Each replica's 2 prompts are
+    decoded once, over its 4 engines (issue 43's N5): rank 0's engine decodes 1, rank 4's (the third share) none,
+    where every engine decoded both before."""
     monkeypatch.setattr(zero, "SAVE_PIECE_BYTES", 16 * 2**10)
     config = small_config(tmp_path, "rollout.engine=vllm", "rollout.vllm_memory_utilization=0.25")
     report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32, world_size=8)
     assert list(report["ranks"]) == ["0", "4"]
     first, last = report["ranks"]["0"], report["ranks"]["4"]
+    assert report["decode"] == {"replica_prompts": 2, "engines": 4, "share": 1, "most_decoded": 1, "duplicated": False}
+    assert first["shape"]["decoded_prompts"]["rollout"] == 1 and last["shape"]["decoded_prompts"]["rollout"] == 0
     assert "first pipeline stage" in first["rank"] and "last pipeline stage" in last["rank"]
     assert list(first["phases"]) == ["build", "rollout", "train", "optimizer_step", "refit", "save", "guard_restore",
                                      "evaluate", "resume"]

@@ -195,14 +195,18 @@ def test_the_demo_config_trains_alike_with_vllm_and_the_native_engine(tmp_path):
 
 
 @needs_vllm
-@pytest.mark.parametrize("layout", [["megatron.tensor_parallel=2", "rollout.tensor_parallel=2"], []],
-                         ids=["one-engine-over-two-tp-ranks", "an-engine-per-replica"])
+@pytest.mark.parametrize("layout", [["megatron.tensor_parallel=2", "rollout.tensor_parallel=2"], [],
+                                    ["megatron.tensor_parallel=2", "data.test_size=1"]],
+                         ids=["one-engine-over-two-tp-ranks", "an-engine-per-replica", "two-engines-share-a-replica"])
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.megatron
 def test_torchrun_trains_and_evaluates_with_vllms_external_launcher(tmp_path, layout):
-    """vLLM's external launcher over gloo: TP=2 (both ranks form one engine), and TP=1 at 2 replicas (C1: each rank's
-    engine its own, vLLM data-parallel ranks in lockstep; 5 test prompts split 3 and 2, so evaluation pads)."""
+    """vLLM's external launcher over gloo: TP=2 (both ranks form one engine); TP=1 at 2 replicas (C1: each rank's
+    engine its own, vLLM data-parallel ranks in lockstep; 5 test prompts split 3 and 2, so evaluation pads); and
+    megatron TP=2 with an engine on each of its ranks (issue 43's N5: each samples a share of the replica's prompts,
+    and the replica trains on both shares; the one test prompt leaves the second engine an empty share, which steps
+    with the first until it finishes). The log-prob gap holds the gathered rollouts to the policy's own log-probs."""
     _train("rollout.engine=vllm", "train.max_steps=2", "eval.every=1000", "data.test_size=5",
            f"train.run_dir={tmp_path / 'run'}", *layout, torchrun=True)
     train = _records(tmp_path / "run")
