@@ -203,6 +203,8 @@ class EvalConfig:
     every: int = option(64, "validate every this many steps", ge=1)
     num_samples: int = option(16, "k of p@k and m@k; the best checkpoint is chosen by validation m@k", ge=1)
     batch_size: int = option(32, "prompts per generation call", ge=1)
+    samples_shown: int = option(4, "prompts whose samples (rationales, answers, rewards) each validation writes to "
+                                "samples.jsonl and the trackers (0: none)", ge=0)
 
 
 @dataclass

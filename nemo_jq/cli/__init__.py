@@ -14,7 +14,8 @@ from nemo_jq.runtime.preemption import Stopped
 #: Set to 1 (or pass --debug) to see the traceback behind an error message.
 DEBUG_ENV = "NEMO_JQ_DEBUG"
 #: The commands, in the order ``nemo-jq --help`` lists them: module names under nemo_jq.cli.
-COMMANDS = ("train", "evaluate", "export", "experiment", "data", "plan", "launch", "dryrun", "doctor", "theory")
+COMMANDS = ("train", "sweep", "report", "evaluate", "generate", "export", "experiment", "data", "plan", "launch", "dryrun", "doctor",
+            "theory")
 
 
 def main(argv: list[str] | None = None) -> int:

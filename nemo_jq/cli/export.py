@@ -20,11 +20,13 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.models.export import record_source
     from nemo_jq.runtime import distributed
+    from nemo_jq.runtime.runs import MODEL_CARD, model_card
 
     loaded = load(args)
     selected = loaded.selected
     loaded.components.policy.export(args.out, loaded.components.tokenizer)
     if distributed.is_writer():
-        record_source(args.out, selected.describe())
+        (args.out / MODEL_CARD).write_text(model_card(selected))
+        record_source(args.out, selected.describe(), written=[MODEL_CARD])
         print(f"exported step {selected.step} of {selected.run_dir} ({selected.why}) to {args.out}")
     return 0

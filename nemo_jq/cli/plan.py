@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         work = plan.Workload.from_config(config, args.prompt_tokens)
     arch = plan.architecture(args.model)
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
-    result = plan.report(arch, work, layouts, args.gpu_memory, plan.HEADROOM, args.sync_bandwidth)
+    result = plan.report(arch, work, layouts, args.gpu_memory, plan.HEADROOM, args.sync_bandwidth,
+                         gpus=args.gpus_per_node * args.nodes)
     print(json.dumps(result, indent=2) if args.json else plan.format_report(result))
     return 0

@@ -1,4 +1,5 @@
-"""``nemo-jq train``: one run, or with no arguments the embedded CPU cold-start comparison."""
+"""``nemo-jq train``: one run, or with no arguments (or ``--demo-dir``/``--quick``) the embedded CPU cold-start
+comparison."""
 
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def add_parser(commands) -> None:
                             "this run; after SIGUSR1 (SLURM's signal before the time limit) write a checkpoint and exit "
                             "with 75, on which the launchers' batch scripts requeue the job from the host (docs/cluster.md: "
                             "the lines for a batch script of your own); SIGTERM (scancel) checkpoints and ends the run")
-    train.add_argument("--demo-dir", type=Path, default=Path("runs/cold_start"), help="output of the no-argument demo")
+    train.add_argument("--demo-dir", type=Path, help="the folder of the no-argument demo (default runs/cold_start); "
+                       "key=value overrides given with it apply to each of the demo's runs")
+    train.add_argument("--quick", action="store_true", help="the demo in about a minute (two epochs, 64 test "
+                       "prompts): a smoke test, not the README's table")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     train.set_defaults(run=run)
 
@@ -48,19 +52,27 @@ def run(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> int:
     from nemo_jq.config import ConfigError, load_config
+    from nemo_jq.recipe.demo import QUICK, run_demo
     from nemo_jq.recipe.trainer import Trainer
     from nemo_jq.runtime import distributed
     from nemo_jq.runtime.preemption import StopSignals, end_stopped_run
     from nemo_jq.runtime.runs import holds_this_run
+    from nemo_jq.runtime.sweep import SWEEP_FILE
 
     if args.resume is not None and (args.config is not None or args.overwrite or args.requeue):
         raise ValueError("--resume continues a run with its own config.yaml: drop --config/--overwrite/--requeue "
                          "(key=value overrides of how long it runs and how it is evaluated are allowed)")
-    if args.resume is None and args.config is None and not args.overrides:
-        from nemo_jq.recipe.demo import run_demo
-
-        run_demo(args.demo_dir, overwrite=args.overwrite)
+    if args.resume is not None and (args.resume / SWEEP_FILE).exists():  # the demo, stopped: its runs go on
+        if args.overrides or args.quick:
+            raise ValueError(f"--resume {args.resume} continues the demo as it started: drop the key=value words and --quick")
+        run_demo(args.resume, resume=True)
         return 0
+    if args.resume is None and args.config is None and (not args.overrides or args.demo_dir or args.quick):
+        run_demo(args.demo_dir or Path("runs/cold_start"), [*(QUICK if args.quick else ()), *args.overrides],
+                 overwrite=args.overwrite)
+        return 0
+    if args.quick or args.demo_dir:
+        raise ValueError("--demo-dir and --quick are the demo's (nemo-jq train with no --config or --resume)")
     trainer = None
     try:
         with StopSignals() as stop:  # from the start: a time-limit signal while the model loads is not lost

@@ -257,3 +257,38 @@ def launch(config: LaunchConfig, command: list[str], *, dryrun: bool) -> str | N
     if config.executor == "slurm":
         return f"nemo-jq launch: submitted SLURM job {submitted.handle.rsplit('/', 1)[-1]}; its files: {files}{split}"
     return f"nemo-jq launch: started {submitted.handle}; its files: {files}{split}"
+
+
+#: The batch script each task of a sweep's job array runs (``nemo-jq sweep --task DIR``), in a checkout of this project.
+SWEEP_LAUNCHER = Path(__file__).resolve().parents[2] / "launchers" / "slurm.sbatch"
+
+
+def submit_sweep(sweep: Any, options: list[str], launcher: Path = SWEEP_LAUNCHER) -> str:
+    """Submit ``sweep``'s unfinished runs as one SLURM job array (task K: run K of its ``sweep.json``), each task
+    ``nemo-jq sweep --task DIR`` through ``launcher`` (its run, requeued after the time-limit signal), one GPU a task
+    unless ``options`` (sbatch's) say otherwise, its output ``DIR/logs/task-K.out``; says so and returns the job id."""
+    import subprocess
+
+    from nemo_jq.runtime.sweep import FINISHED, LOGS_DIR
+
+    unfinished = [index for index, run in enumerate(sweep.runs) if sweep.status(run) != FINISHED]
+    if not unfinished:
+        print(f"nemo-jq sweep: every run of {sweep.directory} has finished; nothing to submit")
+        return ""
+    if not launcher.exists():
+        raise FileNotFoundError(f"{launcher} is missing: --slurm submits this project's launchers/slurm.sbatch, from a "
+                                "checkout (pip install -e .)")
+    directory = sweep.directory.absolute()
+    (directory / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    gpus = [] if any(option.startswith(("--gpus", "--gres", "-G")) for option in options) else ["--gpus-per-node=1"]
+    command = ["sbatch", "--parsable", f"--array={','.join(map(str, unfinished))}", "--job-name=nemo-jq-sweep",
+               f"--output={directory / LOGS_DIR}/task-%a.out", *gpus, *options, str(launcher), "sweep", "--task",
+               str(directory)]
+    submitted = subprocess.run(command, capture_output=True, text=True)
+    if submitted.returncode != 0:
+        raise ValueError(f"sbatch refused the sweep's array ({' '.join(submitted.stderr.split())}): {' '.join(command)}")
+    job = submitted.stdout.strip().split(";")[0]
+    print(f"nemo-jq sweep: submitted job array {job}: {len(unfinished)} of {len(sweep.runs)} runs of {directory} "
+          f"(tasks {','.join(map(str, unfinished))}: their place in sweep.json), output in "
+          f"{directory / LOGS_DIR}/task-K.out; `nemo-jq report {directory}` once they have finished")
+    return job

@@ -573,12 +573,12 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
 
 
 def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate], gpu_gb: float,
-           headroom: float, sync_gb_s: float = 25.0) -> dict[str, Any]:
+           headroom: float, sync_gb_s: float = 25.0, gpus: int = 1) -> dict[str, Any]:
     """The layouts, the recommendation and its overrides; with rollout ranks, also a rollout rank's memory (GiB) at
     the first layout's DP and the weight sync (``sync_gb_s``: GB/s); a rollout rank that does not fit leaves no
     recommendation."""
     best = layouts[0] if layouts[0].fits else None
-    result = {"parameters": parameter_count(arch), "workload": asdict(work), "gpu_memory_gib": gpu_gb,
+    result = {"parameters": parameter_count(arch), "workload": asdict(work), "gpus": gpus, "gpu_memory_gib": gpu_gb,
               "headroom": headroom}
     if work.rollout_ranks:
         sizes = rollout_rank_bytes(arch, work, layouts[0].data_parallel, gpu_gb)
@@ -632,5 +632,10 @@ def format_report(result: dict[str, Any]) -> str:
     if result.get("decode"):
         lines.append(format_decode(result["decode"], result["workload"]["rollout_engine"])
                      + ("" if best else " (at the closest layout)"))
+    if result["workload"]["backend"] == "hf" and result.get("gpus", 1) > 1:
+        lines.append(f"model.backend=hf trains a run on one GPU: the other {result['gpus'] - 1} of the {result['gpus']} "
+                     f"would idle. Use them for a sweep of runs (nemo-jq sweep --slurm: one GPU a run, "
+                     f"{result['gpus']} at once; docs/sweeps.md), or train this run over them with model.backend=megatron "
+                     "(plan --config ... model.backend=megatron gives its layout)")
     lines.append("assumptions: see `nemo-jq plan --help` (estimates from shapes, not measurements)")
     return "\n".join(lines)

@@ -38,10 +38,14 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
     return earlier
 
 
-def record_source(out_dir: Path, source: dict[str, Any]) -> None:
-    """Add where an export's weights come from (run, checkpoint, step, why that one) to its marker file."""
+def record_source(out_dir: Path, source: dict[str, Any], written: list[str] = ()) -> None:
+    """Add where an export's weights come from (run, checkpoint, step, why that one) to its marker file, and the files
+    ``written`` into the export after it (its model card), so that the next export over it replaces them too."""
     marker = Path(out_dir) / EXPORT_MARKER
-    marker.write_text(json.dumps({**json.loads(marker.read_text()), "source": source}, indent=2) + "\n")
+    recorded = json.loads(marker.read_text())
+    recorded["files"] = sorted({*recorded["files"], *written})
+    marker.write_text(json.dumps({**recorded, "source": source}, indent=2) + "\n")
+    make_readable(Path(out_dir))
 
 
 def make_readable(folder: Path) -> None:

@@ -2,8 +2,11 @@
 
 A tiny Qwen3 trained from scratch on the synthetic sums task, with linearised prompts and no
 formatting hint, so the initial P is far below 1/M. One shared configuration (the defaults of
-``nemo_jq.config``) for every method; only the estimator and q change. Prints a table shaped
-like the paper's Table 2 and writes the Figure-3 style plot.
+``nemo_jq.config``) for every method; only the estimator and q change. The five runs are a sweep
+(:mod:`nemo_jq.runtime.sweep`) in the demo's folder, side by side where the free cores allow, one torch thread
+each (a tiny model gains little from a second, and two processes with all the cores each run several times slower);
+after a stop, ``nemo-jq train --resume DIR`` continues it. Prints a table shaped like the paper's Table 2 and writes
+the Figure-3 style plot.
 """
 
 from __future__ import annotations
@@ -12,11 +15,8 @@ import json
 import math
 from pathlib import Path
 
-from nemo_jq.config import load_config
-from nemo_jq.recipe.trainer import Trainer
 from nemo_jq.runtime.monitor import plot_runs, read_metrics
-from nemo_jq.runtime.outputs import claim_dir
-from nemo_jq.runtime.preemption import Series
+from nemo_jq.runtime.sweep import Sweep, SweepRun, free_cores, run_here
 
 DEMO_RUNS = (
     ("GRPO", "grpo", ["objective.name=grpo"]),
@@ -25,27 +25,58 @@ DEMO_RUNS = (
     ("GARL q=0.75", "garl_q0.75", ["objective.name=garl", "objective.q=0.75"]),
     ("GARL q=1", "garl_q1", ["objective.name=garl", "objective.q=1.0"]),
 )
-
+#: ``--quick``: a comparison of about a minute (not the README's table): one epoch (96 steps), 32 validation prompts
+#: every 32 steps, 64 test prompts.
+QUICK = ("train.epochs=1", "eval.every=32", "data.validation_size=32", "data.test_size=64")
+#: Keys the demo sets itself: each run's method, and its folder under the demo's.
+OWN_KEYS = ("objective.name", "objective.q", "train.run_dir")
 
 SUMMARY_FILE, FIGURE_FILE = "summary.json", "figure3.png"
 
 
-@Series("train", again="`nemo-jq train --demo-dir NEW_DIR` (or --overwrite) runs the whole comparison again")
-def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, overwrite: bool = False) -> dict[str, dict]:
-    """Run the five methods into ``out_dir/<slug>``; an earlier demo there is refused, or moved aside with ``overwrite``."""
+def demo_sweep(out_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> Sweep:
+    """The five runs under ``out_dir``, ``overrides`` in each (a key the demo sets per run is refused, naming it)."""
+    taken = [word for word in overrides if word.split("=", 1)[0] in OWN_KEYS]
+    if taken:
+        raise ValueError(f"{taken[0]}: the demo sets {', '.join(OWN_KEYS)} for each of its runs: drop it (or train one "
+                         "run: nemo-jq train --config FILE ...)")
+    runs = [SweepRun(slug, None, (*overrides, *method)) for _, slug, method in DEMO_RUNS]
+    return Sweep(Path(out_dir), runs, {"demo": list(overrides)})
+
+
+def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, overwrite: bool = False,
+             resume: bool = False) -> dict[str, dict]:
+    """Run the five methods into ``out_dir/<slug>`` (an earlier demo there is refused, or moved aside with
+    ``overwrite``; ``resume`` continues the one there), then print the table and write the plot."""
     out_dir = Path(out_dir)
-    claim_dir(out_dir, (SUMMARY_FILE, FIGURE_FILE, *(slug for _, slug, _ in DEMO_RUNS)), overwrite=overwrite,
-              what="an earlier demo", advice="pass --demo-dir DIR for a new one, or --overwrite to move it aside first")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if resume:
+        sweep = Sweep.load(out_dir)
+        if "demo" not in sweep.grid:
+            raise ValueError(f"{out_dir} holds a sweep, not the demo: `nemo-jq sweep --resume {out_dir}` continues it")
+    else:
+        sweep = demo_sweep(out_dir, overrides)
+        sweep.write(overwrite=overwrite, markers=(SUMMARY_FILE, FIGURE_FILE), what="an earlier demo",
+                    advice=f"continue it with `nemo-jq train --resume {out_dir}`, pass --demo-dir DIR for a new one, or "
+                           "--overwrite to move it aside first")
+    parallel = min(len(sweep.runs), free_cores())
+    print(f"nemo-jq train: the cold-start comparison, {', '.join(label for label, _, _ in DEMO_RUNS)}; steps and time "
+          "left follow as they are measured", flush=True)
+    run_here(sweep, parallel=parallel, threads=1, command="train")
+    return summarise(out_dir)
+
+
+def summarise(out_dir: Path) -> dict[str, dict]:
+    """The finished demo's results (each run's ``results.json`` and its first log P̂): the table printed, the plot and
+    ``summary.json`` written."""
     results, curves = {}, {}
-    for label, slug, method in DEMO_RUNS:
-        config = load_config(None, [*overrides, *method, f"train.run_dir={out_dir / slug}"])
-        results[label] = Trainer(config).fit()
-        records = read_metrics(out_dir / slug)
-        curves[label] = records
+    for label, slug, _ in DEMO_RUNS:
+        curves[label] = records = read_metrics(out_dir / slug)
+        results[label] = json.loads((out_dir / slug / "results.json").read_text())
         first = next(r for r in records if r["kind"] == "train")
         results[label]["initial_log_p_hat"] = first.get("log_p_hat")
-    num_samples = config.rollout.num_samples
+    from nemo_jq.config import load_config
+
+    num_samples = load_config(out_dir / DEMO_RUNS[0][1] / "config.yaml").rollout.num_samples
     print(format_table(results, num_samples))
     plot_runs(curves, out_dir / FIGURE_FILE)
     (out_dir / SUMMARY_FILE).write_text(json.dumps(results, indent=2))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from nemo_jq.data.base import Example, Task
 from nemo_jq.models.common import new_generator
+from nemo_jq.models.interfaces import Rollout
 
 if TYPE_CHECKING:
     from nemo_jq.recipe.components import Components
@@ -55,14 +56,18 @@ def sample_outputs(
     generator: torch.Generator,
     progress=None,
     greedy: bool = False,
+    on_group: Callable[[int, list[Rollout]], None] | None = None,
 ) -> list[list[str]]:
     """Decoded answers, ``num_samples`` per example, generated ``batch_size`` prompts at a time from the prompts
-    training samples from (:meth:`Components.prompt_ids`)."""
+    training samples from (:meth:`Components.prompt_ids`); ``on_group(index, rollouts)`` sees each example's rollouts
+    as they come (the evaluation keeps a few to show, :func:`shown_samples`)."""
     outputs: list[list[str]] = []
     for start in range(0, len(examples), batch_size):
         chunk = list(examples[start : start + batch_size])
         for group in components.engine.generate(components.prompt_ids(chunk), num_samples, sample_answers=True,
                                                 generator=generator, greedy=greedy):
+            if on_group is not None:
+                on_group(len(outputs), group)
             outputs.append([components.chat.decode_answer(r.answer_ids or []) for r in group])
         if progress is not None:
             progress.update(len(chunk))
@@ -89,9 +94,12 @@ class Evaluator:
 
     def __init__(self, components: Components):
         self.components = components
+        #: The first prompts of the last call's ``shown`` (:func:`shown_samples`): what the model wrote for them.
+        self.shown: list[dict[str, Any]] = []
 
-    def evaluate(self, split: str, seed_offset: int = 0) -> dict[str, float]:
-        """p@1, p@k and m@k (k = eval.num_samples) on ``split``."""
+    def evaluate(self, split: str, seed_offset: int = 0, shown: int = 0) -> dict[str, float]:
+        """p@1, p@k and m@k (k = eval.num_samples) on ``split``; the first ``shown`` prompts' samples are kept in
+        :attr:`shown`."""
         from nemo_jq.runtime import distributed
         from nemo_jq.runtime.monitor import progress
 
@@ -100,8 +108,12 @@ class Evaluator:
         mine, count = self._share(examples)
         seed = parts.data_parallel.replica_seed(parts.config.train.seed + 10_000 + seed_offset)
         generator = new_generator(parts.device).manual_seed(seed)
+        kept: dict[int, list[Rollout]] = {}
+        keep = (lambda index, group: kept.setdefault(index, group) if index < shown else None) if shown else None
         with progress(len(mine), f"eval {split}", shows=distributed.is_writer(), transient=True) as bar:
-            outputs = sample_outputs(parts, mine, settings.num_samples, settings.batch_size, generator, bar)
+            outputs = sample_outputs(parts, mine, settings.num_samples, settings.batch_size, generator, bar,
+                                     on_group=keep)
+        self.shown = shown_samples(parts, mine[:min(shown, count)], [kept[i] for i in range(min(shown, count))])
         return score_outputs(parts.task, examples, parts.data_parallel.gather(outputs[:count]), settings.num_samples)
 
     def _share(self, examples: list[Example]) -> tuple[list[Example], int]:
@@ -129,3 +141,25 @@ class Evaluator:
         outputs = sample_outputs(parts, mine, 1, parts.config.eval.batch_size, unused, greedy=True)
         flags = memorised(parts.task, noisy, parts.data_parallel.gather(outputs[:count]))
         return 100 * sum(flags) / len(flags)
+
+
+#: Of each shown prompt's samples, how many :func:`shown_samples` keeps.
+SAMPLES_SHOWN_PER_PROMPT = 4
+
+
+def shown_samples(components: Components, examples: Sequence[Example], groups: Sequence[Sequence[Rollout]], *,
+                  limit: int = SAMPLES_SHOWN_PER_PROMPT) -> list[dict[str, Any]]:
+    """What the model wrote for ``examples``: each prompt's question, reference answer and first ``limit`` samples (the
+    rationale, whether ``</think>`` was forced, the answer, and whether the task's rule counts it correct: the
+    reward)."""
+    chat, task = components.chat, components.task
+    shown = []
+    for example, group in zip(examples, groups):
+        samples = []
+        for rollout in group[:limit]:
+            answer = chat.decode_answer(rollout.answer_ids or [])
+            samples.append({"rationale": chat.tokenizer.decode(rollout.rationale_ids, skip_special_tokens=False),
+                            "think_end_forced": rollout.think_end_forced, "answer": answer,
+                            "correct": task.is_correct(answer, example)})
+        shown.append({"id": example.id, "question": example.question, "reference": example.answer, "samples": samples})
+    return shown

@@ -211,8 +211,9 @@ class Trainer:
     # ----------------------------------------------------------------- evaluate, and the collapse guard
     def _validate(self, logger: RunLogger) -> None:
         self._settle_rollouts()
-        scores = self.evaluator.evaluate("validation", seed_offset=self.state.step)
+        scores = self.evaluator.evaluate("validation", seed_offset=self.state.step, shown=self.config.eval.samples_shown)
         logger.log({"kind": "validation", "step": self.state.step, **scores})
+        logger.log_samples(self.state.step, self.evaluator.shown)
         value = scores[f"m@{self.config.eval.num_samples}"]  # the paper selects by m@16
         if runs.beats_best(value, self.state.best_metric):
             self.state.best_metric, self.state.best_step = value, self.state.step

@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+#: What each validation's first prompts were answered with (``eval.samples_shown``): a line a prompt, with its step.
+SAMPLES_FILE = "samples.jsonl"
+#: The columns of the samples' table the trackers get: a row a sample.
+SAMPLE_COLUMNS = ("step", "id", "question", "reference", "sample", "rationale", "think_end_forced", "answer", "correct")
 #: How ``metrics.jsonl`` writes a number that is not finite, which JSON has no word for: as a string (the names
 #: JavaScript gives them); :func:`read_metrics` reads them back as floats (and a bare ``NaN`` of older files too).
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -61,11 +65,11 @@ def panels(runs: dict[str, list[dict[str, Any]]]) -> list[Panel]:
 
 
 class RunLogger:
-    """Appends records to ``metrics.jsonl`` (and TensorBoard).
+    """Appends records to ``metrics.jsonl`` (and TensorBoard), and the validations' samples to ``samples.jsonl``.
 
-    On resume it drops the records after ``resume_step`` (the steps between the last checkpoint
+    On resume it drops the records and samples after ``resume_step`` (the steps between the last checkpoint
     and the stop, which the resumed run logs again) and rebuilds the TensorBoard events from the
-    records it keeps, so no step shows twice. A new run starts both afresh.
+    records it keeps, so no step shows twice. A new run starts them afresh.
     """
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0, writes: bool = True,
@@ -77,6 +81,9 @@ class RunLogger:
             return
         kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step and r["kind"] != "test"] if resume_step else []
         self.path.write_text("".join(map(metrics_line, kept)))
+        self.samples = run_dir / SAMPLES_FILE
+        lines = self.samples.read_text().splitlines(keepends=True) if resume_step and self.samples.exists() else []
+        self.samples.write_text("".join(line for line in lines if json.loads(line)["step"] <= resume_step))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -100,6 +107,19 @@ class RunLogger:
             self.writer.flush()
         for tracker in self.trackers:
             tracker.log(record)
+
+    def log_samples(self, step: int, shown: list[dict[str, Any]]) -> None:
+        """A validation's shown prompts (``Evaluator.shown``): a line each in ``samples.jsonl``, and a table of their
+        samples to the trackers."""
+        if not self.writes or not shown:
+            return
+        with self.samples.open("a") as f:
+            f.write("".join(json.dumps({"step": step, **prompt}) + "\n" for prompt in shown))
+        rows = [[step, prompt["id"], prompt["question"], prompt["reference"], index, sample["rationale"],
+                 sample["think_end_forced"], sample["answer"], sample["correct"]]
+                for prompt in shown for index, sample in enumerate(prompt["samples"])]
+        for tracker in self.trackers:
+            tracker.table("samples", step, list(SAMPLE_COLUMNS), rows)
 
     def attach(self, path: Path) -> None:
         """Hand a file the run wrote (its Figure-3 plot) to the trackers."""

@@ -12,7 +12,7 @@ from typing import Any
 from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, saved_steps, step_dir_name
-from nemo_jq.runtime.monitor import METRICS_FILE, plot_runs, read_metrics
+from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, plot_runs, read_metrics
 from nemo_jq.runtime.outputs import claim_dir, hold_run_dir, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE
 
@@ -22,12 +22,13 @@ EVALS_DIR = "evals"
 #: The Figure-3 panels of a finished run's metrics.
 PLOT_FILE = "training.png"
 #: What a run writes into its directory; any of them there means the directory holds a run.
-RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, "tensorboard", PLOT_FILE, TRACKING_FILE)
+RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, SAMPLES_FILE, "tensorboard", PLOT_FILE,
+             TRACKING_FILE)
 #: Keys a resumed run may change: how long it goes on, how it is evaluated and saved, how much memory a step holds
 #: (row chunks and recomputation give the same gradient), and how the megatron backend lays the model out over the
 #: processes (its checkpoints load at any TP, PP, CP and DP size), never what it trains.
 RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.tensorboard",
-                  "train.micro_batch_rows", "model.activation_checkpointing", "eval.every", "eval.num_samples",
+                  "train.micro_batch_rows", "model.activation_checkpointing", "eval.every", "eval.num_samples", "eval.samples_shown",
                   "eval.batch_size", "megatron.tensor_parallel",
                   "megatron.pipeline_parallel", "megatron.context_parallel", "megatron.sequence_parallel",
                   "megatron.recompute_activations", "megatron.distributed_optimizer", "rollout.placement", "rollout.ranks")
@@ -267,3 +268,44 @@ def write_evaluation(run_dir: Path, split: str, step: int, report: dict[str, Any
         index += 1
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path
+
+
+#: The model card an export carries (the Hugging Face Hub shows a folder's README.md).
+MODEL_CARD = "README.md"
+
+
+def model_card(selected: Selected) -> str:
+    """The export's model card: what trained it (estimator and q, or its schedule; the data and prompt format), the
+    checkpoint it came from and why, its validation metrics (and the run's test scores, where it finished and this is
+    the checkpoint it tested), the chat format and budgets to sample it as training did, and the run's whole config."""
+    config_text = (selected.run_dir / CONFIG_FILE).read_text()
+    config = load_config(selected.run_dir / CONFIG_FILE, saved=True)
+    objective, rollout = config.objective, config.rollout
+    q = f"q schedule {objective.q_schedule}" if objective.q_schedule else f"q = {objective.q:g}"
+    records = read_metrics(selected.run_dir)
+    validation = [record for record in records if record["kind"] == "validation" and record["step"] == selected.step]
+    results_path = selected.run_dir / RESULTS_FILE
+    results = json.loads(results_path.read_text()) if results_path.exists() else None
+    test = [record for record in records if record["kind"] == "test"]  # the best step, or the last where none was
+    tested = results is not None and bool(test) and (test[-1].get("best_step") or test[-1]["step"]) == selected.step
+    lines = ["---", "library_name: transformers", f"base_model: {config.model.path or 'none (a tiny Qwen3 from scratch)'}",
+             "tags: [nemo-jq, reasoning, " + objective.name + "]", "---", "",
+             f"# {selected.run_dir.name}, step {selected.step}", "",
+             f"Trained by nemo-jq with **{objective.name}** ({q}) on {config.data.name} ({config.data.format} start), "
+             f"M = {rollout.num_samples} rollouts a prompt.", "",
+             f"- checkpoint: {selected.checkpoint} ({selected.why})"]
+    if validation:
+        lines.append("- validation at this step: " + ", ".join(f"{key} {value:.1f}" for key, value in validation[-1].items()
+                                                               if key.startswith(("p@", "m@"))))
+    if results is not None and tested:
+        lines.append("- test (the run's own evaluation of this checkpoint): "
+                     + ", ".join(f"{key} {value:.1f}" for key, value in results["test"].items()))
+    lines += ["", "## Sampling it as training did", "",
+              "The chat template (`tokenizer_config.json`) is Qwen3's, with the generation prompt ending in "
+              "`<think>\\n`: the model thinks, then answers after `</think>`. Training sampled at temperature "
+              f"{rollout.temperature:g}, top-k {rollout.top_k}, top-p {rollout.top_p:g} "
+              f"(`generation_config.json`), a thinking budget of {rollout.max_thinking_tokens} tokens (at the budget "
+              f"`</think>` was forced) and {rollout.max_answer_tokens} answer tokens, ending at `<|im_end|>`. "
+              "`nemo-jq generate` samples a run's checkpoint so.", "", "## The run's config", "", "```yaml",
+              config_text.rstrip(), "```", ""]
+    return "\n".join(lines)

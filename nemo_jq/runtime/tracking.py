@@ -24,6 +24,8 @@ class Tracker(Protocol):
 
     def attach(self, path: Path) -> None: ...
 
+    def table(self, name: str, step: int, columns: list[str], rows: list[list[Any]]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -72,6 +74,9 @@ class WandbTracker:
     def attach(self, path: Path) -> None:
         self.run.log({f"plots/{path.stem}": self.wandb.Image(str(path))})
 
+    def table(self, name: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run.log({name: self.wandb.Table(columns=columns, data=rows)}, step=step)
+
     def close(self) -> None:
         self.run.finish()
 
@@ -117,6 +122,11 @@ class MlflowTracker:
 
     def attach(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
+
+    def table(self, name: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        """The rows as an MLflow table artifact, ``NAME/step_00000064.json``."""
+        self.client.log_table(self.run_id, data={column: [row[i] for row in rows] for i, column in enumerate(columns)},
+                              artifact_file=f"{name}/step_{step:08d}.json")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

@@ -17,6 +17,7 @@ Skipped only where SLURM is not installed and cannot be (not root, or no apt-get
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -233,3 +234,43 @@ def test_nemo_jq_launch_submits_with_the_readme_settings_and_its_script_requeues
 def test_launchers_and_dockerfile_pass_their_linters(linter, files):
     result = subprocess.run([linter, *files], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+#: A sweep's tiny runs: six steps, a validation at 3 and 6, 8 test prompts.
+SWEEP_RUN = ["train.max_steps=6", "eval.every=3", "data.validation_size=8", "data.test_size=8"]
+
+
+def test_a_sweep_submitted_as_a_job_array_runs_every_run_and_reports_as_the_same_sweep_run_here(slurm, tmp_path):
+    """`nemo-jq sweep --slurm`: 2 estimators x 2 seeds as one job array through launchers/slurm.sbatch (no container),
+    each task `nemo-jq sweep --task DIR` (its run); once every task has completed, the report equals the report of
+    the same sweep run here, and a second submission finds nothing to do."""
+    grid = ["objective.name=garl,grpo", "--seeds", "0,1", *SWEEP_RUN]
+
+    def nemo_jq(*words, **extra):
+        return subprocess.run([sys.executable, "-m", "nemo_jq.cli", *map(str, words)], cwd=ROOT, env={**slurm, **extra},
+                              capture_output=True, text=True, timeout=400)
+
+    here = nemo_jq("sweep", "--out", tmp_path / "here", "--parallel", "2", *grid)
+    assert here.returncode == 0, here.stdout + here.stderr
+    submitted = nemo_jq("sweep", "--out", tmp_path / "array", *grid, "--slurm", NEMO_JQ_IMAGE="none")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = re.search(r"submitted job array (\d+): 4 of 4 runs", submitted.stdout).group(1)
+
+    def tasks() -> list[dict[str, str]]:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=slurm, capture_output=True, text=True,
+                               timeout=30)
+        return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in shown.stdout.splitlines() if line.strip()]
+
+    ended = wait_until(lambda: (found := tasks()) and all(task.get("JobState") in ENDED for task in found)
+                       and len(found) == 4 and found, 400, f"the 4 tasks of job array {job_id} to end")
+    logs = {path.name: path.read_text() for path in (tmp_path / "array" / "logs").glob("task-*.out")}
+    assert [task["JobState"] for task in ended] == ["COMPLETED"] * 4, logs
+    assert sorted(logs) == [f"task-{k}.out" for k in range(4)]
+    reports = {}
+    for where in ("here", "array"):
+        shown = nemo_jq("report", tmp_path / where, "--json", tmp_path / f"{where}.json")
+        assert shown.returncode == 0, shown.stderr
+        reports[where] = json.loads((tmp_path / f"{where}.json").read_text())["rows"]
+    assert reports["array"] == reports["here"] and [row["n"] for row in reports["here"]] == [2, 2]
+    again = nemo_jq("sweep", "--resume", tmp_path / "array", "--slurm")
+    assert again.returncode == 0 and "has finished; nothing to submit" in again.stdout, again.stdout + again.stderr

@@ -296,6 +296,17 @@ def test_eval_and_export_commands(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("</think>") == trainer.components.chat.think_end_id
     torch.testing.assert_close(model.state_dict()["lm_head.weight"], trainer.policy.model.state_dict()["lm_head.weight"])
+    # the export's model card: the method, the checkpoint and why, its test scores, the budgets, the whole config
+    card = (tmp_path / "hf" / "README.md").read_text()
+    results = json.loads((trainer.run_dir / "results.json").read_text())
+    step = json.loads((tmp_path / "hf" / "nemo_jq_export.json").read_text())["source"]["step"]
+    assert f"with **garl** (q = {trainer.config.objective.q:g})" in card and f", step {step}" in card
+    assert "- test (the run's own evaluation of this checkpoint): " + ", ".join(
+        f"{key} {value:.1f}" for key, value in results["test"].items()) in card
+    assert f"a thinking budget of {trainer.config.rollout.max_thinking_tokens} tokens" in card
+    assert card.split("```yaml\n")[1].split("```")[0] == (trainer.run_dir / "config.yaml").read_text()
+    assert "README.md" in json.loads((tmp_path / "hf" / "nemo_jq_export.json").read_text())["files"]
+    assert run("export", str(trainer.run_dir), "--out", str(tmp_path / "hf"), "--step", "latest").returncode == 0
     result = run("eval", str(tmp_path / "nowhere"))
     assert result.returncode == 2 and "neither a checkpoint" in result.stderr
 

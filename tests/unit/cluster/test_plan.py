@@ -300,3 +300,12 @@ def test_plan_says_how_a_steps_decode_is_split_and_what_waits(capsys):
     main(["plan", "--model", "8b", "--rollout-engine", "vllm", "--samples", "16"])
     assert "decode: each replica's 32 prompts x 16 rollouts over its 4 vLLM engines (8 prompts each, none decoded " \
            "twice)" in capsys.readouterr().out
+
+
+def test_plan_of_an_hf_run_on_many_gpus_says_they_would_idle_and_the_two_ways_to_use_them(capsys):
+    main(["plan", "--config", "configs/qwen3_0p6b/hotpotqa_cold_garl_q0.25.yaml", "--nodes", "2"])
+    out = capsys.readouterr().out
+    assert "model.backend=hf trains a run on one GPU: the other 15 of the 16 would idle" in out
+    assert "nemo-jq sweep --slurm" in out and "model.backend=megatron" in out
+    main(["plan", "--config", "configs/qwen3_0p6b/hotpotqa_cold_garl_q0.25.yaml", "--gpus-per-node", "1"])
+    assert "would idle" not in capsys.readouterr().out

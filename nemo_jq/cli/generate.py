@@ -1,0 +1,57 @@
+"""``nemo-jq generate``: what a run's checkpoint writes for a question, in the run's chat format and thinking budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from nemo_jq.cli import arguments
+
+
+def add_parser(commands) -> None:
+    generate = commands.add_parser(
+        "generate", help="sample a checkpoint's rationales and answers for a question",
+        description='nemo-jq generate runs/cold_start/garl_q1 "Compute: 3 + 4 + 5" --samples 4\n\n'
+                    "The prompt is the run's (its task's messages in data.format, its chat template), the budgets its\n"
+                    "rollout.max_thinking_tokens and max_answer_tokens (overrides change them); --answer gives the\n"
+                    "reference answer, so each sample is scored by the task's rule, as training rewards it.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate.add_argument("checkpoint", type=Path, help="a run directory (its best checkpoint) or a checkpoint directory")
+    generate.add_argument("question", help="the question, as the run's task states its questions")
+    generate.add_argument("--context", default="", help="the passage a question is asked about (HotPotQA, MuSiQue, FinQA)")
+    generate.add_argument("--answer", help="the reference answer: each sample is then marked correct or not")
+    generate.add_argument("--samples", type=arguments.positive, default=1, help="samples to draw (default 1)")
+    generate.add_argument("--greedy", action="store_true", help="argmax decoding instead of the run's sampling")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--step", default="best", help=arguments.STEP_HELP)
+    generate.add_argument("--json", action="store_true", help="print JSON instead of text")
+    generate.add_argument("overrides", nargs="*", help="e.g. rollout.max_thinking_tokens=512")
+    generate.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nemo_jq.cli.evaluate import load
+    from nemo_jq.data import Example
+    from nemo_jq.models.common import new_generator
+    from nemo_jq.recipe.evaluation import shown_samples
+
+    loaded = load(args)
+    parts, selected = loaded.components, loaded.selected
+    example = Example("generate", args.question, args.answer or "", context=args.context)
+    generator = new_generator(parts.device).manual_seed(args.seed)
+    [group] = parts.engine.generate(parts.prompt_ids([example]), args.samples, sample_answers=True, generator=generator,
+                                    greedy=args.greedy)
+    [shown] = shown_samples(parts, [example], [group], limit=args.samples)
+    if args.answer is None:
+        for sample in shown["samples"]:
+            del sample["correct"]
+    if args.json:
+        print(json.dumps({**selected.describe(), **shown}, indent=2))
+        return 0
+    print(f"step {selected.step} of {selected.run_dir} ({selected.why})")
+    for index, sample in enumerate(shown["samples"], 1):
+        forced = " (budget reached: </think> forced)" if sample["think_end_forced"] else ""
+        verdict = "" if "correct" not in sample else f" [{'correct' if sample['correct'] else 'wrong'}]"
+        print(f"--- sample {index}\n<think>{sample['rationale']}</think>{forced}\nanswer: {sample['answer']}{verdict}")
+    return 0

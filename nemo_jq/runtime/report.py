@@ -1,0 +1,238 @@
+"""The paper's tables and curves from finished runs, as each recorded them (``results.json``, ``metrics.jsonl``).
+
+``nemo-jq report RUNS_OR_SWEEPS...`` groups the runs by dataset, prompt format and method (the estimator and its q, or
+its q schedule; the seeds of one setting are one group), and gives each group's test scores (its best-validation
+checkpoint's, as ``results.json`` recorded them: nothing is evaluated again) as the mean and a 95% t-interval over
+the seeds, with n. A run whose validation m@k falls to zero after its best is flagged (*peak before collapse*, as the
+paper marks GARL on HotPotQA): its test scores are its peak's. Tables as markdown, CSV and JSON; the curves (log P̂
+with log(1/M) marked, validation m@k with the seeds' range, the train reward smoothed, q) one figure per dataset.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_jq.runtime.monitor import read_metrics
+
+#: A run's files the report reads.
+CONFIG_FILE, RESULTS_FILE, SWEEP_FILE = "config.yaml", "results.json", "sweep.json"
+
+
+@dataclass
+class RunRecord:
+    """One finished run, as the report reads it."""
+
+    run_dir: Path
+    dataset: str
+    format: str
+    method: str
+    seed: int
+    samples: int
+    results: dict[str, Any]
+    records: list[dict[str, Any]]
+
+    @property
+    def collapsed_after_peak(self) -> bool:
+        """Its validation m@k reached a best above zero, then ended at zero."""
+        key = validation_key(self.records)
+        values = [record[key] for record in self.records if record["kind"] == "validation" and key in record]
+        return bool(values) and max(values) > 0 and values[-1] == 0
+
+
+def validation_key(records: list[dict[str, Any]]) -> str:
+    """The m@k key a run's validations logged (the largest k)."""
+    keys = {key for record in records if record["kind"] == "validation" for key in record if key.startswith("m@")}
+    return max(keys, key=lambda key: int(key[2:]), default="m@16")
+
+
+def method_label(results: dict[str, Any]) -> str:
+    """``GARL q=0.5``, ``PAFT q linear(start=1.0, end=0.5)``, ``GRPO``: the estimator and its q as the run recorded
+    them."""
+    objective = results["objective"]
+    name = objective.upper() if "_" not in objective else objective
+    if results.get("q_schedule"):
+        schedule = dict(results["q_schedule"])
+        kind = schedule.pop("name", "schedule")
+        return f"{name} q {kind}({', '.join(f'{key}={value}' for key, value in schedule.items())})"
+    return f"{name} q={results['q']:g}" if results.get("q") is not None else name
+
+
+def run_dirs(paths: list[Path]) -> list[Path]:
+    """The run folders under ``paths``: a sweep's runs (its ``sweep.json`` order), a run folder itself, or the run
+    folders directly inside a folder; a path with none is an error naming it."""
+    found = []
+    for path in map(Path, paths):
+        if (path / SWEEP_FILE).exists():
+            found += [path / run["name"] for run in json.loads((path / SWEEP_FILE).read_text())["runs"]]
+        elif (path / CONFIG_FILE).exists():
+            found.append(path)
+        else:
+            inside = sorted(child for child in path.iterdir() if (child / CONFIG_FILE).exists()) if path.is_dir() else []
+            if not inside:
+                raise FileNotFoundError(f"{path} holds no run ({CONFIG_FILE}) or sweep ({SWEEP_FILE}): give run folders, "
+                                        "sweep folders or a folder of runs")
+            found += inside
+    return found
+
+
+def read_run(run_dir: Path) -> RunRecord | None:
+    """A finished run's record (None: no ``results.json`` yet)."""
+    from nemo_jq.config import load_config
+
+    if not (run_dir / RESULTS_FILE).exists():
+        return None
+    config = load_config(run_dir / CONFIG_FILE)
+    results = json.loads((run_dir / RESULTS_FILE).read_text())
+    return RunRecord(run_dir, config.data.name, config.data.format, method_label(results), config.train.seed,
+                     config.rollout.num_samples, results, read_metrics(run_dir))
+
+
+def t_interval(values: list[float]) -> tuple[float, float | None]:
+    """The mean and the half-width of its 95% Student-t interval (None for one value)."""
+    from scipy import stats
+
+    n, mean = len(values), sum(values) / len(values)
+    if n < 2:
+        return mean, None
+    sd = math.sqrt(sum((value - mean) ** 2 for value in values) / (n - 1))
+    return mean, float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+
+
+def table(runs: list[RunRecord]) -> list[dict[str, Any]]:
+    """A row per dataset, format and method (in the order the runs come): each test metric's mean and interval half
+    width over its seeds, n, the seeds, and how many runs collapsed after their peak."""
+    groups: dict[tuple[str, str, str], list[RunRecord]] = {}
+    for run in runs:
+        groups.setdefault((run.dataset, run.format, run.method), []).append(run)
+    rows = []
+    for (dataset, fmt, method), members in groups.items():
+        metrics = [key for key in members[0].results["test"] if key.startswith(("p@", "m@"))]
+        row = {"dataset": dataset, "format": fmt, "method": method, "n": len(members),
+               "seeds": sorted(run.seed for run in members),
+               "collapsed_after_peak": sum(run.collapsed_after_peak for run in members)}
+        for key in metrics:
+            mean, half = t_interval([run.results["test"][key] for run in members])
+            row[key], row[f"{key} ±"] = round(mean, 2), None if half is None else round(half, 2)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """A table per dataset and format: each metric as ``mean ± half-width`` (percent; 95% t-interval over n seeds);
+    a dagger where runs collapsed after their peak."""
+    out = []
+    for (dataset, fmt), members in _by_setting(rows).items():
+        metrics = [key for key in members[0] if key.startswith(("p@", "m@")) and not key.endswith("±")]
+        out += [f"### {dataset}, {fmt} start (test, best-validation checkpoint; mean ± 95% t-interval over n seeds)", "",
+                "| method | n | " + " | ".join(metrics) + " |", "| --- " * (len(metrics) + 2) + "|"]
+        for row in members:
+            cells = [f"{row[key]:.1f}" + (f" ± {row[key + ' ±']:.1f}" if row[f"{key} ±"] is not None else "")
+                     for key in metrics]
+            flag = f" † ({row['collapsed_after_peak']}/{row['n']})" if row["collapsed_after_peak"] else ""
+            out.append(f"| {row['method']}{flag} | {row['n']} | " + " | ".join(cells) + " |")
+        out.append("")
+    if any(row["collapsed_after_peak"] for row in rows):
+        out.append("† peak before collapse: validation fell to zero after its best (the scores are the peak's); "
+                   "(runs flagged / n)")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows({**row, "seeds": " ".join(map(str, row["seeds"]))} for row in rows)
+    return buffer.getvalue()
+
+
+def _by_setting(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        grouped.setdefault((row["dataset"], row["format"]), []).append(row)
+    return grouped
+
+
+def smoothed(values: list[float], window: int = 10) -> list[float]:
+    """A trailing mean over ``window`` values."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def plot_dataset(runs: list[RunRecord], path: Path) -> None:
+    """One dataset's curves, a colour per method, each line the mean over its seeds and the band their range: log P̂
+    (log(1/M) dashed), validation m@k, the train reward smoothed (P̂ for GARL/PAFT, the sampled reward otherwise), q."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods: dict[str, list[RunRecord]] = {}
+    for run in runs:
+        methods.setdefault(run.method, []).append(run)
+    key = validation_key([record for run in runs for record in run.records])
+    panels = [("log P̂", "train", "log_p_hat", False), (f"validation {key}", "validation", key, False),
+              ("train reward (smoothed)", "train", None, True), ("q", "train", "q", False)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6))
+    for color, (method, members) in enumerate(methods.items()):
+        for ax, (title, kind, field, smooth) in zip(axes, panels):
+            curves = [_curve(run.records, kind, field, smooth) for run in members]
+            curves = [curve for curve in curves if curve[0]]
+            if not curves:
+                continue
+            steps = sorted(set.intersection(*(set(steps) for steps, _ in curves)))
+            if not steps:
+                continue
+            at = [dict(zip(*curve)) for curve in curves]
+            values = [[point[step] for point in at] for step in steps]
+            ax.plot(steps, [sum(v) / len(v) for v in values], color=f"C{color}", label=method,
+                    marker="o" if kind == "validation" else None, ms=3)
+            if len(curves) > 1:
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{color}", alpha=0.2)
+    axes[0].axhline(math.log(1 / runs[0].samples), color="grey", linestyle="--", linewidth=1, label="log(1/M)")
+    for ax, (title, *_rest) in zip(axes, panels):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
+    fig.suptitle(f"{runs[0].dataset}: mean over seeds, band: their range", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _curve(records: list[dict[str, Any]], kind: str, field: str | None, smooth: bool) -> tuple[list[int], list[float]]:
+    """A run's (steps, values) of ``field`` in ``kind`` records; the train reward where ``field`` is None: P̂ where the
+    estimator logs it, else the sampled reward."""
+    chosen = [record for record in records if record["kind"] == kind]
+    if field is None:
+        field = "p_hat" if any("p_hat" in record for record in chosen) else "reward"
+    points = [(record["step"], record[field]) for record in chosen if record.get(field) is not None]
+    steps, values = [step for step, _ in points], [value for _, value in points]
+    return steps, smoothed(values) if smooth else values
+
+
+def report(paths: list[Path], *, figures: Path | None = None) -> dict[str, Any]:
+    """The table rows of the finished runs under ``paths``, the runs not finished (listed, not counted), and the
+    figures written under ``figures`` (one per dataset: ``curves_<dataset>.png``)."""
+    finished, unfinished = [], []
+    for run_dir in run_dirs(paths):
+        record = read_run(run_dir)
+        (finished.append(record) if record else unfinished.append(str(run_dir)))
+    if not finished:
+        raise ValueError(f"none of the {len(unfinished)} runs under {', '.join(map(str, paths))} has finished "
+                         f"({RESULTS_FILE}): report reads what finished runs recorded")
+    written = []
+    if figures is not None:
+        figures.mkdir(parents=True, exist_ok=True)
+        for dataset in dict.fromkeys(run.dataset for run in finished):
+            written.append(figures / f"curves_{dataset}.png")
+            plot_dataset([run for run in finished if run.dataset == dataset], written[-1])
+    return {"rows": table(finished), "runs": [str(run.run_dir) for run in finished], "unfinished": unfinished,
+            "figures": [str(path) for path in written]}

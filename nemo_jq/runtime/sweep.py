@@ -1,0 +1,293 @@
+"""A sweep: a grid of runs under one folder that records it, run here a few at a time and resumable as a whole.
+
+``nemo-jq sweep --out DIR [--config C ...] key=value key=a,b,c --seeds 0,1,2`` makes one run per config x swept values
+x seed (``train.seed``; the data split stays ``data.seed``'s), each ``DIR/<name>``, and writes the grid to
+``DIR/sweep.json``. Each run is ``nemo-jq train --requeue ... train.run_dir=DIR/<name>`` in a process of its own (a
+finished run is left alone; one stopped with a checkpoint continues from it; one never started, or started without a
+checkpoint, starts), so ``nemo-jq sweep --resume DIR`` continues a sweep whatever stopped it, and a SLURM array task
+runs the same command (``launchers/slurm_sweep.sbatch``). Here, ``parallel`` runs at once, each with ``threads`` torch
+threads (default: the free cores shared out: two processes with all the cores each run several times slower), its
+output in ``DIR/logs/<name>.log``; one line a run as it starts and ends, and every ``report_every`` seconds the running
+runs' steps and the time left at the step rate measured so far. A stop signal reaches every running run once (each
+writes its checkpoint and stops), no further run starts, and the line says how to continue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from nemo_jq.runtime.checkpoint import latest_checkpoint
+from nemo_jq.runtime.monitor import read_metrics
+from nemo_jq.runtime.outputs import claim_dir
+from nemo_jq.runtime.runs import CHECKPOINT_DIR, RESULTS_FILE
+
+SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
+#: A run's state in its sweep: results written; a checkpoint to continue from; nothing to continue (a new start).
+FINISHED, STOPPED, NEW = "finished", "stopped", "new"
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One run of a sweep: its folder's name, its config file (None: the embedded defaults) and its overrides."""
+
+    name: str
+    config: str | None
+    overrides: tuple[str, ...]
+
+    def train_words(self, sweep_dir: Path) -> list[str]:
+        """``nemo-jq train`` that starts this run, or continues it where its folder holds it (``--requeue``)."""
+        return ["train", "--requeue", *(["--config", self.config] if self.config else []), *self.overrides,
+                f"train.run_dir={Path(sweep_dir) / self.name}"]
+
+
+@dataclass
+class Sweep:
+    """The runs under ``directory`` and the grid they came from (``sweep.json``)."""
+
+    directory: Path
+    runs: list[SweepRun]
+    grid: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_grid(cls, directory: Path, configs: Sequence[str | None], words: Sequence[str],
+                  seeds: Sequence[int] | None) -> Sweep:
+        """Every config x value of each swept key (``key=a,b``; ``key=value`` is the same for every run) x seed."""
+        fixed, axes = split_words(words)
+        configs = list(configs) or [None]
+        runs = []
+        for config, values, seed in itertools.product(configs, itertools.product(*axes.values()), seeds or [None]):
+            chosen = [f"{key}={value}" for key, value in zip(axes, values)]
+            parts = ([Path(config).stem] if len(configs) > 1 else []) + [
+                f"{key.rsplit('.', 1)[-1]}={value}" for key, value in zip(axes, values)]
+            parts += [f"seed={seed}"] if seed is not None else []
+            runs.append(SweepRun("_".join(parts) or "run", config, tuple([*fixed, *chosen,
+                                                                          *([f"train.seed={seed}"] if seed is not None else [])])))
+        names = [run.name for run in runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"the grid names two runs alike ({sorted({n for n in names if names.count(n) > 1})[0]}): "
+                             "give the configs distinct file names")
+        grid = {"configs": configs, "fixed": fixed, "axes": axes, "seeds": list(seeds) if seeds else None}
+        return cls(Path(directory), runs, grid)
+
+    @classmethod
+    def load(cls, directory: Path) -> Sweep:
+        path = Path(directory) / SWEEP_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"{directory} holds no sweep ({SWEEP_FILE}): give the folder `nemo-jq sweep --out` made")
+        saved = json.loads(path.read_text())
+        runs = [SweepRun(run["name"], run["config"], tuple(run["overrides"])) for run in saved["runs"]]
+        return cls(Path(directory), runs, saved.get("grid", {}))
+
+    def write(self, *, overwrite: bool = False, markers: tuple[str, ...] = (), what: str = "a sweep",
+              advice: str | None = None) -> None:
+        """Claim the folder (an earlier sweep there, or any of ``markers``, is refused saying ``advice``, or moved
+        aside with ``overwrite``) and record the grid."""
+        claim_dir(self.directory, (SWEEP_FILE, *markers, *(run.name for run in self.runs)), overwrite=overwrite,
+                  what=what, advice=advice or f"continue it with `nemo-jq sweep --resume {self.directory}`, write the new "
+                                              "one elsewhere (--out), or pass --overwrite to move the old one aside first")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        record = {"grid": self.grid, "runs": [asdict(run) for run in self.runs]}
+        (self.directory / SWEEP_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+    def status(self, run: SweepRun) -> str:
+        run_dir = self.directory / run.name
+        if (run_dir / RESULTS_FILE).exists():
+            return FINISHED
+        try:
+            return STOPPED if latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None else NEW
+        except FileNotFoundError:
+            return NEW
+
+
+def split_words(words: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """``key=value`` overrides (the same for every run) and swept keys (``key=a,b,c``: a list value in brackets is one
+    value); a word without ``=``, or a key given twice, is an error naming it."""
+    fixed, axes = [], {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{word!r}: a sweep takes section.key=value (or section.key=a,b,c to sweep it)")
+        if key in axes or any(item.split("=", 1)[0] == key for item in fixed):
+            raise ValueError(f"{key} is given twice: give it once (key=a,b,c sweeps it)")
+        if "," in value and not value.startswith("["):
+            axes[key] = [item.strip() for item in value.split(",")]
+            if any(not item for item in axes[key]):
+                raise ValueError(f"{word!r}: an empty value in a swept list")
+        else:
+            fixed.append(word)
+    return fixed, axes
+
+
+def free_cores(window: float = 0.5) -> int:
+    """This process's cores less those kept busy now (the machine's busy share over ``window`` seconds, from
+    ``/proc/stat``, in cores, rounded), at least 1. Where there is no ``/proc/stat``, the 1-minute load average."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    stat = Path("/proc/stat")
+    if not stat.exists():
+        return max(1, cores - int(os.getloadavg()[0]))
+
+    def sample() -> tuple[int, int]:
+        ticks = [int(value) for value in stat.read_text().split("\n", 1)[0].split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, and idle + iowait
+
+    (total, idle), _ = sample(), time.sleep(window)
+    total_after, idle_after = sample()
+    busy = 1 - (idle_after - idle) / max(1, total_after - total)
+    return max(1, cores - round(busy * (os.cpu_count() or cores)))
+
+
+@dataclass
+class _Running:
+    run: SweepRun
+    process: subprocess.Popen
+    started: float
+    total_steps: int | None
+    #: (seconds, step) when a step was first seen: the step rate is measured from there, past the run's start-up.
+    first_seen: tuple[float, int] | None = None
+
+
+class RunFailed(ValueError):
+    """A run of the sweep failed (its log says why); one line."""
+
+
+#: Seconds before the first progress line (the step rate measured), then every ``report_every``; and between two
+#: readings of the running runs' steps.
+FIRST_REPORT, MEASURE_EVERY = 15.0, 2.0
+
+
+def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, report_every: float = 30.0,
+             command: str = "sweep", say: Callable[[str], None] | None = None,
+             python: Sequence[str] = (sys.executable, "-m", "nemo_jq.cli")) -> None:
+    """Run the sweep's unfinished runs on this machine, ``parallel`` at a time with ``threads`` threads each (see the
+    module docstring); the lines name ``nemo-jq command`` (whose ``--resume`` continues the sweep). Raises
+    :class:`~nemo_jq.runtime.preemption.Stopped` after a stop signal, or :class:`RunFailed` naming a run that failed
+    and its log (the runs already running finish first; no further one starts)."""
+    from nemo_jq.runtime.preemption import Stopped, signal_name
+
+    say = say or (lambda line: print(line, flush=True))
+    threads = threads or max(1, free_cores() // parallel)
+    states = {run.name: sweep.status(run) for run in sweep.runs}
+    pending = [run for run in sweep.runs if states[run.name] != FINISHED]
+    counts = {state: list(states.values()).count(state) for state in (FINISHED, STOPPED, NEW)}
+    logs = sweep.directory / LOGS_DIR
+    logs.mkdir(parents=True, exist_ok=True)
+    say(f"nemo-jq {command}: {len(sweep.runs)} runs in {sweep.directory} ({counts[FINISHED]} finished, {counts[STOPPED]} to "
+        f"continue, {counts[NEW]} to start), {parallel} at a time with {threads} thread{'s' * (threads > 1)} each; "
+        f"each run's output in {logs}/NAME.log")
+    number = {run.name: index + 1 for index, run in enumerate(sweep.runs)}
+    running: list[_Running] = []
+    received: list[int] = []
+    failed: list[str] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        for entry in running:  # each run its own signal, once per signal the sweep gets (a second one stops it now)
+            entry.process.send_signal(signum)
+
+    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    next_report, next_measure = time.monotonic() + min(report_every, FIRST_REPORT), 0.0
+    try:
+        while (pending and not received and not failed) or running:
+            while pending and len(running) < parallel and not received and not failed:
+                run = pending.pop(0)
+                log = open(logs / f"{run.name}.log", "a")  # noqa: SIM115 - the child writes it; closed when it ends
+                process = subprocess.Popen([*python, *run.train_words(sweep.directory)], stdout=log,
+                                           stderr=subprocess.STDOUT, env=environment, start_new_session=True)
+                log.close()
+                running.append(_Running(run, process, time.monotonic(), total_steps(run, sweep.directory)))
+                say(f"run {number[run.name]}/{len(sweep.runs)} {run.name}: "
+                    f"{'continuing' if states[run.name] == STOPPED else 'started'}")
+            time.sleep(0.2)
+            for entry in [entry for entry in running if entry.process.poll() is not None]:
+                running.remove(entry)
+                _ended(sweep, entry, number, len(sweep.runs), say, failed, stopping=bool(received))
+            if running and time.monotonic() >= next_measure:  # the step rates, measured between the lines
+                next_measure = time.monotonic() + MEASURE_EVERY
+                for entry in running:
+                    _measure(sweep, entry, time.monotonic())
+            if running and time.monotonic() >= next_report:
+                next_report = time.monotonic() + report_every
+                say(progress_line(sweep, running, pending, parallel))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if received:
+        left = [run.name for run in sweep.runs if sweep.status(run) != FINISHED]
+        raise Stopped(received[0], f"nemo-jq {command}: stopped by {signal_name(received[0])}; {len(left)} of "
+                                   f"{len(sweep.runs)} runs unfinished ({', '.join(left)}), each kept with its checkpoint "
+                                   f"where it had one; `nemo-jq {command} --resume {sweep.directory}` continues them")
+    if failed:
+        raise RunFailed(f"nemo-jq {command}: {'; '.join(failed)}; the others are kept: fix it and `nemo-jq {command} "
+                        f"--resume {sweep.directory}` goes on")
+
+
+def _ended(sweep: Sweep, entry: _Running, number: dict[str, int], total: int, say: Callable[[str], None],
+           failed: list[str], *, stopping: bool) -> None:
+    """Say how a run's process ended: finished (its results written), stopped with a checkpoint, or failed."""
+    run, code = entry.run, entry.process.returncode
+    minutes = (time.monotonic() - entry.started) / 60
+    state = sweep.status(run)
+    if state == FINISHED:
+        say(f"run {number[run.name]}/{total} {run.name}: finished in {minutes:.1f} min")
+    elif stopping or code == 0:
+        say(f"run {number[run.name]}/{total} {run.name}: stopped after {minutes:.1f} min "
+            f"({'with a checkpoint' if state == STOPPED else 'before its first checkpoint'})")
+    else:
+        log = sweep.directory / LOGS_DIR / f"{run.name}.log"
+        failed.append(f"run {run.name} failed (exit {code}); its output: {log}")
+        say(f"run {number[run.name]}/{total} {run.name}: FAILED (exit {code}), see {log}")
+
+
+def total_steps(run: SweepRun, sweep_dir: Path) -> int | None:
+    """The run's steps as its config gives them (``train.max_steps``, or the epochs over ``data.train_size`` prompts
+    in batches); None where the config leaves the split's size to the data."""
+    from nemo_jq.config import load_config
+
+    try:
+        config = load_config(run.config, list(run.overrides))
+    except Exception:  # noqa: BLE001 - the run itself reports a bad config, in its log
+        return None
+    train, size = config.train, config.data.train_size
+    epochs = train.epochs * math.ceil(size / train.batch_size) if size else None
+    return min(filter(None, [epochs, train.max_steps]), default=None)
+
+
+def progress_line(sweep: Sweep, running: list[_Running], pending: list[SweepRun], parallel: int) -> str:
+    """The running runs' steps and time left at the step rate measured so far, and the sweep's: the longest running
+    run's, then the pending runs at the running runs' mean time, ``parallel`` at once."""
+    now, parts, lefts, wholes = time.monotonic(), [], [], []
+    for entry in running:
+        step, rate = _measure(sweep, entry, now)
+        text = f"{entry.run.name} step {step}" + (f"/{entry.total_steps}" if entry.total_steps else "")
+        if rate and entry.total_steps:
+            lefts.append((entry.total_steps - step) / rate)
+            wholes.append(entry.total_steps / rate)
+            text += f" ({rate:.1f} steps/s, {lefts[-1] / 60:.1f} min left)"
+        parts.append(text)
+    line = "sweep: " + "; ".join(parts)
+    if wholes:
+        left = max(lefts) + sum(wholes) / len(wholes) * math.ceil(len(pending) / parallel)
+        line += f"; about {left / 60:.0f} min left in all"
+    return line
+
+
+def _measure(sweep: Sweep, entry: _Running, now: float) -> tuple[int, float | None]:
+    """A running run's last logged step and its steps a second since a step was first seen (None until it moves)."""
+    records = [record for record in read_metrics(sweep.directory / entry.run.name) if record.get("kind") == "train"]
+    step = records[-1]["step"] if records else 0
+    if step and entry.first_seen is None:
+        entry.first_seen = (now, step)
+    if entry.first_seen is None or step <= entry.first_seen[1]:
+        return step, None
+    return step, (step - entry.first_seen[1]) / (now - entry.first_seen[0])

@@ -1,0 +1,123 @@
+"""``nemo-jq sweep`` and the demo as a sweep, run as a user runs them (subprocesses, real signals): a sweep stopped by
+Ctrl-C continues with ``--resume`` to the metrics of one never stopped, and the report reproduces each run's
+results.json; the demo, stopped, continues with ``nemo-jq train --resume`` to the table of one never stopped, and its
+overrides reach every run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_jq.runtime.monitor import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Tiny runs: a few seconds of training each, a checkpoint every 4 steps.
+SMALL = ["train.max_steps=16", "train.save_every=4", "eval.every=8", "data.validation_size=16", "data.test_size=16"]
+#: What differs between two runs of the same seed: timings, and the float noise between the sampler's and the
+#: trainer's log-probs (it depends on the threads; the samples and the weights do not).
+NOISE = ("step_time", "rollout_tokens_per_s", "logprob_gap", "max_logprob_gap", "kl_k3")
+
+pytestmark = pytest.mark.slow
+
+
+def nemo_jq(*words: str) -> subprocess.Popen:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(["tests", *sys.path])}
+    return subprocess.Popen([sys.executable, "-m", "nemo_jq.cli", *map(str, words)], cwd=ROOT, env=environment,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
+    out, _ = process.communicate(timeout=timeout)
+    return process.returncode, out
+
+
+def interrupt_when_training(process: subprocess.Popen, run_dir: Path) -> tuple[int, str]:
+    """Ctrl-C (SIGINT to the command) once ``run_dir`` has logged 5 steps; the command's exit code and output."""
+    deadline = time.monotonic() + 300
+    while not [r for r in read_metrics(run_dir) if r["kind"] == "train" and r["step"] >= 5]:
+        assert process.poll() is None and time.monotonic() < deadline, "the sweep ended before its first run trained"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    return finish(process)
+
+
+def comparable(run_dir: Path) -> list[dict]:
+    return [{key: value for key, value in record.items() if key not in NOISE} for record in read_metrics(run_dir)]
+
+
+def documented(where: Path) -> list[list[str]]:
+    """docs/sweeps.md's sweep, resume and report commands (their words after ``nemo-jq``), on ``where`` instead of
+    runs/q_sweep, each run cut to :data:`SMALL`."""
+    page = (ROOT / "docs" / "sweeps.md").read_text()
+    block = page.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.replace("runs/q_sweep", str(where)).split()[1:] for line in block.splitlines()]
+    return [commands[0] + SMALL, *commands[1:]]
+
+
+def test_the_documented_sweep_stopped_resumes_to_an_unstopped_ones_metrics_and_its_report_reads_each_runs_results(
+        tmp_path):
+    """docs/sweeps.md's commands: 2 estimators x 2 seeds, 2 runs at a time; stopped by Ctrl-C during its first run,
+    continued with --resume, the same metrics, samples and results as the same sweep never stopped."""
+    sweep, resume, report = documented(tmp_path / "stopped")
+    code, out = finish(nemo_jq(*[word.replace(str(tmp_path / "stopped"), str(tmp_path / "whole")) for word in sweep]))
+    assert code == 0, out
+    assert out.splitlines()[0].startswith(f"nemo-jq sweep: 4 runs in {tmp_path / 'whole'} (0 finished, 0 to continue, "
+                                          "4 to start), 2 at a time")
+    code, out = interrupt_when_training(nemo_jq(*sweep), tmp_path / "stopped" / "name=garl_seed=0")
+    assert code == 130, out
+    assert f"`nemo-jq sweep --resume {tmp_path / 'stopped'}` continues them" in out.splitlines()[-1]
+    code, out = finish(nemo_jq(*resume))
+    assert code == 0, out
+    assert "to continue" in out.splitlines()[0] and "(0 finished" in out.splitlines()[0]
+    names = [run["name"] for run in json.loads((tmp_path / "whole" / "sweep.json").read_text())["runs"]]
+    for name in names:
+        assert comparable(tmp_path / "stopped" / name) == comparable(tmp_path / "whole" / name), name
+        for kept in ("results.json", "samples.jsonl"):  # what each validation's first prompts were answered with too
+            assert (tmp_path / "stopped" / name / kept).read_text() == (tmp_path / "whole" / name / kept).read_text()
+    # the report: each group's mean over its two seeds is the mean of what the runs recorded
+    code, out = finish(nemo_jq(*report))
+    assert code == 0, out
+    results = {name: json.loads((tmp_path / "whole" / name / "results.json").read_text()) for name in names}
+    table = json.loads((tmp_path / "stopped" / "table.json").read_text())["rows"]
+    garl = next(row for row in table if row["method"] == "GARL q=0.75")
+    mean = sum(results[f"name=garl_seed={seed}"]["test"]["p@16"] for seed in (0, 1)) / 2
+    assert garl["n"] == 2 and garl["seeds"] == [0, 1] and garl["p@16"] == round(mean, 2)
+    assert (tmp_path / "stopped" / "table.csv").read_text().startswith("dataset,format,method,n,seeds")
+    assert (tmp_path / "stopped" / "curves_synthetic.png").stat().st_size > 10_000
+    code, out = finish(nemo_jq("generate", tmp_path / "whole" / "name=garl_seed=0", *documented_generate()))
+    assert code == 0 and out.count("--- sample") == 4 and out.count("answer: ") == 4, out
+
+
+def documented_generate() -> list[str]:
+    """docs/sweeps.md's generate command's words after the run folder."""
+    page = (ROOT / "docs" / "sweeps.md").read_text()
+    line = next(line for line in page.splitlines() if line.startswith("nemo-jq generate runs/"))
+    return shlex.split(line)[3:]
+
+
+def test_the_demo_stopped_continues_to_the_table_of_one_never_stopped_and_takes_overrides_to_every_run(tmp_path):
+    small = ["--quick", "train.max_steps=24", "data.test_size=16"]
+    code, whole = finish(nemo_jq("train", "--demo-dir", tmp_path / "whole", *small))
+    assert code == 0, whole
+    assert whole.splitlines()[0].startswith("nemo-jq train: the cold-start comparison, GRPO, GARL q=0 (RB-RLOO), GARL "
+                                            "q=0.5, GARL q=0.75, GARL q=1")
+    code, out = interrupt_when_training(nemo_jq("train", "--demo-dir", tmp_path / "stopped", *small),
+                                        tmp_path / "stopped" / "grpo")
+    assert code == 130 and f"`nemo-jq train --resume {tmp_path / 'stopped'}` continues them" in out, out
+    code, out = finish(nemo_jq("train", "--resume", tmp_path / "stopped"))
+    assert code == 0, out
+    table = [line for line in whole.splitlines() if line.startswith(("GRPO", "GARL"))]
+    assert len(table) == 5 and table == [line for line in out.splitlines() if line.startswith(("GRPO", "GARL"))]
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary == json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    for slug in ("grpo", "garl_q0", "garl_q0.5", "garl_q0.75", "garl_q1"):  # --quick and the overrides reached each
+        config = (tmp_path / "whole" / slug / "config.yaml").read_text()
+        assert "max_steps: 24" in config and "test_size: 16" in config and "validation_size: 32" in config, slug
