@@ -18,6 +18,7 @@ from pathlib import Path
 
 from nemo_jq.recipe.demo import QUICK, demo_sweep
 from nemo_jq.runtime.monitor import read_metrics
+from nemo_jq.runtime.preemption import Stopped
 from nemo_jq.runtime.sweep import free_cores, run_here
 
 
@@ -26,13 +27,20 @@ def spin() -> None:
         pass
 
 
+def run_quietly(sweep, parallel: int, threads: int) -> None:
+    """The sweep, its progress lines silenced; the stop at the cap ends it without a traceback."""
+    try:
+        run_here(sweep, parallel=parallel, threads=threads, say=lambda line: None)
+    except Stopped:
+        pass
+
+
 def measure(parallel: int, threads: int, cap: float) -> dict:
     """The quick demo's wall time at ``parallel`` runs of ``threads`` threads, or the steps made by ``cap`` seconds."""
     with tempfile.TemporaryDirectory() as scratch:
         sweep = demo_sweep(Path(scratch) / "demo", list(QUICK))
         sweep.write()
-        runner = multiprocessing.Process(target=run_here, args=(sweep,),
-                                         kwargs=dict(parallel=parallel, threads=threads, say=lambda line: None))
+        runner = multiprocessing.Process(target=run_quietly, args=(sweep, parallel, threads))
         started = time.monotonic()
         runner.start()
         runner.join(cap)

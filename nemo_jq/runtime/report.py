@@ -194,13 +194,14 @@ def plot_dataset(runs: list[RunRecord], path: Path) -> None:
                     marker="o" if kind == "validation" else None, ms=3)
             if len(curves) > 1:
                 ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{color}", alpha=0.2)
-    axes[0].axhline(math.log(1 / runs[0].samples), color="grey", linestyle="--", linewidth=1, label="log(1/M)")
+    axes[0].axhline(math.log(1 / runs[0].samples), color="grey", linestyle="--", linewidth=1)
     for ax, (title, *_rest) in zip(axes, panels):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
+    handles = [plt.Line2D([], [], color=f"C{color}", label=method) for color, method in enumerate(methods)]
+    handles.append(plt.Line2D([], [], color="grey", linestyle="--", linewidth=1, label="log(1/M)"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8)
     fig.suptitle(f"{runs[0].dataset}: mean over seeds, band: their range", fontsize=10)
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
     fig.savefig(path, dpi=110)

@@ -118,6 +118,12 @@ def test_the_demo_stopped_continues_to_the_table_of_one_never_stopped_and_takes_
     assert len(table) == 5 and table == [line for line in out.splitlines() if line.startswith(("GRPO", "GARL"))]
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert summary == json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    # `nemo-jq report` on the demo's folder gives its table: each method once (one seed), its test scores as recorded
+    code, out = finish(nemo_jq("report", tmp_path / "whole", "--json", tmp_path / "report.json"))
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert code == 0 and [row["method"] for row in rows] == ["GRPO", "GARL q=0", "GARL q=0.5", "GARL q=0.75", "GARL q=1"]
+    for row, (label, result) in zip(rows, summary.items()):
+        assert row["n"] == 1 and all(row[key] == round(value, 2) for key, value in result["test"].items()), label
     for slug in ("grpo", "garl_q0", "garl_q0.5", "garl_q0.75", "garl_q1"):  # --quick and the overrides reached each
         config = (tmp_path / "whole" / slug / "config.yaml").read_text()
         assert "max_steps: 24" in config and "test_size: 16" in config and "validation_size: 32" in config, slug
