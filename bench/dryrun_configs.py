@@ -130,10 +130,13 @@ def markdown(results: list[dict], prompt_tokens: int) -> str:
              "holds on a node of 8 GPUs at the fullest process's peak (in its phase; not vLLM's own process memory, "
              "Python or the libraries); decode: the prompts a step's rollouts have an engine decode of its replica's, "
              "over the replica's engines (counted on the simulated ranks; **twice**: a prompt decoded by more than one "
-             "engine); simulated in: seconds on this build machine's 2 shared cores.", "",
+             "engine); h a run (H100): the whole run's steps and evaluations at the bounds, and expected at the fractions "
+             "of them measured on a GPU (docs/dryrun.md; –: a setting not measured, as vLLM's decode); simulated in: "
+             "seconds on this build machine's 2 shared cores.", "",
              "| configs | GPUs | " + " | ".join(phase.replace("_", " ") for phase in TABLE_PHASES)
-             + " | host GiB a node | fits | plan/dry | decode | s/step A100 / H100 | simulated in |",
-             "| --- " * (len(TABLE_PHASES) + 9) + "|"]
+             + " | host GiB a node | fits | plan/dry | decode | s/step A100 / H100 | h a run (H100): at least / expected "
+               "| simulated in |",
+             "| --- " * (len(TABLE_PHASES) + 10) + "|"]
     for entry in results:
         report, paths = entry["report"], entry["configs"]
         cells = []
@@ -151,8 +154,16 @@ def markdown(results: list[dict], prompt_tokens: int) -> str:
         lines.append(f"| {name} | {report.get('world_size', 1)} | " + " | ".join(cells)
                      + f" | {host['gib']:.1f} ({host['phase'].replace('_', ' ')}) | {'yes' if report['fits'] else '**no**'} | "
                      + (f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "–") + f" | {decode_cell(report['decode'])} | "
-                     f"{step['a100-80gb']:.0f} / {step['h100-80gb']:.0f} | {entry['dry_run_seconds']:.0f} s |")
+                     f"{step['a100-80gb']:.0f} / {step['h100-80gb']:.0f} | {run_hours(report['run_time'])} | "
+                     f"{entry['dry_run_seconds']:.0f} s |")
     return "\n".join(lines) + "\n"
+
+
+def run_hours(timed: dict[str, Any] | None) -> str:
+    """``62.0 / 170.3``: a run's hours at the bounds and at the measured fractions (–: not measured, or no step count)."""
+    if timed is None:
+        return "–"
+    return f"{timed['hours_at_least']:.1f} / " + (f"{timed['hours_expected']:.1f}" if "hours_expected" in timed else "–")
 
 
 def decode_cell(decode: dict[str, Any] | None) -> str:

@@ -76,6 +76,66 @@ def sampling_seconds(shape: dict[str, Any], config: Config, gpu: GpuProfile, pro
     return seconds
 
 
+#: The share of a phase's bound this project measured on a real GPU (bench/results/real_gpu.json, run 9: an H200), by
+#: phase and setting: (fraction, what was measured). A setting without one is "not measured" (vLLM, which no lent GPU
+#: had; the Megatron backend's training, whose step was timed but not against its FLOPs; the hf engine's decode).
+MEASURED = {
+    ("rollout", "native"): (0.4217, "the native engine's compiled CUDA-graph decode, the paper's chunk (32 rows) at a "
+                                    "3072-token context, of its bandwidth bound"),
+    ("rollout", "native, uncompiled"): (0.3052, "the native engine's CUDA-graph decode, uncompiled (rollout.compile="
+                                                "false), the same chunk, of its bandwidth bound"),
+    ("rollout", "native, eager"): (0.0864, "the native engine's eager decode (rollout.cuda_graphs=false), the same "
+                                           "chunk, of its bandwidth bound"),
+    ("train", "hf"): (0.1709, "the hf backend's training, 8 rows of 5248 tokens a micro-batch, model FLOPs over the "
+                              "bf16 peak"),
+    ("train", "hf, compiled"): (0.2836, "the same with model.compile=true"),
+}
+#: Phases whose bound the evaluation's sampling shares.
+SAMPLING_PHASES = ("rollout", "evaluate")
+
+
+def measured_fraction(phase: str, config: Config) -> tuple[float, str] | None:
+    """:data:`MEASURED`'s entry for ``phase`` under ``config`` (evaluation samples as the rollouts do), or None."""
+    rollout, model = config.rollout, config.model
+    if phase in SAMPLING_PHASES and rollout.engine == "native":
+        setting = "native" if rollout.cuda_graphs and rollout.compile else \
+            "native, uncompiled" if rollout.cuda_graphs else "native, eager"
+        return MEASURED[("rollout", setting)]
+    if phase == "train" and model.backend == "hf":
+        return MEASURED[("train", "hf, compiled" if model.compile else "hf")]
+    return None
+
+
+def run_time(phases: dict[str, dict[str, Any]], config: Config, gpus: int) -> dict[str, Any] | None:
+    """A whole run's time from its phases' bounds (``seconds_at_least``): its steps (rollouts, training, the optimizer
+    step), its validations and the test split's evaluation; at least (the bounds) and expected (each sampling and
+    training bound over its :func:`measured_fraction`; None, with what is not measured, where one is missing), in
+    hours and GPU-hours over ``gpus``. None where the config leaves its steps to the data's size."""
+    from nemo_jq.runtime.sweep import steps_of
+
+    steps = steps_of(config)
+    if steps is None:
+        return None
+    every, data = config.eval.every, config.data
+    evaluations = steps // every + (steps % every != 0) + data.test_size / data.validation_size
+    counts = {"rollout": steps, "train": steps, "optimizer_step": steps, "evaluate": evaluations}
+    least = {phase: phases[phase]["seconds_at_least"] * count for phase, count in counts.items() if phase in phases}
+    missing, expected = [], {}
+    for phase, seconds in least.items():
+        fraction = measured_fraction(phase, config)
+        if fraction is None and phase != "optimizer_step":  # a memory-bound sweep over the state: its bound stands
+            missing.append(phase)
+        expected[phase] = seconds / fraction[0] if fraction else seconds
+    hours = sum(least.values()) / 3600
+    result = {"steps": steps, "evaluations": round(evaluations, 2), "gpus": gpus, "hours_at_least": round(hours, 1),
+              "gpu_hours_at_least": round(hours * gpus, 1),
+              "fractions": {phase: measured_fraction(phase, config) for phase in least}, "not_measured": missing}
+    if not missing:
+        expected_hours = sum(expected.values()) / 3600
+        result.update(hours_expected=round(expected_hours, 1), gpu_hours_expected=round(expected_hours * gpus, 1))
+    return result
+
+
 class NoModules:
     """``FlopCounterMode``'s module tracker, tracking none: ``ModuleTracker`` hooks every module's inputs and outputs
     into autograd, and those hooks keep activation checkpointing's recomputed tensors alive past their use (on a GPU

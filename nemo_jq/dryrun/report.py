@@ -89,6 +89,24 @@ def format_decode(decode: dict[str, Any]) -> str:
             f"{decode['most_decoded']}); none decoded twice")
 
 
+def format_run_time(timed: dict[str, Any], gpu: str) -> str:
+    """The whole run's time in one line: at least, and expected at the measured fractions (or what is not measured)."""
+    line = (f"the run: {timed['steps']} steps and {timed['evaluations']:g} evaluations (validations and the test split) "
+            f"take at least {timed['hours_at_least']:.1f} h on {timed['gpus']} {gpu} "
+            f"({timed['gpu_hours_at_least']:.1f} GPU-hours)")
+    if timed["not_measured"]:
+        return line + (f"; expected: not measured ({', '.join(timed['not_measured'])}: no lent GPU has measured this "
+                       "setting's fraction of its bound)")
+    by_entry: dict[tuple, list[str]] = {}
+    for phase, entry in timed["fractions"].items():
+        if entry:
+            by_entry.setdefault(tuple(entry), []).append(phase)
+    used = "; ".join(f"{' and '.join(phases)} at {fraction:.2f} of the bound ({what})"
+                     for (fraction, what), phases in by_entry.items())
+    return line + (f"; expected {timed['hours_expected']:.1f} h ({timed['gpu_hours_expected']:.1f} GPU-hours) at the "
+                   f"fractions measured on an H200 (bench/results/real_gpu.json, run 9): {used}")
+
+
 def format_report(report: dict[str, Any]) -> str:
     simulated = list(report["ranks"].values()) if "ranks" in report else [report]
     world = f"rank(s) of {report['world_size']} GPUs, each simulated apart" if "ranks" in report else report["rank"]
@@ -111,6 +129,8 @@ def format_report(report: dict[str, Any]) -> str:
                  "step's bound (docs/dryrun.md)")
     if report.get("decode"):
         lines.append(format_decode(report["decode"]))
+    if report.get("run_time"):
+        lines.append(format_run_time(report["run_time"], report["gpu"]["name"]))
     host = report.get("host")
     if host:
         limit = f" of the {host['memory_gib']:g} GiB given: {'fits' if host['fits'] else 'does NOT fit'}" \

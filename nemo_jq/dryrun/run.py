@@ -25,7 +25,7 @@ import torch
 
 from nemo_jq.cluster.plan import HEADROOM, auto_micro_batch_rows
 from nemo_jq.config import Config
-from nemo_jq.dryrun.bounds import GpuProfile, seconds_at_least
+from nemo_jq.dryrun.bounds import GpuProfile, run_time, seconds_at_least
 from nemo_jq.dryrun.memory import MemoryTracker, gib
 from nemo_jq.dryrun.phases import DryRun
 from nemo_jq.dryrun.report import decode_work
@@ -109,6 +109,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
     replica_of = None if config.model.backend != "megatron" else \
         (lambda rank: megatron.RankPlace.of(rank, config.megatron, report["world_size"]).data_parallel)
     report["decode"] = decode_work(report)
+    report["run_time"] = whole_run(report, config)
     report["host"] = {**host_per_node(report, gpus_per_node, replica_of), "memory_gib": host_memory_gib}
     report["host"]["fits"] = host_memory_gib is None or report["host"]["gib"] <= host_memory_gib
     return report
@@ -168,7 +169,19 @@ def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str,
     for simulated in [moved, *moved.get("ranks", {}).values(), *([moved["rollout_rank"]] if "rollout_rank" in moved else [])]:
         for name, phase in simulated["phases"].items():
             phase["seconds_at_least"] = round(seconds_at_least(name, phase["flops"], simulated["shape"], config, gpu), 3)
+    moved["run_time"] = whole_run(moved, config)
     return moved
+
+
+def whole_run(report: dict[str, Any], config: Config) -> dict[str, Any] | None:
+    """:func:`.bounds.run_time` of the report's run: the fullest rank's phases (a rollout rank's sampling, with rollout
+    ranks of their own), over the world's GPUs."""
+    phases = dict(report["phases"])
+    serving = report.get("rollout_rank")
+    if serving:
+        phases.update({name: serving["phases"][name] for name in ("rollout", "evaluate") if name in serving["phases"]})
+    gpus = report.get("world_size", 1) + (config.rollout.ranks if serving else 0)
+    return run_time(phases, config, gpus)
 
 
 def check_fits(report: dict[str, Any]) -> None:

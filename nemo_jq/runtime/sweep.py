@@ -258,6 +258,12 @@ def total_steps(run: SweepRun, sweep_dir: Path) -> int | None:
         config = load_config(run.config, list(run.overrides))
     except Exception:  # noqa: BLE001 - the run itself reports a bad config, in its log
         return None
+    return steps_of(config)
+
+
+def steps_of(config: Any) -> int | None:
+    """A config's optimizer steps: ``train.max_steps``, or the epochs over ``data.train_size`` prompts in batches
+    (None where the config leaves the split's size to the data)."""
     train, size = config.train, config.data.train_size
     epochs = train.epochs * math.ceil(size / train.batch_size) if size else None
     return min(filter(None, [epochs, train.max_steps]), default=None)

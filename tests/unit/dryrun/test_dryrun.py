@@ -22,8 +22,11 @@ from nemo_jq.cli import main
 from nemo_jq.config import load_config
 from nemo_jq.dryrun import GPUS, DoesNotFit, GpuProfile, WrongDevice, check_fits, dry_run, on_gpu
 from nemo_jq.dryrun.memory import MemoryTracker
+from nemo_jq.dryrun.report import format_report
 from nemo_jq.dryrun.world import GPU, MOST, FakeWorld
 from nemo_jq.models.interfaces import TokenBatch
+
+ROOT = Path(__file__).resolve().parents[3]
 
 HERE = Path(__file__).resolve().parent
 
@@ -232,7 +235,7 @@ def test_vllm_holds_its_configured_share_while_it_samples_and_no_copy_beside_the
 
 def without_timings(report: dict) -> dict:
     """``report`` less what differs between two simulations of one run (seconds spent) or two GPUs (time bounds)."""
-    kept = {key: value for key, value in report.items() if key != "gpu"}
+    kept = {key: value for key, value in report.items() if key not in ("gpu", "run_time")}
     kept["phases"] = {name: {key: value for key, value in phase.items() if key not in ("simulated_in_s", "seconds_at_least")}
                       for name, phase in report["phases"].items()}
     return kept
@@ -273,6 +276,7 @@ def test_another_gpu_of_the_same_memory_changes_only_the_time_bounds(tmp_path):
     assert moved["gpu"] == simulated["gpu"] and all(
         moved["phases"][name]["seconds_at_least"] == phase["seconds_at_least"] for name, phase in simulated["phases"].items())
     assert moved["phases"]["train"]["seconds_at_least"] > h100["phases"]["train"]["seconds_at_least"]
+    assert moved["run_time"] == simulated["run_time"] != h100["run_time"]
     with pytest.raises(ValueError, match="not the 80.0 this report was simulated on"):
         on_gpu(h100, config, GpuProfile("A100 40GB", 40.0, 312e12, 1.6e12))
 
@@ -321,3 +325,42 @@ def test_the_dry_run_resolves_auto_row_chunks_as_train_does_and_they_fit(tmp_pat
     assert report["micro_batch_rows"] == expected and 1 <= expected < 16 and report["fits"]
     assert f"train.micro_batch_rows=auto: {expected}" in format_report(report)
     assert config.train.micro_batch_rows == "auto"  # the caller's config is left as it was
+
+
+def test_a_whole_runs_time_is_its_steps_and_evaluations_at_the_bounds_and_at_the_measured_fractions(tmp_path):
+    """10 steps, validations at steps 4, 8 and 10 and a test split half the validation's: 3.5 evaluations. At least:
+    the phases' bounds so many times; expected: the sampling bounds over the native decode's measured share of its
+    bound, training's over the hf backend's MFU (the optimizer step's bound as it is); vLLM's is not measured."""
+    from nemo_jq.dryrun.bounds import MEASURED
+
+    slow = GpuProfile("a slow 80 GB GPU", 80.0, 1e9, 1e6)  # bounds of hours at this small shape
+    config = load_config(None, ["train.batch_size=4", "train.micro_batch_size=2", "eval.batch_size=4",
+                                "train.max_steps=10", "eval.every=4", "data.validation_size=8", "data.test_size=4"])
+    report = dry_run(config, slow, prompt_tokens=24)
+    bound = {name: report["phases"][name]["seconds_at_least"] for name in ("rollout", "train", "optimizer_step", "evaluate")}
+    timed = report["run_time"]
+    assert (timed["steps"], timed["evaluations"], timed["gpus"], timed["not_measured"]) == (10, 3.5, 1, [])
+    least = 10 * (bound["rollout"] + bound["train"] + bound["optimizer_step"]) + 3.5 * bound["evaluate"]
+    decode, train = MEASURED[("rollout", "native")][0], MEASURED[("train", "hf")][0]
+    expected = 10 * (bound["rollout"] / decode + bound["train"] / train + bound["optimizer_step"]) + 3.5 * bound["evaluate"] / decode
+    assert timed["hours_at_least"] == round(least / 3600, 1) > 0 and timed["hours_expected"] == round(expected / 3600, 1)
+    line = format_report(report).splitlines()
+    assert any(text.startswith("the run: 10 steps and 3.5 evaluations (validations and the test split) take at least")
+               and "rollout and evaluate at 0.42 of the bound" in text for text in line)
+    vllm = dry_run(load_config(None, ["train.batch_size=4", "train.micro_batch_size=2", "eval.batch_size=4",
+                                      "train.max_steps=10", "rollout.engine=vllm"]), slow, prompt_tokens=24)
+    assert vllm["run_time"]["not_measured"] == ["rollout", "evaluate"] and "hours_expected" not in vllm["run_time"]
+
+
+def test_the_measured_fractions_are_the_ones_bench_results_real_gpu_json_holds():
+    from nemo_jq.dryrun.bounds import MEASURED
+
+    runs = json.loads((ROOT / "bench" / "results" / "real_gpu.json").read_text())["runs"]
+    run = next(value for key, value in runs.items() if key.startswith("run 9 "))
+    decode = run["decode"]["paper_chunk"]["by_context"]["3072"]
+    measured = {("rollout", "native"): decode["graphs_matmul_compiled"]["bound_over_measured"],
+                ("rollout", "native, uncompiled"): decode["graphs_matmul"]["bound_over_measured"],
+                ("rollout", "native, eager"): decode["eager"]["bound_over_measured"],
+                ("train", "hf"): run["train_chunk2048"]["chunk_2048"]["mfu"],
+                ("train", "hf, compiled"): run["train_chunk2048_compiled_layers"]["chunk_2048"]["mfu"]}
+    assert {key: round(value, 4) for key, value in measured.items()} == {key: entry[0] for key, entry in MEASURED.items()}
