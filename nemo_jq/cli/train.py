@@ -35,8 +35,8 @@ def add_parser(commands) -> None:
                             "the lines for a batch script of your own); SIGTERM (scancel) checkpoints and ends the run")
     train.add_argument("--demo-dir", type=Path, help="the folder of the no-argument demo (default runs/cold_start); "
                        "key=value overrides given with it apply to each of the demo's runs")
-    train.add_argument("--quick", action="store_true", help="the demo in about a minute (two epochs, 64 test "
-                       "prompts): a smoke test, not the README's table")
+    train.add_argument("--quick", action="store_true", help="the demo in about a minute (one epoch, 32 "
+                       "validation and 64 test prompts): a smoke test, not the README's table")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     train.set_defaults(run=run)
 

@@ -120,16 +120,17 @@ def run_time(phases: dict[str, dict[str, Any]], config: Config, gpus: int) -> di
     evaluations = steps // every + (steps % every != 0) + data.test_size / data.validation_size
     counts = {"rollout": steps, "train": steps, "optimizer_step": steps, "evaluate": evaluations}
     least = {phase: phases[phase]["seconds_at_least"] * count for phase, count in counts.items() if phase in phases}
+    fractions = {phase: measured_fraction(phase, config) for phase in least}
     missing, expected = [], {}
     for phase, seconds in least.items():
-        fraction = measured_fraction(phase, config)
+        fraction = fractions[phase]
         if fraction is None and phase != "optimizer_step":  # a memory-bound sweep over the state: its bound stands
             missing.append(phase)
         expected[phase] = seconds / fraction[0] if fraction else seconds
     hours = sum(least.values()) / 3600
     result = {"steps": steps, "evaluations": round(evaluations, 2), "gpus": gpus, "hours_at_least": round(hours, 1),
               "gpu_hours_at_least": round(hours * gpus, 1),
-              "fractions": {phase: measured_fraction(phase, config) for phase in least}, "not_measured": missing}
+              "fractions": fractions, "not_measured": missing}
     if not missing:
         expected_hours = sum(expected.values()) / 3600
         result.update(hours_expected=round(expected_hours, 1), gpu_hours_expected=round(expected_hours * gpus, 1))

@@ -172,21 +172,22 @@ class DryRun:
         return self.place is None or self.separate or samples(self.config, self.place)
 
     def _decode_work(self) -> dict[str, int]:
-        """The prompts this rank's engine decodes (or waits for) in a step's rollouts and in each evaluation call,
-        and the evaluation's calls: each replica's share of the batch (of the validation split, in calls of
-        ``eval.batch_size``), over its engines (``decode_engines``), at least what was counted (:meth:`_counted`);
-        with rollout ranks of their own, the busiest one's replicas' (the training ranks wait for it)."""
+        """The replica's engines (``decode_engines``; 0 with rollout ranks of their own), the prompts this rank's
+        engine decodes (or waits for) in a step's rollouts and in each evaluation call, and the evaluation's calls:
+        each replica's share of the batch (of the validation split, in calls of ``eval.batch_size``), over its engines,
+        at least what was counted (:meth:`_counted`); with rollout ranks of their own, the busiest one's replicas'
+        (the training ranks wait for it)."""
         config, replicas = self.config, self.replicas
         validation = -(-config.data.validation_size // replicas)
         shares = {"rollout": -(-config.train.batch_size // replicas), "evaluate": min(config.eval.batch_size, validation)}
         if self.separate:
-            served = -(-replicas // config.rollout.ranks)
+            engines, served = 0, -(-replicas // config.rollout.ranks)
             decoded = {phase: served * prompts for phase, prompts in shares.items()}
         else:
             engines = decode_engines(Workload.from_config(config, self.prompt_tokens), *self._model_parallel())
             decoded = {phase: max(self.decoded_prompts.get(phase, 0), -(-prompts // engines))
                        for phase, prompts in shares.items()}
-        return {"replica_prompts": shares["rollout"], "rollout_prompts": decoded["rollout"],
+        return {"decode_engines": engines, "replica_prompts": shares["rollout"], "rollout_prompts": decoded["rollout"],
                 "evaluate_prompts": decoded["evaluate"], "evaluate_calls": -(-validation // config.eval.batch_size)}
 
     def _model_parallel(self) -> tuple[int, int]:
@@ -321,9 +322,7 @@ class DryRun:
         watching = contextlib.ExitStack()
         watching.enter_context(patched(sampler, "sample", self._counted(self._full_budget(sampler))))
         if hasattr(sampler, "sample_seeded"):  # vLLM's: each engine of a replica samples a share (refit.ReplicaShares)
-            stand_in = sampler.sample_seeded
-            watching.enter_context(patched(sampler, "sample_seeded", self._counted(
-                lambda prompts, seeds, *args, **kwargs: stand_in(prompts, seeds, *args, **kwargs))))
+            watching.enter_context(patched(sampler, "sample_seeded", self._counted(sampler.sample_seeded)))
             watching.enter_context(patched(refit, "gather_shares", self._other_shares))
         # row chunks score every row first: activations until the gradients are accumulated
         gradient = self._in_phase(trainer_module.estimator_gradient, "train", "activations")
@@ -501,7 +500,5 @@ class DryRun:
                 "samples": rollout.num_samples, "batch_prompts": self.config.train.batch_size,
                 "micro_batch_prompts": self.config.train.micro_batch_size, "sampled_answers": self.sampled_answers,
                 "sampler_weight_bytes": self.sampler_bytes, "replicas": self.replicas,
-                "decode_engines": decode_engines(Workload.from_config(self.config, self.prompt_tokens),
-                                                 *self._model_parallel()) if not self.separate else 0,
                 "decoded_prompts": dict(self.decoded_prompts), **self._decode_work(),
                 "kv_bytes_per_token": 2 * 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim}

@@ -15,7 +15,8 @@ import json
 import math
 from pathlib import Path
 
-from nemo_jq.runtime.monitor import plot_runs, read_metrics
+from nemo_jq.runtime.monitor import plot_runs
+from nemo_jq.runtime.report import read_run
 from nemo_jq.runtime.sweep import Sweep, SweepRun, free_cores, run_here
 
 DEMO_RUNS = (
@@ -70,14 +71,11 @@ def summarise(out_dir: Path) -> dict[str, dict]:
     ``summary.json`` written."""
     results, curves = {}, {}
     for label, slug, _ in DEMO_RUNS:
-        curves[label] = records = read_metrics(out_dir / slug)
-        results[label] = json.loads((out_dir / slug / "results.json").read_text())
-        first = next(r for r in records if r["kind"] == "train")
-        results[label]["initial_log_p_hat"] = first.get("log_p_hat")
-    from nemo_jq.config import load_config
-
-    num_samples = load_config(out_dir / DEMO_RUNS[0][1] / "config.yaml").rollout.num_samples
-    print(format_table(results, num_samples))
+        run = read_run(out_dir / slug)
+        curves[label] = run.records
+        first = next(r for r in run.records if r["kind"] == "train")
+        results[label] = {**run.results, "initial_log_p_hat": first.get("log_p_hat")}
+    print(format_table(results, run.samples))
     plot_runs(curves, out_dir / FIGURE_FILE)
     (out_dir / SUMMARY_FILE).write_text(json.dumps(results, indent=2))
     print(f"wrote {out_dir / FIGURE_FILE} and {out_dir / SUMMARY_FILE}")

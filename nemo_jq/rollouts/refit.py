@@ -120,18 +120,24 @@ class ChunkReporting:
 
 
 @contextmanager
-def reporting_chunks(engine: BudgetedRollouts, report: Callable[[], None]) -> Iterator[None]:
-    """While it lasts, ``engine``'s sampler calls ``report`` after each chunk of its work (:class:`ChunkReporting`);
-    an engine without a sampler (a plugin's own) reports nothing, and its whole call is one chunk."""
+def wrapped_sampler(engine: BudgetedRollouts, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """While it lasts, ``engine`` samples through ``wrap(its sampler)``; an engine without a sampler (a plugin's own)
+    is left as it is."""
     sampler = getattr(engine, "sampler", None)
     if sampler is None:
         yield
         return
-    engine.sampler = ChunkReporting(sampler, report)
+    engine.sampler = wrap(sampler)
     try:
         yield
     finally:
         engine.sampler = sampler
+
+
+def reporting_chunks(engine: BudgetedRollouts, report: Callable[[], None]):
+    """While it lasts, ``engine``'s sampler calls ``report`` after each chunk of its work (:class:`ChunkReporting`);
+    an engine without a sampler (a plugin's own) reports nothing, and its whole call is one chunk."""
+    return wrapped_sampler(engine, lambda sampler: ChunkReporting(sampler, report))
 
 
 class ReplicaShares:
@@ -154,8 +160,6 @@ class ReplicaShares:
         self.sampler, self.group = sampler, group
         self.share, self.engines = engines.index(dist.get_rank() // tp), len(engines)
         self.lead = dist.get_rank() % tp == 0  # the engine's first rank sends its share; its other ranks hold the same
-        #: Prompts this rank's engine decoded, call by call (what the dry run counts against the replica's).
-        self.decoded: list[int] = []
 
     def __getattr__(self, name: str) -> Any:  # the rest of the sampler (tensor_parallel, awake, load_weights...)
         return getattr(self.sampler, name)
@@ -168,7 +172,6 @@ class ReplicaShares:
         end = start + sizes[self.share]
         own = self.sampler.sample_seeded(prompts[start:end], seeds[start:end], num_samples, stop_ids=stop_ids,
                                          max_new_tokens=max_new_tokens, greedy=greedy)
-        self.decoded.append(end - start)
         return [group for share in gather_shares(own, self.share, sizes, self.group, sends=self.lead) for group in share]
 
 
@@ -196,15 +199,9 @@ def gather_shares(own: list[list[Sample]], share: int, sizes: list[int], group: 
     return shares
 
 
-@contextmanager
-def replica_shares(engine: BudgetedRollouts, group: Any) -> Iterator[ReplicaShares]:
+def replica_shares(engine: BudgetedRollouts, group: Any):
     """While it lasts, ``engine``'s sampler samples this rank's engine's share of every call (:class:`ReplicaShares`)."""
-    sampler = engine.sampler
-    engine.sampler = shares = ReplicaShares(sampler, group)
-    try:
-        yield shares
-    finally:
-        engine.sampler = sampler
+    return wrapped_sampler(engine, lambda sampler: ReplicaShares(sampler, group))
 
 
 def share_in_chunks(rollouts: Any, source: int, group: Any) -> Any:

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from nemo_jq.runtime.monitor import read_metrics
-
-#: A run's files the report reads.
-CONFIG_FILE, RESULTS_FILE, SWEEP_FILE = "config.yaml", "results.json", "sweep.json"
+from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE
+from nemo_jq.runtime.sweep import SWEEP_FILE
 
 
 @dataclass

@@ -205,17 +205,18 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
                 process = subprocess.Popen([*python, *run.train_words(sweep.directory)], stdout=log,
                                            stderr=subprocess.STDOUT, env=environment, start_new_session=True)
                 log.close()
-                running.append(_Running(run, process, time.monotonic(), total_steps(run, sweep.directory)))
+                running.append(_Running(run, process, time.monotonic(), total_steps(run)))
                 say(f"run {number[run.name]}/{len(sweep.runs)} {run.name}: "
                     f"{'continuing' if states[run.name] == STOPPED else 'started'}")
             time.sleep(0.2)
             for entry in [entry for entry in running if entry.process.poll() is not None]:
                 running.remove(entry)
                 _ended(sweep, entry, number, len(sweep.runs), say, failed, stopping=bool(received))
-            if running and time.monotonic() >= next_measure:  # the step rates, measured between the lines
+            if running and time.monotonic() >= next_measure:  # each run's first step, seen soon: its rate is from there
                 next_measure = time.monotonic() + MEASURE_EVERY
                 for entry in running:
-                    _measure(sweep, entry, time.monotonic())
+                    if entry.first_seen is None:
+                        _measure(sweep, entry, time.monotonic())
             if running and time.monotonic() >= next_report:
                 next_report = time.monotonic() + report_every
                 say(progress_line(sweep, running, pending, parallel))
@@ -249,7 +250,7 @@ def _ended(sweep: Sweep, entry: _Running, number: dict[str, int], total: int, sa
         say(f"run {number[run.name]}/{total} {run.name}: FAILED (exit {code}), see {log}")
 
 
-def total_steps(run: SweepRun, sweep_dir: Path) -> int | None:
+def total_steps(run: SweepRun) -> int | None:
     """The run's steps as its config gives them (``train.max_steps``, or the epochs over ``data.train_size`` prompts
     in batches); None where the config leaves the split's size to the data."""
     from nemo_jq.config import load_config
