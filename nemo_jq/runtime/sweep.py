@@ -91,13 +91,27 @@ class Sweep:
     def write(self, *, overwrite: bool = False, markers: tuple[str, ...] = (), what: str = "a sweep",
               advice: str | None = None) -> None:
         """Claim the folder (an earlier sweep there, or any of ``markers``, is refused saying ``advice``, or moved
-        aside with ``overwrite``) and record the grid."""
+        aside with ``overwrite``) and record the grid. Each run's config is loaded first, as its run will load it, so a
+        bad key or value is refused in one line naming the run before anything is written."""
+        self.check()
         claim_dir(self.directory, (SWEEP_FILE, *markers, *(run.name for run in self.runs)), overwrite=overwrite,
                   what=what, advice=advice or f"continue it with `nemo-jq sweep --resume {self.directory}`, write the new "
                                               "one elsewhere (--out), or pass --overwrite to move the old one aside first")
         self.directory.mkdir(parents=True, exist_ok=True)
         record = {"grid": self.grid, "runs": [asdict(run) for run in self.runs]}
         (self.directory / SWEEP_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+    def check(self) -> None:
+        """Load every run's config (a key its run will not use is said once a config file, not once a run)."""
+        from nemo_jq.config import ConfigError, load_config
+
+        seen: set[str | None] = set()
+        for run in self.runs:
+            try:
+                load_config(run.config, list(run.overrides), saved=run.config in seen)
+            except ConfigError as err:
+                raise ConfigError(f"run {run.name} of the sweep: {err}") from None
+            seen.add(run.config)
 
     def status(self, run: SweepRun) -> str:
         run_dir = self.directory / run.name
@@ -229,7 +243,7 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
                                    f"{len(sweep.runs)} runs unfinished ({', '.join(left)}), each kept with its checkpoint "
                                    f"where it had one; `nemo-jq {command} --resume {sweep.directory}` continues them")
     if failed:
-        raise RunFailed(f"nemo-jq {command}: {'; '.join(failed)}; the others are kept: fix it and `nemo-jq {command} "
+        raise RunFailed(f"{'; '.join(failed)}; the others are kept: fix it and `nemo-jq {command} "
                         f"--resume {sweep.directory}` goes on")
 
 

@@ -60,6 +60,32 @@ def test_a_sweep_folder_records_its_grid_refuses_a_second_sweep_and_knows_each_r
     one_line_error(code, err, "holds no sweep")
 
 
+def test_a_bad_key_or_value_in_a_sweep_is_refused_naming_the_run_before_its_folder_is_written(tmp_path, capsys):
+    for words, fragments in ((["objective.qq=0,1"], ["run qq=0", "objective.qq", "did you mean 'objective.q'"]),
+                             (["objective.q=", "train.seed=1,2"], ["run seed=1", "objective.q must be float"]),
+                             (["objective.q=0,x"], ["run q=x", "objective.q must be float; got 'x'"])):
+        code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", *words)
+        line = one_line_error(code, err, *fragments)
+        assert line.count("nemo-jq") == 1 and not (tmp_path / "s").exists(), line
+
+
+def test_a_run_that_fails_stops_the_sweep_in_one_line_naming_its_log(tmp_path):
+    import sys
+
+    from nemo_jq.runtime.sweep import RunFailed, run_here
+
+    sweep = Sweep.from_grid(tmp_path / "s", [], ["objective.name=garl,grpo"], None)
+    sweep.write()
+    lines = []
+    with pytest.raises(RunFailed) as failed:  # a stand-in for `nemo-jq train` that exits 3 (the sweep's logic is real)
+        run_here(sweep, threads=1, say=lines.append, python=(sys.executable, "-c", "import sys; sys.exit(3)"))
+    message = str(failed.value)
+    assert message.startswith("run name=garl failed (exit 3)"), message
+    assert "nemo-jq" not in message.split("`")[0] and f"nemo-jq sweep --resume {tmp_path / 's'}" in message
+    assert any("FAILED (exit 3)" in line for line in lines)
+    assert "grpo" not in message  # no further run started after the failure
+
+
 def finished_run(folder, *, name="garl", q=0.5, seed=0, dataset="synthetic", test=None, validation=(10.0, 20.0)):
     """A run folder as a finished run leaves it, written by hand."""
     folder.mkdir(parents=True)
