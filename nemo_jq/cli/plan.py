@@ -1,4 +1,5 @@
-"""``nemo-jq plan``: per-GPU memory of every TP x PP x DP layout for a model or a run config, and the one to use."""
+"""``nemo-jq plan``: per-GPU memory of every TP x PP x DP layout for a model or a run config, the one to use, and
+(with a run config) how long the run takes and its GPU-hours."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ PLAN_WORKLOAD = {"seq_len": ("seq_len", 4096), "micro_batch": ("micro_batch", 1)
 
 def add_parser(commands) -> None:
     planner = commands.add_parser(
-        "plan", help="estimate per-GPU memory of every TP x PP x DP layout (at a CP size) and recommend one",
+        "plan", help="estimate per-GPU memory of every TP x PP x DP layout (at a CP size), recommend one, and with --config "
+        "give the run's time and GPU-hours",
         description="nemo-jq plan --model 8b --gpus-per-node 8 --nodes 2 --gpu-memory 80",
         epilog=assumptions(), formatter_class=argparse.RawDescriptionHelpFormatter)
     planner.add_argument("--config", type=Path, help="read the workload from a run config (model, micro-batch in the "
@@ -57,8 +59,14 @@ def add_parser(commands) -> None:
     planner.add_argument("--sync-bucket-mb", type=arguments.positive_amount("MiB"), help="rollout.sync_bucket_mb (default 256)")
     planner.add_argument("--sync-bandwidth", type=arguments.positive_amount("GB/s"), default=25.0, help="GB/s of the weight sync's "
                          "broadcast to the rollout ranks (default 25: one 200 Gb/s InfiniBand port)")
+    planner.add_argument("--gpu", choices=sorted(GPU_CHOICES), default="h100-80gb", help="with --config: the GPU whose "
+                         "bf16 peak and memory bandwidth bound the run's time (default h100-80gb)")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
     planner.set_defaults(run=run)
+
+
+#: ``--gpu``'s choices (``nemo_jq.dryrun.bounds.GPUS``'s keys, without importing torch to build the parser).
+GPU_CHOICES = ("a100-80gb", "h100-80gb")
 
 
 def assumptions() -> str:
@@ -98,5 +106,16 @@ def run(args: argparse.Namespace) -> int:
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
     result = plan.report(arch, work, layouts, args.gpu_memory, plan.HEADROOM, args.sync_bandwidth,
                          gpus=args.gpus_per_node * args.nodes)
-    print(json.dumps(result, indent=2) if args.json else plan.format_report(result))
+    lines = []
+    if args.config is not None:
+        from nemo_jq.cluster import timing
+        from nemo_jq.dryrun.bounds import GPUS
+
+        result["time"] = timing.plan_time(arch, work, config, GPUS[args.gpu], layouts, gpus_per_node=args.gpus_per_node,
+                                          nodes=args.nodes, gpu_gb=args.gpu_memory)
+        lines = timing.format_time(result["time"], GPUS[args.gpu])
+    else:
+        lines = ["time: give --config (a run's steps, budgets and estimator fix how long it takes)"]
+    table, last = plan.format_report(result).rsplit("\n", 1)  # the time before the assumptions' line
+    print(json.dumps(result, indent=2) if args.json else "\n".join([table, *lines, last]))
     return 0

@@ -594,13 +594,22 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
             "layouts": [asdict(layout) for layout in layouts]}
 
 
+def run_hours_column(timed: list[dict[str, Any]]) -> str:
+    """The table's time column: the run's expected hours where every phase's fraction is measured, else its least."""
+    return "expected h" if all(row["run"] and "hours_expected" in row["run"] for row in timed) else "least h"
+
+
 def format_report(result: dict[str, Any]) -> str:
     keys = [name for name in LayoutEstimate.__dataclass_fields__][:-2]
     columns = ["TP", "PP", "DP", *(key.removesuffix("_gib").replace("_", " ") for key in keys[3:-2]), "total GiB", "fits"]
+    timed = result.get("time", {}).get("layouts")
     lines = [f"{result['parameters'] / 1e9:.3f}B parameters; workload: "
              + ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in result["workload"].items()),
-             " ".join(f"{c:>12}" for c in columns)]
-    lines += [" ".join(f"{str(layout[k]):>12}" for k in keys) for layout in result["layouts"]]
+             " ".join(f"{c:>12}" for c in columns + ([run_hours_column(timed)] if timed else []))]
+    for index, layout in enumerate(result["layouts"]):
+        run = timed[index]["run"] if timed else None
+        hours = ([f"{run.get('hours_expected', run['hours_at_least']):>12}"] if run else [f"{'?':>12}"]) if timed else []
+        lines.append(" ".join([*(f"{str(layout[k]):>12}" for k in keys), *hours]))
     best, closest = result["recommended"], result["layouts"][0]
     budget = result["gpu_memory_gib"] * result["headroom"]
     context = f" CP={result['workload']['context_parallel']}" if result["workload"]["context_parallel"] > 1 else ""

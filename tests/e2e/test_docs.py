@@ -24,6 +24,8 @@ RUN_BY = {
     ("docs/cluster.md", "#SBATCH --requeue"): "test_every_sbatch_launcher_requeues_on_the_requeue_exit_code_from_the_host",
     ("docs/cluster.md", "nemo-jq plan --model 32b --nodes 16 --seq-len 4608 --samples 16 --micro-batch 4 "
                         "--optimizer bf16-distopt \\"): "test_the_readmes_plan_commands_say_what_they_print",
+    ("docs/cluster.md", "nemo-jq plan --config configs/qwen3_0p6b/hotpotqa_cold_garl_q0.25.yaml --gpus-per-node 1   "
+                        "# the run: at least 60.7 h, expected 171.0 h"): "test_the_readmes_plan_commands_say_what_they_print",
     ("docs/estimators.md", "nemo-jq train objective.name=garl_score_only objective.q=0.75"):
         "test_each_doc_command_trains_two_steps",  # on the tiny run, two steps
     ("docs/extending.md", "class ScaledOptions:"): "test_a_one_file_estimator_in_a_package_trains_through_nemo_jq_train",

@@ -161,6 +161,13 @@ def test_the_readmes_plan_commands_say_what_they_print(capsys, monkeypatch):
     for command, comment in commands:
         assert main(shlex.split(command)) == 0, command
         assert f"recommended: {comment}" in capsys.readouterr().out, command
+    timed = re.findall(r"^nemo-jq (plan .*?)\s+# the run: at least ([\d.]+) h(?:, expected ([\d.]+) h)?$", text, flags=re.M)
+    assert len(timed) >= 2, timed
+    for command, least, expected in timed:
+        assert main(shlex.split(command)) == 0, command
+        line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("the run: "))
+        assert f"take at least {least} h" in line and (f"; expected {expected} h" in line if expected else
+                                                       "expected: not measured" in line), (command, line)
 
 
 def test_advice_never_names_a_change_that_raises_the_figure():

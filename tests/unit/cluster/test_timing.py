@@ -1,0 +1,98 @@
+"""``nemo-jq plan``'s time (nemo_jq/cluster/timing.py) against the dry run's bounds, phase by phase, and the run's
+hours at the fractions measured on a real GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli, small_qwen3
+from nemo_jq.cluster import plan, timing
+from nemo_jq.config import load_config
+from nemo_jq.dryrun import GPUS, dry_run
+from nemo_jq.dryrun.bounds import MEASURED, GpuProfile
+
+ROOT = Path(__file__).resolve().parents[3]
+#: How far plan's counted training FLOPs may stray from the dry run's (1-3% at the shipped configs' shapes).
+TRAIN_TOLERANCE = 0.03
+
+
+#: A GPU slow enough that the small model's bounds are seconds (the report rounds them to milliseconds).
+SLOW = GpuProfile("a slow 80 GB GPU", 80.0, 1e9, 1e6)
+
+
+def planned_phases(config, prompt_tokens, gpu, layout=(1, 1, 1)):
+    work = plan.Workload.from_config(config, prompt_tokens)
+    phases = timing.phase_bounds(plan.architecture(str(config.model.path)), work, config, gpu, layout)
+    return {name: phase["seconds_at_least"] for name, phase in phases.items()}
+
+
+def assert_agree(planned, report):
+    dry = {name: report["phases"][name]["seconds_at_least"] for name in planned}
+    assert planned["rollout"] == pytest.approx(dry["rollout"], abs=2e-3) and dry["rollout"] > 0, (planned, dry)
+    assert planned["evaluate"] == pytest.approx(dry["evaluate"], abs=2e-3) and dry["evaluate"] > 0, (planned, dry)
+    assert planned["train"] == pytest.approx(dry["train"], rel=TRAIN_TOLERANCE), (planned, dry)
+
+
+@pytest.mark.parametrize("overrides", [[], ["train.micro_batch_rows=4", "model.activation_checkpointing=true"],
+                                       ["objective.name=grpo", "rollout.max_answer_tokens=6"]],
+                         ids=["one_pass", "two_passes_recomputed", "grpo_samples_answers"])
+def test_plans_phase_bounds_are_the_dry_runs(tmp_path, overrides):
+    """The sampling bounds equal (the same function on the same shape); training's FLOPs, counted from the shapes,
+    within 3% of the dry run's ``FlopCounterMode`` (one pass, two passes with recomputation; sampled answers)."""
+    model = small_qwen3(tmp_path / "model", layers=2, tied=False)
+    config = load_config(None, [f"model.path={model}", "rollout.num_samples=8", "rollout.max_thinking_tokens=48",
+                                "rollout.max_answer_tokens=8", "train.batch_size=4", "train.micro_batch_size=2",
+                                "eval.batch_size=4", "eval.num_samples=8", "data.validation_size=12", *overrides])
+    assert_agree(planned_phases(config, 32, SLOW), dry_run(config, SLOW, prompt_tokens=32))
+
+
+def test_the_training_count_misses_a_pass_left_out():
+    """Each pass counts: without the scoring pass (or recomputation) the count falls far outside the tolerance."""
+    config = load_config(ROOT / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.25.yaml")
+    arch, work = plan.architecture(config.model.path), plan.Workload.from_config(config, 1024)
+    full = timing.train_flops(arch, work, 64, True)
+    assert timing.train_flops(arch, work, 64, False) < full * (1 - 3 * TRAIN_TOLERANCE)
+    assert timing.train_flops(arch, dataclasses.replace(work, recompute=False), 64, True) < full * (1 - 3 * TRAIN_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_plans_time_for_the_06b_paper_config_is_the_dry_runs_bounds_over_the_stated_fractions(capsys):
+    """The 0.6B config at its real size (the dry run: ~25 s): plan's phases are the dry run's bounds, its run's
+    expected hours the bounds over MEASURED's fractions (native decode, hf training), the same sum the dry run gives."""
+    path = ROOT / "configs" / "qwen3_0p6b" / "hotpotqa_cold_garl_q0.25.yaml"
+    config = load_config(path)
+    report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=1024)
+    code, out, _ = run_cli(capsys, "plan", "--config", path, "--gpus-per-node", "1", "--json")
+    timed = json.loads(out)["time"]["layout"]
+    assert code == 0 and timed["layout"] == [1, 1, 1]
+    assert_agree(timed["phases"], report)
+    decode, train = MEASURED[("rollout", "native")][0], MEASURED[("train", "hf")][0]
+    run, dry_run_time = timed["run"], report["run_time"]
+    assert (run["steps"], run["evaluations"]) == (dry_run_time["steps"], dry_run_time["evaluations"])
+    phases = timed["phases"]
+    expected = run["steps"] * (phases["rollout"] / decode + phases["train"] / train) \
+        + run["evaluations"] * phases["evaluate"] / decode
+    assert run["hours_expected"] == pytest.approx(expected / 3600, abs=0.06)
+    assert run["hours_expected"] == pytest.approx(dry_run_time["hours_expected"], rel=0.02)
+    assert run["hours_at_least"] == pytest.approx(dry_run_time["hours_at_least"], rel=0.02)
+
+
+def test_plan_prints_each_layouts_hours_the_phases_and_the_run_across_node_counts(capsys):
+    code, out, _ = run_cli(capsys, "plan", "--config", ROOT / "configs" / "qwen3_8b" / "finqa_cold_garl_q0.75.yaml")
+    lines = out.splitlines()
+    assert code == 0 and lines[1].split()[-2:] == ["least", "h"]  # vLLM's decode is not measured: at least
+    time_line = next(line for line in lines if line.startswith("time on H100 80GB"))
+    assert "a step's rollouts >= " in time_line and "(expected: not measured)" in time_line
+    nodes = next(line for line in lines if line.startswith("across nodes (at least"))
+    one, two = (float(part.split(": ")[1].split(" h")[0]) for part in nodes.split(": ", 1)[1].split(", "))
+    assert "1 node: " in nodes and "2 nodes: " in nodes and one / 2 <= two < one  # twice the GPUs, about half the time
+    assert lines[-1].startswith("assumptions:")
+    code, out, _ = run_cli(capsys, "plan", "--config", ROOT / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.25.yaml",
+                           "--gpu", "a100-80gb")
+    assert "expected" in out.splitlines()[1] and "time on A100 80GB" in out and "across nodes" not in out
+    code, out, _ = run_cli(capsys, "plan", "--model", "8b")
+    assert "time: give --config" in out
