@@ -32,6 +32,7 @@ from nemo_jq.experiments.noisy_cold_start import slug
 from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
+from nemo_jq.runtime.report import seed_stats
 
 #: log P̂ a run must exceed to have escaped: e^-5 ≈ 0.7%, the noisy cold-start experiment's "left P̂ ≈ 0".
 THRESHOLD = -5.0
@@ -133,15 +134,16 @@ def measured_p0(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[tuple[
 def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]], widths: Sequence[int], cap: int,
               threshold: float = THRESHOLD) -> dict[str, Any]:
     """``runs[optimizer][method]``: per run ``{"width", "seed", "steps", "censored", "log_p0"}``. Every run is placed
-    at its (width, seed)'s measured log p0 (:func:`measured_p0`); per width the mean and sd of it over seeds; per
-    optimizer and method the escape steps per width, the growth fit, and the theory's steps at the width's p0."""
+    at its (width, seed)'s measured log p0 (:func:`measured_p0`); per width its spread over seeds; per optimizer and
+    method the escape steps' spread per width (``report.seed_stats``: mean, sample sd, n, 95% t-interval), the
+    growth fit, and the theory's steps at the width's p0."""
     p0 = measured_p0(runs)
     placed = {optimizer: {method: [{**r, "log_p0": p0.get((r["width"], r["seed"]), r["log_p0"])} for r in method_runs]
                           for method, method_runs in per_method.items()} for optimizer, per_method in runs.items()}
     log_p0 = {}
     for width in widths:
         here = [value for (w, _), value in p0.items() if w == width]
-        log_p0[str(width)] = {"mean": statistics.mean(here), "sd": statistics.pstdev(here)} if here else None
+        log_p0[str(width)] = seed_stats(here) if here else None
     by_optimizer = {}
     for optimizer, per_method in placed.items():
         scale = time_scale(per_method.get("q=1", []), threshold)
@@ -154,9 +156,9 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]], widths: Sequence
                 at = log_p0[str(width)]
                 predicted = (scale * theory_time(method_q(method), at["mean"], threshold)
                              if scale is not None and at and at["mean"] < threshold else None)
-                cells[str(width)] = {"escaped": len(escaped), "runs": len(here),
-                                     "mean": statistics.mean(escaped) if escaped else None,
-                                     "sd": statistics.pstdev(escaped) if escaped else None, "theory_steps": predicted}
+                spread = seed_stats(escaped)
+                cells[str(width)] = {"escaped": len(escaped), "runs": len(here), "mean": spread["mean"],
+                                     "sd": spread["sd"], "ci95": spread["ci95"], "theory_steps": predicted}
             rows[method] = {"widths": cells, "growth": growth(method_q(method), method_runs)}
         by_optimizer[optimizer] = {"steps_per_unit_time": scale, "methods": rows}
     return {"cap": cap, "threshold": threshold, "widths": list(widths), "log_p0": log_p0, "runs": placed,

@@ -26,6 +26,7 @@ from nemo_jq.config import ConfigError, load_config
 from nemo_jq.runtime.monitor import plot_runs, read_metrics
 from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
+from nemo_jq.runtime.report import seed_stats
 
 #: The one configuration every method trains with: the demo's model, M=4 and budgets on sums of two digits, 64
 #: training prompts (13 of them noisy at rho=0.2) seen 64 times (512 steps of 8 prompts), so that a method can
@@ -132,20 +133,14 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
     return summary
 
 
-def _mean_sd(values: Sequence[float | None]) -> dict[str, float | None]:
-    present = [v for v in values if v is not None]
-    if not present:
-        return {"mean": None, "sd": None, "n": 0}
-    return {"mean": statistics.mean(present), "sd": statistics.stdev(present) if len(present) > 1 else 0.0, "n": len(present)}
-
-
 def aggregate(per_seed: Sequence[dict[str, Any]], k: int) -> dict[str, dict[str, float | None]]:
-    """Mean ± sd over seeds of each reported quantity (escape: over the seeds that escaped; ``n`` says how many)."""
-    return {"p@1": _mean_sd([r["test"]["p@1"] for r in per_seed]), f"p@{k}": _mean_sd([r["test"][f"p@{k}"] for r in per_seed]),
-            f"m@{k}": _mean_sd([r["test"][f"m@{k}"] for r in per_seed]),
-            "steps_to_escape": _mean_sd([r["steps_to_escape"] for r in per_seed]),
-            "steps_to_leave_cold": _mean_sd([r["steps_to_leave_cold"] for r in per_seed]),
-            "memorisation": _mean_sd([r["memorisation"] for r in per_seed])}
+    """Each reported quantity over the seeds (``report.seed_stats``: mean, sd, n, 95% t-interval; escape: over the
+    seeds that escaped, ``n`` says how many)."""
+    return {"p@1": seed_stats([r["test"]["p@1"] for r in per_seed]), f"p@{k}": seed_stats([r["test"][f"p@{k}"] for r in per_seed]),
+            f"m@{k}": seed_stats([r["test"][f"m@{k}"] for r in per_seed]),
+            "steps_to_escape": seed_stats([r["steps_to_escape"] for r in per_seed]),
+            "steps_to_leave_cold": seed_stats([r["steps_to_leave_cold"] for r in per_seed]),
+            "memorisation": seed_stats([r["memorisation"] for r in per_seed])}
 
 
 def theory(num_samples: int, label_noise: float) -> dict[str, Any]:

@@ -33,10 +33,11 @@ import torch
 
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES
-from nemo_jq.experiments.noisy_cold_start import _mean_sd, slug
+from nemo_jq.experiments.noisy_cold_start import slug
 from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
+from nemo_jq.runtime.report import seed_stats
 
 if TYPE_CHECKING:
     from nemo_jq.recipe.components import Components
@@ -240,12 +241,12 @@ def describe_run(records: Sequence[dict[str, Any]], measured: Sequence[dict[str,
 
 def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Mean ± sd over seeds (collapse step: over the seeds that collapsed; ``n`` says how many)."""
-    return {"peak": _mean_sd([r["peak"] for r in per_seed]), "peak_step": _mean_sd([r["peak_step"] for r in per_seed]),
-            "final": _mean_sd([r["final"] for r in per_seed]), "test": _mean_sd([r["test"] for r in per_seed]),
-            "collapse_step": _mean_sd([r["collapse_step"] for r in per_seed]),
+    return {"peak": seed_stats([r["peak"] for r in per_seed]), "peak_step": seed_stats([r["peak_step"] for r in per_seed]),
+            "final": seed_stats([r["final"] for r in per_seed]), "test": seed_stats([r["test"] for r in per_seed]),
+            "collapse_step": seed_stats([r["collapse_step"] for r in per_seed]),
             "collapsed": sum(r["collapse_step"] is not None for r in per_seed), "runs": len(per_seed),
-            "var_w_start": _mean_sd([r["variance"][0]["var_w"] for r in per_seed]),
-            "var_w_end": _mean_sd([r["variance"][-1]["var_w"] for r in per_seed])}
+            "var_w_start": seed_stats([r["variance"][0]["var_w"] for r in per_seed]),
+            "var_w_end": seed_stats([r["variance"][-1]["var_w"] for r in per_seed])}
 
 
 def markdown_table(summary: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,21 +64,25 @@ def method_label(results: dict[str, Any]) -> str:
 
 
 def run_dirs(paths: list[Path]) -> list[Path]:
-    """The run folders under ``paths``: a sweep's runs (its ``sweep.json`` order), a run folder itself, or the run
-    folders directly inside a folder; a path with none is an error naming it."""
+    """The run folders under ``paths``: a sweep's runs (its ``sweep.json`` order), a run folder itself, or the runs and
+    sweeps anywhere below a folder (an experiment's ``<method>/seed<S>``), in name order; a path with none is an error
+    naming it."""
     found = []
     for path in map(Path, paths):
-        if (path / SWEEP_FILE).exists():
-            found += [path / run["name"] for run in json.loads((path / SWEEP_FILE).read_text())["runs"]]
-        elif (path / CONFIG_FILE).exists():
-            found.append(path)
-        else:
-            inside = sorted(child for child in path.iterdir() if (child / CONFIG_FILE).exists()) if path.is_dir() else []
-            if not inside:
-                raise FileNotFoundError(f"{path} holds no run ({CONFIG_FILE}) or sweep ({SWEEP_FILE}): give run folders, "
-                                        "sweep folders or a folder of runs")
-            found += inside
+        below = _runs_in(path)
+        if not below:
+            raise FileNotFoundError(f"{path} holds no run ({CONFIG_FILE}) or sweep ({SWEEP_FILE}): give run folders, "
+                                    "sweep folders or a folder of runs")
+        found += below
     return found
+
+
+def _runs_in(path: Path) -> list[Path]:
+    if (path / SWEEP_FILE).exists():
+        return [path / run["name"] for run in json.loads((path / SWEEP_FILE).read_text())["runs"]]
+    if (path / CONFIG_FILE).exists():
+        return [path]
+    return [run for child in sorted(path.iterdir()) if child.is_dir() for run in _runs_in(child)] if path.is_dir() else []
 
 
 def read_run(run_dir: Path) -> RunRecord | None:
@@ -92,15 +97,18 @@ def read_run(run_dir: Path) -> RunRecord | None:
                      config.rollout.num_samples, results, read_metrics(run_dir))
 
 
-def t_interval(values: list[float]) -> tuple[float, float | None]:
-    """The mean and the half-width of its 95% Student-t interval (None for one value)."""
+def seed_stats(values: list[float | None]) -> dict[str, float | int | None]:
+    """Over the seeds' values (a None left out: a seed that never got there): the mean, the sample sd (0 for one value),
+    n, and ``ci95``, the half-width of the 95% Student-t interval (None for one value). The report's tables and the
+    experiments' (noisy-cold-start, escape-rates, warm-start) all read it."""
     from scipy import stats
 
-    n, mean = len(values), sum(values) / len(values)
-    if n < 2:
-        return mean, None
-    sd = math.sqrt(sum((value - mean) ** 2 for value in values) / (n - 1))
-    return mean, float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    present = [value for value in values if value is not None]
+    n = len(present)
+    if not n:
+        return {"mean": None, "sd": None, "n": 0, "ci95": None}
+    mean, sd = statistics.mean(present), statistics.stdev(present) if n > 1 else 0.0
+    return {"mean": mean, "sd": sd, "n": n, "ci95": float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n) if n > 1 else None}
 
 
 def table(runs: list[RunRecord]) -> list[dict[str, Any]]:
@@ -116,8 +124,8 @@ def table(runs: list[RunRecord]) -> list[dict[str, Any]]:
                "seeds": sorted(run.seed for run in members),
                "collapsed_after_peak": sum(run.collapsed_after_peak for run in members)}
         for key in metrics:
-            mean, half = t_interval([run.results["test"][key] for run in members])
-            row[key], row[f"{key} ±"] = round(mean, 2), None if half is None else round(half, 2)
+            spread = seed_stats([run.results["test"][key] for run in members])
+            row[key], row[f"{key} ±"] = round(spread["mean"], 2), None if spread["ci95"] is None else round(spread["ci95"], 2)
         rows.append(row)
     return rows
 

@@ -24,9 +24,10 @@ def test_aggregate_is_mean_and_sd_over_seeds_and_counts_the_seeds_that_escaped()
     runs = [{"test": {"p@1": p, "p@4": p, "m@4": p}, "steps_to_escape": s, "steps_to_leave_cold": c, "memorisation": m}
             for p, s, c, m in [(10.0, 5, 2, 20.0), (20.0, None, 3, 40.0), (30.0, 7, 4, 60.0)]]
     stats = aggregate(runs, 4)
-    assert stats["p@1"] == {"mean": 20.0, "sd": 10.0, "n": 3}
-    assert stats["steps_to_escape"] == {"mean": 6.0, "sd": math.sqrt(2.0), "n": 2}
-    assert stats["steps_to_leave_cold"] == {"mean": 3.0, "sd": 1.0, "n": 3}
+    t2, t1 = 4.302652729749464, 12.706204736174698  # Student t(0.975) at 2 and 1 degrees of freedom
+    assert stats["p@1"] == pytest.approx({"mean": 20.0, "sd": 10.0, "n": 3, "ci95": t2 * 10.0 / math.sqrt(3)})
+    assert stats["steps_to_escape"] == pytest.approx({"mean": 6.0, "sd": math.sqrt(2.0), "n": 2, "ci95": t1})
+    assert stats["steps_to_leave_cold"] == pytest.approx({"mean": 3.0, "sd": 1.0, "n": 3, "ci95": t2 / math.sqrt(3)})
     assert stats["memorisation"]["mean"] == 40.0
 
 
@@ -53,6 +54,15 @@ def test_quick_run_writes_table_summary_and_figures_and_refuses_to_overwrite(tmp
     assert summary["theory"]["q=1"]["noise_equilibrium"] > summary["theory"]["q=0.25"]["noise_equilibrium"]
     assert (out / "table.md").read_text().startswith("| method |")
     assert (out / "tradeoff.png").exists() and (out / "figure3_seed0.png").exists()
+    # `nemo-jq report` reads the experiment's run folders: each method's row is the experiment's own aggregate
+    from nemo_jq.experiments.noisy_cold_start import slug
+    from nemo_jq.runtime import report
+
+    rows = {row["method"]: row for row in report.report([out])["rows"]}
+    assert len(rows) == 9
+    for method, stats in summary["aggregate"].items():
+        row = rows[report.read_run(out / slug(method) / "seed0").method]
+        assert row["n"] == 1 and row["m@4"] == round(stats["m@4"]["mean"], 2) and row["p@1"] == round(stats["p@1"]["mean"], 2)
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "an earlier experiment" in again.stderr
 

@@ -127,11 +127,24 @@ def test_the_table_is_the_mean_and_a_t_interval_over_seeds_flags_a_peak_before_c
     one_line_error(code, err, "has finished")
 
 
+def test_report_finds_the_runs_anywhere_below_a_folder_as_an_experiment_leaves_them(tmp_path):
+    finished_run(tmp_path / "exp" / "q=0.5" / "seed0", test={"p@1": 1.0, "p@16": 2.0, "m@16": 3.0})
+    finished_run(tmp_path / "exp" / "q=0.5" / "seed1", seed=1, test={"p@1": 3.0, "p@16": 4.0, "m@16": 5.0})
+    finished_run(tmp_path / "exp" / "q=1" / "seed0", q=1.0)
+    (tmp_path / "exp" / "q=1" / "seed0" / "checkpoints" / "step_1").mkdir(parents=True)  # inside a run: not searched
+    assert report.run_dirs([tmp_path / "exp"]) == [tmp_path / "exp" / "q=0.5" / "seed0",
+                                                   tmp_path / "exp" / "q=0.5" / "seed1", tmp_path / "exp" / "q=1" / "seed0"]
+    rows = report.report([tmp_path / "exp"])["rows"]
+    assert [(row["method"], row["n"], row["p@1"]) for row in rows] == [("GARL q=0.5", 2, 2.0), ("GARL q=1", 1, 1.0)]
+
+
 def test_a_run_that_ends_at_its_best_or_never_scores_is_not_flagged(tmp_path):
     rising = report.read_run(finished_run(tmp_path / "a", validation=(0.0, 5.0, 5.0)))
     zero = report.read_run(finished_run(tmp_path / "b", validation=(0.0, 0.0)))
     fallen = report.read_run(finished_run(tmp_path / "c", validation=(0.0, 5.0, 0.0)))
     assert (rising.collapsed_after_peak, zero.collapsed_after_peak, fallen.collapsed_after_peak) == (False, False, True)
-    assert report.t_interval([2.0]) == (2.0, None)
-    mean, half = report.t_interval([1.0, 3.0])
-    assert mean == 2.0 and math.isclose(half, 12.706204736 * math.sqrt(2) / math.sqrt(2))
+    assert report.seed_stats([2.0, None]) == {"mean": 2.0, "sd": 0.0, "n": 1, "ci95": None}
+    assert report.seed_stats([None]) == {"mean": None, "sd": None, "n": 0, "ci95": None}
+    two = report.seed_stats([1.0, 3.0])  # sd sqrt(2), t(0.975, 1) = 12.7062: half-width 12.7062 * sqrt(2) / sqrt(2)
+    assert (two["mean"], two["n"]) == (2.0, 2) and math.isclose(two["sd"], math.sqrt(2))
+    assert math.isclose(two["ci95"], 12.706204736 * math.sqrt(2) / math.sqrt(2))
