@@ -178,8 +178,9 @@ class RolloutsAhead:
             torch.set_num_threads(self.threads)
 
     def _split_threads(self) -> int:
-        """On CPU the two processes share the cores (OpenMP threads spin while they wait: a process with all the
-        cores starves the other); returns the sampling process's share."""
+        """On CPU the two processes share the run's threads (torch's count: OMP_NUM_THREADS, which a sweep sets to the
+        run's share of the free cores; OpenMP threads spin while they wait, so a process with all of them starves the
+        other); returns the sampling process's half, training keeps the rest."""
         self.threads = torch.get_num_threads()
         if self.components.device.type != "cpu":
             return 1

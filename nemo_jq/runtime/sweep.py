@@ -7,9 +7,10 @@ finished run is left alone; one stopped with a checkpoint continues from it; one
 checkpoint, starts), so ``nemo-jq sweep --resume DIR`` continues a sweep whatever stopped it, and a SLURM array task
 runs the same command (``launchers/slurm_sweep.sbatch``). Here, ``parallel`` runs at once, each with ``threads`` torch
 threads (default: the free cores shared out: two processes with all the cores each run several times slower), its
-output in ``DIR/logs/<name>.log``; one line a run as it starts and ends, and every ``report_every`` seconds the running
-runs' steps and the time left at the step rate measured so far. A stop signal reaches every running run once (each
-writes its checkpoint and stops), no further run starts, and the line says how to continue.
+output in ``DIR/logs/<name>.log``; a first line with the runs and their steps, one line a run as it starts and ends,
+and the running runs' steps and the time left at the step rate measured so far: once every running run's rate is
+measured (a few seconds past its first step), then every ``report_every`` seconds. A stop signal reaches every
+running run once (each writes its checkpoint and stops), no further run starts, and the line says how to continue.
 """
 
 from __future__ import annotations
@@ -168,15 +169,17 @@ class _Running:
     total_steps: int | None
     #: (seconds, step) when a step was first seen: the step rate is measured from there, past the run's start-up.
     first_seen: tuple[float, int] | None = None
+    #: Steps a second at the last reading (None until the run has moved past its first seen step).
+    rate: float | None = None
 
 
 class RunFailed(ValueError):
     """A run of the sweep failed (its log says why); one line."""
 
 
-#: Seconds before the first progress line (the step rate measured), then every ``report_every``; and between two
-#: readings of the running runs' steps.
-FIRST_REPORT, MEASURE_EVERY = 15.0, 2.0
+#: Seconds between two readings of the running runs' steps. The first progress line comes once every running run's
+#: step rate is measured (a few seconds past its first step), the next ones every ``report_every``.
+MEASURE_EVERY = 2.0
 
 
 def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, report_every: float = 30.0,
@@ -195,9 +198,10 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     counts = {state: list(states.values()).count(state) for state in (FINISHED, STOPPED, NEW)}
     logs = sweep.directory / LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
+    steps = {run.name: total_steps(run) for run in pending}
     say(f"nemo-jq {command}: {len(sweep.runs)} runs in {sweep.directory} ({counts[FINISHED]} finished, {counts[STOPPED]} to "
-        f"continue, {counts[NEW]} to start), {parallel} at a time with {threads} thread{'s' * (threads > 1)} each; "
-        f"each run's output in {logs}/NAME.log")
+        f"continue, {counts[NEW]} to start{steps_words(steps)}), {parallel} at a time with {threads} "
+        f"thread{'s' * (threads > 1)} each; each run's output in {logs}/NAME.log")
     number = {run.name: index + 1 for index, run in enumerate(sweep.runs)}
     running: list[_Running] = []
     received: list[int] = []
@@ -210,7 +214,7 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
 
     handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    next_report, next_measure = time.monotonic() + min(report_every, FIRST_REPORT), 0.0
+    next_report, next_measure, reported = time.monotonic() + report_every, 0.0, False
     try:
         while (pending and not received and not failed) or running:
             while pending and len(running) < parallel and not received and not failed:
@@ -219,7 +223,7 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
                 process = subprocess.Popen([*python, *run.train_words(sweep.directory)], stdout=log,
                                            stderr=subprocess.STDOUT, env=environment, start_new_session=True)
                 log.close()
-                running.append(_Running(run, process, time.monotonic(), total_steps(run)))
+                running.append(_Running(run, process, time.monotonic(), steps[run.name]))
                 say(f"run {number[run.name]}/{len(sweep.runs)} {run.name}: "
                     f"{'continuing' if states[run.name] == STOPPED else 'started'}")
             time.sleep(0.2)
@@ -229,10 +233,10 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
             if running and time.monotonic() >= next_measure:  # each run's first step, seen soon: its rate is from there
                 next_measure = time.monotonic() + MEASURE_EVERY
                 for entry in running:
-                    if entry.first_seen is None:
-                        _measure(sweep, entry, time.monotonic())
-            if running and time.monotonic() >= next_report:
-                next_report = time.monotonic() + report_every
+                    _measure(sweep, entry, time.monotonic())
+            measured = not reported and all(entry.rate for entry in running)
+            if running and (measured or time.monotonic() >= next_report):
+                next_report, reported = time.monotonic() + report_every, True
                 say(progress_line(sweep, running, pending, parallel))
     finally:
         for sig, handler in handlers.items():
@@ -262,6 +266,14 @@ def _ended(sweep: Sweep, entry: _Running, number: dict[str, int], total: int, sa
         log = sweep.directory / LOGS_DIR / f"{run.name}.log"
         failed.append(f"run {run.name} failed (exit {code}); its output: {log}")
         say(f"run {number[run.name]}/{total} {run.name}: FAILED (exit {code}), see {log}")
+
+
+def steps_words(steps: dict[str, int | None]) -> str:
+    """``; 96 steps each`` or ``; 96 to 768 steps a run``, of the runs to run (nothing where none is known)."""
+    known = sorted({count for count in steps.values() if count})
+    if not known:
+        return ""
+    return f"; {known[0]} steps each" if len(known) == 1 else f"; {known[0]} to {known[-1]} steps a run"
 
 
 def total_steps(run: SweepRun) -> int | None:
@@ -294,21 +306,29 @@ def progress_line(sweep: Sweep, running: list[_Running], pending: list[SweepRun]
         if rate and entry.total_steps:
             lefts.append((entry.total_steps - step) / rate)
             wholes.append(entry.total_steps / rate)
-            text += f" ({rate:.1f} steps/s, {lefts[-1] / 60:.1f} min left)"
+            text += f" ({rate:.1f} steps/s, {duration(lefts[-1])} left)"
         parts.append(text)
     line = "sweep: " + "; ".join(parts)
     if wholes:
         left = max(lefts) + sum(wholes) / len(wholes) * math.ceil(len(pending) / parallel)
-        line += f"; about {left / 60:.0f} min left in all"
+        line += f"; about {duration(left)} left in all"
     return line
 
 
 def _measure(sweep: Sweep, entry: _Running, now: float) -> tuple[int, float | None]:
-    """A running run's last logged step and its steps a second since a step was first seen (None until it moves)."""
+    """A running run's last logged step and its steps a second since a step was first seen (None until it moves); the
+    rate is kept on the entry."""
     records = [record for record in read_metrics(sweep.directory / entry.run.name) if record.get("kind") == "train"]
     step = records[-1]["step"] if records else 0
     if step and entry.first_seen is None:
         entry.first_seen = (now, step)
-    if entry.first_seen is None or step <= entry.first_seen[1]:
-        return step, None
-    return step, (step - entry.first_seen[1]) / (now - entry.first_seen[0])
+    if entry.first_seen is not None and step > entry.first_seen[1]:
+        entry.rate = (step - entry.first_seen[1]) / (now - entry.first_seen[0])
+    return step, entry.rate
+
+
+def duration(seconds: float) -> str:
+    """``40 s``, ``12 min``, ``3.4 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"

@@ -70,7 +70,7 @@ def test_the_documented_sweep_stopped_resumes_to_an_unstopped_ones_metrics_and_i
     code, out = finish(nemo_jq(*[word.replace(str(tmp_path / "stopped"), str(tmp_path / "whole")) for word in sweep]))
     assert code == 0, out
     assert out.splitlines()[0].startswith(f"nemo-jq sweep: 4 runs in {tmp_path / 'whole'} (0 finished, 0 to continue, "
-                                          "4 to start), 2 at a time")
+                                          "4 to start; ") and "steps each), 2 at a time" in out.splitlines()[0]
     code, out = interrupt_when_training(nemo_jq(*sweep), tmp_path / "stopped" / "name=garl_seed=0")
     assert code == 130, out
     assert f"`nemo-jq sweep --resume {tmp_path / 'stopped'}` continues them" in out.splitlines()[-1]

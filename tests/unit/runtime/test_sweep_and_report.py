@@ -86,6 +86,31 @@ def test_a_run_that_fails_stops_the_sweep_in_one_line_naming_its_log(tmp_path):
     assert "grpo" not in message  # no further run started after the failure
 
 
+def test_the_first_progress_line_comes_once_each_running_runs_step_rate_is_measured(tmp_path):
+    import sys
+
+    from nemo_jq.runtime.sweep import duration, run_here, steps_words
+
+    assert (duration(40), duration(600), duration(4 * 3600)) == ("40 s", "10 min", "4.0 h")
+    assert (steps_words({"a": 96, "b": 96}), steps_words({"a": 96, "b": 768}), steps_words({"a": None})) == (
+        "; 96 steps each", "; 96 to 768 steps a run", "")
+    # a stand-in for `nemo-jq train` that logs a step every 0.3 s (the sweep's reading of them is the real one)
+    script = ("import json, sys, time, pathlib\n"
+              "run = pathlib.Path(sys.argv[-1].split('=', 1)[1]); run.mkdir(parents=True, exist_ok=True)\n"
+              "for step in range(1, 25):\n"
+              "    with open(run / 'metrics.jsonl', 'a') as f: f.write(json.dumps({'kind': 'train', 'step': step}) + '\\n')\n"
+              "    time.sleep(0.3)\n"
+              "(run / 'results.json').write_text('{}')\n")
+    sweep = Sweep.from_grid(tmp_path / "s", [], ["train.max_steps=24"], None)
+    sweep.write()
+    lines = []
+    run_here(sweep, threads=1, say=lines.append, report_every=600, python=(sys.executable, "-c", script))
+    assert "1 to start; 24 steps each)" in lines[0]
+    progress = [index for index, line in enumerate(lines) if line.startswith("sweep: run step ")]
+    assert progress and progress[0] < next(i for i, line in enumerate(lines) if "finished in" in line), lines
+    assert "/24 (" in lines[progress[0]] and " s left)" in lines[progress[0]], lines
+
+
 def finished_run(folder, *, name="garl", q=0.5, seed=0, dataset="synthetic", test=None, validation=(10.0, 20.0)):
     """A run folder as a finished run leaves it, written by hand."""
     folder.mkdir(parents=True)
