@@ -204,6 +204,7 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
         f"thread{'s' * (threads > 1)} each; each run's output in {logs}/NAME.log")
     number = {run.name: index + 1 for index, run in enumerate(sweep.runs)}
     running: list[_Running] = []
+    took: list[float] = []  # seconds each run that finished here took, start-up and evaluations included
     received: list[int] = []
     failed: list[str] = []
 
@@ -229,7 +230,9 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
             time.sleep(0.2)
             for entry in [entry for entry in running if entry.process.poll() is not None]:
                 running.remove(entry)
-                _ended(sweep, entry, number, len(sweep.runs), say, failed, stopping=bool(received))
+                finished = _ended(sweep, entry, number, len(sweep.runs), say, failed, stopping=bool(received))
+                if finished and states[entry.run.name] == NEW:  # a whole run's time (a continued one's is part of it)
+                    took.append(time.monotonic() - entry.started)
             if running and time.monotonic() >= next_measure:  # each run's first step, seen soon: its rate is from there
                 next_measure = time.monotonic() + MEASURE_EVERY
                 for entry in running:
@@ -237,7 +240,7 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
             measured = not reported and all(entry.rate for entry in running)
             if running and (measured or time.monotonic() >= next_report):
                 next_report, reported = time.monotonic() + report_every, True
-                say(progress_line(sweep, running, pending, parallel))
+                say(progress_line(sweep, running, pending, parallel, took))
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -252,20 +255,21 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
 
 
 def _ended(sweep: Sweep, entry: _Running, number: dict[str, int], total: int, say: Callable[[str], None],
-           failed: list[str], *, stopping: bool) -> None:
-    """Say how a run's process ended: finished (its results written), stopped with a checkpoint, or failed."""
+           failed: list[str], *, stopping: bool) -> bool:
+    """Say how a run's process ended: finished (its results written: True), stopped with a checkpoint, or failed."""
     run, code = entry.run, entry.process.returncode
-    minutes = (time.monotonic() - entry.started) / 60
+    took = duration(time.monotonic() - entry.started)
     state = sweep.status(run)
     if state == FINISHED:
-        say(f"run {number[run.name]}/{total} {run.name}: finished in {minutes:.1f} min")
+        say(f"run {number[run.name]}/{total} {run.name}: finished in {took}")
     elif stopping or code == 0:
-        say(f"run {number[run.name]}/{total} {run.name}: stopped after {minutes:.1f} min "
+        say(f"run {number[run.name]}/{total} {run.name}: stopped after {took} "
             f"({'with a checkpoint' if state == STOPPED else 'before its first checkpoint'})")
     else:
         log = sweep.directory / LOGS_DIR / f"{run.name}.log"
         failed.append(f"run {run.name} failed (exit {code}); its output: {log}")
         say(f"run {number[run.name]}/{total} {run.name}: FAILED (exit {code}), see {log}")
+    return state == FINISHED
 
 
 def steps_words(steps: dict[str, int | None]) -> str:
@@ -296,9 +300,11 @@ def steps_of(config: Any) -> int | None:
     return min(filter(None, [epochs, train.max_steps]), default=None)
 
 
-def progress_line(sweep: Sweep, running: list[_Running], pending: list[SweepRun], parallel: int) -> str:
+def progress_line(sweep: Sweep, running: list[_Running], pending: list[SweepRun], parallel: int,
+                  took: Sequence[float] = ()) -> str:
     """The running runs' steps and time left at the step rate measured so far, and the sweep's: the longest running
-    run's, then the pending runs at the running runs' mean time, ``parallel`` at once."""
+    run's, then the pending runs, ``parallel`` at once, each as long as the runs that finished here took (start-up and
+    evaluations included), or before any has, as the running runs' steps at their rates."""
     now, parts, lefts, wholes = time.monotonic(), [], [], []
     for entry in running:
         step, rate = _measure(sweep, entry, now)
@@ -309,7 +315,8 @@ def progress_line(sweep: Sweep, running: list[_Running], pending: list[SweepRun]
             text += f" ({rate:.1f} steps/s, {duration(lefts[-1])} left)"
         parts.append(text)
     line = "sweep: " + "; ".join(parts)
-    if wholes:
+    wholes = list(took) or wholes
+    if lefts and wholes:
         left = max(lefts) + sum(wholes) / len(wholes) * math.ceil(len(pending) / parallel)
         line += f"; about {duration(left)} left in all"
     return line
