@@ -107,14 +107,19 @@ def hf_config_dict(model: str) -> dict[str, Any]:
 
 
 def architecture(model: str) -> Qwen3Architecture:
-    """A Qwen3 size (``8b``, ``Qwen3-8B``) or a path to an HF config.json / model folder."""
+    """A Qwen3 size (``8b``, ``Qwen3-8B``) or a path to an HF config.json / model folder (a dense Qwen3: this memory
+    model has no experts yet)."""
     with contextlib.suppress(ValueError):
         return read_qwen3_config(hf_config_dict(model))
     try:
-        return read_qwen3_config(model)
+        arch = read_qwen3_config(model)
     except FileNotFoundError:
         raise ValueError(f"--model {model!r} is neither a Qwen3 size ({', '.join(QWEN3_SIZES)}) nor an HF config "
                          f"path: give a size or a config.json / model folder") from None
+    if arch.is_moe:
+        raise ValueError(f"{model} is a Qwen3-MoE ({arch.num_experts} experts): plan and the dry run size dense Qwen3s "
+                         "only for now")
+    return arch
 
 
 def layer_parameters(arch: Qwen3Architecture) -> int:

@@ -29,6 +29,11 @@ class MegatronLayout:
                                          "ranks (ZeRO-1: 12/DP bytes of optimizer state per parameter)")
     bf16_weights: bool = option(False, "bf16 parameters and activations, with fp32 gradient accumulation and the fp32 "
                                 "master weights in the distributed optimizer (needs distributed_optimizer=true)")
+    expert_parallel: int = option(1, "Qwen3-MoE: ranks that split the experts of each layer (each holds num_experts / "
+                                  "expert_parallel of them; must divide num_experts), carved from the tensor x context "
+                                  "x data parallel ranks", ge=1)
+    expert_tensor_parallel: int = option(1, "Qwen3-MoE: ranks that split each expert's MLP (must divide "
+                                         "moe_intermediate_size)", ge=1)
 
     @property
     def replica_size(self) -> int:
@@ -46,7 +51,8 @@ class MegatronLayout:
     def validate(self, arch: Any = None, world_size: int | None = None) -> MegatronLayout:
         """Raise ``ValueError`` naming the key for a layout that cannot work: on its own, for this model
         (``arch``: its head, KV-head, MLP and layer counts), or over ``world_size`` processes."""
-        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
+                    "expert_tensor_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"megatron.{key} must be >= 1; got {getattr(self, key)}")
         if self.sequence_parallel and self.tensor_parallel == 1:
@@ -61,16 +67,34 @@ class MegatronLayout:
             raise ValueError(f"megatron.tensor_parallel={self.tensor_parallel} x pipeline_parallel={self.pipeline_parallel} "
                              f"x context_parallel={self.context_parallel} does not divide the {world_size} processes: "
                              f"start a multiple of {self.replica_size} (torchrun --nproc-per-node)")
+        experts = self.expert_parallel * self.expert_tensor_parallel
+        if world_size is not None and (world_size // self.pipeline_parallel) % experts:
+            raise ValueError(f"megatron.expert_parallel={self.expert_parallel} x expert_tensor_parallel="
+                             f"{self.expert_tensor_parallel} does not divide the {world_size // self.pipeline_parallel} "
+                             f"ranks of a pipeline stage ({world_size} processes / pipeline_parallel="
+                             f"{self.pipeline_parallel}): the expert groups are carved from them")
         return self
 
     def _check_model(self, arch: Any) -> None:
         """Megatron gives each TP rank whole query heads and whole KV groups (the fused QKV weight is cut per
-        group) and an equal slice of the MLP, and each pipeline stage an equal run of whole layers. CP splits
+        group) and an equal slice of the MLP (a Qwen3-MoE's: an equal share of the experts over EP, each expert split
+        over ETP), and each pipeline stage an equal run of whole layers. CP splits
         sequences, not weights: any size works (the policy pads sequences to fit it)."""
         if arch.num_attention_heads % arch.num_key_value_heads:
             raise ValueError(f"num_attention_heads={arch.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={arch.num_key_value_heads}")
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        moe = getattr(arch, "is_moe", False)
+        if not moe and self.expert_parallel * self.expert_tensor_parallel > 1:
+            raise ValueError(f"megatron.expert_parallel={self.expert_parallel} and expert_tensor_parallel="
+                             f"{self.expert_tensor_parallel} split a Qwen3-MoE's experts; this model is dense: set both "
+                             "to 1")
+        if moe and arch.num_experts % self.expert_parallel:
+            raise ValueError(f"megatron.expert_parallel={self.expert_parallel} does not divide num_experts="
+                             f"{arch.num_experts}: each rank holds an equal share of every layer's experts")
+        if moe and arch.moe_intermediate_size % self.expert_tensor_parallel:
+            raise ValueError(f"megatron.expert_tensor_parallel={self.expert_tensor_parallel} does not divide "
+                             f"moe_intermediate_size={arch.moe_intermediate_size}")
+        for name in ("num_attention_heads", "num_key_value_heads", *(() if moe else ("intermediate_size",))):
             if getattr(arch, name) % self.tensor_parallel:
                 raise ValueError(f"megatron.tensor_parallel={self.tensor_parallel} does not divide {name}="
                                  f"{getattr(arch, name)}: choose a TP size that divides num_attention_heads, "

@@ -13,6 +13,11 @@ Most weights rename one to one. Four layouts differ:
 
 Norm weights are replicated on every rank. Only slicing and concatenation happen, so the round
 trip HF -> shards -> HF is bit-exact. Pure torch: no megatron import.
+
+Qwen3-MoE adds each layer's router (``mlp.gate``, replicated) and its experts: expert-parallel rank e holds experts
+``e * E/EP`` to ``(e + 1) * E/EP - 1`` under local indices from 0 (``expert_offset`` is its first), each split over
+the expert-tensor-parallel ranks as the dense MLP is over TP. Checkpoints store one tensor per expert
+(``mlp.experts.{j}.gate_proj.weight``), as transformers writes and reads them (it fuses them in memory only).
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ REPLICATED, ROW_PARALLEL, VOCAB_PARALLEL, QKV, GATED_MLP = "replicated", "row", 
 
 @dataclass(frozen=True)
 class ParamMapping:
-    #: Megatron parameter name; ``(\d+)`` captures the layer index.
+    #: Megatron parameter name; ``(\d+)`` captures the layer index (and an expert's local index).
     megatron: str
-    #: The HF tensors it is made of, ``{}`` standing for the layer index.
+    #: The HF tensors it is made of, ``{}`` standing for the layer index (and the expert's global index).
     hf: tuple[str, ...]
     layout: str
+    #: An expert's weight: its second index is local to the expert-parallel rank, split over expert-TP.
+    expert: bool = False
 
 
 _LAYER = r"decoder\.layers\.(\d+)\."
@@ -58,21 +65,37 @@ QWEN3_MAPPING = (
     ParamMapping(_LAYER + r"mlp\.linear_fc1\.weight", (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"),
                  GATED_MLP),
     ParamMapping(_LAYER + r"mlp\.linear_fc2\.weight", (_HF_LAYER + "mlp.down_proj.weight",), ROW_PARALLEL),
+    # Qwen3-MoE: the router, and each expert as the local spec (SequentialMLP) or Transformer Engine's grouped
+    # experts name it
+    ParamMapping(_LAYER + r"mlp\.router\.weight", (_HF_LAYER + "mlp.gate.weight",), REPLICATED),
+    *(ParamMapping(_LAYER + pattern.format("fc1"), (_HF_LAYER + "mlp.experts.{}.gate_proj.weight",
+                                                    _HF_LAYER + "mlp.experts.{}.up_proj.weight"), GATED_MLP, expert=True)
+      for pattern in (r"mlp\.experts\.local_experts\.(\d+)\.linear_{}\.weight", r"mlp\.experts\.linear_{}\.weight(\d+)")),
+    *(ParamMapping(_LAYER + pattern.format("fc2"), (_HF_LAYER + "mlp.experts.{}.down_proj.weight",), ROW_PARALLEL,
+                   expert=True)
+      for pattern in (r"mlp\.experts\.local_experts\.(\d+)\.linear_{}\.weight", r"mlp\.experts\.linear_{}\.weight(\d+)")),
 )
 
 
-def _resolve(megatron_name: str) -> tuple[ParamMapping, tuple[str, ...]]:
-    """The mapping entry of a Megatron parameter and the HF names it is made of."""
+def _resolve(megatron_name: str, expert_offset: int = 0) -> tuple[ParamMapping, tuple[str, ...]]:
+    """The mapping entry of a Megatron parameter and the HF names it is made of (an expert's: its local index plus
+    ``expert_offset``, the first expert of its expert-parallel rank)."""
     for entry in QWEN3_MAPPING:
         match = re.fullmatch(entry.megatron, megatron_name)
         if match:
-            return entry, tuple(name.format(*match.groups()) for name in entry.hf)
+            indices = (match[1], int(match[2]) + expert_offset) if entry.expert else match.groups()
+            return entry, tuple(name.format(*indices) for name in entry.hf)
     raise ValueError(f"no HF mapping for Megatron parameter {megatron_name!r}")
 
 
-def hf_names(megatron_name: str) -> tuple[str, ...]:
+def hf_names(megatron_name: str, expert_offset: int = 0) -> tuple[str, ...]:
     """The HF tensors a Megatron parameter is made of, in the order ``megatron_to_hf`` yields them."""
-    return _resolve(megatron_name)[1]
+    return _resolve(megatron_name, expert_offset)[1]
+
+
+def is_expert(megatron_name: str) -> bool:
+    """Whether the parameter is one expert's (split over the expert-parallel and expert-TP ranks, not TP)."""
+    return _resolve(megatron_name)[0].expert
 
 
 def is_tensor_parallel(megatron_name: str) -> bool:
@@ -86,10 +109,11 @@ def is_tensor_parallel(megatron_name: str) -> bool:
 
 def hf_shape(name: str, arch: Qwen3Architecture) -> tuple[int, ...]:
     """The shape the config implies for HF weight ``name`` (keyed by its module's name)."""
-    hidden, head, ffn = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    hidden, head = arch.hidden_size, arch.head_dim
+    ffn = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size  # every MLP of a Qwen3-MoE is experts
     queries, keys = arch.num_attention_heads * head, arch.num_key_value_heads * head
     return {
-        "embed_tokens": (arch.vocab_size, hidden), "lm_head": (arch.vocab_size, hidden),
+        "embed_tokens": (arch.vocab_size, hidden), "lm_head": (arch.vocab_size, hidden), "gate": (arch.num_experts, hidden),
         "norm": (hidden,), "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,),
         "q_norm": (head,), "k_norm": (head,),
         "q_proj": (queries, hidden), "k_proj": (keys, hidden), "v_proj": (keys, hidden), "o_proj": (hidden, queries),
@@ -115,45 +139,70 @@ def _hf_tensor(hf_state: Mapping[str, torch.Tensor], name: str, arch: Qwen3Archi
     return tensor
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which experts a rank holds: its expert-parallel rank's share (``expert_offset`` is the first's global index),
+    each split over ``etp_size`` expert-TP ranks (this one's ``etp_rank``). The dense model's: none of it matters."""
+
+    expert_offset: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+    #: Every expert-parallel rank's first expert, so that a checkpoint's other experts are known as used.
+    all_offsets: tuple[int, ...] = (0,)
+
+
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], megatron_names: Iterable[str], arch: Qwen3Architecture,
-                   *, tp_size: int = 1, tp_rank: int = 0, all_names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+                   *, tp_size: int = 1, tp_rank: int = 0, all_names: Iterable[str] | None = None,
+                   experts: ExpertShard = ExpertShard()) -> dict[str, torch.Tensor]:
     """Rank ``tp_rank``'s shard of each Megatron parameter in ``megatron_names``, from an HF state dict
     (:func:`iter_hf_to_megatron`, collected)."""
-    return dict(iter_hf_to_megatron(hf_state, megatron_names, arch, tp_size=tp_size, tp_rank=tp_rank, all_names=all_names))
+    return dict(iter_hf_to_megatron(hf_state, megatron_names, arch, tp_size=tp_size, tp_rank=tp_rank, all_names=all_names,
+                                    experts=experts))
 
 
 def iter_hf_to_megatron(hf_state: Mapping[str, torch.Tensor], megatron_names: Iterable[str], arch: Qwen3Architecture,
-                        *, tp_size: int = 1, tp_rank: int = 0,
-                        all_names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                        *, tp_size: int = 1, tp_rank: int = 0, all_names: Iterable[str] | None = None,
+                        experts: ExpertShard = ExpertShard()) -> Iterator[tuple[str, torch.Tensor]]:
     """Rank ``tp_rank``'s shard of each Megatron parameter, one at a time: with a lazy ``hf_state`` (an HF
-    folder read tensor by tensor) a consumer that copies each shard away holds one HF tensor at a time.
+    folder read tensor by tensor) a consumer that copies each shard away holds one HF tensor at a time. A Qwen3-MoE's
+    experts are the rank's own (``experts``): only those are read.
 
     Raises ``ValueError`` naming a missing HF weight, one whose shape the config does not imply, or
     HF weights that no parameter of the model (``all_names``: every pipeline stage's; by default
-    ``megatron_names``) uses, a tied model's ``lm_head.weight`` excepted: HF state dicts list the
-    shared matrix twice.
+    ``megatron_names``; their experts on every expert-parallel rank) uses, a tied model's ``lm_head.weight``
+    excepted: HF state dicts list the shared matrix twice.
     """
     megatron_names = list(megatron_names)
     for megatron_name in megatron_names:
-        entry, names = _resolve(megatron_name)
+        entry, names = _resolve(megatron_name, experts.expert_offset)
         tensors = [_hf_tensor(hf_state, name, arch, megatron_name) for name in names]
-        yield megatron_name, _split(entry.layout, tensors, arch, tp_size, tp_rank)
-    used = {name for megatron_name in (all_names or megatron_names) for name in hf_names(megatron_name)}
+        size, rank = (experts.etp_size, experts.etp_rank) if entry.expert else (tp_size, tp_rank)
+        yield megatron_name, _split(entry.layout, tensors, arch, size, rank)
+    used = {name for megatron_name in (all_names or megatron_names) for offset in experts.all_offsets
+            for name in hf_names(megatron_name, offset)}
     unused = set(hf_state) - used - ({"lm_head.weight"} if arch.tie_word_embeddings else set())
     if unused:
         raise ValueError(f"checkpoint has weights the Megatron Qwen3 model does not use: {sorted(unused)}")
 
 
-def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], arch: Qwen3Architecture) -> dict[str, torch.Tensor]:
-    """The HF state dict from every TP rank's shards (``shards[r]``: rank r's ``{megatron name: tensor}``).
+def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], arch: Qwen3Architecture, *,
+                   expert_offsets: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """The HF state dict from every TP rank's shards (``shards[r]``: rank r's ``{megatron name: tensor}``). A
+    Qwen3-MoE's experts are whole on each rank (expert-TP 1) and rank r's are its expert-parallel rank's, the first
+    of them ``expert_offsets[r]`` (TP ranks may hold different experts: the expert groups are carved from them).
 
     A tied model has no ``lm_head.weight`` entry, as HF ``save_pretrained`` writes it.
     """
+    offsets = list(expert_offsets or [0] * len(shards))
     hf_state = {}
     for megatron_name in shards[0]:
         entry, names = _resolve(megatron_name)
-        merged = _merge(entry.layout, [shard[megatron_name] for shard in shards], arch)
-        hf_state.update(zip(names, merged))
+        if not entry.expert:
+            hf_state.update(zip(names, _merge(entry.layout, [shard[megatron_name] for shard in shards], arch)))
+            continue
+        for offset in dict.fromkeys(offsets):
+            shard = shards[offsets.index(offset)]
+            hf_state.update(zip(hf_names(megatron_name, offset), _merge(entry.layout, [shard[megatron_name]], arch)))
     return hf_state
 
 

@@ -82,15 +82,22 @@ class MegatronPolicy:
     def __init__(self, hf_config: Any, hf_state: Mapping[str, torch.Tensor], *, tensor_parallel: int = 1,
                  pipeline_parallel: int = 1, sequence_parallel: bool = False, context_parallel: int = 1,
                  recompute_activations: bool = False,
-                 distributed_optimizer: bool = False, bf16_weights: bool = False, device: torch.device | str = "cpu",
+                 distributed_optimizer: bool = False, bf16_weights: bool = False, expert_parallel: int = 1,
+                 expert_tensor_parallel: int = 1, device: torch.device | str = "cpu",
                  precision: str = "auto",
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, grad_clip: float = 1.0, logprob_chunk_size: int = 256):
         self.arch = read_qwen3_config(hf_config)
+        if self.arch.is_moe:
+            raise ValueError(f"{self.arch.hf_config.get('_name_or_path') or 'the model'} is a Qwen3-MoE "
+                             f"({self.arch.num_experts} experts, top-{self.arch.num_experts_per_tok}): the Megatron backend "
+                             "builds it and maps its weights over expert parallelism (docs/moe.md), but does not train it "
+                             "yet (expert gradients, the load-balancing loss and routing replay are to come)")
         if not dist.is_initialized():
             raise RuntimeError("MegatronPolicy needs torch.distributed initialised first (e.g. run under torchrun)")
         self.layout = MegatronLayout(tensor_parallel, pipeline_parallel, context_parallel, sequence_parallel,
-                                     recompute_activations, distributed_optimizer, bf16_weights)
+                                     recompute_activations, distributed_optimizer, bf16_weights, expert_parallel,
+                                     expert_tensor_parallel)
         self.layout.validate(self.arch, dist.get_world_size())
         self.device = torch.device(device)
         self.precision = check_precision(precision)

@@ -33,6 +33,11 @@ REQUIRED_KEYS = {
 }
 
 
+#: config.json keys a Qwen3-MoE config must have besides :data:`REQUIRED_KEYS` (the released configs say
+#: ``num_experts``; transformers 5 writes ``num_local_experts``).
+MOE_KEYS = ("num_experts|num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
 @dataclass(frozen=True)
 class Qwen3Architecture:
     """What fixes the Megatron model and the weight layout, read from an HF Qwen3 config."""
@@ -50,8 +55,20 @@ class Qwen3Architecture:
     tie_word_embeddings: bool
     initializer_range: float = 0.02
     attention_dropout: float = 0.0
+    #: Qwen3-MoE (``model_type: qwen3_moe``): experts in every layer's MLP (0: the dense Qwen3), the experts each
+    #: token is routed to, an expert's MLP width, whether the top-k router weights are renormalised to sum to one,
+    #: and the load-balancing loss coefficient the model was trained with.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
     #: The config as read, to write back on export.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def read_qwen3_config(config: Mapping[str, Any] | str | Path | Any) -> Qwen3Architecture:
@@ -68,6 +85,7 @@ def read_qwen3_config(config: Mapping[str, Any] | str | Path | Any) -> Qwen3Arch
     if missing:
         raise ValueError(f"{source} is not a Qwen3-like config: missing {', '.join(missing)}")
     _check_supported(values, source)
+    moe = values.get("model_type") == "qwen3_moe"
     return Qwen3Architecture(
         **{field_name: values[key] for key, field_name in REQUIRED_KEYS.items()},
         head_dim=values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"],
@@ -75,6 +93,10 @@ def read_qwen3_config(config: Mapping[str, Any] | str | Path | Any) -> Qwen3Arch
         tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),  # Qwen3Config's default
         initializer_range=values.get("initializer_range", 0.02),
         attention_dropout=values.get("attention_dropout", 0.0),
+        **({"num_experts": values.get("num_experts", values.get("num_local_experts")), "num_experts_per_tok": values["num_experts_per_tok"],
+            "moe_intermediate_size": values["moe_intermediate_size"],
+            "norm_topk_prob": bool(values.get("norm_topk_prob", False)),  # Qwen3MoeConfig's default
+            "router_aux_loss_coef": float(values.get("router_aux_loss_coef", 0.001))} if moe else {}),
         hf_config=values,
     )
 
@@ -94,8 +116,18 @@ def _config_dict(config: Any) -> tuple[dict[str, Any], str]:
 
 def _check_supported(values: Mapping[str, Any], source: str) -> None:
     model_type = values.get("model_type", "qwen3")
-    if model_type != "qwen3":
-        raise ValueError(f"{source} has model_type {model_type!r}; the Megatron backend maps Qwen3 ('qwen3') only")
+    if model_type not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"{source} has model_type {model_type!r}; the Megatron backend maps Qwen3 ('qwen3') and "
+                         "Qwen3-MoE ('qwen3_moe') only")
+    if model_type == "qwen3_moe":
+        missing = [key.replace("|", " or ") for key in MOE_KEYS if not any(name in values for name in key.split("|"))]
+        if missing:
+            raise ValueError(f"{source} is a Qwen3-MoE config without {', '.join(missing)}")
+        if values.get("decoder_sparse_step", 1) != 1 or values.get("mlp_only_layers"):
+            raise ValueError(f"{source} mixes dense and expert layers (decoder_sparse_step="
+                             f"{values.get('decoder_sparse_step', 1)}, mlp_only_layers={values.get('mlp_only_layers')}); "
+                             "the Megatron backend maps Qwen3-MoE with experts in every layer (decoder_sparse_step=1, "
+                             "mlp_only_layers=[]), as the released 30B-A3B and 235B-A22B are")
     if values.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source} has hidden_act {values['hidden_act']!r}; Qwen3 uses 'silu' (SwiGLU)")
     if values.get("attention_bias"):
@@ -173,7 +205,25 @@ def transformer_config(arch: Qwen3Architecture, layout: MegatronLayout = Megatro
         gradient_accumulation_fusion=False,
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if layout.recompute_activations else {}),
+        **(moe_settings(arch, layout) if arch.is_moe else {}),
     )
+
+
+def moe_settings(arch: Qwen3Architecture, layout: MegatronLayout) -> dict[str, Any]:
+    """Qwen3-MoE's router and experts in megatron-core's terms. Qwen3 routes by softmax over every expert, top-k,
+    then (``norm_topk_prob``) renormalises the k: the same as megatron-core's top-k of the logits then softmax over the
+    k (``moe_router_pre_softmax=False``); without renormalising, softmax over all then top-k (``pre_softmax=True``).
+    The router runs in fp32 whatever the weights. Tokens are dispatched by all-gather over the TP x EP ranks (on CPU
+    the only dispatcher that runs; alltoall needs CUDA streams) to experts that run one after another (SequentialMLP;
+    Transformer Engine's grouped experts on GPU), each split over ``expert_tensor_parallel``."""
+    grouped = uses_transformer_engine()
+    return {"num_moe_experts": arch.num_experts, "moe_router_topk": arch.num_experts_per_tok,
+            "moe_ffn_hidden_size": arch.moe_intermediate_size, "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": not arch.norm_topk_prob, "moe_router_dtype": "fp32",
+            "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": arch.router_aux_loss_coef,
+            "moe_token_dispatcher_type": "alltoall" if grouped else "allgather", "moe_grouped_gemm": grouped,
+            "moe_permute_fusion": False, "expert_model_parallel_size": layout.expert_parallel,
+            "expert_tensor_parallel_size": layout.expert_tensor_parallel}
 
 
 def uses_transformer_engine() -> bool:
@@ -205,6 +255,8 @@ def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLa
     """
     config = transformer_config(arch, layout, params_dtype=params_dtype, activation_dtype=activation_dtype,
                                 use_cpu_initialization=use_cpu_initialization)
+    if arch.is_moe:
+        router_without_transformer_engine()
     if layout.recompute_activations:
         keep_autocast_in_recomputation()
     from megatron.core import parallel_state
@@ -215,10 +267,11 @@ def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLa
     )
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    experts = {"num_experts": arch.num_experts, "moe_grouped_gemm": config.moe_grouped_gemm} if arch.is_moe else {}
     if uses_transformer_engine():
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True, **experts)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm", **experts)
     if layout.context_parallel > 1 and spec.submodules.self_attention.submodules.core_attention is DotProductAttention:
         raise ValueError(f"megatron.context_parallel={layout.context_parallel} needs Transformer Engine's attention on GPU "
                          f"(megatron-core's local attention has no context parallelism, and TE is "
@@ -237,6 +290,16 @@ def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLa
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
+
+
+def router_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's router projects with Transformer Engine's GEMM where ``moe_utils.te_general_gemm`` is not
+    None, and defines that name only when TE imports: without TE the router's forward raises ``NameError``. Define it
+    as None there, so the router takes its own torch path (idempotent)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 class LocalRMSNorm(torch.nn.RMSNorm):

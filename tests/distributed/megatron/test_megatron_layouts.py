@@ -62,8 +62,8 @@ def test_mapping_names_missing_misshapen_and_unused_weights():
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_norm.weight' has shape \[16\]; the config implies \[8\]"):
         hf_to_megatron({**model.state_dict(), "model.layers.0.self_attn.q_norm.weight": torch.ones(16)},
                        megatron_names(2, tied=True), arch)
-    with pytest.raises(ValueError, match="no HF mapping for Megatron parameter 'decoder.layers.0.mlp.router.weight'"):
-        hf_to_megatron(model.state_dict(), ["decoder.layers.0.mlp.router.weight"], arch)
+    with pytest.raises(ValueError, match="no HF mapping for Megatron parameter 'decoder.layers.0.mlp.shared_experts.linear_fc1.weight'"):
+        hf_to_megatron(model.state_dict(), ["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"], arch)
 
 
 def test_config_errors_name_what_is_missing_or_unsupported(tmp_path):

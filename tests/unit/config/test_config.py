@@ -117,7 +117,9 @@ def test_renamed_keys_still_load_with_one_line_naming_the_new_key(capsys, old, n
 def test_a_saved_config_with_the_old_layout_keys_reads_back_the_same(tmp_path):
     """Run directories written before 0.2 hold model.tensor_parallel etc.: they resume with the same layout."""
     old = dataclasses.asdict(load_config(None, ["model.backend=megatron", "megatron.tensor_parallel=2"]))
-    old["model"].update(old.pop("megatron"))
+    from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS
+
+    old["model"].update({key: old["megatron"].pop(key) for key in DEPRECATED_MODEL_KEYS})  # the keys 0.1 had
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(old))
     assert load_config(path).megatron.tensor_parallel == 2
