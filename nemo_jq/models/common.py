@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
@@ -192,3 +193,26 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], name: str = "adamw", *
     if name != "adamw":
         raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=foreach)
+
+
+_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def in_memory_target(name: str, state: Mapping[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
+    """Where a checkpoint-named tensor goes in an in-memory HF model's ``state``: its own entry, or for one expert of
+    a Qwen3-MoE (checkpoints store ``mlp.experts.{j}.gate_proj.weight``; transformers 5 fuses the experts in memory
+    as ``gate_up_proj [E, 2I, H]``, gate rows first, and ``down_proj [E, H, I]``) its slice of the fused tensor. The
+    in-memory name and a view to copy into; None where ``state`` has neither."""
+    if name in state:
+        return name, state[name]
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    prefix, expert, kind = match[1], int(match[2]), match[3]
+    fused = f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+    if fused not in state:
+        return None
+    tensor = state[fused][expert]
+    if kind != "down_proj":
+        tensor = tensor.chunk(2)[kind == "up_proj"]
+    return fused, tensor

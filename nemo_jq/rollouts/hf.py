@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from nemo_jq.models.common import autocast_context, check_precision
+from nemo_jq.models.common import autocast_context, check_precision, in_memory_target
 from nemo_jq.precision import autocast_dtype_now
 from nemo_jq.rollouts.sampling import Sample, SamplingSettings, as_groups, check_request
 
@@ -63,12 +63,15 @@ class HFSampler:
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model (a tied head arrives as, or with, the embedding)."""
         target = self.model.state_dict()  # views of the parameters
-        received = set()
+        received, unexpected = set(), set()
         for name, tensor in tensors:
-            received.add(name)
-            if name in target:
-                target[name].copy_(tensor)
-        missing, unexpected = set(target) - received - {"lm_head.weight"}, received - set(target)
+            placed = in_memory_target(name, target)  # a Qwen3-MoE's expert: its slice of the fused experts
+            if placed is None:
+                unexpected.add(name)
+                continue
+            received.add(placed[0])
+            placed[1].copy_(tensor)
+        missing = set(target) - received - {"lm_head.weight"}
         if unexpected or missing:
             raise RuntimeError(f"weights for the sampler: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
 

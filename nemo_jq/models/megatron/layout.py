@@ -34,6 +34,9 @@ class MegatronLayout:
                                   "x data parallel ranks", ge=1)
     expert_tensor_parallel: int = option(1, "Qwen3-MoE: ranks that split each expert's MLP (must divide "
                                          "moe_intermediate_size)", ge=1)
+    moe_aux_loss_coef: float | None = option(None, "Qwen3-MoE: the load-balancing loss's coefficient; null = the "
+                                             "model's router_aux_loss_coef (0.001 for the released models); 0 = none",
+                                             ge=0)
 
     @property
     def replica_size(self) -> int:

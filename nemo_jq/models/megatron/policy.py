@@ -8,12 +8,18 @@ groups form pipeline (PP) stages, each holding a run of the layers; together the
 replica and see the same micro-batches. Replicas are data-parallel (DP): they see different ones.
 Weights come in and exports go out in HF layout (``mapping``); checkpoints are Megatron
 distributed checkpoints (``checkpoint``), which resume at any TP, PP, CP or DP size.
+A Qwen3-MoE's experts are split over the expert-parallel (EP) ranks, carved from the data-parallel ones
+(``experts``: what differs for them, and the layouts they train at so far).
+
+One class of ~570 lines: every method works on the process groups and shards the constructor sets up; what is
+particular to one feature (the log-prob kernel, checkpoints, the distributed optimizer, experts) has its module.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -28,9 +34,17 @@ from nemo_jq.models.interfaces import LossFn, TokenBatch, backward_each
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
+from nemo_jq.models.megatron.experts import check_trainable, expert_shard, with_load_balancing
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
-from nemo_jq.models.megatron.mapping import hf_names, hf_shape, is_tensor_parallel, iter_hf_to_megatron, megatron_to_hf
+from nemo_jq.models.megatron.mapping import (
+    hf_names,
+    hf_shape,
+    is_expert,
+    is_tensor_parallel,
+    iter_hf_to_megatron,
+    megatron_to_hf,
+)
 from nemo_jq.models.megatron.provider import (
     build_gpt_model,
     padded_vocab_size,
@@ -83,21 +97,20 @@ class MegatronPolicy:
                  pipeline_parallel: int = 1, sequence_parallel: bool = False, context_parallel: int = 1,
                  recompute_activations: bool = False,
                  distributed_optimizer: bool = False, bf16_weights: bool = False, expert_parallel: int = 1,
-                 expert_tensor_parallel: int = 1, device: torch.device | str = "cpu",
+                 expert_tensor_parallel: int = 1, moe_aux_loss_coef: float | None = None,
+                 device: torch.device | str = "cpu",
                  precision: str = "auto",
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, grad_clip: float = 1.0, logprob_chunk_size: int = 256):
         self.arch = read_qwen3_config(hf_config)
-        if self.arch.is_moe:
-            raise ValueError(f"{self.arch.hf_config.get('_name_or_path') or 'the model'} is a Qwen3-MoE "
-                             f"({self.arch.num_experts} experts, top-{self.arch.num_experts_per_tok}): the Megatron backend "
-                             "builds it and maps its weights over expert parallelism (docs/moe.md), but does not train it "
-                             "yet (expert gradients, the load-balancing loss and routing replay are to come)")
-        if not dist.is_initialized():
-            raise RuntimeError("MegatronPolicy needs torch.distributed initialised first (e.g. run under torchrun)")
+        if self.arch.is_moe and moe_aux_loss_coef is not None:
+            self.arch = dataclasses.replace(self.arch, router_aux_loss_coef=moe_aux_loss_coef)
         self.layout = MegatronLayout(tensor_parallel, pipeline_parallel, context_parallel, sequence_parallel,
                                      recompute_activations, distributed_optimizer, bf16_weights, expert_parallel,
-                                     expert_tensor_parallel)
+                                     expert_tensor_parallel, moe_aux_loss_coef)
+        check_trainable(self.arch, self.layout)
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronPolicy needs torch.distributed initialised first (e.g. run under torchrun)")
         self.layout.validate(self.arch, dist.get_world_size())
         self.device = torch.device(device)
         self.precision = check_precision(precision)
@@ -105,7 +118,8 @@ class MegatronPolicy:
         self.sequence_parallel = sequence_parallel
         self.grad_clip = grad_clip
         self.logprob_chunk_size = logprob_chunk_size
-        _initialize_model_parallel(tensor_parallel, pipeline_parallel, context_parallel)
+        _initialize_model_parallel(tensor_parallel, pipeline_parallel, context_parallel, expert_parallel,
+                                   expert_tensor_parallel)
         if self.device.type == "cuda":
             if self.device.index is None:  # the launcher has picked this rank's GPU
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -123,6 +137,10 @@ class MegatronPolicy:
         #: The ranks whose gradients of the same weights are summed: the replicas', and each replica's CP ranks'
         #: (each CP rank's gradient comes from its own positions of the sequences).
         self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        #: A Qwen3-MoE's experts on this rank (experts.py), the ranks holding the others, and those holding the same.
+        self.experts = expert_shard(self.arch)
+        self.ep_group = parallel_state.get_expert_model_parallel_group() if self.arch.is_moe else None
+        self.expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.arch.is_moe else None
         #: The ranks of one replica's TP ranks of every stage: each holds a different part of the weights.
         self._weight_shards_group = parallel_state.get_model_parallel_group()
         #: The ranks holding one replica (its TP and CP ranks of every stage): they see the same data.
@@ -146,7 +164,10 @@ class MegatronPolicy:
         #: The parameters whose gradient this rank adds to the norm: its TP slices, and replicated ones on TP rank 0
         #: only; a tied embedding once, on the first stage.
         self._counted_in_norm = [param for name, param in self.model.named_parameters()
-                                 if (is_tensor_parallel(name) or self.tp_rank == 0) and param is not self._tied_copy]
+                                 if (is_tensor_parallel(name) or self.tp_rank == 0) and param is not self._tied_copy
+                                 and not is_expert(name)]
+        #: A Qwen3-MoE's experts here: their gradients are summed over the expert-DP ranks, counted in the norm over EP.
+        self._expert_params = {param for name, param in self.model.named_parameters() if is_expert(name)}
         #: Every stage's parameters, by global name, so that loading can name HF weights that no stage uses.
         self._all_names = [name for stage in self._gather_over_stages(
             [self._global_name(name) for name, _ in self.model.named_parameters()]) for name in stage]
@@ -187,13 +208,31 @@ class MegatronPolicy:
                     out.copy_(logprobs)
             dist.broadcast(out, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
             return out
-        input_ids = torch.nn.functional.pad(batch.input_ids, (0, -batch.input_ids.shape[1] % self.sequence_multiple))
-        return self._logprobs(self._forward(input_ids), batch)
+        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            return self._token_logprobs_alike_over_ep(batch)
+        padding = (0, -batch.input_ids.shape[1] % self.sequence_multiple)
+        input_ids = torch.nn.functional.pad(batch.input_ids, padding)
+        # a Qwen3-MoE's routers leave the padding out of the load-balancing loss
+        real = torch.nn.functional.pad(batch.attention_mask, padding).bool() if self.arch.is_moe else None
+        return self._logprobs(self._forward(input_ids, real), batch)
 
-    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _token_logprobs_alike_over_ep(self, batch: TokenBatch) -> torch.Tensor:
+        """``token_logprobs`` where the expert-parallel ranks each run their own rows: megatron-core's all-gather
+        dispatcher exchanges equal token counts, so every EP rank pads its rows to the group's most rows and longest
+        sequence (padding takes no part in routing's loss and scores nothing), and the log-probs are cut back."""
+        shape = torch.tensor([batch.num_rows, batch.input_ids.shape[1]], device=self.device)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.ep_group)
+        rows, length = (int(value) for value in shape)
+        padded = _right_padded(batch, rows, length + -length % self.sequence_multiple)
+        real = padded.attention_mask.bool()
+        logprobs = self._logprobs(self._forward(padded.input_ids, real), padded)
+        return logprobs[: batch.num_rows, : batch.target_mask.shape[1]]
+
+    def _forward(self, input_ids: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's hidden states ``[L / CP (/ TP under SP), N, H]`` for whole rows ``[N, L]`` (``L`` a multiple
         of ``sequence_multiple``), of this CP rank's positions: the last stage's after the final norm, without the
-        LM head, which ``_logprobs`` applies a chunk of positions at a time."""
+        LM head, which ``_logprobs`` applies a chunk of positions at a time. ``real``: a Qwen3-MoE's real (not padding)
+        positions ``[N, L]``, for its routers."""
         length = input_ids.shape[1]
         positions = self._on_this_cp_rank(torch.arange(length, device=self.device).expand_as(input_ids))
         # Rows are right-padded, so the causal mask alone keeps padding out of every real token's view.
@@ -202,7 +241,9 @@ class MegatronPolicy:
         causal_mask = None if self.uses_transformer_engine or self.uses_sdpa_attention or self.cp_size > 1 else (
             torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)[None, None])  # True: masked
         with autocast_context(self.device, self.precision), _without_lm_head(self.model):
-            return self.model(self._on_this_cp_rank(input_ids), positions, causal_mask)
+            return self.model(self._on_this_cp_rank(input_ids), positions, causal_mask,
+                              # megatron-core 0.16.1's padding_mask is True at the padding, whatever its docstring says
+                              **({} if real is None else {"padding_mask": ~real}))
 
     def _on_this_cp_rank(self, tensor: torch.Tensor) -> torch.Tensor:
         """This CP rank's positions of ``[N, L]`` rows: chunks r and 2CP-1-r of 2CP (``context_parallel``)."""
@@ -256,7 +297,8 @@ class MegatronPolicy:
             dist.broadcast_object_list(box, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
             metrics = box[0]
         else:
-            metrics = backward_each(self, micro_batches, loss_fn)
+            moe = with_load_balancing(loss_fn, micro_batches, self.dp_group, self.device) if self.arch.is_moe else None
+            metrics = backward_each(self, micro_batches, moe or loss_fn)
         self._synchronise_gradients()
         for param, grad in earlier.items():
             self._grad_of(param).add_(grad)
@@ -323,8 +365,12 @@ class MegatronPolicy:
         if self._tied_embedding() is not None:  # the embedding (first stage) and its LM-head copy (last stage): one weight
             _all_reduce_flat([self._grad_of(self._tied_embedding())], parallel_state.get_embedding_group())
         if not isinstance(self.optimizer, DistributedAdamW):  # which reduce-scatters them at its step instead
-            _all_reduce_flat([self._grad_of(param) for param in self.model.parameters() if param.requires_grad],
+            trained = [param for param in self.model.parameters() if param.requires_grad]
+            _all_reduce_flat([self._grad_of(param) for param in trained if param not in self._expert_params],
                              self.dp_cp_group)
+            if self._expert_params:  # each expert's gradient holds its EP group's tokens: summed over the groups
+                _all_reduce_flat([self._grad_of(param) for param in trained if param in self._expert_params],
+                                 self.expert_dp_group)
 
     def _grad_is_partial_over_tp(self, name: str, param: torch.nn.Parameter) -> bool:
         """As megatron-core's ``finalize_model_grads``: sequence-parallel norms and the q/k norms."""
@@ -361,6 +407,11 @@ class MegatronPolicy:
                 squares += param.grad.float().square().sum()
         if self.tp_size * self.pp_size > 1:
             dist.all_reduce(squares, group=self._weight_shards_group)
+        if self._expert_params:  # each expert on its own EP rank (TP, PP and expert-TP are 1 with experts for now)
+            experts = sum((param.grad.float().square().sum() for param in self._expert_params if param.grad is not None),
+                          torch.zeros((), dtype=torch.float32, device=self.device))
+            dist.all_reduce(experts, group=self.ep_group)
+            squares = squares + experts
         return squares.sqrt()
 
     # ----------------------------------------------------------------- weights
@@ -395,11 +446,13 @@ class MegatronPolicy:
 
     def _iter_hf_of_stage(self, per_parameter: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in per_parameter.items():
-            pieces = [tensor.detach().clone()]
-            if self.tp_size > 1:
-                pieces = [torch.empty_like(tensor) for _ in range(self.tp_size)]
-                dist.all_gather(pieces, tensor.detach().contiguous(), group=self.tp_group)
-            yield from megatron_to_hf([{name: piece} for piece in pieces], self.arch).items()
+            pieces, offsets = [tensor.detach().clone()], None
+            group = self.ep_group if self.arch.is_moe and is_expert(name) else self.tp_group
+            if dist.get_world_size(group) > 1:  # a TP slice from each TP rank; an expert from each EP rank
+                pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(pieces, tensor.detach().contiguous(), group=group)
+                offsets = self.experts.all_offsets if group is self.ep_group else None
+            yield from megatron_to_hf([{name: piece} for piece in pieces], self.arch, expert_offsets=offsets).items()
 
     def _global_name(self, name: str) -> str:
         """A parameter's name with its layer numbered in the whole model, as the mapping expects."""
@@ -422,7 +475,7 @@ class MegatronPolicy:
         params = {self._global_name(name): param for name, param in self.model.named_parameters()}
         with torch.no_grad():
             for name, shard in iter_hf_to_megatron(hf_state, params, self.arch, tp_size=self.tp_size, tp_rank=self.tp_rank,
-                                                   all_names=self._all_names):
+                                                   all_names=self._all_names, experts=self.experts):
                 params[name].copy_(shard)
 
     def save(self, directory: Path) -> None:
@@ -445,34 +498,42 @@ class MegatronPolicy:
     def export(self, out_dir: Path, tokenizer: Any) -> None:
         """Stream the weights, gathered one tensor at a time, into an HF folder written by global rank 0
         (:func:`export_hf_stream`); the model is never whole in one process."""
-        from transformers import Qwen3Config
+        from transformers import AutoConfig
 
         # Only the writer's TP and PP ranks gather (all of them must take part): other replicas, and the writer's
-        # other CP ranks, hold the same weights.
-        writes = self.data_parallel.rank == 0 and self.cp_rank == 0
+        # other CP ranks, hold the same weights; a Qwen3-MoE's experts are gathered over EP, from other replicas too.
+        writes = (self.data_parallel.rank == 0 and self.cp_rank == 0) or self.ep_group is not None
         tensors = ((name, tensor.cpu()) for name, tensor in self.iter_hf()) if writes else iter(())
         if distributed.is_writer():
-            config = Qwen3Config.from_dict(self.arch.hf_config)
+            settings = dict(self.arch.hf_config)
+            config = AutoConfig.for_model(settings.pop("model_type", "qwen3"), **settings)
             distributed.everywhere(lambda: export_hf_stream(config, tensors, out_dir, tokenizer))
         else:
             distributed.everywhere(lambda: collections.deque(tensors, maxlen=0))
 
 
-def _initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, context_parallel: int) -> None:
-    asked = (tensor_parallel, pipeline_parallel, context_parallel)
+def _initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, context_parallel: int,
+                               expert_parallel: int = 1, expert_tensor_parallel: int = 1) -> None:
+    asked = (tensor_parallel, pipeline_parallel, context_parallel, expert_parallel, expert_tensor_parallel)
     if parallel_state.model_parallel_is_initialized():
         sizes = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
-                 parallel_state.get_context_parallel_world_size())
+                 parallel_state.get_context_parallel_world_size(), parallel_state.get_expert_model_parallel_world_size(),
+                 parallel_state.get_expert_tensor_parallel_world_size())
+        if expert_parallel * expert_tensor_parallel == 1:  # a dense model has no experts to place
+            sizes, asked = sizes[:3], asked[:3]
         if sizes != asked:
-            raise ValueError(f"megatron parallel state has tensor-, pipeline- and context-parallel sizes {sizes}; "
-                             f"asked for {asked}")
+            raise ValueError(f"megatron parallel state has tensor-, pipeline-, context-, expert- and expert-tensor-"
+                             f"parallel sizes {sizes}; asked for {asked}")
         return
     timeout = distributed.collective_timeout()
     # no gloo twins of every group (megatron-core's default): nothing here uses them, and across nodes each is a
     # socket that must find the right network interface (issue 43's N4); the dry run builds the same groups
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                              pipeline_model_parallel_size=pipeline_parallel,
-                                             context_parallel_size=context_parallel, create_gloo_process_groups=False,
+                                             context_parallel_size=context_parallel,
+                                             expert_model_parallel_size=expert_parallel,
+                                             expert_tensor_parallel_size=expert_tensor_parallel,
+                                             create_gloo_process_groups=False,
                                              **({"distributed_timeout_minutes": timeout / timedelta(minutes=1)}
                                                 if timeout is not None else {}))
 

@@ -5,6 +5,8 @@ the logits against transformers' ``Qwen3MoeForCausalLM`` on the same weights, at
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,11 +22,11 @@ from nemo_jq.models.megatron.provider import read_qwen3_config  # noqa: E402
 EXPERTS, TOP_K = 4, 2
 
 
-def tiny_qwen3_moe(folder, *, norm_topk_prob: bool = True, seed: int = 0):
+def tiny_qwen3_moe(folder, *, norm_topk_prob: bool = True, seed: int = 0, vocab_size: int = 317):
     """A random Qwen3-MoE of two layers, 4 experts, top-2, saved as transformers saves one (per-expert tensors)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=317, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob,
                             rope_theta=1e6, max_position_embeddings=128, tie_word_embeddings=False)
@@ -54,13 +56,16 @@ def test_the_architecture_is_read_and_a_layout_that_cannot_split_the_experts_is_
 
 
 def test_what_is_not_built_yet_is_refused_in_one_line(tmp_path, capsys):
-    """Training a Qwen3-MoE, and sizing one in plan, say so instead of running a wrong model."""
+    """Training a Qwen3-MoE at a layout whose experts' handling is not built, and sizing one in plan, say so instead
+    of running a wrong model."""
     from helpers import one_line_error, run_cli
     from nemo_jq.models.megatron.policy import MegatronPolicy
 
     folder = tiny_qwen3_moe(tmp_path / "moe")
-    with pytest.raises(ValueError, match="Qwen3-MoE .4 experts, top-2.: the Megatron backend builds it .* does not train"):
-        MegatronPolicy(str(folder), {})
+    for setting, fragment in (({"tensor_parallel": 2}, "megatron.tensor_parallel=2 with a Qwen3-MoE"),
+                              ({"distributed_optimizer": True}, "megatron.distributed_optimizer=true with a Qwen3-MoE")):
+        with pytest.raises(ValueError, match=fragment + ": for now experts train with megatron.expert_parallel"):
+            MegatronPolicy(str(folder), {}, **setting)
     code, _, err = run_cli(capsys, "plan", "--model", folder)
     one_line_error(code, err, "is a Qwen3-MoE (4 experts): plan and the dry run size dense Qwen3s only for now")
 
@@ -130,3 +135,144 @@ def test_megatron_qwen3_moe_logits_equal_transformers_and_each_expert_rank_holds
     every = {f"model.layers.{layer}.mlp.experts.{j}.{proj}.weight" for layer in range(2) for j in range(EXPERTS)
              for proj in ("gate_proj", "up_proj", "down_proj")}
     assert set().union(*(result["experts_here"] for result in results)) == every
+
+
+def per_expert(state: dict) -> dict:
+    """transformers 5's in-memory Qwen3-MoE tensors (experts fused: ``gate_up_proj [E, 2I, H]``, ``down_proj
+    [E, H, I]``) under the checkpoint's names, one tensor per expert."""
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, kind = name.rpartition(".experts.")
+        if not _:
+            out[name] = tensor
+        elif kind == "gate_up_proj":
+            for j, fused in enumerate(tensor):
+                gate, up = fused.chunk(2)
+                out[f"{prefix}.experts.{j}.gate_proj.weight"], out[f"{prefix}.experts.{j}.up_proj.weight"] = gate, up
+        else:
+            out.update({f"{prefix}.experts.{j}.down_proj.weight": expert for j, expert in enumerate(tensor)})
+    return out
+
+
+def switch_loss(router_logits: torch.Tensor, real: torch.Tensor, coef: float) -> torch.Tensor:
+    """megatron-core's load-balancing loss of one layer and micro-batch, written out: over the real tokens,
+    ``coef * E / (k T^2) * sum_e tokens_e * P_e`` (P: the summed softmax over all experts; tokens: its top-k counts)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)[real]
+    chosen = torch.nn.functional.one_hot(probs.topk(TOP_K, dim=-1).indices, EXPERTS).sum((0, 1)).float()
+    tokens = probs.shape[0]
+    return (probs.sum(0) * chosen).sum() * EXPERTS * coef / (TOP_K * tokens * tokens)
+
+
+def moe_step_worker(folder: str, aux_coef: float, checkpoint: str) -> dict:
+    """One GARL(q=0.75) AdamW step at EP=2 over 2 ranks (DP 2: a micro-batch each) against transformers' model
+    trained by HFPolicy on both micro-batches, its loss plus, per layer and micro-batch, the load-balancing loss
+    weighted by the micro-batch's share of the rows (experts.py)."""
+    import copy
+
+    from megatron.core import parallel_state
+    from transformers import Qwen3MoeForCausalLM
+
+    from helpers import tiny_setup
+    from megatron_tiny import CPU, OPTIM, PROMPTS, SAMPLES, garl_batch, garl_loss_fn, max_diff
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
+    policy = MegatronPolicy.from_hf_folder(folder, expert_parallel=2, moe_aux_loss_coef=aux_coef, **OPTIM)
+    batch = garl_batch(model.config.vocab_size)
+    micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
+    captured = []
+    for layer in hf.model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda module, args, out: captured.append(out[0]))
+    reference = garl_loss_fn(micro_batches, [])
+
+    def with_balance(logprobs, index):
+        loss, metrics = reference(logprobs, index)
+        real = micro_batches[index].attention_mask.bool().flatten()
+        balance = sum(switch_loss(logits, real, aux_coef) for logits in captured) if aux_coef else 0.0
+        captured.clear()
+        share = micro_batches[index].num_rows / batch.num_rows
+        return loss + share * balance, {**metrics, "balance": float(balance) / aux_coef / len(hf.model.model.layers)
+                                        if aux_coef else None}
+
+    with torch.no_grad():
+        logprobs = float((policy.token_logprobs(batch) - hf.token_logprobs(batch)).abs().max())
+    captured.clear()
+    expected = hf.forward_backward(micro_batches, with_balance)
+    rank = policy.data_parallel.rank
+    got = policy.forward_backward(micro_batches[rank::2], garl_loss_fn(micro_batches[rank::2], []))
+    hf_grads = per_expert({name: param.grad for name, param in hf.model.named_parameters()})
+    grads = max_diff(policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
+    grad_norm = abs(policy.optimizer_step()["grad_norm"] - hf.optimizer_step()["grad_norm"])
+    weights = max_diff(policy.hf_state_dict(), per_expert(dict(hf.model.named_parameters())))
+    # a checkpoint of the stepped policy (each rank its experts) resumes into a fresh one, AdamW state included, and
+    # its weights load at EP=1 (DP 2: every rank all experts)
+    policy.save(Path(checkpoint))
+    resumed = MegatronPolicy.from_hf_folder(folder, expert_parallel=2, moe_aux_loss_coef=aux_coef, **OPTIM)
+    resumed.load(Path(checkpoint))
+    again = dict(resumed.model.named_parameters())
+    restored = max(max(float((param - again[name]).abs().max()), float(
+        (policy.optimizer.state[param]["exp_avg"] - resumed.optimizer.state[again[name]]["exp_avg"]).abs().max()))
+        for name, param in policy.model.named_parameters())
+    stepped = policy.hf_state_dict()
+    # the export (experts gathered over EP) is a folder transformers loads, bit-exact
+    export = Path(checkpoint).parent / "export"
+    policy.export(export, tiny_setup()[1])
+    exported = max_diff(per_expert(Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()), stepped)
+    parallel_state.destroy_model_parallel()
+    whole = MegatronPolicy.from_hf_folder(folder, expert_parallel=1, moe_aux_loss_coef=aux_coef, **OPTIM)
+    whole.load(Path(checkpoint))
+    at_ep1 = max_diff(whole.hf_state_dict(), stepped)
+    return {"logprobs": logprobs, "grads": grads, "grad_norm": grad_norm, "weights": weights,
+            "grad_scale": max(float(g.abs().max()) for g in hf_grads.values()),
+            "balance": (got[0].get("load_balancing_loss"), expected[rank]["balance"]), "restored": restored,
+            "at_ep1": at_ep1, "exported": exported}
+
+
+@pytest.mark.parametrize("aux_coef", [0.0, 0.5], ids=["no-balancing-loss", "balancing-loss"])
+@pytest.mark.distributed
+def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(tmp_path, aux_coef):
+    """Expert gradients from both ranks' tokens (the dispatcher's gather), dense ones summed over DP, the norm
+    counting each expert once, the step; with the load-balancing loss at a coefficient large enough to matter."""
+    folder = tiny_qwen3_moe(tmp_path / "moe")
+    for rank, result in enumerate(run_in_processes(moe_step_worker, 2, str(folder), aux_coef, str(tmp_path / "ckpt"))):
+        assert result["logprobs"] < 1e-5, (rank, result)
+        assert result["grads"] < 1e-5 * max(1.0, result["grad_scale"]), (rank, result)
+        assert result["grad_norm"] < 1e-5 and result["weights"] < 1e-5, (rank, result)
+        logged, reference = result["balance"]
+        assert (logged is None) if not aux_coef else logged == pytest.approx(reference, rel=1e-4), (rank, result)
+        assert result["restored"] == 0.0 and result["at_ep1"] == 0.0 and result["exported"] == 0.0, (rank, result)
+
+
+def moe_run_folder(tmp_path) -> Path:
+    """The tiny task's tokenizer beside a tiny Qwen3-MoE of its vocabulary: a model folder for ``model.path``."""
+    from helpers import TINY_RUN
+    from nemo_jq.config import load_config
+    from nemo_jq.recipe.trainer import Trainer
+
+    source = Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={tmp_path / 'source'}"]))
+    folder = tiny_qwen3_moe(tmp_path / "moe_model", vocab_size=source.policy.model.config.vocab_size)
+    source.components.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_recipe_trains_a_qwen3_moe_at_expert_parallel_2_as_the_hf_backend_and_as_expert_parallel_1(tmp_path):
+    """`nemo-jq train` on the model folder over 2 ranks (DP 2). SFT samples nothing: two steps at EP=2 equal the hf
+    backend's (transformers' Qwen3-MoE in one process; it adds no load-balancing loss, so neither does this run).
+    GARL samples each replica's rollouts from its refit HF copy: at EP=2 (each copy's experts gathered from both
+    ranks) three steps equal EP=1's (every rank all experts), the same replicas drawing the same samples."""
+    from megatron_tiny import assert_same_training, train_steps
+
+    folder = moe_run_folder(tmp_path)
+    megatron = [f"model.path={folder}", "model.backend=megatron", "megatron.moe_aux_loss_coef=0"]
+    hf = train_steps(tmp_path / "hf_run", ["objective.name=sft", f"model.path={folder}"], 2)
+    ranks = run_in_processes(train_steps, 2, tmp_path / "sft", ["objective.name=sft", *megatron,
+                                                               "megatron.expert_parallel=2"], 2)
+    assert_same_training(ranks[0], hf)
+    garl = ["objective.name=garl", *megatron]
+    whole = run_in_processes(train_steps, 2, tmp_path / "ep1", garl)
+    split = run_in_processes(train_steps, 2, tmp_path / "ep2", [*garl, "megatron.expert_parallel=2"])
+    assert_same_training(split[0], whole[0])

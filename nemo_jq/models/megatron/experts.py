@@ -1,0 +1,93 @@
+"""What the Megatron policy does differently for a Qwen3-MoE's experts (docs/moe.md).
+
+Expert-parallel (EP) rank e holds experts ``e * E/EP`` onwards of every layer (:func:`expert_shard`); the
+all-gather dispatcher sends each token to its experts' ranks and back, so an expert's gradient holds every token of
+its EP group routed to it, and is summed over the expert-data-parallel ranks (the other groups holding the same
+experts), as megatron-core's DDP keeps expert buffers apart. The gradient norm counts each expert once: on its EP
+rank, summed over EP.
+
+The load-balancing loss is megatron-core's: per layer and micro-batch, ``coeff * E / (T^2 k) * sum_e tokens_e * P_e``
+over the micro-batch's real tokens (the padding is masked), attached to the router's output by
+``MoEAuxLossAutoScaler``, whose backward scales it by a class-wide factor. megatron-core's pipeline schedule sets that
+factor to 1/micro-batches (and its DDP averages over DP); the policy's losses are summed over micro-batches and DP
+ranks, each already its share of the global batch, so :func:`with_load_balancing` sets it per micro-batch to the
+micro-batch's share of the rows of all DP ranks: the aux gradient is the row-weighted mean over the batch's
+micro-batches, as the main loss is a mean over its prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_jq.models.interfaces import LossFn, TokenBatch
+from nemo_jq.models.megatron.layout import MegatronLayout
+from nemo_jq.models.megatron.mapping import ExpertShard
+from nemo_jq.models.megatron.provider import Qwen3Architecture
+
+#: The layout settings a Qwen3-MoE trains with so far, and their values.
+TRAINABLE = {"tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1, "expert_tensor_parallel": 1,
+             "distributed_optimizer": False, "bf16_weights": False}
+
+
+def check_trainable(arch: Qwen3Architecture, layout: MegatronLayout) -> None:
+    """Refuse, in one line naming the key, a layout whose expert handling is not built yet."""
+    if not arch.is_moe:
+        return
+    for key, value in TRAINABLE.items():
+        if getattr(layout, key) != value:
+            raise ValueError(f"megatron.{key}={_word(getattr(layout, key))} with a Qwen3-MoE: for now experts train "
+                             "with megatron.expert_parallel over the data-parallel ranks and "
+                             + ", ".join(f"{name}={_word(setting)}" for name, setting in TRAINABLE.items())
+                             + " (docs/moe.md)")
+
+
+def _word(value: Any) -> str:
+    """A setting as a config file writes it (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def expert_shard(arch: Qwen3Architecture) -> ExpertShard:
+    """This rank's experts (megatron-core's expert-parallel rank); every EP rank's first expert."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_expert_model_parallel_world_size() if arch.is_moe else 1
+    per_rank = max(1, arch.num_experts // size)
+    rank = parallel_state.get_expert_model_parallel_rank() if arch.is_moe else 0
+    return ExpertShard(rank * per_rank, all_offsets=tuple(range(0, per_rank * size, per_rank)))
+
+
+def with_load_balancing(loss_fn: LossFn, micro_batches: Sequence[TokenBatch], data_parallel_group: Any,
+                        device: torch.device) -> LossFn:
+    """``loss_fn`` that first sets the load-balancing loss's backward scale for its micro-batch (its rows over the
+    rows of every DP rank's micro-batches) and adds the micro-batch's ``load_balancing_loss`` (the layers' mean,
+    without the coefficient) to its metrics. Called after the micro-batch's forward, before its backward."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    rows = torch.tensor(float(sum(micro.num_rows for micro in micro_batches)), device=device)
+    if data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
+        dist.all_reduce(rows, group=data_parallel_group)
+
+    def scaled(logprobs: torch.Tensor, index: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(micro_batches[index].num_rows / float(rows), device=device))
+        loss, metrics = loss_fn(logprobs, index)
+        balance = load_balancing_loss()
+        return loss, metrics if balance is None else {**metrics, "load_balancing_loss": balance}
+
+    return scaled
+
+
+def load_balancing_loss() -> float | None:
+    """The load-balancing loss the routers logged since the last call (the mean over layers; None: none logged), and
+    megatron-core's tracker cleared for the next micro-batch."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    if tracked is None:
+        return None
+    values = tracked["values"]
+    value = float(values[values != 0].mean()) if bool((values != 0).any()) else 0.0
+    clear_aux_losses_tracker()
+    return value
