@@ -178,14 +178,13 @@ class RolloutsAhead:
             torch.set_num_threads(self.threads)
 
     def _split_threads(self) -> int:
-        """On CPU the two processes share the run's threads (torch's count: OMP_NUM_THREADS, which a sweep sets to the
-        run's share of the free cores; OpenMP threads spin while they wait, so a process with all of them starves the
-        other); returns the sampling process's half, training keeps the rest."""
+        """On CPU the two processes share the run's threads (:func:`split_threads` of torch's count: OMP_NUM_THREADS,
+        which a sweep sets to the run's share of the free cores); returns the sampling process's."""
         self.threads = torch.get_num_threads()
         if self.components.device.type != "cpu":
             return 1
-        sampling = max(1, self.threads // 2)
-        torch.set_num_threads(max(1, self.threads - sampling))
+        sampling, training = split_threads(self.threads)
+        torch.set_num_threads(training)
         return sampling
 
     def state_dict(self) -> dict[str, Any]:
@@ -193,6 +192,14 @@ class RolloutsAhead:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pending = state.get("pending")
+
+
+def split_threads(threads: int) -> tuple[int, int]:
+    """A run's ``threads`` shared between its sampling process and its training one, (sampling, training): half each,
+    training the odd one, at least one each (OpenMP threads spin while they wait, so a process with all of them
+    starves the other; at one thread, one each: neither spins)."""
+    sampling = max(1, threads // 2)
+    return sampling, max(1, threads - sampling)
 
 
 def mismatch_metrics(policy_logprobs: torch.Tensor, batch: TokenBatch) -> dict[str, float]:
