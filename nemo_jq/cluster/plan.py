@@ -118,7 +118,7 @@ def architecture(model: str) -> Qwen3Architecture:
                          f"path: give a size or a config.json / model folder") from None
     if arch.is_moe:
         raise ValueError(f"{model} is a Qwen3-MoE ({arch.num_experts} experts): plan and the dry run size dense Qwen3s "
-                         "only for now")
+                         "only for now (docs/moe.md)")
     return arch
 
 

@@ -68,6 +68,9 @@ def test_what_is_not_built_yet_is_refused_in_one_line(tmp_path, capsys):
             MegatronPolicy(str(folder), {}, **setting)
     code, _, err = run_cli(capsys, "plan", "--model", folder)
     one_line_error(code, err, "is a Qwen3-MoE (4 experts): plan and the dry run size dense Qwen3s only for now")
+    code, _, err = run_cli(capsys, "dryrun", "model.backend=megatron", f"model.path={folder}", "megatron.expert_parallel=2",
+                           "--gpus", "2")
+    one_line_error(code, err, "is a Qwen3-MoE: the dry run (and plan) size dense Qwen3s only for now")
 
 
 def moe_logits_worker(folder: str, tensor_parallel: int, expert_parallel: int, sequence_parallel: bool) -> dict:
