@@ -19,7 +19,7 @@ import torch
 
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_config
-from nemo_jq.models.megatron.zero import DistributedAdamW
+from nemo_jq.models.megatron.zero import DenseAndExpertAdamW, DistributedAdamW
 
 transformer_engine_usable()  # before importing megatron.core
 from megatron.core import dist_checkpointing  # noqa: E402
@@ -71,7 +71,7 @@ def _start_writer_helpers() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer | DistributedAdamW | None,
+def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer | DistributedAdamW | DenseAndExpertAdamW | None,
                  arch: Qwen3Architecture) -> None:
     """Fill this rank's shard of ``model`` (and ``optimizer``'s state) from ``directory/megatron``.
 
@@ -94,19 +94,27 @@ def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer |
                          f"{', '.join(repr(name) for name in missing[:3])}{', ...' if len(missing) > 3 else ''}")
     request = {_MODEL: model_state}
     with_master = any(key.startswith(f"{_OPTIMIZER}.state.master.") for key in saved)
-    if isinstance(optimizer, DistributedAdamW):
-        targets = optimizer.state_to_load(with_master)
-        request[_ZERO_SHARD], partial_rows = _zero_shard_reads(model_state, optimizer, targets)
+    # a distributed optimizer's parts (a Qwen3-MoE's: the dense weights' and the experts'), each reading its shard
+    zero = list(optimizer.parts) if isinstance(optimizer, DenseAndExpertAdamW) else (
+        [optimizer] if isinstance(optimizer, DistributedAdamW) else [])
+    targets = [part.state_to_load(with_master) for part in zero]
+    partial_rows = []
+    if zero:
+        request[_ZERO_SHARD] = []
+        for part, wanted in zip(zero, targets):
+            reads, rows = _zero_shard_reads(model_state, part, wanted)
+            request[_ZERO_SHARD] += reads
+            partial_rows += rows
     elif optimizer is not None:
         _initialise_adam_state(optimizer, with_master=with_master)
         request[_OPTIMIZER] = _sharded_optimizer_state(model_state, optimizer)
     loaded = dist_checkpointing.load(request, str(source))
     model.load_state_dict(loaded[_MODEL], strict=True)
-    if isinstance(optimizer, DistributedAdamW):
-        for rows, target, at, (start, end) in partial_rows:
-            target[at:at + end - start].copy_(rows.reshape(-1)[start:end])
-        optimizer.load_shard(targets, loaded[_OPTIMIZER]["state"][_STEP])
-    elif optimizer is not None:
+    for rows, target, at, (start, end) in partial_rows:
+        target[at:at + end - start].copy_(rows.reshape(-1)[start:end])
+    for part, wanted in zip(zero, targets):
+        part.load_shard(wanted, loaded[_OPTIMIZER]["state"][_STEP])
+    if optimizer is not None and not zero:
         _load_optimizer_state(optimizer, loaded[_OPTIMIZER])
 
 

@@ -29,7 +29,7 @@ from nemo_jq.models.megatron.provider import Qwen3Architecture
 
 #: The layout settings a Qwen3-MoE trains with so far, and their values.
 TRAINABLE = {"tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1, "expert_tensor_parallel": 1,
-             "distributed_optimizer": False, "bf16_weights": False}
+             "bf16_weights": False}
 
 
 def check_trainable(arch: Qwen3Architecture, layout: MegatronLayout) -> None:

@@ -52,7 +52,7 @@ from nemo_jq.models.megatron.provider import (
     uses_sdpa_attention,
     uses_transformer_engine,
 )
-from nemo_jq.models.megatron.zero import DistributedAdamW
+from nemo_jq.models.megatron.zero import DenseAndExpertAdamW, DistributedAdamW
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.distributed import DataParallel
 
@@ -179,10 +179,19 @@ class MegatronPolicy:
         adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         if distributed_optimizer:
             counted = {id(param) for param in self._counted_in_norm}
-            params = list(self.model.parameters())
+            params = [param for param in self.model.parameters() if param not in self._expert_params]
             self.optimizer = DistributedAdamW(params, self.dp_cp_group, counted_in_norm=[id(p) in counted for p in params], **adamw)
+            if self._expert_params:  # reduced over the ranks holding the same experts, each counted once in the norm
+                experts = [param for param in self.model.parameters() if param in self._expert_params]
+                self.optimizer = DenseAndExpertAdamW(self.optimizer, DistributedAdamW(
+                    experts, self.expert_dp_group, counted_in_norm=[True] * len(experts), **adamw), self.ep_group)
         else:  # torch's kernels as a GPU picks them, on the dry run's stand-in too (build_optimizer)
             self.optimizer = build_optimizer(self.model.parameters(), **adamw)
+
+    @property
+    def _zero(self) -> bool:
+        """Whether the optimizer is the distributed one (each parameter's gradient in its ``main_grad`` buffer)."""
+        return isinstance(self.optimizer, (DistributedAdamW, DenseAndExpertAdamW))
 
     @classmethod
     def from_hf_model(cls, model: Any, **kwargs: Any) -> "MegatronPolicy":
@@ -340,7 +349,7 @@ class MegatronPolicy:
     def _grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The gradient accumulated for ``param``: its view of the distributed optimizer's fp32 buffer, or its
         ``grad`` (made zeros if it has none yet, so every rank joins the same all-reduces)."""
-        if isinstance(self.optimizer, DistributedAdamW):
+        if self._zero:
             return param.main_grad
         if param.grad is None:
             param.grad = torch.zeros_like(param)
@@ -354,7 +363,7 @@ class MegatronPolicy:
 
     def _synchronised_params(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradients ``_synchronise_gradients`` sums over other ranks."""
-        if not isinstance(self.optimizer, DistributedAdamW):
+        if not self._zero:
             return [param for param in self.model.parameters() if param.requires_grad]
         partial = [param for name, param in self.model.named_parameters() if self._grad_is_partial_over_tp(name, param)]
         return partial + ([self._tied_embedding()] if self._tied_embedding() is not None else [])
@@ -364,7 +373,7 @@ class MegatronPolicy:
         _all_reduce_flat(tp_summed, self.tp_group)
         if self._tied_embedding() is not None:  # the embedding (first stage) and its LM-head copy (last stage): one weight
             _all_reduce_flat([self._grad_of(self._tied_embedding())], parallel_state.get_embedding_group())
-        if not isinstance(self.optimizer, DistributedAdamW):  # which reduce-scatters them at its step instead
+        if not self._zero:  # the distributed optimizer reduce-scatters them at its step instead
             trained = [param for param in self.model.parameters() if param.requires_grad]
             _all_reduce_flat([self._grad_of(param) for param in trained if param not in self._expert_params],
                              self.dp_cp_group)
@@ -385,7 +394,7 @@ class MegatronPolicy:
     def optimizer_step(self) -> dict[str, float]:
         """Clip to ``grad_clip`` by the norm over the whole model (as ``clip_grad_norm_``), step, zero."""
         self._accumulated = False
-        if isinstance(self.optimizer, DistributedAdamW):
+        if self._zero:
             grad_norm = self.optimizer.step(self.grad_clip, self._weight_shards_group if self.tp_size * self.pp_size > 1 else None)
             self.weights_version += 1
             return {"grad_norm": float(grad_norm)}
@@ -481,7 +490,7 @@ class MegatronPolicy:
     def save(self, directory: Path) -> None:
         """A Megatron distributed checkpoint of the weights and AdamW state (``checkpoint.save_sharded``):
         every rank writes its own shard, and any TP size can load it."""
-        replicated = self.optimizer.replicated() if isinstance(self.optimizer, DistributedAdamW) else self.optimizer
+        replicated = self.optimizer.replicated() if self._zero else self.optimizer
         save_sharded(directory, self.model, replicated, self.arch)
 
     def load(self, directory: Path, *, with_optimizer: bool = True) -> None:
@@ -491,7 +500,7 @@ class MegatronPolicy:
             load_sharded(directory, self.model, self.optimizer if with_optimizer else None, self.arch)
         else:
             self._load_hf_state(SafetensorsFolder(directory))
-        if isinstance(self.optimizer, DistributedAdamW) and not with_optimizer:
+        if self._zero and not with_optimizer:
             self.optimizer.load_shard(None)  # its master weights from the weights just loaded
         self.weights_version += 1
 

@@ -101,6 +101,16 @@ class DistributedAdamW:
         """Reduce-scatter the gradient buffer, clip by the global norm (over ``group``, then ``norm_group``: the
         replica's TP and PP ranks), step this rank's fp32 slice of the master weights, all-gather it into the
         parameters (rounded to their dtype), and zero the buffer; return the pre-clip norm."""
+        squares = self.reduce_gradients()
+        if norm_group is not None:
+            dist.all_reduce(squares, group=norm_group)
+        norm = squares.sqrt()
+        self.apply((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
+    def reduce_gradients(self) -> torch.Tensor:
+        """The step's first half: reduce-scatter the gradient buffer (this rank's slice holds the sum over ``group``
+        of its share) and return the squares of the gradient counted in the norm, summed over ``group``."""
         if self.size > 1:
             _reduce_scatter(self.grad_shard, self.grad_buffer, group=self.group)  # in place, into this rank's slice
         squares = torch.zeros((), dtype=torch.float32, device=self.grad_buffer.device)
@@ -108,16 +118,17 @@ class DistributedAdamW:
             squares += torch.dot(self.grad_shard[s:t], self.grad_shard[s:t])
         if self.size > 1:
             dist.all_reduce(squares, group=self.group)
-        if norm_group is not None:
-            dist.all_reduce(squares, group=norm_group)
-        norm = squares.sqrt()
-        self.grad_shard.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return squares
+
+    def apply(self, clip: torch.Tensor) -> None:
+        """The step's second half: scale the reduced gradient by ``clip``, step the master slice, gather it into the
+        parameters and zero the buffer."""
+        self.grad_shard.mul_(clip)
         self.master.grad = self.grad_shard  # a view of the buffer: no copy
         self.optimizer.step()
         self.master.grad = None
         self._gather_into_params()
         self.zero_grad()
-        return norm
 
     @torch.no_grad()
     def _gather_into_params(self) -> None:
@@ -183,3 +194,46 @@ class DistributedAdamW:
         if state is not None:
             self.optimizer.state[self.master] = {"step": step.clone(), "exp_avg": state["exp_avg"],
                                                  "exp_avg_sq": state["exp_avg_sq"]}
+
+
+class DenseAndExpertAdamW:
+    """A Qwen3-MoE's distributed AdamW: the dense weights' :class:`DistributedAdamW` over the data-parallel ranks and
+    the experts' over the expert-data-parallel ranks (those holding the same experts), as megatron-core's DDP keeps
+    expert buffers apart, clipped by one norm: the dense squares summed as the dense optimizer sums them, the experts'
+    over ``expert_norm_group`` too (the expert-parallel ranks, each holding other experts)."""
+
+    def __init__(self, dense: DistributedAdamW, experts: DistributedAdamW, expert_norm_group: dist.ProcessGroup):
+        self.dense, self.experts, self.expert_norm_group = dense, experts, expert_norm_group
+        self.parts = (dense, experts)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [*self.dense.param_groups, *self.experts.param_groups]
+
+    def step(self, max_norm: float, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
+        squares = self.dense.reduce_gradients()
+        if norm_group is not None:
+            dist.all_reduce(squares, group=norm_group)
+        experts = self.experts.reduce_gradients()
+        dist.all_reduce(experts, group=self.expert_norm_group)
+        norm = (squares + experts).sqrt()
+        clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for part in self.parts:
+            part.apply(clip)
+        return norm
+
+    def replicated(self) -> torch.optim.AdamW:
+        """Both parts' :meth:`DistributedAdamW.replicated` as one AdamW over every parameter (what a checkpoint
+        stores)."""
+        dense, experts = self.dense.replicated(), self.experts.replicated()
+        merged = torch.optim.AdamW([*dense.param_groups[0]["params"], *experts.param_groups[0]["params"]],
+                                   **{key: value for key, value in dense.param_groups[0].items()
+                                      if key in ("lr", "weight_decay", "betas", "eps")})
+        merged.state.update(dense.state)
+        merged.state.update(experts.state)
+        return merged
+
+    def load_shard(self, state: None = None) -> None:
+        """Each part's master weights from the parameters (a load of the weights alone)."""
+        for part in self.parts:
+            part.load_shard(None)

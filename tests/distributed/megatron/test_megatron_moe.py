@@ -63,7 +63,8 @@ def test_what_is_not_built_yet_is_refused_in_one_line(tmp_path, capsys):
 
     folder = tiny_qwen3_moe(tmp_path / "moe")
     for setting, fragment in (({"tensor_parallel": 2}, "megatron.tensor_parallel=2 with a Qwen3-MoE"),
-                              ({"distributed_optimizer": True}, "megatron.distributed_optimizer=true with a Qwen3-MoE")):
+                              ({"distributed_optimizer": True, "bf16_weights": True},
+                               "megatron.bf16_weights=true with a Qwen3-MoE")):
         with pytest.raises(ValueError, match=fragment + ": for now experts train with megatron.expert_parallel"):
             MegatronPolicy(str(folder), {}, **setting)
     code, _, err = run_cli(capsys, "plan", "--model", folder)
@@ -166,7 +167,14 @@ def switch_loss(router_logits: torch.Tensor, real: torch.Tensor, coef: float) ->
     return (probs.sum(0) * chosen).sum() * EXPERTS * coef / (TOP_K * tokens * tokens)
 
 
-def moe_step_worker(folder: str, aux_coef: float, checkpoint: str) -> dict:
+def adam_state(policy) -> dict:
+    """Each parameter's AdamW first moment by name, gathered from the distributed optimizer's shards if it has them
+    (a collective then)."""
+    optimizer = policy.optimizer.replicated() if policy._zero else policy.optimizer
+    return {name: optimizer.state[param]["exp_avg"] for name, param in policy.model.named_parameters()}
+
+
+def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_optimizer: bool) -> dict:
     """One GARL(q=0.75) AdamW step at EP=2 over 2 ranks (DP 2: a micro-batch each) against transformers' model
     trained by HFPolicy on both micro-batches, its loss plus, per layer and micro-batch, the load-balancing loss
     weighted by the micro-batch's share of the rows (experts.py)."""
@@ -182,7 +190,8 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str) -> dict:
 
     model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32)
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
-    policy = MegatronPolicy.from_hf_folder(folder, expert_parallel=2, moe_aux_loss_coef=aux_coef, **OPTIM)
+    settings = dict(expert_parallel=2, moe_aux_loss_coef=aux_coef, distributed_optimizer=distributed_optimizer, **OPTIM)
+    policy = MegatronPolicy.from_hf_folder(folder, **settings)
     batch = garl_batch(model.config.vocab_size)
     micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
     captured = []
@@ -206,25 +215,27 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str) -> dict:
     rank = policy.data_parallel.rank
     got = policy.forward_backward(micro_batches[rank::2], garl_loss_fn(micro_batches[rank::2], []))
     hf_grads = per_expert({name: param.grad for name, param in hf.model.named_parameters()})
-    grads = max_diff(policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
+    # the distributed optimizer sums the gradients over DP at its step: until then each rank holds its own part
+    grads = 0.0 if distributed_optimizer else max_diff(
+        policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
     grad_norm = abs(policy.optimizer_step()["grad_norm"] - hf.optimizer_step()["grad_norm"])
     weights = max_diff(policy.hf_state_dict(), per_expert(dict(hf.model.named_parameters())))
     # a checkpoint of the stepped policy (each rank its experts) resumes into a fresh one, AdamW state included, and
     # its weights load at EP=1 (DP 2: every rank all experts)
     policy.save(Path(checkpoint))
-    resumed = MegatronPolicy.from_hf_folder(folder, expert_parallel=2, moe_aux_loss_coef=aux_coef, **OPTIM)
+    resumed = MegatronPolicy.from_hf_folder(folder, **settings)
     resumed.load(Path(checkpoint))
     again = dict(resumed.model.named_parameters())
-    restored = max(max(float((param - again[name]).abs().max()), float(
-        (policy.optimizer.state[param]["exp_avg"] - resumed.optimizer.state[again[name]]["exp_avg"]).abs().max()))
-        for name, param in policy.model.named_parameters())
+    moments, moments_again = adam_state(policy), adam_state(resumed)
+    restored = max(max(float((param - again[name]).abs().max()), float((moments[name] - moments_again[name]).abs().max()))
+                   for name, param in policy.model.named_parameters())
     stepped = policy.hf_state_dict()
     # the export (experts gathered over EP) is a folder transformers loads, bit-exact
     export = Path(checkpoint).parent / "export"
     policy.export(export, tiny_setup()[1])
     exported = max_diff(per_expert(Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()), stepped)
     parallel_state.destroy_model_parallel()
-    whole = MegatronPolicy.from_hf_folder(folder, expert_parallel=1, moe_aux_loss_coef=aux_coef, **OPTIM)
+    whole = MegatronPolicy.from_hf_folder(folder, **{**settings, "expert_parallel": 1})
     whole.load(Path(checkpoint))
     at_ep1 = max_diff(whole.hf_state_dict(), stepped)
     return {"logprobs": logprobs, "grads": grads, "grad_norm": grad_norm, "weights": weights,
@@ -233,13 +244,17 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str) -> dict:
             "at_ep1": at_ep1, "exported": exported}
 
 
-@pytest.mark.parametrize("aux_coef", [0.0, 0.5], ids=["no-balancing-loss", "balancing-loss"])
+@pytest.mark.parametrize("aux_coef, distributed_optimizer", [(0.0, False), (0.5, False), (0.5, True)],
+                         ids=["no-balancing-loss", "balancing-loss", "balancing-loss-distributed-optimizer"])
 @pytest.mark.distributed
-def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(tmp_path, aux_coef):
+def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(tmp_path, aux_coef,
+                                                                                        distributed_optimizer):
     """Expert gradients from both ranks' tokens (the dispatcher's gather), dense ones summed over DP, the norm
-    counting each expert once, the step; with the load-balancing loss at a coefficient large enough to matter."""
+    counting each expert once, the step; with the load-balancing loss at a coefficient large enough to matter; and
+    with the distributed optimizer (dense state over DP, the experts' over expert-DP, one norm)."""
     folder = tiny_qwen3_moe(tmp_path / "moe")
-    for rank, result in enumerate(run_in_processes(moe_step_worker, 2, str(folder), aux_coef, str(tmp_path / "ckpt"))):
+    for rank, result in enumerate(run_in_processes(moe_step_worker, 2, str(folder), aux_coef, str(tmp_path / "ckpt"),
+                                                   distributed_optimizer)):
         assert result["logprobs"] < 1e-5, (rank, result)
         assert result["grads"] < 1e-5 * max(1.0, result["grad_scale"]), (rank, result)
         assert result["grad_norm"] < 1e-5 and result["weights"] < 1e-5, (rank, result)
