@@ -244,7 +244,8 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
             "at_ep1": at_ep1, "exported": exported}
 
 
-@pytest.mark.parametrize("aux_coef, distributed_optimizer", [(0.0, False), (0.5, False), (0.5, True)],
+@pytest.mark.parametrize("aux_coef, distributed_optimizer",
+                         [(0.0, False), (0.5, False), pytest.param(0.5, True, marks=pytest.mark.slow)],
                          ids=["no-balancing-loss", "balancing-loss", "balancing-loss-distributed-optimizer"])
 @pytest.mark.distributed
 def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(tmp_path, aux_coef,
