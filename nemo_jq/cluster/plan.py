@@ -108,7 +108,7 @@ def hf_config_dict(model: str) -> dict[str, Any]:
 
 def architecture(model: str) -> Qwen3Architecture:
     """A Qwen3 size (``8b``, ``Qwen3-8B``) or a path to an HF config.json / model folder (a dense Qwen3: this memory
-    model has no experts yet)."""
+    model has no experts yet; the dry run sizes a Qwen3-MoE)."""
     with contextlib.suppress(ValueError):
         return read_qwen3_config(hf_config_dict(model))
     try:
@@ -117,15 +117,22 @@ def architecture(model: str) -> Qwen3Architecture:
         raise ValueError(f"--model {model!r} is neither a Qwen3 size ({', '.join(QWEN3_SIZES)}) nor an HF config "
                          f"path: give a size or a config.json / model folder") from None
     if arch.is_moe:
-        raise ValueError(f"{model} is a Qwen3-MoE ({arch.num_experts} experts): plan and the dry run size dense Qwen3s "
-                         "only for now (docs/moe.md)")
+        raise ValueError(f"{model} is a Qwen3-MoE ({arch.num_experts} experts): plan sizes dense Qwen3s only for now; "
+                         "`nemo-jq dryrun --config C.yaml --gpus N` sizes it at its layout (docs/moe.md)")
     return arch
 
 
 def layer_parameters(arch: Qwen3Architecture) -> int:
     h, d = arch.hidden_size, arch.head_dim
     attention = h * arch.num_attention_heads * d * 2 + h * arch.num_key_value_heads * d * 2  # q, o; k, v
-    return attention + 3 * h * arch.intermediate_size + 2 * h + 2 * d  # + SwiGLU MLP + two norms + q/k norms
+    # a SwiGLU MLP, or a Qwen3-MoE's experts (each a SwiGLU MLP) and their router
+    mlp = (arch.num_experts * (3 * h * arch.moe_intermediate_size + h)) if arch.is_moe else 3 * h * arch.intermediate_size
+    return attention + mlp + 2 * h + 2 * d  # + two norms + q/k norms
+
+
+def expert_parameters(arch: Qwen3Architecture) -> int:
+    """A Qwen3-MoE's expert weights (every layer's), which expert parallelism splits; 0 for a dense Qwen3."""
+    return arch.num_layers * arch.num_experts * 3 * arch.hidden_size * arch.moe_intermediate_size
 
 
 def parameter_count(arch: Qwen3Architecture) -> int:

@@ -106,7 +106,8 @@ def as_rank(rank: int, world_size: int, layout: MegatronLayout) -> Iterator[None
             # no gloo groups: gloo would wait for peers that do not exist (the policy uses none of them)
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=layout.tensor_parallel, pipeline_model_parallel_size=layout.pipeline_parallel,
-                context_parallel_size=layout.context_parallel, create_gloo_process_groups=False)
+                context_parallel_size=layout.context_parallel, expert_model_parallel_size=layout.expert_parallel,
+                expert_tensor_parallel_size=layout.expert_tensor_parallel, create_gloo_process_groups=False)
             stack.callback(parallel_state.destroy_model_parallel)
             yield
     finally:
@@ -119,6 +120,10 @@ def megatron_on_stand_in_gpu() -> Iterator[None]:
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from nemo_jq.models.megatron import experts, policy
 
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in (
@@ -140,9 +145,46 @@ def megatron_on_stand_in_gpu() -> Iterator[None]:
             (schedules, "torch", _TorchWithGpuZeros()),
             # a tied model's last stage moves its copy of the embedding with .cuda() before initialising it
             (torch.Tensor, "cuda", lambda self, *args, **kwargs: self.to(GPU)),
+            # a Qwen3-MoE's small reductions read values a fake group does not carry: the simulated ranks hold alike
+            # batches (and the routers' logged loss is not read)
+            (experts, "reduced", _reduced_alike),
+            (policy, "reduced", _reduced_alike),
+            (experts, "load_balancing_loss", lambda: None),
+            # which tokens go to which expert is data: routing balanced, k of the E experts each token, each local
+            # expert an equal share of what its rank gets
+            (TopKRouter, "routing", _routing_balanced(TopKRouter.routing)),
+            (SequentialMLP, "forward", _balanced(SequentialMLP.forward)),
         ):
             stack.enter_context(patched(owner, name, replacement))
         yield
+
+
+def _routing_balanced(routing: Any) -> Any:
+    """``TopKRouter.routing`` telling the world the share of (token, expert) pairs it routes, top-k of the experts:
+    what the dispatcher's ``masked_select`` over the routing map keeps (:attr:`FakeWorld.selected_share`)."""
+    def balanced(self: Any, *args: Any, **kwargs: Any) -> Any:
+        active_world().selected_share = self.topk / self.config.num_moe_experts
+        return routing(self, *args, **kwargs)
+    return balanced
+
+
+def _balanced(forward: Any) -> Any:
+    """``SequentialMLP.forward`` with ``tokens_per_expert`` (data a fake tensor lacks) as an even split of its
+    tokens over the local experts: routing balanced."""
+    def balanced(self: Any, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> Any:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        count, experts = hidden.shape[0], self.num_local_experts
+        with unset_fake_temporarily():  # a real host tensor: its values are read
+            even = torch.tensor([count // experts + (index < count % experts) for index in range(experts)])
+        return forward(self, hidden, even, probs)
+    return balanced
+
+
+def _reduced_alike(values: list[int], group: Any, op: Any, device: Any) -> list[int]:
+    """``experts.reduced`` where every rank of ``group`` holds this one's values."""
+    size = 1 if group is None else dist.get_world_size(group)
+    return [value * size for value in values] if op == dist.ReduceOp.SUM else list(values)
 
 
 def _fused_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,

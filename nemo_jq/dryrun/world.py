@@ -24,6 +24,7 @@ What a fake tensor cannot say, the world answers, always with the case that cost
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from pathlib import Path
 from typing import Any, Iterator
@@ -56,6 +57,9 @@ class FakeWorld:
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         #: Decode-loop reads still answered True in the current sampling call (:meth:`sampling_call`).
         self.decoding = 0
+        #: The share of a mask's elements a ``masked_select`` keeps (its count is data, which fake tensors lack): all
+        #: of them, the most; a Qwen3-MoE's routing sets it to top-k / experts, routing balanced (dryrun.megatron).
+        self.selected_share = 1.0
         self.phase_name = "build"
         self._module_path: list[str] = []
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -232,6 +236,11 @@ class _Dispatch(TorchDispatchMode):
             return self.world.scalar(args[0], self.any_results)
         if func is aten.nonzero.default:
             out = args[0].new_empty((args[0].numel(), args[0].dim()), dtype=torch.long)
+            self.world.tracker.track(out)
+            return out
+        if func is aten.masked_select.default:
+            selected = math.ceil(torch.broadcast_shapes(args[0].shape, args[1].shape).numel() * self.world.selected_share)
+            out = args[0].new_empty((selected,))
             self.world.tracker.track(out)
             return out
         if func is aten.detach_.default and not isinstance(args[0], FakeTensor):

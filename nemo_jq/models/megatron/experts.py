@@ -66,17 +66,25 @@ def with_load_balancing(loss_fn: LossFn, micro_batches: Sequence[TokenBatch], da
     without the coefficient) to its metrics. Called after the micro-batch's forward, before its backward."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    rows = torch.tensor(float(sum(micro.num_rows for micro in micro_batches)), device=device)
-    if data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
-        dist.all_reduce(rows, group=data_parallel_group)
+    (rows,) = reduced([sum(micro.num_rows for micro in micro_batches)], data_parallel_group, dist.ReduceOp.SUM, device)
 
     def scaled(logprobs: torch.Tensor, index: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(micro_batches[index].num_rows / float(rows), device=device))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(micro_batches[index].num_rows / rows, device=device))
         loss, metrics = loss_fn(logprobs, index)
         balance = load_balancing_loss()
         return loss, metrics if balance is None else {**metrics, "load_balancing_loss": balance}
 
     return scaled
+
+
+def reduced(values: list[int], group: Any, op: Any, device: torch.device) -> list[int]:
+    """Small integers reduced over ``group`` (``op``: ``dist.ReduceOp``), read back: the rows of all DP ranks, the
+    most rows and longest sequence of an EP group (the dry run, whose collectives carry no values, answers for it)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return list(values)
+    tensor = torch.tensor(values, device=device)
+    dist.all_reduce(tensor, op=op, group=group)
+    return [int(value) for value in tensor.tolist()]
 
 
 def load_balancing_loss() -> float | None:

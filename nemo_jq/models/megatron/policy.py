@@ -34,7 +34,7 @@ from nemo_jq.models.interfaces import LossFn, TokenBatch, backward_each
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
-from nemo_jq.models.megatron.experts import check_trainable, expert_shard, with_load_balancing
+from nemo_jq.models.megatron.experts import check_trainable, expert_shard, reduced, with_load_balancing
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
 from nemo_jq.models.megatron.mapping import (
@@ -229,9 +229,7 @@ class MegatronPolicy:
         """``token_logprobs`` where the expert-parallel ranks each run their own rows: megatron-core's all-gather
         dispatcher exchanges equal token counts, so every EP rank pads its rows to the group's most rows and longest
         sequence (padding takes no part in routing's loss and scores nothing), and the log-probs are cut back."""
-        shape = torch.tensor([batch.num_rows, batch.input_ids.shape[1]], device=self.device)
-        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.ep_group)
-        rows, length = (int(value) for value in shape)
+        rows, length = reduced([batch.num_rows, batch.input_ids.shape[1]], self.ep_group, dist.ReduceOp.MAX, self.device)
         padded = _right_padded(batch, rows, length + -length % self.sequence_multiple)
         real = padded.attention_mask.bool()
         logprobs = self._logprobs(self._forward(padded.input_ids, real), padded)

@@ -196,3 +196,31 @@ def test_the_host_memory_of_a_save_is_the_writing_replica_s_and_a_node_that_cann
                  "rollout.vllm_memory_utilization=0.25"])
     err = capsys.readouterr().err
     assert code == 2 and "GiB of host memory on a node (8 processes x" in err and "more than --host-memory 0.0001" in err
+
+
+def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_and_their_state(tmp_path):
+    """EP=2 over 2 ranks: each holds the dense weights and half of every layer's experts; EP=1: all of them. With the
+    distributed optimizer the dense state is split over DP (12 / 2 bytes a weight), the experts' over the expert-DP
+    ranks (here 1: 12 bytes). The dispatcher's routing is data: the dry run routes balanced (k of E experts a token)."""
+    from helpers import small_qwen3
+    from nemo_jq.cluster.plan import expert_parameters, parameter_count
+    from nemo_jq.models.megatron.provider import read_qwen3_config
+
+    model = small_qwen3(tmp_path / "moe", layers=4, tied=False, experts=8)
+    arch = read_qwen3_config(model)
+    experts, dense = expert_parameters(arch), parameter_count(arch) - expert_parameters(arch)
+
+    def rank_zero(*overrides):
+        config = load_config(None, [f"model.path={model}", "model.backend=megatron", "rollout.num_samples=8",
+                                    "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8", "train.batch_size=4",
+                                    "train.micro_batch_size=1", "eval.batch_size=4", "eval.num_samples=8", *overrides])
+        report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=32, world_size=2)
+        return report["ranks"]["0"]["phases"]
+
+    split, whole = rank_zero("megatron.expert_parallel=2"), rank_zero("megatron.expert_parallel=1")
+    assert split["train"]["by_kind_gib"]["weights"] == pytest.approx(4 * (dense + experts / 2) / 2**30, rel=1e-3)
+    assert whole["train"]["by_kind_gib"]["weights"] == pytest.approx(4 * (dense + experts) / 2**30, rel=1e-3)
+    assert split["train"]["by_kind_gib"]["activations"] > 0
+    sharded = rank_zero("megatron.expert_parallel=2", "megatron.distributed_optimizer=true")
+    assert sharded["refit"]["most_by_kind_gib"]["optimizer"] == pytest.approx(
+        (12 * dense / 2 + 12 * experts / 2) / 2**30, rel=0.02)
