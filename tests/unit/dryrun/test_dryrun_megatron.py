@@ -198,6 +198,7 @@ def test_the_host_memory_of_a_save_is_the_writing_replica_s_and_a_node_that_cann
     assert code == 2 and "GiB of host memory on a node (8 processes x" in err and "more than --host-memory 0.0001" in err
 
 
+@pytest.mark.slow  # three dry runs
 def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_and_their_state(tmp_path):
     """EP=2 over 2 ranks: each holds the dense weights and half of every layer's experts; EP=1: all of them. With the
     distributed optimizer the dense state is split over DP (12 / 2 bytes a weight), the experts' over the expert-DP
