@@ -27,19 +27,27 @@ from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.mapping import ExpertShard
 from nemo_jq.models.megatron.provider import Qwen3Architecture
 
-#: The layout settings a Qwen3-MoE trains with so far, and their values.
-TRAINABLE = {"tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1, "expert_tensor_parallel": 1,
-             "bf16_weights": False}
+#: The layout settings a Qwen3-MoE trains with so far, and their values (TP: with sequence parallelism and
+#: expert_parallel a multiple of it, :func:`check_trainable`).
+TRAINABLE = {"pipeline_parallel": 1, "context_parallel": 1, "expert_tensor_parallel": 1, "bf16_weights": False}
 
 
 def check_trainable(arch: Qwen3Architecture, layout: MegatronLayout) -> None:
     """Refuse, in one line naming the key, a layout whose expert handling is not built yet."""
     if not arch.is_moe:
         return
+    tp, ep = layout.tensor_parallel, layout.expert_parallel
+    if tp > 1 and not layout.sequence_parallel:
+        raise ValueError(f"megatron.tensor_parallel={tp} with a Qwen3-MoE needs megatron.sequence_parallel=true: each TP "
+                         "rank routes its own part of the tokens (megatron-core's MoE layer, and its load-balancing "
+                         "loss, count them so)")
+    if tp > 1 and ep % tp:
+        raise ValueError(f"megatron.tensor_parallel={tp} with megatron.expert_parallel={ep}: for now experts train with "
+                         "expert_parallel a multiple of tensor_parallel (the TP ranks then hold different experts, as "
+                         "tested; docs/moe.md)")
     for key, value in TRAINABLE.items():
         if getattr(layout, key) != value:
-            raise ValueError(f"megatron.{key}={_word(getattr(layout, key))} with a Qwen3-MoE: for now experts train "
-                             "with megatron.expert_parallel over the data-parallel ranks and "
+            raise ValueError(f"megatron.{key}={_word(getattr(layout, key))} with a Qwen3-MoE: for now experts train with "
                              + ", ".join(f"{name}={_word(setting)}" for name, setting in TRAINABLE.items())
                              + " (docs/moe.md)")
 
@@ -88,14 +96,17 @@ def reduced(values: list[int], group: Any, op: Any, device: torch.device) -> lis
 
 
 def load_balancing_loss() -> float | None:
-    """The load-balancing loss the routers logged since the last call (the mean over layers; None: none logged), and
-    megatron-core's tracker cleared for the next micro-batch."""
+    """The load-balancing loss the routers logged since the last call (the mean over layers, its parts summed over the
+    ranks that split the tokens; None: none logged), and megatron-core's tracker cleared for the next micro-batch."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
     if tracked is None:
         return None
-    values = tracked["values"]
+    values, group = tracked["values"], tracked.get("reduce_group")
+    if group is not None and dist.get_world_size(group) > 1:  # each TP (x CP) rank routed its part of the tokens
+        values = values.clone()
+        dist.all_reduce(values, group=group)
     value = float(values[values != 0].mean()) if bool((values != 0).any()) else 0.0
     clear_aux_losses_tracker()
     return value

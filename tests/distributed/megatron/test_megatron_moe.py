@@ -62,11 +62,15 @@ def test_what_is_not_built_yet_is_refused_in_one_line(tmp_path, capsys):
     from nemo_jq.models.megatron.policy import MegatronPolicy
 
     folder = tiny_qwen3_moe(tmp_path / "moe")
-    for setting, fragment in (({"tensor_parallel": 2}, "megatron.tensor_parallel=2 with a Qwen3-MoE"),
+    for setting, fragment in (({"pipeline_parallel": 2}, "megatron.pipeline_parallel=2 with a Qwen3-MoE"),
+                              ({"tensor_parallel": 2, "sequence_parallel": True},
+                               "megatron.tensor_parallel=2 with megatron.expert_parallel=1"),
                               ({"distributed_optimizer": True, "bf16_weights": True},
                                "megatron.bf16_weights=true with a Qwen3-MoE")):
-        with pytest.raises(ValueError, match=fragment + ": for now experts train with megatron.expert_parallel"):
+        with pytest.raises(ValueError, match=fragment + ": for now experts train with"):
             MegatronPolicy(str(folder), {}, **setting)
+    with pytest.raises(ValueError, match="megatron.tensor_parallel=2 with a Qwen3-MoE needs megatron.sequence_parallel"):
+        MegatronPolicy(str(folder), {}, tensor_parallel=2, expert_parallel=2)
     code, _, err = run_cli(capsys, "plan", "--model", folder)
     one_line_error(code, err, "is a Qwen3-MoE (4 experts): plan sizes dense Qwen3s only for now", "nemo-jq dryrun")
 
@@ -172,8 +176,9 @@ def adam_state(policy) -> dict:
     return {name: optimizer.state[param]["exp_avg"] for name, param in policy.model.named_parameters()}
 
 
-def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_optimizer: bool) -> dict:
-    """One GARL(q=0.75) AdamW step at EP=2 over 2 ranks (DP 2: a micro-batch each) against transformers' model
+def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_optimizer: bool,
+                    tensor_parallel: int = 1) -> dict:
+    """One GARL(q=0.75) AdamW step at EP=2 over 2 ranks (DP 2: a micro-batch each; or TP 2 with SP) against transformers' model
     trained by HFPolicy on both micro-batches, its loss plus, per layer and micro-batch, the load-balancing loss
     weighted by the micro-batch's share of the rows (experts.py)."""
     import copy
@@ -188,7 +193,8 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
 
     model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32)
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
-    settings = dict(expert_parallel=2, moe_aux_loss_coef=aux_coef, distributed_optimizer=distributed_optimizer, **OPTIM)
+    settings = dict(expert_parallel=2, moe_aux_loss_coef=aux_coef, distributed_optimizer=distributed_optimizer,
+                    tensor_parallel=tensor_parallel, sequence_parallel=tensor_parallel > 1, **OPTIM)
     policy = MegatronPolicy.from_hf_folder(folder, **settings)
     batch = garl_batch(model.config.vocab_size)
     micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
@@ -210,8 +216,8 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
         logprobs = float((policy.token_logprobs(batch) - hf.token_logprobs(batch)).abs().max())
     captured.clear()
     expected = hf.forward_backward(micro_batches, with_balance)
-    rank = policy.data_parallel.rank
-    got = policy.forward_backward(micro_batches[rank::2], garl_loss_fn(micro_batches[rank::2], []))
+    rank, replicas = policy.data_parallel.rank, policy.data_parallel.size
+    got = policy.forward_backward(micro_batches[rank::replicas], garl_loss_fn(micro_batches[rank::replicas], []))
     hf_grads = per_expert({name: param.grad for name, param in hf.model.named_parameters()})
     # the distributed optimizer sums the gradients over DP at its step: until then each rank holds its own part
     grads = 0.0 if distributed_optimizer else max_diff(
@@ -233,7 +239,8 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
     policy.export(export, tiny_setup()[1])
     exported = max_diff(per_expert(Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()), stepped)
     parallel_state.destroy_model_parallel()
-    whole = MegatronPolicy.from_hf_folder(folder, **{**settings, "expert_parallel": 1})
+    whole = MegatronPolicy.from_hf_folder(folder, **{**settings, "expert_parallel": 1, "tensor_parallel": 1,
+                                                     "sequence_parallel": False})
     whole.load(Path(checkpoint))
     at_ep1 = max_diff(whole.hf_state_dict(), stepped)
     return {"logprobs": logprobs, "grads": grads, "grad_norm": grad_norm, "weights": weights,
@@ -242,18 +249,21 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
             "at_ep1": at_ep1, "exported": exported}
 
 
-@pytest.mark.parametrize("aux_coef, distributed_optimizer",
-                         [(0.0, False), (0.5, False), pytest.param(0.5, True, marks=pytest.mark.slow)],
-                         ids=["no-balancing-loss", "balancing-loss", "balancing-loss-distributed-optimizer"])
+@pytest.mark.parametrize("aux_coef, distributed_optimizer, tensor_parallel",
+                         [(0.0, False, 1), (0.5, False, 1), pytest.param(0.5, True, 1, marks=pytest.mark.slow),
+                          pytest.param(0.5, False, 2, marks=pytest.mark.slow)],
+                         ids=["no-balancing-loss", "balancing-loss", "balancing-loss-distributed-optimizer",
+                              "balancing-loss-tp2-sp"])
 @pytest.mark.distributed
 def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(tmp_path, aux_coef,
-                                                                                        distributed_optimizer):
+                                                                                        distributed_optimizer,
+                                                                                        tensor_parallel):
     """Expert gradients from both ranks' tokens (the dispatcher's gather), dense ones summed over DP, the norm
     counting each expert once, the step; with the load-balancing loss at a coefficient large enough to matter; and
     with the distributed optimizer (dense state over DP, the experts' over expert-DP, one norm)."""
     folder = tiny_qwen3_moe(tmp_path / "moe")
     for rank, result in enumerate(run_in_processes(moe_step_worker, 2, str(folder), aux_coef, str(tmp_path / "ckpt"),
-                                                   distributed_optimizer)):
+                                                   distributed_optimizer, tensor_parallel)):
         assert result["logprobs"] < 1e-5, (rank, result)
         assert result["grads"] < 1e-5 * max(1.0, result["grad_scale"]), (rank, result)
         assert result["grad_norm"] < 1e-5 and result["weights"] < 1e-5, (rank, result)
