@@ -58,7 +58,7 @@ A layout is feasible when TP divides the heads, KV heads and MLP width and fits 
 divides the layers, TP x PP x CP divides the GPUs, and DP divides the batch. The recommendation is
 the fitting layout (under ``headroom`` of the GPU) with the largest DP, then the smallest TP.
 
-One file of ~580 lines: the memory model is one set of formulas (each component's bytes, the peak, the advice that
+One file of ~660 lines: the memory model is one set of formulas (each component's bytes, the peak, the advice that
 names the setting that shrinks it) that the layouts, ``train.micro_batch_rows=auto`` and the dry run's comparison
 all read; split, each part would import the others.
 """
