@@ -29,7 +29,7 @@ from nemo_jq.models.megatron.provider import Qwen3Architecture
 
 #: The layout settings a Qwen3-MoE trains with so far, and their values (TP: with sequence parallelism and
 #: expert_parallel a multiple of it, :func:`check_trainable`).
-TRAINABLE = {"pipeline_parallel": 1, "context_parallel": 1, "expert_tensor_parallel": 1, "bf16_weights": False}
+TRAINABLE = {"pipeline_parallel": 1, "context_parallel": 1, "expert_tensor_parallel": 1}
 
 
 def check_trainable(arch: Qwen3Architecture, layout: MegatronLayout) -> None:

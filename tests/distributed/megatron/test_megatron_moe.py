@@ -65,8 +65,7 @@ def test_what_is_not_built_yet_is_refused_in_one_line(tmp_path, capsys):
     for setting, fragment in (({"pipeline_parallel": 2}, "megatron.pipeline_parallel=2 with a Qwen3-MoE"),
                               ({"tensor_parallel": 2, "sequence_parallel": True},
                                "megatron.tensor_parallel=2 with megatron.expert_parallel=1"),
-                              ({"distributed_optimizer": True, "bf16_weights": True},
-                               "megatron.bf16_weights=true with a Qwen3-MoE")):
+                              ({"context_parallel": 2}, "megatron.context_parallel=2 with a Qwen3-MoE")):
         with pytest.raises(ValueError, match=fragment + ": for now experts train with"):
             MegatronPolicy(str(folder), {}, **setting)
     with pytest.raises(ValueError, match="megatron.tensor_parallel=2 with a Qwen3-MoE needs megatron.sequence_parallel"):
@@ -303,3 +302,54 @@ def test_the_recipe_trains_a_qwen3_moe_at_expert_parallel_2_as_the_hf_backend_an
     whole = run_in_processes(train_steps, 2, tmp_path / "ep1", garl)
     split = run_in_processes(train_steps, 2, tmp_path / "ep2", [*garl, "megatron.expert_parallel=2"])
     assert_same_training(split[0], whole[0])
+
+
+def masters(policy) -> dict:
+    """The distributed optimizer's fp32 master weights by megatron name (each part's gathered over its own group)."""
+    by_param = {}
+    for part in policy.optimizer.parts:
+        pieces = part._gather(part.master.detach())[:part.total].split([param.numel() for param in part.params])
+        by_param.update({id(param): piece.view_as(param) for param, piece in zip(part.params, pieces)})
+    return {name: by_param[id(param)] for name, param in policy.model.named_parameters()}
+
+
+def bf16_moe_worker(folder: str, checkpoint: str) -> dict:
+    """EP=2 over 2 ranks, bf16 weights on the fp32 masters of both parts of the distributed optimizer: the masters
+    after a step within a few bf16 ulps of transformers' fp32 step, and a checkpoint restoring them bit for bit."""
+    import copy
+
+    from megatron_tiny import CPU, OPTIM, PROMPTS, SAMPLES, garl_batch, garl_loss_fn, max_diff
+    from transformers import Qwen3MoeForCausalLM
+
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
+    settings = dict(expert_parallel=2, moe_aux_loss_coef=0.0, distributed_optimizer=True, bf16_weights=True, **OPTIM)
+    policy = MegatronPolicy.from_hf_folder(folder, **settings)
+    batch = garl_batch(model.config.vocab_size)
+    micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
+    hf.forward_backward(micro_batches, garl_loss_fn(micro_batches, []))
+    mine = micro_batches[policy.data_parallel.rank::2]
+    policy.forward_backward(mine, garl_loss_fn(mine, []))
+    policy.optimizer_step()
+    hf.optimizer_step()
+    stepped = policy.gather_hf(masters(policy))
+    after_step = max_diff(stepped, per_expert(dict(hf.model.named_parameters())))
+    policy.save(Path(checkpoint))
+    resumed = MegatronPolicy.from_hf_folder(folder, **settings)
+    resumed.load(Path(checkpoint))
+    return {"dtypes": {param.dtype for param in policy.model.parameters()}, "after_step": after_step,
+            "resumed": max_diff(resumed.gather_hf(masters(resumed)), stepped),
+            "weights_are_rounded_masters": max_diff(policy.hf_state_dict(),
+                                                    {name: t.to(torch.bfloat16) for name, t in stepped.items()})}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bf16_weights_with_experts_step_on_fp32_masters_and_resume_them_bit_exact(tmp_path):
+    folder = tiny_qwen3_moe(tmp_path / "moe")
+    for rank, out in enumerate(run_in_processes(bf16_moe_worker, 2, str(folder), str(tmp_path / "ckpt"))):
+        assert out["dtypes"] == {torch.bfloat16} and out["after_step"] < 1e-3, (rank, out)
+        assert out["resumed"] == 0 and out["weights_are_rounded_masters"] == 0, (rank, out)
