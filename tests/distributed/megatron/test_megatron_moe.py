@@ -318,9 +318,9 @@ def bf16_moe_worker(folder: str, checkpoint: str) -> dict:
     after a step within a few bf16 ulps of transformers' fp32 step, and a checkpoint restoring them bit for bit."""
     import copy
 
-    from megatron_tiny import CPU, OPTIM, PROMPTS, SAMPLES, garl_batch, garl_loss_fn, max_diff
     from transformers import Qwen3MoeForCausalLM
 
+    from megatron_tiny import CPU, OPTIM, PROMPTS, SAMPLES, garl_batch, garl_loss_fn, max_diff
     from nemo_jq.models.hf import HFPolicy
     from nemo_jq.models.megatron.policy import MegatronPolicy
 
