@@ -55,11 +55,11 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from nemo_jq.config import load_config
-    from nemo_jq.dryrun import GPUS, check_fits, dry_run, format_report
+    from nemo_jq.dryrun import check_fits, dry_run, format_report
+    from nemo_jq.dryrun.bounds import gpu_profile
 
-    if args.gpu not in GPUS:
-        raise ValueError(f"--gpu {args.gpu!r}: choose one of {', '.join(GPUS)}")
-    gpu = GPUS[args.gpu] if args.gpu_memory is None else dataclasses.replace(GPUS[args.gpu], memory_gib=args.gpu_memory)
+    gpu = gpu_profile(args.gpu)
+    gpu = gpu if args.gpu_memory is None else dataclasses.replace(gpu, memory_gib=args.gpu_memory)
     config = load_config(args.config, args.overrides)
     if config.model.backend != "megatron" and (args.gpus or args.ranks):
         raise ValueError(f"--gpus and --ranks lay out model.backend=megatron; this config's is {config.model.backend!r}")

@@ -59,14 +59,10 @@ def add_parser(commands) -> None:
     planner.add_argument("--sync-bucket-mb", type=arguments.positive_amount("MiB"), help="rollout.sync_bucket_mb (default 256)")
     planner.add_argument("--sync-bandwidth", type=arguments.positive_amount("GB/s"), default=25.0, help="GB/s of the weight sync's "
                          "broadcast to the rollout ranks (default 25: one 200 Gb/s InfiniBand port)")
-    planner.add_argument("--gpu", choices=sorted(GPU_CHOICES), default="h100-80gb", help="with --config: the GPU whose "
-                         "bf16 peak and memory bandwidth bound the run's time (default h100-80gb)")
+    planner.add_argument("--gpu", default="h100-80gb", help="with --config: a100-80gb or h100-80gb, the GPU whose bf16 "
+                         "peak and memory bandwidth bound the run's time (default h100-80gb)")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
     planner.set_defaults(run=run)
-
-
-#: ``--gpu``'s choices (``nemo_jq.dryrun.bounds.GPUS``'s keys, without importing torch to build the parser).
-GPU_CHOICES = ("a100-80gb", "h100-80gb")
 
 
 def assumptions() -> str:
@@ -109,11 +105,12 @@ def run(args: argparse.Namespace) -> int:
     lines = []
     if args.config is not None:
         from nemo_jq.cluster import timing
-        from nemo_jq.dryrun.bounds import GPUS
+        from nemo_jq.dryrun.bounds import gpu_profile
 
-        result["time"] = timing.plan_time(arch, work, config, GPUS[args.gpu], layouts, gpus_per_node=args.gpus_per_node,
+        gpu = gpu_profile(args.gpu)
+        result["time"] = timing.plan_time(arch, work, config, gpu, layouts, gpus_per_node=args.gpus_per_node,
                                           nodes=args.nodes, gpu_gb=args.gpu_memory)
-        lines = timing.format_time(result["time"], GPUS[args.gpu])
+        lines = timing.format_time(result["time"], gpu)
     else:
         lines = ["time: give --config (a run's steps, budgets and estimator fix how long it takes)"]
     table, last = plan.format_report(result).rsplit("\n", 1)  # the time before the assumptions' line

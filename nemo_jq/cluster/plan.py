@@ -388,10 +388,15 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     return parts
 
 
+def kv_bytes_per_token(arch: Qwen3Architecture) -> int:
+    """A token's bf16 keys and values over every layer."""
+    return 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
+
+
 def kv_cache_bytes(arch: Qwen3Architecture, work: Workload, prompts: int) -> float:
     """The native/hf samplers' bf16 KV cache at its high-water mark: a call of ``prompts`` x M rows (or an evaluation
     call, if larger) under ``kv_cache_tokens``, plus a decode step's copies of one layer's keys and values."""
-    kv_per_token = 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
+    kv_per_token = kv_bytes_per_token(arch)
     held_tokens = max(sampler_kv_tokens(work, prompts, work.samples),
                       sampler_kv_tokens(work, *work.eval_call)) * (1 + KV_COPIES * (not work.graph_decode) / (2 * arch.num_layers))
     return kv_per_token * held_tokens

@@ -57,9 +57,10 @@ def phase_bounds(arch: Qwen3Architecture, work: plan.Workload, config: Config, g
     else:
         engines = plan.decode_engines(work, tp, pp)
         decoded = {phase: math.ceil(prompts / engines) for phase, prompts in shares.items()}
-    shape = {"parameters": plan.parameter_count(arch), "prompt_tokens": work.seq_len - rollout.max_thinking_tokens - 1
-             - rollout.max_answer_tokens, "sampler_weight_bytes": 2 * plan.parameter_count(arch),
-             "kv_bytes_per_token": 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim}
+    parameters = plan.parameter_count(arch)
+    shape = {"parameters": parameters, "prompt_tokens": work.seq_len - rollout.max_thinking_tokens - 1
+             - rollout.max_answer_tokens, "sampler_weight_bytes": 2 * parameters,
+             "kv_bytes_per_token": plan.kv_bytes_per_token(arch)}
     answers = Need.SAMPLED_ANSWER_REWARD in get_objective(config.objective.name).needs
     group_rows = train.micro_batch_size * rollout.num_samples
     micro_batches = math.ceil(replica_prompts / train.micro_batch_size)

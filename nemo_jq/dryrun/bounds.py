@@ -29,6 +29,13 @@ GPUS = {
 }
 
 
+def gpu_profile(name: str) -> GpuProfile:
+    """:data:`GPUS`' profile called ``name`` (``--gpu``), or a one-line error naming the choices."""
+    if name not in GPUS:
+        raise ValueError(f"--gpu {name!r}: choose one of {', '.join(GPUS)}")
+    return GPUS[name]
+
+
 def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Config, gpu: GpuProfile) -> float:
     """A lower bound on the phase's time in the run on ``gpu``. Training: the FLOPs counted on one micro-batch, times
     the replica's micro-batches (its share of the batch), at the bf16 peak. Sampling (the step's rollouts; an evaluation of the validation

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli, small_qwen3
+from helpers import one_line_error, run_cli, small_qwen3
 from nemo_jq.cluster import plan, timing
 from nemo_jq.config import load_config
 from nemo_jq.dryrun import GPUS, dry_run
@@ -96,3 +96,6 @@ def test_plan_prints_each_layouts_hours_the_phases_and_the_run_across_node_count
     assert "expected" in out.splitlines()[1] and "time on A100 80GB" in out and "across nodes" not in out
     code, out, _ = run_cli(capsys, "plan", "--model", "8b")
     assert "time: give --config" in out
+    code, _, err = run_cli(capsys, "plan", "--config", ROOT / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.25.yaml",
+                           "--gpu", "b200")
+    one_line_error(code, err, "--gpu 'b200': choose one of a100-80gb, h100-80gb")
