@@ -25,6 +25,7 @@ from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.common import autocast_dtype
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.models.interfaces import Policy, RolloutEngine, require
+from nemo_jq.models.routes import has_experts, routing_replay
 from nemo_jq.registry import Registry
 from nemo_jq.rollouts.wiring import compose_engine
 from nemo_jq.runtime import distributed
@@ -78,6 +79,7 @@ def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config),
                       activation_checkpointing=request.config.model.activation_checkpointing,
                       compiled=request.config.model.compile and request.device.type == "cuda")
+    routing_replay(request.config, has_experts(policy.model.config))  # refused here, in one line, where asked for
     ahead = request.config.rollout.async_steps > 0
     return policy, engine_for(policy, request, in_place_model=policy.model,
                               own_copy=(lambda: copy.deepcopy(policy.model)) if ahead else None)
@@ -106,6 +108,7 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     hf_config = in_memory.config if in_memory is not None else AutoConfig.from_pretrained(request.model_dir)
     arch = read_qwen3_config(hf_config)
     layout.validate(arch)
+    routing_replay(request.config, arch.is_moe)  # a contradiction refused before any weight is read
     if arch.is_moe and (request.config.rollout.engine == "vllm" or request.config.rollout.placement == "separate"):
         raise ValueError("a Qwen3-MoE samples with rollout.engine=native or hf, colocated, for now: vLLM's weight refit "
                          "of experts, routing replay and rollout ranks are not built for experts yet (docs/moe.md)")

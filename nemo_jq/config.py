@@ -131,6 +131,10 @@ class RolloutConfig:
                                             "weights and KV cache (it sleeps while the policy trains)", gt=0.0, lt=1.0)
     vllm_kv_cache_gb: float | None = option(None, "vllm: the KV cache's size in GB (null: the rest of "
                                             "vllm_memory_utilization's share on GPU; 1 GB on CPU)", gt=0.0)
+    routing_replay: bool | None = option(None, "a Qwen3-MoE: the engine records the experts it routed each token to and "
+                                         "the trainer's forwards replay them, routing only what the engine did not run "
+                                         "(the teacher-forced answer) itself (docs/moe.md); null: on with "
+                                         "model.backend=megatron, off otherwise")
     max_logprob_gap: float = option(
         1.0, "warn when an engine's log-prob of a sampled token differs from the policy's by more than this", gt=0.0)
     max_mismatch_kl: float = option(0.05, "warn when the k3 estimate of KL(engine || policy) per sampled token exceeds "

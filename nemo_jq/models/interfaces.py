@@ -35,6 +35,10 @@ class Rollout:
     #: them with the policy and only logs the gap (an off-policy check).
     rationale_logprobs: list[float] | None = None
     answer_logprobs: list[float] | None = None
+    #: A Qwen3-MoE under routing replay: the experts the engine routed each position of prompt + rationale (+
+    #: ``</think>`` + answer, where sampled) to, ``[positions, layers, k]`` uint8, ``ROUTE_YOURSELF`` where it ran
+    #: none (:mod:`nemo_jq.models.routes`); None where the engine recorded none.
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,6 +56,9 @@ class TokenBatch:
     #: The rollout engine's own log-probs of the target tokens where it reported them, NaN elsewhere
     #: ([N, L-1] fp32), for the off-policy gap; None when it reported none.
     engine_logprobs: torch.Tensor | None = None
+    #: The engine's routes of each input position ([N, L, layers, k] uint8, ``ROUTE_YOURSELF`` where it ran none: the
+    #: trainer replays them, :mod:`nemo_jq.models.routes`); None when it recorded none.
+    routes: torch.Tensor | None = None
 
     @property
     def target_mask(self) -> torch.Tensor:
@@ -66,13 +73,14 @@ class TokenBatch:
         length = int(self.attention_mask[start:end].sum(1).max())
         ids, targets = (slice(start, end), slice(0, length)), (slice(start, end), slice(0, length - 1))
         return TokenBatch(self.input_ids[ids], self.attention_mask[ids], self.rationale_mask[targets],
-                          self.answer_mask[targets], None if self.engine_logprobs is None else self.engine_logprobs[targets])
+                          self.answer_mask[targets], None if self.engine_logprobs is None else self.engine_logprobs[targets],
+                          None if self.routes is None else self.routes[ids])
 
     def to(self, device: torch.device | str) -> "TokenBatch":
         return TokenBatch(*(None if t is None else t.to(device) for t in self._tensors()))
 
     def _tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return self.input_ids, self.attention_mask, self.rationale_mask, self.answer_mask, self.engine_logprobs
+        return self.input_ids, self.attention_mask, self.rationale_mask, self.answer_mask, self.engine_logprobs, self.routes
 
 
 #: ``loss_fn(token_logprobs [n, L-1], micro_batch_index) -> (scalar to backpropagate, its metrics)``.

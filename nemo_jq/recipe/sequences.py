@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from nemo_jq.models.interfaces import Rollout, TokenBatch
+from nemo_jq.models.routes import empty_routes
 
 
 def splice(prompt: list[int], rationale: list[int], think_end_id: int, think_end_forced: bool, answer: list[int]):
@@ -36,9 +37,18 @@ def engine_logprobs(rollout: Rollout, with_answer: bool) -> list[float] | None:
     return [math.nan] * (len(rollout.prompt_ids) - 1) + rollout.rationale_logprobs + [math.nan] * after_think + answer
 
 
+def engine_routes(rollout: Rollout, with_answer: bool) -> torch.Tensor | None:
+    """The engine's routes of the rollout's spliced positions: the prompt's and rationale's, and with the sampled
+    answer the ``</think>``'s and the answer's too; a teacher-forced answer the trainer routes itself."""
+    if rollout.routes is None or with_answer:
+        return rollout.routes
+    return rollout.routes[: len(rollout.prompt_ids) + len(rollout.rationale_ids)]
+
+
 def collate(rows: Sequence[tuple[list[int], list[bool], list[bool]]], pad_id: int,
-            engine_rows: Sequence[list[float] | None] = ()) -> TokenBatch:
-    """Right-pad spliced rows into a :class:`TokenBatch` (with the engine's log-probs where every row has them)."""
+            engine_rows: Sequence[list[float] | None] = (), route_rows: Sequence[torch.Tensor | None] = ()) -> TokenBatch:
+    """Right-pad spliced rows into a :class:`TokenBatch` (with the engine's log-probs where every row has them, and
+    its routes where any has them: the positions past a row's, and padding, to route themselves)."""
     length = max(len(ids) for ids, _, _ in rows)
     n = len(rows)
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
@@ -55,7 +65,14 @@ def collate(rows: Sequence[tuple[list[int], list[bool], list[bool]]], pad_id: in
         engine = torch.full((n, length - 1), math.nan)
         for i, row in enumerate(engine_rows):
             engine[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    return TokenBatch(input_ids, attention, rationale_mask, answer_mask, engine)
+    recorded = [routes for routes in route_rows if routes is not None]
+    routes = None
+    if recorded:
+        routes = empty_routes(n * length, *recorded[0].shape[1:]).view(n, length, *recorded[0].shape[1:])
+        for i, row in enumerate(route_rows):
+            if row is not None:
+                routes[i, : len(row)] = row
+    return TokenBatch(input_ids, attention, rationale_mask, answer_mask, engine, routes)
 
 
 def reference_answer_batch(
@@ -67,7 +84,8 @@ def reference_answer_batch(
         for group, answer in zip(rollouts, reference_answers)
         for r in group
     ]
-    return collate(rows, pad_id, [engine_logprobs(r, with_answer=False) for group in rollouts for r in group])
+    return collate(rows, pad_id, [engine_logprobs(r, with_answer=False) for group in rollouts for r in group],
+                   [engine_routes(r, with_answer=False) for group in rollouts for r in group])
 
 
 def sampled_answer_batch(rollouts: Sequence[Sequence[Rollout]], think_end_id: int, pad_id: int) -> TokenBatch:
@@ -78,7 +96,8 @@ def sampled_answer_batch(rollouts: Sequence[Sequence[Rollout]], think_end_id: in
             if r.answer_ids is None:
                 raise ValueError("rollout has no sampled answer; generate with sample_answers=True")
             rows.append(splice(r.prompt_ids, r.rationale_ids, think_end_id, r.think_end_forced, r.answer_ids))
-    return collate(rows, pad_id, [engine_logprobs(r, with_answer=True) for group in rollouts for r in group])
+    return collate(rows, pad_id, [engine_logprobs(r, with_answer=True) for group in rollouts for r in group],
+                   [engine_routes(r, with_answer=True) for group in rollouts for r in group])
 
 
 def given_target_batch(

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from nemo_jq.models.common import ACCELERATORS
+from nemo_jq.models.routes import has_experts, routing_replay
 from nemo_jq.registry import Registry
 from nemo_jq.rollouts import qwen3_decode  # noqa: F401 - registers Qwen3's decode step
 from nemo_jq.rollouts.budget import BudgetedRollouts
@@ -67,9 +68,11 @@ def sampling_settings(config: Any) -> SamplingSettings:
 
 def _in_this_process(sampler_class: type, **options: Any) -> SamplerBuilder:
     def build(request: SamplerRequest) -> Sampler:
+        record_routes = routing_replay(request.config, has_experts(getattr(request.model, "config", None)))
         return sampler_class(request.model, pad_id=request.pad_id, device=request.device,
                              precision=request.config.model.precision, settings=sampling_settings(request.config),
-                             kv_cache_tokens=request.config.rollout.kv_cache_tokens, **options)
+                             kv_cache_tokens=request.config.rollout.kv_cache_tokens, record_routes=record_routes,
+                             **options)
 
     return build
 

@@ -70,11 +70,14 @@ class BudgetedRollouts:
         for prompt, group in zip(prompts, thoughts):
             for thought in group:
                 ends = thought.stopped and thought.token_ids[-1] == self.think_end_id
+                rationale = thought.token_ids[:-1] if ends else thought.token_ids
                 rollouts.append(Rollout(
                     prompt_ids=list(prompt),
-                    rationale_ids=thought.token_ids[:-1] if ends else thought.token_ids,
+                    rationale_ids=rationale,
                     think_end_forced=not ends,
                     rationale_logprobs=thought.logprobs,
+                    # the prompt and rationale as the engine ran them (it never fed the </think> back)
+                    routes=None if thought.routes is None else thought.routes[:len(prompt) + len(rationale)],
                 ))
         if sample_answers:
             contexts = [r.prompt_ids + r.rationale_ids + [self.think_end_id] for r in rollouts]
@@ -82,5 +85,8 @@ class BudgetedRollouts:
                                           max_new_tokens=self.max_answer_tokens, generator=generator, greedy=greedy)
             for rollout, [answer] in zip(rollouts, answers):
                 rollout.answer_ids, rollout.answer_logprobs = answer.token_ids, answer.logprobs
+                if answer.routes is not None:  # the rationale as its pass ran it, the rest as the answer's did
+                    kept = rollout.routes if rollout.routes is not None else answer.routes[:0]
+                    rollout.routes = torch.cat([kept, answer.routes[len(kept):]])
         self.tokens_generated += sum(len(r.rationale_ids) + 1 + len(r.answer_ids or ()) for r in rollouts)
         return as_groups(rollouts, num_samples)

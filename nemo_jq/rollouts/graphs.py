@@ -127,9 +127,10 @@ class GraphSampler(NativeSampler):
 
     def __init__(self, model: Any, *, pad_id: int, device: torch.device, precision: str = "auto",
                  settings: SamplingSettings = SamplingSettings(), kv_cache_tokens: int | None = None,
-                 graphs: bool | None = None, attention: str = "matmul", compiled: bool = False):
+                 graphs: bool | None = None, attention: str = "matmul", compiled: bool = False,
+                 record_routes: bool = False):
         super().__init__(model, pad_id=pad_id, device=device, precision=precision, settings=settings,
-                         kv_cache_tokens=kv_cache_tokens)
+                         kv_cache_tokens=kv_cache_tokens, record_routes=record_routes)  # a dense Qwen3's: none
         self.step_class = decode_step_for(model)
         if self.step_class is None:
             raise ValueError(f"no decode step is registered for model_type {model.config.model_type!r} with this "

@@ -7,6 +7,7 @@ out: the native sampler's compaction and shared prefill leave the samples unchan
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Iterable, Sequence
@@ -14,6 +15,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from nemo_jq.models.common import autocast_context, check_precision, in_memory_target
+from nemo_jq.models.routes import RouteRecorder
 from nemo_jq.precision import autocast_dtype_now
 from nemo_jq.rollouts.sampling import Sample, SamplingSettings, as_groups, check_request
 
@@ -48,13 +50,15 @@ def decode_attention():
 
 class HFSampler:
     """The plain decode loop: every prompt copied M times, prefilled, and decoded to the longest row
-    over HF's growing cache (what the trainer used before the native sampler; the benchmark's baseline)."""
+    over HF's growing cache (what the trainer used before the native sampler; the benchmark's baseline).
+    ``record_routes``: a Qwen3-MoE's samples carry the experts each position was routed to (routing replay)."""
 
     tensor_parallel = 1
 
     def __init__(self, model: Any, *, pad_id: int, device: torch.device, precision: str = "auto",
-                 settings: SamplingSettings = SamplingSettings(), kv_cache_tokens: int | None = None):
-        self.model, self.pad_id, self.device = model, pad_id, device
+                 settings: SamplingSettings = SamplingSettings(), kv_cache_tokens: int | None = None,
+                 record_routes: bool = False):
+        self.model, self.pad_id, self.device, self.record_routes = model, pad_id, device, record_routes
         self.precision, self.settings = check_precision(precision), settings
         #: The most tokens of keys and values held at once (rows x (prompt + new tokens)); None: no bound.
         self.kv_cache_tokens = kv_cache_tokens
@@ -122,28 +126,39 @@ class HFSampler:
         stopped = torch.zeros(n, dtype=torch.bool, device=self.device)
         stops = torch.tensor(list(stop_ids), dtype=torch.long, device=self.device)
 
-        logits, cache, mask, positions = self._prefill(prompts, num_samples, max_new_tokens)
-        rows = torch.arange(n, device=self.device)  # the request's row of each batch row
-        live = torch.ones(n, dtype=torch.bool, device=self.device)  # per batch row: still decoding
-        for step in range(max_new_tokens):
-            uniforms = torch.rand(n, generator=generator, device=generator.device).to(self.device)[rows]
-            token, logprob = settings.next_tokens(logits, uniforms)
-            tokens[rows[live], step], logprobs[rows[live], step] = token[live], logprob[live]
-            ends = live & torch.isin(token, stops)
-            stopped[rows[ends]] = True
-            lengths[rows[ends]] = step + 1
-            live &= ~ends
-            if step + 1 == max_new_tokens or not bool(live.any()):
-                break
-            if self._compact(cache, live, len(rows)):
-                cache.batch_select_indices(live.nonzero().squeeze(1))
-                token, mask, positions, rows = token[live], mask[live], positions[live], rows[live]
-                live = live[live]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions + 1
-            logits = self._forward(token.unsqueeze(1), mask, positions, cache)
+        with RouteRecorder(self.model) if self.record_routes else contextlib.nullcontext() as recorder:
+            logits, cache, mask, positions = self._prefill(prompts, num_samples, max_new_tokens)
+            width = mask.shape[1]
+            routes = None if recorder is None else recorder.prefilled(width, n, max_new_tokens)
+            rows = torch.arange(n, device=self.device)  # the request's row of each batch row
+            live = torch.ones(n, dtype=torch.bool, device=self.device)  # per batch row: still decoding
+            for step in range(max_new_tokens):
+                uniforms = torch.rand(n, generator=generator, device=generator.device).to(self.device)[rows]
+                token, logprob = settings.next_tokens(logits, uniforms)
+                tokens[rows[live], step], logprobs[rows[live], step] = token[live], logprob[live]
+                ends = live & torch.isin(token, stops)
+                stopped[rows[ends]] = True
+                lengths[rows[ends]] = step + 1
+                live &= ~ends
+                if step + 1 == max_new_tokens or not bool(live.any()):
+                    break
+                if self._compact(cache, live, len(rows)):
+                    cache.batch_select_indices(live.nonzero().squeeze(1))
+                    token, mask, positions, rows = token[live], mask[live], positions[live], rows[live]
+                    live = live[live]
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                positions = positions + 1
+                logits = self._forward(token.unsqueeze(1), mask, positions, cache)
+                if routes is not None:  # the token sampled at this step, fed back at position width + step
+                    routes[rows, width + step] = recorder.take(1)[:, 0]
 
-        return samples_from(tokens.cpu(), logprobs.cpu(), lengths.cpu(), stopped.cpu(), num_samples)
+        samples = samples_from(tokens.cpu(), logprobs.cpu(), lengths.cpu(), stopped.cpu(), num_samples)
+        if routes is not None:
+            routes = routes.cpu()
+            for i, sample in enumerate(sample for group in samples for sample in group):
+                start = width - len(prompts[i // num_samples])  # after the row's left padding
+                sample.routes = routes[i, start:width + len(sample.token_ids)].clone()  # not a view of all rows'
+        return samples
 
 
 def samples_from(tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor,

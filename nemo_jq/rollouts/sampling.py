@@ -22,6 +22,9 @@ class Sample:
     token_ids: list[int]
     stopped: bool
     logprobs: list[float] | None = None
+    #: Where the engine records them (a Qwen3-MoE under routing replay, :mod:`nemo_jq.models.routes`): the experts
+    #: each position of prompt + ``token_ids`` was routed to, ``[positions, layers, k]`` uint8.
+    routes: torch.Tensor | None = None
 
 
 class Sampler(Protocol):

@@ -26,6 +26,7 @@ from nemo_jq.models.interfaces import LossFn, TokenBatch
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.mapping import ExpertShard
 from nemo_jq.models.megatron.provider import Qwen3Architecture
+from nemo_jq.models.megatron.replay import RoutingReplay
 
 #: The layout settings a Qwen3-MoE trains with so far, and their values (TP: with sequence parallelism and
 #: expert_parallel a multiple of it, :func:`check_trainable`).
@@ -68,10 +69,12 @@ def expert_shard(arch: Qwen3Architecture) -> ExpertShard:
 
 
 def with_load_balancing(loss_fn: LossFn, micro_batches: Sequence[TokenBatch], data_parallel_group: Any,
-                        device: torch.device) -> LossFn:
+                        device: torch.device, replay: RoutingReplay | None = None,
+                        tensor_parallel_group: Any = None) -> LossFn:
     """``loss_fn`` that first sets the load-balancing loss's backward scale for its micro-batch (its rows over the
     rows of every DP rank's micro-batches) and adds the micro-batch's ``load_balancing_loss`` (the layers' mean,
-    without the coefficient) to its metrics. Called after the micro-batch's forward, before its backward."""
+    without the coefficient) to its metrics, and its ``routing_disagreement`` where ``replay`` replayed routes (the
+    TP ranks' counts summed). Called after the micro-batch's forward, before its backward."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     (rows,) = reduced([sum(micro.num_rows for micro in micro_batches)], data_parallel_group, dist.ReduceOp.SUM, device)
@@ -79,8 +82,9 @@ def with_load_balancing(loss_fn: LossFn, micro_batches: Sequence[TokenBatch], da
     def scaled(logprobs: torch.Tensor, index: int) -> tuple[torch.Tensor, dict[str, Any]]:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(micro_batches[index].num_rows / rows, device=device))
         loss, metrics = loss_fn(logprobs, index)
-        balance = load_balancing_loss()
-        return loss, metrics if balance is None else {**metrics, "load_balancing_loss": balance}
+        measured = {"load_balancing_loss": load_balancing_loss(),
+                    "routing_disagreement": None if replay is None else replay.disagreement(tensor_parallel_group)}
+        return loss, {**metrics, **{key: value for key, value in measured.items() if value is not None}}
 
     return scaled
 

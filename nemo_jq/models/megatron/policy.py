@@ -52,6 +52,7 @@ from nemo_jq.models.megatron.provider import (
     uses_sdpa_attention,
     uses_transformer_engine,
 )
+from nemo_jq.models.megatron.replay import RoutingReplay, padded_routes
 from nemo_jq.models.megatron.zero import DenseAndExpertAdamW, DistributedAdamW
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.distributed import DataParallel
@@ -172,6 +173,9 @@ class MegatronPolicy:
         self._all_names = [name for stage in self._gather_over_stages(
             [self._global_name(name) for name, _ in self.model.named_parameters()]) for name in stage]
         self._load_hf_state(hf_state)
+        #: A Qwen3-MoE's routers replay the routes a batch carries (replay.py).
+        self.routing_replay = RoutingReplay(self.model, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                            sequence_parallel=sequence_parallel) if self.arch.is_moe else None
         #: Moves whenever the weights change, so an engine sampling from a copy knows to refit.
         self.weights_version = 0
         #: Whether gradients of an earlier ``forward_backward`` (synchronised already) wait for the step.
@@ -221,9 +225,10 @@ class MegatronPolicy:
             return self._token_logprobs_alike_over_ep(batch)
         padding = (0, -batch.input_ids.shape[1] % self.sequence_multiple)
         input_ids = torch.nn.functional.pad(batch.input_ids, padding)
-        # a Qwen3-MoE's routers leave the padding out of the load-balancing loss
+        # a Qwen3-MoE's routers leave the padding out of the load-balancing loss, and replay the engine's routes
         real = torch.nn.functional.pad(batch.attention_mask, padding).bool() if self.arch.is_moe else None
-        return self._logprobs(self._forward(input_ids, real), batch)
+        routes = padded_routes(batch.routes, *input_ids.shape)
+        return self._logprobs(self._forward(input_ids, real, routes), batch)
 
     def _token_logprobs_alike_over_ep(self, batch: TokenBatch) -> torch.Tensor:
         """``token_logprobs`` where the expert-parallel ranks each run their own rows: megatron-core's all-gather
@@ -232,14 +237,17 @@ class MegatronPolicy:
         rows, length = reduced([batch.num_rows, batch.input_ids.shape[1]], self.ep_group, dist.ReduceOp.MAX, self.device)
         padded = _right_padded(batch, rows, length + -length % self.sequence_multiple)
         real = padded.attention_mask.bool()
-        logprobs = self._logprobs(self._forward(padded.input_ids, real), padded)
+        logprobs = self._logprobs(self._forward(padded.input_ids, real, padded.routes), padded)
         return logprobs[: batch.num_rows, : batch.target_mask.shape[1]]
 
-    def _forward(self, input_ids: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, real: torch.Tensor | None = None,
+                 routes: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's hidden states ``[L / CP (/ TP under SP), N, H]`` for whole rows ``[N, L]`` (``L`` a multiple
         of ``sequence_multiple``), of this CP rank's positions: the last stage's after the final norm, without the
         LM head, which ``_logprobs`` applies a chunk of positions at a time. ``real``: a Qwen3-MoE's real (not padding)
-        positions ``[N, L]``, for its routers."""
+        positions ``[N, L]``, for its routers; ``routes``: the engine's routes to replay ``[N, L, layers, k]``."""
+        if self.routing_replay is not None:
+            self.routing_replay.load(routes)
         length = input_ids.shape[1]
         positions = self._on_this_cp_rank(torch.arange(length, device=self.device).expand_as(input_ids))
         # Rows are right-padded, so the causal mask alone keeps padding out of every real token's view.
@@ -304,7 +312,8 @@ class MegatronPolicy:
             dist.broadcast_object_list(box, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
             metrics = box[0]
         else:
-            moe = with_load_balancing(loss_fn, micro_batches, self.dp_group, self.device) if self.arch.is_moe else None
+            moe = with_load_balancing(loss_fn, micro_batches, self.dp_group, self.device,
+                                      self.routing_replay, self.tp_group) if self.arch.is_moe else None
             metrics = backward_each(self, micro_batches, moe or loss_fn)
         self._synchronise_gradients()
         for param, grad in earlier.items():
@@ -579,7 +588,8 @@ def _right_padded(batch: TokenBatch, rows: int, length: int) -> TokenBatch:
         return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1], 0, rows - tensor.shape[0]))
 
     return TokenBatch(pad(batch.input_ids, length), pad(batch.attention_mask, length),
-                      pad(batch.rationale_mask, length - 1), pad(batch.answer_mask, length - 1))
+                      pad(batch.rationale_mask, length - 1), pad(batch.answer_mask, length - 1),
+                      routes=padded_routes(batch.routes, rows, length))
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

@@ -92,7 +92,7 @@ def train_steps(run_dir, overrides: list[str], steps: int = 3, resume: bool = Fa
     else:
         Trainer(load_config(None, [*TINY_RUN, f"train.max_steps={steps}", "eval.every=1000", f"train.run_dir={run_dir}",
                                    *overrides])).fit()
-    keys = ("loss", "grad_norm", "rollout_tokens")
+    keys = ("loss", "grad_norm", "rollout_tokens", "routing_disagreement")
     return [{key: record.get(key) for key in keys} for record in read_metrics(run_dir) if record["kind"] == "train"]
 
 
@@ -101,3 +101,45 @@ def assert_same_training(ours: list[dict], theirs: list[dict]) -> None:
     for mine, other in zip(ours, theirs, strict=True):
         for key in ("loss", "grad_norm"):
             assert mine[key] == pytest.approx(other[key], rel=1e-4, abs=1e-5), (key, mine, other)
+
+
+#: The tiny Qwen3-MoE's experts, and how many each token is routed to.
+EXPERTS, TOP_K = 4, 2
+
+
+def tiny_qwen3_moe(folder, *, norm_topk_prob: bool = True, seed: int = 0, vocab_size: int = 317):
+    """A random Qwen3-MoE of two layers, 4 experts, top-2, saved as transformers saves one (per-expert tensors)."""
+    from helpers import tiny_qwen3_moe_model
+
+    tiny_qwen3_moe_model(experts=EXPERTS, top_k=TOP_K, norm_topk_prob=norm_topk_prob, seed=seed,
+                         vocab_size=vocab_size).save_pretrained(folder)
+    return folder
+
+
+def per_expert(state: dict) -> dict:
+    """transformers 5's in-memory Qwen3-MoE tensors (experts fused: ``gate_up_proj [E, 2I, H]``, ``down_proj
+    [E, H, I]``) under the checkpoint's names, one tensor per expert."""
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, kind = name.rpartition(".experts.")
+        if not _:
+            out[name] = tensor
+        elif kind == "gate_up_proj":
+            for j, fused in enumerate(tensor):
+                gate, up = fused.chunk(2)
+                out[f"{prefix}.experts.{j}.gate_proj.weight"], out[f"{prefix}.experts.{j}.up_proj.weight"] = gate, up
+        else:
+            out.update({f"{prefix}.experts.{j}.down_proj.weight": expert for j, expert in enumerate(tensor)})
+    return out
+
+
+def switch_loss(router_logits: torch.Tensor, real: torch.Tensor, coef: float,
+                dispatched: torch.Tensor | None = None) -> torch.Tensor:
+    """megatron-core's load-balancing loss of one layer and micro-batch, written out: over the real tokens,
+    ``coef * E / (k T^2) * sum_e tokens_e * P_e`` (P: the summed softmax over all experts; tokens: the experts each
+    token was ``dispatched`` to ``[T, k]``, by default the softmax's top-k)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)[real]
+    picked = probs.topk(TOP_K, dim=-1).indices if dispatched is None else dispatched[real]
+    chosen = torch.nn.functional.one_hot(picked, EXPERTS).sum((0, 1)).float()
+    tokens = probs.shape[0]
+    return (probs.sum(0) * chosen).sum() * EXPERTS * coef / (TOP_K * tokens * tokens)

