@@ -205,13 +205,14 @@ def small_qwen3(folder: Path, *, layers: int, tied: bool, experts: int = 0) -> P
 
 
 def tiny_qwen3_moe_model(*, experts: int = 4, top_k: int = 2, norm_topk_prob: bool = True, seed: int = 0,
-                         vocab_size: int = 317):
-    """A random transformers Qwen3-MoE of two layers, 32 wide (untied, head_dim 16, rope base 1e6)."""
+                         vocab_size: int = 317, head_dim: int = 16):
+    """A random transformers Qwen3-MoE of two layers, 32 wide (untied, rope base 1e6; ``head_dim=32``: the least
+    vLLM's CPU attention accepts)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                             num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
                             rope_theta=1e6, max_position_embeddings=128, tie_word_embeddings=False)
     with torch.random.fork_rng(devices=[]):

