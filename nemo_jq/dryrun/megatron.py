@@ -123,7 +123,7 @@ def megatron_on_stand_in_gpu() -> Iterator[None]:
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from nemo_jq.models.megatron import experts, policy
+    from nemo_jq.models.megatron import experts
 
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in (
@@ -148,7 +148,6 @@ def megatron_on_stand_in_gpu() -> Iterator[None]:
             # a Qwen3-MoE's small reductions read values a fake group does not carry: the simulated ranks hold alike
             # batches (and the routers' logged loss is not read)
             (experts, "reduced", _reduced_alike),
-            (policy, "reduced", _reduced_alike),
             (experts, "load_balancing_loss", lambda: None),
             # which tokens go to which expert is data: routing balanced, k of the E experts each token, each local
             # expert an equal share of what its rank gets

@@ -198,6 +198,23 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], name: str = "adamw", *
 _EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
+def checkpoint_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An in-memory HF model's tensors under the names its checkpoint stores them by: a Qwen3-MoE's fused experts
+    (transformers 5's ``gate_up_proj [E, 2I, H]``, gate rows first, and ``down_proj [E, H, I]``) one tensor per expert
+    (views), the rest as they are (the inverse of :func:`in_memory_target`)."""
+    out = {}
+    for name, tensor in state.items():
+        prefix, fused, kind = name.rpartition(".experts.")
+        if not fused or kind not in ("gate_up_proj", "down_proj"):
+            out[name] = tensor
+        elif kind == "gate_up_proj":
+            for j, expert in enumerate(tensor):
+                out[f"{prefix}.experts.{j}.gate_proj.weight"], out[f"{prefix}.experts.{j}.up_proj.weight"] = expert.chunk(2)
+        else:
+            out.update({f"{prefix}.experts.{j}.down_proj.weight": expert for j, expert in enumerate(tensor)})
+    return out
+
+
 def in_memory_target(name: str, state: Mapping[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
     """Where a checkpoint-named tensor goes in an in-memory HF model's ``state``: its own entry, or for one expert of
     a Qwen3-MoE (checkpoints store ``mlp.experts.{j}.gate_proj.weight``; transformers 5 fuses the experts in memory

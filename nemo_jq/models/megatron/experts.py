@@ -48,14 +48,8 @@ def check_trainable(arch: Qwen3Architecture, layout: MegatronLayout) -> None:
                          "tested; docs/moe.md)")
     for key, value in TRAINABLE.items():
         if getattr(layout, key) != value:
-            raise ValueError(f"megatron.{key}={_word(getattr(layout, key))} with a Qwen3-MoE: for now experts train with "
-                             + ", ".join(f"{name}={_word(setting)}" for name, setting in TRAINABLE.items())
-                             + " (docs/moe.md)")
-
-
-def _word(value: Any) -> str:
-    """A setting as a config file writes it (``true``, not ``True``)."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
+            raise ValueError(f"megatron.{key}={getattr(layout, key)} with a Qwen3-MoE: for now experts train with "
+                             + ", ".join(f"{name}={setting}" for name, setting in TRAINABLE.items()) + " (docs/moe.md)")
 
 
 def expert_shard(arch: Qwen3Architecture) -> ExpertShard:

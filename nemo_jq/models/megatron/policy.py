@@ -28,13 +28,22 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_jq.models.common import WEIGHTS_FILE, SafetensorsFolder, autocast_context, autocast_dtype, build_optimizer, check_precision
+from nemo_jq.models.common import (
+    WEIGHTS_FILE,
+    SafetensorsFolder,
+    autocast_context,
+    autocast_dtype,
+    build_optimizer,
+    check_precision,
+    checkpoint_state,
+)
 from nemo_jq.models.export import export_hf_stream
 from nemo_jq.models.interfaces import LossFn, TokenBatch, backward_each
+from nemo_jq.models.megatron import experts as moe  # moe.reduced: the dry run answers it where values are fake
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
-from nemo_jq.models.megatron.experts import check_trainable, expert_shard, reduced, with_load_balancing
+from nemo_jq.models.megatron.experts import check_trainable, expert_shard, with_load_balancing
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
 from nemo_jq.models.megatron.mapping import (
@@ -199,8 +208,9 @@ class MegatronPolicy:
 
     @classmethod
     def from_hf_model(cls, model: Any, **kwargs: Any) -> "MegatronPolicy":
-        """From an HF ``Qwen3ForCausalLM`` (its config and weights); ``kwargs`` as for the constructor."""
-        return cls(model.config, model.state_dict(), **kwargs)
+        """From an HF ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` (its config and weights, a Qwen3-MoE's experts
+        one tensor each, as its checkpoint stores them); ``kwargs`` as for the constructor."""
+        return cls(model.config, checkpoint_state(model.state_dict()), **kwargs)
 
     @classmethod
     def from_hf_folder(cls, folder: Path, **kwargs: Any) -> "MegatronPolicy":
@@ -234,7 +244,7 @@ class MegatronPolicy:
         """``token_logprobs`` where the expert-parallel ranks each run their own rows: megatron-core's all-gather
         dispatcher exchanges equal token counts, so every EP rank pads its rows to the group's most rows and longest
         sequence (padding takes no part in routing's loss and scores nothing), and the log-probs are cut back."""
-        rows, length = reduced([batch.num_rows, batch.input_ids.shape[1]], self.ep_group, dist.ReduceOp.MAX, self.device)
+        rows, length = moe.reduced([batch.num_rows, batch.input_ids.shape[1]], self.ep_group, dist.ReduceOp.MAX, self.device)
         padded = _right_padded(batch, rows, length + -length % self.sequence_multiple)
         real = padded.attention_mask.bool()
         logprobs = self._logprobs(self._forward(padded.input_ids, real, padded.routes), padded)

@@ -101,12 +101,7 @@ class DistributedAdamW:
         """Reduce-scatter the gradient buffer, clip by the global norm (over ``group``, then ``norm_group``: the
         replica's TP and PP ranks), step this rank's fp32 slice of the master weights, all-gather it into the
         parameters (rounded to their dtype), and zero the buffer; return the pre-clip norm."""
-        squares = self.reduce_gradients()
-        if norm_group is not None:
-            dist.all_reduce(squares, group=norm_group)
-        norm = squares.sqrt()
-        self.apply((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return norm
+        return clipped_step(max_norm, (self, norm_group))
 
     def reduce_gradients(self) -> torch.Tensor:
         """The step's first half: reduce-scatter the gradient buffer (this rank's slice holds the sum over ``group``
@@ -211,16 +206,7 @@ class DenseAndExpertAdamW:
         return [*self.dense.param_groups, *self.experts.param_groups]
 
     def step(self, max_norm: float, norm_group: dist.ProcessGroup | None) -> torch.Tensor:
-        squares = self.dense.reduce_gradients()
-        if norm_group is not None:
-            dist.all_reduce(squares, group=norm_group)
-        experts = self.experts.reduce_gradients()
-        dist.all_reduce(experts, group=self.expert_norm_group)
-        norm = (squares + experts).sqrt()
-        clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for part in self.parts:
-            part.apply(clip)
-        return norm
+        return clipped_step(max_norm, (self.dense, norm_group), (self.experts, self.expert_norm_group))
 
     def replicated(self) -> torch.optim.AdamW:
         """Both parts' :meth:`DistributedAdamW.replicated` as one AdamW over every parameter (what a checkpoint
@@ -237,3 +223,19 @@ class DenseAndExpertAdamW:
         """Each part's master weights from the parameters (a load of the weights alone)."""
         for part in self.parts:
             part.load_shard(None)
+
+
+def clipped_step(max_norm: float, *parts: tuple[DistributedAdamW, dist.ProcessGroup | None]) -> torch.Tensor:
+    """Step optimizer parts clipped by one global norm: each part's gradient reduced and its squares summed over its
+    group and then over the part's own further group (None: none), the parts' sums added; return the pre-clip norm."""
+    total = None
+    for part, norm_group in parts:
+        squares = part.reduce_gradients()
+        if norm_group is not None:
+            dist.all_reduce(squares, group=norm_group)
+        total = squares if total is None else total + squares
+    norm = total.sqrt()
+    clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for part, _ in parts:
+        part.apply(clip)
+    return norm

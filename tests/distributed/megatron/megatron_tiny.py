@@ -116,23 +116,6 @@ def tiny_qwen3_moe(folder, *, norm_topk_prob: bool = True, seed: int = 0, vocab_
     return folder
 
 
-def per_expert(state: dict) -> dict:
-    """transformers 5's in-memory Qwen3-MoE tensors (experts fused: ``gate_up_proj [E, 2I, H]``, ``down_proj
-    [E, H, I]``) under the checkpoint's names, one tensor per expert."""
-    out = {}
-    for name, tensor in state.items():
-        prefix, _, kind = name.rpartition(".experts.")
-        if not _:
-            out[name] = tensor
-        elif kind == "gate_up_proj":
-            for j, fused in enumerate(tensor):
-                gate, up = fused.chunk(2)
-                out[f"{prefix}.experts.{j}.gate_proj.weight"], out[f"{prefix}.experts.{j}.up_proj.weight"] = gate, up
-        else:
-            out.update({f"{prefix}.experts.{j}.down_proj.weight": expert for j, expert in enumerate(tensor)})
-    return out
-
-
 def switch_loss(router_logits: torch.Tensor, real: torch.Tensor, coef: float,
                 dispatched: torch.Tensor | None = None) -> torch.Tensor:
     """megatron-core's load-balancing loss of one layer and micro-batch, written out: over the real tokens,

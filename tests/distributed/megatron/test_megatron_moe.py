@@ -16,7 +16,8 @@ pytestmark = pytest.mark.megatron
 import torch.distributed as dist  # noqa: E402
 
 from megatron_cpu import run_in_processes  # noqa: E402
-from megatron_tiny import EXPERTS, per_expert, switch_loss, tiny_qwen3_moe  # noqa: E402
+from megatron_tiny import EXPERTS, switch_loss, tiny_qwen3_moe  # noqa: E402
+from nemo_jq.models.common import checkpoint_state  # noqa: E402
 from nemo_jq.models.megatron.layout import MegatronLayout  # noqa: E402
 from nemo_jq.models.megatron.provider import read_qwen3_config  # noqa: E402
 
@@ -175,12 +176,12 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
     expected = hf.forward_backward(micro_batches, with_balance)
     rank, replicas = policy.data_parallel.rank, policy.data_parallel.size
     got = policy.forward_backward(micro_batches[rank::replicas], garl_loss_fn(micro_batches[rank::replicas], []))
-    hf_grads = per_expert({name: param.grad for name, param in hf.model.named_parameters()})
+    hf_grads = checkpoint_state({name: param.grad for name, param in hf.model.named_parameters()})
     # the distributed optimizer sums the gradients over DP at its step: until then each rank holds its own part
     grads = 0.0 if distributed_optimizer else max_diff(
         policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
     grad_norm = abs(policy.optimizer_step()["grad_norm"] - hf.optimizer_step()["grad_norm"])
-    weights = max_diff(policy.hf_state_dict(), per_expert(dict(hf.model.named_parameters())))
+    weights = max_diff(policy.hf_state_dict(), checkpoint_state(dict(hf.model.named_parameters())))
     # a checkpoint of the stepped policy (each rank its experts) resumes into a fresh one, AdamW state included, and
     # its weights load at EP=1 (DP 2: every rank all experts)
     policy.save(Path(checkpoint))
@@ -194,7 +195,7 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
     # the export (experts gathered over EP) is a folder transformers loads, bit-exact
     export = Path(checkpoint).parent / "export"
     policy.export(export, tiny_setup()[1])
-    exported = max_diff(per_expert(Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()), stepped)
+    exported = max_diff(checkpoint_state(Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()), stepped)
     parallel_state.destroy_model_parallel()
     whole = MegatronPolicy.from_hf_folder(folder, **{**settings, "expert_parallel": 1, "tensor_parallel": 1,
                                                      "sequence_parallel": False})
@@ -297,7 +298,7 @@ def bf16_moe_worker(folder: str, checkpoint: str) -> dict:
     policy.optimizer_step()
     hf.optimizer_step()
     stepped = policy.gather_hf(masters(policy))
-    after_step = max_diff(stepped, per_expert(dict(hf.model.named_parameters())))
+    after_step = max_diff(stepped, checkpoint_state(dict(hf.model.named_parameters())))
     policy.save(Path(checkpoint))
     resumed = MegatronPolicy.from_hf_folder(folder, **settings)
     resumed.load(Path(checkpoint))

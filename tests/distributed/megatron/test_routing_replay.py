@@ -16,7 +16,8 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 from megatron_cpu import run_in_processes  # noqa: E402
-from megatron_tiny import TOP_K, per_expert, switch_loss, tiny_qwen3_moe  # noqa: E402
+from megatron_tiny import TOP_K, switch_loss, tiny_qwen3_moe  # noqa: E402
+from nemo_jq.models.common import checkpoint_state  # noqa: E402
 from nemo_jq.models.routes import ROUTE_YOURSELF  # noqa: E402
 
 #: The first input position whose route the trainer takes itself (the teacher-forced answer's tokens).
@@ -66,7 +67,8 @@ def replay_worker(folder: str) -> dict:
 
     aux_coef = 0.5
     clean = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    policy = MegatronPolicy.from_hf_folder(folder, expert_parallel=2, moe_aux_loss_coef=aux_coef, **OPTIM)
+    # from the model in memory: its fused experts read one tensor each, as from its checkpoint
+    policy = MegatronPolicy.from_hf_model(clean, expert_parallel=2, moe_aux_loss_coef=aux_coef, **OPTIM)
     batch = garl_batch(clean.config.vocab_size)
     real = batch.attention_mask.bool()
 
@@ -120,7 +122,7 @@ def replay_worker(folder: str) -> dict:
         seen.clear()
     rank = policy.data_parallel.rank
     got = policy.forward_backward(micro_batches[rank::2], garl_loss_fn(micro_batches[rank::2], []))[0]
-    hf_grads = per_expert({name: param.grad for name, param in hf.model.named_parameters()})
+    hf_grads = checkpoint_state({name: param.grad for name, param in hf.model.named_parameters()})
     grads = max_diff(policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
 
     # every replayed choice of layer 0 one its router would not make (the other experts of its own top-k): the
