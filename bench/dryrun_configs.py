@@ -5,9 +5,9 @@ format, source and sizes, the run directory, logging) share one dry run (:func:`
 simulated once, on the H100 profile, and given on every profile of :data:`nemo_jq.dryrun.GPUS` by
 :func:`nemo_jq.dryrun.on_gpu` (80 GB each: the same memory, other time bounds). A megatron config runs at its
 documented world (:data:`WORLD_SIZES`), on the dry run's default ranks. Writes bench/results/dryrun_configs.json and
-the table docs/results/dryrun_configs.md; ``tests/test_dryrun_configs.py`` runs the same workloads in CI.
+the table docs/results/dryrun_configs.md (not in CI: too slow for it).
 
-    python bench/dryrun_configs.py [--prompt-tokens 1024] [--only qwen3_0p6b]
+    python bench/dryrun_configs.py [--prompt-tokens 1024] [--only qwen3_0p6b]   # --only: those rows rerun, the rest kept
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ UNSEEN = ("data.name", "data.format", "data.source", "data.hub_config", "data.pr
           "train.keep_checkpoints", "train.tensorboard", "eval.every", "tracking")
 #: The GPUs each megatron config's layout is documented for (configs/paper_runs.py's node of eight for the 8B paper
 #: runs; the 32B example's 16 nodes, in its own header): the dry run's world, so DP is the one the run has.
-WORLD_SIZES = {"configs/qwen3_8b/": 8, "configs/examples/qwen3_32b_": 128}
+WORLD_SIZES = {"configs/qwen3_8b/": 8, "configs/examples/qwen3_32b_": 128, "configs/examples/qwen3_30b_a3b_": 64}
 
 
 def workload_key(config: Config) -> str:
@@ -84,10 +84,11 @@ def dry_run_workload(path: str, prompt_tokens: int) -> dict[str, dict[str, Any]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--only", default="", help="configs whose path contains this")
+    parser.add_argument("--only", default="", help="configs whose path contains this: their rows replace (or join) "
+                                                   "those of the results written before; the others are kept")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = []
+    results = kept_results(args.only, args.prompt_tokens) if args.only else []
     for paths in workloads(args.only):
         started = time.perf_counter()
         reports = dry_run_workload(paths[0], args.prompt_tokens)
@@ -101,12 +102,24 @@ def main() -> None:
         print(f"{paths[0]} (+{len(paths) - 1}): peak {report['peak_gib']:.1f} GiB in {report['peak_phase']} "
               f"({', '.join(f'{k} {v:.1f}' for k, v in phase['by_kind_gib'].items())}); {seconds} s to simulate",
               flush=True)
+    results.sort(key=lambda result: result["configs"][0])  # the order workloads() gives, kept rows and new alike
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "simulated_on": SIMULATED_ON,
                                "workloads": results}, indent=1) + "\n")
     TABLE.parent.mkdir(parents=True, exist_ok=True)
     TABLE.write_text(markdown(results, args.prompt_tokens))
     print(f"wrote {OUT} and {TABLE}")
+
+
+def kept_results(only: str, prompt_tokens: int) -> list[dict[str, Any]]:
+    """The workloads of the results written before (at the same prompt length) that ``--only`` does not rerun."""
+    if not OUT.exists():
+        return []
+    earlier = json.loads(OUT.read_text())
+    if earlier["prompt_tokens"] != prompt_tokens:
+        raise SystemExit(f"{OUT} holds dry runs at {earlier['prompt_tokens']} prompt tokens: rerun them all at "
+                         f"{prompt_tokens} (no --only)")
+    return [result for result in earlier["workloads"] if not any(only in path for path in result["configs"])]
 
 
 def planned(report: dict[str, Any], config: Config) -> dict[str, dict[str, float]]:

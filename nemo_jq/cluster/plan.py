@@ -97,8 +97,20 @@ QWEN3_SIZES = {
 }
 
 
+_QWEN3_MOE_COMMON = {**_QWEN3_COMMON, "model_type": "qwen3_moe", "num_key_value_heads": 4, "num_experts": 128,
+                     "num_experts_per_tok": 8, "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
+                     "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+#: The released Qwen3-MoE shapes (experts in every layer; ``intermediate_size`` is unused where every MLP is experts).
+QWEN3_SIZES.update({
+    "30b-a3b": {**_QWEN3_MOE_COMMON, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                "num_hidden_layers": 48, "num_attention_heads": 32},
+    "235b-a22b": {**_QWEN3_MOE_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                  "num_hidden_layers": 94, "num_attention_heads": 64},
+})
+
+
 def hf_config_dict(model: str) -> dict[str, Any]:
-    """The HF config.json values of a released Qwen3 size (``8b``, ``Qwen3-8B``, ``Qwen/Qwen3-8B``)."""
+    """The HF config.json values of a released Qwen3 size (``8b``, ``Qwen3-8B``, ``Qwen/Qwen3-8B``, ``30b-a3b``)."""
     size = model.lower().removeprefix("qwen/").removeprefix("qwen3-").removeprefix("qwen3")
     if size not in QWEN3_SIZES:
         raise ValueError(f"model {model!r} is neither a Qwen3 size ({', '.join(QWEN3_SIZES)}) nor a local folder: "
@@ -107,19 +119,15 @@ def hf_config_dict(model: str) -> dict[str, Any]:
 
 
 def architecture(model: str) -> Qwen3Architecture:
-    """A Qwen3 size (``8b``, ``Qwen3-8B``) or a path to an HF config.json / model folder (a dense Qwen3: this memory
-    model has no experts yet; the dry run sizes a Qwen3-MoE)."""
+    """A Qwen3 or Qwen3-MoE size (``8b``, ``Qwen3-8B``, ``Qwen/Qwen3-30B-A3B``) or a path to an HF config.json /
+    model folder."""
     with contextlib.suppress(ValueError):
         return read_qwen3_config(hf_config_dict(model))
     try:
-        arch = read_qwen3_config(model)
+        return read_qwen3_config(model)
     except FileNotFoundError:
         raise ValueError(f"--model {model!r} is neither a Qwen3 size ({', '.join(QWEN3_SIZES)}) nor an HF config "
                          f"path: give a size or a config.json / model folder") from None
-    if arch.is_moe:
-        raise ValueError(f"{model} is a Qwen3-MoE ({arch.num_experts} experts): plan sizes dense Qwen3s only for now; "
-                         "`nemo-jq dryrun --config C.yaml --gpus N` sizes it at its layout (docs/moe.md)")
-    return arch
 
 
 def layer_parameters(arch: Qwen3Architecture) -> int:
@@ -178,6 +186,8 @@ class Workload:
     rollout_ranks: int = 0
     #: ``rollout.sync_bucket_mb``: the weight sync's bucket (MiB; a rollout rank holds two).
     sync_bucket_mb: float = 256.0
+    #: ``megatron.expert_parallel``: a Qwen3-MoE's experts split over that many ranks (expert-TP is 1).
+    expert_parallel: int = 1
 
     @classmethod
     def from_config(cls, config: Any, prompt_tokens: int) -> Workload:
@@ -204,7 +214,8 @@ class Workload:
                    decode_cast=hf and rollout.engine == "native" and rollout.cuda_graphs and not separate,
                    autocast=config.model.precision != "fp32",
                    eval_call=(config.eval.batch_size, config.eval.num_samples),
-                   rollout_ranks=rollout.ranks if separate else 0, sync_bucket_mb=rollout.sync_bucket_mb)
+                   rollout_ranks=rollout.ranks if separate else 0, sync_bucket_mb=rollout.sync_bucket_mb,
+                   expert_parallel=layout.expert_parallel if not hf else 1)
 
     @property
     def tokens_per_rank(self) -> float:
@@ -247,6 +258,8 @@ class LayoutEstimate:
     tensor_parallel: int
     pipeline_parallel: int
     data_parallel: int
+    #: A Qwen3-MoE's ``megatron.expert_parallel`` (1 for a dense Qwen3).
+    expert_parallel: int
     weights_gib: float
     gradients_gib: float
     optimizer_gib: float
@@ -268,8 +281,23 @@ def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> 
     tokens = work.tokens_per_rank
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     hidden_terms = 4 * arch.hidden_size / (tp if work.sequence_parallel else 1)  # two norms' inputs and outputs
-    split_terms = (2 * (q + 2 * kv) + q + 3 * arch.intermediate_size) / tp  # Q/K/V twice, attention out, fc1, SwiGLU
-    return 2 * tokens * (hidden_terms + split_terms)
+    mlp = 0 if arch.is_moe else 3 * arch.intermediate_size  # fc1, SwiGLU
+    split_terms = (2 * (q + 2 * kv) + q + mlp) / tp  # Q/K/V twice, attention out, the MLP
+    return 2 * tokens * (hidden_terms + split_terms) + (expert_activation_bytes(arch, work, tp) if arch.is_moe else 0)
+
+
+def expert_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
+    """What a Qwen3-MoE layer's router and experts keep for backward on one rank, routing balanced: each TP rank routes
+    its own part of the tokens (sequence parallelism), megatron-core's all-gather dispatcher gathers those of its EP
+    group, and the rank runs the ones routed to its experts, k per token of its own part: each bf16, its permuted
+    input, fc1 input and output, SwiGLU output and fc2 output (3H + 3I); the router's fp32 input and its logits and
+    probabilities over the E experts for its own tokens; the dispatcher's gathered tokens (bf16, H each). Measured by
+    the dry run at Qwen3-30B-A3B's width (TP 2 with SP, EP 8; 4 and 8 layers): 1766 MiB a layer, this 1791."""
+    own = work.tokens_per_rank / (tp if work.sequence_parallel else 1)
+    experts = 2 * own * arch.num_experts_per_tok * (3 * arch.hidden_size + 3 * arch.moe_intermediate_size)
+    router = 4 * own * (arch.hidden_size + 2 * arch.num_experts)
+    gathered = 2 * own * work.expert_parallel * arch.hidden_size
+    return experts + router + gathered
 
 
 #: What the megatron backend holds while one recomputed layer runs backward, in multiples of that layer's forward
@@ -277,6 +305,9 @@ def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> 
 #: all-gathered inputs. Measured by the megatron dry run (local spec, TP=2 with SP): 3.19 at a 4-layer 256-wide model,
 #: 3.25 at the 8B paper config (tests/unit/dryrun/test_dryrun_megatron.py holds plan to it).
 RECOMPUTED_LAYER_BACKWARD = 3.2
+#: The same for a Qwen3-MoE's layer (its experts' tensors are recomputed per expert, one after another): measured
+#: by the megatron dry run of Qwen3-30B-A3B's shape (TP 2 with SP, EP 8, recomputed): 2.57.
+RECOMPUTED_EXPERT_LAYER_BACKWARD = 2.57
 
 #: Buffers of one layer's keys (or values) a decode step holds beside the cache at once: a compaction rebuilds
 #: keys then values, each from a copy of the rows it keeps into a new buffer while the old one lives (measured by
@@ -337,8 +368,15 @@ def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int,
              headroom: float) -> LayoutEstimate:
     parts = component_bytes(arch, work, tp, pp, dp, gpu_gb)
     total, largest = _peak(parts, work)
-    return LayoutEstimate(tp, pp, dp, *(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2),
-                          total <= gpu_gb * headroom, largest, advice(largest, arch, work, (tp, pp, dp), gpu_gb, total))
+    sizes = [*(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2)]
+    engine_weights = 2 * parameter_count(arch) / work.vllm_tensor_parallel  # a colocated vLLM engine's bf16 weights a GPU
+    if 0 < parts["vllm"] < engine_weights:
+        return LayoutEstimate(tp, pp, dp, work.expert_parallel, *sizes, False, "vllm",
+                              f"a larger rollout.vllm_memory_utilization or rollout.tensor_parallel: vLLM's share holds "
+                              f"less than its engine's bf16 weights ({engine_weights / GiB:.1f} GiB a GPU at "
+                              f"rollout.tensor_parallel={work.vllm_tensor_parallel})")
+    return LayoutEstimate(tp, pp, dp, work.expert_parallel, *sizes, total <= gpu_gb * headroom, largest,
+                          advice(largest, arch, work, (tp, pp, dp), gpu_gb, total))
 
 
 def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
@@ -357,8 +395,13 @@ def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
 
 
 def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float) -> dict[str, float]:
-    """Each of :data:`COMPONENTS` in bytes, on the layout's fullest rank."""
-    params_per_rank = parameter_count(arch) / (tp * pp)
+    """Each of :data:`COMPONENTS` in bytes, on the layout's fullest rank. A Qwen3-MoE's experts are split over the
+    expert-parallel ranks, their optimizer state over the expert-data-parallel ones (TP x CP x DP / EP: the ranks
+    holding the same experts); the rest over TP (and its state over DP x CP)."""
+    experts = expert_parameters(arch)
+    dense_per_rank, experts_per_rank = (parameter_count(arch) - experts) / (tp * pp), experts / (work.expert_parallel * pp)
+    params_per_rank = dense_per_rank + experts_per_rank
+    expert_data_parallel = max(1, tp * work.context_parallel * dp // work.expert_parallel)
     weight_bytes, gradient_bytes, optimizer_bytes, sharded = OPTIMIZER_MODES[work.optimizer]
     layers = arch.num_layers // pp
     micro_batches = max(1, math.ceil(work.batch_prompts * work.samples / dp / work.micro_batch))
@@ -367,7 +410,8 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     tokens = work.tokens_per_rank
     if work.recompute:
         inputs = 2 * tokens * arch.hidden_size / (tp if work.sequence_parallel else 1)
-        activations = in_flight * layers * inputs + RECOMPUTED_LAYER_BACKWARD * per_layer
+        recomputed = RECOMPUTED_EXPERT_LAYER_BACKWARD if arch.is_moe else RECOMPUTED_LAYER_BACKWARD
+        activations = in_flight * layers * inputs + recomputed * per_layer
     else:
         activations = in_flight * layers * per_layer
     vllm = work.rollout_engine == "vllm"
@@ -377,7 +421,9 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     parts = {
         "weights": weight_bytes * params_per_rank,
         "gradients": gradient_bytes * params_per_rank,
-        "optimizer": optimizer_bytes * params_per_rank / (dp * work.context_parallel if sharded else 1),
+        "optimizer": optimizer_bytes * (dense_per_rank / (dp * work.context_parallel)
+                                        + experts_per_rank / expert_data_parallel) if sharded
+                     else optimizer_bytes * params_per_rank,
         "activations": hf_activation_bytes(arch, work) if hf else activations,
         "logprob_head": logprob_head_bytes(arch, work, 1 if hf else tp),
         "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else 2) * parameter_count(arch),
@@ -501,6 +547,7 @@ def overrides(layout: LayoutEstimate, work: Workload) -> str:
             f"megatron.context_parallel={work.context_parallel}",
             f"megatron.sequence_parallel={str(work.sequence_parallel and layout.tensor_parallel > 1).lower()}",
             f"megatron.recompute_activations={str(work.recompute).lower()}", OPTIMIZER_FLAGS[work.optimizer],
+            *([f"megatron.expert_parallel={layout.expert_parallel}"] if layout.expert_parallel > 1 else []),
             f"train.micro_batch_rows={work.micro_batch}", f"rollout.engine={work.rollout_engine}"]
     if work.rollout_engine == "vllm":
         keys.append(f"rollout.tensor_parallel={work.vllm_tensor_parallel} "
@@ -579,14 +626,31 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
             if (not layout.divides(arch, gpus) or work.batch_prompts % layout.data_parallel(gpus)
                     or (work.rollout_engine == "vllm" and tp % work.vllm_tensor_parallel)):
                 continue
-            layouts.append(estimate(arch, work, tp, pp, layout.data_parallel(gpus), gpu_gb, headroom))
+            for ep in expert_layouts(arch, layout, gpus):
+                layouts.append(estimate(arch, replace(work, expert_parallel=ep), tp, pp, layout.data_parallel(gpus),
+                                        gpu_gb, headroom))
     if not layouts:
         which = "training GPUs" if work.rollout_ranks else "GPUs"
         raise ValueError(f"no TP x PP x DP layout of {gpus} {which} at CP={cp} divides this model and a batch of "
                          f"{work.batch_prompts} prompts: change --nodes/--gpus-per-node, --context-parallel or "
                          f"--batch-prompts")
-    fitting = sorted((e for e in layouts if e.fits), key=lambda e: (-e.data_parallel, e.tensor_parallel, e.total_gib))
+    fitting = sorted((e for e in layouts if e.fits),
+                     key=lambda e: (-e.data_parallel, e.tensor_parallel, e.expert_parallel, e.total_gib))
     return fitting + sorted((e for e in layouts if not e.fits), key=lambda e: e.total_gib)
+
+
+def expert_layouts(arch: Qwen3Architecture, layout: MegatronLayout, gpus: int) -> list[int]:
+    """The ``expert_parallel`` sizes a Qwen3-MoE trains at on ``layout`` (``[1]`` for a dense Qwen3): dividing the
+    experts and a stage's TP x CP x DP ranks, at PP = CP = 1 and, with TP, a multiple of it under sequence parallelism
+    (``models.megatron.experts.check_trainable``); none where the layout is not one experts train at."""
+    if not arch.is_moe:
+        return [1]
+    tp = layout.tensor_parallel
+    if layout.pipeline_parallel > 1 or layout.context_parallel > 1 or (tp > 1 and not layout.sequence_parallel):
+        return []
+    stage = tp * layout.data_parallel(gpus)
+    return [ep for ep in range(1, arch.num_experts + 1)
+            if arch.num_experts % ep == 0 and stage % ep == 0 and (tp == 1 or ep % tp == 0)]
 
 
 def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate], gpu_gb: float,
@@ -617,8 +681,12 @@ def run_hours_column(timed: list[dict[str, Any]]) -> str:
 
 
 def format_report(result: dict[str, Any]) -> str:
+    experts = any(layout["expert_parallel"] > 1 for layout in result["layouts"])
     keys = [name for name in LayoutEstimate.__dataclass_fields__][:-2]
-    columns = ["TP", "PP", "DP", *(key.removesuffix("_gib").replace("_", " ") for key in keys[3:-2]), "total GiB", "fits"]
+    columns = ["TP", "PP", "DP", "EP", *(key.removesuffix("_gib").replace("_", " ") for key in keys[4:-2]), "total GiB",
+               "fits"]
+    if not experts:  # a dense Qwen3's table has no EP column
+        keys, columns = [key for key in keys if key != "expert_parallel"], [c for c in columns if c != "EP"]
     timed = result.get("time", {}).get("layouts")
     lines = [f"{result['parameters'] / 1e9:.3f}B parameters; workload: "
              + ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in result["workload"].items()),
@@ -645,14 +713,16 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{sync['seconds']:.2f} s at {sync['gb_per_s']:g} GB/s (--sync-bandwidth)")
     if best:
         lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']}{context} "
-                     f"DP={best['data_parallel']} ({best['total_gib']} of {budget:.0f} GiB)")
+                     f"DP={best['data_parallel']}" + (f" EP={best['expert_parallel']}" if experts else "")
+                     + f" ({best['total_gib']} of {budget:.0f} GiB)")
         lines.append(f"overrides: {result['overrides']}")
     elif closest["fits"]:
         lines.append("nothing recommended: a training layout fits, the rollout ranks do not")
     else:
         largest = closest["largest"]
         lines.append(f"nothing fits in {budget:.0f} GiB: the closest layout, TP={closest['tensor_parallel']} "
-                     f"PP={closest['pipeline_parallel']}{context} DP={closest['data_parallel']}, needs "
+                     f"PP={closest['pipeline_parallel']}{context} DP={closest['data_parallel']}"
+                     + (f" EP={closest['expert_parallel']}" if experts else "") + ", needs "
                      f"{closest['total_gib']} GiB, most of it the {largest.replace('_', ' ')} "
                      f"({closest[largest + '_gib']} GiB): try {closest['advice']}")
     if result.get("decode"):

@@ -29,12 +29,17 @@ def train_flops(arch: Qwen3Architecture, work: plan.Workload, rows: int, two_pas
     twice a forward's products and 2.5 times its attention. ``two_pass`` (``train.micro_batch_rows`` below a
     micro-batch's rows) adds the no-grad forward that scores the rows first; recomputation (``work.recompute``) runs
     the layers' forward again in the backward; the head's chunks always project again in the backward. The dry run
-    counts a little less: 1-3% at the shipped configs' shapes (tests/unit/cluster/test_timing.py holds it within 3%)."""
+    counts a little less: 1-3% at the shipped configs' shapes (tests/unit/cluster/test_timing.py holds it within 3%).
+    A Qwen3-MoE's layers have its router and k of its experts where the MLP was, split over TP as the projections are:
+    under sequence parallelism each TP rank routes its own part of the tokens, and runs k experts for each of those
+    its EP group routed to its experts (balanced routing), whatever EP."""
     tokens, q = work.seq_len, arch.num_attention_heads * arch.head_dim
-    kv = arch.num_key_value_heads * arch.head_dim
-    layers = 2 * arch.num_layers * tokens * (arch.hidden_size * (2 * q + 2 * kv) + 3 * arch.hidden_size * arch.intermediate_size)
+    kv, h = arch.num_key_value_heads * arch.head_dim, arch.hidden_size
+    mlp = (h * arch.num_experts + arch.num_experts_per_tok * 3 * h * arch.moe_intermediate_size if arch.is_moe
+           else 3 * h * arch.intermediate_size)
+    layers = 2 * arch.num_layers * tokens * (h * (2 * q + 2 * kv) + mlp)
     attention = 4 * arch.num_layers * q * tokens * tokens
-    head = 2 * arch.hidden_size * arch.vocab_size * (tokens - 1)
+    head = 2 * h * arch.vocab_size * (tokens - 1)
     forwards = 1 + two_pass
     layer_passes = (forwards + work.recompute) * (layers + attention) + 2 * layers + 2.5 * attention
     cp = work.context_parallel

@@ -79,8 +79,9 @@ def model_config(config: Config, folder: Path) -> Any:
                          max_position_embeddings=tiny.max_position_embeddings, tie_word_embeddings=True)
     elif Path(path).expanduser().exists():
         hf = AutoConfig.from_pretrained(Path(path).expanduser())
-    else:
-        hf = Qwen3Config(**hf_config_dict(path))
+    else:  # a released size: a Qwen3's or a Qwen3-MoE's config class, as its model_type says
+        values = hf_config_dict(path)
+        hf = AutoConfig.for_model(values.pop("model_type"), **values)
     hf.save_pretrained(folder)
     return hf
 

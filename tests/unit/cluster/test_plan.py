@@ -21,6 +21,28 @@ def test_parameter_counts_match_the_released_shapes():
     assert plan.parameter_count(plan.architecture("Qwen3-8B")) == 2 * 622_329_856 + 36 * 192_946_432 + 4096
 
 
+def test_a_qwen3_moe_layout_by_hand(capsys):
+    """Qwen3-30B-A3B at TP=2 (SP), EP=8, DP=32: each rank holds half the dense weights and an eighth of the experts,
+    the dense AdamW state over DP x CP (32) and the experts' over the expert-DP ranks (TP x DP / EP = 8)."""
+    arch = plan.architecture("Qwen/Qwen3-30B-A3B")
+    # experts: 48 layers x 128 x 3 x 2048 x 768; the rest: embedding and head, 48 x (q 2048*4096 + k, v 2048*512 each
+    # + o 4096*2048 + router 128*2048 + norms 2*2048 + 2*128), final norm
+    experts, dense = 48 * 128 * 3 * 2048 * 768, 2 * 151936 * 2048 + 48 * (2 * 2048 * 4096 + 2 * 2048 * 512 + 128 * 2048
+                                                                           + 2 * 2048 + 2 * 128) + 2048
+    assert plan.expert_parameters(arch) == experts and plan.parameter_count(arch) == experts + dense == 30_532_122_624
+    work = plan.Workload(optimizer="bf16-distopt", expert_parallel=8)
+    got = plan.estimate(arch, work, tp=2, pp=1, dp=32, gpu_gb=80, headroom=0.9)
+    per_rank = dense / 2 + experts / 8
+    assert (got.weights_gib, got.gradients_gib, got.expert_parallel) == (round(2 * per_rank / GiB, 2),
+                                                                         round(4 * per_rank / GiB, 2), 8)
+    assert got.optimizer_gib == round(12 * (dense / 2 / 32 + experts / 8 / 8) / GiB, 2)
+    assert main(["plan", "--model", "30b-a3b", "--nodes", "8", "--gpus-per-node", "8", "--rollout-engine", "vllm",
+                 "--rollout-tensor-parallel", "2", "--optimizer", "bf16-distopt", "--recompute"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split()[:4] == ["TP", "PP", "DP", "EP"]
+    assert "recommended: TP=2 PP=1 DP=32 EP=8" in out and "megatron.expert_parallel=8" in out
+
+
 def test_an_8b_layout_by_hand():
     """TP=2, PP=1, DP=8 on 16 GPUs, bf16 weights with the distributed optimizer, 4096 tokens, M=32, 64 prompts, the
     native sampler (one bf16 HF copy on the sampling rank, a KV cache of at most 131072 tokens)."""
@@ -146,7 +168,7 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
 
 
 def test_the_readmes_plan_commands_say_what_they_print(capsys, monkeypatch):
-    """Each ``nemo-jq plan`` command with a layout in its comment, in README.md and docs/ (docs/cluster.md has three),
+    """Each ``nemo-jq plan`` command with a layout in its comment, in README.md and docs/ (docs/cluster.md has five, docs/moe.md one),
     run as written from the repository root, recommends the layout its comment says, to the GiB figure."""
     import re
     import shlex
@@ -156,7 +178,8 @@ def test_the_readmes_plan_commands_say_what_they_print(capsys, monkeypatch):
 
     monkeypatch.chdir(Path(__file__).resolve().parents[3])
     text = doc_pages.text()
-    commands = re.findall(r"^nemo-jq (plan .*?)\s+# (TP=\d+ PP=\d+ DP=\d+ \([\d.]+ of \d+ GiB\))$", text, flags=re.M)
+    commands = re.findall(r"^nemo-jq (plan .*?)\s+# (TP=\d+ PP=\d+ DP=\d+(?: EP=\d+)? \([\d.]+ of \d+ GiB\))$", text,
+                          flags=re.M)
     assert len(commands) >= 3, commands
     for command, comment in commands:
         assert main(shlex.split(command)) == 0, command
@@ -316,3 +339,13 @@ def test_plan_of_an_hf_run_on_many_gpus_says_they_would_idle_and_the_two_ways_to
     assert "nemo-jq sweep --slurm" in out and "model.backend=megatron" in out
     main(["plan", "--config", "configs/qwen3_0p6b/hotpotqa_cold_garl_q0.25.yaml", "--gpus-per-node", "1"])
     assert "would idle" not in capsys.readouterr().out
+
+
+def test_a_colocated_vllm_share_that_cannot_hold_its_engines_weights_does_not_fit():
+    """Qwen3-235B-A22B: attention's TP is at most its 4 KV heads and a colocated engine's TP divides it, so each vLLM
+    engine holds a quarter of 470 GB in bf16: no share of an 80 GB GPU holds it, whatever the training layout needs."""
+    work = plan.Workload(optimizer="bf16-distopt", recompute=True, rollout_engine="vllm", vllm_tensor_parallel=4,
+                         samples=16, micro_batch=4)
+    layouts = plan.plan(plan.architecture("Qwen/Qwen3-235B-A22B"), work, gpus_per_node=8, nodes=32, gpu_gb=80)
+    assert not any(layout.fits for layout in layouts)
+    assert layouts[0].largest == "vllm" and "holds less than its engine's bf16 weights (109.5 GiB" in layouts[0].advice

@@ -117,3 +117,20 @@ def test_the_32b_example_fits_sixteen_nodes_at_its_layout():
     best = plan.plan(plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS),
                      gpus_per_node=GPUS_PER_NODE, nodes=16, gpu_gb=GPU_GIB)[0]
     assert (best.tensor_parallel, best.pipeline_parallel, best.data_parallel) == (8, 1, 16)
+
+
+def test_the_30b_a3b_example_fits_eight_nodes_at_its_layout_and_one_node_not():
+    """configs/examples/qwen3_30b_a3b_*: a Qwen3-MoE at plan's recommendation for 8 nodes of eight 80 GB GPUs (TP=2 x
+    DP=32, EP=8); the dry run of its rank 0 agrees within 0.3% per component (docs/results/dryrun_configs.md). On one
+    node no layout fits: EP is at most the node's 8 GPUs, so each holds an eighth of the experts' AdamW state whole."""
+    from nemo_jq.cluster import plan
+
+    config = load_config(CONFIGS / "examples" / "qwen3_30b_a3b_hotpotqa_cold_garl_q0.75.yaml")
+    arch, work = plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS)
+    assert arch.is_moe and (arch.num_experts, arch.num_experts_per_tok, arch.num_layers) == (128, 8, 48)
+    best = plan.plan(arch, work, gpus_per_node=GPUS_PER_NODE, nodes=8, gpu_gb=GPU_GIB)[0]
+    assert best.fits and (best.tensor_parallel, best.pipeline_parallel, best.data_parallel, best.expert_parallel) == (
+        config.megatron.tensor_parallel, 1, 32, config.megatron.expert_parallel)
+    one_node = plan.plan(arch, work, gpus_per_node=GPUS_PER_NODE, nodes=1, gpu_gb=GPU_GIB)
+    assert not any(layout.fits for layout in one_node) and one_node[0].largest == "optimizer"
+    assert {layout.expert_parallel for layout in one_node} <= {1, 2, 4, 8}

@@ -217,17 +217,22 @@ def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_a
                                     "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8", "train.batch_size=4",
                                     "train.micro_batch_size=1", "eval.batch_size=4", "eval.num_samples=8", *overrides])
         report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=32, world_size=2)
-        return report["ranks"]["0"]["phases"]
+        return report["ranks"]["0"]["phases"], report, config
 
-    split, whole = rank_zero("megatron.expert_parallel=2"), rank_zero("megatron.expert_parallel=1")
+    (split, split_report, split_config), (whole, _, _) = rank_zero("megatron.expert_parallel=2"), rank_zero(
+        "megatron.expert_parallel=1")
+    # plan counts the same weights, gradients and optimizer state (its activations: tests/unit/config/test_paper_configs.py)
+    compared = against_plan(split_report, split_config)
+    assert all(compared[part]["plan_over_dry_run"] == pytest.approx(1, abs=0.01)
+               for part in ("weights", "gradients", "optimizer")), compared
     assert split["train"]["by_kind_gib"]["weights"] == pytest.approx(4 * (dense + experts / 2) / 2**30, rel=1e-3)
     assert whole["train"]["by_kind_gib"]["weights"] == pytest.approx(4 * (dense + experts) / 2**30, rel=1e-3)
     assert split["train"]["by_kind_gib"]["activations"] > 0
-    sharded = rank_zero("megatron.expert_parallel=2", "megatron.distributed_optimizer=true")
+    sharded = rank_zero("megatron.expert_parallel=2", "megatron.distributed_optimizer=true")[0]
     assert sharded["refit"]["most_by_kind_gib"]["optimizer"] == pytest.approx(
         (12 * dense / 2 + 12 * experts / 2) / 2**30, rel=0.02)
     # routing replay: the rollouts' routes (uint8 expert ids: the rank's 16 rows, prompt and thinking positions,
     # 4 layers x top-2) are host memory the rollout phase reports
-    unrecorded = rank_zero("megatron.expert_parallel=2", "rollout.routing_replay=false")
+    unrecorded = rank_zero("megatron.expert_parallel=2", "rollout.routing_replay=false")[0]
     routes = (split["rollout"]["host_peak_gib"] - unrecorded["rollout"]["host_peak_gib"]) * 2**30
     assert routes == pytest.approx(16 * (32 + 48) * 4 * 2, rel=0.2)
