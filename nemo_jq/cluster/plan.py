@@ -34,7 +34,12 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
   decode, a bf16 cast of the fp32 policy's weights while it samples; ``vllm`` keeps no HF copy and takes
   ``vllm_memory_utilization`` of the GPU (its weights, shared over
   ``vllm_tensor_parallel`` ranks, and its KV cache) while it samples, and sleeps (holds ~nothing) while the
-  policy trains;
+  policy trains, and a share that cannot hold its engine's bf16 weights does not fit;
+* a Qwen3-MoE: its experts split over ``expert_parallel`` (EP) ranks and their optimizer state over the expert-DP ranks
+  (TP x CP x DP / EP), the rest as a dense model's; each layer's activations hold the router's and, routing
+  balanced, k experts' tensors for each of the rank's tokens (``expert_activation_bytes``), a recomputed layer
+  ``RECOMPUTED_EXPERT_LAYER_BACKWARD`` times them; its layouts are those experts train at (PP = CP = 1; with TP,
+  sequence parallelism and EP a multiple of TP), each EP that divides the experts and a stage's ranks;
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
   copy) plus the largest of the training working set (gradients without the distributed optimizer,
   activations, log-prob head), the rollout working set (KV cache, or vLLM's share) and the optimizer step's
@@ -56,9 +61,9 @@ that shrinks it (one not already chosen). Sizes are GiB (2^30 bytes).
 
 A layout is feasible when TP divides the heads, KV heads and MLP width and fits in a node, PP
 divides the layers, TP x PP x CP divides the GPUs, and DP divides the batch. The recommendation is
-the fitting layout (under ``headroom`` of the GPU) with the largest DP, then the smallest TP.
+the fitting layout (under ``headroom`` of the GPU) with the largest DP, then the smallest TP (and EP).
 
-One file of ~660 lines: the memory model is one set of formulas (each component's bytes, the peak, the advice that
+One file of ~750 lines: the memory model is one set of formulas (each component's bytes, the peak, the advice that
 names the setting that shrinks it) that the layouts, ``train.micro_batch_rows=auto`` and the dry run's comparison
 all read; split, each part would import the others.
 """

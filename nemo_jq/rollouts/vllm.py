@@ -335,6 +335,9 @@ class VLLMSampler:
     """``vllm.LLM`` in this process, loaded from ``model_dir`` (the weights the run starts from). One per process:
     building another shuts this one down (see :func:`shut_down_engine`)."""
 
+    #: Whether its samples carry a Qwen3-MoE's routed experts (``enable_return_routed_experts``; routing replay).
+    record_routes = False
+
     def __init__(self, model_dir: str | Path, *, settings: SamplingSettings, device: torch.device, precision: str = "auto",
                  tensor_parallel: int = 1, memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
                  seed: int = 0, record_routes: bool = False):
@@ -344,7 +347,7 @@ class VLLMSampler:
 
         from nemo_jq.runtime import distributed
 
-        self.settings, self.tensor_parallel = settings, tensor_parallel
+        self.settings, self.tensor_parallel, self.record_routes = settings, tensor_parallel, record_routes
         on_gpu = device.type == "cuda"
         check_installed_vllm(installed_vllm(), installed_refit_route(), on_gpu=on_gpu,
                              data_parallel=distributed.world_size() // tensor_parallel)
@@ -451,5 +454,10 @@ class VLLMSampler:
                   for seed in seeds]
         with self.awake():
             outputs = self._engine().generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        return [[sample_from_completion(c, len(prompt)) for c in output.outputs]
-                for prompt, output in zip(prompts, outputs)]
+        samples = [[sample_from_completion(c, len(prompt)) for c in output.outputs]
+                   for prompt, output in zip(prompts, outputs)]
+        if self.record_routes and any(sample.routes is None for group in samples for sample in group):
+            raise RuntimeError("rollout.routing_replay: vLLM returned no routed experts with its samples (built with "
+                               "enable_return_routed_experts on its Model Runner V2); set rollout.routing_replay=false "
+                               "to train without replaying them")
+        return samples

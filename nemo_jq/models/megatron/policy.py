@@ -11,7 +11,7 @@ distributed checkpoints (``checkpoint``), which resume at any TP, PP, CP or DP s
 A Qwen3-MoE's experts are split over the expert-parallel (EP) ranks, carved from the data-parallel ones
 (``experts``: what differs for them, and the layouts they train at so far).
 
-One class of ~590 lines: every method works on the process groups and shards the constructor sets up; what is
+One class of ~610 lines: every method works on the process groups and shards the constructor sets up; what is
 particular to one feature (the log-prob kernel, checkpoints, the distributed optimizer, experts) has its module.
 """
 
@@ -322,9 +322,9 @@ class MegatronPolicy:
             dist.broadcast_object_list(box, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
             metrics = box[0]
         else:
-            moe = with_load_balancing(loss_fn, micro_batches, self.dp_group, self.device,
-                                      self.routing_replay, self.tp_group) if self.arch.is_moe else None
-            metrics = backward_each(self, micro_batches, moe or loss_fn)
+            balanced = with_load_balancing(loss_fn, micro_batches, self.dp_group, self.device,
+                                           self.routing_replay, self.tp_group) if self.arch.is_moe else None
+            metrics = backward_each(self, micro_batches, balanced or loss_fn)
         self._synchronise_gradients()
         for param, grad in earlier.items():
             self._grad_of(param).add_(grad)

