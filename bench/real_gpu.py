@@ -29,6 +29,10 @@
    one (as configured, and with all 128 rows in one chunk and 2,048 positions a log-prob chunk).
 9. ``generator``: a request's CUDA generator state through a rollout rank's path (``nemo_jq/rollouts/ranks.py``)
    to a sampler without a ``device`` (as vLLM's is), and the state that comes back into the trainer's generator.
+10. ``moe``: part 7 with a Qwen3-MoE: Qwen3-30B-A3B cut to :data:`MOE_LAYERS` layers at its real widths (128 experts,
+   top-8, random bf16 weights), all experts on the one GPU (EP=1) through megatron-core's all-gather dispatcher and
+   experts one after another (Transformer Engine and grouped GEMM do not install on the GPU image), the native
+   sampler's routes replayed in training; its step's peak beside the dry run's of the same config (docs/moe.md).
 
 Writes ``real_gpu.json`` (and the parts' own files) to --out. Usage, on a machine with one CUDA GPU, from the repo:
 
@@ -56,6 +60,8 @@ OVERRIDES = ["data.name=synthetic", "data.source=null", "data.train_size=8", "da
              "eval.batch_size=4"]
 #: ``model.backend=megatron`` at one GPU: megatron-core recomputes with its own key (docs/megatron.md).
 MEGATRON = ["model.backend=megatron", "model.activation_checkpointing=false", "megatron.recompute_activations=true"]
+#: The layers part 10 cuts Qwen3-30B-A3B to (its widths kept): ~1.85B parameters, a step in tens of GiB.
+MOE_LAYERS = 2
 #: The phases a step's ``gpu_peak_gib`` spans, as the dry run names them.
 STEP_PHASES = ("rollout", "train", "optimizer_step")
 
@@ -86,7 +92,10 @@ def main() -> None:
              "sampler_profile": lambda: sampler_profile(folder, args.device, 4 if tiny else 64),
              "sync": lambda: sync_bytes_per_second(folder, args.device),
              "speed": lambda: speed(args, folder, tiny),
-             "generator": lambda: generator_through_rollout_rank(args.device)}
+             "generator": lambda: generator_through_rollout_rank(args.device),
+             "moe": lambda: train_against_dry_run(args, make_model_folder(
+                 args.work / "moe_model", args.tokenizer, tiny=tiny, device=args.device, model="Qwen/Qwen3-30B-A3B",
+                 layers=MOE_LAYERS), tiny, [*MEGATRON, "rollout.routing_replay=true"], name="moe")}
     for name, part in ((name, parts[name]) for name in args.parts):
         started = time.perf_counter()
         try:
@@ -107,21 +116,27 @@ def environment() -> dict:
             "cuda": torch.version.cuda, "python": sys.version.split()[0]}
 
 
-def make_model_folder(folder: Path, tokenizer: Path, *, tiny: bool, device: str) -> Path:
-    """A local model folder as ``hf download`` writes one: Qwen3-0.6B's config (``plan``'s built-in copy of it),
-    random bf16 weights and the real tokenizer files (the tiny shape on CPU)."""
+def make_model_folder(folder: Path, tokenizer: Path, *, tiny: bool, device: str, model: str = "Qwen/Qwen3-0.6B",
+                      layers: int | None = None) -> Path:
+    """A local model folder as ``hf download`` writes one: ``model``'s config (``plan``'s built-in copy of it; cut to
+    ``layers``), random bf16 weights and the real tokenizer files (the tiny shape on CPU: a Qwen3-MoE keeps 8 of its
+    experts there)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from nemo_jq.cluster.plan import hf_config_dict
 
-    shape = hf_config_dict("Qwen/Qwen3-0.6B")
+    shape = hf_config_dict(model)
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
     if tiny:
         shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=32)
+        if "num_experts" in shape:
+            shape.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(Qwen3Config(**shape)).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(shape.pop("model_type"), **shape)).to(torch.bfloat16)
     model.save_pretrained(folder)
     for file in tokenizer.iterdir():
         if file.is_file():
@@ -143,19 +158,20 @@ def longest_prompt(folder: Path) -> int:
                for split in (splits.train, splits.validation, splits.test) for example in split)
 
 
-def train_against_dry_run(args, folder: Path, tiny: bool, backend: list[str] = ()) -> dict:
+def train_against_dry_run(args, folder: Path, tiny: bool, backend: list[str] = (), name: str = "") -> dict:
     """The real run's per-step peak beside the dry run's, both of one config; the dry run on the CPU meanwhile.
-    ``backend``: its overrides (none: HF's)."""
+    ``backend``: its overrides (none: HF's); ``name``: the part's, for its files (default: the backend's)."""
+    name = name or ("megatron" if backend else "")
     overrides = [f"model.path={folder}", *OVERRIDES, *backend]
     if tiny:
         overrides += ["rollout.max_thinking_tokens=16", "rollout.num_samples=4"]
     prompt_tokens = longest_prompt(folder)
-    dry_json = args.out / ("dryrun_megatron.json" if backend else "dryrun.json")
+    dry_json = args.out / (f"dryrun_{name}.json" if name else "dryrun.json")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the dry run's GPU is the meta device; keep it off this one
     dry = subprocess.Popen([sys.executable, "-m", "nemo_jq.cli", "dryrun", "--config", str(CONFIG), "--gpu", "h100-80gb",
                             "--prompt-tokens", str(prompt_tokens), "--json", str(dry_json), *overrides],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    run_dir = args.work / ("run_megatron" if backend else "run")
+    run_dir = args.work / (f"run_{name}" if name else "run")
     # megatron-core on CPU runs only under the suite's patches (tests/megatron_cpu.py), as in the CPU tests
     command = ["tests/megatron_cpu.py"] if backend and args.device == "cpu" else ["-m", "nemo_jq.cli"]
     real = subprocess.run([sys.executable, *command, "train", "--config", str(CONFIG), *overrides,

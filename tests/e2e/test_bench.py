@@ -212,6 +212,24 @@ def test_real_gpu_check_runs_its_host_parts_at_the_tiny_shape(tmp_path):
 
 
 @pytest.mark.slow
+def test_real_gpu_checks_moe_part_runs_on_the_host_at_the_tiny_shape(tmp_path):
+    """Part 10, ready for a lent GPU: a Qwen3-MoE (here 8 experts, top-2, at the tiny widths) trains a step on the
+    megatron backend with the sampler's routes replayed, beside the dry run of the same config."""
+    from helpers import qwen3_tokenizer_dir
+
+    done = subprocess.run([sys.executable, "bench/real_gpu.py", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                           "--tokenizer", str(qwen3_tokenizer_dir()), "--device", "cpu", "--parts", "moe"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    moe = json.loads((tmp_path / "out" / "real_gpu.json").read_text())["moe"]
+    assert moe["train_exit"] == 0 and moe["dry_run_exit"] == 0, moe
+    assert [step["step"] for step in moe["steps"]] == [1] and "rollout.routing_replay=true" in moe["overrides"]
+    config = json.loads((tmp_path / "work" / "moe_model" / "config.json").read_text())
+    assert (config["model_type"], config.get("num_experts", config.get("num_local_experts"))) == ("qwen3_moe", 8)
+    assert (tmp_path / "out" / "dryrun_moe.json").exists()
+
+
+@pytest.mark.slow
 def test_the_speed_check_runs_end_to_end_on_the_host_at_the_tiny_shape(tmp_path):
     """bench/gpu_speed.py, real_gpu.py's ``speed`` measurements, with --device cpu: decode eager and on the graph path
     (here eager steps) at the paper chunk's and the 512-row shapes, each against its bound; the training micro-batch
