@@ -263,6 +263,23 @@ def test_the_recipe_trains_a_qwen3_moe_at_expert_parallel_2_as_the_hf_backend_an
     assert [record["routing_disagreement"] for record in split[0]] == [0.0] * 3
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_routes_cross_the_one_step_off_sampling_process(tmp_path):
+    """rollout.async_steps=1 in one process: the next step's rollouts are sampled by a child process from the refit
+    copy, and their routes come back with them (pickled in the Rollout) to be replayed: the disagreement is logged
+    (None would mean no route was replayed) at every step: none on the first (sampled from the current weights), some
+    on the second, whose routes the weights one step before chose (28% of the choices at this tiny model's rate)."""
+    from megatron_tiny import train_steps
+
+    folder = moe_run_folder(tmp_path)
+    [records] = run_in_processes(train_steps, 1, tmp_path / "async", [
+        "objective.name=garl", f"model.path={folder}", "model.backend=megatron", "megatron.moe_aux_loss_coef=0",
+        "rollout.async_steps=1"], 2)
+    first, second = (record["routing_disagreement"] for record in records)
+    assert first == 0.0 and second is not None and second > 0.0, records
+
+
 def masters(policy) -> dict:
     """The distributed optimizer's fp32 master weights by megatron name (each part's gathered over its own group)."""
     by_param = {}
