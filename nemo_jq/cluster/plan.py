@@ -39,7 +39,8 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
   (TP x CP x DP / EP), the rest as a dense model's; each layer's activations hold the router's and, routing
   balanced, k experts' tensors for each of the rank's tokens (``expert_activation_bytes``), a recomputed layer
   ``RECOMPUTED_EXPERT_LAYER_BACKWARD`` times them; its layouts are those experts train at (PP = CP = 1; with TP,
-  sequence parallelism and EP a multiple of TP), each EP that divides the experts and a stage's ranks;
+  sequence parallelism and EP a multiple of TP: ``MegatronLayout.check_trainable``), each EP that divides the experts and a
+  stage's ranks;
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
   copy) plus the largest of the training working set (gradients without the distributed optimizer,
   activations, log-prob head), the rollout working set (KV cache, or vLLM's share) and the optimizer step's
@@ -626,12 +627,12 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
     layouts = []
     for tp in range(1, gpus_per_node + 1):
         for pp in range(1, arch.num_layers + 1):
-            layout = MegatronLayout(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
-                                    sequence_parallel=work.sequence_parallel and tp > 1)
-            if (not layout.divides(arch, gpus) or work.batch_prompts % layout.data_parallel(gpus)
-                    or (work.rollout_engine == "vllm" and tp % work.vllm_tensor_parallel)):
-                continue
-            for ep in expert_layouts(arch, layout, gpus):
+            for ep in expert_parallel_sizes(arch):
+                layout = MegatronLayout(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
+                                        sequence_parallel=work.sequence_parallel and tp > 1, expert_parallel=ep)
+                if (not layout.divides(arch, gpus) or work.batch_prompts % layout.data_parallel(gpus)
+                        or (work.rollout_engine == "vllm" and tp % work.vllm_tensor_parallel)):
+                    continue
                 layouts.append(estimate(arch, replace(work, expert_parallel=ep), tp, pp, layout.data_parallel(gpus),
                                         gpu_gb, headroom))
     if not layouts:
@@ -644,18 +645,10 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
     return fitting + sorted((e for e in layouts if not e.fits), key=lambda e: e.total_gib)
 
 
-def expert_layouts(arch: Qwen3Architecture, layout: MegatronLayout, gpus: int) -> list[int]:
-    """The ``expert_parallel`` sizes a Qwen3-MoE trains at on ``layout`` (``[1]`` for a dense Qwen3): dividing the
-    experts and a stage's TP x CP x DP ranks, at PP = CP = 1 and, with TP, a multiple of it under sequence parallelism
-    (``models.megatron.experts.check_trainable``); none where the layout is not one experts train at."""
-    if not arch.is_moe:
-        return [1]
-    tp = layout.tensor_parallel
-    if layout.pipeline_parallel > 1 or layout.context_parallel > 1 or (tp > 1 and not layout.sequence_parallel):
-        return []
-    stage = tp * layout.data_parallel(gpus)
-    return [ep for ep in range(1, arch.num_experts + 1)
-            if arch.num_experts % ep == 0 and stage % ep == 0 and (tp == 1 or ep % tp == 0)]
+def expert_parallel_sizes(arch: Qwen3Architecture) -> list[int]:
+    """The ``expert_parallel`` sizes to try: those dividing a Qwen3-MoE's experts (``[1]`` for a dense Qwen3); which of
+    them a layout takes, and at which TP, PP and CP experts train, :meth:`MegatronLayout.divides` says."""
+    return [ep for ep in range(1, arch.num_experts + 1) if arch.num_experts % ep == 0] if arch.is_moe else [1]
 
 
 def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate], gpu_gb: float,

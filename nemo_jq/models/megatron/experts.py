@@ -23,33 +23,9 @@ import torch
 import torch.distributed as dist
 
 from nemo_jq.models.interfaces import LossFn, TokenBatch
-from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.mapping import ExpertShard
 from nemo_jq.models.megatron.provider import Qwen3Architecture
 from nemo_jq.models.megatron.replay import RoutingReplay
-
-#: The layout settings a Qwen3-MoE trains with so far, and their values (TP: with sequence parallelism and
-#: expert_parallel a multiple of it, :func:`check_trainable`).
-TRAINABLE = {"pipeline_parallel": 1, "context_parallel": 1, "expert_tensor_parallel": 1}
-
-
-def check_trainable(arch: Qwen3Architecture, layout: MegatronLayout) -> None:
-    """Refuse, in one line naming the key, a layout whose expert handling is not built yet."""
-    if not arch.is_moe:
-        return
-    tp, ep = layout.tensor_parallel, layout.expert_parallel
-    if tp > 1 and not layout.sequence_parallel:
-        raise ValueError(f"megatron.tensor_parallel={tp} with a Qwen3-MoE needs megatron.sequence_parallel=true: each TP "
-                         "rank routes its own part of the tokens (megatron-core's MoE layer, and its load-balancing "
-                         "loss, count them so)")
-    if tp > 1 and ep % tp:
-        raise ValueError(f"megatron.tensor_parallel={tp} with megatron.expert_parallel={ep}: for now experts train with "
-                         "expert_parallel a multiple of tensor_parallel (the TP ranks then hold different experts, as "
-                         "tested; docs/moe.md)")
-    for key, value in TRAINABLE.items():
-        if getattr(layout, key) != value:
-            raise ValueError(f"megatron.{key}={getattr(layout, key)} with a Qwen3-MoE: for now experts train with "
-                             + ", ".join(f"{name}={setting}" for name, setting in TRAINABLE.items()) + " (docs/moe.md)")
 
 
 def expert_shard(arch: Qwen3Architecture) -> ExpertShard:

@@ -107,14 +107,41 @@ class MegatronLayout:
                              f"{arch.num_layers}: choose a PP size that divides num_hidden_layers (each stage holds an "
                              "equal run of layers)")
 
+    def check_trainable(self, arch: Any) -> None:
+        """Refuse, in one line naming the key, a layout the policy cannot train this model at yet, though megatron-core
+        builds it: a Qwen3-MoE trains where its experts' handling is built (docs/moe.md), TP only under sequence
+        parallelism (each TP rank routes its own part of the tokens) and with EP a multiple of it; :data:`EXPERTS_AT`."""
+        if not getattr(arch, "is_moe", False):
+            return
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        if tp > 1 and not self.sequence_parallel:
+            raise ValueError(f"megatron.tensor_parallel={tp} with a Qwen3-MoE needs megatron.sequence_parallel=true: each "
+                             "TP rank routes its own part of the tokens (megatron-core's MoE layer, and its load-balancing "
+                             "loss, count them so)")
+        if tp > 1 and ep % tp:
+            raise ValueError(f"megatron.tensor_parallel={tp} with megatron.expert_parallel={ep}: for now experts train "
+                             "with expert_parallel a multiple of tensor_parallel (the TP ranks then hold different experts, "
+                             "as tested; docs/moe.md)")
+        for key, value in EXPERTS_AT.items():
+            if getattr(self, key) != value:
+                raise ValueError(f"megatron.{key}={getattr(self, key)} with a Qwen3-MoE: for now experts train with "
+                                 + ", ".join(f"{name}={setting}" for name, setting in EXPERTS_AT.items())
+                                 + " (docs/moe.md)")
+
     def divides(self, arch: Any, world_size: int) -> bool:
-        """Whether :meth:`validate` accepts this layout (what ``nemo-jq plan`` enumerates)."""
+        """Whether :meth:`validate` accepts this layout and the policy trains at it (:meth:`check_trainable`): what
+        ``nemo-jq plan`` enumerates."""
         try:
             self.validate(arch, world_size)
+            self.check_trainable(arch)
         except ValueError:
             return False
         return True
 
+
+#: The layout settings a Qwen3-MoE trains with so far, and their values (TP too, under the rules of
+#: :meth:`MegatronLayout.check_trainable`).
+EXPERTS_AT = {"pipeline_parallel": 1, "context_parallel": 1, "expert_tensor_parallel": 1}
 
 #: Keys of :class:`MegatronLayout` that lived in the ``model:`` section before 0.2 (read with a deprecation
 #: message, naming the new key, until 0.3).

@@ -9,7 +9,7 @@ replica and see the same micro-batches. Replicas are data-parallel (DP): they se
 Weights come in and exports go out in HF layout (``mapping``); checkpoints are Megatron
 distributed checkpoints (``checkpoint``), which resume at any TP, PP, CP or DP size.
 A Qwen3-MoE's experts are split over the expert-parallel (EP) ranks, carved from the data-parallel ones
-(``experts``: what differs for them, and the layouts they train at so far).
+(``experts``: what differs for them; ``layout``: the layouts they train at so far).
 
 One class of ~610 lines: every method works on the process groups and shards the constructor sets up; what is
 particular to one feature (the log-prob kernel, checkpoints, the distributed optimizer, experts) has its module.
@@ -43,7 +43,7 @@ from nemo_jq.models.megatron import experts as moe  # moe.reduced: the dry run a
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
-from nemo_jq.models.megatron.experts import check_trainable, expert_shard, with_load_balancing
+from nemo_jq.models.megatron.experts import expert_shard, with_load_balancing
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
 from nemo_jq.models.megatron.mapping import (
@@ -118,7 +118,7 @@ class MegatronPolicy:
         self.layout = MegatronLayout(tensor_parallel, pipeline_parallel, context_parallel, sequence_parallel,
                                      recompute_activations, distributed_optimizer, bf16_weights, expert_parallel,
                                      expert_tensor_parallel, moe_aux_loss_coef)
-        check_trainable(self.arch, self.layout)
+        self.layout.check_trainable(self.arch)
         if not dist.is_initialized():
             raise RuntimeError("MegatronPolicy needs torch.distributed initialised first (e.g. run under torchrun)")
         self.layout.validate(self.arch, dist.get_world_size())

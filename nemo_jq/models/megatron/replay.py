@@ -58,10 +58,9 @@ class RoutingReplay:
     """The replay objects of a ``GPTModel``'s routers, one per layer of this stage, and the routes they replay."""
 
     def __init__(self, model: Any, *, tp_rank: int, tp_size: int, sequence_parallel: bool):
-        self.routers = [layer.mlp.router for layer in model.decoder.layers]
-        self.replays = [ReplayedRoutes() for _ in self.routers]
-        for router, replay in zip(self.routers, self.replays):
-            router.router_replay = replay
+        self.replays = [ReplayedRoutes() for _ in model.decoder.layers]
+        for layer, replay in zip(model.decoder.layers, self.replays):
+            layer.mlp.router.router_replay = replay
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
         dispatched_routes_balanced()
 
@@ -95,7 +94,7 @@ def padded_routes(routes: torch.Tensor | None, rows: int, length: int) -> torch.
     """``routes`` ``[N, L, layers, k]`` right-padded to ``rows`` x ``length`` positions that route themselves."""
     if routes is None or routes.shape[:2] == (rows, length):
         return routes
-    padded = empty_routes(rows * length, *routes.shape[2:], routes.device).view(rows, length, *routes.shape[2:])
+    padded = empty_routes(rows, length, *routes.shape[2:], device=routes.device)
     padded[: routes.shape[0], : routes.shape[1]] = routes
     return padded
 
