@@ -109,9 +109,6 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     arch = read_qwen3_config(hf_config)
     layout.validate(arch)
     routing_replay(request.config, arch.is_moe)  # a contradiction refused before any weight is read
-    if arch.is_moe and request.config.rollout.placement == "separate":
-        raise ValueError("a Qwen3-MoE samples colocated for now (rollout.placement=colocated): the weight sync to "
-                         "rollout ranks and the routes in their replies are not built for experts yet (docs/moe.md)")
     if request.device.type != "cuda" and os.environ.get(MEGATRON_ON_CPU) != "1":
         raise ValueError(
             "model.backend=megatron needs a CUDA device (train.device): megatron-core 0.16.1 calls CUDA in its "

@@ -218,3 +218,16 @@ def tiny_qwen3_moe_model(*, experts: int = 4, top_k: int = 2, norm_topk_prob: bo
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen3MoeForCausalLM(config)
+
+
+def moe_run_folder(tmp_path: Path) -> Path:
+    """The tiny task's tokenizer beside a tiny Qwen3-MoE (:func:`tiny_qwen3_moe_model`) of its vocabulary: a model
+    folder for ``model.path``."""
+    from nemo_jq.config import load_config
+    from nemo_jq.recipe.trainer import Trainer
+
+    source = Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={tmp_path / 'source'}"]))
+    folder = tmp_path / "moe_model"
+    tiny_qwen3_moe_model(vocab_size=source.policy.model.config.vocab_size).save_pretrained(folder)
+    source.components.tokenizer.save_pretrained(folder)
+    return folder

@@ -38,8 +38,8 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
 * a Qwen3-MoE: its experts split over ``expert_parallel`` (EP) ranks and their optimizer state over the expert-DP ranks
   (TP x CP x DP / EP), the rest as a dense model's; each layer's activations hold the router's and, routing
   balanced, k experts' tensors for each of the rank's tokens (``expert_activation_bytes``), a recomputed layer
-  ``RECOMPUTED_EXPERT_LAYER_BACKWARD`` times them; its layouts are those experts train at (PP = CP = 1; with TP,
-  sequence parallelism and EP a multiple of TP: ``MegatronLayout.check_trainable``), each EP that divides the experts and a
+  ``RECOMPUTED_EXPERT_LAYER_BACKWARD`` times them; its layouts are those experts train at (CP = 1; with TP, sequence
+  parallelism and EP a multiple of TP: ``MegatronLayout.check_trainable``), each EP that divides the experts and a
   stage's ranks;
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
   copy) plus the largest of the training working set (gradients without the distributed optimizer,

@@ -146,9 +146,9 @@ def megatron_on_stand_in_gpu() -> Iterator[None]:
             # a tied model's last stage moves its copy of the embedding with .cuda() before initialising it
             (torch.Tensor, "cuda", lambda self, *args, **kwargs: self.to(GPU)),
             # a Qwen3-MoE's small reductions read values a fake group does not carry: the simulated ranks hold alike
-            # batches (and the routers' logged loss is not read)
+            # batches (and what the routers logged is not read)
             (experts, "reduced", _reduced_alike),
-            (experts, "load_balancing_loss", lambda: None),
+            (experts.RouterLog, "metrics", lambda self, groups: [{} for _ in self.shares]),
             # which tokens go to which expert is data: routing balanced, k of the E experts each token, each local
             # expert an equal share of what its rank gets
             (TopKRouter, "routing", _routing_balanced(TopKRouter.routing)),

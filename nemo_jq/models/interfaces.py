@@ -87,11 +87,14 @@ class TokenBatch:
 LossFn = Callable[[torch.Tensor, int], "tuple[torch.Tensor, dict[str, Any]]"]
 
 
-def backward_each(policy: "Policy", micro_batches: Sequence[TokenBatch], loss_fn: LossFn) -> list[dict[str, Any]]:
+def backward_each(policy: "Policy", micro_batches: Sequence[TokenBatch], loss_fn: LossFn, *,
+                  before_each: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """``forward_backward`` of a policy that runs every ``loss_fn`` call itself (no pipeline): one backward per
-    micro-batch, their metrics in order."""
+    micro-batch, their metrics in order; ``before_each(index)`` before each micro-batch's forward."""
     metrics = []
     for index, micro in enumerate(micro_batches):
+        if before_each is not None:
+            before_each(index)
         loss, micro_metrics = loss_fn(policy.token_logprobs(micro), index)
         loss.backward()
         metrics.append(micro_metrics)

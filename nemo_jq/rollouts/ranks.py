@@ -107,13 +107,14 @@ class RemoteRollouts:
 
     def _sync(self) -> None:
         """The weights to the rollout ranks if they moved: the first replica's ranks gather them (a collective over
-        the replica), its first rank sends them."""
+        the replica; over every replica where the policy says its gather takes them all: a Qwen3-MoE's experts, from
+        the expert-parallel ranks), its first rank sends them."""
         import torch.distributed as dist
 
         if self._version == self.policy.weights_version:
             return
         self._version = self.policy.weights_version
-        if self.policy.data_parallel.rank != 0:
+        if self.policy.data_parallel.rank != 0 and not getattr(self.policy, "gathers_over_replicas", False):
             return
         tensors = iter(self.policy.iter_hf())
         if dist.get_rank() == LEAD:

@@ -94,6 +94,27 @@ def test_two_megatron_trainers_and_rollout_ranks_train_as_colocated(layout, roll
     assert sum(served) == replicas * 4 and len(set(served)) == 1  # each replica's 2 steps, validation and test
 
 
+@pytest.mark.slow
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_a_qwen3_moe_at_expert_parallel_2_trains_from_a_rollout_rank_as_colocated(tmp_path):
+    """A Qwen3-MoE whose experts are split over the two training ranks (EP=2, DP=2): every replica takes part in the
+    sync's gather of the experts, the rollout rank's engine records the routes, which come back in its replies, and
+    the trainers replay them: the metrics equal the colocated run's, and both replay routes their fp32 samplers
+    recorded as the trainer routes (disagreement 0)."""
+    from helpers import moe_run_folder
+
+    moe = ["model.backend=megatron", "objective.name=garl", f"model.path={moe_run_folder(tmp_path)}",
+           "megatron.expert_parallel=2"]
+    colocated = run_in_processes(train_run, 2, tmp_path / "colocated", moe, 2, process_group=False)[0]
+    separate = run_in_processes(train_run, 3, tmp_path / "separate", [*moe, "rollout.placement=separate"], 2,
+                                process_group=False)
+    same_training(separate[0]["train"], colocated["train"])
+    assert [record["routing_disagreement"] for record in separate[0]["train"]] == [0.0, 0.0]
+    assert [record["routing_disagreement"] for record in colocated["train"]] == [0.0, 0.0]
+    assert separate[2]["result"] == {"served": 8, "synced": 3}
+
+
 ONE_STEP_OFF = ["rollout.async_steps=1", "train.save_every=100"]
 
 

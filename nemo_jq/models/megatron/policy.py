@@ -43,7 +43,7 @@ from nemo_jq.models.megatron import experts as moe  # moe.reduced: the dry run a
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.checkpoint import has_sharded_checkpoint, load_sharded, save_sharded
 from nemo_jq.models.megatron.context_parallel import gather_sequence, split_for_rank
-from nemo_jq.models.megatron.experts import expert_shard, with_load_balancing
+from nemo_jq.models.megatron.experts import RouterLog, expert_shard
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
 from nemo_jq.models.megatron.mapping import (
@@ -151,6 +151,9 @@ class MegatronPolicy:
         self.experts = expert_shard(self.arch)
         self.ep_group = parallel_state.get_expert_model_parallel_group() if self.arch.is_moe else None
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.arch.is_moe else None
+        #: The ranks holding one replica's experts, each others (EP x PP): where an expert's gradient is counted in the norm.
+        self.expert_shards_group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+                                    if self.arch.is_moe else None)
         #: The ranks of one replica's TP ranks of every stage: each holds a different part of the weights.
         self._weight_shards_group = parallel_state.get_model_parallel_group()
         #: The ranks holding one replica (its TP and CP ranks of every stage): they see the same data.
@@ -184,7 +187,8 @@ class MegatronPolicy:
         self._load_hf_state(hf_state)
         #: A Qwen3-MoE's routers replay the routes a batch carries (replay.py).
         self.routing_replay = RoutingReplay(self.model, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                            sequence_parallel=sequence_parallel) if self.arch.is_moe else None
+                                            sequence_parallel=sequence_parallel,
+                                            layer_offset=self._layer_offset) if self.arch.is_moe else None
         #: Moves whenever the weights change, so an engine sampling from a copy knows to refit.
         self.weights_version = 0
         #: Whether gradients of an earlier ``forward_backward`` (synchronised already) wait for the step.
@@ -197,9 +201,16 @@ class MegatronPolicy:
             if self._expert_params:  # reduced over the ranks holding the same experts, each counted once in the norm
                 experts = [param for param in self.model.parameters() if param in self._expert_params]
                 self.optimizer = DenseAndExpertAdamW(self.optimizer, DistributedAdamW(
-                    experts, self.expert_dp_group, counted_in_norm=[True] * len(experts), **adamw), self.ep_group)
+                    experts, self.expert_dp_group, counted_in_norm=[True] * len(experts), **adamw),
+                    self.expert_shards_group)
         else:  # torch's kernels as a GPU picks them, on the dry run's stand-in too (build_optimizer)
             self.optimizer = build_optimizer(self.model.parameters(), **adamw)
+
+    @property
+    def gathers_over_replicas(self) -> bool:
+        """Whether gathering the weights (``iter_hf``) is a collective over every replica, not only this one's ranks:
+        a Qwen3-MoE's experts come from the expert-parallel ranks, carved from the replicas."""
+        return self.ep_group is not None and dist.get_world_size(self.ep_group) > 1
 
     @property
     def _zero(self) -> bool:
@@ -265,10 +276,14 @@ class MegatronPolicy:
         # megatron-core's local attention would build its default one on CUDA.
         causal_mask = None if self.uses_transformer_engine or self.uses_sdpa_attention or self.cp_size > 1 else (
             torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)[None, None])  # True: masked
+        # megatron-core 0.16.1's padding_mask is True at the padding, whatever its docstring says; under sequence
+        # parallelism its first stage splits it over TP (GPTModel._preprocess), the later stages take it as given
+        padding = None if real is None else ~real
+        if padding is not None and self.sequence_parallel and not self.model.pre_process:
+            padding = padding.chunk(self.tp_size, dim=1)[self.tp_rank]
         with autocast_context(self.device, self.precision), _without_lm_head(self.model):
             return self.model(self._on_this_cp_rank(input_ids), positions, causal_mask,
-                              # megatron-core 0.16.1's padding_mask is True at the padding, whatever its docstring says
-                              **({} if real is None else {"padding_mask": ~real}))
+                              **({} if padding is None else {"padding_mask": padding}))
 
     def _on_this_cp_rank(self, tensor: torch.Tensor) -> torch.Tensor:
         """This CP rank's positions of ``[N, L]`` rows: chunks r and 2CP-1-r of 2CP (``context_parallel``)."""
@@ -311,41 +326,59 @@ class MegatronPolicy:
         distributed optimizer sums over DP at its step); a second call before the step adds to the first's. The
         metrics of each, from the last stage (where ``loss_fn`` runs), on every stage."""
         self.model.train()
+        log = RouterLog(micro_batches, self.dp_group, self.device, self.routing_replay,
+                        self.arch.num_layers) if self.arch.is_moe else None
         earlier = {}
         if self._accumulated:  # what the sums below would count twice: set it aside, add it back after them
             earlier = {param: self._grad_of(param).clone() for param in self._synchronised_params()}
             for param in earlier:
                 self._grad_of(param).zero_()
         if self.pp_size > 1:
-            metrics = self._run_pipeline([micro.to(self.device) for micro in micro_batches], loss_fn)
-            box = [metrics if self.model.post_process else None]
+            metrics = self._run_pipeline([micro.to(self.device) for micro in micro_batches], loss_fn, log)
+            # the last stage's metrics (the dry run's broadcast, which carries no values, leaves the others' empty ones)
+            box = [metrics if self.model.post_process else [{} for _ in micro_batches]]
             dist.broadcast_object_list(box, parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
             metrics = box[0]
         else:
-            balanced = with_load_balancing(loss_fn, micro_batches, self.dp_group, self.device,
-                                           self.routing_replay, self.tp_group) if self.arch.is_moe else None
-            metrics = backward_each(self, micro_batches, balanced or loss_fn)
+            metrics = backward_each(self, micro_batches, loss_fn, before_each=log.enter if log else None)
+        if log is not None:  # what the routers logged, each micro-batch's over the stages and the TP ranks
+            metrics = [{**micro, **logged} for micro, logged in zip(metrics, log.metrics((self.tp_group, self.pp_group)))]
         self._synchronise_gradients()
         for param, grad in earlier.items():
             self._grad_of(param).add_(grad)
         self._accumulated = True
         return metrics
 
-    def _run_pipeline(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn | None = None) -> list[Any]:
+    def _run_pipeline(self, micro_batches: Sequence[TokenBatch], loss_fn: LossFn | None = None,
+                      log: RouterLog | None = None) -> list[Any]:
         """Megatron-core's 1F1B schedule over the micro-batches: backward of ``loss_fn`` of each one's log-probs,
         returning its metrics, or with ``loss_fn=None`` forward only, returning the log-probs (on the last stage;
         ``[]`` elsewhere).
 
         Stages exchange activations of one fixed shape, so every micro-batch is right-padded to the
-        most rows and the longest sequence (to a multiple of ``sequence_multiple``).
+        most rows and the longest sequence (to a multiple of ``sequence_multiple``); a Qwen3-MoE's EP ranks pad alike
+        (the dispatcher exchanges equal token counts). A micro-batch's backward runs after later ones' forwards: as it
+        begins, ``log`` enters it again and its routes are loaded again, for its recomputed layers to replay.
         """
         rows = max(micro.num_rows for micro in micro_batches)
         length = max(micro.input_ids.shape[1] for micro in micro_batches)
+        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            rows, length = moe.reduced([rows, length], self.ep_group, dist.ReduceOp.MAX, self.device)
         length += -length % self.sequence_multiple
+
+        def backward_begins(index: int, routes: torch.Tensor | None) -> None:
+            log.enter(index)
+            self.routing_replay.load(routes)
 
         def forward_step(data: Iterator[tuple[int, TokenBatch]], model: Any) -> tuple[torch.Tensor, Any]:
             index, micro = next(data)
             padded = _right_padded(micro, rows, length)
+            if log is not None:
+                log.enter(index)
+            real = padded.attention_mask.bool() if self.arch.is_moe else None
+            hidden = self._forward(padded.input_ids, real, padded.routes)
+            if log is not None and hidden.requires_grad:  # fires before any of this stage's backward of the micro-batch
+                hidden.register_hook(lambda grad: backward_begins(index, padded.routes))
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
                 logprobs = self._logprobs(logits, padded)[: micro.num_rows, : micro.input_ids.shape[1] - 1]
@@ -356,7 +389,7 @@ class MegatronPolicy:
                 loss, metrics = loss_fn(logprobs, index)
                 return loss * len(micro_batches) / self.cp_size, metrics
 
-            return self._forward(padded.input_ids), loss_func
+            return hidden, loss_func
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(enumerate(micro_batches)), model=self.model,
@@ -433,10 +466,10 @@ class MegatronPolicy:
                 squares += param.grad.float().square().sum()
         if self.tp_size * self.pp_size > 1:
             dist.all_reduce(squares, group=self._weight_shards_group)
-        if self._expert_params:  # each expert on its own EP rank (TP, PP and expert-TP are 1 with experts for now)
+        if self._expert_params:  # each expert on its own EP rank and stage
             experts = sum((param.grad.float().square().sum() for param in self._expert_params if param.grad is not None),
                           torch.zeros((), dtype=torch.float32, device=self.device))
-            dist.all_reduce(experts, group=self.ep_group)
+            dist.all_reduce(experts, group=self.expert_shards_group)
             squares = squares + experts
         return squares.sqrt()
 
@@ -464,7 +497,8 @@ class MegatronPolicy:
         stages = self._gather_over_stages([(name, tensor.dtype) for name, tensor in per_parameter.items()])
         for stage, entries in enumerate(stages):
             for megatron_name, dtype in entries:
-                for name in hf_names(megatron_name):
+                offsets = self.experts.all_offsets if self.arch.is_moe and is_expert(megatron_name) else (0,)
+                for name in (name for offset in offsets for name in hf_names(megatron_name, offset)):
                     tensor = next(mine)[1].contiguous() if stage == self.pp_rank else (
                         torch.empty(hf_shape(name, self.arch), dtype=dtype, device=self.device))
                     dist.broadcast(tensor, dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
@@ -528,7 +562,7 @@ class MegatronPolicy:
 
         # Only the writer's TP and PP ranks gather (all of them must take part): other replicas, and the writer's
         # other CP ranks, hold the same weights; a Qwen3-MoE's experts are gathered over EP, from other replicas too.
-        writes = (self.data_parallel.rank == 0 and self.cp_rank == 0) or self.ep_group is not None
+        writes = (self.data_parallel.rank == 0 and self.cp_rank == 0) or self.gathers_over_replicas
         tensors = ((name, tensor.cpu()) for name, tensor in self.iter_hf()) if writes else iter(())
         if distributed.is_writer():
             settings = dict(self.arch.hf_config)

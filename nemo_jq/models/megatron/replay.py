@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nemo_jq.models.routes import ROUTE_YOURSELF, empty_routes
 
@@ -57,19 +56,23 @@ class ReplayedRoutes:
 class RoutingReplay:
     """The replay objects of a ``GPTModel``'s routers, one per layer of this stage, and the routes they replay."""
 
-    def __init__(self, model: Any, *, tp_rank: int, tp_size: int, sequence_parallel: bool):
+    def __init__(self, model: Any, *, tp_rank: int, tp_size: int, sequence_parallel: bool, layer_offset: int = 0):
         self.replays = [ReplayedRoutes() for _ in model.decoder.layers]
         for layer, replay in zip(model.decoder.layers, self.replays):
             layer.mlp.router.router_replay = replay
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
+        #: This pipeline stage's first layer in the whole model: the routes hold every layer's.
+        self.layer_offset = layer_offset
         dispatched_routes_balanced()
 
     def load(self, routes: torch.Tensor | None) -> None:
         """Replay ``routes`` (``[N, L, layers, k]`` for the forward's ``[N, L]`` input; None: route every token) from
-        the next forward on, until the next ``load``: a recomputation in backward routes as its forward did.
-        The router sees positions ``[L, N]`` flattened (under sequence parallelism this TP rank's run of them)."""
+        the next forward on, until the next ``load``: a recomputation in backward routes as its forward did when the
+        policy loads them again as that backward begins (under pipeline parallelism other micro-batches' forwards run
+        in between). The router sees positions ``[L, N]`` flattened (under sequence parallelism this TP rank's run of
+        them). The disagreement counts start again."""
         _DISPATCHED[0] = None
-        for layer, replay in enumerate(self.replays):
+        for layer, replay in enumerate(self.replays, start=self.layer_offset):
             replay.disagreeing = replay.replayed = torch.zeros((), dtype=torch.long)
             if routes is None:
                 replay.target = None
@@ -79,15 +82,14 @@ class RoutingReplay:
                 target = target.chunk(self.tp_size)[self.tp_rank]
             replay.target = target.reshape(-1, target.shape[-1])
 
-    def disagreement(self, group: Any) -> float | None:
-        """The routing disagreement of the last forward: the replayed expert choices the routers' own top-k would not
-        have made, over all replayed choices (summed over ``group``, the TP ranks that split the tokens); None where
-        nothing was replayed."""
+    def take_counts(self) -> torch.Tensor:
+        """The replayed expert choices the routers' own top-k would not have made and all replayed choices, since the
+        last ``load`` or ``take_counts`` (``[2]``, this rank's; the counts start again)."""
         counts = torch.stack([torch.stack([replay.disagreeing, replay.replayed.to(replay.disagreeing.device)])
                               for replay in self.replays]).sum(0).float()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(counts, group=group)
-        return float(counts[0] / counts[1]) if float(counts[1]) > 0 else None
+        for replay in self.replays:
+            replay.disagreeing = replay.replayed = torch.zeros((), dtype=torch.long)
+        return counts
 
 
 def padded_routes(routes: torch.Tensor | None, rows: int, length: int) -> torch.Tensor | None:

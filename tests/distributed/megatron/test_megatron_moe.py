@@ -15,6 +15,7 @@ pytestmark = pytest.mark.megatron
 
 import torch.distributed as dist  # noqa: E402
 
+from helpers import moe_run_folder  # noqa: E402
 from megatron_cpu import run_in_processes  # noqa: E402
 from megatron_tiny import EXPERTS, switch_loss, tiny_qwen3_moe  # noqa: E402
 from nemo_jq.models.common import checkpoint_state  # noqa: E402
@@ -46,7 +47,7 @@ def test_what_is_not_built_yet_is_refused_in_one_line(tmp_path):
     from nemo_jq.models.megatron.policy import MegatronPolicy
 
     folder = tiny_qwen3_moe(tmp_path / "moe")
-    for setting, fragment in (({"pipeline_parallel": 2}, "megatron.pipeline_parallel=2 with a Qwen3-MoE"),
+    for setting, fragment in (({"expert_tensor_parallel": 2}, "megatron.expert_tensor_parallel=2 with a Qwen3-MoE"),
                               ({"tensor_parallel": 2, "sequence_parallel": True},
                                "megatron.tensor_parallel=2 with megatron.expert_parallel=1"),
                               ({"context_parallel": 2}, "megatron.context_parallel=2 with a Qwen3-MoE")):
@@ -132,10 +133,10 @@ def adam_state(policy) -> dict:
 
 
 def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_optimizer: bool,
-                    tensor_parallel: int = 1) -> dict:
-    """One GARL(q=0.75) AdamW step at EP=2 over 2 ranks (DP 2: a micro-batch each; or TP 2 with SP) against transformers' model
-    trained by HFPolicy on both micro-batches, its loss plus, per layer and micro-batch, the load-balancing loss
-    weighted by the micro-batch's share of the rows (experts.py)."""
+                    tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
+    """One GARL(q=0.75) AdamW step at EP=2 (DP 2: a micro-batch each; or TP 2 with SP; or over 2 pipeline stages)
+    against transformers' model trained by HFPolicy on both micro-batches, its loss plus, per layer and micro-batch,
+    the load-balancing loss weighted by the micro-batch's share of the rows (experts.py)."""
     import copy
 
     from megatron.core import parallel_state
@@ -149,7 +150,8 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
     model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32)
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
     settings = dict(expert_parallel=2, moe_aux_loss_coef=aux_coef, distributed_optimizer=distributed_optimizer,
-                    tensor_parallel=tensor_parallel, sequence_parallel=tensor_parallel > 1, **OPTIM)
+                    tensor_parallel=tensor_parallel, sequence_parallel=tensor_parallel > 1,
+                    pipeline_parallel=pipeline_parallel, **OPTIM)
     policy = MegatronPolicy.from_hf_folder(folder, **settings)
     batch = garl_batch(model.config.vocab_size)
     micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
@@ -195,48 +197,40 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
     exported = max_diff(checkpoint_state(Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()), stepped)
     parallel_state.destroy_model_parallel()
     whole = MegatronPolicy.from_hf_folder(folder, **{**settings, "expert_parallel": 1, "tensor_parallel": 1,
-                                                     "sequence_parallel": False})
+                                                     "sequence_parallel": False, "pipeline_parallel": 1})
     whole.load(Path(checkpoint))
     at_ep1 = max_diff(whole.hf_state_dict(), stepped)
     return {"logprobs": logprobs, "grads": grads, "grad_norm": grad_norm, "weights": weights,
             "grad_scale": max(float(g.abs().max()) for g in hf_grads.values()),
-            "balance": (got[0].get("load_balancing_loss"), expected[rank]["balance"]), "restored": restored,
+            "balance": [(logged.get("load_balancing_loss"), reference["balance"])
+                        for logged, reference in zip(got, expected[rank::replicas])], "restored": restored,
             "at_ep1": at_ep1, "exported": exported}
 
 
-@pytest.mark.parametrize("aux_coef, distributed_optimizer, tensor_parallel",
-                         [(0.0, False, 1), (0.5, False, 1), pytest.param(0.5, True, 1, marks=pytest.mark.slow),
-                          pytest.param(0.5, False, 2, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel",
+                         [(0.0, False, 1, 1), (0.5, False, 1, 1), pytest.param(0.5, True, 1, 1, marks=pytest.mark.slow),
+                          pytest.param(0.5, False, 2, 1, marks=pytest.mark.slow), (0.5, True, 1, 2),
+                          pytest.param(0.5, False, 2, 2, marks=pytest.mark.slow)],
                          ids=["no-balancing-loss", "balancing-loss", "balancing-loss-distributed-optimizer",
-                              "balancing-loss-tp2-sp"])
+                              "balancing-loss-tp2-sp", "balancing-loss-pp2-distributed-optimizer", "balancing-loss-tp2-sp-pp2"])
 @pytest.mark.distributed
-def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(tmp_path, aux_coef,
-                                                                                        distributed_optimizer,
-                                                                                        tensor_parallel):
+def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(
+        tmp_path, aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel):
     """Expert gradients from both ranks' tokens (the dispatcher's gather), dense ones summed over DP, the norm
-    counting each expert once, the step; with the load-balancing loss at a coefficient large enough to matter; and
-    with the distributed optimizer (dense state over DP, the experts' over expert-DP, one norm)."""
+    counting each expert once, the step; with the load-balancing loss at a coefficient large enough to matter; with
+    the distributed optimizer (dense state over DP, the experts' over expert-DP, one norm); and over 2 pipeline
+    stages (each stage's experts over EP, the norm over both stages' experts, the checkpoint loading at PP=1, the
+    export gathering every stage's experts)."""
     folder = tiny_qwen3_moe(tmp_path / "moe")
-    for rank, result in enumerate(run_in_processes(moe_step_worker, 2, str(folder), aux_coef, str(tmp_path / "ckpt"),
-                                                   distributed_optimizer, tensor_parallel)):
+    for rank, result in enumerate(run_in_processes(moe_step_worker, 2 * pipeline_parallel, str(folder), aux_coef,
+                                                   str(tmp_path / "ckpt"), distributed_optimizer, tensor_parallel,
+                                                   pipeline_parallel)):
         assert result["logprobs"] < 1e-5, (rank, result)
         assert result["grads"] < 1e-5 * max(1.0, result["grad_scale"]), (rank, result)
         assert result["grad_norm"] < 1e-5 and result["weights"] < 1e-5, (rank, result)
-        logged, reference = result["balance"]
-        assert (logged is None) if not aux_coef else logged == pytest.approx(reference, rel=1e-4), (rank, result)
+        for logged, reference in result["balance"]:
+            assert (logged is None) if not aux_coef else logged == pytest.approx(reference, rel=1e-4), (rank, result)
         assert result["restored"] == 0.0 and result["at_ep1"] == 0.0 and result["exported"] == 0.0, (rank, result)
-
-
-def moe_run_folder(tmp_path) -> Path:
-    """The tiny task's tokenizer beside a tiny Qwen3-MoE of its vocabulary: a model folder for ``model.path``."""
-    from helpers import TINY_RUN
-    from nemo_jq.config import load_config
-    from nemo_jq.recipe.trainer import Trainer
-
-    source = Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={tmp_path / 'source'}"]))
-    folder = tiny_qwen3_moe(tmp_path / "moe_model", vocab_size=source.policy.model.config.vocab_size)
-    source.components.tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.slow
@@ -261,6 +255,23 @@ def test_the_recipe_trains_a_qwen3_moe_at_expert_parallel_2_as_the_hf_backend_an
     assert_same_training(split[0], whole[0])
     # both replayed the routes their fp32 samplers recorded, which route as the trainer does
     assert [record["routing_disagreement"] for record in split[0]] == [0.0] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_recipe_trains_a_qwen3_moe_over_two_pipeline_stages_as_in_one_process(tmp_path):
+    """`nemo-jq train` GARL with the load-balancing loss and recomputed layers over 2 pipeline stages (each stage its
+    layer's router and experts; the refit gathering both stages' experts into the sampler's copy; each stage
+    replaying its layer's routes, again in the recomputing backward) equals one process holding both layers."""
+    from megatron_tiny import assert_same_training, train_steps
+
+    folder = moe_run_folder(tmp_path)
+    garl = ["objective.name=garl", f"model.path={folder}", "model.backend=megatron", "megatron.moe_aux_loss_coef=0.5",
+            "megatron.recompute_activations=true"]
+    [whole] = run_in_processes(train_steps, 1, tmp_path / "pp1", garl)
+    staged = run_in_processes(train_steps, 2, tmp_path / "pp2", [*garl, "megatron.pipeline_parallel=2"])
+    assert_same_training(staged[0], whole)
+    assert [record["routing_disagreement"] for record in staged[0]] == [0.0] * 3
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ def replaying(routes_of) -> callable:
     return choose
 
 
-def replay_worker(folder: str) -> dict:
+def replay_worker(folder: str, layout: dict) -> dict:
     import copy
 
     from transformers import Qwen3MoeForCausalLM
@@ -68,7 +68,7 @@ def replay_worker(folder: str) -> dict:
     aux_coef = 0.5
     clean = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     # from the model in memory: its fused experts read one tensor each, as from its checkpoint
-    policy = MegatronPolicy.from_hf_model(clean, expert_parallel=2, moe_aux_loss_coef=aux_coef, **OPTIM)
+    policy = MegatronPolicy.from_hf_model(clean, moe_aux_loss_coef=aux_coef, **layout, **OPTIM)
     batch = garl_batch(clean.config.vocab_size)
     real = batch.attention_mask.bool()
 
@@ -120,11 +120,18 @@ def replay_worker(folder: str) -> dict:
                          "disagreement": drifted / (int(replayed_rows.sum()) * TOP_K)})
         (loss + micro.num_rows / batch.num_rows * balance).backward()
         seen.clear()
-    rank = policy.data_parallel.rank
-    got = policy.forward_backward(micro_batches[rank::2], garl_loss_fn(micro_batches[rank::2], []))[0]
+    rank, replicas = policy.data_parallel.rank, policy.data_parallel.size
+    mine = micro_batches[rank::replicas]
+    got = policy.forward_backward(mine, garl_loss_fn(mine, []))
     hf_grads = checkpoint_state({name: param.grad for name, param in hf.model.named_parameters()})
     grads = max_diff(policy.gather_hf({name: p.grad for name, p in policy.model.named_parameters()}), hf_grads)
 
+    measured = {"unreplayed_gap": unreplayed_gap, "replayed_gap": replayed_gap, "unrecorded": unrecorded,
+                "forced_gap": forced_gap, "grads": grads, "grad_scale": max(float(g.abs().max()) for g in hf_grads.values()),
+                **{key: [(logged.get(name), reference[key]) for logged, reference in zip(got, expected[rank::replicas])]
+                   for key, name in (("balance", "load_balancing_loss"), ("disagreement", "routing_disagreement"))}}
+    if policy.pp_size > 1:  # the scoring pass, which has no gradient, is what a pipeline's stages broadcast
+        return measured
     # every replayed choice of layer 0 one its router would not make (the other experts of its own top-k): the
     # router still gets a gradient, through the full logits at the replayed experts
     routing = copy.deepcopy(clean)
@@ -140,27 +147,35 @@ def replay_worker(folder: str) -> dict:
     policy.model.eval()  # no load-balancing loss, whose gradient reaches every expert's router row
     router = policy.model.decoder.layers[0].mlp.router.weight
     (router_grad,) = torch.autograd.grad(policy.token_logprobs(drifting).sum(), router)
-    return {"unreplayed_gap": unreplayed_gap, "replayed_gap": replayed_gap, "unrecorded": unrecorded,
-            "forced_gap": forced_gap, "grads": grads, "grad_scale": max(float(g.abs().max()) for g in hf_grads.values()),
-            "balance": (got.get("load_balancing_loss"), expected[rank]["balance"]),
-            "disagreement": (got.get("routing_disagreement"), expected[rank]["disagreement"]),
-            "drift_disagreement": policy.routing_replay.disagreement(None),
+    drift_counts = policy.routing_replay.take_counts()  # the replayed choices its own top-k would not make, and all
+    return {**measured, "drift_disagreement": float(drift_counts[0] / drift_counts[1]),
             "drifted_router_grad": float(router_grad.abs().max())}
 
 
-def test_the_trainer_replays_the_engines_routes_and_routes_the_rest_itself(tmp_path):
+@pytest.mark.parametrize("layout, world_size", [
+    ({"expert_parallel": 2}, 2),
+    # the layers run again in backward, where megatron-core computes the load-balancing loss
+    ({"expert_parallel": 2, "recompute_activations": True}, 2),
+    # 1F1B: the first stage runs micro-batch 1's forward before micro-batch 0's backward, which recomputes its layers
+    ({"pipeline_parallel": 2, "recompute_activations": True}, 2),
+    # each stage's experts over 2 replicas, which pad alike; the loss scaled by the micro-batch's share, not the schedule's
+    pytest.param({"pipeline_parallel": 2, "expert_parallel": 2}, 4, marks=pytest.mark.slow),
+], ids=["ep2", "ep2-recompute", "pp2-recompute", "pp2-ep2"])
+def test_the_trainer_replays_the_engines_routes_and_routes_the_rest_itself(tmp_path, layout, world_size):
     """Without replay the trainer's log-probs of the rationale differ from the perturbed sampler's; with it they equal
     them to round-off, and the whole rows equal transformers routed the same way (the answer routed by each model's
     own router); all-``ROUTE_YOURSELF`` routes change nothing. A GARL step with the load-balancing loss, replayed,
     equals transformers' step routed the same way with megatron-core's loss over the dispatched experts (gradients,
-    the logged loss, the disagreement rate); a replayed expert the router would not pick gets a gradient."""
+    each micro-batch's logged loss and disagreement rate); a replayed expert the router would not pick gets a
+    gradient. Through a recomputing backward and a pipeline's stages alike."""
     folder = tiny_qwen3_moe(tmp_path / "moe")
-    for rank, out in enumerate(run_in_processes(replay_worker, 2, str(folder))):
+    for rank, out in enumerate(run_in_processes(replay_worker, world_size, str(folder), layout)):
         assert out["unreplayed_gap"] > 1e-3 and out["replayed_gap"] < 1e-5, (rank, out)
         assert out["forced_gap"] < 1e-5 and out["unrecorded"] == 0.0, (rank, out)
         assert out["grads"] < 1e-5 * max(1.0, out["grad_scale"]), (rank, out)
         for key in ("balance", "disagreement"):
-            logged, reference = out[key]
-            assert logged == pytest.approx(reference, rel=1e-4), (rank, key, out)
-        assert 0.1 < out["disagreement"][0] < 1.0, (rank, out)  # the perturbation moved some routes, not all
-        assert out["drift_disagreement"] == 1.0 and out["drifted_router_grad"] > 1e-6, (rank, out)
+            for logged, reference in out[key]:
+                assert logged == pytest.approx(reference, rel=1e-4), (rank, key, out)
+        assert all(0.1 < reference < 1.0 for _, reference in out["disagreement"]), (rank, out)  # some routes moved
+        if "drift_disagreement" in out:
+            assert out["drift_disagreement"] == 1.0 and out["drifted_router_grad"] > 1e-6, (rank, out)

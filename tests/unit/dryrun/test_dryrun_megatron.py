@@ -212,11 +212,11 @@ def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_a
     arch = read_qwen3_config(model)
     experts, dense = expert_parameters(arch), parameter_count(arch) - expert_parameters(arch)
 
-    def rank_zero(*overrides):
+    def rank_zero(*overrides, world_size=2):
         config = load_config(None, [f"model.path={model}", "model.backend=megatron", "rollout.num_samples=8",
                                     "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8", "train.batch_size=4",
                                     "train.micro_batch_size=1", "eval.batch_size=4", "eval.num_samples=8", *overrides])
-        report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=32, world_size=2)
+        report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=32, world_size=world_size)
         return report["ranks"]["0"]["phases"], report, config
 
     (split, split_report, split_config), (whole, _, _) = rank_zero("megatron.expert_parallel=2"), rank_zero(
@@ -236,3 +236,9 @@ def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_a
     unrecorded = rank_zero("megatron.expert_parallel=2", "rollout.routing_replay=false")[0]
     routes = (split["rollout"]["host_peak_gib"] - unrecorded["rollout"]["host_peak_gib"]) * 2**30
     assert routes == pytest.approx(16 * (32 + 48) * 4 * 2, rel=0.2)
+    # over 2 pipeline stages of 2 ranks (EP=2 on each; vLLM, which the dry run simulates beside a pipeline): the
+    # stages' first ranks hold every dense weight once and half of every layer's experts between them
+    _, staged, _ = rank_zero("megatron.expert_parallel=2", "megatron.pipeline_parallel=2", "rollout.engine=vllm",
+                             "rollout.vllm_memory_utilization=0.3", world_size=4)
+    held = sum(staged["ranks"][rank]["phases"]["train"]["by_kind_gib"]["weights"] for rank in ("0", "2"))
+    assert held == pytest.approx(4 * (dense + experts / 2) / 2**30, rel=1e-3)
