@@ -38,8 +38,10 @@ UNSEEN = ("data.name", "data.format", "data.source", "data.hub_config", "data.pr
           "train.run_dir", "train.epochs", "train.max_steps", "train.seed", "train.save_every",
           "train.keep_checkpoints", "train.tensorboard", "eval.every", "tracking")
 #: The GPUs each megatron config's layout is documented for (configs/paper_runs.py's node of eight for the 8B paper
-#: runs; the 32B example's 16 nodes, in its own header): the dry run's world, so DP is the one the run has.
-WORLD_SIZES = {"configs/qwen3_8b/": 8, "configs/examples/qwen3_32b_": 128, "configs/examples/qwen3_30b_a3b_": 64}
+#: runs; the 32B example's 16 nodes, in its own header): the dry run's world, so DP is the one the run has (the first
+#: prefix a path starts with).
+WORLD_SIZES = {"configs/qwen3_8b/": 8, "configs/examples/qwen3_32b_": 128, "configs/examples/qwen3_30b_a3b_one_node_": 8,
+               "configs/examples/qwen3_30b_a3b_": 64}
 
 
 def workload_key(config: Config) -> str:

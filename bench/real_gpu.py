@@ -33,6 +33,9 @@
    top-8, random bf16 weights), all experts on the one GPU (EP=1) through megatron-core's all-gather dispatcher and
    experts one after another (Transformer Engine and grouped GEMM do not install on the GPU image), the native
    sampler's routes replayed in training; its step's peak beside the dry run's of the same config (docs/moe.md).
+11. ``offload``: part 7 with the bf16 distributed optimizer, its state on the GPU (``resident``) and in host memory
+   (``offloaded``: ``megatron.optimizer_cpu_offload``), each beside its dry run: the peaks, and the step times the
+   host's AdamW step and the copies each way add (docs/megatron.md).
 
 Writes ``real_gpu.json`` (and the parts' own files) to --out. Usage, on a machine with one CUDA GPU, from the repo:
 
@@ -62,6 +65,8 @@ OVERRIDES = ["data.name=synthetic", "data.source=null", "data.train_size=8", "da
 MEGATRON = ["model.backend=megatron", "model.activation_checkpointing=false", "megatron.recompute_activations=true"]
 #: The layers part 10 cuts Qwen3-30B-A3B to (its widths kept): ~1.85B parameters, a step in tens of GiB.
 MOE_LAYERS = 2
+#: Part 11's optimizer: the bf16 distributed one, its state resident on the GPU or offloaded to the host.
+DISTRIBUTED_BF16 = ["megatron.distributed_optimizer=true", "megatron.bf16_weights=true"]
 #: The phases a step's ``gpu_peak_gib`` spans, as the dry run names them.
 STEP_PHASES = ("rollout", "train", "optimizer_step")
 
@@ -95,7 +100,12 @@ def main() -> None:
              "generator": lambda: generator_through_rollout_rank(args.device),
              "moe": lambda: train_against_dry_run(args, make_model_folder(
                  args.work / "moe_model", args.tokenizer, tiny=tiny, device=args.device, model="Qwen/Qwen3-30B-A3B",
-                 layers=MOE_LAYERS), tiny, [*MEGATRON, "rollout.routing_replay=true"], name="moe")}
+                 layers=MOE_LAYERS), tiny, [*MEGATRON, "rollout.routing_replay=true"], name="moe"),
+             "offload": lambda: {
+                 "resident": train_against_dry_run(args, folder, tiny, [*MEGATRON, *DISTRIBUTED_BF16], name="resident"),
+                 "offloaded": train_against_dry_run(args, folder, tiny, [*MEGATRON, *DISTRIBUTED_BF16,
+                                                                         "megatron.optimizer_cpu_offload=true"],
+                                                    name="offloaded")}}
     for name, part in ((name, parts[name]) for name in args.parts):
         started = time.perf_counter()
         try:

@@ -45,9 +45,11 @@ def add_parser(commands) -> None:
     planner.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
     planner.add_argument("--context-parallel", type=arguments.positive,
                          help="CP: ranks that split every sequence (megatron.context_parallel; GPU only, with TE)")
-    planner.add_argument("--optimizer", choices=("fp32-adamw", "fp32-distopt", "bf16-distopt"),
+    planner.add_argument("--optimizer", choices=("fp32-adamw", "fp32-distopt", "bf16-distopt", "fp32-distopt-offload",
+                                                 "bf16-distopt-offload"),
                          help="fp32-adamw: the backend's default; fp32-distopt: megatron.distributed_optimizer=true; "
-                              "bf16-distopt: megatron.bf16_weights=true as well")
+                              "bf16-distopt: megatron.bf16_weights=true as well; *-offload: "
+                              "megatron.optimizer_cpu_offload=true as well (the optimizer's state in host memory)")
     planner.add_argument("--rollout-engine", choices=("native", "hf", "vllm"), help="rollout.engine")
     planner.add_argument("--kv-cache-tokens", type=arguments.positive,
                          help="rollout.kv_cache_tokens: the native/hf samplers' most keys and values held at once")

@@ -10,7 +10,9 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
   buffer, and fp32 master weights plus moments (12 bytes) sharded over DP (measured:
   tests/distributed/megatron/test_megatron_optimizer_memory.py);
   ``bf16-distopt`` (``megatron.bf16_weights=true``, Megatron's usual recipe): bf16 weights, the fp32 gradient
-  buffer, and the 12 bytes of master weights and moments sharded over DP;
+  buffer, and the 12 bytes of master weights and moments sharded over DP; ``fp32-distopt-offload`` and
+  ``bf16-distopt-offload`` (``megatron.optimizer_cpu_offload=true``): that shard in host memory (16 / DP bytes a
+  parameter with the gradient shard's host copy, which the dry run reports), none of it on the GPU;
 * activations in bf16 for one micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens per
   layer, with fused (flash) attention, so nothing quadratic in the length is kept: the
   tensors backward needs (norm inputs and outputs, Q/K/V before and after their norms, the
@@ -82,7 +84,8 @@ from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_confi
 GiB = 1024**3
 #: Bytes per parameter of the weights, of the gradients and of the optimizer state, and whether that state is
 #: sharded over DP.
-OPTIMIZER_MODES = {"fp32-adamw": (4, 4, 8, False), "fp32-distopt": (4, 4, 12, True), "bf16-distopt": (2, 4, 12, True)}
+OPTIMIZER_MODES = {"fp32-adamw": (4, 4, 8, False), "fp32-distopt": (4, 4, 12, True), "bf16-distopt": (2, 4, 12, True),
+                   "fp32-distopt-offload": (4, 4, 0, True), "bf16-distopt-offload": (2, 4, 0, True)}
 
 _QWEN3_COMMON = {"model_type": "qwen3", "vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8,
                  "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
@@ -202,7 +205,7 @@ class Workload:
         budget + ``</think>`` + answer budget long; recomputation is the backend's (hf: model.activation_checkpointing)."""
         layout, rollout = config.megatron, config.rollout
         optimizer = ("bf16-distopt" if layout.bf16_weights else "fp32-distopt" if layout.distributed_optimizer
-                     else "fp32-adamw")
+                     else "fp32-adamw") + ("-offload" if layout.optimizer_cpu_offload else "")
         group_rows = config.train.micro_batch_size * rollout.num_samples
         hf = config.model.backend == "hf"
         separate = rollout.placement == "separate"
@@ -509,9 +512,9 @@ def remedies(component: str, work: Workload) -> list[tuple[str, Workload | None]
     if component == "vllm":
         return [("a smaller --vllm-memory-utilization (rollout.vllm_memory_utilization)",
                  replace(work, vllm_memory_utilization=work.vllm_memory_utilization * 0.75))]
-    if component == "optimizer" and work.optimizer != "bf16-distopt":
+    if component == "optimizer" and work.optimizer in OPTIMIZER_LADDER:
         return [(f"--optimizer {mode} ({OPTIMIZER_FLAGS[mode]})", replace(work, optimizer=mode))
-                for mode in ("fp32-distopt", "bf16-distopt") if mode != work.optimizer]
+                for mode in OPTIMIZER_LADDER[OPTIMIZER_LADDER.index(work.optimizer) + 1:]]
     if component == "activations":
         found = []
         if not work.recompute:
@@ -539,7 +542,12 @@ def advice(component: str, arch: Qwen3Architecture, work: Workload, layout: tupl
 #: What each optimizer mode is in config keys (model.backend=megatron).
 OPTIMIZER_FLAGS = {"fp32-adamw": "megatron.distributed_optimizer=false",
                    "fp32-distopt": "megatron.distributed_optimizer=true",
-                   "bf16-distopt": "megatron.distributed_optimizer=true megatron.bf16_weights=true"}
+                   "bf16-distopt": "megatron.distributed_optimizer=true megatron.bf16_weights=true",
+                   "fp32-distopt-offload": "megatron.distributed_optimizer=true megatron.optimizer_cpu_offload=true",
+                   "bf16-distopt-offload": "megatron.distributed_optimizer=true megatron.bf16_weights=true "
+                                           "megatron.optimizer_cpu_offload=true"}
+#: The optimizer modes in the order advice walks them, each holding less of the optimizer on the GPU.
+OPTIMIZER_LADDER = ("fp32-adamw", "fp32-distopt", "bf16-distopt", "bf16-distopt-offload")
 
 
 def overrides(layout: LayoutEstimate, work: Workload) -> str:

@@ -242,7 +242,8 @@ class DryRun:
         optimizer = components.policy.optimizer
         if hasattr(optimizer, "grad_buffer"):  # the distributed optimizer's: check that _optimizer_labels found them
             assert self.tracker.kind_of(optimizer.grad_buffer) == "gradients", "DistributedAdamW allocates otherwise"
-            assert self.tracker.kind_of(optimizer.master) == "optimizer", "DistributedAdamW allocates otherwise"
+            if optimizer.host_grad is None:  # else offloaded (megatron.optimizer_cpu_offload): host memory
+                assert self.tracker.kind_of(optimizer.master) == "optimizer", "DistributedAdamW allocates otherwise"
         self.world.name_modules(policy_model, "policy")
         if sampler_model is not None and sampler_model is not policy_model:
             self.world.name_modules(sampler_model, "sampler")

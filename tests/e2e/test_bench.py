@@ -212,13 +212,14 @@ def test_real_gpu_check_runs_its_host_parts_at_the_tiny_shape(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_gpu_checks_moe_part_runs_on_the_host_at_the_tiny_shape(tmp_path):
-    """Part 10, ready for a lent GPU: a Qwen3-MoE (here 8 experts, top-2, at the tiny widths) trains a step on the
-    megatron backend with the sampler's routes replayed, beside the dry run of the same config."""
+def test_real_gpu_checks_moe_and_offload_parts_run_on_the_host_at_the_tiny_shape(tmp_path):
+    """Parts 10 and 11, ready for a lent GPU: a Qwen3-MoE (here 8 experts, top-2, at the tiny widths) trains a step on
+    the megatron backend with the sampler's routes replayed, beside the dry run of the same config; the bf16
+    distributed optimizer trains a step with its state resident and offloaded, each beside its dry run."""
     from helpers import qwen3_tokenizer_dir
 
     done = subprocess.run([sys.executable, "bench/real_gpu.py", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
-                           "--tokenizer", str(qwen3_tokenizer_dir()), "--device", "cpu", "--parts", "moe"],
+                           "--tokenizer", str(qwen3_tokenizer_dir()), "--device", "cpu", "--parts", "moe", "offload"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     moe = json.loads((tmp_path / "out" / "real_gpu.json").read_text())["moe"]
@@ -227,6 +228,11 @@ def test_real_gpu_checks_moe_part_runs_on_the_host_at_the_tiny_shape(tmp_path):
     config = json.loads((tmp_path / "work" / "moe_model" / "config.json").read_text())
     assert (config["model_type"], config.get("num_experts", config.get("num_local_experts"))) == ("qwen3_moe", 8)
     assert (tmp_path / "out" / "dryrun_moe.json").exists()
+    offload = json.loads((tmp_path / "out" / "real_gpu.json").read_text())["offload"]
+    for run in (offload["resident"], offload["offloaded"]):
+        assert run["train_exit"] == 0 and run["dry_run_exit"] == 0 and [s["step"] for s in run["steps"]] == [1], run
+    assert "megatron.optimizer_cpu_offload=true" in offload["offloaded"]["overrides"]
+    assert "megatron.optimizer_cpu_offload=true" not in offload["resident"]["overrides"]
 
 
 @pytest.mark.slow

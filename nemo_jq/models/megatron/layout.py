@@ -37,6 +37,9 @@ class MegatronLayout:
     moe_aux_loss_coef: float | None = option(None, "Qwen3-MoE: the load-balancing loss's coefficient; null = the "
                                              "model's router_aux_loss_coef (0.001 for the released models); 0 = none",
                                              ge=0)
+    optimizer_cpu_offload: bool = option(False, "keep the distributed optimizer's fp32 master weights and moments in "
+                                         "host memory and step them on the CPU: 12/DP bytes a parameter off each GPU, "
+                                         "16/DP on the host (needs distributed_optimizer=true)")
 
     @property
     def replica_size(self) -> int:
@@ -61,6 +64,9 @@ class MegatronLayout:
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("megatron.sequence_parallel needs megatron.tensor_parallel > 1 (it splits the sequence over "
                              "the TP ranks)")
+        if self.optimizer_cpu_offload and not self.distributed_optimizer:
+            raise ValueError("megatron.optimizer_cpu_offload=true moves the distributed optimizer's state to the host: set "
+                             "megatron.distributed_optimizer=true too")
         if self.bf16_weights and not self.distributed_optimizer:
             raise ValueError("megatron.bf16_weights=true keeps the fp32 master weights in the distributed optimizer: set "
                              "megatron.distributed_optimizer=true too (it is plain AdamW on fp32 masters at DP=1)")

@@ -108,7 +108,7 @@ class MegatronPolicy:
                  recompute_activations: bool = False,
                  distributed_optimizer: bool = False, bf16_weights: bool = False, expert_parallel: int = 1,
                  expert_tensor_parallel: int = 1, moe_aux_loss_coef: float | None = None,
-                 device: torch.device | str = "cpu",
+                 optimizer_cpu_offload: bool = False, device: torch.device | str = "cpu",
                  precision: str = "auto",
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, grad_clip: float = 1.0, logprob_chunk_size: int = 256):
@@ -117,7 +117,7 @@ class MegatronPolicy:
             self.arch = dataclasses.replace(self.arch, router_aux_loss_coef=moe_aux_loss_coef)
         self.layout = MegatronLayout(tensor_parallel, pipeline_parallel, context_parallel, sequence_parallel,
                                      recompute_activations, distributed_optimizer, bf16_weights, expert_parallel,
-                                     expert_tensor_parallel, moe_aux_loss_coef)
+                                     expert_tensor_parallel, moe_aux_loss_coef, optimizer_cpu_offload)
         self.layout.check_trainable(self.arch)
         if not dist.is_initialized():
             raise RuntimeError("MegatronPolicy needs torch.distributed initialised first (e.g. run under torchrun)")
@@ -195,6 +195,7 @@ class MegatronPolicy:
         self._accumulated = False
         adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         if distributed_optimizer:
+            adamw["offload"] = optimizer_cpu_offload
             counted = {id(param) for param in self._counted_in_norm}
             params = [param for param in self.model.parameters() if param not in self._expert_params]
             self.optimizer = DistributedAdamW(params, self.dp_cp_group, counted_in_norm=[id(p) in counted for p in params], **adamw)

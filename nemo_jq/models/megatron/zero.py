@@ -9,7 +9,9 @@ in the parameters' dtype, into every replica's parameters. AdamW is elementwise,
 replicated optimizer's.
 
 Bytes per parameter held between steps on each rank, D ranks: the weights (4 fp32, 2 bf16) + 4 (the
-gradient buffer) + 12 / D (master, two moments); nothing else grows with the model (the gradient norm's
+gradient buffer) + 12 / D (master, two moments; with ``offload``, in host memory instead, beside a 4 / D copy of the
+gradient shard, and AdamW steps there: megatron-core's ``optimizer_cpu_offload``, without its partial GPU
+share); nothing else grows with the model (the gradient norm's
 mask is a list of index ranges). A step adds the gathered weights (2 or 4) and a few D-th parts; a
 checkpoint save at most :data:`SAVE_PIECE_BYTES` on the device (the replicated state is put together in host
 memory, piece by piece, on DP rank 0 alone: the replica megatron-core's checkpoint writes); a load reads only the
@@ -43,7 +45,7 @@ class DistributedAdamW:
     """ZeRO-1 AdamW over ``params`` (this rank's model shard, the same list on every rank of ``group``)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, *, counted_in_norm: Sequence[bool],
-                 lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
+                 lr: float, weight_decay: float, betas: tuple[float, float], eps: float, offload: bool = False):
         self.params, self.group = list(params), group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         numels = [param.numel() for param in self.params]
@@ -66,7 +68,14 @@ class DistributedAdamW:
                        if max(offset, self.start) < min(offset + numel, self.start + self.shard)]
         #: The shard's ranges whose gradient counts in the global norm (a TP slice, or TP rank 0's copy).
         self.norm_ranges = [(s, t) for index, _, _, s, t in self.pieces if counted_in_norm[index]]
-        self.master = torch.nn.Parameter(torch.zeros(self.shard, dtype=torch.float32, device=device))
+        #: Where the master weights and moments live and AdamW steps: the host with ``offload`` (pinned beside a GPU,
+        #: so the copies each way are DMA), else the parameters' device.
+        self.state_device = torch.device("cpu") if offload else device
+        pinned = offload and device.type == "cuda" and torch.cuda.is_available()
+        self.master = torch.nn.Parameter(torch.zeros(self.shard, dtype=torch.float32, device=self.state_device,
+                                                     pin_memory=pinned))
+        #: With ``offload``, the host copy of the reduced gradient shard that AdamW reads.
+        self.host_grad = torch.empty(self.shard, dtype=torch.float32, pin_memory=pinned) if offload else None
         self._copy_params_into_master(self.params)
         # torch's foreach kernel, as a GPU picks it, on the dry run's stand-in too: on one tensor the per-tensor one
         # holds sqrt(v) twice while it steps (measured on an H100: docs/results/real_gpu.md)
@@ -119,7 +128,8 @@ class DistributedAdamW:
         """The step's second half: scale the reduced gradient by ``clip``, step the master slice, gather it into the
         parameters and zero the buffer."""
         self.grad_shard.mul_(clip)
-        self.master.grad = self.grad_shard  # a view of the buffer: no copy
+        # a view of the buffer (no copy), or its host copy beside the offloaded state
+        self.master.grad = self.grad_shard if self.host_grad is None else self.host_grad.copy_(self.grad_shard)
         self.optimizer.step()
         self.master.grad = None
         self._gather_into_params()
@@ -127,8 +137,12 @@ class DistributedAdamW:
 
     @torch.no_grad()
     def _gather_into_params(self) -> None:
+        if self.size == 1:  # the master is every parameter's: each copied (and rounded) straight in, no whole-vector copy
+            for index, a, b, s, t in self.pieces:
+                self.params[index].view(-1)[a:b].copy_(self.master.detach()[s:t])
+            return
         dtype = self.params[0].dtype
-        full = self._gather(self.master.detach().to(dtype))
+        full = self._gather(self.master.detach().to(device=self.grad_buffer.device, dtype=dtype))
         for param, piece in zip(self.params, full[:self.total].split([param.numel() for param in self.params])):
             param.copy_(piece.view_as(param))
 
@@ -142,12 +156,16 @@ class DistributedAdamW:
         copy a checkpoint writes, from device pieces of at most :data:`SAVE_PIECE_BYTES` over all ranks. The other
         ranks send their pieces and get a zero of the whole vector's shape that holds no memory: megatron-core's
         checkpoint writes only the main replica (DP rank 0's), so their copy is never read."""
+        if self.size == 1 and mine.device.type == "cpu":  # whole in host memory already (offloaded): no second copy
+            return mine.detach().view(-1)
         writer = dist.get_global_rank(self.group, 0)
         step = max(1, SAVE_PIECE_BYTES // (mine.element_size() * self.size))
         full = torch.empty(self.size, self.shard, dtype=mine.dtype, device="cpu") if self.rank == 0 else None
-        received = mine.new_empty(self.size, min(step, self.shard)) if full is not None else None  # one piece's, reused
+        device = self.grad_buffer.device  # where the group's collectives run (offloaded state is sent from there)
+        received = torch.empty(self.size, min(step, self.shard), dtype=mine.dtype, device=device) if full is not None \
+            else None  # one piece's, reused
         for start in range(0, self.shard, step):
-            piece = mine[start:start + step].contiguous()
+            piece = mine[start:start + step].to(device).contiguous()
             into = list(received[:, :piece.numel()]) if received is not None else None
             dist.gather(piece, into, dst=writer, group=self.group)
             if full is not None:

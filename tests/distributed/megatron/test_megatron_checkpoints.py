@@ -211,13 +211,15 @@ def test_the_recipe_from_a_sharded_hf_folder_at_tp2_trains_as_the_hf_backend(tmp
     assert_same_training(ranks[0], hf)
 
 
-def bf16_weights_worker(scratch_dir: str) -> dict[str, Any]:
-    """DP=2, bf16 weights: against HFPolicy in fp32, the masters' precision, and a checkpoint round trip."""
+def bf16_weights_worker(scratch_dir: str, offload: bool = False) -> dict[str, Any]:
+    """DP=2, bf16 weights: against HFPolicy in fp32, the masters' precision, and a checkpoint round trip; ``offload``:
+    the optimizer's state in host memory (``megatron.optimizer_cpu_offload``)."""
     from nemo_jq.models.megatron.policy import MegatronPolicy
 
     _, _, _, model = tiny_setup()
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
-    policy = MegatronPolicy.from_hf_model(model, distributed_optimizer=True, bf16_weights=True, **OPTIM)
+    policy = MegatronPolicy.from_hf_model(model, distributed_optimizer=True, bf16_weights=True,
+                                          optimizer_cpu_offload=offload, **OPTIM)
     batch = garl_batch(model.config.vocab_size)
     out: dict[str, Any] = {"dtypes": {param.dtype for param in policy.model.parameters()},
                            "master_dtype": policy.optimizer.master.dtype}
@@ -252,13 +254,15 @@ def bf16_weights_worker(scratch_dir: str) -> dict[str, Any]:
     policy.forward_backward(mine, garl_loss_fn(mine, []))
     policy.optimizer_step()
     after = policy.gather_hf(_masters(policy))
-    other = MegatronPolicy.from_hf_model(tiny_setup(seed=3)[3], distributed_optimizer=True, bf16_weights=True, **OPTIM)
+    other = MegatronPolicy.from_hf_model(tiny_setup(seed=3)[3], distributed_optimizer=True, bf16_weights=True,
+                                         optimizer_cpu_offload=offload, **OPTIM)
     other.load(checkpoint)
     other.set_learning_rate(1e-6)
     out["resumed_masters"] = max_diff(other.gather_hf(_masters(other)), small)
     other.forward_backward(mine, garl_loss_fn(mine, []))
     other.optimizer_step()
     out["resumed_step"] = max_diff(other.gather_hf(_masters(other)), after)
+    out["masters"], out["host_grad"] = after, policy.optimizer.host_grad is not None
     return out
 
 
@@ -277,8 +281,14 @@ def test_bf16_weights_train_on_fp32_masters_and_resume_them_bit_exact(tmp_path):
     """bf16 parameters with fp32 gradient accumulation and fp32 master weights in the distributed optimizer, at DP=2:
     log-probs and gradients within bf16's precision of HFPolicy in fp32, the masters after a step within a few bf16
     ulps of HF's weights; a step of 1e-6 moves the masters while the weights stay their bf16 rounding; a checkpoint
-    restores the masters bit for bit, and the step after it equals the uninterrupted run's."""
-    ranks = run_in_processes(bf16_weights_worker, 2, str(tmp_path))
+    restores the masters bit for bit, and the step after it equals the uninterrupted run's. With the optimizer's state
+    offloaded (megatron.optimizer_cpu_offload: on CPU the host is the device, so what differs is the path: the gradient
+    shard's host copy, the gathers from the state's device) every master equals the run without, bit for bit."""
+    ranks = run_in_processes(bf16_weights_worker, 2, str(tmp_path / "resident"))
+    offloaded = run_in_processes(bf16_weights_worker, 2, str(tmp_path / "offloaded"), True)
+    for out, other in zip(ranks, offloaded):
+        assert (out["host_grad"], other["host_grad"]) == (False, True)
+        assert max_diff(out["masters"], other["masters"]) == 0.0
     for out in ranks:
         assert out["dtypes"] == {torch.bfloat16} and out["master_dtype"] == torch.float32
         assert out["grad_dtypes"] == {torch.float32} and out["bf16_grads_left"] == 0

@@ -94,7 +94,9 @@ def test_impossible_layouts_are_refused_by_the_one_validate():
              (MegatronLayout(sequence_parallel=True), "megatron.sequence_parallel needs megatron.tensor_parallel > 1"),
              (MegatronLayout(pipeline_parallel=3), "megatron.pipeline_parallel=3 does not divide num_hidden_layers=2"),
              (MegatronLayout(context_parallel=0), "megatron.context_parallel must be >= 1; got 0"),
-             (MegatronLayout(bf16_weights=True), "megatron.bf16_weights=true keeps the fp32 master weights")]
+             (MegatronLayout(bf16_weights=True), "megatron.bf16_weights=true keeps the fp32 master weights"),
+             (MegatronLayout(optimizer_cpu_offload=True), "megatron.optimizer_cpu_offload=true moves the distributed "
+                                                          "optimizer's state to the host")]
     for layout, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             layout.validate(arch)

@@ -134,3 +134,18 @@ def test_the_30b_a3b_example_fits_eight_nodes_at_its_layout_and_one_node_not():
     one_node = plan.plan(arch, work, gpus_per_node=GPUS_PER_NODE, nodes=1, gpu_gb=GPU_GIB)
     assert not any(layout.fits for layout in one_node) and one_node[0].largest == "optimizer"
     assert {layout.expert_parallel for layout in one_node} <= {1, 2, 4, 8}
+    assert one_node[0].advice.startswith("--optimizer bf16-distopt-offload"), one_node[0]
+
+
+def test_the_30b_a3b_one_node_example_fits_with_the_optimizer_state_in_host_memory():
+    """configs/examples/qwen3_30b_a3b_one_node_*: the same run on one node of eight 80 GB GPUs, at plan's
+    recommendation there once the optimizer's state is offloaded (TP=2 x DP=4, EP=8)."""
+    from nemo_jq.cluster import plan
+
+    config = load_config(CONFIGS / "examples" / "qwen3_30b_a3b_one_node_hotpotqa_cold_garl_q0.75.yaml")
+    arch, work = plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS)
+    assert work.optimizer == "bf16-distopt-offload"
+    best = plan.plan(arch, work, gpus_per_node=GPUS_PER_NODE, nodes=1, gpu_gb=GPU_GIB)[0]
+    assert best.fits and best.optimizer_gib == 0.0 and (
+        best.tensor_parallel, best.pipeline_parallel, best.data_parallel, best.expert_parallel) == (
+        config.megatron.tensor_parallel, 1, 4, config.megatron.expert_parallel)

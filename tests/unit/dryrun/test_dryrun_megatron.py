@@ -103,6 +103,26 @@ def test_the_optimizer_step_holds_the_square_root_of_v_once_as_a_gpus_foreach_ad
     assert phases["optimizer_step"]["by_kind_gib"]["optimizer"] == pytest.approx(state + square_root_of_v, rel=0.02)
 
 
+def test_an_offloaded_optimizers_state_is_host_memory(tmp_path):
+    """megatron.optimizer_cpu_offload=true: the distributed optimizer's fp32 master weights and moments (12 bytes a
+    parameter at DP=1) and the gradient shard's host copy (4) are host memory, none of them on the GPU."""
+    from nemo_jq.cluster.plan import parameter_count
+    from nemo_jq.models.megatron.provider import read_qwen3_config
+
+    single = ["megatron.tensor_parallel=1", "megatron.pipeline_parallel=1", "megatron.sequence_parallel=false"]
+    (tmp_path / "resident").mkdir()
+    (tmp_path / "offloaded").mkdir()
+    resident_config = small_config(tmp_path / "resident", *single)
+    resident = dry_run(resident_config, GPUS["a100-80gb"], prompt_tokens=32)["phases"]
+    offloaded = dry_run(small_config(tmp_path / "offloaded", *single, "megatron.optimizer_cpu_offload=true"),
+                        GPUS["a100-80gb"], prompt_tokens=32)["phases"]
+    params = parameter_count(read_qwen3_config(resident_config.model.path))
+    assert resident["refit"]["by_kind_gib"]["optimizer"] == pytest.approx(12 * params / 2**30, rel=0.01)
+    assert offloaded["refit"]["by_kind_gib"].get("optimizer", 0.0) == 0.0
+    moved = offloaded["refit"]["host_peak_gib"] - resident["refit"]["host_peak_gib"]
+    assert moved == pytest.approx(16 * params / 2**30, rel=0.02)
+
+
 @pytest.mark.slow
 def test_plan_activations_agree_with_the_dry_run(tmp_path):
     """A recomputed layer's backward holds its forward tensors, their gradients and the sequence-parallel gathered
