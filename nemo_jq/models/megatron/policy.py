@@ -11,7 +11,7 @@ distributed checkpoints (``checkpoint``), which resume at any TP, PP, CP or DP s
 A Qwen3-MoE's experts are split over the expert-parallel (EP) ranks, carved from the data-parallel ones
 (``experts``: what differs for them; ``layout``: the layouts they train at so far).
 
-One class of ~610 lines: every method works on the process groups and shards the constructor sets up; what is
+One class of ~650 lines: every method works on the process groups and shards the constructor sets up; what is
 particular to one feature (the log-prob kernel, checkpoints, the distributed optimizer, experts) has its module.
 """
 
@@ -151,7 +151,7 @@ class MegatronPolicy:
         self.experts = expert_shard(self.arch)
         self.ep_group = parallel_state.get_expert_model_parallel_group() if self.arch.is_moe else None
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.arch.is_moe else None
-        #: The ranks holding one replica's experts, each others (EP x PP): where an expert's gradient is counted in the norm.
+        #: The ranks holding one replica's experts, each other ones (EP x PP): where an expert's gradient counts in the norm.
         self.expert_shards_group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group()
                                     if self.arch.is_moe else None)
         #: The ranks of one replica's TP ranks of every stage: each holds a different part of the weights.
