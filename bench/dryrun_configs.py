@@ -41,7 +41,7 @@ UNSEEN = ("data.name", "data.format", "data.source", "data.hub_config", "data.pr
 #: runs; the 32B example's 16 nodes, in its own header): the dry run's world, so DP is the one the run has (the first
 #: prefix a path starts with).
 WORLD_SIZES = {"configs/qwen3_8b/": 8, "configs/examples/qwen3_32b_": 128, "configs/examples/qwen3_30b_a3b_one_node_": 8,
-               "configs/examples/qwen3_30b_a3b_": 64}
+               "configs/examples/qwen3_30b_a3b_": 64, "configs/examples/qwen3_235b_a22b_": 128}
 
 
 def workload_key(config: Config) -> str:

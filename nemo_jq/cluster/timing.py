@@ -57,8 +57,9 @@ def phase_bounds(arch: Qwen3Architecture, work: plan.Workload, config: Config, g
     replica_prompts = math.ceil(train.batch_size / dp)
     validation = math.ceil(config.data.validation_size / dp)
     shares = {"rollout": replica_prompts, "evaluate": min(config.eval.batch_size, validation)}
-    if work.rollout_ranks:  # the busiest rollout rank serves its replicas one after another
-        decoded = {phase: math.ceil(dp / work.rollout_ranks) * prompts for phase, prompts in shares.items()}
+    if work.rollout_ranks:  # the busiest rollout engine (of rollout.tensor_parallel ranks) serves its replicas in turn
+        engines = work.rollout_ranks // (work.vllm_tensor_parallel if work.rollout_engine == "vllm" else 1)
+        decoded = {phase: math.ceil(dp / engines) * prompts for phase, prompts in shares.items()}
     else:
         engines = plan.decode_engines(work, tp, pp)
         decoded = {phase: math.ceil(prompts / engines) for phase, prompts in shares.items()}

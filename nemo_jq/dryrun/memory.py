@@ -143,8 +143,11 @@ class MemoryTracker:
 
     def forget(self, tensors: Iterable[torch.Tensor]) -> None:
         """Stop counting these tensors' storages: they stand for nothing on the GPU (a copy a real run leaves on the
-        ``meta`` device, which is the stand-in GPU here)."""
+        ``meta`` device, which is the stand-in GPU here) or on the host (a stand-in that only names tensors)."""
         for tensor in tensors:
+            if tensor.device.type == "cpu":
+                self._add_host(-self.host_live.pop(tensor.untyped_storage()._cdata, 0))
+                continue
             entry = self.live.pop(tensor.untyped_storage()._cdata, None) if tensor.device.type == self.device_type else None
             if entry is not None:
                 self._add(entry[1], -entry[0])

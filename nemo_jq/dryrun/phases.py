@@ -35,6 +35,7 @@ from nemo_jq.dryrun.standins import (
     shapes_of,
 )
 from nemo_jq.dryrun.world import GPU, FakeWorld, WrongDevice, patched
+from nemo_jq.models.common import checkpoint_state
 from nemo_jq.models.hf import hf_tensors
 from nemo_jq.models.interfaces import TokenBatch
 from nemo_jq.objectives import Need, get_objective
@@ -129,6 +130,7 @@ class DryRun:
 
         from nemo_jq.data.chat import ChatFormat
         from nemo_jq.recipe.components import rollout_rank_engine
+        from nemo_jq.rollouts import IN_PLACE
 
         config, rollout = self.config, self.config.rollout
         self.replicas = replicas
@@ -136,7 +138,11 @@ class DryRun:
             self._label_kernels()
             chat = ChatFormat(StandInTokenizer(self.prompt_tokens, rollout.max_answer_tokens))
             host = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)  # on the fake host: no memory
-            whole = [(name, sent_dtype or torch.float32, tuple(tensor.shape)) for name, tensor in hf_tensors(host)]
+            # as the training ranks send them: a Qwen3-MoE's experts one tensor each, as its checkpoint holds them
+            whole = [(name, sent_dtype or torch.float32, tuple(tensor.shape))
+                     for name, tensor in checkpoint_state(dict(hf_tensors(host))).items()]
+            if rollout.engine not in IN_PLACE:  # vLLM loads its folder itself: this model only names what is sent
+                self.tracker.forget(host.parameters())
             with self._phase("build"), self.tracker.label("weights"):
                 engine = rollout_rank_engine(config, GPU, chat, self.model_dir, lambda: host)
             if hasattr(engine.sampler, "model"):

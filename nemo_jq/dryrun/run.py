@@ -49,9 +49,9 @@ KNOBS = {
 }
 
 
-#: A rollout rank's knobs, where they differ: it holds one whole engine.
-ROLLOUT_RANK_KNOBS = {"weights": "rollout.engine=vllm within its rollout.vllm_memory_utilization share, or a GPU that "
-                                 "holds the whole model in bf16 (a rollout rank holds one whole engine)"}
+#: A rollout rank's knobs, where they differ: a native or hf engine is one whole model on each rollout rank.
+ROLLOUT_RANK_KNOBS = {"weights": "rollout.engine=vllm within its rollout.vllm_memory_utilization share (over "
+                                 "rollout.tensor_parallel rollout ranks), or a GPU that holds the whole model in bf16"}
 
 
 class DoesNotFit(ValueError):

@@ -79,7 +79,8 @@ def this_ranks_part(config: Config, run_dir: Path, *, existing: bool, overwrite:
     components. ``existing``: reopening ``run_dir`` (with its saved tokenizer)."""
     separate = config.rollout.own_ranks
     device = distributed.init_from_env(resolve_device(config.train.device),
-                                        timedelta(minutes=config.train.collective_timeout_minutes), rollout_ranks=separate)
+                                        timedelta(minutes=config.train.collective_timeout_minutes), rollout_ranks=separate,
+                                        engine_ranks=config.rollout.tensor_parallel)
     tokenizer_dir = run_dir / TOKENIZER_DIR if existing else None
     roles = distributed.roles()
     if roles is not None and roles.samples:
@@ -115,15 +116,22 @@ def rollout_rank_engine(config: Config, device: torch.device, chat: ChatFormat, 
                         load_model: Callable[[], Any]) -> BudgetedRollouts:
     """A rollout rank's engine, over weights of its own that arrive with the first sync (the dry run builds it too).
     An in-place sampler (native, hf) decodes ``load_model()`` in the compute dtype (as the megatron backend's sampler);
-    an engine that loads a folder (vLLM) starts from ``model_dir``, or from this rank's export of the model built from
-    scratch."""
+    an engine that loads a folder (vLLM) starts from ``model_dir``, or from the export of the model built from scratch
+    that its first rank writes (an engine over several rollout ranks: ``rollout.tensor_parallel``; one node's disk)."""
     if config.rollout.engine in IN_PLACE:
         dtype = autocast_dtype(device, config.model.precision) or torch.float32
         return build_rollouts(SamplerRequest(load_model().to(device, dtype=dtype), model_dir, config, chat.pad_id, device),
                               chat)
-    if model_dir is None:  # a model built from scratch: the engine loads this rank's export of it
-        model_dir = Path(scratch_model_dir())
-        export_hf_model(load_model(), model_dir, chat.tokenizer)
+    if model_dir is None:  # a model built from scratch: the engine's ranks load its first rank's export of it
+        import torch.distributed as dist
+
+        folder = [None]
+        if distributed.world_size() == 1 or dist.get_rank() == 0:
+            folder = [scratch_model_dir()]
+            export_hf_model(load_model(), Path(folder[0]), chat.tokenizer)
+        if distributed.world_size() > 1:
+            dist.broadcast_object_list(folder, src=0)
+        model_dir = Path(folder[0])
     return build_rollouts(SamplerRequest(None, model_dir, config, chat.pad_id, device), chat)
 
 

@@ -4,9 +4,10 @@ The world is split (:func:`nemo_jq.runtime.distributed.init_from_env`): the trai
 and no inference copy; each rollout rank holds an engine (its own HF model, no optimizer). Every training call of
 ``generate`` first brings the rollout ranks the weights, if they moved since the last call (:class:`WeightSync`: from
 the first training rank, gathered from the first replica's shards once, in buckets); then each replica's first rank
-sends its prompts and its generator's state to the rollout rank that serves it (replica d: rollout rank d mod
-``rollout.ranks``), which samples them with that state and sends back the rollouts (token ids, log-probs, whether
-``</think>`` was forced) and the generator's state after them. So a replica draws the same samples, and its
+sends its prompts and its generator's state to the rollout engine that serves it (replica d: engine d mod the
+engines; an engine is ``rollout.tensor_parallel`` consecutive rollout ranks, one vLLM engine over them, which all
+take the request and sample it in step), whose first rank sends back the rollouts (token ids, log-probs, whether
+``</think>`` was forced, a Qwen3-MoE's routes) and the generator's state after them. So a replica draws the same samples, and its
 generator moves the same way, as it would sampling itself from the same weights: ``separate`` trains as ``colocated``
 does.
 
@@ -55,7 +56,8 @@ class RemoteRollouts:
         replica = policy.data_parallel.rank
         leads = dict(distributed.every_rank((replica, self.replica_lead)))
         self.leads = [leads[index] for index in range(len(leads))]  # each replica's first rank, by replica
-        self.server = roles.training + replica % roles.rollout
+        #: The ranks of the engine that serves this replica (replica d: engine d mod the engines); the first answers.
+        self.servers = roles.engine_members(replica % roles.engines)
         self.weight_sync = WeightSync(roles.sync, source=0, bucket_bytes=bucket_bytes, device=roles.device) \
             if roles.sync is not None else None
         #: The syncs since :meth:`take_sync_record` last asked (on the first training rank).
@@ -79,12 +81,13 @@ class RemoteRollouts:
         self._sync()
         bridge, device = self.roles.bridge, self.roles.device
         if dist.get_rank() == LEAD:
-            for server in range(self.roles.rollout):
-                send_object(bridge, ("generate", self.leads[server::self.roles.rollout]), self.roles.training + server,
-                            device)
+            for engine in range(self.roles.engines):
+                for server in self.roles.engine_members(engine):
+                    send_object(bridge, ("generate", self.leads[engine::self.roles.engines]), server, device)
         if dist.get_rank() == self.replica_lead:
-            send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, generator_state(generator),
-                                 waited_for), self.server, device)
+            for server in self.servers:
+                send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, generator_state(generator),
+                                     waited_for), server, device)
         self._generator = generator
 
     def result(self) -> tuple[list[list[Rollout]], int, float]:
@@ -96,7 +99,7 @@ class RemoteRollouts:
         shared = group is not None and dist.get_world_size(group) > 1  # the replica trains on its first rank's rollouts
         reply = None
         if dist.get_rank() == self.replica_lead:
-            while (message := receive_object(self.roles.bridge, self.server, self.roles.device)) is None:
+            while (message := receive_object(self.roles.bridge, self.servers[0], self.roles.device)) is None:
                 if shared:  # a chunk sampled: the replica's other ranks wait for the next
                     share_object(None, self.replica_lead, group)
             rollouts, tokens, state, seconds = message
@@ -142,10 +145,13 @@ class RemoteRollouts:
 
 
 class RolloutServer:
-    """A rollout rank: its engine, serving the first training rank's commands until it says stop."""
+    """A rollout rank: its engine (or its part of one over several rollout ranks), serving the first training rank's
+    commands until it says stop."""
 
     def __init__(self, engine: BudgetedRollouts, roles: Roles, bucket_bytes: int):
         self.engine, self.roles = engine, roles
+        #: Whether this rank answers the replicas: its engine's first; the engine's other ranks sample in step, silent.
+        self.answers = (roles.rank - roles.training) % roles.engine_ranks == 0
         self.weight_sync = WeightSync(roles.sync, source=0, bucket_bytes=bucket_bytes, device=roles.device)
         #: Requests served and weight syncs taken.
         self.served, self.synced = 0, 0
@@ -174,12 +180,13 @@ class RolloutServer:
         prompts, num_samples, sample_answers, greedy, state, waited_for = receive_object(bridge, lead, device)
         generator = generator_from(state, engine_device(self.engine))
         started, before = time.perf_counter(), self.engine.tokens_generated
-        with reporting_chunks(self.engine, lambda: send_object(bridge, None, lead, device)) if waited_for else \
-                nullcontext():
+        with reporting_chunks(self.engine, lambda: send_object(bridge, None, lead, device)) \
+                if waited_for and self.answers else nullcontext():
             rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
                                             greedy=greedy)
-        send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state(),
-                             time.perf_counter() - started), lead, device)
+        if self.answers:
+            send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state(),
+                                 time.perf_counter() - started), lead, device)
         self.served += 1
 
 

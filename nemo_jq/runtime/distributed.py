@@ -26,7 +26,8 @@ class OtherRankFailed(RuntimeError):
     """Raised on the ranks that did not fail themselves; the message says which rank failed and how."""
 
 
-def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rollout_ranks: int = 0) -> torch.device:
+def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rollout_ranks: int = 0,
+                  engine_ranks: int = 1) -> torch.device:
     """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment), once,
     and return this rank's device: its ``LOCAL_RANK`` GPU on CUDA (NCCL), else ``device`` (gloo).
 
@@ -34,7 +35,8 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rol
     10 minutes, shorter than one replica's rollouts of an 8B model, which the other ranks wait for);
     the groups made later (the backend's) take the same (:func:`collective_timeout`).
     ``rollout_ranks`` (``rollout.placement=separate``): the world's last that many ranks only sample; the
-    world is split (:class:`Roles`, :func:`roles`): the default group is the training ranks', or a rollout rank's own.
+    world is split (:class:`Roles`, :func:`roles`): the default group is the training ranks', or on a rollout rank its
+    engine's: ``engine_ranks`` consecutive rollout ranks (``rollout.tensor_parallel``) hold one engine.
     """
     global _TIMEOUT
     _TIMEOUT = timeout or _TIMEOUT
@@ -52,7 +54,7 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rol
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if rollout_ranks:
-            _split_world(backend, world, rollout_ranks, device)
+            _split_world(backend, world, rollout_ranks, device, engine_ranks)
         else:
             dist.init_process_group(backend, timeout=_TIMEOUT)
     return device
@@ -62,7 +64,8 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rol
 class Roles:
     """This process's place in a world that ``rollout.placement=separate`` splits: the first ``training`` ranks train,
     the last ``rollout`` ranks sample. The training ranks' default process group holds them only, so a backend sees a
-    world of trainers (its TP/PP/DP groups are theirs); a rollout rank's holds itself only, its engine's world. ``bridge``
+    world of trainers (its TP/PP/DP groups are theirs); a rollout rank's holds its engine's ``engine_ranks`` rollout
+    ranks (consecutive: one vLLM engine's tensor-parallel world; by default itself only). ``bridge``
     holds every rank, by global rank, for requests and rollouts; ``sync`` the first training rank (its rank 0) and the
     rollout ranks, for the weights (None on the other training ranks). Their tensors live on ``device`` (a GPU under
     NCCL)."""
@@ -73,10 +76,21 @@ class Roles:
     bridge: Any
     sync: Any
     device: torch.device
+    engine_ranks: int = 1
 
     @property
     def samples(self) -> bool:
         return self.rank >= self.training
+
+    @property
+    def engines(self) -> int:
+        """How many engines the rollout ranks hold."""
+        return self.rollout // self.engine_ranks
+
+    def engine_members(self, engine: int) -> list[int]:
+        """The global ranks of rollout engine ``engine``, its first (which answers the training ranks) first."""
+        first = self.training + engine * self.engine_ranks
+        return list(range(first, first + self.engine_ranks))
 
 
 #: The split world (None: every rank trains, or one process).
@@ -94,7 +108,7 @@ def role_of(rank: int, world: int, rollout_ranks: int) -> tuple[str, int, int]:
     return ("rollout", rank - training, rollout_ranks) if rank >= training else ("training", rank, training)
 
 
-def _split_world(backend: str, world: int, rollout_ranks: int, device: torch.device) -> None:
+def _split_world(backend: str, world: int, rollout_ranks: int, device: torch.device, engine_ranks: int = 1) -> None:
     """Join this rank's role's default group and the bridge and sync groups (:class:`Roles`), all over the one
     rendezvous store torchrun describes, each under a prefix of its own."""
     global _ROLES
@@ -103,8 +117,8 @@ def _split_world(backend: str, world: int, rollout_ranks: int, device: torch.dev
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=_TIMEOUT or timedelta(minutes=30)))
     role, role_rank, role_size = role_of(rank, world, rollout_ranks)
     samples = role == "rollout"
-    if samples:  # each rollout rank a world of its own: its engine's (vLLM builds one engine over its whole world)
-        role, role_rank, role_size = f"rollout/{role_rank}", 0, 1
+    if samples:  # each engine's rollout ranks a world of their own (vLLM builds one engine over its whole world)
+        role, role_rank, role_size = f"rollout/{role_rank // engine_ranks}", role_rank % engine_ranks, engine_ranks
     dist.init_process_group(backend, store=dist.PrefixStore(f"nemo_jq/{role}/", store), rank=role_rank,
                             world_size=role_size, timeout=_TIMEOUT)
     bridge = _group_outside_the_world(backend, dist.PrefixStore("nemo_jq/bridge/", store), rank, world)
@@ -112,7 +126,8 @@ def _split_world(backend: str, world: int, rollout_ranks: int, device: torch.dev
     if rank == 0 or samples:
         sync = _group_outside_the_world(backend, dist.PrefixStore("nemo_jq/sync/", store),
                                         rank - training + 1 if samples else 0, rollout_ranks + 1)
-    _ROLES = Roles(rank, training, rollout_ranks, bridge, sync, device if backend == "nccl" else torch.device("cpu"))
+    _ROLES = Roles(rank, training, rollout_ranks, bridge, sync, device if backend == "nccl" else torch.device("cpu"),
+                   engine_ranks)
 
 
 def _group_outside_the_world(backend: str, store: Any, rank: int, size: int) -> Any:

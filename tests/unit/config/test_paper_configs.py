@@ -149,3 +149,27 @@ def test_the_30b_a3b_one_node_example_fits_with_the_optimizer_state_in_host_memo
     assert best.fits and best.optimizer_gib == 0.0 and (
         best.tensor_parallel, best.pipeline_parallel, best.data_parallel, best.expert_parallel) == (
         config.megatron.tensor_parallel, 1, 4, config.megatron.expert_parallel)
+
+
+def test_the_235b_a22b_example_fits_sixteen_nodes_with_engines_over_eight_rollout_ranks():
+    """configs/examples/qwen3_235b_a22b_*: half the GPUs train (TP=4 x DP=16, EP=64, the optimizer's state offloaded),
+    a layout plan fits with room (the dry run's activations at EP=64 run over plan's: docs/moe.md); the other half
+    sample, each vLLM engine over 8 rollout ranks, whose share holds an eighth of its bf16 weights (a whole engine's,
+    470 GB, fits no GPU)."""
+    from dataclasses import replace
+
+    from nemo_jq.cluster import plan
+
+    config = load_config(CONFIGS / "examples" / "qwen3_235b_a22b_hotpotqa_cold_garl_q0.75.yaml")
+    arch, work = plan.architecture(config.model.path), plan.Workload.from_config(config, PROMPT_TOKENS)
+    assert arch.is_moe and (arch.num_layers, arch.num_experts) == (94, 128) and work.rollout_ranks == 64
+    layout = config.megatron
+    trainers = 16 * GPUS_PER_NODE - work.rollout_ranks
+    assert layout.divides(arch, trainers) and layout.data_parallel(trainers) == 16
+    estimate = plan.estimate(arch, replace(work, expert_parallel=layout.expert_parallel), layout.tensor_parallel,
+                             layout.pipeline_parallel, layout.data_parallel(trainers), GPU_GIB, plan.HEADROOM)
+    assert estimate.fits and estimate.total_gib < 0.75 * GPU_GIB, estimate
+    result = plan.report(arch, work, [estimate], GPU_GIB, plan.HEADROOM)
+    assert result["rollout_rank"]["fits"] and result["rollout_rank"]["vllm"] > 2 * plan.parameter_count(arch) / 8 / 2**30
+    whole_engines = plan.report(arch, replace(work, vllm_tensor_parallel=1), [estimate], GPU_GIB, plan.HEADROOM)
+    assert not whole_engines["rollout_rank"]["fits"]
