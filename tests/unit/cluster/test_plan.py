@@ -168,7 +168,7 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
 
 
 def test_the_readmes_plan_commands_say_what_they_print(capsys, monkeypatch):
-    """Each ``nemo-jq plan`` command with a layout in its comment, in README.md and docs/ (docs/cluster.md has five, docs/moe.md one),
+    """Each ``nemo-jq plan`` command with a layout in its comment, in README.md and docs/ (docs/cluster.md has five, docs/moe.md two),
     run as written from the repository root, recommends the layout its comment says, to the GiB figure."""
     import re
     import shlex
