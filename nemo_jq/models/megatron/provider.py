@@ -257,6 +257,7 @@ def build_gpt_model(arch: Qwen3Architecture, layout: MegatronLayout = MegatronLa
                                 use_cpu_initialization=use_cpu_initialization)
     if arch.is_moe:
         router_without_transformer_engine()
+        dispatcher_keeps_no_graph()
     if layout.recompute_activations:
         keep_autocast_in_recomputation()
     from megatron.core import parallel_state
@@ -300,6 +301,28 @@ def router_without_transformer_engine() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def dispatcher_keeps_no_graph() -> None:
+    """megatron-core 0.16.1's all-gather dispatcher keeps the probabilities it hands the experts (``local_probs``) as an
+    attribute until the layer's next forward, read there for their dtype only. Kept with their graph, under
+    recomputation they hold the recomputed layer's graph alive back to its checkpoint's detached input and that
+    input's gradient: two ``[S/TP, B, H]`` tensors a MoE layer, all layers' by the end of every backward (3.3 GiB a
+    rank at Qwen3-30B-A3B's config; found by the dry run, traced on CPU). The attribute keeps them detached
+    (idempotent)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    original = MoEAllGatherTokenDispatcher.dispatch_postprocess
+    if getattr(original, "keeps_no_graph", False):
+        return
+
+    def dispatch_postprocess(self: Any, hidden_states: torch.Tensor, probs: torch.Tensor) -> tuple:
+        permuted, tokens_per_expert, local_probs = original(self, hidden_states, probs)
+        self.local_probs = local_probs.detach()
+        return permuted, tokens_per_expert, local_probs
+
+    dispatch_postprocess.keeps_no_graph = True
+    MoEAllGatherTokenDispatcher.dispatch_postprocess = dispatch_postprocess
 
 
 class LocalRMSNorm(torch.nn.RMSNorm):

@@ -121,7 +121,7 @@ def test_the_32b_example_fits_sixteen_nodes_at_its_layout():
 
 def test_the_30b_a3b_example_fits_eight_nodes_at_its_layout_and_one_node_not():
     """configs/examples/qwen3_30b_a3b_*: a Qwen3-MoE at plan's recommendation for 8 nodes of eight 80 GB GPUs (TP=2 x
-    DP=32, EP=8); the dry run of its rank 0 agrees within 0.3% per component (docs/results/dryrun_configs.md). On one
+    DP=32, EP=8); the dry run of its rank 0 agrees within 0.3% but in activations (docs/results/dryrun_configs.md). On one
     node no layout fits: EP is at most the node's 8 GPUs, so each holds an eighth of the experts' AdamW state whole."""
     from nemo_jq.cluster import plan
 
@@ -153,7 +153,7 @@ def test_the_30b_a3b_one_node_example_fits_with_the_optimizer_state_in_host_memo
 
 def test_the_235b_a22b_example_fits_sixteen_nodes_with_engines_over_eight_rollout_ranks():
     """configs/examples/qwen3_235b_a22b_*: half the GPUs train (TP=4 x DP=16, EP=64, the optimizer's state offloaded),
-    a layout plan fits with room (the dry run's activations at EP=64 run over plan's: docs/moe.md); the other half
+    a layout plan fits with room (plan's first choice, TP=2, fits with 3 GiB to spare in the dry run); the other half
     sample, each vLLM engine over 8 rollout ranks, whose share holds an eighth of its bf16 weights (a whole engine's,
     470 GB, fits no GPU)."""
     from dataclasses import replace
