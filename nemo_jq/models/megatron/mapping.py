@@ -107,6 +107,24 @@ def is_tensor_parallel(megatron_name: str) -> bool:
     return _resolve(megatron_name)[0].layout != REPLICATED
 
 
+def gather_batches(entries: Iterable[tuple[str, torch.dtype, int]], ranks: int, limit_bytes: int) -> list[list[str]]:
+    """The parameters ``entries`` names (``(megatron name, dtype, elements)``, in order) in the batches that one
+    collective each gathers: a run of one layer's experts of one dtype, as many as fit ``limit_bytes`` once all
+    ``ranks`` expert-parallel ranks' shares are in (at least one); any other parameter alone. A Qwen3-30B-A3B's 18k
+    expert tensors then take a few gathers a layer, not one each."""
+    batches: list[list[str]] = []
+    key, held = None, 0
+    for name, dtype, elements in entries:
+        size = ranks * elements * dtype.itemsize
+        mine = (re.match(_LAYER, name)[1], dtype) if is_expert(name) else None
+        if not batches or mine is None or mine != key or held + size > limit_bytes:
+            batches.append([])
+            held = 0
+        batches[-1].append(name)
+        key, held = mine, held + size
+    return batches
+
+
 def hf_shape(name: str, arch: Qwen3Architecture) -> tuple[int, ...]:
     """The shape the config implies for HF weight ``name`` (keyed by its module's name)."""
     hidden, head = arch.hidden_size, arch.head_dim

@@ -47,6 +47,7 @@ from nemo_jq.models.megatron.experts import RouterLog, expert_shard
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
 from nemo_jq.models.megatron.mapping import (
+    gather_batches,
     hf_names,
     hf_shape,
     is_expert,
@@ -74,6 +75,11 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+
+#: The most bytes one gather of experts brings in, all expert-parallel ranks' shares together (``iter_hf``): a
+#: Qwen3-30B-A3B layer's 128 experts (1.2 GB in bf16) take 3 gathers, not 32 at EP8, and a refit's extra memory
+#: stays under three times this.
+EXPERT_GATHER_BYTES = 512 * 2**20
 
 
 class MegatronPolicy:
@@ -484,36 +490,54 @@ class MegatronPolicy:
         return dict(self.iter_hf(per_parameter))
 
     def iter_hf(self, per_parameter: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """``gather_hf`` one parameter at a time (default: the weights), so at most one full tensor is held
-        at once: for exports and weight refits of models that do not fit one rank. Every rank of the
-        replica must consume it to the end, in step (each item is an all-gather over TP, then a
-        broadcast from its stage over PP)."""
+        """``gather_hf`` a batch at a time (default: the weights), so at most one batch of full tensors is held at
+        once: for exports and weight refits of models that do not fit one rank. Every rank of the replica must consume
+        it to the end, in step: each batch is one all-gather (a parameter's slices over TP; a run of one layer's
+        experts over EP, :data:`EXPERT_GATHER_BYTES` at most, ``mapping.gather_batches``), then, under PP, one
+        broadcast from its stage."""
         per_parameter = {self._global_name(name): tensor for name, tensor in
                          (per_parameter or dict(self.model.named_parameters())).items()
                          if self._tied_copy is None or name != "output_layer.weight"}  # HF has no tied head
-        mine = self._iter_hf_of_stage(per_parameter)
-        if self.pp_size == 1:
-            yield from mine
-            return
-        stages = self._gather_over_stages([(name, tensor.dtype) for name, tensor in per_parameter.items()])
+        ranks = dist.get_world_size(self.ep_group) if self.ep_group is not None else 1
+        stages = self._gather_over_stages([(name, tensor.dtype, tensor.numel()) for name, tensor in per_parameter.items()])
         for stage, entries in enumerate(stages):
-            for megatron_name, dtype in entries:
-                offsets = self.experts.all_offsets if self.arch.is_moe and is_expert(megatron_name) else (0,)
-                for name in (name for offset in offsets for name in hf_names(megatron_name, offset)):
-                    tensor = next(mine)[1].contiguous() if stage == self.pp_rank else (
-                        torch.empty(hf_shape(name, self.arch), dtype=dtype, device=self.device))
-                    dist.broadcast(tensor, dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
-                    yield name, tensor
+            dtypes = {name: dtype for name, dtype, _ in entries}
+            for batch in gather_batches(entries, ranks, EXPERT_GATHER_BYTES):
+                tensors = self._gathered(batch, per_parameter) if stage == self.pp_rank else None
+                if self.pp_size > 1:
+                    tensors = self._broadcast_from(stage, batch, dtypes[batch[0]], tensors)
+                yield from tensors
 
-    def _iter_hf_of_stage(self, per_parameter: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in per_parameter.items():
-            pieces, offsets = [tensor.detach().clone()], None
-            group = self.ep_group if self.arch.is_moe and is_expert(name) else self.tp_group
-            if dist.get_world_size(group) > 1:  # a TP slice from each TP rank; an expert from each EP rank
-                pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(pieces, tensor.detach().contiguous(), group=group)
-                offsets = self.experts.all_offsets if group is self.ep_group else None
-            yield from megatron_to_hf([{name: piece} for piece in pieces], self.arch, expert_offsets=offsets).items()
+    def _gathered(self, batch: list[str], per_parameter: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """One batch's HF tensors, in one all-gather: a parameter's slice from each TP rank, or experts from each EP
+        rank (fresh tensors, never views of ``per_parameter``'s)."""
+        tensors = [per_parameter[name].detach() for name in batch]
+        experts = self.arch.is_moe and is_expert(batch[0])
+        group = self.ep_group if experts else self.tp_group
+        mine = torch.cat([tensor.reshape(-1) for tensor in tensors])
+        pieces = [mine]
+        if dist.get_world_size(group) > 1:
+            pieces = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(pieces, mine, group=group)
+        offsets = self.experts.all_offsets if experts else None
+        per_rank = [piece.split([tensor.numel() for tensor in tensors]) for piece in pieces]
+        return [item for index, (name, tensor) in enumerate(zip(batch, tensors))
+                for item in megatron_to_hf([{name: parts[index].view(tensor.shape)} for parts in per_rank], self.arch,
+                                           expert_offsets=offsets).items()]
+
+    def _broadcast_from(self, stage: int, batch: list[str], dtype: torch.dtype,
+                        tensors: list[tuple[str, torch.Tensor]] | None) -> list[tuple[str, torch.Tensor]]:
+        """A batch's HF tensors (``tensors``, on its own stage) on every stage, in one broadcast over PP."""
+        if tensors is None:
+            offsets = self.experts.all_offsets if self.arch.is_moe and is_expert(batch[0]) else (0,)
+            names = [name for megatron_name in batch for offset in offsets for name in hf_names(megatron_name, offset)]
+            shapes = [torch.Size(hf_shape(name, self.arch)) for name in names]
+            flat = torch.empty(sum(shape.numel() for shape in shapes), dtype=dtype, device=self.device)
+        else:
+            names, shapes = [name for name, _ in tensors], [tensor.shape for _, tensor in tensors]
+            flat = torch.cat([tensor.reshape(-1) for _, tensor in tensors])
+        dist.broadcast(flat, dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
+        return [(name, part.view(shape)) for name, shape, part in zip(names, shapes, flat.split([s.numel() for s in shapes]))]
 
     def _global_name(self, name: str) -> str:
         """A parameter's name with its layer numbered in the whole model, as the mapping expects."""

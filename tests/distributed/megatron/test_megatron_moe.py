@@ -5,6 +5,8 @@ the logits against transformers' ``Qwen3MoeForCausalLM`` on the same weights, at
 
 from __future__ import annotations
 
+import collections
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from megatron_cpu import run_in_processes  # noqa: E402
 from megatron_tiny import EXPERTS, switch_loss, tiny_qwen3_moe  # noqa: E402
 from nemo_jq.models.common import checkpoint_state  # noqa: E402
 from nemo_jq.models.megatron.layout import MegatronLayout  # noqa: E402
+from nemo_jq.models.megatron.mapping import is_expert  # noqa: E402
 from nemo_jq.models.megatron.provider import read_qwen3_config  # noqa: E402
 
 
@@ -190,7 +193,13 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
     moments, moments_again = adam_state(policy), adam_state(resumed)
     restored = max(max(float((param - again[name]).abs().max()), float((moments[name] - moments_again[name]).abs().max()))
                    for name, param in policy.model.named_parameters())
-    stepped = policy.hf_state_dict()
+    with counted_collectives() as counts:
+        stepped = policy.hf_state_dict()
+    layers = policy.arch.num_layers
+    dense = sum(not is_expert(name) for name in policy._all_names)
+    collectives = {"expert_gathers": counts[id(policy.ep_group), "all_gather"], "layers_here": layers // pipeline_parallel,
+                   "stage_broadcasts": counts[id(policy.pp_group), "broadcast"],
+                   "batches": dense + layers if pipeline_parallel > 1 else 0}
     # the export (experts gathered over EP) is a folder transformers loads, bit-exact
     export = Path(checkpoint).parent / "export"
     policy.export(export, tiny_setup()[1])
@@ -204,7 +213,28 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
             "grad_scale": max(float(g.abs().max()) for g in hf_grads.values()),
             "balance": [(logged.get("load_balancing_loss"), reference["balance"])
                         for logged, reference in zip(got, expected[rank::replicas])], "restored": restored,
-            "at_ep1": at_ep1, "exported": exported}
+            "at_ep1": at_ep1, "exported": exported, **collectives}
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """Counts of ``all_gather`` and ``broadcast`` calls by (id of the group, name) while the block runs."""
+    counts = collections.Counter()
+    originals = {name: getattr(dist, name) for name in ("all_gather", "broadcast")}
+
+    def counting(name):
+        def call(*args, group=None, **kwargs):
+            counts[id(group), name] += 1
+            return originals[name](*args, group=group, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 @pytest.mark.parametrize("aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel",
@@ -231,6 +261,29 @@ def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_who
         for logged, reference in result["balance"]:
             assert (logged is None) if not aux_coef else logged == pytest.approx(reference, rel=1e-4), (rank, result)
         assert result["restored"] == 0.0 and result["at_ep1"] == 0.0 and result["exported"] == 0.0, (rank, result)
+        # each layer's experts in one gather over EP (not one per expert), each batch in one broadcast over PP
+        assert result["expert_gathers"] == result["layers_here"], (rank, result)
+        assert result["stage_broadcasts"] == result["batches"], (rank, result)
+
+
+def test_a_layers_experts_are_gathered_in_a_few_batches():
+    """Qwen3-30B-A3B at EP8 in bf16: 16 experts a rank, fc1 and fc2 (1.2 GB a layer once gathered): 3 gathers a layer
+    under the 512 MiB limit, never across a layer or a dtype; every other parameter alone."""
+    from nemo_jq.models.megatron.mapping import gather_batches
+    from nemo_jq.models.megatron.policy import EXPERT_GATHER_BYTES
+
+    hidden, ffn = 2048, 768
+    entries = [("embedding.word_embeddings.weight", torch.bfloat16, 151936 * hidden)]
+    for layer in range(48):
+        entries.append((f"decoder.layers.{layer}.mlp.router.weight", torch.float32, 128 * hidden))
+        entries += [(f"decoder.layers.{layer}.mlp.experts.local_experts.{j}.linear_fc{fc}.weight", torch.bfloat16,
+                     (2 if fc == 1 else 1) * ffn * hidden) for j in range(16) for fc in (1, 2)]
+    batches = gather_batches(entries, 8, EXPERT_GATHER_BYTES)
+    assert len(batches) == 1 + 48 * (1 + 3) and sum(map(len, batches)) == len(entries)
+    assert [len(batch) for batch in batches[2:5]] == [14, 14, 4]
+    assert len({name.split(".")[2] for batch in batches[1:] for name in batch[:1] + batch[-1:]}) == 48
+    assert gather_batches(entries[:3] + [(entries[3][0], torch.float32, entries[3][2])], 8, EXPERT_GATHER_BYTES) == [
+        [entries[0][0]], [entries[1][0]], [entries[2][0]], [entries[3][0]]]
 
 
 @pytest.mark.slow
