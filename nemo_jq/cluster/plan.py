@@ -39,10 +39,10 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
   policy trains, and a share that cannot hold its engine's bf16 weights does not fit;
 * a Qwen3-MoE: its experts split over ``expert_parallel`` (EP) ranks and their optimizer state over the expert-DP ranks
   (TP x CP x DP / EP), the rest as a dense model's; each layer's activations hold the router's and, routing
-  balanced, k experts' tensors for each of the rank's tokens (``expert_activation_bytes``), a recomputed layer
-  ``RECOMPUTED_EXPERT_LAYER_BACKWARD`` times them; its layouts are those experts train at (CP = 1; with TP, sequence
-  parallelism and EP a multiple of TP: ``MegatronLayout.check_trainable``), each EP that divides the experts and a
-  stage's ranks;
+  balanced, k experts' tensors for each of the rank's tokens (``expert_activation_bytes``), and its backward the
+  tokens the dispatcher gathers from the EP group (``dispatched_bytes``: it grows with EP); its layouts are those
+  experts train at (with TP, sequence parallelism and EP a multiple of TP: ``MegatronLayout.check_trainable``), each
+  EP that divides the experts and a stage's ranks;
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
   copy) plus the largest of the training working set (gradients without the distributed optimizer,
   activations, log-prob head), the rollout working set (KV cache, or vLLM's share) and the optimizer step's
@@ -292,21 +292,28 @@ def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> 
     hidden_terms = 4 * arch.hidden_size / (tp if work.sequence_parallel else 1)  # two norms' inputs and outputs
     mlp = 0 if arch.is_moe else 3 * arch.intermediate_size  # fc1, SwiGLU
     split_terms = (2 * (q + 2 * kv) + q + mlp) / tp  # Q/K/V twice, attention out, the MLP
-    return 2 * tokens * (hidden_terms + split_terms) + (expert_activation_bytes(arch, work, tp) if arch.is_moe else 0)
+    named = 2 * tokens * (hidden_terms + split_terms)
+    return (named + expert_activation_bytes(arch, work, tp)) * EXPERT_LAYER_KEPT if arch.is_moe else named
 
 
 def expert_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
     """What a Qwen3-MoE layer's router and experts keep for backward on one rank, routing balanced: each TP rank routes
-    its own part of the tokens (sequence parallelism), megatron-core's all-gather dispatcher gathers those of its EP
-    group, and the rank runs the ones routed to its experts, k per token of its own part: each bf16, its permuted
-    input, fc1 input and output, SwiGLU output and fc2 output (3H + 3I); the router's fp32 input and its logits and
-    probabilities over the E experts for its own tokens; the dispatcher's gathered tokens (bf16, H each). Measured by
-    the dry run at Qwen3-30B-A3B's width (TP 2 with SP, EP 8; 4 and 8 layers): 1766 MiB a layer, this 1791."""
+    its own part of the tokens (sequence parallelism) and runs the ones its EP group routed to its experts, k per token
+    of its own part: each bf16, its permuted input, fc1 input and output, SwiGLU output and fc2 output (3H + 3I); the
+    router's fp32 input and its logits and probabilities over the E experts for its own tokens. The tokens the
+    dispatcher gathers are not kept (:func:`dispatched_bytes`)."""
     own = work.tokens_per_rank / (tp if work.sequence_parallel else 1)
     experts = 2 * own * arch.num_experts_per_tok * (3 * arch.hidden_size + 3 * arch.moe_intermediate_size)
     router = 4 * own * (arch.hidden_size + 2 * arch.num_experts)
-    gathered = 2 * own * work.expert_parallel * arch.hidden_size
-    return experts + router + gathered
+    return experts + router
+
+
+def dispatched_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
+    """What a Qwen3-MoE layer's backward holds for the tokens megatron-core's all-gather dispatcher gathers from the
+    rank's EP group (``EP x`` its own part): :data:`DISPATCHED_COPIES` bf16 copies of them (H each) and their fp32
+    routing probabilities (E each). It grows with EP, the layer's kept tensors do not."""
+    gathered = work.tokens_per_rank / (tp if work.sequence_parallel else 1) * work.expert_parallel
+    return gathered * (DISPATCHED_COPIES * 2 * arch.hidden_size + 4 * arch.num_experts)
 
 
 #: What the megatron backend holds while one recomputed layer runs backward, in multiples of that layer's forward
@@ -314,9 +321,17 @@ def expert_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) ->
 #: all-gathered inputs. Measured by the megatron dry run (local spec, TP=2 with SP): 3.19 at a 4-layer 256-wide model,
 #: 3.25 at the 8B paper config (tests/unit/dryrun/test_dryrun_megatron.py holds plan to it).
 RECOMPUTED_LAYER_BACKWARD = 3.2
-#: The same for a Qwen3-MoE's layer (its experts' tensors are recomputed per expert, one after another): measured
-#: by the megatron dry run of Qwen3-30B-A3B's shape (TP 2 with SP, EP 8, recomputed): 2.57.
-RECOMPUTED_EXPERT_LAYER_BACKWARD = 2.57
+#: What a Qwen3-MoE layer keeps for backward, in multiples of the tensors :func:`layer_activation_bytes` names: the
+#: megatron dry run of cut models (4 and 8 layers) at Qwen3-30B-A3B's width (TP 2, SP, EP 8 and 32) and at
+#: Qwen3-235B-A22B's (TP 4, SP, EP 64) measured 1.157 and 1.159, the same whatever EP.
+EXPERT_LAYER_KEPT = 1.16
+#: The copies of the dispatcher's gathered tokens a Qwen3-MoE layer's backward holds (:func:`dispatched_bytes`;
+#: the gathered input, the experts' output over it, and both gradients): the same dry runs, recomputed, measured 4.1
+#: a token of the EP group at both widths and at EP 4 to 64, beside the recomputed layer's kept tensors and 8% more.
+DISPATCHED_COPIES = 4
+#: What a Qwen3-MoE layer's backward holds beyond its kept tensors and :func:`dispatched_bytes`, in multiples of the
+#: kept tensors (the same dry runs: 0.08 recomputed).
+EXPERT_LAYER_BACKWARD = 0.08
 
 #: Buffers of one layer's keys (or values) a decode step holds beside the cache at once: a compaction rebuilds
 #: keys then values, each from a copy of the rows it keeps into a new buffer while the old one lives (measured by
@@ -417,12 +432,13 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     in_flight = min(pp, micro_batches)
     per_layer = layer_activation_bytes(arch, work, tp)
     tokens = work.tokens_per_rank
+    # a Qwen3-MoE layer's backward: the dispatcher's gathered tokens and a little more (recomputed: the layer again)
+    backward = dispatched_bytes(arch, work, tp) + EXPERT_LAYER_BACKWARD * per_layer if arch.is_moe else 0.0
     if work.recompute:
         inputs = 2 * tokens * arch.hidden_size / (tp if work.sequence_parallel else 1)
-        recomputed = RECOMPUTED_EXPERT_LAYER_BACKWARD if arch.is_moe else RECOMPUTED_LAYER_BACKWARD
-        activations = in_flight * layers * inputs + recomputed * per_layer
+        activations = in_flight * layers * inputs + backward + (1 if arch.is_moe else RECOMPUTED_LAYER_BACKWARD) * per_layer
     else:
-        activations = in_flight * layers * per_layer
+        activations = in_flight * layers * per_layer + backward
     vllm = work.rollout_engine == "vllm"
     hf = work.backend == "hf"
     in_place = hf and not vllm and not work.async_copy  # the native/hf samplers decode the policy's own model
@@ -441,6 +457,19 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm and samples_here else 0.0,
     }
     return parts
+
+
+def decode_shape(arch: Qwen3Architecture, engine_gpus: int) -> dict[str, float]:
+    """What a decode step's bound needs beyond the sampler's weight bytes (``bounds.sampling_seconds``): the GPUs one
+    engine spans (each reads its share of the weights and does its share of the FLOPs), the parameters a token runs
+    through (a Qwen3-MoE's k of E experts), the expert parameters and the share of them a token routes to (a step
+    reads the experts its rows route to), and the shards of the keys and values (vLLM splits the KV heads over its
+    tensor-parallel ranks, replicating them past the heads' count)."""
+    experts = expert_parameters(arch)
+    share = arch.num_experts_per_tok / arch.num_experts if arch.is_moe else 0.0
+    return {"engine_gpus": engine_gpus, "active_parameters": parameter_count(arch) - experts * (1 - share),
+            "expert_parameters": experts, "expert_share": share,
+            "kv_shards": min(engine_gpus, arch.num_key_value_heads), "kv_bytes_per_token": kv_bytes_per_token(arch)}
 
 
 def kv_bytes_per_token(arch: Qwen3Architecture) -> int:

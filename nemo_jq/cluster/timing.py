@@ -66,7 +66,7 @@ def phase_bounds(arch: Qwen3Architecture, work: plan.Workload, config: Config, g
     parameters = plan.parameter_count(arch)
     shape = {"parameters": parameters, "prompt_tokens": work.seq_len - rollout.max_thinking_tokens - 1
              - rollout.max_answer_tokens, "sampler_weight_bytes": 2 * parameters,
-             "kv_bytes_per_token": plan.kv_bytes_per_token(arch)}
+             **plan.decode_shape(arch, work.vllm_tensor_parallel if work.rollout_engine == "vllm" else 1)}
     answers = Need.SAMPLED_ANSWER_REWARD in get_objective(config.objective.name).needs
     group_rows = train.micro_batch_size * rollout.num_samples
     micro_batches = math.ceil(replica_prompts / train.micro_batch_size)

@@ -40,7 +40,8 @@ def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Co
     """A lower bound on the phase's time in the run on ``gpu``. Training: the FLOPs counted on one micro-batch, times
     the replica's micro-batches (its share of the batch), at the bf16 peak. Sampling (the step's rollouts; an evaluation of the validation
     split): every decode step of every chunk reads the sampler's weights as it holds them and the keys and values so
-    far, at the memory bandwidth (or its 2 FLOPs a parameter a token at the peak, where that is more); the dry run
+    far, at the memory bandwidth (or its 2 FLOPs a parameter a token at the peak, where that is more), each GPU of an
+    engine its share (:func:`sampling_seconds`); the dry run
     itself ran only a few of those steps, of the prompts this rank's engine decodes or waits for (its replica's share
     over the replica's engines: the shape's ``rollout_prompts`` and ``evaluate_prompts``). Other phases: their FLOPs at
     the peak."""
@@ -59,17 +60,22 @@ def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Co
 def sampling_seconds(shape: dict[str, Any], config: Config, gpu: GpuProfile, prompts: int, samples: int, *,
                      answers: bool) -> float:
     """The bound of :func:`seconds_at_least` for one sampling call of ``prompts`` x ``samples`` rows: the thinking
-    phase in chunks of whole groups, then (``answers``) the answer phase in chunks of rows, as the samplers chunk."""
+    phase in chunks of whole groups, then (``answers``) the answer phase in chunks of rows, as the samplers chunk; on
+    each of the engine's GPUs (``plan.decode_shape``): its share of the weights a decode step reads (a Qwen3-MoE's
+    experts that the step's rows route to, routing balanced), of the keys and values, and of the FLOPs."""
     rollout, kv_budget = config.rollout, config.rollout.kv_cache_tokens
-    weights, per_token = shape["sampler_weight_bytes"], shape["kv_bytes_per_token"]
+    gpus, weights = shape["engine_gpus"], shape["sampler_weight_bytes"]
+    per_token = shape["kv_bytes_per_token"] / shape["kv_shards"]
+    experts = weights * shape["expert_parameters"] / shape["parameters"]
 
     def phase(rows: int, context: int, steps: int, rows_per_chunk: int) -> float:
         chunks, total = math.ceil(rows / rows_per_chunk), 0.0
         for chunk in range(chunks):
             r = min(rows_per_chunk, rows - chunk * rows_per_chunk)
+            step_weights = (weights - experts * (1 - shape["expert_share"]) ** r) / gpus  # experts no row routes to
             kv = r * per_token * (steps * context + steps * (steps + 1) / 2)
-            flops = 2 * shape["parameters"] * r * (context + steps)
-            total += max((steps * weights + kv) / gpu.bandwidth, flops / gpu.bf16_flops)
+            flops = 2 * shape["active_parameters"] / gpus * r * (context + steps)
+            total += max((steps * step_weights + kv) / gpu.bandwidth, flops / gpu.bf16_flops)
         return total
 
     prompt, thinking = shape["prompt_tokens"], rollout.max_thinking_tokens

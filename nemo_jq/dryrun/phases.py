@@ -15,7 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from nemo_jq.backends import BackendRequest
-from nemo_jq.cluster.plan import Workload, decode_engines
+from nemo_jq.cluster.plan import Workload, decode_engines, decode_shape
 from nemo_jq.config import Config
 from nemo_jq.data import Example, Splits
 from nemo_jq.dryrun.bounds import GpuProfile, total_flops_counter
@@ -38,6 +38,7 @@ from nemo_jq.dryrun.world import GPU, FakeWorld, WrongDevice, patched
 from nemo_jq.models.common import checkpoint_state
 from nemo_jq.models.hf import hf_tensors
 from nemo_jq.models.interfaces import TokenBatch
+from nemo_jq.models.megatron.provider import read_qwen3_config
 from nemo_jq.objectives import Need, get_objective
 from nemo_jq.rollouts import SAMPLERS, BudgetedRollouts, refit
 from nemo_jq.rollouts.hf import NativeSampler
@@ -187,7 +188,7 @@ class DryRun:
         validation = -(-config.data.validation_size // replicas)
         shares = {"rollout": -(-config.train.batch_size // replicas), "evaluate": min(config.eval.batch_size, validation)}
         if self.separate:
-            engines, served = 0, -(-replicas // config.rollout.ranks)
+            engines, served = 0, -(-replicas // (config.rollout.ranks // self._engine_gpus))  # an engine's replicas
             decoded = {phase: served * prompts for phase, prompts in shares.items()}
         else:
             engines = decode_engines(Workload.from_config(config, self.prompt_tokens), *self._model_parallel())
@@ -508,4 +509,9 @@ class DryRun:
                 "micro_batch_prompts": self.config.train.micro_batch_size, "sampled_answers": self.sampled_answers,
                 "sampler_weight_bytes": self.sampler_bytes, "replicas": self.replicas,
                 "decoded_prompts": dict(self.decoded_prompts), **self._decode_work(),
-                "kv_bytes_per_token": 2 * 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim}
+                **decode_shape(read_qwen3_config(hf), self._engine_gpus)}
+
+    @property
+    def _engine_gpus(self) -> int:
+        """The GPUs one engine spans: a vLLM engine's tensor-parallel ranks."""
+        return self.config.rollout.tensor_parallel if self.config.rollout.engine == "vllm" else 1

@@ -46,7 +46,7 @@ class RouterLog:
     the load-balancing loss's scale for the micro-batch (its rows over all DP ranks' rows) and files what the routers
     logged since the call before (the loss per layer, the replayed choices and those their own top-k would not make)
     under the micro-batch that ran them. :meth:`metrics` (a collective) sums those over the ranks that split the tokens
-    (TP under sequence parallelism) and the layers (PP) into each micro-batch's ``load_balancing_loss`` (the layers'
+    (TP under sequence parallelism, CP) and the layers (PP) into each micro-batch's ``load_balancing_loss`` (the layers'
     mean, without the coefficient) and ``routing_disagreement``."""
 
     def __init__(self, micro_batches: Sequence[TokenBatch], data_parallel_group: Any, device: torch.device,

@@ -147,7 +147,7 @@ class MegatronLayout:
 
 #: The layout settings a Qwen3-MoE trains with so far, and their values (TP too, under the rules of
 #: :meth:`MegatronLayout.check_trainable`).
-EXPERTS_AT = {"context_parallel": 1, "expert_tensor_parallel": 1}
+EXPERTS_AT = {"expert_tensor_parallel": 1}
 
 #: Keys of :class:`MegatronLayout` that lived in the ``model:`` section before 0.2 (read with a deprecation
 #: message, naming the new key, until 0.3).

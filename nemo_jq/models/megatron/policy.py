@@ -194,7 +194,8 @@ class MegatronPolicy:
         #: A Qwen3-MoE's routers replay the routes a batch carries (replay.py).
         self.routing_replay = RoutingReplay(self.model, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                             sequence_parallel=sequence_parallel,
-                                            layer_offset=self._layer_offset) if self.arch.is_moe else None
+                                            layer_offset=self._layer_offset, cp_rank=self.cp_rank,
+                                            cp_size=self.cp_size) if self.arch.is_moe else None
         #: Moves whenever the weights change, so an engine sampling from a copy knows to refit.
         self.weights_version = 0
         #: Whether gradients of an earlier ``forward_backward`` (synchronised already) wait for the step.
@@ -283,9 +284,10 @@ class MegatronPolicy:
         # megatron-core's local attention would build its default one on CUDA.
         causal_mask = None if self.uses_transformer_engine or self.uses_sdpa_attention or self.cp_size > 1 else (
             torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)[None, None])  # True: masked
-        # megatron-core 0.16.1's padding_mask is True at the padding, whatever its docstring says; under sequence
-        # parallelism its first stage splits it over TP (GPTModel._preprocess), the later stages take it as given
-        padding = None if real is None else ~real
+        # megatron-core 0.16.1's padding_mask is True at the padding, whatever its docstring says, and of the CP rank's
+        # positions; under sequence parallelism its first stage splits it over TP (GPTModel._preprocess), the later
+        # stages take it as given
+        padding = None if real is None else self._on_this_cp_rank(~real)
         if padding is not None and self.sequence_parallel and not self.model.pre_process:
             padding = padding.chunk(self.tp_size, dim=1)[self.tp_rank]
         with autocast_context(self.device, self.precision), _without_lm_head(self.model):
@@ -348,8 +350,9 @@ class MegatronPolicy:
             metrics = box[0]
         else:
             metrics = backward_each(self, micro_batches, loss_fn, before_each=log.enter if log else None)
-        if log is not None:  # what the routers logged, each micro-batch's over the stages and the TP ranks
-            metrics = [{**micro, **logged} for micro, logged in zip(metrics, log.metrics((self.tp_group, self.pp_group)))]
+        if log is not None:  # what the routers logged, each micro-batch's over the stages and the TP and CP ranks
+            tp_cp = parallel_state.get_tensor_and_context_parallel_group()
+            metrics = [{**micro, **logged} for micro, logged in zip(metrics, log.metrics((tp_cp, self.pp_group)))]
         self._synchronise_gradients()
         for param, grad in earlier.items():
             self._grad_of(param).add_(grad)
@@ -514,11 +517,13 @@ class MegatronPolicy:
         tensors = [per_parameter[name].detach() for name in batch]
         experts = self.arch.is_moe and is_expert(batch[0])
         group = self.ep_group if experts else self.tp_group
-        mine = torch.cat([tensor.reshape(-1) for tensor in tensors])
-        pieces = [mine]
+        flat = [tensor.reshape(-1) for tensor in tensors]
+        mine = flat[0].contiguous() if len(flat) == 1 else torch.cat(flat)  # a lone tensor: no copy to gather it
         if dist.get_world_size(group) > 1:
             pieces = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
             dist.all_gather(pieces, mine, group=group)
+        else:
+            pieces = [mine.clone() if len(flat) == 1 else mine]
         offsets = self.experts.all_offsets if experts else None
         per_rank = [piece.split([tensor.numel() for tensor in tensors]) for piece in pieces]
         return [item for index, (name, tensor) in enumerate(zip(batch, tensors))
@@ -527,16 +532,25 @@ class MegatronPolicy:
 
     def _broadcast_from(self, stage: int, batch: list[str], dtype: torch.dtype,
                         tensors: list[tuple[str, torch.Tensor]] | None) -> list[tuple[str, torch.Tensor]]:
-        """A batch's HF tensors (``tensors``, on its own stage) on every stage, in one broadcast over PP."""
-        if tensors is None:
-            offsets = self.experts.all_offsets if self.arch.is_moe and is_expert(batch[0]) else (0,)
+        """A batch's HF tensors (``tensors``, on its own stage) on every stage: a batch of experts in one broadcast over
+        PP, any other tensor in its own (a copy of a whole batch would cost more than its few broadcasts)."""
+        source = dist.get_global_rank(self.pp_group, stage)
+        experts = self.arch.is_moe and is_expert(batch[0])
+        if tensors is not None:
+            names, shapes = [name for name, _ in tensors], [tensor.shape for _, tensor in tensors]
+        else:
+            offsets = self.experts.all_offsets if experts else (0,)
             names = [name for megatron_name in batch for offset in offsets for name in hf_names(megatron_name, offset)]
             shapes = [torch.Size(hf_shape(name, self.arch)) for name in names]
-            flat = torch.empty(sum(shape.numel() for shape in shapes), dtype=dtype, device=self.device)
-        else:
-            names, shapes = [name for name, _ in tensors], [tensor.shape for _, tensor in tensors]
-            flat = torch.cat([tensor.reshape(-1) for _, tensor in tensors])
-        dist.broadcast(flat, dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
+        if not experts:
+            received = [tensor.contiguous() for _, tensor in tensors] if tensors is not None else [
+                torch.empty(shape, dtype=dtype, device=self.device) for shape in shapes]
+            for tensor in received:
+                dist.broadcast(tensor, source, group=self.pp_group)
+            return list(zip(names, received))
+        flat = torch.cat([tensor.reshape(-1) for _, tensor in tensors]) if tensors is not None else torch.empty(
+            sum(shape.numel() for shape in shapes), dtype=dtype, device=self.device)
+        dist.broadcast(flat, source, group=self.pp_group)
         return [(name, part.view(shape)) for name, shape, part in zip(names, shapes, flat.split([s.numel() for s in shapes]))]
 
     def _global_name(self, name: str) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nemo_jq.models.megatron.context_parallel import split_for_rank
 from nemo_jq.models.routes import ROUTE_YOURSELF, empty_routes
 
 #: The experts the last replayed router dispatched to, ``[tokens, k]``, until its load-balancing loss reads them.
@@ -56,11 +57,13 @@ class ReplayedRoutes:
 class RoutingReplay:
     """The replay objects of a ``GPTModel``'s routers, one per layer of this stage, and the routes they replay."""
 
-    def __init__(self, model: Any, *, tp_rank: int, tp_size: int, sequence_parallel: bool, layer_offset: int = 0):
+    def __init__(self, model: Any, *, tp_rank: int, tp_size: int, sequence_parallel: bool, layer_offset: int = 0,
+                 cp_rank: int = 0, cp_size: int = 1):
         self.replays = [ReplayedRoutes() for _ in model.decoder.layers]
         for layer, replay in zip(model.decoder.layers, self.replays):
             layer.mlp.router.router_replay = replay
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         #: This pipeline stage's first layer in the whole model: the routes hold every layer's.
         self.layer_offset = layer_offset
         dispatched_routes_balanced()
@@ -69,15 +72,15 @@ class RoutingReplay:
         """Replay ``routes`` (``[N, L, layers, k]`` for the forward's ``[N, L]`` input; None: route every token) from
         the next forward on, until the next ``load``: a recomputation in backward routes as its forward did when the
         policy loads them again as that backward begins (under pipeline parallelism other micro-batches' forwards run
-        in between). The router sees positions ``[L, N]`` flattened (under sequence parallelism this TP rank's run of
-        them). The disagreement counts start again."""
+        in between). The router sees this CP rank's positions (``context_parallel.split_for_rank``) as ``[L / CP, N]``
+        flattened (under sequence parallelism this TP rank's run of them). The disagreement counts start again."""
         _DISPATCHED[0] = None
         for layer, replay in enumerate(self.replays, start=self.layer_offset):
             replay.disagreeing = replay.replayed = torch.zeros((), dtype=torch.long)
             if routes is None:
                 replay.target = None
                 continue
-            target = routes[:, :, layer].transpose(0, 1)
+            target = split_for_rank(routes[:, :, layer], self.cp_rank, self.cp_size).transpose(0, 1)
             if self.sequence_parallel and self.tp_size > 1:
                 target = target.chunk(self.tp_size)[self.tp_rank]
             replay.target = target.reshape(-1, target.shape[-1])

@@ -22,7 +22,7 @@ from megatron_cpu import run_in_processes  # noqa: E402
 from megatron_tiny import EXPERTS, switch_loss, tiny_qwen3_moe  # noqa: E402
 from nemo_jq.models.common import checkpoint_state  # noqa: E402
 from nemo_jq.models.megatron.layout import MegatronLayout  # noqa: E402
-from nemo_jq.models.megatron.mapping import is_expert  # noqa: E402
+from nemo_jq.models.megatron.mapping import hf_names, is_expert  # noqa: E402
 from nemo_jq.models.megatron.provider import read_qwen3_config  # noqa: E402
 
 
@@ -52,8 +52,7 @@ def test_what_is_not_built_yet_is_refused_in_one_line(tmp_path):
     folder = tiny_qwen3_moe(tmp_path / "moe")
     for setting, fragment in (({"expert_tensor_parallel": 2}, "megatron.expert_tensor_parallel=2 with a Qwen3-MoE"),
                               ({"tensor_parallel": 2, "sequence_parallel": True},
-                               "megatron.tensor_parallel=2 with megatron.expert_parallel=1"),
-                              ({"context_parallel": 2}, "megatron.context_parallel=2 with a Qwen3-MoE")):
+                               "megatron.tensor_parallel=2 with megatron.expert_parallel=1")):
         with pytest.raises(ValueError, match=fragment + ": for now experts train with"):
             MegatronPolicy(str(folder), {}, **setting)
     with pytest.raises(ValueError, match="megatron.tensor_parallel=2 with a Qwen3-MoE needs megatron.sequence_parallel"):
@@ -136,8 +135,9 @@ def adam_state(policy) -> dict:
 
 
 def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_optimizer: bool,
-                    tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
-    """One GARL(q=0.75) AdamW step at EP=2 (DP 2: a micro-batch each; or TP 2 with SP; or over 2 pipeline stages)
+                    tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1) -> dict:
+    """One GARL(q=0.75) AdamW step at EP=2 (DP 2: a micro-batch each; or TP 2 with SP; or over 2 pipeline stages; or
+    CP 2)
     against transformers' model trained by HFPolicy on both micro-batches, its loss plus, per layer and micro-batch,
     the load-balancing loss weighted by the micro-batch's share of the rows (experts.py)."""
     import copy
@@ -154,7 +154,7 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
     settings = dict(expert_parallel=2, moe_aux_loss_coef=aux_coef, distributed_optimizer=distributed_optimizer,
                     tensor_parallel=tensor_parallel, sequence_parallel=tensor_parallel > 1,
-                    pipeline_parallel=pipeline_parallel, **OPTIM)
+                    pipeline_parallel=pipeline_parallel, context_parallel=context_parallel, **OPTIM)
     policy = MegatronPolicy.from_hf_folder(folder, **settings)
     batch = garl_batch(model.config.vocab_size)
     micro_batches = [batch.rows(g * SAMPLES, (g + 1) * SAMPLES) for g in range(PROMPTS)]
@@ -196,17 +196,18 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
     with counted_collectives() as counts:
         stepped = policy.hf_state_dict()
     layers = policy.arch.num_layers
-    dense = sum(not is_expert(name) for name in policy._all_names)
+    dense = sum(len(hf_names(name)) for name in policy._all_names if not is_expert(name))  # HF tensors
     collectives = {"expert_gathers": counts[id(policy.ep_group), "all_gather"], "layers_here": layers // pipeline_parallel,
                    "stage_broadcasts": counts[id(policy.pp_group), "broadcast"],
-                   "batches": dense + layers if pipeline_parallel > 1 else 0}
+                   "broadcasts": dense + layers if pipeline_parallel > 1 else 0}
     # the export (experts gathered over EP) is a folder transformers loads, bit-exact
     export = Path(checkpoint).parent / "export"
     policy.export(export, tiny_setup()[1])
     exported = max_diff(checkpoint_state(Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()), stepped)
     parallel_state.destroy_model_parallel()
     whole = MegatronPolicy.from_hf_folder(folder, **{**settings, "expert_parallel": 1, "tensor_parallel": 1,
-                                                     "sequence_parallel": False, "pipeline_parallel": 1})
+                                                     "sequence_parallel": False, "pipeline_parallel": 1,
+                                                     "context_parallel": 1})
     whole.load(Path(checkpoint))
     at_ep1 = max_diff(whole.hf_state_dict(), stepped)
     return {"logprobs": logprobs, "grads": grads, "grad_norm": grad_norm, "weights": weights,
@@ -237,33 +238,35 @@ def counted_collectives():
             setattr(dist, name, original)
 
 
-@pytest.mark.parametrize("aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel",
-                         [(0.0, False, 1, 1), (0.5, False, 1, 1), pytest.param(0.5, True, 1, 1, marks=pytest.mark.slow),
-                          pytest.param(0.5, False, 2, 1, marks=pytest.mark.slow), (0.5, True, 1, 2),
-                          pytest.param(0.5, False, 2, 2, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel, context_parallel",
+                         [(0.0, False, 1, 1, 1), (0.5, False, 1, 1, 1), pytest.param(0.5, True, 1, 1, 1, marks=pytest.mark.slow),
+                          pytest.param(0.5, False, 2, 1, 1, marks=pytest.mark.slow), (0.5, True, 1, 2, 1),
+                          pytest.param(0.5, False, 2, 2, 1, marks=pytest.mark.slow), (0.5, True, 1, 1, 2)],
                          ids=["no-balancing-loss", "balancing-loss", "balancing-loss-distributed-optimizer",
-                              "balancing-loss-tp2-sp", "balancing-loss-pp2-distributed-optimizer", "balancing-loss-tp2-sp-pp2"])
+                              "balancing-loss-tp2-sp", "balancing-loss-pp2-distributed-optimizer", "balancing-loss-tp2-sp-pp2",
+                              "balancing-loss-cp2-distributed-optimizer"])
 @pytest.mark.distributed
 def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(
-        tmp_path, aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel):
+        tmp_path, aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel, context_parallel):
     """Expert gradients from both ranks' tokens (the dispatcher's gather), dense ones summed over DP, the norm
     counting each expert once, the step; with the load-balancing loss at a coefficient large enough to matter; with
     the distributed optimizer (dense state over DP, the experts' over expert-DP, one norm); and over 2 pipeline
     stages (each stage's experts over EP, the norm over both stages' experts, the checkpoint loading at PP=1, the
     export gathering every stage's experts)."""
     folder = tiny_qwen3_moe(tmp_path / "moe")
-    for rank, result in enumerate(run_in_processes(moe_step_worker, 2 * pipeline_parallel, str(folder), aux_coef,
-                                                   str(tmp_path / "ckpt"), distributed_optimizer, tensor_parallel,
-                                                   pipeline_parallel)):
+    for rank, result in enumerate(run_in_processes(moe_step_worker, 2 * pipeline_parallel * context_parallel, str(folder),
+                                                   aux_coef, str(tmp_path / "ckpt"), distributed_optimizer, tensor_parallel,
+                                                   pipeline_parallel, context_parallel)):
         assert result["logprobs"] < 1e-5, (rank, result)
         assert result["grads"] < 1e-5 * max(1.0, result["grad_scale"]), (rank, result)
         assert result["grad_norm"] < 1e-5 and result["weights"] < 1e-5, (rank, result)
         for logged, reference in result["balance"]:
             assert (logged is None) if not aux_coef else logged == pytest.approx(reference, rel=1e-4), (rank, result)
         assert result["restored"] == 0.0 and result["at_ep1"] == 0.0 and result["exported"] == 0.0, (rank, result)
-        # each layer's experts in one gather over EP (not one per expert), each batch in one broadcast over PP
+        # each layer's experts in one gather over EP (not one per expert) and one broadcast over PP (not one per
+        # HF tensor); every dense HF tensor in its own broadcast
         assert result["expert_gathers"] == result["layers_here"], (rank, result)
-        assert result["stage_broadcasts"] == result["batches"], (rank, result)
+        assert result["stage_broadcasts"] == result["broadcasts"], (rank, result)
 
 
 def test_a_layers_experts_are_gathered_in_a_few_batches():

@@ -164,14 +164,16 @@ def replay_worker(folder: str, layout: dict) -> dict:
     ({"pipeline_parallel": 2, "recompute_activations": True}, 2),
     # each stage's experts over 2 replicas, which pad alike; the loss scaled by the micro-batch's share, not the schedule's
     pytest.param({"pipeline_parallel": 2, "expert_parallel": 2}, 4, marks=pytest.mark.slow),
-], ids=["ep2", "ep2-recompute", "pp2-recompute", "pp2-ep2"])
+    # each CP rank replays its two chunks of every sequence's routes; the loss and counts summed over CP
+    pytest.param({"context_parallel": 2, "expert_parallel": 2, "recompute_activations": True}, 4, marks=pytest.mark.slow),
+], ids=["ep2", "ep2-recompute", "pp2-recompute", "pp2-ep2", "cp2-ep2-recompute"])
 def test_the_trainer_replays_the_engines_routes_and_routes_the_rest_itself(tmp_path, layout, world_size):
     """Without replay the trainer's log-probs of the rationale differ from the perturbed sampler's; with it they equal
     them to round-off, and the whole rows equal transformers routed the same way (the answer routed by each model's
     own router); all-``ROUTE_YOURSELF`` routes change nothing. A GARL step with the load-balancing loss, replayed,
     equals transformers' step routed the same way with megatron-core's loss over the dispatched experts (gradients,
     each micro-batch's logged loss and disagreement rate); a replayed expert the router would not pick gets a
-    gradient. Through a recomputing backward and a pipeline's stages alike."""
+    gradient. Through a recomputing backward, a pipeline's stages and context parallelism alike."""
     folder = tiny_qwen3_moe(tmp_path / "moe")
     for rank, out in enumerate(run_in_processes(replay_worker, world_size, str(folder), layout)):
         assert out["unreplayed_gap"] > 1e-3 and out["replayed_gap"] < 1e-5, (rank, out)

@@ -59,6 +59,32 @@ def test_the_training_count_misses_a_pass_left_out():
     assert timing.train_flops(arch, dataclasses.replace(work, recompute=False), 64, True) < full * (1 - 3 * TRAIN_TOLERANCE)
 
 
+def test_a_decode_bound_splits_over_an_engines_gpus_and_reads_the_experts_its_rows_route_to():
+    """Each GPU of a tensor-parallel engine reads its share of the weights and of the keys and values (vLLM replicates
+    KV heads past their count); a Qwen3-MoE's decode step runs k of E experts a token and reads only the experts its
+    rows route to: one row, its k of every layer's E; many rows, nearly all."""
+    from nemo_jq.dryrun.bounds import sampling_seconds
+
+    config = load_config(ROOT / "configs" / "examples" / "qwen3_30b_a3b_hotpotqa_cold_garl_q0.75.yaml")
+    arch, gpu = plan.architecture(config.model.path), GPUS["h100-80gb"]
+    parameters = plan.parameter_count(arch)
+
+    def step(engine_gpus, rows):  # one decode step of ``rows`` rows
+        shape = {"parameters": parameters, "prompt_tokens": 0, "sampler_weight_bytes": 2 * parameters,
+                 **plan.decode_shape(arch, engine_gpus)}
+        one_step = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, max_thinking_tokens=1,
+                                                                           kv_cache_tokens=None))
+        return sampling_seconds(shape, one_step, gpu, rows, 1, answers=False)
+
+    experts = plan.expert_parameters(arch)
+    routed = (parameters - experts + experts * arch.num_experts_per_tok / arch.num_experts) * 2 / gpu.bandwidth
+    assert step(1, 1) == pytest.approx(routed, rel=1e-3)
+    assert step(1, 512) == pytest.approx(2 * parameters / gpu.bandwidth, rel=1e-3)
+    assert step(2, 512) == pytest.approx(step(1, 512) / 2, rel=1e-6)
+    assert [plan.decode_shape(arch, gpus)["kv_shards"] for gpus in (1, 2, 4, 8)] == [1, 2, 4, 4]  # 4 KV heads
+    assert plan.decode_shape(arch, 1)["active_parameters"] < parameters / 8  # 30B-A3B: ~3.3B a token
+
+
 @pytest.mark.slow
 def test_plans_time_for_the_06b_paper_config_is_the_dry_runs_bounds_over_the_stated_fractions(capsys):
     """The 0.6B config at its real size (the dry run: ~25 s): plan's phases are the dry run's bounds, its run's
