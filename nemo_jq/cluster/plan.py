@@ -195,8 +195,10 @@ class Workload:
     rollout_ranks: int = 0
     #: ``rollout.sync_bucket_mb``: the weight sync's bucket (MiB; a rollout rank holds two).
     sync_bucket_mb: float = 256.0
-    #: ``megatron.expert_parallel``: a Qwen3-MoE's experts split over that many ranks (expert-TP is 1).
+    #: ``megatron.expert_parallel``: a Qwen3-MoE's experts split over that many ranks.
     expert_parallel: int = 1
+    #: ``megatron.expert_tensor_parallel``: each expert's MLP split over that many ranks.
+    expert_tensor_parallel: int = 1
 
     @classmethod
     def from_config(cls, config: Any, prompt_tokens: int) -> Workload:
@@ -224,7 +226,8 @@ class Workload:
                    autocast=config.model.precision != "fp32",
                    eval_call=(config.eval.batch_size, config.eval.num_samples),
                    rollout_ranks=rollout.ranks if separate else 0, sync_bucket_mb=rollout.sync_bucket_mb,
-                   expert_parallel=layout.expert_parallel if not hf else 1)
+                   expert_parallel=layout.expert_parallel if not hf else 1,
+                   expert_tensor_parallel=layout.expert_tensor_parallel if not hf else 1)
 
     @property
     def tokens_per_rank(self) -> float:
@@ -299,20 +302,23 @@ def layer_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> 
 def expert_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
     """What a Qwen3-MoE layer's router and experts keep for backward on one rank, routing balanced: each TP rank routes
     its own part of the tokens (sequence parallelism) and runs the ones its EP group routed to its experts, k per token
-    of its own part: each bf16, its permuted input, fc1 input and output, SwiGLU output and fc2 output (3H + 3I); the
-    router's fp32 input and its logits and probabilities over the E experts for its own tokens. The tokens the
-    dispatcher gathers are not kept (:func:`dispatched_bytes`)."""
+    of its own part: each bf16, its permuted input, fc1 input and output, SwiGLU output and fc2 output (3H + 3I); with
+    expert-TP it runs ETP times as many through a 1/ETP slice of each expert, and keeps one more input (H) for each
+    ETP peer (the dry run at 30B-A3B, EP 8 x ETP 2: 0.27 GiB a 4-layer model above EP 16, plan 0.30). The router's
+    fp32 input and its logits and probabilities over the E experts for its own tokens. The tokens the dispatcher
+    gathers are not kept (:func:`dispatched_bytes`)."""
     own = work.tokens_per_rank / (tp if work.sequence_parallel else 1)
-    experts = 2 * own * arch.num_experts_per_tok * (3 * arch.hidden_size + 3 * arch.moe_intermediate_size)
+    etp = work.expert_tensor_parallel
+    experts = 2 * own * arch.num_experts_per_tok * ((2 + etp) * arch.hidden_size + 3 * arch.moe_intermediate_size)
     router = 4 * own * (arch.hidden_size + 2 * arch.num_experts)
     return experts + router
 
 
 def dispatched_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
     """What a Qwen3-MoE layer's backward holds for the tokens megatron-core's all-gather dispatcher gathers from the
-    rank's EP group (``EP x`` its own part): :data:`DISPATCHED_COPIES` bf16 copies of them (H each) and their fp32
+    rank's expert group (``EP x ETP x`` its own part): :data:`DISPATCHED_COPIES` bf16 copies of them (H each) and their fp32
     routing probabilities (E each). It grows with EP, the layer's kept tensors do not."""
-    gathered = work.tokens_per_rank / (tp if work.sequence_parallel else 1) * work.expert_parallel
+    gathered = work.tokens_per_rank / (tp if work.sequence_parallel else 1) * work.expert_parallel * work.expert_tensor_parallel
     return gathered * (DISPATCHED_COPIES * 2 * arch.hidden_size + 4 * arch.num_experts)
 
 
@@ -423,9 +429,10 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     expert-parallel ranks, their optimizer state over the expert-data-parallel ones (TP x CP x DP / EP: the ranks
     holding the same experts); the rest over TP (and its state over DP x CP)."""
     experts = expert_parameters(arch)
-    dense_per_rank, experts_per_rank = (parameter_count(arch) - experts) / (tp * pp), experts / (work.expert_parallel * pp)
+    split = work.expert_parallel * work.expert_tensor_parallel
+    dense_per_rank, experts_per_rank = (parameter_count(arch) - experts) / (tp * pp), experts / (split * pp)
     params_per_rank = dense_per_rank + experts_per_rank
-    expert_data_parallel = max(1, tp * work.context_parallel * dp // work.expert_parallel)
+    expert_data_parallel = max(1, tp * work.context_parallel * dp // split)
     weight_bytes, gradient_bytes, optimizer_bytes, sharded = OPTIMIZER_MODES[work.optimizer]
     layers = arch.num_layers // pp
     micro_batches = max(1, math.ceil(work.batch_prompts * work.samples / dp / work.micro_batch))
@@ -668,7 +675,8 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
         for pp in range(1, arch.num_layers + 1):
             for ep in expert_parallel_sizes(arch):
                 layout = MegatronLayout(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
-                                        sequence_parallel=work.sequence_parallel and tp > 1, expert_parallel=ep)
+                                        sequence_parallel=work.sequence_parallel and tp > 1, expert_parallel=ep,
+                                        expert_tensor_parallel=work.expert_tensor_parallel)
                 if (not layout.divides(arch, gpus) or work.batch_prompts % layout.data_parallel(gpus)
                         or (work.rollout_engine == "vllm" and not work.rollout_ranks and tp % work.vllm_tensor_parallel)):
                     continue

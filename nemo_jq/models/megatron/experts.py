@@ -29,13 +29,18 @@ from nemo_jq.models.megatron.replay import RoutingReplay
 
 
 def expert_shard(arch: Qwen3Architecture) -> ExpertShard:
-    """This rank's experts (megatron-core's expert-parallel rank); every EP rank's first expert."""
+    """This rank's experts (megatron-core's expert-parallel rank) and its slice of each (its expert-TP rank); every EP
+    rank's first expert."""
     from megatron.core import parallel_state
 
-    size = parallel_state.get_expert_model_parallel_world_size() if arch.is_moe else 1
+    if not arch.is_moe:
+        return ExpertShard()
+    size = parallel_state.get_expert_model_parallel_world_size()
     per_rank = max(1, arch.num_experts // size)
-    rank = parallel_state.get_expert_model_parallel_rank() if arch.is_moe else 0
-    return ExpertShard(rank * per_rank, all_offsets=tuple(range(0, per_rank * size, per_rank)))
+    return ExpertShard(parallel_state.get_expert_model_parallel_rank() * per_rank,
+                       parallel_state.get_expert_tensor_parallel_world_size(),
+                       parallel_state.get_expert_tensor_parallel_rank(),
+                       all_offsets=tuple(range(0, per_rank * size, per_rank)))
 
 
 class RouterLog:

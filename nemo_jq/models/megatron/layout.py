@@ -115,8 +115,8 @@ class MegatronLayout:
 
     def check_trainable(self, arch: Any) -> None:
         """Refuse, in one line naming the key, a layout the policy cannot train this model at yet, though megatron-core
-        builds it: a Qwen3-MoE trains where its experts' handling is built (docs/moe.md), TP only under sequence
-        parallelism (each TP rank routes its own part of the tokens) and with EP a multiple of it; :data:`EXPERTS_AT`."""
+        builds it: a Qwen3-MoE trains with TP only under sequence parallelism (each TP rank routes its own part of the
+        tokens) and with EP a multiple of it (docs/moe.md)."""
         if not getattr(arch, "is_moe", False):
             return
         tp, ep = self.tensor_parallel, self.expert_parallel
@@ -128,11 +128,6 @@ class MegatronLayout:
             raise ValueError(f"megatron.tensor_parallel={tp} with megatron.expert_parallel={ep}: for now experts train "
                              "with expert_parallel a multiple of tensor_parallel (the TP ranks then hold different experts, "
                              "as tested; docs/moe.md)")
-        for key, value in EXPERTS_AT.items():
-            if getattr(self, key) != value:
-                raise ValueError(f"megatron.{key}={getattr(self, key)} with a Qwen3-MoE: for now experts train with "
-                                 + ", ".join(f"{name}={setting}" for name, setting in EXPERTS_AT.items())
-                                 + " (docs/moe.md)")
 
     def divides(self, arch: Any, world_size: int) -> bool:
         """Whether :meth:`validate` accepts this layout and the policy trains at it (:meth:`check_trainable`): what
@@ -144,10 +139,6 @@ class MegatronLayout:
             return False
         return True
 
-
-#: The layout settings a Qwen3-MoE trains with so far, and their values (TP too, under the rules of
-#: :meth:`MegatronLayout.check_trainable`).
-EXPERTS_AT = {"expert_tensor_parallel": 1}
 
 #: Keys of :class:`MegatronLayout` that lived in the ``model:`` section before 0.2 (read with a deprecation
 #: message, naming the new key, until 0.3).

@@ -206,8 +206,9 @@ def iter_hf_to_megatron(hf_state: Mapping[str, torch.Tensor], megatron_names: It
 def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], arch: Qwen3Architecture, *,
                    expert_offsets: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """The HF state dict from every TP rank's shards (``shards[r]``: rank r's ``{megatron name: tensor}``). A
-    Qwen3-MoE's experts are whole on each rank (expert-TP 1) and rank r's are its expert-parallel rank's, the first
-    of them ``expert_offsets[r]`` (TP ranks may hold different experts: the expert groups are carved from them).
+    Qwen3-MoE's expert shards are rank r's expert-parallel rank's experts, the first of them ``expert_offsets[r]`` (TP
+    ranks may hold different experts: the expert groups are carved from them); the shards of one offset are its
+    expert-TP slices, in order.
 
     A tied model has no ``lm_head.weight`` entry, as HF ``save_pretrained`` writes it.
     """
@@ -219,8 +220,8 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], arch: Qwen3Arch
             hf_state.update(zip(names, _merge(entry.layout, [shard[megatron_name] for shard in shards], arch)))
             continue
         for offset in dict.fromkeys(offsets):
-            shard = shards[offsets.index(offset)]
-            hf_state.update(zip(hf_names(megatron_name, offset), _merge(entry.layout, [shard[megatron_name]], arch)))
+            slices = [shard[megatron_name] for shard, held in zip(shards, offsets) if held == offset]
+            hf_state.update(zip(hf_names(megatron_name, offset), _merge(entry.layout, slices, arch)))
     return hf_state
 
 

@@ -155,7 +155,8 @@ class MegatronPolicy:
         self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         #: A Qwen3-MoE's experts on this rank (experts.py), the ranks holding the others, and those holding the same.
         self.experts = expert_shard(self.arch)
-        self.ep_group = parallel_state.get_expert_model_parallel_group() if self.arch.is_moe else None
+        #: The ranks that split the experts (EP x expert-TP): the dispatcher exchanges tokens among them.
+        self.ep_group = parallel_state.get_expert_tensor_and_model_parallel_group() if self.arch.is_moe else None
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.arch.is_moe else None
         #: The ranks holding one replica's experts, each other ones (EP x PP): where an expert's gradient counts in the norm.
         self.expert_shards_group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group()
@@ -513,7 +514,7 @@ class MegatronPolicy:
 
     def _gathered(self, batch: list[str], per_parameter: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """One batch's HF tensors, in one all-gather: a parameter's slice from each TP rank, or experts from each EP
-        rank (fresh tensors, never views of ``per_parameter``'s)."""
+        rank (each expert-TP slice; fresh tensors, never views of ``per_parameter``'s)."""
         tensors = [per_parameter[name].detach() for name in batch]
         experts = self.arch.is_moe and is_expert(batch[0])
         group = self.ep_group if experts else self.tp_group
@@ -524,7 +525,8 @@ class MegatronPolicy:
             dist.all_gather(pieces, mine, group=group)
         else:
             pieces = [mine.clone() if len(flat) == 1 else mine]
-        offsets = self.experts.all_offsets if experts else None
+        # an expert group's rank e x expert-TP + t holds slice t of EP rank e's experts
+        offsets = [self.experts.all_offsets[rank // self.experts.etp_size] for rank in range(len(pieces))] if experts else None
         per_rank = [piece.split([tensor.numel() for tensor in tensors]) for piece in pieces]
         return [item for index, (name, tensor) in enumerate(zip(batch, tensors))
                 for item in megatron_to_hf([{name: parts[index].view(tensor.shape)} for parts in per_rank], self.arch,

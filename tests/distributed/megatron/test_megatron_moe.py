@@ -50,9 +50,8 @@ def test_what_is_not_built_yet_is_refused_in_one_line(tmp_path):
     from nemo_jq.models.megatron.policy import MegatronPolicy
 
     folder = tiny_qwen3_moe(tmp_path / "moe")
-    for setting, fragment in (({"expert_tensor_parallel": 2}, "megatron.expert_tensor_parallel=2 with a Qwen3-MoE"),
-                              ({"tensor_parallel": 2, "sequence_parallel": True},
-                               "megatron.tensor_parallel=2 with megatron.expert_parallel=1")):
+    for setting, fragment in (({"tensor_parallel": 2, "sequence_parallel": True},
+                               "megatron.tensor_parallel=2 with megatron.expert_parallel=1"),):
         with pytest.raises(ValueError, match=fragment + ": for now experts train with"):
             MegatronPolicy(str(folder), {}, **setting)
     with pytest.raises(ValueError, match="megatron.tensor_parallel=2 with a Qwen3-MoE needs megatron.sequence_parallel"):
@@ -127,6 +126,40 @@ def test_megatron_qwen3_moe_logits_equal_transformers_and_each_expert_rank_holds
     assert set().union(*(result["experts_here"] for result in results)) == every
 
 
+def expert_tp_worker(folder: str) -> dict:
+    """EP=2 x expert-TP=2 on 4 ranks: each rank reads half of each of its EP rank's experts; the log-probs equal
+    transformers', and the weights gathered back (each expert from its EP rank's two slices) equal the checkpoint's."""
+    from megatron.core import parallel_state
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_tiny import CPU, garl_batch, max_diff
+    from nemo_jq.models.hf import HFPolicy
+    from nemo_jq.models.megatron.policy import MegatronPolicy
+
+    policy = MegatronPolicy.from_hf_folder(folder, expert_parallel=2, expert_tensor_parallel=2)
+    hf = HFPolicy(Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32), device=CPU)
+    batch = garl_batch(policy.arch.vocab_size)
+    with torch.no_grad():
+        logprobs = float((policy.token_logprobs(batch) - hf.token_logprobs(batch)).abs().max())
+    # the group's ranks in the order the gathers assume: EP rank e's expert-TP slice t at e x 2 + t
+    mine = torch.tensor([parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_tensor_parallel_rank()])
+    order = [torch.empty_like(mine) for _ in range(4)]
+    dist.all_gather(order, mine, group=policy.ep_group)
+    local = {name: tuple(param.shape) for name, param in policy.model.named_parameters() if ".local_experts.0.linear_fc2" in name}
+    return {"logprobs": logprobs, "order": [tuple(rank.tolist()) for rank in order], "local_fc2": sorted(local.values()),
+            "weights": max_diff(policy.hf_state_dict(), load_file(f"{folder}/model.safetensors"))}
+
+
+@pytest.mark.distributed
+def test_experts_split_over_expert_tensor_parallel_ranks_compute_and_gather_as_transformers(tmp_path):
+    folder = tiny_qwen3_moe(tmp_path / "moe")
+    for rank, result in enumerate(run_in_processes(expert_tp_worker, 4, str(folder))):
+        assert result["logprobs"] < 1e-5 and result["weights"] == 0.0, (rank, result)
+        assert result["order"] == [(0, 0), (0, 1), (1, 0), (1, 1)], (rank, result)
+        assert result["local_fc2"] == [(32, 8)] * 2, (rank, result)  # [hidden, moe_intermediate / 2], both layers
+
+
 def adam_state(policy) -> dict:
     """Each parameter's AdamW first moment by name, gathered from the distributed optimizer's shards if it has them
     (a collective then)."""
@@ -135,9 +168,10 @@ def adam_state(policy) -> dict:
 
 
 def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_optimizer: bool,
-                    tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1) -> dict:
+                    tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1,
+                    expert_tensor_parallel: int = 1) -> dict:
     """One GARL(q=0.75) AdamW step at EP=2 (DP 2: a micro-batch each; or TP 2 with SP; or over 2 pipeline stages; or
-    CP 2)
+    CP 2; or each expert split over 2 expert-TP ranks instead)
     against transformers' model trained by HFPolicy on both micro-batches, its loss plus, per layer and micro-batch,
     the load-balancing loss weighted by the micro-batch's share of the rows (experts.py)."""
     import copy
@@ -152,7 +186,8 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
 
     model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32)
     hf = HFPolicy(copy.deepcopy(model), device=CPU, **OPTIM)
-    settings = dict(expert_parallel=2, moe_aux_loss_coef=aux_coef, distributed_optimizer=distributed_optimizer,
+    settings = dict(expert_parallel=2 // expert_tensor_parallel, expert_tensor_parallel=expert_tensor_parallel,
+                    moe_aux_loss_coef=aux_coef, distributed_optimizer=distributed_optimizer,
                     tensor_parallel=tensor_parallel, sequence_parallel=tensor_parallel > 1,
                     pipeline_parallel=pipeline_parallel, context_parallel=context_parallel, **OPTIM)
     policy = MegatronPolicy.from_hf_folder(folder, **settings)
@@ -205,7 +240,8 @@ def moe_step_worker(folder: str, aux_coef: float, checkpoint: str, distributed_o
     policy.export(export, tiny_setup()[1])
     exported = max_diff(checkpoint_state(Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()), stepped)
     parallel_state.destroy_model_parallel()
-    whole = MegatronPolicy.from_hf_folder(folder, **{**settings, "expert_parallel": 1, "tensor_parallel": 1,
+    whole = MegatronPolicy.from_hf_folder(folder, **{**settings, "expert_parallel": 1, "expert_tensor_parallel": 1,
+                                                     "tensor_parallel": 1,
                                                      "sequence_parallel": False, "pipeline_parallel": 1,
                                                      "context_parallel": 1})
     whole.load(Path(checkpoint))
@@ -238,16 +274,16 @@ def counted_collectives():
             setattr(dist, name, original)
 
 
-@pytest.mark.parametrize("aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel, context_parallel",
-                         [(0.0, False, 1, 1, 1), (0.5, False, 1, 1, 1), pytest.param(0.5, True, 1, 1, 1, marks=pytest.mark.slow),
-                          pytest.param(0.5, False, 2, 1, 1, marks=pytest.mark.slow), (0.5, True, 1, 2, 1),
-                          pytest.param(0.5, False, 2, 2, 1, marks=pytest.mark.slow), (0.5, True, 1, 1, 2)],
-                         ids=["no-balancing-loss", "balancing-loss", "balancing-loss-distributed-optimizer",
-                              "balancing-loss-tp2-sp", "balancing-loss-pp2-distributed-optimizer", "balancing-loss-tp2-sp-pp2",
-                              "balancing-loss-cp2-distributed-optimizer"])
+@pytest.mark.parametrize("aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel, context_parallel, etp", [
+    (0.0, False, 1, 1, 1, 1), (0.5, False, 1, 1, 1, 1), pytest.param(0.5, True, 1, 1, 1, 1, marks=pytest.mark.slow),
+    pytest.param(0.5, False, 2, 1, 1, 1, marks=pytest.mark.slow), (0.5, True, 1, 2, 1, 1),
+    pytest.param(0.5, False, 2, 2, 1, 1, marks=pytest.mark.slow), (0.5, True, 1, 1, 2, 1), (0.5, True, 1, 1, 1, 2)],
+    ids=["no-balancing-loss", "balancing-loss", "balancing-loss-distributed-optimizer", "balancing-loss-tp2-sp",
+         "balancing-loss-pp2-distributed-optimizer", "balancing-loss-tp2-sp-pp2", "balancing-loss-cp2-distributed-optimizer",
+         "balancing-loss-expert-tp2-distributed-optimizer"])
 @pytest.mark.distributed
 def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(
-        tmp_path, aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel, context_parallel):
+        tmp_path, aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel, context_parallel, etp):
     """Expert gradients from both ranks' tokens (the dispatcher's gather), dense ones summed over DP, the norm
     counting each expert once, the step; with the load-balancing loss at a coefficient large enough to matter; with
     the distributed optimizer (dense state over DP, the experts' over expert-DP, one norm); and over 2 pipeline
@@ -256,7 +292,7 @@ def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_who
     folder = tiny_qwen3_moe(tmp_path / "moe")
     for rank, result in enumerate(run_in_processes(moe_step_worker, 2 * pipeline_parallel * context_parallel, str(folder),
                                                    aux_coef, str(tmp_path / "ckpt"), distributed_optimizer, tensor_parallel,
-                                                   pipeline_parallel, context_parallel)):
+                                                   pipeline_parallel, context_parallel, etp)):
         assert result["logprobs"] < 1e-5, (rank, result)
         assert result["grads"] < 1e-5 * max(1.0, result["grad_scale"]), (rank, result)
         assert result["grad_norm"] < 1e-5 and result["weights"] < 1e-5, (rank, result)

@@ -121,7 +121,7 @@ def test_the_32b_example_fits_sixteen_nodes_at_its_layout():
 
 def test_the_30b_a3b_example_fits_eight_nodes_at_its_layout_and_one_node_not():
     """configs/examples/qwen3_30b_a3b_*: a Qwen3-MoE at plan's recommendation for 8 nodes of eight 80 GB GPUs (TP=2 x
-    DP=32, EP=8); the dry run of its rank 0 agrees within 0.3% but in activations (docs/results/dryrun_configs.md). On one
+    DP=32, EP=8); the dry run of its rank 0 agrees within 1.5% per component (docs/results/dryrun_configs.md). On one
     node no layout fits: EP is at most the node's 8 GPUs, so each holds an eighth of the experts' AdamW state whole."""
     from nemo_jq.cluster import plan
 

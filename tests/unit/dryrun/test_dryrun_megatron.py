@@ -251,6 +251,11 @@ def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_a
     sharded = rank_zero("megatron.expert_parallel=2", "megatron.distributed_optimizer=true")[0]
     assert sharded["refit"]["most_by_kind_gib"]["optimizer"] == pytest.approx(
         (12 * dense / 2 + 12 * experts / 2) / 2**30, rel=0.02)
+    # expert-TP=2 over 2 ranks: each holds half of every expert; plan counts it so
+    sliced, sliced_report, sliced_config = rank_zero("megatron.expert_tensor_parallel=2")
+    assert sliced["train"]["by_kind_gib"]["weights"] == pytest.approx(4 * (dense + experts / 2) / 2**30, rel=1e-3)
+    compared = against_plan(sliced_report, sliced_config)
+    assert all(compared[part]["plan_over_dry_run"] == pytest.approx(1, abs=0.01) for part in ("weights", "gradients")), compared
     # routing replay: the rollouts' routes (uint8 expert ids: the rank's 16 rows, prompt and thinking positions,
     # 4 layers x top-2) are host memory the rollout phase reports
     unrecorded = rank_zero("megatron.expert_parallel=2", "rollout.routing_replay=false")[0]
