@@ -234,6 +234,11 @@ class Workload:
         """Tokens of one micro-batch on each rank: its sequences' share under context parallelism."""
         return self.seq_len * self.micro_batch / self.context_parallel
 
+    @property
+    def engine_gpus(self) -> int:
+        """The GPUs one sampling engine spans: a vLLM engine's ``rollout.tensor_parallel`` ranks; one otherwise."""
+        return self.vllm_tensor_parallel if self.rollout_engine == "vllm" else 1
+
 
 #: The components of a layout's estimate, in the report's order (each in GiB).
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logprob_head", "rollout_copy", "kv_cache", "decode_cast",
@@ -626,9 +631,8 @@ def decode_work(work: Workload, tp: int, pp: int, dp: int) -> dict[str, Any] | N
         return None
     engines, ranks = decode_engines(work, tp, pp), tp * pp * work.context_parallel
     prompts = math.ceil(work.batch_prompts / dp)
-    engine_ranks = work.vllm_tensor_parallel if work.rollout_engine == "vllm" else 1
     return {"replica_prompts": prompts, "samples": work.samples, "replica_ranks": ranks, "engines": engines,
-            "prompts_per_engine": math.ceil(prompts / engines), "waiting_ranks": ranks - engines * engine_ranks,
+            "prompts_per_engine": math.ceil(prompts / engines), "waiting_ranks": ranks - engines * work.engine_gpus,
             "empty_engines": max(0, engines - prompts)}
 
 

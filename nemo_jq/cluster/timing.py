@@ -58,7 +58,7 @@ def phase_bounds(arch: Qwen3Architecture, work: plan.Workload, config: Config, g
     validation = math.ceil(config.data.validation_size / dp)
     shares = {"rollout": replica_prompts, "evaluate": min(config.eval.batch_size, validation)}
     if work.rollout_ranks:  # the busiest rollout engine (of rollout.tensor_parallel ranks) serves its replicas in turn
-        engines = work.rollout_ranks // (work.vllm_tensor_parallel if work.rollout_engine == "vllm" else 1)
+        engines = work.rollout_ranks // work.engine_gpus
         decoded = {phase: math.ceil(dp / engines) * prompts for phase, prompts in shares.items()}
     else:
         engines = plan.decode_engines(work, tp, pp)
@@ -66,7 +66,7 @@ def phase_bounds(arch: Qwen3Architecture, work: plan.Workload, config: Config, g
     parameters = plan.parameter_count(arch)
     shape = {"parameters": parameters, "prompt_tokens": work.seq_len - rollout.max_thinking_tokens - 1
              - rollout.max_answer_tokens, "sampler_weight_bytes": 2 * parameters,
-             **plan.decode_shape(arch, work.vllm_tensor_parallel if work.rollout_engine == "vllm" else 1)}
+             **plan.decode_shape(arch, work.engine_gpus)}
     answers = Need.SAMPLED_ANSWER_REWARD in get_objective(config.objective.name).needs
     group_rows = train.micro_batch_size * rollout.num_samples
     micro_batches = math.ceil(replica_prompts / train.micro_batch_size)

@@ -513,5 +513,5 @@ class DryRun:
 
     @property
     def _engine_gpus(self) -> int:
-        """The GPUs one engine spans: a vLLM engine's tensor-parallel ranks."""
-        return self.config.rollout.tensor_parallel if self.config.rollout.engine == "vllm" else 1
+        """The GPUs one engine spans, as plan counts them (``Workload.engine_gpus``)."""
+        return Workload.from_config(self.config, self.prompt_tokens).engine_gpus
