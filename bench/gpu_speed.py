@@ -7,7 +7,9 @@ step must move: the weights once, each live row's keys and values at its real le
 Shapes: the paper config's own chunk (one prompt's M=32 rows, the rows its KV budget allows, at contexts from 1k to
 5k tokens: 48 steps at each of five contexts, integrated over 1,024..5,120), 512 rows x 64 tokens (none stops), and
 512 rows with a 256-token budget whose rows stop as a trained model's do (the stop id's output row tilted). Host
-launches per decode step from torch.profiler (calls of two lengths, their difference).
+launches per decode step from torch.profiler (calls of two lengths, their difference). ``floors``: the step's matrix
+products alone and its sampling alone at 32 and 512 rows, against the same bound (:func:`decode_floors`: how much of
+the bound any step built on those kernels could reach).
 
 ``train``: the training phase's forward and backward (``Policy.forward_backward``) on one micro-batch of the paper's
 full row length, 8 rows x (1,024 prompt + 4,096 thinking + 128 answer) tokens, with the package found at ``--root``
@@ -261,6 +263,88 @@ def kernels_per_step(model, name: str, prompts, samples: int, device, short: int
             "top_kernels": seen[1][3].key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)}
 
 
+def decode_floors(model, rows_list: list[int], device: torch.device, bandwidth: float, peak: float = 989e12,
+                  steps: int = 16) -> dict:
+    """What a decode step costs at least in the library's own kernels, per row count: its matrix products alone (each
+    layer's q/k/v, o, gate/up and down as one product each at the model's widths, then the head; bf16, each layer
+    fed by the one before), and the budget core's sampling over the vocabulary alone (the inverse CDF on [rows, V]
+    logits), each over ``steps`` steps in one CUDA graph on a GPU (eagerly elsewhere); beside the step's byte bound
+    at the shortest context (the weights and the logits, no keys) and its FLOP bound. ``bound_over_floor``: the most
+    of the bound a step made of these kernels could reach if everything else it runs (norms, rotary, attention, the
+    cache write) cost nothing: a target above it needs fused kernels, not fewer launches."""
+    from nemo_jq.rollouts.sampling import SamplingSettings
+
+    config = model.config
+    hidden, inter, dim = config.hidden_size, config.intermediate_size, config.head_dim
+    queries, keys = config.num_attention_heads * dim, config.num_key_value_heads * dim
+    generator = torch.Generator(device).manual_seed(0)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=generator) * 0.02
+
+    layers = [(weight(queries + 2 * keys, hidden), weight(hidden, queries), weight(2 * inter, hidden), weight(hidden, inter))
+              for _ in range(config.num_hidden_layers)]
+    head = weight(config.vocab_size, hidden)
+    weight_bytes = sum(p.numel() for p in model.parameters()) * 2
+    step_flops = 2 * (sum(w.numel() for layer in layers for w in layer) + head.numel())
+    settings = SamplingSettings()
+    out = {}
+    for rows in rows_list:
+        x = weight(rows, hidden)
+        logits = weight(rows, config.vocab_size)
+        uniforms = torch.rand(rows, device=device, generator=generator)
+
+        def products(x=x):
+            h = x
+            for qkv, o, gate_up, down in layers:
+                h = torch.nn.functional.linear(torch.nn.functional.linear(h, qkv)[:, :queries], o)
+                h = torch.nn.functional.linear(torch.nn.functional.linear(h, gate_up)[:, :inter], down)
+            return torch.nn.functional.linear(h, head)
+
+        def sampling(logits=logits, uniforms=uniforms):
+            return settings.next_tokens(logits, uniforms)
+
+        bound = (weight_bytes + rows * config.vocab_size * 2) / bandwidth
+        timed = {name: _per_step_seconds(work, steps, device) for name, work in (("products", products), ("sampling", sampling))}
+        floor = timed["products"] + timed["sampling"]
+        out[f"rows_{rows}"] = {"products_ms": 1e3 * timed["products"], "sampling_ms": 1e3 * timed["sampling"],
+                               "bound_ms": 1e3 * bound, "compute_bound_ms": 1e3 * step_flops * rows / peak,
+                               "bound_over_floor": bound / floor}
+    return out
+
+
+def _per_step_seconds(work, steps: int, device: torch.device) -> float:
+    """Seconds a call of ``work`` takes, over ``steps`` calls: on a GPU captured once as one graph and replayed
+    (launches out of the way), elsewhere run in a loop."""
+    for _ in range(2):
+        work()
+    synchronize(device)
+    if device.type != "cuda":
+        started = time.perf_counter()
+        for _ in range(steps):
+            work()
+        return (time.perf_counter() - started) / steps
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        work()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(steps):
+            work()
+    graph.replay()
+    synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / steps)
+    return best
+
+
 def tilt_stop_row(model, prompts, stop_id: int, budget: int, device) -> float:
     sys.path[:0] = [str(ROOT / "bench")]
     from rollouts import tilt_stop_row as tilt
@@ -318,6 +402,9 @@ def decode(args) -> dict:
             "rows512": {name: _guarded(lambda name=name: kernels_per_step(model, name, prompts, 8, device))
                         for name in graph_engines}}
         print("[decode profile] done", flush=True)
+    if "floors" in args.shapes:
+        result["floors"] = _guarded(lambda: decode_floors(model, [32, 512] if not tiny else [4, 16], device, bandwidth))
+        print("[decode floors] done", flush=True)
     if "stopping" in args.shapes:
         started = time.perf_counter()
         budget = 16 if tiny else 256

@@ -403,7 +403,7 @@ def speed(args, folder: Path, tiny: bool) -> dict:
             return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-2500:]}
         return json.loads(out.read_text())
 
-    decode = ["decode", "--contexts", "1024", "3072", "5056", "--shapes", "paper", "rows512", "launches", "profile"]
+    decode = ["decode", "--contexts", "1024", "3072", "5056", "--shapes", "paper", "rows512", "launches", "profile", "floors"]
     result = {"decode": probe("decode", *decode, "--engines", "eager", "graphs_matmul_compiled",
                               "graphs_matmul_compiled@fp32", timeout=200),
               "decode_previous": probe("decode_previous", "decode", "--contexts", "1024", "3072", "5056", "--shapes",

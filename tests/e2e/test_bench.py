@@ -238,11 +238,13 @@ def test_real_gpu_checks_moe_and_offload_parts_run_on_the_host_at_the_tiny_shape
 @pytest.mark.slow
 def test_the_speed_check_runs_end_to_end_on_the_host_at_the_tiny_shape(tmp_path):
     """bench/gpu_speed.py, real_gpu.py's ``speed`` measurements, with --device cpu: decode eager and on the graph path
-    (here eager steps) at the paper chunk's and the 512-row shapes, each against its bound; the training micro-batch
+    (here eager steps) at the paper chunk's and the 512-row shapes, each against its bound, and the step's floors (its products and its
+    sampling alone); the training micro-batch
     and its MFU from this tree and from a tree given as ``--root``; and real_gpu.py's ``generator`` part (issue 43's
     N1: the request's generator state through a rollout rank's path)."""
     decode_out, train_out = tmp_path / "decode.json", tmp_path / "train.json"
-    for extra in (["decode", "--out", str(decode_out), "--engines", "eager", "graphs_matmul", "--shapes", "paper", "rows512"],
+    for extra in (["decode", "--out", str(decode_out), "--engines", "eager", "graphs_matmul", "--shapes", "paper", "rows512",
+                   "floors"],
                   ["train", "--out", str(train_out), "--root", str(ROOT), "--chunks", "64", "256"]):
         done = subprocess.run([sys.executable, "bench/gpu_speed.py", *extra, "--device", "cpu"], cwd=ROOT,
                               capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -253,6 +255,11 @@ def test_the_speed_check_runs_end_to_end_on_the_host_at_the_tiny_shape(tmp_path)
         assert all(0 < run["bound_over_measured"] and run["decode_tokens"] > 0 for run in case.values())
         assert case["eager"]["decode_tokens"] == case["graphs_matmul"]["decode_tokens"]  # none stops: every step's token
     assert set(decode["paper_chunk"]["integrated"]) == {"eager", "graphs_matmul"}
+    assert set(decode["floors"]) == {"rows_4", "rows_16"}
+    for floor in decode["floors"].values():  # more rows: more products and logits per step, the same weights
+        assert floor["products_ms"] > 0 and floor["sampling_ms"] > 0
+        assert floor["bound_over_floor"] == pytest.approx(floor["bound_ms"] / (floor["products_ms"] + floor["sampling_ms"]))
+    assert decode["floors"]["rows_16"]["compute_bound_ms"] == pytest.approx(4 * decode["floors"]["rows_4"]["compute_bound_ms"])
     train = json.loads(train_out.read_text())
     assert train["package"] == str(ROOT / "nemo_jq")
     for chunk in ("chunk_64", "chunk_256"):
