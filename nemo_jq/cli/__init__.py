@@ -32,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # key=value words after an option land here
         args.overrides = [*args.overrides, *extra]
     try:
-        return args.run(args)
+        code = args.run(args)
+        if not code:  # every rank got here: end the process groups together (a failed rank's peers are stopped)
+            from nemo_jq.runtime import distributed
+
+            distributed.close()
+        return code
     except BrokenPipeError:  # the reader went away (``nemo-jq plan ... | head -1``): the rest is not wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so Python's exit-time flush stays quiet
         return 0

@@ -83,6 +83,30 @@ def test_the_world_group_takes_the_configured_timeout():
     assert 1.5 < elapsed < 4.5 and "Timed out" in error, (elapsed, error)
 
 
+def closing_worker(own_group: bool) -> tuple[bool, bool]:
+    """A command's end (``distributed.close``, as ``nemo-jq`` calls it after a command that succeeded): whether the
+    world and megatron-core's groups are still there after it. ``own_group``: the groups are the caller's (started
+    before nemo_jq was asked to), which it leaves alone."""
+    from megatron.core import parallel_state
+
+    from nemo_jq.runtime import distributed
+
+    distributed.init_from_env(CPU)
+    if not own_group:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    distributed.close()
+    return dist.is_initialized(), parallel_state.model_parallel_is_initialized()
+
+
+@pytest.mark.distributed
+def test_a_command_that_succeeded_ends_the_groups_it_started_and_only_those():
+    """Ended together (a barrier, megatron-core's groups, then the world's) instead of by their destructors at exit,
+    where NCCL warns that they were never destroyed and gloo can end a process in "terminate called without an active
+    exception" (tests/distributed/test_model_download.py's workers end this way, and failed 1 run in 2 without it)."""
+    assert run_in_processes(closing_worker, 2, False, process_group=False) == [(False, False)] * 2
+    assert run_in_processes(closing_worker, 2, True) == [(True, False)] * 2
+
+
 def torchrun(*args: str) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node 2 nemo-jq train ARGS`` on CPU (``megatron_cpu`` applies the test patches first)."""
     from helpers import TINY_RUN
