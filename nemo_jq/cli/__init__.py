@@ -9,7 +9,7 @@ import importlib
 import os
 import sys
 
-from nemo_jq.runtime.preemption import Stopped
+from nemo_jq.runtime.preemption import Stopped, guard_terminal_streams, stop_with_parent
 
 #: Set to 1 (or pass --debug) to see the traceback behind an error message.
 DEBUG_ENV = "NEMO_JQ_DEBUG"
@@ -19,6 +19,8 @@ COMMANDS = ("train", "sweep", "report", "evaluate", "generate", "export", "exper
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_with_parent()
+    guard_terminal_streams()
     parser = argparse.ArgumentParser(prog="nemo-jq", description="Post-train reasoning LLMs on the J_Q loss continuum.")
     parser.add_argument("--debug", action="store_true", help=f"show the traceback behind an error (or set {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -1,5 +1,6 @@
-"""Stopping a run cleanly: SIGTERM, SIGUSR1 (SLURM's warning before the time limit) and Ctrl-C ask the
-training loop to finish its current step and write a checkpoint; a second Ctrl-C stops at once.
+"""Stopping a run cleanly: SIGTERM, SIGUSR1 (SLURM's warning before the time limit), Ctrl-C and SIGHUP (the terminal
+went away: a closed window, a dropped ssh session; left ignored under ``nohup``) ask the training loop to finish its
+current step and write a checkpoint; a second Ctrl-C stops at once.
 
 Only SIGUSR1 asks for a requeue (the launchers' ``--signal=USR1@300``): ``train --requeue`` then exits with
 :data:`REQUEUE_EXIT_CODE` after its checkpoint, and the batch script, on the host (a pyxis container has no
@@ -7,19 +8,25 @@ Only SIGUSR1 asks for a requeue (the launchers' ``--signal=USR1@300``): ``train 
 the run for good: SLURM itself decides whether the job comes back.
 
 A command of several trainings (the demo, an experiment) runs them inside one :class:`Series`: a stop signal
-ends the current run (checkpoint written) and the command, which says what finished and how to continue.
+ends the current run (checkpoint written) and the command, which says what finished and how to continue. A sweep's
+runs, processes of their own sessions, get each signal from the sweep, and SIGTERM if the sweep dies without passing
+one on (:func:`stop_with_parent`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import signal
+import stat
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 #: The signals that ask for a clean stop.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 #: The signal that asks ``train --requeue`` for a requeue: SLURM's before the time limit (``--signal=USR1@300``).
 REQUEUE_SIGNAL = signal.SIGUSR1
 #: ``train --requeue``'s exit status after :data:`REQUEUE_SIGNAL` and its checkpoint: the batch script requeues the
@@ -37,7 +44,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
+            self._previous = {signum: signal.signal(signum, self._on_signal) for signum in stop_signals_here()}
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -49,6 +56,8 @@ class StopSignals:
             raise KeyboardInterrupt
         if signum == signal.SIGINT:
             print("\nCtrl-C: finishing this step and writing a checkpoint (press again to stop at once)", flush=True)
+        if signum == signal.SIGHUP:
+            release_terminal()
         self.received = signum
 
     def requested(self) -> bool:
@@ -57,6 +66,85 @@ class StopSignals:
 
         self.received = distributed.largest(self.received or 0) or None
         return self.received is not None
+
+
+def stop_signals_here() -> tuple[int, ...]:
+    """:data:`STOP_SIGNALS` less SIGHUP where this process was started to ignore it (``nohup``: a closed terminal
+    must not stop the run then)."""
+    return tuple(signum for signum in STOP_SIGNALS
+                 if signum != signal.SIGHUP or signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN)
+
+
+def release_terminal() -> None:
+    """After SIGHUP the terminal is gone and a write to it fails (EIO): the lines still to come (the stop's, the
+    command's last) go to /dev/null instead of failing the checkpoint's way out; the run's files say the same."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            descriptor = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # replaced by a caller (a test's capture): not a terminal
+            continue
+        if stat.S_ISCHR(os.fstat(descriptor).st_mode):  # a terminal (a hung-up one no longer says isatty), not a file
+            os.dup2(null, descriptor)
+    os.close(null)
+
+
+class TerminalStream:
+    """``sys.stdout`` or ``sys.stderr`` on a terminal: a write or flush the terminal refuses because it hung up (EIO,
+    possibly a moment before SIGHUP arrives) sends it and the rest to /dev/null (:func:`release_terminal`) instead of
+    failing the command on its way to a checkpoint."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as error:
+            if error.errno != errno.EIO:
+                raise
+            release_terminal()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as error:
+            if error.errno != errno.EIO:
+                raise
+            release_terminal()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def guard_terminal_streams() -> None:
+    """Wrap ``sys.stdout`` and ``sys.stderr`` in :class:`TerminalStream` where they are terminals."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, TerminalStream) and stream is not None and stream.isatty():
+            setattr(sys, name, TerminalStream(stream))
+
+
+#: The variable a sweep sets for the runs it starts: its pid (:func:`stop_with_parent`).
+STOP_WITH_ENV = "NEMO_JQ_STOP_WITH"
+#: Linux's prctl option that signals a process when its parent ends.
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent() -> None:
+    """In a run a sweep started (a session of its own, so a terminal's signals reach it only through the sweep): if
+    the sweep ends without passing a signal on (SIGKILL, a crash), SIGTERM comes here, and the run stops with a
+    checkpoint instead of going on unseen, holding its folder from a later ``--resume``. Linux only (prctl)."""
+    parent = os.environ.pop(STOP_WITH_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(parent):  # the sweep ended before the request took: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def signal_name(signum: int) -> str:

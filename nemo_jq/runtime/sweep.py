@@ -189,7 +189,7 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     module docstring); the lines name ``nemo-jq command`` (whose ``--resume`` continues the sweep). Raises
     :class:`~nemo_jq.runtime.preemption.Stopped` after a stop signal, or :class:`RunFailed` naming a run that failed
     and its log (the runs already running finish first; no further one starts)."""
-    from nemo_jq.runtime.preemption import Stopped, signal_name
+    from nemo_jq.runtime.preemption import STOP_WITH_ENV, Stopped, release_terminal, signal_name, stop_signals_here
 
     say = say or (lambda line: print(line, flush=True))
     threads = threads or max(1, free_cores() // parallel)
@@ -209,12 +209,15 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     failed: list[str] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            release_terminal()
         received.append(signum)
         for entry in running:  # each run its own signal, once per signal the sweep gets (a second one stops it now)
             entry.process.send_signal(signum)
 
-    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    handlers = {sig: signal.signal(sig, on_signal) for sig in stop_signals_here() if sig != signal.SIGUSR1}
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                   STOP_WITH_ENV: str(os.getpid())}
     next_report, next_measure, reported = time.monotonic() + report_every, 0.0, False
     try:
         while (pending and not received and not failed) or running:

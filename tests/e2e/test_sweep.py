@@ -96,6 +96,38 @@ def test_the_documented_sweep_stopped_resumes_to_an_unstopped_ones_metrics_and_i
     assert code == 0 and out.count("--- sample") == 4 and out.count("answer: ") == 4, out
 
 
+def test_a_sweep_whose_terminal_closed_or_that_was_killed_stops_its_runs_with_checkpoints(tmp_path):
+    """SIGHUP (a closed terminal) stops a sweep as Ctrl-C does (exit 129, the resume line); a SIGKILL of the sweep,
+    which can pass nothing on, reaches its runs as SIGTERM (each a session of its own, no terminal's signal reaches
+    it): they stop with their checkpoints instead of going on unseen; ``--resume`` then finishes them all."""
+    out_dir = tmp_path / "sweep"
+    words = ["sweep", "--out", out_dir, "--parallel", "2", "objective.q=0.5,1", "train.max_steps=120", "train.save_every=4",
+             "eval.every=1000", "data.validation_size=8", "data.test_size=8"]
+    runs = [out_dir / "q=0.5", out_dir / "q=1"]
+    logs = [out_dir / "logs" / f"{run.name}.log" for run in runs]
+    for signum in (signal.SIGHUP, signal.SIGKILL):
+        before = [log.stat().st_size if log.exists() else 0 for log in logs]  # a run's log goes on across a resume
+        trained = [max([r["step"] for r in read_metrics(run) if r["kind"] == "train"], default=0) for run in runs]
+        process = nemo_jq(*(words if signum == signal.SIGHUP else ["sweep", "--resume", out_dir, "--parallel", "2"]))
+        deadline = time.monotonic() + 300
+        while not all([r for r in read_metrics(run) if r["kind"] == "train" and r["step"] >= step + 4]
+                      for run, step in zip(runs, trained)):
+            assert process.poll() is None and time.monotonic() < deadline, "the sweep ended before its runs trained"
+            time.sleep(0.2)
+        process.send_signal(signum)
+        code, out = finish(process)
+        if signum == signal.SIGHUP:
+            assert code == 129 and "stopped by SIGHUP" in out and f"nemo-jq sweep --resume {out_dir}" in out, out
+        said = "SIGHUP" if signum == signal.SIGHUP else "SIGTERM"
+        deadline = time.monotonic() + 120
+        while not all(f"stopped by {said} at step" in log.read_text()[start:] for log, start in zip(logs, before)):
+            assert time.monotonic() < deadline, [log.read_text()[start:][-500:] for log, start in zip(logs, before)]
+            time.sleep(0.2)
+    code, out = finish(nemo_jq("sweep", "--resume", out_dir))
+    assert code == 0 and "(0 finished, 2 to continue, 0 to start" in out.splitlines()[0], out
+    assert all((run / "results.json").exists() for run in runs)
+
+
 def documented_generate() -> list[str]:
     """docs/sweeps.md's generate command's words after the run folder."""
     page = (ROOT / "docs" / "sweeps.md").read_text()

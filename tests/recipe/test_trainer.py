@@ -204,7 +204,7 @@ def test_resume_continues_exactly(tmp_path, name):
     assert a[0]["step"] == 5
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 @pytest.mark.slow
 def test_a_signal_writes_a_loadable_checkpoint_and_exits_zero(tmp_path, signum):
     run_dir = tmp_path / "preempted"
@@ -224,6 +224,33 @@ def test_a_signal_writes_a_loadable_checkpoint_and_exits_zero(tmp_path, signum):
     trainer = Trainer.resume(run_dir)
     assert trainer.state.step == int(checkpoint.name.split("_")[1]) >= 1
     assert trainer.state.step < trainer.total_steps
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="a pseudo-terminal needs fork")
+def test_a_run_whose_terminal_closes_stops_with_a_checkpoint(tmp_path):
+    """``nemo-jq train`` on a terminal (a pseudo-terminal here, stdout and stderr both) that goes away mid-run: SIGHUP,
+    and every later write to it fails (EIO), the stop's own line included. The run writes its checkpoint and exits 0
+    (it was killed by SIGHUP before, with no checkpoint; with the signal handled but the lines still written to the
+    terminal, it failed with "Input/output error" after its checkpoint)."""
+    import pty
+    import select
+
+    run_dir = tmp_path / "hung_up"
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: the command, its terminal the pseudo-terminal
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "nemo_jq.cli", "train", *TINY_RUN, "train.epochs=50",
+                                  "train.save_every=1000", "eval.every=1000", f"train.run_dir={run_dir}"])
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(r["kind"] == "train" for r in read_metrics(run_dir)):
+        if select.select([terminal], [], [], 0.2)[0]:
+            os.read(terminal, 1 << 16)  # what it says while it trains, read as a terminal would
+    os.close(terminal)  # the window closes
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert Trainer.resume(run_dir).state.step == int(checkpoint.name.split("_")[1]) >= 1
 
 
 def test_a_second_ctrl_c_says_which_checkpoint_the_run_goes_on_from(tmp_path, capsys, monkeypatch):
