@@ -404,19 +404,21 @@ def speed(args, folder: Path, tiny: bool) -> dict:
         return json.loads(out.read_text())
 
     decode = ["decode", "--contexts", "1024", "3072", "5056", "--shapes", "paper", "rows512", "launches", "profile", "floors"]
+    # what the targets need first (a run cut short by the device's time keeps each probe's own file in --out), the
+    # earlier trees' figures, measured before on the same kind of GPU, last
     result = {"decode": probe("decode", *decode, "--engines", "eager", "graphs_matmul_compiled",
                               "graphs_matmul_compiled@fp32", timeout=200),
-              "decode_previous": probe("decode_previous", "decode", "--contexts", "1024", "3072", "5056", "--shapes",
-                                       "paper", "rows512", "profile", "--root",
-                                       str(args.previous), "--engines", "graphs_matmul_compiled",
-                                       "graphs_matmul_compiled@fp32", timeout=150),
-              "train_old": probe("train_old", "train", "--root", str(args.baseline), "--chunks", "256", timeout=120),
               "train_new": probe("train_new", "train", "--chunks", "256", "2048", timeout=150),
               "train_compiled": probe("train_compiled", "train", "--chunks", "2048", "--compiled", "--rows", "8", timeout=150),
               "train_compiled_no_checkpointing": probe("train_compiled_no_checkpointing", "train", "--chunks", "2048",
                                                        "--compiled", "--no-checkpointing", "--rows", "4", "8",
                                                        "--profile", timeout=180)}
     result["steps"] = steady_steps(args, folder, tiny)
+    (args.out / "speed_steps.json").write_text(json.dumps(result["steps"], indent=2) + "\n")
+    result["train_old"] = probe("train_old", "train", "--root", str(args.baseline), "--chunks", "256", timeout=120)
+    result["decode_previous"] = probe("decode_previous", "decode", "--contexts", "1024", "3072", "5056", "--shapes",
+                                      "paper", "rows512", "profile", "--root", str(args.previous), "--engines",
+                                      "graphs_matmul_compiled", "graphs_matmul_compiled@fp32", timeout=150)
     return result
 
 
