@@ -37,9 +37,10 @@ def add_parser(commands) -> None:
     sweep.add_argument("--seeds", type=seeds, help="train.seed values, e.g. 0,1,2 (default: each config's own)")
     sweep.add_argument("--resume", type=Path, metavar="SWEEP_DIR", help="continue a sweep: its finished runs are kept, "
                        "stopped ones continue from their checkpoints, the others start")
-    sweep.add_argument("--parallel", type=arguments.positive, default=1, help="runs at once on this machine (default 1)")
+    sweep.add_argument("--parallel", type=arguments.positive, help="runs at once on this machine (default 1; with "
+                       "--resume, what the sweep was started with)")
     sweep.add_argument("--threads", type=arguments.positive, help="torch threads a run (default: this machine's free "
-                       "cores, shared out over --parallel)")
+                       "cores, shared out over --parallel; with --resume, what the sweep was started with)")
     sweep.add_argument("--overwrite", action="store_true", help="if --out holds a sweep, move it aside first")
     sweep.add_argument("--slurm", action="store_true", help="submit the unfinished runs as a SLURM job array instead "
                        "of running them here")
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         if args.out is None:
             raise ValueError("nemo-jq sweep needs --out DIR (a new folder for the sweep) or --resume SWEEP_DIR")
         sweep = Sweep.from_grid(args.out, [str(path) for path in args.config], args.overrides, args.seeds)
+        sweep.here = {"parallel": args.parallel or 1, "threads": args.threads}
         sweep.write(overwrite=args.overwrite)
     from nemo_jq.cli.report import print_report
 
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
         submit_sweep(sweep, args.sbatch)
         return 0
-    run_here(sweep, parallel=args.parallel, threads=args.threads)
+    run_here(sweep, parallel=args.parallel or sweep.here.get("parallel") or 1,
+             threads=args.threads or sweep.here.get("threads"))
     return print_report([sweep.directory], figures=sweep.directory)
 
 

@@ -58,6 +58,8 @@ class Sweep:
     directory: Path
     runs: list[SweepRun]
     grid: dict[str, Any] = field(default_factory=dict)
+    #: How it runs on this machine (``parallel``, ``threads``) as first asked, for ``--resume`` to go on alike.
+    here: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_grid(cls, directory: Path, configs: Sequence[str | None], words: Sequence[str],
@@ -87,7 +89,7 @@ class Sweep:
             raise FileNotFoundError(f"{directory} holds no sweep ({SWEEP_FILE}): give the folder `nemo-jq sweep --out` made")
         saved = json.loads(path.read_text())
         runs = [SweepRun(run["name"], run["config"], tuple(run["overrides"])) for run in saved["runs"]]
-        return cls(Path(directory), runs, saved.get("grid", {}))
+        return cls(Path(directory), runs, saved.get("grid", {}), saved.get("here", {}))
 
     def write(self, *, overwrite: bool = False, markers: tuple[str, ...] = (), what: str = "a sweep",
               advice: str | None = None) -> None:
@@ -99,7 +101,7 @@ class Sweep:
                   what=what, advice=advice or f"continue it with `nemo-jq sweep --resume {self.directory}`, write the new "
                                               "one elsewhere (--out), or pass --overwrite to move the old one aside first")
         self.directory.mkdir(parents=True, exist_ok=True)
-        record = {"grid": self.grid, "runs": [asdict(run) for run in self.runs]}
+        record = {"grid": self.grid, "here": self.here, "runs": [asdict(run) for run in self.runs]}
         (self.directory / SWEEP_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
     def check(self) -> None:

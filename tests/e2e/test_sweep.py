@@ -108,7 +108,7 @@ def test_a_sweep_whose_terminal_closed_or_that_was_killed_stops_its_runs_with_ch
     for signum in (signal.SIGHUP, signal.SIGKILL):
         before = [log.stat().st_size if log.exists() else 0 for log in logs]  # a run's log goes on across a resume
         trained = [max([r["step"] for r in read_metrics(run) if r["kind"] == "train"], default=0) for run in runs]
-        process = nemo_jq(*(words if signum == signal.SIGHUP else ["sweep", "--resume", out_dir, "--parallel", "2"]))
+        process = nemo_jq(*(words if signum == signal.SIGHUP else ["sweep", "--resume", out_dir]))  # 2 at once again
         deadline = time.monotonic() + 300
         while not all([r for r in read_metrics(run) if r["kind"] == "train" and r["step"] >= step + 4]
                       for run, step in zip(runs, trained)):

@@ -60,6 +60,21 @@ def test_a_sweep_folder_records_its_grid_refuses_a_second_sweep_and_knows_each_r
     one_line_error(code, err, "holds no sweep")
 
 
+def test_a_resumed_sweep_runs_as_many_at_once_with_as_many_threads_as_it_was_started_with(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from nemo_jq.runtime import sweep as sweeps
+
+    asked = []
+    monkeypatch.setattr(sweeps, "run_here", lambda sweep, **how: asked.append(how))
+    monkeypatch.setattr("nemo_jq.cli.report.print_report", lambda *_, **__: 0)
+    assert run_cli(capsys, "sweep", "--out", tmp_path / "s", "--parallel", "2", "--threads", "3", "objective.q=0,1")[0] == 0
+    assert run_cli(capsys, "sweep", "--resume", tmp_path / "s")[0] == 0
+    assert run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--parallel", "1")[0] == 0  # said again: as said
+    assert asked == [{"parallel": 2, "threads": 3}] * 2 + [{"parallel": 1, "threads": 3}]
+    assert run_cli(capsys, "sweep", "--out", tmp_path / "t", "objective.q=0,1")[0] == 0
+    assert Sweep.load(tmp_path / "t").here == {"parallel": 1, "threads": None}  # threads: the free cores, when it runs
+
+
 def test_a_bad_key_or_value_in_a_sweep_is_refused_naming_the_run_before_its_folder_is_written(tmp_path, capsys):
     for words, fragments in ((["objective.qq=0,1"], ["run qq=0", "objective.qq", "did you mean 'objective.q'"]),
                              (["objective.q=", "train.seed=1,2"], ["run seed=1", "objective.q must be float"]),
