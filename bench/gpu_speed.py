@@ -15,9 +15,11 @@ the bound any step built on those kernels could reach).
 full row length, 8 rows x (1,024 prompt + 4,096 thinking + 128 answer) tokens, with the package found at ``--root``
 (the old tree runs the same function), and its MFU: 6·N·D over the trained tokens (N without the embedding lookup),
 6·V·H per scored position for the head, and causal attention's 2·s²·(heads·head_dim) per layer and row forward,
-three times that with backward, over the time and 989 TFLOP/s (recomputation not counted).
+three times that with backward, over the time and 989 TFLOP/s (recomputation not counted). ``--floor``: the same
+micro-batch's matrix products and attention alone (:func:`train_floor`: the most MFU any implementation on those
+kernels can show).
 
-Usage: python bench/gpu_speed.py {decode,train} --out FILE [--device cuda|cpu] [--root DIR] [--chunks N ...]
+Usage: python bench/gpu_speed.py {decode,train} --out FILE [--device cuda|cpu] [--root DIR] [--chunks N ...] [--floor]
 """
 
 from __future__ import annotations
@@ -465,7 +467,78 @@ def train(args) -> dict:
         for chunk in args.chunks:
             key = f"chunk_{chunk}" if len(args.rows) == 1 else f"rows_{rows}_chunk_{chunk}"
             results[key] = train_case(args, shape, device, rows, length, prompt, thinking, chunk)
+        if args.floor:
+            key = "floor" if len(args.rows) == 1 else f"rows_{rows}_floor"
+            results[key] = _guarded(lambda rows=rows: train_floor(shape, device, rows, length, length - prompt))
     return results
+
+
+def train_floor(shape: dict, device: torch.device, rows: int, length: int, scored_per_row: int) -> dict:
+    """What the micro-batch's training costs at least in the library's own kernels: its matrix products alone (every
+    layer's seven projections forward, and backward to inputs and to weights; the head over the scored positions, the
+    same three) and its causal attention (SDPA's kernel, forward and backward), bf16, nothing else (no norms, rotary,
+    casts, optimizer, recomputation). ``mfu_floor``: the model FLOPs over that time and the peak: the most MFU any
+    implementation on these kernels can show; with recomputation, one more forward of the layers."""
+    import torch.nn.functional as F
+
+    hidden, inter, heads, kv, dim = (shape[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                            "num_key_value_heads", "head_dim"))
+    tokens, scored = rows * length, rows * scored_per_row
+    generator = torch.Generator(device).manual_seed(0)
+
+    def tensor(*size: int, grad: bool = False) -> torch.Tensor:
+        return (torch.randn(*size, device=device, dtype=torch.bfloat16, generator=generator) * 0.02).requires_grad_(grad)
+
+    projections = [(hidden, heads * dim), (hidden, kv * dim), (hidden, kv * dim), (heads * dim, hidden),
+                   (hidden, inter), (hidden, inter), (inter, hidden)]
+    weights = {size: tensor(size[1], size[0]) for size in set(projections)}
+    inputs = {features: tensor(tokens, features) for features in {size[0] for size in projections}}
+    outputs = {features: tensor(tokens, features) for features in {size[1] for size in projections}}
+    chunk = min(scored, 2048)  # the head in chunks of positions, as the policy's log-prob kernel runs it
+    head, scored_hidden, scored_grad = tensor(shape["vocab_size"], hidden), tensor(chunk, hidden), tensor(chunk, shape["vocab_size"])
+    q, k, v = (tensor(rows, count, length, dim, grad=True) for count in (heads, kv, kv))
+    attended_grad = tensor(rows, heads, length, dim)
+
+    def products(forward: bool = True, backward: bool = True) -> None:
+        for _ in range(shape["num_hidden_layers"]):
+            for size in projections:
+                if forward:
+                    F.linear(inputs[size[0]], weights[size])
+                if backward:
+                    outputs[size[1]] @ weights[size]  # to the input
+                    outputs[size[1]].t() @ inputs[size[0]]  # to the weight
+        for _ in range(-(-scored // chunk)):
+            if forward:
+                F.linear(scored_hidden, head)
+            if backward:
+                scored_grad @ head
+                scored_grad.t() @ scored_hidden
+
+    def attention(backward: bool = True) -> None:
+        for _ in range(shape["num_hidden_layers"]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv)
+            if backward:
+                torch.autograd.grad(out, (q, k, v), attended_grad)
+
+    def timed(work) -> float:
+        work()
+        synchronize(device)
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            work()
+            synchronize(device)
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    products_s, attention_s = timed(products), timed(attention)
+    recompute_s = timed(lambda: (products(backward=False), attention(backward=False)))
+    flops = model_flops(shape, rows, length, scored)
+    floor = products_s + attention_s
+    return {"products_s": products_s, "attention_s": attention_s, "floor_s": floor, "model_flops": flops,
+            "mfu_floor": flops / floor / 989e12, "mfu_floor_with_recomputation": flops / (floor + recompute_s) / 989e12,
+            "products_tflops": 2 * 3 * (tokens * sum(a * b for a, b in projections) * shape["num_hidden_layers"]
+                                        + -(-scored // chunk) * chunk * hidden * shape["vocab_size"]) / products_s / 1e12}
 
 
 def train_case(args, shape: dict, device: torch.device, rows: int, length: int, prompt: int, thinking: int,
@@ -547,6 +620,8 @@ def main() -> None:
                         "norms under torch.compile)")
     parser.add_argument("--rows", type=int, nargs="+", default=[8], help="train: rows of the micro-batch")
     parser.add_argument("--no-checkpointing", action="store_true", help="train: without activation checkpointing")
+    parser.add_argument("--floor", action="store_true", help="train: the micro-batch's matrix products and attention "
+                        "alone, the MFU they allow (train_floor)")
     parser.add_argument("--engines", nargs="+", default=["eager", "graphs_sdpa", "graphs_matmul"], help="decode: samplers")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 3072, 4096, 5056],
                         help="decode: the paper chunk's contexts measured")

@@ -408,7 +408,7 @@ def speed(args, folder: Path, tiny: bool) -> dict:
     # earlier trees' figures, measured before on the same kind of GPU, last
     result = {"decode": probe("decode", *decode, "--engines", "eager", "graphs_matmul_compiled",
                               "graphs_matmul_compiled@fp32", timeout=200),
-              "train_new": probe("train_new", "train", "--chunks", "256", "2048", timeout=150),
+              "train_new": probe("train_new", "train", "--chunks", "256", "2048", "--floor", timeout=150),
               "train_compiled": probe("train_compiled", "train", "--chunks", "2048", "--compiled", "--rows", "8", timeout=150),
               "train_compiled_no_checkpointing": probe("train_compiled_no_checkpointing", "train", "--chunks", "2048",
                                                        "--compiled", "--no-checkpointing", "--rows", "4", "8",

@@ -245,7 +245,8 @@ def test_the_speed_check_runs_end_to_end_on_the_host_at_the_tiny_shape(tmp_path)
     decode_out, train_out = tmp_path / "decode.json", tmp_path / "train.json"
     for extra in (["decode", "--out", str(decode_out), "--engines", "eager", "graphs_matmul", "--shapes", "paper", "rows512",
                    "floors"],
-                  ["train", "--out", str(train_out), "--root", str(ROOT), "--chunks", "64", "256"]):
+                  ["train", "--out", str(train_out), "--root", str(ROOT), "--chunks", "64", "256",
+                   "--floor"]):
         done = subprocess.run([sys.executable, "bench/gpu_speed.py", *extra, "--device", "cpu"], cwd=ROOT,
                               capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-3000:]
@@ -264,6 +265,11 @@ def test_the_speed_check_runs_end_to_end_on_the_host_at_the_tiny_shape(tmp_path)
     assert train["package"] == str(ROOT / "nemo_jq")
     for chunk in ("chunk_64", "chunk_256"):
         assert train[chunk]["mfu"] == pytest.approx(train[chunk]["model_flops"] / train[chunk]["best_s"] / 989e12)
+    floor = train["floor"]  # the same micro-batch's products and attention alone (bf16: on a host no faster than fp32)
+    assert floor["model_flops"] == train["chunk_64"]["model_flops"]
+    assert floor["floor_s"] == pytest.approx(floor["products_s"] + floor["attention_s"])
+    assert floor["mfu_floor"] == pytest.approx(floor["model_flops"] / floor["floor_s"] / 989e12)
+    assert floor["mfu_floor"] > floor["mfu_floor_with_recomputation"] > 0 and floor["products_tflops"] > 0
     done = subprocess.run([sys.executable, "bench/real_gpu.py", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
                            "--tokenizer", str(tmp_path), "--device", "cpu", "--parts", "generator"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
