@@ -67,29 +67,34 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rol
 _OWNED = False
 
 
-def close() -> None:
+def close(first: Callable[[], None] | None = None) -> None:
     """End the groups :func:`init_from_env` started, at a command's normal end: every rank waits for the others
-    (over the whole world, a split one's rollout ranks too), then megatron-core's groups and the world's are shut down
-    in order, here, not by their destructors at exit, where torch warns that NCCL's were never destroyed and a gloo
-    group torn down while its peer still closes its side can end the process in "terminate called without an active
-    exception" (tests/distributed/test_model_download.py). After a failure the ranks are not in step: the process
-    exits without this."""
+    (over the whole world, a split one's rollout ranks too), ``first`` runs (a vLLM engine's shutdown, which ends the
+    groups it made, the world's with them: left to exit, it met groups already ended and raised), then megatron-core's
+    groups and the world's are shut down in order, here, not by their destructors at exit, where torch warns that
+    NCCL's were never destroyed and a gloo group torn down while its peer still closes its side can end the process in
+    "terminate called without an active exception" (tests/distributed/test_model_download.py). After a failure the
+    ranks are not in step: the process exits without this."""
     global _OWNED, _ROLES
     if not _OWNED or not dist.is_initialized():
         return
     if _ROLES is not None:
         done = torch.zeros(1, device=_ROLES.device)
         _ROLES.bridge.allreduce([done]).wait()
+    else:
+        dist.barrier()
+    if first is not None:
+        first()
+    if _ROLES is not None:
         for group in (_ROLES.sync, _ROLES.bridge):
             if group is not None and hasattr(group, "shutdown"):
                 group.shutdown()
         _ROLES = None
-    else:
-        dist.barrier()
     parallel_state = sys.modules.get("megatron.core.parallel_state")  # the megatron backend's groups, where it made them
     if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     _OWNED = False
 
 
