@@ -217,7 +217,20 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
         for entry in running:  # each run its own signal, once per signal the sweep gets (a second one stops it now)
             entry.process.send_signal(signum)
 
+    def on_suspend(signum: int, _frame: Any) -> None:
+        """Ctrl-Z: the runs (sessions of their own, which the terminal's SIGTSTP does not reach) stop with the sweep,
+        freeing the cores, and go on with it after ``fg`` / ``bg`` (SIGCONT)."""
+        for entry in running:
+            entry.process.send_signal(signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until SIGCONT
+        signal.signal(signal.SIGTSTP, on_suspend)
+        for entry in running:
+            entry.process.send_signal(signal.SIGCONT)
+
     handlers = {sig: signal.signal(sig, on_signal) for sig in stop_signals_here() if sig != signal.SIGUSR1}
+    if signal.getsignal(signal.SIGTSTP) is signal.SIG_DFL:
+        handlers[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, on_suspend)
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                    STOP_WITH_ENV: str(os.getpid())}
     next_report, next_measure, reported = time.monotonic() + report_every, 0.0, False

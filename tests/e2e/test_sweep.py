@@ -128,6 +128,54 @@ def test_a_sweep_whose_terminal_closed_or_that_was_killed_stops_its_runs_with_ch
     assert all((run / "results.json").exists() for run in runs)
 
 
+def _children(pid: int) -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
+            and _stat(int(entry.name))[1:2] == [str(pid)]]
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` past the command's name: state, parent pid, ... ([] once gone)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return []
+
+
+def _steps(run: Path) -> int:
+    return max([r["step"] for r in read_metrics(run) if r["kind"] == "train"], default=0)
+
+
+def test_ctrl_z_stops_a_sweeps_runs_with_it_and_fg_lets_them_go_on(tmp_path):
+    """SIGTSTP (Ctrl-Z) to the sweep stops its runs too (sessions of their own, which the terminal's signal does not
+    reach: they trained on, holding the cores); SIGCONT (fg, bg) lets them go on."""
+    out_dir = tmp_path / "sweep"
+    process = nemo_jq("sweep", "--out", out_dir, "--parallel", "2", "objective.q=0.5,1", "train.max_steps=400",
+                      "eval.every=1000", "data.validation_size=8", "data.test_size=8")
+    runs = [out_dir / "q=0.5", out_dir / "q=1"]
+    deadline = time.monotonic() + 300
+    while not all(_steps(run) >= 4 for run in runs):
+        assert process.poll() is None and time.monotonic() < deadline, "the sweep ended before its runs trained"
+        time.sleep(0.2)
+    children = _children(process.pid)
+    assert len(children) == 2
+    process.send_signal(signal.SIGTSTP)
+    deadline = time.monotonic() + 30
+    while not all(_stat(pid)[:1] == ["T"] for pid in [process.pid, *children]):
+        assert time.monotonic() < deadline, [_stat(pid)[:1] for pid in [process.pid, *children]]
+        time.sleep(0.1)
+    held = [_steps(run) for run in runs]
+    time.sleep(2)
+    assert [_steps(run) for run in runs] == held  # nothing trains while stopped
+    process.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while not all(_steps(run) > step for run, step in zip(runs, held)):
+        assert time.monotonic() < deadline, "the runs did not go on"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    code, out = finish(process)
+    assert code == 130 and f"nemo-jq sweep --resume {out_dir}" in out, out
+
+
 def documented_generate() -> list[str]:
     """docs/sweeps.md's generate command's words after the run folder."""
     page = (ROOT / "docs" / "sweeps.md").read_text()
