@@ -68,10 +68,12 @@ class TokenBatch:
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
 
-    def rows(self, start: int, end: int) -> "TokenBatch":
-        """Rows ``start:end``, trimmed to their longest sequence."""
-        length = int(self.attention_mask[start:end].sum(1).max())
-        ids, targets = (slice(start, end), slice(0, length)), (slice(start, end), slice(0, length - 1))
+    def rows(self, start: int, end: int | None = None) -> "TokenBatch":
+        """Rows ``start:end`` (or the rows a tensor ``start`` of indices names, in its order), trimmed to their
+        longest sequence."""
+        picked = start if end is None else slice(start, end)
+        length = int(self.attention_mask[picked].sum(1).max())
+        ids, targets = (picked, slice(0, length)), (picked, slice(0, length - 1))
         return TokenBatch(self.input_ids[ids], self.attention_mask[ids], self.rationale_mask[targets],
                           self.answer_mask[targets], None if self.engine_logprobs is None else self.engine_logprobs[targets],
                           None if self.routes is None else self.routes[ids])

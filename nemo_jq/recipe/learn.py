@@ -79,17 +79,17 @@ def _in_micro_batches(policy: Policy, micro_batches: list[MicroBatch], estimate:
 def _in_row_chunks(policy: Policy, experience: Experience, micro_batches: list[MicroBatch], estimate: Estimate,
                    rows_per_chunk: int) -> list[tuple[int, dict]]:
     """The two passes. Every rank scores and estimates (under pipeline parallelism ``token_logprobs`` is the
-    same on every stage), so the coefficients and metrics need no collective."""
-    rows = experience.batch.num_rows
-    chunks = [(start, min(start + rows_per_chunk, rows)) for start in range(0, rows, rows_per_chunk)]
-    batches = [experience.batch.rows(start, end) for start, end in chunks]
+    same on every stage), so the coefficients and metrics need no collective. Each chunk is ``rows_per_chunk`` rows
+    of like length (:func:`chunks_by_length`): a chunk's rows are padded to its longest."""
+    chunks = chunks_by_length(experience.batch.attention_mask.sum(1), rows_per_chunk)
+    batches = [experience.batch.rows(chunk) for chunk in chunks]
     scored: torch.Tensor | None = None
     with torch.no_grad():
-        for (start, end), batch in zip(chunks, batches):
+        for chunk, batch in zip(chunks, batches):
             logprobs = policy.token_logprobs(batch)
             if scored is None:
                 scored = logprobs.new_zeros(experience.batch.target_mask.shape)
-            scored[start:end, :_width(batch)] = logprobs
+            scored[chunk.to(scored.device), :_width(batch)] = logprobs
     coefficients = torch.zeros_like(scored)
     collected: list[tuple[int, dict]] = []
     first = 0
@@ -104,11 +104,20 @@ def _in_row_chunks(policy: Policy, experience: Experience, micro_batches: list[M
         first = last
 
     def loss_fn(logprobs: torch.Tensor, index: int) -> tuple[torch.Tensor, dict]:
-        start, end = chunks[index]
-        return (logprobs * coefficients[start:end, :logprobs.shape[1]]).sum(), {}  # the metrics came from the estimator
+        rows = chunks[index].to(coefficients.device)
+        return (logprobs * coefficients[rows, :logprobs.shape[1]]).sum(), {}  # the metrics came from the estimator
 
     policy.forward_backward(batches, loss_fn)
     return collected
+
+
+def chunks_by_length(lengths: torch.Tensor, rows_per_chunk: int) -> list[torch.Tensor]:
+    """The rows (their indices) in chunks of ``rows_per_chunk``, longest first: rows of like length share a chunk, so
+    the padding to each chunk's longest row is the least any chunking of that size gives (in the rows' own order a
+    chunk mixed a row that stopped early with one that ran to the budget), and the largest chunk comes first. Each
+    row's coefficient is its own, so the sum over chunks is the same gradient in any order."""
+    order = torch.sort(lengths.cpu(), descending=True, stable=True).indices
+    return list(order.split(rows_per_chunk))
 
 
 def _width(batch: TokenBatch) -> int:

@@ -278,6 +278,20 @@ def test_the_speed_check_runs_end_to_end_on_the_host_at_the_tiny_shape(tmp_path)
     assert generator["same_rollouts"] and generator["trainer_moved_as_sampling_did"] and generator["sent_device_type"] == "cpu"
 
 
+@pytest.mark.slow
+def test_the_row_chunks_bench_runs_old_order_beside_lengths_and_pads_less(tmp_path):
+    """bench/row_chunks.py at a smoke size: both orders run the same two passes; chunks of like length run fewer
+    tokens (here exactly the real ones: two lengths, 8-row chunks of one length each) and the same gradient."""
+    out = tmp_path / "row_chunks.json"
+    done = subprocess.run([sys.executable, "bench/row_chunks.py", "--rounds", "1", "--short", "4", "--long", "24",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    tokens = result["tokens_a_pass"]
+    assert tokens["by_length"] == result["real_tokens"] == 64 * 68 + 64 * 88 < tokens["rows_own_order"] == 128 * 88
+    assert result["gradient_difference_over_scale"] < 1e-5 and result["old_over_new"]["median"] > 0
+
+
 def test_phase_peaks_records_each_phase_of_a_step_in_call_order(tmp_path):
     """bench/phase_peaks.py, which told where a real GPU step's peak was: on the host it records each call with its
     seconds (no allocator to read), in the order a GARL step makes them, and the wrapped command still succeeds."""

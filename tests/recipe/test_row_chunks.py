@@ -74,6 +74,31 @@ def test_row_chunks_give_the_whole_group_gradient(tmp_path, name, correction):
                 assert math.isclose(values[key], value, rel_tol=1e-5, abs_tol=1e-6), (rows, key)
 
 
+def test_row_chunks_hold_rows_of_like_length_and_so_pad_least():
+    """``chunks_by_length``: every row once, chunks of the size asked (the last the rest), longest first; the tokens a
+    pass runs (each chunk's rows at its longest) never more than the rows' own order gives, and far fewer where rows
+    that stop early sit beside rows that run to the budget (as one prompt's rollouts do once a model learns to stop)."""
+    from nemo_jq.recipe.learn import chunks_by_length
+
+    def padded(chunks, lengths):
+        return sum(len(chunk) * int(lengths[chunk].max()) for chunk in chunks)
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        rows, size = int(torch.randint(1, 70, (1,), generator=generator)), int(torch.randint(1, 9, (1,), generator=generator))
+        lengths = torch.randint(1, 4096, (rows,), generator=generator)
+        chunks = chunks_by_length(lengths, size)
+        assert sorted(torch.cat(chunks).tolist()) == list(range(rows))
+        assert [len(chunk) for chunk in chunks[:-1]] == [size] * (len(chunks) - 1) and 0 < len(chunks[-1]) <= size
+        assert lengths[chunks[0]].max() == lengths.max()
+        in_order = list(torch.arange(rows).split(size))
+        assert padded(chunks, lengths) <= padded(in_order, lengths)
+    # 4 prompts x 32 rollouts, 8 rows a chunk (the paper configs): in each prompt's rows every other one stopped early
+    lengths = torch.tensor([4096 if row % 2 else 512 for row in range(128)])
+    chunks = chunks_by_length(lengths, 8)
+    assert padded(chunks, lengths) == 64 * 4096 + 64 * 512 < 0.57 * padded(list(torch.arange(128).split(8)), lengths)
+
+
 def test_activation_checkpointing_keeps_less_and_gives_the_same_gradient():
     """The hf backend's ``model.activation_checkpointing``: what autograd saves in the forward shrinks (each decoder
     layer keeps its input only), the gradient does not change."""
