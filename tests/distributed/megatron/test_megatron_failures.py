@@ -98,6 +98,7 @@ def closing_worker(own_group: bool) -> tuple[bool, bool]:
     return dist.is_initialized(), parallel_state.model_parallel_is_initialized()
 
 
+@pytest.mark.slow  # 7 s: two worlds of two processes
 @pytest.mark.distributed
 def test_a_command_that_succeeded_ends_the_groups_it_started_and_only_those():
     """Ended together (a barrier, megatron-core's groups, then the world's) instead of by their destructors at exit,
