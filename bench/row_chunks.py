@@ -1,5 +1,7 @@
-"""The two row-chunk passes (``train.micro_batch_rows``) with chunks in the rows' own order (the old path) and of
-like length (``learn.chunks_by_length``), in one run, on rollouts whose lengths differ as a trained model's do.
+"""Row chunks in the rows' own order (the old path) beside chunks of like length, in one run.
+
+The two passes of ``train.micro_batch_rows``, chunked both ways (``learn.chunks_by_length`` the new), on rollouts
+whose lengths differ as a trained model's do.
 
 4 prompts x M=32 rows of a 64-token prompt each, 8 rows a chunk (the paper configs' chunk); in each prompt, a share
 ``--stopped`` of the rows (every other one at 0.5) stopped its rationale early (``--short`` tokens) and the others ran
