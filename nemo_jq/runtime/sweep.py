@@ -222,9 +222,7 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
         freeing the cores, and go on with it after ``fg`` / ``bg`` (SIGCONT)."""
         for entry in running:
             entry.process.send_signal(signal.SIGSTOP)
-        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until SIGCONT
-        signal.signal(signal.SIGTSTP, on_suspend)
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped here until SIGCONT (SIGTSTP itself is dropped where no terminal waits)
         for entry in running:
             entry.process.send_signal(signal.SIGCONT)
 

@@ -31,7 +31,14 @@ pytestmark = pytest.mark.slow
 def nemo_jq(*words: str) -> subprocess.Popen:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(["tests", *sys.path])}
     return subprocess.Popen([sys.executable, "-m", "nemo_jq.cli", *map(str, words)], cwd=ROOT, env=environment,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=as_from_a_terminal)
+
+
+def as_from_a_terminal() -> None:
+    """SIGHUP's and SIGTSTP's actions as a command started from a terminal has them (the suite itself may run under
+    ``nohup``, whose ignored SIGHUP the command keeps, as it should)."""
+    for signum in (signal.SIGHUP, signal.SIGTSTP):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def finish(process: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
