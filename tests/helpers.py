@@ -114,6 +114,23 @@ def peak_allocated(build) -> tuple[Any, int]:
     return result, peak
 
 
+def from_a_terminal() -> None:
+    """A ``preexec_fn``: SIGHUP's and SIGTSTP's actions as a command started from a terminal has them (the suite itself
+    may run under ``nohup``, whose ignored SIGHUP a command keeps, as it should)."""
+    import signal
+
+    for signum in (signal.SIGHUP, signal.SIGTSTP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def process_stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` past the command's name: state, parent pid, ... ([] once the process is gone)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return []
+
+
 def run_cli(capsys, *args):
     """``nemo-jq ARGS`` in this process: (exit code, stdout, stderr)."""
     from nemo_jq.cli import main

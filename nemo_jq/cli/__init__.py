@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         if not code:  # every rank got here: end the process groups together (a failed rank's peers are stopped)
             from nemo_jq.runtime import distributed
 
-            engine = sys.modules.get("nemo_jq.rollouts.vllm")  # a vLLM engine this process holds ends its groups first
-            distributed.close(first=engine.shut_down_engine if engine is not None else None)
+            distributed.close()
         return code
     except BrokenPipeError:  # the reader went away (``nemo-jq plan ... | head -1``): the rest is not wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so Python's exit-time flush stays quiet

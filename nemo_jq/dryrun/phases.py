@@ -188,10 +188,10 @@ class DryRun:
         validation = -(-config.data.validation_size // replicas)
         shares = {"rollout": -(-config.train.batch_size // replicas), "evaluate": min(config.eval.batch_size, validation)}
         if self.separate:
-            engines, served = 0, -(-replicas // (config.rollout.ranks // self._engine_gpus))  # an engine's replicas
+            engines, served = 0, -(-replicas // (config.rollout.ranks // self._workload.engine_gpus))  # an engine's replicas
             decoded = {phase: served * prompts for phase, prompts in shares.items()}
         else:
-            engines = decode_engines(Workload.from_config(config, self.prompt_tokens), *self._model_parallel())
+            engines = decode_engines(self._workload, *self._model_parallel())
             decoded = {phase: max(self.decoded_prompts.get(phase, 0), -(-prompts // engines))
                        for phase, prompts in shares.items()}
         return {"decode_engines": engines, "replica_prompts": shares["rollout"], "rollout_prompts": decoded["rollout"],
@@ -509,9 +509,9 @@ class DryRun:
                 "micro_batch_prompts": self.config.train.micro_batch_size, "sampled_answers": self.sampled_answers,
                 "sampler_weight_bytes": self.sampler_bytes, "replicas": self.replicas,
                 "decoded_prompts": dict(self.decoded_prompts), **self._decode_work(),
-                **decode_shape(read_qwen3_config(hf), self._engine_gpus)}
+                **decode_shape(read_qwen3_config(hf), self._workload.engine_gpus)}
 
     @property
-    def _engine_gpus(self) -> int:
-        """The GPUs one engine spans, as plan counts them (``Workload.engine_gpus``)."""
-        return Workload.from_config(self.config, self.prompt_tokens).engine_gpus
+    def _workload(self) -> Workload:
+        """The run as ``nemo-jq plan`` sees it (its engines, the GPUs one spans)."""
+        return Workload.from_config(self.config, self.prompt_tokens)

@@ -366,6 +366,7 @@ class VLLMSampler:
         with random_state_kept(), rank_in_engine_world():
             self.llm = LLM(**kwargs)
         _LIVE["sampler"] = self
+        distributed.before_close(shut_down_engine)  # the groups it made end with it, before the run's own
         self._awake, self._depth = {"weights", "kv_cache"}, 0
         if self.sleeps:
             self.llm.sleep(level=1)

@@ -65,16 +65,25 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rol
 
 #: Whether :func:`init_from_env` started this process's groups (so :func:`close` ends them; a caller's own it leaves).
 _OWNED = False
+#: What :func:`close` ends before the groups (:func:`before_close`).
+_BEFORE_CLOSE: list[Callable[[], None]] = []
 
 
-def close(first: Callable[[], None] | None = None) -> None:
+def before_close(teardown: Callable[[], None]) -> None:
+    """Have :func:`close` run ``teardown`` once every rank has arrived and before the groups end (once, however often
+    asked): a vLLM engine's shutdown, which ends the groups it made, the world's with them; left to exit, it met
+    groups already ended and raised."""
+    if teardown not in _BEFORE_CLOSE:
+        _BEFORE_CLOSE.append(teardown)
+
+
+def close() -> None:
     """End the groups :func:`init_from_env` started, at a command's normal end: every rank waits for the others
-    (over the whole world, a split one's rollout ranks too), ``first`` runs (a vLLM engine's shutdown, which ends the
-    groups it made, the world's with them: left to exit, it met groups already ended and raised), then megatron-core's
-    groups and the world's are shut down in order, here, not by their destructors at exit, where torch warns that
-    NCCL's were never destroyed and a gloo group torn down while its peer still closes its side can end the process in
-    "terminate called without an active exception" (tests/distributed/test_model_download.py). After a failure the
-    ranks are not in step: the process exits without this."""
+    (over the whole world, a split one's rollout ranks too), what :func:`before_close` was given runs, then
+    megatron-core's groups and the world's are shut down in order, here, not by their destructors at exit, where torch
+    warns that NCCL's were never destroyed and a gloo group torn down while its peer still closes its side can end the
+    process in "terminate called without an active exception" (tests/distributed/test_model_download.py). After a
+    failure the ranks are not in step: the process exits without this."""
     global _OWNED, _ROLES
     if not _OWNED or not dist.is_initialized():
         return
@@ -83,8 +92,8 @@ def close(first: Callable[[], None] | None = None) -> None:
         _ROLES.bridge.allreduce([done]).wait()
     else:
         dist.barrier()
-    if first is not None:
-        first()
+    while _BEFORE_CLOSE:
+        _BEFORE_CLOSE.pop(0)()
     if _ROLES is not None:
         for group in (_ROLES.sync, _ROLES.bridge):
             if group is not None and hasattr(group, "shutdown"):

@@ -23,7 +23,7 @@ import stat
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 #: The signals that ask for a clean stop.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
@@ -98,21 +98,21 @@ class TerminalStream:
         self.stream = stream
 
     def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except OSError as error:
-            if error.errno != errno.EIO:
-                raise
-            release_terminal()
-            return len(text)
+        written = self._unless_hung_up(self.stream.write, text)
+        return len(text) if written is None else written
 
     def flush(self) -> None:
+        self._unless_hung_up(self.stream.flush)
+
+    def _unless_hung_up(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``; None where the terminal hung up (EIO), whose output goes to /dev/null from then on."""
         try:
-            self.stream.flush()
+            return call(*args)
         except OSError as error:
             if error.errno != errno.EIO:
                 raise
             release_terminal()
+            return None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import from_a_terminal, process_stat
 from nemo_jq.runtime.monitor import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,14 +32,7 @@ pytestmark = pytest.mark.slow
 def nemo_jq(*words: str) -> subprocess.Popen:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(["tests", *sys.path])}
     return subprocess.Popen([sys.executable, "-m", "nemo_jq.cli", *map(str, words)], cwd=ROOT, env=environment,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=as_from_a_terminal)
-
-
-def as_from_a_terminal() -> None:
-    """SIGHUP's and SIGTSTP's actions as a command started from a terminal has them (the suite itself may run under
-    ``nohup``, whose ignored SIGHUP the command keeps, as it should)."""
-    for signum in (signal.SIGHUP, signal.SIGTSTP):
-        signal.signal(signum, signal.SIG_DFL)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=from_a_terminal)
 
 
 def finish(process: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
@@ -137,15 +131,7 @@ def test_a_sweep_whose_terminal_closed_or_that_was_killed_stops_its_runs_with_ch
 
 def _children(pid: int) -> list[int]:
     return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
-            and _stat(int(entry.name))[1:2] == [str(pid)]]
-
-
-def _stat(pid: int) -> list[str]:
-    """``/proc/PID/stat`` past the command's name: state, parent pid, ... ([] once gone)."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return []
+            and process_stat(int(entry.name))[1:2] == [str(pid)]]
 
 
 def _steps(run: Path) -> int:
@@ -167,8 +153,8 @@ def test_ctrl_z_stops_a_sweeps_runs_with_it_and_fg_lets_them_go_on(tmp_path):
     assert len(children) == 2
     process.send_signal(signal.SIGTSTP)
     deadline = time.monotonic() + 30
-    while not all(_stat(pid)[:1] == ["T"] for pid in [process.pid, *children]):
-        assert time.monotonic() < deadline, [_stat(pid)[:1] for pid in [process.pid, *children]]
+    while not all(process_stat(pid)[:1] == ["T"] for pid in [process.pid, *children]):
+        assert time.monotonic() < deadline, [process_stat(pid)[:1] for pid in [process.pid, *children]]
         time.sleep(0.1)
     held = [_steps(run) for run in runs]
     time.sleep(2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_RUN, learn_on, machine_kind, run_cli
+from helpers import TINY_RUN, from_a_terminal, learn_on, machine_kind, run_cli
 from nemo_jq.config import load_config, save_config
 from nemo_jq.objectives import get_objective, list_objectives
 from nemo_jq.recipe.experience import Experience
@@ -202,12 +202,6 @@ def test_resume_continues_exactly(tmp_path, name):
     assert _without_timing(read_metrics(tmp_path / "a")) == _without_timing(read_metrics(tmp_path / "b"))
     a = load_checkpoint(latest_checkpoint(tmp_path / "a" / "checkpoints"), uninterrupted.policy, with_optimizer=False)
     assert a[0]["step"] == 5
-
-
-def from_a_terminal() -> None:
-    """SIGHUP's action as a command started from a terminal has it (the suite may run under ``nohup``, whose ignored
-    SIGHUP a run keeps, as it should)."""
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])

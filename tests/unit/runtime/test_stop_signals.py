@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from helpers import process_stat
 from nemo_jq.runtime.preemption import STOP_WITH_ENV, StopSignals
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
@@ -63,11 +64,7 @@ def _ended(pid: int, timeout: float = 20) -> bool:
     """Whether ``pid`` (not our child: watched in /proc) ended within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[-1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
+        if process_stat(pid)[:1] in ([], ["Z"]):
             return True
         time.sleep(0.05)
     return False
