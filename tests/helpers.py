@@ -207,12 +207,13 @@ def run_scripts(scripts: list[dict], timeout: float = 600) -> list[subprocess.Co
                                             Path(job["stderr"]).read_text()) for job, code in zip(jobs, codes, strict=True)]
 
 
-def small_qwen3(folder: Path, *, layers: int, tied: bool, experts: int = 0) -> Path:
+def small_qwen3(folder: Path, *, layers: int, tied: bool, experts: int = 0, expert_width: int = 128) -> Path:
     """``folder`` holding only a Qwen3 ``config.json`` (4096 tokens, 256 wide, 4 heads, 2 KV heads): shapes for the dry
-    run and ``plan``, small enough to dry-run in seconds. ``experts``: a Qwen3-MoE of that many 128-wide experts, top-2."""
+    run and ``plan``, small enough to dry-run in seconds. ``experts``: a Qwen3-MoE of that many ``expert_width``-wide
+    experts, top-2."""
     folder.mkdir()
     moe = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": experts,
-           "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True} if experts else {}
+           "num_experts_per_tok": 2, "moe_intermediate_size": expert_width, "norm_topk_prob": True} if experts else {}
     (folder / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 4096, "hidden_size": 256,
         "intermediate_size": 768, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,

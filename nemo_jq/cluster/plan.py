@@ -43,9 +43,14 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
   tokens the dispatcher gathers from the EP group (``dispatched_bytes``: it grows with EP); its layouts are those
   experts train at (with TP, sequence parallelism and EP a multiple of TP: ``MegatronLayout.check_trainable``), each
   EP that divides the experts and a stage's ranks;
+* a Megatron rank's refit (its weights gathered into HF tensors for the sampler's copy, a vLLM engine or the
+  rollout ranks, a batch at a time) holds twice the batch in the weights' dtype: the largest tensor whole (the
+  embedding or the head), or the largest run of one layer's experts and its share of it (``refit_bytes``), while a
+  vLLM engine is awake (the dry run's refit peak at 8B, 32B and Qwen3-30B-A3B);
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
   copy) plus the largest of the training working set (gradients without the distributed optimizer,
-  activations, log-prob head), the rollout working set (KV cache, or vLLM's share) and the optimizer step's
+  activations, log-prob head), the rollout working set (KV cache, or vLLM's share), the refit's (with vLLM's
+  share) and the optimizer step's
   (the square root of AdamW's second moment, which torch's foreach kernels hold for every parameter they step at
   once on a GPU, plus the gradients without the distributed optimizer: measured on an H100 for both backends and
   both optimizers, ``bench/results/real_gpu.json``), which do not coexist.
@@ -66,7 +71,7 @@ A layout is feasible when TP divides the heads, KV heads and MLP width and fits 
 divides the layers, TP x PP x CP divides the GPUs, and DP divides the batch. The recommendation is
 the fitting layout (under ``headroom`` of the GPU) with the largest DP, then the smallest TP (and EP).
 
-One file of ~750 lines: the memory model is one set of formulas (each component's bytes, the peak, the advice that
+One file of ~830 lines: the memory model is one set of formulas (each component's bytes, the peak, the advice that
 names the setting that shrinks it) that the layouts, ``train.micro_batch_rows=auto`` and the dry run's comparison
 all read; split, each part would import the others.
 """
@@ -234,6 +239,10 @@ class Workload:
         """Tokens of one micro-batch on each rank: its sequences' share under context parallelism."""
         return self.seq_len * self.micro_batch / self.context_parallel
 
+    def own_tokens(self, tp: int) -> float:
+        """Tokens of one micro-batch whose hidden states each TP rank holds: its share under sequence parallelism."""
+        return self.tokens_per_rank / (tp if self.sequence_parallel else 1)
+
     @property
     def engine_gpus(self) -> int:
         """The GPUs one sampling engine spans: a vLLM engine's ``rollout.tensor_parallel`` ranks; one otherwise."""
@@ -242,7 +251,7 @@ class Workload:
 
 #: The components of a layout's estimate, in the report's order (each in GiB).
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logprob_head", "rollout_copy", "kv_cache", "decode_cast",
-              "vllm")
+              "refit", "vllm")
 
 
 #: The share of a GPU's memory a layout may fill (the rest: the allocator's fragmentation, CUDA's context, NCCL).
@@ -285,6 +294,7 @@ class LayoutEstimate:
     rollout_copy_gib: float
     kv_cache_gib: float
     decode_cast_gib: float
+    refit_gib: float
     vllm_gib: float
     total_gib: float
     fits: bool
@@ -312,7 +322,7 @@ def expert_activation_bytes(arch: Qwen3Architecture, work: Workload, tp: int) ->
     ETP peer (the dry run at 30B-A3B, EP 8 x ETP 2: 0.27 GiB a 4-layer model above EP 16, plan 0.30). The router's
     fp32 input and its logits and probabilities over the E experts for its own tokens. The tokens the dispatcher
     gathers are not kept (:func:`dispatched_bytes`)."""
-    own = work.tokens_per_rank / (tp if work.sequence_parallel else 1)
+    own = work.own_tokens(tp)
     etp = work.expert_tensor_parallel
     experts = 2 * own * arch.num_experts_per_tok * ((2 + etp) * arch.hidden_size + 3 * arch.moe_intermediate_size)
     router = 4 * own * (arch.hidden_size + 2 * arch.num_experts)
@@ -323,7 +333,7 @@ def dispatched_bytes(arch: Qwen3Architecture, work: Workload, tp: int) -> float:
     """What a Qwen3-MoE layer's backward holds for the tokens megatron-core's all-gather dispatcher gathers from the
     rank's expert group (``EP x ETP x`` its own part): :data:`DISPATCHED_COPIES` bf16 copies of them (H each) and their fp32
     routing probabilities (E each). It grows with EP, the layer's kept tensors do not."""
-    gathered = work.tokens_per_rank / (tp if work.sequence_parallel else 1) * work.expert_parallel * work.expert_tensor_parallel
+    gathered = work.own_tokens(tp) * work.expert_parallel * work.expert_tensor_parallel
     return gathered * (DISPATCHED_COPIES * 2 * arch.hidden_size + 4 * arch.num_experts)
 
 
@@ -421,10 +431,11 @@ def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
     staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
     training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
     rollout = ["kv_cache", "decode_cast", "vllm"]
+    refitting = ["refit", "vllm"]  # a vLLM engine is awake while it loads the weights; a KV cache is not yet held
     # torch's foreach AdamW holds sqrt(v) for every parameter it steps at once: half the replicated state, a third of
     # the distributed optimizer's shard (master weights and moments); measured on an H100: docs/results/real_gpu.md
     stepping = ([], parts["optimizer"] / 3) if sharded else (["gradients"], parts["gradients"] + parts["optimizer"] / 2)
-    phase, phase_bytes = max([(names, sum(parts[name] for name in names)) for names in (training, rollout)] + [stepping],
+    phase, phase_bytes = max([(names, sum(parts[name] for name in names)) for names in (training, rollout, refitting)] + [stepping],
                              key=lambda working: working[1])
     return (sum(parts[name] for name in staying) + phase_bytes) / GiB, max(staying + phase, key=lambda name: parts[name])
 
@@ -443,11 +454,10 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     micro_batches = max(1, math.ceil(work.batch_prompts * work.samples / dp / work.micro_batch))
     in_flight = min(pp, micro_batches)
     per_layer = layer_activation_bytes(arch, work, tp)
-    tokens = work.tokens_per_rank
     # a Qwen3-MoE layer's backward: the dispatcher's gathered tokens and a little more (recomputed: the layer again)
     backward = dispatched_bytes(arch, work, tp) + EXPERT_LAYER_BACKWARD * per_layer if arch.is_moe else 0.0
     if work.recompute:
-        inputs = 2 * tokens * arch.hidden_size / (tp if work.sequence_parallel else 1)
+        inputs = 2 * work.own_tokens(tp) * arch.hidden_size
         activations = in_flight * layers * inputs + backward + (1 if arch.is_moe else RECOMPUTED_LAYER_BACKWARD) * per_layer
     else:
         activations = in_flight * layers * per_layer + backward
@@ -466,9 +476,42 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else 2) * parameter_count(arch),
         "kv_cache": kv_cache_bytes(arch, work, work.batch_prompts // dp) if samples_here and not vllm else 0.0,
         "decode_cast": 2 * parameter_count(arch) if work.decode_cast and samples_here else 0.0,
+        "refit": refit_bytes(arch, work),
         "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm and samples_here else 0.0,
     }
     return parts
+
+
+#: Copies of one gathered batch a refit holds at once (``MegatronPolicy.iter_hf``): the pieces gathered from the ranks
+#: and the HF tensors merged from them (the dry run: twice the embedding at 8B and 32B, at TP 1 and 2, tied or not, in
+#: bf16 and fp32; twice the largest batch of experts and this rank's share of it at Qwen3-30B-A3B, EP 8).
+REFIT_COPIES = 2
+
+
+def refit_bytes(arch: Qwen3Architecture, work: Workload) -> float:
+    """What a Megatron rank holds beyond its weights while it gathers them into HF tensors for its sampler's copy, a
+    vLLM engine or the rollout ranks (``MegatronPolicy.iter_hf``), a batch at a time in the weights' dtype: the largest
+    tensor whole (the embedding or the head), or the largest run of one layer's experts (``mapping.gather_batches``
+    under :data:`~nemo_jq.models.megatron.mapping.EXPERT_GATHER_BYTES`) and this rank's share of it, flattened for
+    the gather. hf: none (its sampler copies the weights one tensor at a time, or samples from them)."""
+    import torch
+
+    from nemo_jq.models.megatron.mapping import EXPERT_GATHER_BYTES, gather_batches
+
+    if work.backend == "hf":
+        return 0.0
+    weight = OPTIMIZER_MODES[work.optimizer][0]
+    largest = max(arch.vocab_size, 0 if arch.is_moe else 2 * arch.intermediate_size) * arch.hidden_size * weight
+    if not arch.is_moe:
+        return REFIT_COPIES * largest
+    group, slices = work.expert_parallel * work.expert_tensor_parallel, work.expert_tensor_parallel
+    fc1, fc2 = 2 * arch.moe_intermediate_size * arch.hidden_size // slices, arch.moe_intermediate_size * arch.hidden_size // slices
+    dtype = torch.bfloat16 if weight == 2 else torch.float32
+    entries = [(f"decoder.layers.0.mlp.experts.local_experts.{index}.linear_fc{fc}.weight", dtype, elements)
+               for index in range(arch.num_experts // work.expert_parallel) for fc, elements in ((1, fc1), (2, fc2))]
+    sizes = {name: group * elements * weight for name, _, elements in entries}
+    batch = max(sum(sizes[name] for name in names) for names in gather_batches(entries, group, EXPERT_GATHER_BYTES))
+    return max(REFIT_COPIES * largest, REFIT_COPIES * batch + batch / group)
 
 
 def decode_shape(arch: Qwen3Architecture, engine_gpus: int) -> dict[str, float]:

@@ -17,11 +17,12 @@ PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer
 
 
 #: The same for a Megatron rank: the optimizer's state at rest after the step is seen in the refit (or a split
-#: world's sync) that follows it, before the save gathers it, the KV cache in the rollouts; the weights and the
-#: sampler's copy after the build, which counts the copy as weights until the backend has made it (its peak shows
-#: them together).
+#: world's sync) that follows it, before the save gathers it, and so is what gathering the weights holds; the KV cache
+#: in the rollouts; the weights and the sampler's copy after the build, which counts the copy as weights until the
+#: backend has made it (its peak shows them together).
 MEGATRON_PLAN_COMPONENTS = {**PLAN_COMPONENTS, "weights": (("train",), "weights"), "optimizer": (("refit", "sync"), "optimizer"),
-                            "rollout_copy": (("rollout",), "sampler_copy"), "kv_cache": (("rollout",), "kv_cache")}
+                            "rollout_copy": (("rollout",), "sampler_copy"), "kv_cache": (("rollout",), "kv_cache"),
+                            "refit": (("refit", "sync"), "temporaries")}
 
 
 #: Where each of ``plan``'s parts of a rollout rank is seen in its dry run.

@@ -116,6 +116,7 @@ class HFPolicy:
     data_parallel = DataParallel()
     #: One process holds the whole model (a refitted rollout engine samples here).
     model_parallel_group = None
+    gathers_over_replicas = False
 
     def __init__(self, model: Any, *, device: torch.device, precision: str = "auto", lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

@@ -146,6 +146,10 @@ class RefittablePolicy(Protocol):
     weights_version: int
     #: The ranks holding one replica, which train on the same rollouts (None in one process).
     model_parallel_group: Any
+    #: Whether ``iter_hf`` is a collective over every replica, not only this one's ranks (a Qwen3-MoE's experts come
+    #: from the expert-parallel ranks, carved from the replicas): rollout ranks of their own then have every replica
+    #: take part in the gather their weights come from.
+    gathers_over_replicas: bool
 
     def iter_hf(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The weights under their HF names, one tensor at a time (a collective over the replica's ranks,

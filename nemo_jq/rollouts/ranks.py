@@ -117,7 +117,7 @@ class RemoteRollouts:
         if self._version == self.policy.weights_version:
             return
         self._version = self.policy.weights_version
-        if self.policy.data_parallel.rank != 0 and not getattr(self.policy, "gathers_over_replicas", False):
+        if self.policy.data_parallel.rank != 0 and not self.policy.gathers_over_replicas:
             return
         tensors = iter(self.policy.iter_hf())
         if dist.get_rank() == LEAD:

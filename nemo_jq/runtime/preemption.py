@@ -206,7 +206,8 @@ def end_stopped_run(signum: int, step: int, run_dir: Path, *, requeue: bool) -> 
     """``train``'s exit status after ``signum`` stopped it and its checkpoint at ``step`` was written; rank 0 says so in
     one line. With ``requeue`` and :data:`REQUEUE_SIGNAL`: :data:`REQUEUE_EXIT_CODE`, for the batch script to requeue
     the job; any other signal ends the run (0): ``scancel`` must not bring a job back, and a job requeued from outside
-    (``scontrol requeue``) comes back by itself and resumes."""
+    (``scontrol requeue``) comes back by itself and resumes. Outside a SLURM job (a local sweep's runs take
+    ``--requeue`` too) the line says how to continue the run."""
     from nemo_jq.runtime import distributed
 
     name = signal_name(signum)
@@ -215,8 +216,9 @@ def end_stopped_run(signum: int, step: int, run_dir: Path, *, requeue: bool) -> 
                                             f"{REQUEUE_EXIT_CODE} asks the batch script to requeue the job, which "
                                             "resumes from it", flush=True))
         return _exit_for_requeue()
+    in_a_job = requeue and "SLURM_JOB_ID" in os.environ  # a local sweep's runs take --requeue too
     advice = ("not requeued: only SIGUSR1 (the time-limit signal) requeues; a job requeued from outside resumes when "
-              "it restarts" if requeue else f"`nemo-jq train --resume {run_dir}` continues")
+              "it restarts" if in_a_job else f"`nemo-jq train --resume {run_dir}` continues")
     distributed.on_writer(lambda: print(f"nemo-jq train: stopped by {name} at step {step} with a checkpoint; {advice}",
                                         flush=True))
     return 0

@@ -23,7 +23,7 @@ RUN_BY = {
     ("README.md", "import torch"): "test_readme_python_example_runs_verbatim",
     ("docs/cluster.md", "#SBATCH --requeue"): "test_every_sbatch_launcher_requeues_on_the_requeue_exit_code_from_the_host",
     ("docs/moe.md", "nemo-jq plan --config configs/examples/qwen3_30b_a3b_hotpotqa_cold_garl_q0.75.yaml --nodes 8   "
-                    "# TP=2 PP=1 DP=32 EP=8 (65.89 of 72 GiB)"):
+                    "# TP=2 PP=1 DP=32 EP=8 (67.05 of 72 GiB)"):
         "test_the_readmes_plan_commands_say_what_they_print",
     ("docs/cluster.md", "nemo-jq plan --model 32b --nodes 16 --seq-len 4608 --samples 16 --micro-batch 4 "
                         "--optimizer bf16-distopt \\"): "test_the_readmes_plan_commands_say_what_they_print",

@@ -79,8 +79,8 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
 
     from nemo_jq.recipe.components import build_components
 
-    for backend, message in [("no_refit", "does not implement RefittablePolicy: it lacks iter_hf, model_parallel_group, "
-                                          "weights_version$"),
+    for backend, message in [("no_refit", "does not implement RefittablePolicy: it lacks gathers_over_replicas, iter_hf, "
+                                          "model_parallel_group, weights_version$"),
                              ("no_export", "backend 'no_export'.s policy \\(SimpleNamespace\\) does not implement Policy: "
                                            "it lacks export$")]:
         config = load_config(None, [*TINY_RUN, f"plugins=[{plugin}]", f"model.backend={backend}"])

@@ -124,6 +124,9 @@ def test_a_sweep_whose_terminal_closed_or_that_was_killed_stops_its_runs_with_ch
         while not all(f"stopped by {said} at step" in log.read_text()[start:] for log, start in zip(logs, before)):
             assert time.monotonic() < deadline, [log.read_text()[start:][-500:] for log, start in zip(logs, before)]
             time.sleep(0.2)
+        # a run of a local sweep says how it continues, not what a SLURM job would do (it takes --requeue too)
+        assert all(f"`nemo-jq train --resume {run}` continues" in log.read_text()[start:]
+                   and "requeue" not in log.read_text()[start:] for run, log, start in zip(runs, logs, before))
     code, out = finish(nemo_jq("sweep", "--resume", out_dir))
     assert code == 0 and "(0 finished, 2 to continue, 0 to start" in out.splitlines()[0], out
     assert all((run / "results.json").exists() for run in runs)

@@ -23,6 +23,7 @@ TABLE = "bigram.pt"
 class BigramPolicy:
     data_parallel = DataParallel()
     model_parallel_group = None
+    gathers_over_replicas = False
 
     def __init__(self, vocab_size: int, lr: float):
         self.table = torch.nn.Parameter(torch.zeros(vocab_size, vocab_size))

@@ -107,6 +107,12 @@ def is_tensor_parallel(megatron_name: str) -> bool:
     return _resolve(megatron_name)[0].layout != REPLICATED
 
 
+#: The most bytes one gather of experts brings in, all expert-parallel ranks' shares together
+#: (``MegatronPolicy.iter_hf``): a Qwen3-30B-A3B layer's 128 experts (1.2 GB in bf16) take 3 gathers, not 32 at EP8;
+#: what a refit holds beside the batch, ``nemo-jq plan`` counts (``plan.refit_bytes``).
+EXPERT_GATHER_BYTES = 512 * 2**20
+
+
 def gather_batches(entries: Iterable[tuple[str, torch.dtype, int]], ranks: int, limit_bytes: int) -> list[list[str]]:
     """The parameters ``entries`` names (``(megatron name, dtype, elements)``, in order) in the batches that one
     collective each gathers: a run of one layer's experts of one dtype, as many as fit ``limit_bytes`` once all

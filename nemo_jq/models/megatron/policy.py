@@ -47,6 +47,7 @@ from nemo_jq.models.megatron.experts import RouterLog, expert_shard
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.logprobs import vocab_parallel_head_logprobs
 from nemo_jq.models.megatron.mapping import (
+    EXPERT_GATHER_BYTES,
     gather_batches,
     hf_names,
     hf_shape,
@@ -75,11 +76,6 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-
-#: The most bytes one gather of experts brings in, all expert-parallel ranks' shares together (``iter_hf``): a
-#: Qwen3-30B-A3B layer's 128 experts (1.2 GB in bf16) take 3 gathers, not 32 at EP8, and a refit's extra memory
-#: stays under three times this.
-EXPERT_GATHER_BYTES = 512 * 2**20
 
 
 class MegatronPolicy:
@@ -511,6 +507,7 @@ class MegatronPolicy:
                 if self.pp_size > 1:
                     tensors = self._broadcast_from(stage, batch, dtypes[batch[0]], tensors)
                 yield from tensors
+                del tensors  # not held while the next batch is gathered (a third batch's bytes at the refit's peak)
 
     def _gathered(self, batch: list[str], per_parameter: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """One batch's HF tensors, in one all-gather: a parameter's slice from each TP rank, or experts from each EP

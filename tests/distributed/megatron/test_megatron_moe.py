@@ -305,11 +305,28 @@ def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_who
         assert result["stage_broadcasts"] == result["broadcasts"], (rank, result)
 
 
+def test_a_router_log_starts_afresh_where_another_model_logged_in_this_process():
+    """megatron-core's load-balancing loss tracker is the process's, shaped by the first model that logged into it: a
+    48-layer model's pass after a 94-layer one's (bench/dryrun_configs.py dry-runs 235B-A22B, then 30B-A3B) logs its
+    own layers' losses (it failed adding the 94 to its 48)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, save_to_aux_losses_tracker
+
+    from nemo_jq.models.interfaces import TokenBatch
+    from nemo_jq.models.megatron.experts import RouterLog
+
+    get_moe_layer_wise_logging_tracker()["load_balancing_loss"] = {"values": torch.ones(94)}  # the deeper model's
+    ids = torch.ones(2, 5, dtype=torch.long)
+    spans = torch.zeros(2, 4, dtype=torch.bool)
+    log = RouterLog([TokenBatch(ids, torch.ones_like(ids), spans, spans)], None,
+                    torch.device("cpu"), None, num_layers=48)
+    log.enter(0)
+    save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.5), layer_number=3, num_layers=48)
+    assert log.metrics([]) == [{"load_balancing_loss": 0.5}]
+
 def test_a_layers_experts_are_gathered_in_a_few_batches():
     """Qwen3-30B-A3B at EP8 in bf16: 16 experts a rank, fc1 and fc2 (1.2 GB a layer once gathered): 3 gathers a layer
     under the 512 MiB limit, never across a layer or a dtype; every other parameter alone."""
-    from nemo_jq.models.megatron.mapping import gather_batches
-    from nemo_jq.models.megatron.policy import EXPERT_GATHER_BYTES
+    from nemo_jq.models.megatron.mapping import EXPERT_GATHER_BYTES, gather_batches
 
     hidden, ffn = 2048, 768
     entries = [("embedding.word_embeddings.weight", torch.bfloat16, 151936 * hidden)]

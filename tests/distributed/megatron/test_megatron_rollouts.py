@@ -39,6 +39,7 @@ class ScriptedPolicy:
 
     weights_version = 1
     model_parallel_group = None
+    gathers_over_replicas = False
 
     def iter_hf(self):
         for name, value in (("w", 20.0), ("v", 1.0)):

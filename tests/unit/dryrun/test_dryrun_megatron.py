@@ -51,8 +51,11 @@ def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_
     assert "logprob_head" in last["phases"]["train"]["most_by_kind_gib"]
     assert "logprob_head" not in first["phases"]["train"]["most_by_kind_gib"]
     rows = against_plan(report, config)
-    compared = {name: rows[name]["plan_over_dry_run"] for name in ("weights", "gradients", "optimizer", "vllm")}
+    compared = {name: rows[name]["plan_over_dry_run"] for name in ("weights", "gradients", "optimizer", "vllm", "refit")}
     assert all(0.9 <= ratio <= 1.1 for ratio in compared.values()), compared
+    # the refit gathers the (untied) embedding and head whole, beside vLLM's share: the slices and the merged tensor
+    assert rows["refit"]["dry_run_gib"] * 2**30 == pytest.approx(2 * 4096 * 256 * 2, rel=0.01)
+    assert first["phases"]["refit"]["by_kind_gib"]["vllm"] > 0
     # the distributed optimizer's fp32 master weights and moments are sharded over DP: 12 / 2 bytes a parameter
     weights = first["phases"]["build"]["by_kind_gib"]["weights"]  # bf16: 2 bytes a parameter
     assert rows["optimizer"]["dry_run_gib"] == pytest.approx(3 * weights, rel=0.01)
@@ -267,3 +270,30 @@ def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_a
                              "rollout.vllm_memory_utilization=0.3", world_size=4)
     held = sum(staged["ranks"][rank]["phases"]["train"]["by_kind_gib"]["weights"] for rank in ("0", "2"))
     assert held == pytest.approx(4 * (dense + experts / 2) / 2**30, rel=1e-3)
+
+
+@pytest.mark.slow  # two dry runs, ~20 s
+def test_a_refit_gathers_one_batch_of_experts_at_a_time_as_plan_counts_it(tmp_path, monkeypatch):
+    """64 experts 1024 wide (2 MiB a pair a rank in bf16, 4 in fp32), EP=2, the batch limit cut to 64 MiB so that a
+    layer's experts take several gathers and outweigh the embedding: the refit holds the batch's pieces, the HF tensors
+    merged from them and this rank's share (2.5 batches), never the previous batch beside them (it held 3.5 in fp32),
+    and plan says so within 2%."""
+    from nemo_jq.cluster import plan
+    from nemo_jq.models.megatron import mapping, policy
+
+    monkeypatch.setattr(mapping, "EXPERT_GATHER_BYTES", 64 * 2**20)
+    monkeypatch.setattr(policy, "EXPERT_GATHER_BYTES", 64 * 2**20)
+    model = small_qwen3(tmp_path / "moe", layers=4, tied=False, experts=64, expert_width=1024)
+    for weights in (["megatron.distributed_optimizer=true", "megatron.bf16_weights=true"], []):
+        config = load_config(None, [f"model.path={model}", "model.backend=megatron", "megatron.expert_parallel=2",
+                                    "rollout.engine=vllm", "rollout.vllm_memory_utilization=0.25", *weights,
+                                    "rollout.num_samples=8", "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8",
+                                    "train.batch_size=4", "train.micro_batch_size=1", "eval.batch_size=4",
+                                    "eval.num_samples=8"])
+        report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=32, world_size=2)
+        row = against_plan(report, config)["refit"]
+        batch = 64 * 2**20 if not weights else 63 * 2**20  # fp32: 10 pairs of 6 MiB gathered and an fc1; bf16: 21 pairs of 3
+        assert row["dry_run_gib"] * 2**30 == pytest.approx(2.5 * batch, rel=0.02), row
+        assert row["plan_over_dry_run"] == pytest.approx(1, abs=0.02), row
+        assert plan.refit_bytes(plan.architecture(str(model)), plan.Workload.from_config(config, 32)) > 2 * 4096 * 256 * 4
+
