@@ -56,7 +56,7 @@ class RouterLog:
 
     def __init__(self, micro_batches: Sequence[TokenBatch], data_parallel_group: Any, device: torch.device,
                  replay: RoutingReplay | None, num_layers: int):
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
 
         (rows,) = reduced([sum(micro.num_rows for micro in micro_batches)], data_parallel_group, dist.ReduceOp.SUM, device)
         self.shares = [micro.num_rows / rows for micro in micro_batches]
@@ -64,9 +64,11 @@ class RouterLog:
         #: Per micro-batch: each layer's logged loss, then the disagreeing and the replayed choices.
         self.logged = torch.zeros(len(micro_batches), num_layers + 2, device=device)
         self.current: int | None = None
-        # megatron-core's tracker is the process's, its entries shaped by the first model that logged into it (the
-        # dry run of several configs builds models of other depths in one process): this pass's start afresh
+        # megatron-core's tracker and aux-loss scale are the process's, shaped and placed by the first pass that set
+        # them (the dry run of several configs builds models of other depths in one process, on another device than
+        # a run's): this pass's start afresh
         get_moe_layer_wise_logging_tracker().clear()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
         self._file()  # what an earlier pass counted belongs to none of these
 
     def enter(self, index: int) -> None:

@@ -306,20 +306,27 @@ def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_who
 
 
 def test_a_router_log_starts_afresh_where_another_model_logged_in_this_process():
-    """megatron-core's load-balancing loss tracker is the process's, shaped by the first model that logged into it: a
-    48-layer model's pass after a 94-layer one's (bench/dryrun_configs.py dry-runs 235B-A22B, then 30B-A3B) logs its
-    own layers' losses (it failed adding the 94 to its 48)."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, save_to_aux_losses_tracker
+    """megatron-core's load-balancing loss tracker and aux-loss scale are the process's, shaped and placed by the first
+    pass that set them: a 48-layer model's pass on the CPU after a 94-layer one's on the dry run's stand-in GPU
+    (bench/dryrun_configs.py dry-runs 235B-A22B, then 30B-A3B) logs its own layers' losses (it failed adding the 94 to
+    its 48) and scales them on its own device (a dry run after a CPU run met a host tensor)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        get_moe_layer_wise_logging_tracker,
+        save_to_aux_losses_tracker,
+    )
 
     from nemo_jq.models.interfaces import TokenBatch
     from nemo_jq.models.megatron.experts import RouterLog
 
     get_moe_layer_wise_logging_tracker()["load_balancing_loss"] = {"values": torch.ones(94)}  # the deeper model's
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.ones(1, device="meta")  # set on the dry run's stand-in
     ids = torch.ones(2, 5, dtype=torch.long)
     spans = torch.zeros(2, 4, dtype=torch.bool)
     log = RouterLog([TokenBatch(ids, torch.ones_like(ids), spans, spans)], None,
                     torch.device("cpu"), None, num_layers=48)
     log.enter(0)
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale.device == torch.device("cpu")
     save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.5), layer_number=3, num_layers=48)
     assert log.metrics([]) == [{"load_balancing_loss": 0.5}]
 
