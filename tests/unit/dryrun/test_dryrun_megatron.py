@@ -23,12 +23,17 @@ LAYOUT = ["model.backend=megatron", "megatron.tensor_parallel=2", "megatron.pipe
           "megatron.distributed_optimizer=true", "megatron.bf16_weights=true"]
 
 
+def megatron_config(model: Path, *overrides: str):
+    """A megatron run of ``model``'s shapes small enough to dry-run in seconds: 4 prompts of 8 samples, 48 thinking and
+    8 answer tokens."""
+    return load_config(None, [f"model.path={model}", "model.backend=megatron", "rollout.num_samples=8",
+                              "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8", "train.batch_size=4",
+                              "train.micro_batch_size=1", "eval.batch_size=4", "eval.num_samples=8", *overrides])
+
+
 def small_config(tmp_path: Path, *overrides: str):
     model = small_qwen3(tmp_path / "model", layers=4, tied=False)  # untied, as the 8B's
-    return load_config(None, [f"model.path={model}", *LAYOUT, "rollout.num_samples=8",
-                              "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8", "train.batch_size=4",
-                              "train.micro_batch_size=1", "train.micro_batch_rows=4", "eval.batch_size=4",
-                              "eval.num_samples=8", "model.logprob_chunk_size=128", *overrides])
+    return megatron_config(model, *LAYOUT, "train.micro_batch_rows=4", "model.logprob_chunk_size=128", *overrides)
 
 
 def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_path, monkeypatch):
@@ -236,9 +241,7 @@ def test_a_qwen3_moe_rank_holds_the_dense_weights_and_its_share_of_the_experts_a
     experts, dense = expert_parameters(arch), parameter_count(arch) - expert_parameters(arch)
 
     def rank_zero(*overrides, world_size=2):
-        config = load_config(None, [f"model.path={model}", "model.backend=megatron", "rollout.num_samples=8",
-                                    "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8", "train.batch_size=4",
-                                    "train.micro_batch_size=1", "eval.batch_size=4", "eval.num_samples=8", *overrides])
+        config = megatron_config(model, *overrides)
         report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=32, world_size=world_size)
         return report["ranks"]["0"]["phases"], report, config
 
@@ -285,11 +288,8 @@ def test_a_refit_gathers_one_batch_of_experts_at_a_time_as_plan_counts_it(tmp_pa
     monkeypatch.setattr(policy, "EXPERT_GATHER_BYTES", 64 * 2**20)
     model = small_qwen3(tmp_path / "moe", layers=4, tied=False, experts=64, expert_width=1024)
     for weights in (["megatron.distributed_optimizer=true", "megatron.bf16_weights=true"], []):
-        config = load_config(None, [f"model.path={model}", "model.backend=megatron", "megatron.expert_parallel=2",
-                                    "rollout.engine=vllm", "rollout.vllm_memory_utilization=0.25", *weights,
-                                    "rollout.num_samples=8", "rollout.max_thinking_tokens=48", "rollout.max_answer_tokens=8",
-                                    "train.batch_size=4", "train.micro_batch_size=1", "eval.batch_size=4",
-                                    "eval.num_samples=8"])
+        config = megatron_config(model, "megatron.expert_parallel=2", "rollout.engine=vllm",
+                                 "rollout.vllm_memory_utilization=0.25", *weights)
         report = dry_run(config, GPUS["h100-80gb"], prompt_tokens=32, world_size=2)
         row = against_plan(report, config)["refit"]
         batch = 64 * 2**20 if not weights else 63 * 2**20  # fp32: 10 pairs of 6 MiB gathered and an fc1; bf16: 21 pairs of 3
