@@ -46,7 +46,8 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
 * a Megatron rank's refit (its weights gathered into HF tensors for the sampler's copy, a vLLM engine or the
   rollout ranks, a batch at a time) holds twice the batch in the weights' dtype: the largest tensor whole (the
   embedding or the head), or the largest run of one layer's experts and its share of it (``refit_bytes``), while a
-  vLLM engine is awake (the dry run's refit peak at 8B, 32B and Qwen3-30B-A3B);
+  vLLM engine is awake (the dry run's refit peak at 8B, 32B and Qwen3-30B-A3B); a split world's sending rank
+  (``rollout_ranks``) holds two of the sync's buckets beside it (``SENT_BUCKETS``), whatever the backend;
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
   copy) plus the largest of the training working set (gradients without the distributed optimizer,
   activations, log-prob head), the rollout working set (KV cache, or vLLM's share), the refit's (with vLLM's
@@ -476,10 +477,15 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else 2) * parameter_count(arch),
         "kv_cache": kv_cache_bytes(arch, work, work.batch_prompts // dp) if samples_here and not vllm else 0.0,
         "decode_cast": 2 * parameter_count(arch) if work.decode_cast and samples_here else 0.0,
-        "refit": refit_bytes(arch, work),
+        "refit": refit_bytes(arch, work) + (SENT_BUCKETS * work.sync_bucket_mb * 2**20 if work.rollout_ranks else 0.0),
         "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm and samples_here else 0.0,
     }
     return parts
+
+
+#: The weight sync's buckets its sending rank holds at once (``rollouts/sync.py``: one in flight, the next filling),
+#: beside the batch its refit gathers (the dry run of a split world's training rank).
+SENT_BUCKETS = 2
 
 
 #: Copies of one gathered batch a refit holds at once (``MegatronPolicy.iter_hf``): the pieces gathered from the ranks

@@ -8,12 +8,13 @@ from typing import Any
 from nemo_jq.config import Config
 from nemo_jq.dryrun.memory import KINDS, gib
 
-#: Where each of ``nemo-jq plan``'s components is seen in a dry run: the phases, and the kind at its most there.
+#: Where each of ``nemo-jq plan``'s components is seen in a dry run: the phases, and the kind at its most there (or
+#: the kinds, summed: a refit's gathered weights and, in a split world, the sync's buckets beside them).
 PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer_step",), "gradients"),
                    "optimizer": (("save",), "optimizer"), "activations": (("train",), "activations"),
                    "logprob_head": (("train",), "logprob_head"), "rollout_copy": (("build",), "sampler_copy"),
                    "kv_cache": (("rollout", "evaluate"), "kv_cache"), "decode_cast": (("rollout", "evaluate"), "sampler_copy"),
-                   "vllm": (("rollout",), "vllm")}
+                   "vllm": (("rollout",), "vllm"), "refit": (("sync",), "sync_buckets")}
 
 
 #: The same for a Megatron rank: the optimizer's state at rest after the step is seen in the refit (or a split
@@ -22,7 +23,7 @@ PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer
 #: backend has made it (its peak shows them together).
 MEGATRON_PLAN_COMPONENTS = {**PLAN_COMPONENTS, "weights": (("train",), "weights"), "optimizer": (("refit", "sync"), "optimizer"),
                             "rollout_copy": (("rollout",), "sampler_copy"), "kv_cache": (("rollout",), "kv_cache"),
-                            "refit": (("refit", "sync"), "temporaries")}
+                            "refit": (("refit", "sync"), ("temporaries", "sync_buckets"))}
 
 
 #: Where each of ``plan``'s parts of a rollout rank is seen in its dry run.
@@ -45,9 +46,10 @@ def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, 
     planned_bytes = plan.component_bytes(plan.architecture(config.model.path or ""), work, *layout,
                                          report["gpu"]["memory_gib"])
     rows = {}
-    for component, (phases, kind) in where.items():
-        dry = max(rank["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for rank in simulated for phase in phases
-                  if phase in rank["phases"])
+    for component, (phases, kinds) in where.items():
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
+        dry = max((sum(rank["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for kind in kinds)
+                   for rank in simulated for phase in phases if phase in rank["phases"]), default=0.0)
         planned = gib(planned_bytes[component])
         rows[component] = {"dry_run_gib": dry, "plan_gib": planned,
                            "plan_over_dry_run": round(planned / dry, 3) if dry else None}

@@ -200,8 +200,9 @@ def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_seque
 def test_plan_agrees_with_the_dry_run_of_a_rollout_rank_and_catches_a_receiver_counted_as_two_buckets(tmp_path, engine):
     """``rollout.placement=separate``: plan's rollout rank (its bf16 weights and KV cache, or vLLM's share, and the
     sync's receiving side) within 10% of the rollout rank's dry run, which takes in what the training rank's dry run
-    sent. Buckets of 8 KiB, so that the embedding (and the fp32 MLP weights) spread over several and are put together
-    whole: two buckets, what plan counted until this dry run showed otherwise, are far from it."""
+    sent, and the training rank's sending side (two buckets: ``refit``) within 10% of its own. Buckets of 8 KiB, so
+    that the embedding (and the fp32 MLP weights) spread over several and are put together whole: two buckets, what
+    plan counted until this dry run showed otherwise, are far from it."""
     from helpers import small_qwen3
     from nemo_jq.cluster import plan
     from nemo_jq.dryrun.report import against_plan
@@ -213,7 +214,9 @@ def test_plan_agrees_with_the_dry_run_of_a_rollout_rank_and_catches_a_receiver_c
                                 "rollout.placement=separate", "rollout.sync_bucket_mb=0.0078125", f"rollout.engine={engine}",
                                 "rollout.vllm_memory_utilization=0.25"])
     report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32)
-    rows = {name: row for name, row in against_plan(report, config).items() if name.startswith("rollout_rank.")}
+    every_row = against_plan(report, config)
+    assert 0.9 <= every_row["refit"]["plan_over_dry_run"] <= 1.1, every_row["refit"]
+    rows = {name: row for name, row in every_row.items() if name.startswith("rollout_rank.")}
     expected = {"vllm", "sync_buckets"} if engine == "vllm" else {"weights", "kv_cache", "sync_buckets"}
     assert {name.removeprefix("rollout_rank.") for name in rows} == expected
     assert all(0.9 <= row["plan_over_dry_run"] <= 1.1 for row in rows.values()), rows

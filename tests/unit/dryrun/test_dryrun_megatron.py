@@ -61,6 +61,13 @@ def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_
     # the refit gathers the (untied) embedding and head whole, beside vLLM's share: the slices and the merged tensor
     assert rows["refit"]["dry_run_gib"] * 2**30 == pytest.approx(2 * 4096 * 256 * 2, rel=0.01)
     assert first["phases"]["refit"]["by_kind_gib"]["vllm"] > 0
+    # nothing of the training pass sits beside vLLM's share: megatron-core's sequence-parallel gather buffer and, on
+    # the last stage, the last activation received from the stage before (and its gradient) are let go after the
+    # step; each is at least a layer's input on a TP rank (4 rows x 16 of the 32 prompt tokens x 256 wide, bf16). What
+    # stays is megatron-core's rotary table (22 KiB).
+    layer_input = 4 * 16 * 256 * 2
+    assert all(rank["phases"]["refit"]["most_by_kind_gib"].get("activations", 0.0) * 2**30 < layer_input
+               for rank in (first, last)), [rank["phases"]["refit"]["most_by_kind_gib"] for rank in (first, last)]
     # the distributed optimizer's fp32 master weights and moments are sharded over DP: 12 / 2 bytes a parameter
     weights = first["phases"]["build"]["by_kind_gib"]["weights"]  # bf16: 2 bytes a parameter
     assert rows["optimizer"]["dry_run_gib"] == pytest.approx(3 * weights, rel=0.01)
