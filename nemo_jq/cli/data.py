@@ -37,11 +37,11 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.config import import_plugins
-    from nemo_jq.data.prepare import PAPER_SIZES, PREPARED_FILES, describe_rejects, make_task, prepare, write_prepared
+    from nemo_jq.data.prepare import PAPER_SIZES, PREPARE_FLAGS, PREPARED_FILES, describe_rejects, make_task, prepare, write_prepared
     from nemo_jq.runtime.outputs import claim_dir
 
     import_plugins(args.plugin)
-    task = make_task(args.dataset, template=args.template, system=args.system)
+    task = make_task(args.dataset, template=args.template, system=args.system, options=PREPARE_FLAGS)
     if args.sizes:
         parts = args.sizes.split(",")
         if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         sizes = PAPER_SIZES[args.dataset]
     else:
         raise ValueError(f"--sizes is required for dataset {args.dataset!r} (train,validation,test, e.g. 800,100,100)")
-    splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row)
+    splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row,
+                               options=PREPARE_FLAGS)
     claim_dir(args.out, PREPARED_FILES, overwrite=args.overwrite, what="prepared data",
               advice="choose another --out, or pass --overwrite to move it aside first")
     write_prepared(splits, manifest, args.out)

@@ -11,16 +11,18 @@ For every source split the manifest satisfies ``rows = bad + over_cap + selected
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 import sys
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nemo_jq.data.base import Example, Splits
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
-from nemo_jq.data.sources import UnreadableRow, find_split_file, read_file, read_hub, read_rows, sha256
+from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, read_hub, read_rows, sha256
 
 SPLITS = ("train", "validation", "test")
 #: The paper's subset sizes (Appendix F): train / validation / test.
@@ -28,25 +30,57 @@ PAPER_SIZES = {"finqa": (6145, 872, 1132), "hotpotqa": (9067, 342, 343), "musiqu
 BAD_ROW_POLICIES = ("skip", "fail")
 #: What ``write_prepared`` writes into a prepared folder.
 PREPARED_FILES = ("manifest.json", *(f"{split}.jsonl" for split in SPLITS))
+#: The type of each key of a prepared row (``Example``'s fields as JSON), checked at load: the folder may be edited.
+PREPARED_ROW_TYPES = {"id": str, "question": str, "answer": str, "context": str, "rationale": (str, type(None)),
+                      "aliases": list, "meta": dict}
 
 
-def make_task(name: str, *, template: str | None = None, system: str | None = None) -> QATask:
-    """The dataset's task; ``template`` and ``system`` (when given) shape custom ``jsonl`` prompts only."""
+@dataclass(frozen=True)
+class OptionNames:
+    """How the command that prepares data spells the options its error messages tell a person to change."""
+
+    source: str
+    #: Over ``{split}``, the size option of that split.
+    sizes: str
+    skip_bad_rows: str
+    template: str
+    system: str
+
+
+#: A run's config keys: ``nemo-jq train`` prepares a ``data.source`` in memory (the default of :func:`prepare`).
+CONFIG_KEYS = OptionNames(source="data.source", sizes="data.{split}_size", skip_bad_rows="data.on_bad_row=skip",
+                          template="data.template", system="data.system_prompt")
+#: ``nemo-jq data prepare``'s flags.
+PREPARE_FLAGS = OptionNames(source="--source", sizes="--sizes", skip_bad_rows="--on-bad-row skip",
+                            template="--template", system="--system")
+
+
+def make_task(name: str, *, template: str | None = None, system: str | None = None,
+              options: OptionNames = CONFIG_KEYS) -> QATask:
+    """The dataset's task; ``template`` and ``system`` shape custom ``jsonl`` prompts, and are an error elsewhere
+    (another dataset builds its own prompts, so they would be dropped unsaid)."""
     if name not in DATASETS:
         raise ValueError(DATASETS.unknown(name) + " (and 'synthetic', which needs no preparing)")
-    options = {"template": template, "system": system} if name == "jsonl" else {}
-    return DATASETS[name](**{k: v for k, v in options.items() if v is not None})
+    given = {key: value for key, value in {"template": template, "system": system}.items() if value is not None}
+    if given and name != "jsonl":
+        spelled = " and ".join(getattr(options, key) for key in given)
+        raise ValueError(f"{spelled} {'are' if len(given) > 1 else 'is'} for the jsonl dataset only: {name} builds its own "
+                         f"prompts (docs/datasets.md); drop {'them' if len(given) > 1 else 'it'}")
+    return DATASETS[name](**given)
 
 
-def _read_source_split(task: QATask, source: str, hub_config: str | None, names: tuple[str, ...]):
+def _read_source_split(task: QATask, source: str, hub_config: str | None, names: tuple[str, ...], options: OptionNames):
     path = Path(source)
     if path.is_file():
         return read_rows(path), {"file": str(path), "sha256": sha256(path)}
     if path.is_dir():
         found = find_split_file(path, names)
         return read_rows(found), {"file": str(found), "sha256": sha256(found)}
-    if source.startswith((".", "/")) or path.suffix in (".json", ".jsonl", ".parquet"):
-        raise FileNotFoundError(f"data source {source} does not exist")
+    if not task.from_hub:
+        raise FileNotFoundError(f"{options.source} {source} does not exist: {task.name} reads a local file or a folder "
+                                "of split files, and has no hub source")
+    if source.startswith((".", "/")) or path.suffix in SUFFIXES:
+        raise FileNotFoundError(f"{options.source} {source} does not exist")
     records, fingerprint = read_hub(source, hub_config, names[0])
     return list(enumerate(records, 1)), {"hub": source, "config": hub_config, "split": names[0], "fingerprint": fingerprint}
 
@@ -59,8 +93,10 @@ def prepare(
     *,
     hub_config: str | None = None,
     on_bad_row: str = "skip",
+    options: OptionNames = CONFIG_KEYS,
 ) -> tuple[Splits, dict[str, Any]]:
-    """Build the splits of ``task`` from ``source`` (a file, a folder of split files, or a hub name)."""
+    """Build the splits of ``task`` from ``source`` (a file, a folder of split files, or a hub name); a fix an error
+    or warning gives names the option as ``options`` spells it."""
     if on_bad_row not in BAD_ROW_POLICIES:
         raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}; got {on_bad_row!r}")
     if len(sizes) != 3 or any(not isinstance(n, int) or n < 0 for n in sizes):
@@ -78,9 +114,11 @@ def prepare(
         "dataset": task.name, **prompt_options(task), "source": source, "seed": seed,
         "max_input_chars": task.max_input_chars, "on_bad_row": on_bad_row, "sizes": plan, "sources": {},
     }
+    ids_of: dict[str, dict[str, list[int]]] = {}
     for names in dict.fromkeys(source_of.values()):
-        rows, origin = _read_source_split(task, source, hub_config, names)
+        rows, origin = _read_source_split(task, source, hub_config, names, options)
         entry = {**origin, "rows": len(rows), "bad": [], "over_cap": []}
+        where = source_label(source, names[0], entry)
         pool, sources, rows_of, empty = [], Counter(), defaultdict(list), defaultdict(list)
         for number, record in rows:
             row_id = record_id(record, f"{names[0]}:{number}")
@@ -92,8 +130,8 @@ def prepare(
             except BadRow as err:
                 if on_bad_row == "fail":
                     raise ValueError(
-                        f"{entry.get('file', source)}: row {number} (id {row_id}): {err}; "
-                        "fix the row, or pass --on-bad-row skip to count it in the manifest and go on"
+                        f"{where}: row {number} (id {row_id}): {err}; "
+                        f"fix the row, or pass {options.skip_bad_rows} to count it in the manifest and go on"
                     ) from None
                 entry["bad"].append({"id": row_id, "row": number, "reason": str(err)})
                 continue
@@ -105,12 +143,14 @@ def prepare(
                 entry["over_cap"].append({"id": row_id, "row": number, "chars": length})
                 continue
             pool.append(example)
-        warn_duplicate_ids(entry.get("file", source), rows_of)
-        warn_empty_fields(entry.get("file", source), task, empty)
+        warn_duplicate_ids(where, rows_of)
+        warn_empty_fields(where, task, empty, options)
+        ids_of[where] = rows_of
         random.Random(f"{seed}:{names[0]}").shuffle(pool)
         pools[names] = pool
         entry.update(eligible=len(pool), selected={}, unused=len(pool), reference_sources=dict(sources))
         manifest["sources"][names[0]] = entry
+    warn_shared_ids(ids_of)
 
     chosen: dict[str, list[Example]] = {}
     for target in SPLITS:
@@ -118,12 +158,8 @@ def prepare(
         entry = manifest["sources"][names[0]]
         taken = sum(entry["selected"].values())
         if taken + plan[target] > len(pools[names]):
-            raise ValueError(
-                f"{task.name}: {target} needs {plan[target]} rows from source split {names[0]!r}, but only "
-                f"{len(pools[names]) - taken} eligible rows remain (of {entry['rows']}: {describe_rejects(task, entry)})"
-                + (f"; every row is bad: is {task.name!r} the source's schema? (nemo-jq data prepare --help lists each "
-                   "dataset's fields)" if entry["rows"] and len(entry["bad"]) == entry["rows"] else "")
-            )
+            raise ValueError(too_few_rows(task, source, names[0], entry, target, plan[target],
+                                          len(pools[names]) - taken, options))
         chosen[target] = pools[names][taken : taken + plan[target]]
         entry["selected"][target] = plan[target]
         entry["unused"] -= plan[target]
@@ -133,6 +169,25 @@ def prepare(
         for t in SPLITS
     }
     return Splits(**chosen), manifest
+
+
+def source_label(source: str, split: str, entry: dict[str, Any]) -> str:
+    """How messages name a source split: its file, or the hub name and split."""
+    return entry.get("file", f"{source} (split {split})")
+
+
+def too_few_rows(task: QATask, source: str, split: str, entry: dict[str, Any], target: str, needed: int,
+                 remaining: int, options: OptionNames) -> str:
+    """Why ``target`` cannot have ``needed`` rows from source split ``split``, and the fix."""
+    where = source_label(source, split, entry)
+    if not entry["rows"]:
+        return f"{where} is empty: {target} needs {needed} rows from it; add rows, or pass another {options.source}"
+    text = (f"{where}: {target} needs {needed} rows from source split {split!r}, but only {remaining} eligible rows "
+            f"remain (of {entry['rows']}: {describe_rejects(task, entry)})")
+    if len(entry["bad"]) == entry["rows"]:
+        return (f"{text}; every row is bad: is {task.name!r} the source's schema? (nemo-jq data prepare --help lists "
+                "each dataset's fields)")
+    return f"{text}; lower {options.sizes.format(split=target)}, or give the source more rows"
 
 
 def describe_rejects(task: QATask, entry: dict[str, Any]) -> str:
@@ -169,13 +224,23 @@ def warn_duplicate_ids(source: str, rows_of: dict[str, list[int]]) -> None:
               file=sys.stderr)
 
 
-def warn_empty_fields(source: str, task: QATask, empty: dict[str, list[int]]) -> None:
+def warn_shared_ids(ids_of: dict[str, dict[str, list[int]]]) -> None:
+    """Say which example ids two source split files both carry: such a row can be drawn into train and into test."""
+    for (first, first_ids), (second, second_ids) in itertools.combinations(ids_of.items(), 2):
+        shared = [row_id for row_id in first_ids if row_id in second_ids]
+        if shared:
+            print(f"nemo-jq: warning: {first} and {second}: {len(shared)} example id(s) in both: {', '.join(shared[:5])}"
+                  f"{'; ...' if len(shared) > 5 else ''}: a row in both can be drawn into two prepared splits "
+                  "(leakage); remove them from one of the files", file=sys.stderr)
+
+
+def warn_empty_fields(source: str, task: QATask, empty: dict[str, list[int]], options: OptionNames) -> None:
     """Say which rows leave a field of the prompt template empty (their prompts hold it blank)."""
     for name, rows in empty.items():
         shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
         print(f"nemo-jq: warning: {source}: {len(rows)} row(s) have no {name!r} (rows {shown}), which the prompt "
               f"template {getattr(task, 'template', '')!r} uses: their prompts hold it blank; fill the field, or "
-              f"pass a --template without {{{name}}}", file=sys.stderr)
+              f"pass a {options.template} without {{{name}}}", file=sys.stderr)
 
 
 def reference_source(example: Example) -> str:
@@ -196,14 +261,22 @@ def write_prepared(splits: Splits, manifest: dict[str, Any], out_dir: Path) -> N
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
+def prepare_again(folder: Path) -> str:
+    """The fix for a prepared folder that is broken or incomplete: write it afresh from its source."""
+    return f"prepare the data again (nemo-jq data prepare --dataset NAME --source SOURCE --sizes N,N,N --out {folder} --overwrite)"
+
+
 def read_manifest(folder: Path) -> dict[str, Any]:
     """A prepared folder's manifest; says which dataset it holds and with which prompt options."""
     path = Path(folder) / "manifest.json"
     if not path.exists():
-        raise FileNotFoundError(f"{folder} is not a prepared dataset: no manifest.json (run nemo-jq data prepare --out {folder})")
-    manifest = json.loads(path.read_text())
+        raise FileNotFoundError(f"{folder} is not a prepared dataset: no manifest.json; {prepare_again(folder)}")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except ValueError as err:  # bad bytes or bad syntax
+        raise ValueError(f"{path}: not valid JSON ({err}); {prepare_again(folder)}") from None
     if not isinstance(manifest, dict) or "dataset" not in manifest:
-        raise ValueError(f"{path} does not say which dataset it holds (no 'dataset' key): prepare the data again")
+        raise ValueError(f"{path} does not say which dataset it holds (no 'dataset' key): {prepare_again(folder)}")
     return manifest
 
 
@@ -213,8 +286,49 @@ def load_prepared(folder: Path) -> Splits:
     read_manifest(folder)
     loaded = {}
     for name in SPLITS:
-        rows = read_file(folder / f"{name}.jsonl")
+        path = folder / f"{name}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} is not a complete prepared dataset: it has no {name}.jsonl; "
+                                    f"{prepare_again(folder)}")
+        rows = read_rows(path)
         if not rows:
-            raise ValueError(f"{folder / f'{name}.jsonl'} is empty: prepare the data again with a {name} size of at least 1")
-        loaded[name] = [Example(**{**row, "aliases": tuple(row.get("aliases", ()))}) for row in rows]
+            raise ValueError(f"{path} is empty: prepare the data again with a {name} size of at least 1")
+        loaded[name] = [prepared_example(path, number, row) for number, row in rows]
     return Splits(**loaded)
+
+
+def prepared_example(path: Path, number: int, row: Any) -> Example:
+    """Row ``number`` of a prepared split as an :class:`Example`; a row edited into another shape is an error naming it
+    (here, not deep in a training run)."""
+    problem = prepared_row_problem(row)
+    if problem:
+        raise ValueError(f"{path}:{number}: {problem}; fix the row, or {prepare_again(path.parent)}")
+    return Example(**{**row, "aliases": tuple(row["aliases"])})
+
+
+def prepared_row_problem(row: Any) -> str | None:
+    """What keeps a prepared row from being an :class:`Example` (None: nothing)."""
+    if isinstance(row, UnreadableRow):
+        return row.reason
+    if not isinstance(row, dict):
+        return f"a row must be a JSON object, got {type(row).__name__}"
+    for key in row:
+        if key not in PREPARED_ROW_TYPES:
+            return f"unknown key {key!r} (a prepared row holds {', '.join(PREPARED_ROW_TYPES)})"
+    for key, kind in PREPARED_ROW_TYPES.items():
+        if key not in row:
+            return f"missing key {key!r}"
+        if not isinstance(row[key], kind):
+            names = "/".join(map(json_type_name, kind if isinstance(kind, tuple) else (kind,)))
+            return f"key {key!r} must be {names}, got {json_type_name(type(row[key]))}"
+    if not all(isinstance(alias, str) for alias in row["aliases"]):
+        return "key 'aliases' must be a list of str"
+    for key in ("question", "answer"):
+        if not row[key].strip():
+            return f"empty {key!r}"
+    return None
+
+
+def json_type_name(kind: type) -> str:
+    """A parsed JSON value's type as a person who wrote the JSON knows it (``null``, not ``NoneType``)."""
+    return "null" if kind is type(None) else kind.__name__

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from nemo_jq.data.answers import (
     extract_final_answer,
@@ -46,13 +46,22 @@ register_dataset = DATASETS.register
 
 
 def required_field(record: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    """``record[key]``, of ``kind``; JSON's true and false are no numbers here (an answer ``True`` matches nothing)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
     if key not in record or record[key] is None:
         raise BadRow(f"missing field {key!r}")
     value = record[key]
-    if not isinstance(value, kind):
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise BadRow(f"field {key!r} must be {names}, got {type(value).__name__}")
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise BadRow(f"field {key!r} must be {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
     return value
+
+
+def required_text(record: dict[str, Any], key: str) -> str:
+    """A string field, stripped; an empty one is a bad row (a prompt without its question asks nothing)."""
+    text = required_field(record, key, str).strip()
+    if not text:
+        raise BadRow(f"empty {key!r}")
+    return text
 
 
 def required_answer(record: dict[str, Any], key: str = "answer") -> str:
@@ -80,6 +89,8 @@ class QATask:
     name: str = "qa"
     #: Character cap on the linearised input (the paper's subset rule); None = no cap.
     max_input_chars: int | None = None
+    #: Whether a source that is no local file or folder names a Hugging Face hub dataset.
+    from_hub: ClassVar[bool] = True
     warm_system: str = "Answer the question. Think step by step, then reply with only the final answer."
     #: Which source split each of our splits is drawn from (validation and test draws are disjoint).
     source_splits: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -160,7 +171,7 @@ class HotPotQA(QATask):
         paragraphs = "\n\n".join(f"{title}\n{''.join(sents).strip()}" for title, sents in pairs)
         return Example(
             id=record_id(record, ""),
-            question=required_field(record, "question", str).strip(),
+            question=required_text(record, "question"),
             answer=required_answer(record),
             context=paragraphs,
         )
@@ -198,7 +209,7 @@ class MuSiQue(QATask):
             raise BadRow("field 'answer_aliases' must be a list of strings")
         return Example(
             id=record_id(record, ""),
-            question=required_field(record, "question", str).strip(),
+            question=required_text(record, "question"),
             answer=required_answer(record),
             context="\n\n".join(texts),
             aliases=tuple(a.strip() for a in aliases if a.strip()),
@@ -248,7 +259,7 @@ class FinQA(QATask):
             raise BadRow(f"empty 'answer' and no usable 'exe_ans' (got {executed!r})")
         return Example(
             id=record_id(record, ""),
-            question=required_field(qa, "question", str).strip(),
+            question=required_text(qa, "question"),
             answer=answer,
             context=context,
             meta={"exe_ans": executed, "program": qa.get("program"),
@@ -283,6 +294,8 @@ class CustomQA(QATask):
     #: tokens, within Qwen3's 40,960-token context with room for a thinking budget); a training run then checks
     #: every prompt, in tokens, against the model's own context.
     max_input_chars: int | None = 32000
+    #: Your own data is local: a missing file is said at once, not looked up on the hub.
+    from_hub: ClassVar[bool] = False
     template: str = DEFAULT_TEMPLATE
     system: str = "Answer the question. Think step by step, then reply with only the final answer."
 
@@ -299,7 +312,7 @@ class CustomQA(QATask):
             raise BadRow(f"field 'context' must be str, got {type(context).__name__}")
         return Example(
             id=record_id(record, ""),
-            question=required_field(record, "question", str).strip(),
+            question=required_text(record, "question"),
             answer=required_answer(record),
             context=context.strip(),
         )

@@ -32,11 +32,14 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
     """``(row, record)`` pairs from one local file, ``row`` counted from 1 (a JSONL file's line number).
 
     A JSONL line that is not UTF-8 or not valid JSON comes back as an :class:`UnreadableRow`; a JSON
-    file may hold a list of records or ``{"data": [...]}``. A UTF-8 byte-order mark at the start is skipped.
+    file may hold a list of records or ``{"data": [...]}``. A UTF-8 byte-order mark at the start is skipped;
+    a file saved as UTF-16 or UTF-32 is an error.
     """
     if path.suffix == ".jsonl":
+        data = path.read_bytes()
+        check_not_wide_text(path, data)
         rows = []
-        for number, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), 1):
+        for number, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).splitlines(), 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -62,19 +65,31 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
     raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use one of {list(SUFFIXES)}")
 
 
-def read_file(path: Path) -> list[dict[str, Any]]:
-    """The records of one local file; any unreadable line is an error naming the file and line."""
-    records = []
-    for number, record in read_rows(path):
-        if isinstance(record, UnreadableRow):
-            raise ValueError(f"{path}:{number}: {record.reason}")
-        records.append(record)
-    return records
+#: The byte-order marks of the wide encodings an editor may save a text file in (UTF-32's first: its
+#: little-endian mark begins with UTF-16's).
+WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+             (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def check_not_wide_text(path: Path, data: bytes) -> None:
+    """Refuse a text file saved as UTF-16 or UTF-32, whose every line would otherwise be a bad row of "not valid JSON".
+
+    Without a byte-order mark, a quarter or more NUL bytes at the start gives it away (UTF-8 JSON holds none); a
+    stray NUL further on is left to make its line a bad row.
+    """
+    for bom, encoding in WIDE_BOMS:
+        if data.startswith(bom):
+            raise ValueError(f"{path} is {encoding} text (its byte-order mark says so): save it as UTF-8")
+    head = data[:4096]
+    if head and head.count(0) * 4 >= len(head):
+        raise ValueError(f"{path} holds NUL bytes ({head.count(0)} of its first {len(head)}): it looks like UTF-16 or "
+                         "UTF-32 text; save it as UTF-8")
 
 
 def _load_json(path: Path) -> Any:
     """A JSON file's content; bad bytes or bad syntax is an error naming the file and line."""
     data = path.read_bytes()
+    check_not_wide_text(path, data)
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark some editors write first is not part of the JSON
     except UnicodeDecodeError as err:

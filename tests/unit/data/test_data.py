@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import one_line_error, run_cli
 from nemo_jq.data.answers import extract_final_answer, finqa_answer_match, parse_number, squad_normalize
 from nemo_jq.data.base import Example
-from nemo_jq.data.prepare import load_prepared, make_task, prepare, write_prepared
+from nemo_jq.data.prepare import PREPARE_FLAGS, load_prepared, make_task, prepare, write_prepared
 from nemo_jq.data.qa import CustomQA, FinQA, HotPotQA, MuSiQue
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -189,7 +190,7 @@ def test_bad_rows_are_reported_with_ids_or_stop_the_run():
     assert manifest["sources"]["train"]["bad"][0]["reason"] == "field 'pre_text' must be list, got str"
     with pytest.raises(ValueError, match=r"train.jsonl: row 3 \(id 2hop__3\): unanswerable question \(answerable=false\); "
                                          r"fix the row, or pass --on-bad-row skip"):
-        prepare(MuSiQue(), str(FIXTURES / "musique"), (2, 1, 1), seed=0, on_bad_row="fail")
+        prepare(MuSiQue(), str(FIXTURES / "musique"), (2, 1, 1), seed=0, on_bad_row="fail", options=PREPARE_FLAGS)
     _, manifest = prepare(HotPotQA(), str(FIXTURES / "hotpotqa_hf"), (3, 1, 1), seed=0)
     assert manifest["sources"]["train"]["bad"] == [{"id": "hp5", "row": 5, "reason": "missing field 'answer'"}]
 
@@ -275,7 +276,137 @@ def test_a_custom_template_warns_of_rows_that_leave_its_fields_empty(tmp_path, c
     prepare(make_task("jsonl", template="Passage: {context}\n\nQ: {question}"), str(source), (4, 2, 2), seed=0)
     err = capsys.readouterr().err
     assert f"{source}: 3 row(s) have no 'context' (rows 1, 4, 7), which the prompt template" in err
-    assert "pass a --template without {context}" in err and len(err.splitlines()) == 1
+    assert "pass a data.template without {context}" in err and len(err.splitlines()) == 1
     prepare(make_task("jsonl"), str(source), (4, 2, 2), seed=0)  # the default template: a row without context is a question
     prepare(make_task("jsonl", template="Q: {question}"), str(source), (4, 2, 2), seed=0)
     assert capsys.readouterr().err == ""
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def _questions(count):
+    return [{"id": f"q{i}", "question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(count)]
+
+
+def _edit_first_row(path, edit):
+    lines = path.read_text().splitlines()
+    lines[0] = edit(json.loads(lines[0]))
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda row: json.dumps({**row, "extra": 1}), "unknown key 'extra'"),
+    (lambda row: json.dumps({k: v for k, v in row.items() if k != "answer"}), "missing key 'answer'"),
+    (lambda row: "[1, 2]", "a row must be a JSON object, got list"),
+    (lambda row: json.dumps({**row, "answer": None, "question": 5}), "key 'question' must be str, got int"),
+    (lambda row: json.dumps({**row, "answer": None}), "key 'answer' must be str, got null"),
+    (lambda row: json.dumps({**row, "aliases": [1]}), "key 'aliases' must be a list of str"),
+    (lambda row: json.dumps({**row, "question": " "}), "empty 'question'"),
+    (lambda row: '{"id": ', "not valid JSON"),
+])
+def test_a_hand_edited_prepared_row_is_one_line_naming_file_row_and_fix(tmp_path, capsys, edit, problem):
+    """Training on a prepared folder edited into another shape used to end in a TypeError deep in the run."""
+    prepared = tmp_path / "prepared"
+    write_prepared(*prepare(make_task("jsonl"), str(_write_jsonl(tmp_path / "mine.jsonl", _questions(12))), (4, 4, 4), seed=0),
+                   prepared)
+    _edit_first_row(prepared / "train.jsonl", edit)
+    with pytest.raises(ValueError, match="prepare the data again") as raised:
+        load_prepared(prepared)
+    assert str(raised.value).startswith(f"{prepared / 'train.jsonl'}:1: {problem}")
+    code, _, err = run_cli(capsys, "train", f"data.prepared_dir={prepared}", f"train.run_dir={tmp_path / 'run'}")
+    one_line_error(code, err, f"{prepared / 'train.jsonl'}:1: {problem}", f"--out {prepared} --overwrite")
+
+
+def test_a_prepared_folder_with_a_corrupt_manifest_or_no_split_file_names_it_and_the_fix(tmp_path, capsys):
+    prepared = tmp_path / "prepared"
+    write_prepared(*prepare(make_task("jsonl"), str(_write_jsonl(tmp_path / "mine.jsonl", _questions(12))), (4, 4, 4), seed=0),
+                   prepared)
+    (prepared / "train.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match=f"{prepared} is not a complete prepared dataset: it has no train.jsonl; "
+                                                "prepare the data again"):
+        load_prepared(prepared)
+    (prepared / "manifest.json").write_text("{not json")
+    code, _, err = run_cli(capsys, "train", f"data.prepared_dir={prepared}", f"train.run_dir={tmp_path / 'run'}")
+    one_line_error(code, err, f"{prepared / 'manifest.json'}: not valid JSON", "prepare the data again")
+
+
+def test_fixes_name_the_option_of_the_command_that_prepares(tmp_path, capsys):
+    """``data prepare`` takes flags and ``train`` config keys: a fix names the one the person typed a command with."""
+    source = _write_jsonl(tmp_path / "bad.jsonl", [*_questions(7), '{"id": "broken", '])
+    prepare_command = ["data", "prepare", "--dataset", "jsonl", "--source", source, "--out", tmp_path / "out"]
+    train_command = ["train", "data.name=jsonl", f"data.source={source}", f"train.run_dir={tmp_path / 'run'}"]
+    code, _, err = run_cli(capsys, *prepare_command, "--sizes", "3,2,2", "--on-bad-row", "fail")
+    one_line_error(code, err, f"{source}: row 8", "not valid JSON", "pass --on-bad-row skip")
+    code, _, err = run_cli(capsys, *train_command, "data.on_bad_row=fail", "data.train_size=3", "data.validation_size=2",
+                           "data.test_size=2")
+    line = one_line_error(code, err, f"{source}: row 8", "not valid JSON", "pass data.on_bad_row=skip")
+    assert "--on-bad-row" not in line
+    code, _, err = run_cli(capsys, *prepare_command, "--sizes", "8,1,1")
+    one_line_error(code, err, f"{source}: train needs 8 rows", "only 7 eligible rows remain", "lower --sizes")
+    code, _, err = run_cli(capsys, *train_command, "data.train_size=3", "data.validation_size=2", "data.test_size=3")
+    one_line_error(code, err, f"{source}: test needs 3 rows", "only 2 eligible rows remain", "lower data.test_size")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_source_is_named_as_empty_with_the_fix(tmp_path, capsys):
+    source = _write_jsonl(tmp_path / "empty.jsonl", [])
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", source, "--sizes", "3,2,2",
+                           "--out", tmp_path / "out")
+    one_line_error(code, err, f"{source} is empty", "train needs 3 rows", "--source")
+    with pytest.raises(ValueError, match=f"{source} is empty: .* data.source"):
+        prepare(make_task("jsonl"), str(source), (3, 2, 2), seed=0)
+
+
+@pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16"), ("utf-32", "UTF-32"), ("utf-16-le", "UTF-16 or UTF-32")])
+def test_a_utf16_or_utf32_source_is_named_with_the_fix(tmp_path, encoding, name):
+    """Every line of a UTF-16 file used to be a bad row, with a hint that the schema was wrong."""
+    for suffix, text in ((".jsonl", "".join(json.dumps(r) + "\n" for r in _questions(7))), (".json", json.dumps(_questions(7)))):
+        source = tmp_path / f"wide{suffix}"
+        source.write_bytes(text.encode(encoding))
+        with pytest.raises(ValueError, match=f"{source} .*{name}.*save it as UTF-8"):
+            prepare(make_task("jsonl"), str(source), (3, 2, 2), seed=0)
+
+
+def test_the_prompt_options_of_jsonl_are_refused_for_other_datasets(tmp_path, capsys):
+    """A --template for hotpotqa was ignored: the manifest said template null and nothing told the person."""
+    with pytest.raises(ValueError, match="data.template is for the jsonl dataset only"):
+        make_task("hotpotqa", template="{question}")
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "hotpotqa", "--source", FIXTURES / "hotpotqa_hf",
+                           "--sizes", "2,2,2", "--template", "{question}", "--system", "hi", "--out", tmp_path / "out")
+    one_line_error(code, err, "--template and --system are for the jsonl dataset only", "hotpotqa")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_questions_and_true_or_false_answers_are_bad_rows(tmp_path):
+    rows = [*_questions(6), {"id": "blank", "question": "", "answer": "1"}, {"id": "spaces", "question": " \t", "answer": "1"},
+            {"id": "yes", "question": "Is it?", "answer": True}, {"id": "number", "question": "How many?", "answer": 7}]
+    _, manifest = prepare(make_task("jsonl"), str(_write_jsonl(tmp_path / "mine.jsonl", rows)), (3, 2, 2), seed=0)
+    assert manifest["sources"]["all"]["bad"] == [
+        {"id": "blank", "row": 7, "reason": "empty 'question'"},
+        {"id": "spaces", "row": 8, "reason": "empty 'question'"},
+        {"id": "yes", "row": 9, "reason": "field 'answer' must be str/int/float, got bool"},
+    ]
+    assert manifest["sources"]["all"]["eligible"] == 7
+
+
+def test_ids_shared_between_source_split_files_are_named(tmp_path, capsys):
+    """The same rows in train and validation files would land in prepared train and test (leakage)."""
+    train = _write_jsonl(tmp_path / "train.jsonl", _questions(8))
+    validation = _write_jsonl(tmp_path / "validation.jsonl", _questions(8))
+    prepare(make_task("jsonl"), str(tmp_path), (4, 2, 2), seed=0)
+    err = capsys.readouterr().err
+    assert f"{train} and {validation}: 8 example id(s) in both: q0, q1, q2, q3, q4; ..." in err
+    assert "remove them from one" in err and len(err.splitlines()) == 1
+
+
+def test_a_jsonl_source_that_is_not_a_local_file_fails_at_once(monkeypatch, tmp_path, capsys):
+    """A bare name went to the Hugging Face hub, retried for about 25 s, then failed: jsonl has no hub form."""
+    monkeypatch.setattr("nemo_jq.data.prepare.read_hub", lambda *args: pytest.fail("jsonl asked the hub"))
+    with pytest.raises(FileNotFoundError, match="data.source nope does not exist: jsonl reads a local file"):
+        prepare(make_task("jsonl"), "nope", (10, 5, 5), seed=0)
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", "nope", "--sizes", "10,5,5",
+                           "--out", tmp_path / "out")
+    one_line_error(code, err, "--source nope does not exist", "no hub source")
