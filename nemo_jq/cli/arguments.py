@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Callable
 
 STEP_HELP = ("for a run directory: best (the best validation m@k; ties keep the earliest, as training does), latest, "
              "or a step number; the output names the step and why")
@@ -51,3 +53,27 @@ def whole_number(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0; got {text!r}")
     return int(text)
+
+
+def output_file(what: str, is_earlier: Callable[[str], bool]):
+    """A file a command writes ``what`` to, checked before the command's work: its folder exists, and a file already
+    there is an earlier ``what`` (``is_earlier`` of its text), never anything else of the user's."""
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder: give a file's path in it, e.g. {path / 'report.json'}")
+        if not path.parent.is_dir():
+            raise argparse.ArgumentTypeError(f"the folder {path.parent} does not exist: create it, or give a path in "
+                                             "another folder")
+        if path.exists():
+            try:
+                earlier = is_earlier(path.read_text())
+            except (OSError, UnicodeDecodeError):
+                earlier = False
+            if not earlier:
+                raise argparse.ArgumentTypeError(f"{text} exists and is not an earlier {what}: give another path "
+                                                 "(nothing was written)")
+        return path
+
+    return parse

@@ -712,15 +712,16 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
         from nemo_jq.config import SEPARATE_ENGINES
 
         if gpus < 1:
-            raise ValueError(f"--rollout-ranks {work.rollout_ranks} of {gpus + work.rollout_ranks} GPUs leaves none to "
-                             "train: fewer rollout ranks, or more --nodes/--gpus-per-node")
+            raise ValueError(f"--rollout-ranks {work.rollout_ranks} (rollout.ranks) of {gpus + work.rollout_ranks} GPUs "
+                             "leaves none to train: fewer rollout ranks, or more --nodes/--gpus-per-node")
         if work.rollout_engine not in SEPARATE_ENGINES:
             raise ValueError(f"rollout ranks of their own sample with {', '.join(SEPARATE_ENGINES)} for now, not "
-                             f"{work.rollout_engine}: --rollout-engine native, or colocated rollouts (no --rollout-ranks)")
+                             f"{work.rollout_engine}: --rollout-engine native (rollout.engine), or colocated rollouts "
+                             "(no --rollout-ranks; rollout.placement=colocated)")
         if work.vllm_tensor_parallel > 1 and (work.rollout_engine != "vllm" or work.rollout_ranks % work.vllm_tensor_parallel):
-            raise ValueError(f"--rollout-tensor-parallel {work.vllm_tensor_parallel} with --rollout-ranks "
-                             f"{work.rollout_ranks}: a vLLM engine over that many rollout ranks needs --rollout-engine vllm "
-                             "and --rollout-ranks a multiple of it")
+            raise ValueError(f"--rollout-tensor-parallel {work.vllm_tensor_parallel} (rollout.tensor_parallel) with "
+                             f"--rollout-ranks {work.rollout_ranks} (rollout.ranks): a vLLM engine over that many rollout "
+                             "ranks needs --rollout-engine vllm and --rollout-ranks a multiple of it")
     if work.backend == "hf":  # one training process, one GPU
         return [estimate(arch, work, 1, 1, 1, gpu_gb, headroom)]
     layouts = []
@@ -737,9 +738,13 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
                                         gpu_gb, headroom))
     if not layouts:
         which = "training GPUs" if work.rollout_ranks else "GPUs"
+        engine_tp = work.rollout_engine == "vllm" and not work.rollout_ranks and work.vllm_tensor_parallel > 1
         raise ValueError(f"no TP x PP x DP layout of {gpus} {which} at CP={cp} divides this model and a batch of "
-                         f"{work.batch_prompts} prompts: change --nodes/--gpus-per-node, --context-parallel or "
-                         f"--batch-prompts")
+                         f"{work.batch_prompts} prompts" + (f", with a TP that is a multiple of the vLLM engine's "
+                                                            f"{work.vllm_tensor_parallel} GPUs" if engine_tp else "")
+                         + ": change --nodes/--gpus-per-node, --context-parallel (megatron.context_parallel)"
+                         + (", --rollout-tensor-parallel (rollout.tensor_parallel)" if engine_tp else "")
+                         + " or --batch-prompts (train.batch_size)")
     fitting = sorted((e for e in layouts if e.fits),
                      key=lambda e: (-e.data_parallel, e.tensor_parallel, e.expert_parallel, e.total_gib))
     return fitting + sorted((e for e in layouts if not e.fits), key=lambda e: e.total_gib)

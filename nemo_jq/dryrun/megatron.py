@@ -64,7 +64,6 @@ def default_ranks(config: Any, world_size: int) -> list[int]:
 
 
 def check_ranks(config: Any, ranks: list[int], world_size: int) -> None:
-    config.megatron.validate(world_size=world_size)
     wrong = [rank for rank in ranks if not 0 <= rank < world_size]
     if wrong:
         raise ValueError(f"--ranks {','.join(map(str, wrong))}: a rank of {world_size} GPUs is 0 to {world_size - 1}")

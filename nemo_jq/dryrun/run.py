@@ -89,6 +89,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decod
 
         layout = config.megatron
         world_size = world_size or layout.replica_size
+        layout.validate(world_size=world_size, processes_from="nemo-jq dryrun --gpus")  # before its ranks are named
         ranks = sorted(set(ranks)) if ranks else megatron.default_ranks(config, world_size)
         megatron.check_ranks(config, ranks, world_size)
         by_rank = {}

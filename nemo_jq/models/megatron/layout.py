@@ -54,9 +54,11 @@ class MegatronLayout:
     def data_parallel(self, world_size: int) -> int:
         return world_size // self.replica_size
 
-    def validate(self, arch: Any = None, world_size: int | None = None) -> MegatronLayout:
+    def validate(self, arch: Any = None, world_size: int | None = None,
+                 processes_from: str = "torchrun --nproc-per-node") -> MegatronLayout:
         """Raise ``ValueError`` naming the key for a layout that cannot work: on its own, for this model
-        (``arch``: its head, KV-head, MLP and layer counts), or over ``world_size`` processes."""
+        (``arch``: its head, KV-head, MLP and layer counts), or over ``world_size`` processes (which the option
+        ``processes_from`` sets)."""
         for key in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
                     "expert_tensor_parallel"):
             if getattr(self, key) < 1:
@@ -75,7 +77,7 @@ class MegatronLayout:
         if world_size is not None and world_size % self.replica_size:
             raise ValueError(f"megatron.tensor_parallel={self.tensor_parallel} x pipeline_parallel={self.pipeline_parallel} "
                              f"x context_parallel={self.context_parallel} does not divide the {world_size} processes: "
-                             f"start a multiple of {self.replica_size} (torchrun --nproc-per-node)")
+                             f"use a multiple of {self.replica_size} ({processes_from})")
         experts = self.expert_parallel * self.expert_tensor_parallel
         if world_size is not None and (world_size // self.pipeline_parallel) % experts:
             raise ValueError(f"megatron.expert_parallel={self.expert_parallel} x expert_tensor_parallel="

@@ -111,7 +111,15 @@ def _config_dict(config: Any) -> tuple[dict[str, Any], str]:
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no HF config at {path}")
-    return json.loads(path.read_text()), str(path)
+    try:
+        values = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not an HF config.json (not JSON: {error}): give the model's own config.json "
+                         "or its folder") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} is not an HF config.json (it holds a {type(values).__name__}, not a mapping of "
+                         "keys): give the model's own config.json or its folder")
+    return values, str(path)
 
 
 def _check_supported(values: Mapping[str, Any], source: str) -> None:

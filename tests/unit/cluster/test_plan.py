@@ -244,7 +244,7 @@ def test_a_peak_counts_the_optimizer_step_where_foreach_adamw_holds_the_square_r
     assert plan._peak(parts, plan.Workload(backend="megatron", optimizer="bf16-distopt"))[0] == 2 + 12 + 4 + 4
 
 
-def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_and_are_planned_themselves(capsys):
+def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_and_are_planned_themselves(capsys, tmp_path):
     """``rollout.placement=separate``: the layouts are of the training GPUs (16 - 8 here), whose ranks hold no rollout
     copy or KV cache; a rollout rank holds the bf16 model, the KV cache of one replica's request, and the untied head
     put together from its buckets beside two of them; each step sends the model as the policy holds it, bf16 with bf16-distopt
@@ -289,9 +289,22 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
                                        vllm_tensor_parallel=2), trainers, 80, 0.9)
     assert halved["rollout_rank"]["fits"] and halved["overrides"].endswith("rollout.placement=separate rollout.ranks=8")
     assert "--vllm-memory-utilization whose share holds the bf16 weights" in plan.format_report(starved)
+    config = "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml"
+    broken = tmp_path / "config.json"
+    for text in ("{bad", "[1]"):
+        broken.write_text(text)
+        assert main(["plan", "--model", str(broken)]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and f"{broken} is not an HF config.json" in error
+    # each setting at fault is named as a flag and, for --config, as its key
     for args, fragment in ((["--model", "8b", "--rollout-ranks", "8"], "leaves none to train"),
+                           (["--config", config, "rollout.placement=separate", "rollout.ranks=8"],
+                            "--rollout-ranks 8 (rollout.ranks) of 8 GPUs leaves none to train"),
                            (["--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm",
-                             "--rollout-tensor-parallel", "3"], "--rollout-ranks a multiple of it")):
+                             "--rollout-tensor-parallel", "3"], "--rollout-ranks a multiple of it"),
+                           (["--model", "8b", "--rollout-engine", "vllm", "--rollout-tensor-parallel", "3"],
+                            "a multiple of the vLLM engine's 3 GPUs: change --nodes/--gpus-per-node, --context-parallel "
+                            "(megatron.context_parallel), --rollout-tensor-parallel (rollout.tensor_parallel)")):
         assert main(["plan", *args]) == 2
         assert fragment in capsys.readouterr().err
     with pytest.raises(SystemExit):

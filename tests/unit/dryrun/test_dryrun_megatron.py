@@ -186,6 +186,10 @@ def test_the_command_simulates_a_rank_that_samples_none_and_refuses_a_pipelines_
     assert main([*common, "megatron.pipeline_parallel=2"]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "megatron.pipeline_parallel=2 is not dry-run yet" in error
+    # fewer GPUs than a replica (TP=2 here): one line naming the option, before any rank is named from the layout
+    assert main([*common[:3], "--gpus", "1", *common[5:]]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "does not divide the 1 processes: use a multiple of 2 (nemo-jq dryrun --gpus)" in error
 
 
 def test_a_rank_that_samples_none_has_no_sampler_to_call(tmp_path, monkeypatch):
