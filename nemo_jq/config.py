@@ -254,7 +254,7 @@ class TrainConfig:
     collective_timeout_minutes: float = option(
         60.0, "how long a rank waits in a collective for the others (one chunk of a replica's rollouts, "
         "rollout.kv_cache_tokens; a checkpoint write; an export) "
-        "before the job fails; NCCL's own default is 10", gt=0.0)
+        "before the job fails; NCCL's own default is 10; at most a week", gt=0.0, le=7 * 24 * 60.0)
 
 
 @dataclass
@@ -475,7 +475,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
-        raw = _parse_yaml(path.read_text(), str(path)) or {}
+        raw = _read_yaml_file(path)
+        if raw is None or raw == {}:  # almost surely a mistake: the wrong file, or one not saved yet
+            raise ConfigError(f"config file {path} sets nothing (it is empty or only comments): add keys to it, or pass "
+                              "no --config to run the defaults")
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         if "name" in raw and not isinstance(raw["name"], dict):
@@ -504,7 +507,8 @@ def _override(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> No
             raise ConfigError(f"override {item!r} must look like section.key=value")
         if current_key(key) != key:
             _deprecated(key, current_key(key))
-        _set_path(raw, current_key(key).split("."), _parse_yaml(value, f"override {item!r}"))
+        fix = f"fix the syntax there, or quote a text value: {key}='\"...\"'"
+        _set_path(raw, current_key(key).split("."), _parse_yaml(value, f"override {item!r}", fix))
     _migrate(raw)
 
 
@@ -542,9 +546,9 @@ def read_schedule_file(path: Path) -> dict[str, Any]:
     """A q schedule from its YAML file (``objective.q_schedule=configs/schedules/linear_1_to_0.yaml``)."""
     if path.suffix not in (".yaml", ".yml"):
         raise ConfigError(f"objective.q_schedule must be a mapping or a .yaml file holding one; got {str(path)!r}")
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"objective.q_schedule: {path} does not exist (a path is read from the current directory)")
-    schedule = _parse_yaml(path.read_text(), str(path))
+    schedule = _read_yaml_file(path)
     if not isinstance(schedule, dict) or "name" not in schedule:
         raise ConfigError(f"objective.q_schedule: {path} must hold a schedule mapping with a name, e.g. {{name: linear, "
                           "num_steps: 200}}")
@@ -577,14 +581,64 @@ def _migrate(raw: dict[str, Any]) -> None:
         guard.setdefault("estimator", "paft")
 
 
-def _parse_yaml(text: str, where: str) -> Any:
+def _read_yaml_file(path: Path) -> Any:
+    """The YAML the file at ``path`` holds; a folder, or a file that is not UTF-8, is an error saying what to pass."""
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: it must be a YAML file")
+    data = path.read_bytes()
     try:
-        return yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {data[err.start]:#04x}); save the file as UTF-8") from None
+    return _parse_yaml(text, str(path))
+
+
+def _parse_yaml(text: str, where: str, fix: str = "fix the syntax there") -> Any:
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except _DuplicateKey as err:
+        key, line, first_line = err.args
+        raise ConfigError(f"{where}:{line}: key '{key}' is given twice (first on line {first_line}): keep one (YAML "
+                          "would silently use the last)") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         place = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"{place}: invalid YAML ({problem}); fix the syntax there") from None
+        raise ConfigError(f"{place}: invalid YAML ({problem}); {fix}") from None
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping: (its dotted path, its line, the first one's line)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice is an error: safe_load silently keeps the last, so a second
+    ``train:`` dropped the first's run_dir and a run went to the wrong folder."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_duplicate_keys(node, "", set())
+        return super().construct_document(node)
+
+
+def _refuse_duplicate_keys(node: yaml.Node, prefix: str, walked: set[int]) -> None:
+    """Raise :class:`_DuplicateKey` for the first key given twice in any mapping under ``node`` (``walked``: the nodes
+    seen, as an alias may point back up)."""
+    if id(node) in walked:
+        return
+    walked.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{prefix}[{index}]", walked)
+    elif isinstance(node, yaml.MappingNode):
+        first_lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in first_lines:
+                raise _DuplicateKey(key, line, first_lines[key])
+            first_lines[key] = line
+            _refuse_duplicate_keys(value_node, key, walked)
 
 
 def save_config(config: Config, path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import operator
 import types
 import typing
@@ -96,17 +97,40 @@ def check_type(value: Any, hint: Any, key: str) -> Any:
                 pass
         return check_type(value, inner[0], key)
     expected = origin or hint
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    number = _as_float(value) if expected is float else None
+    if number is not None:
+        if not math.isfinite(number):  # .inf passes every range check, then breaks what runs on it
+            raise ConfigError(f"{key} must be a finite number; got {value!r}")
+        return number
+    if expected is list and isinstance(value, list) and args:  # each item, so no later check meets a stray type
+        return [check_type(item, args[0], f"{key}[{index}]") for index, item in enumerate(value)]
     if expected is Any or (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
         return value
-    hint = " (YAML reads yes/no/on/off as true/false: quote the word)" if expected is str and isinstance(value, bool) else ""
-    raise ConfigError(f"{key} must be {getattr(expected, '__name__', expected)}; got {value!r}{hint}")
+    raise ConfigError(f"{key} must be {getattr(expected, '__name__', expected)}; got {value!r}{_quoting_hint(expected, value, key)}")
+
+
+def _as_float(value: Any) -> float | None:
+    """The number ``value`` reads as (an int, or a string: YAML 1.1 reads 1e-6, with no dot, as one); None if none."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int past the largest float
+        return math.inf
+    except ValueError:
+        return None
+
+
+def _quoting_hint(expected: Any, value: Any, key: str) -> str:
+    """How to get the string YAML read as something else: a bool (yes/no/on/off), a mapping ({question}) or a list."""
+    if expected is not str:
+        return ""
+    if isinstance(value, bool):
+        return " (YAML reads yes/no/on/off as true/false: quote the word)"
+    if isinstance(value, (dict, list)):
+        shape, kind = ("{...}", "a mapping") if isinstance(value, dict) else ("[...]", "a list")
+        return f" (YAML reads {shape} as {kind}: quote the value, e.g. {key}='\"{shape}\"')"
+    return ""
 
 
 def describe_fields(cls: type, instance: Any, prefix: str, only: list[str] | None = None) -> list[str]:

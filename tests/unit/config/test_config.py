@@ -73,6 +73,17 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (["rollout.tensor_parallel=2"], "rollout.tensor_parallel=2 splits a vLLM engine .*got native, hf, 1"),
         (["rollout.tensor_parallel=3", "rollout.engine=vllm", "model.path=m", "model.backend=megatron",
           "megatron.tensor_parallel=4"], "a megatron.tensor_parallel it divides"),
+        (["optim.betas=[0.9, b]"], r"optim.betas\[1\] must be float; got 'b'"),
+        (["objective.importance_bounds=[a, 2]"], r"objective.importance_bounds\[0\] must be float; got 'a'"),
+        (["plugins=[1]"], r"plugins\[0\] must be str; got 1"),
+        (["rollout.temperature=.inf"], "rollout.temperature must be a finite number; got inf"),
+        (["optim.lr=nan"], "optim.lr must be a finite number; got 'nan'"),
+        (["objective.importance_bounds=[0.5, .inf]"], r"objective.importance_bounds\[1\] must be a finite number"),
+        (["train.collective_timeout_minutes=1e300"], r"train.collective_timeout_minutes must be > 0.0 and <= 10080.0; got 1e\+300"),
+        (["data.template={question}"], r"data.template must be str; got \{'question': None\} \(YAML reads \{...\} as a mapping: "
+         r"quote the value, e.g. data.template='\"\{...\}\"'\)"),
+        (["data.template={question} Answer:"], r"invalid YAML .*; fix the syntax there, or quote a text value: data.template="),
+        (["objective.options={baseline: none, baseline: rloo}"], "key 'baseline' is given twice"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
@@ -83,6 +94,27 @@ def test_config_errors_name_the_key(overrides, message):
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"\xff\xfetrain:\n  max_steps: 1\n", "bad.yaml:1: not UTF-8 text \\(byte 0xff\\); save the file as UTF-8"),
+    (b"train:\n  max_steps: 1\n  run_dir: r\ntrain:\n  max_steps: 1\n",
+     "bad.yaml:4: key 'train' is given twice \\(first on line 1\\): keep one"),
+    (b"train:\n  max_steps: 1\n  max_steps: 2\n", "bad.yaml:3: key 'train.max_steps' is given twice \\(first on line 2\\)"),
+    (b"", "bad.yaml sets nothing \\(it is empty or only comments\\): add keys to it, or pass no --config"),
+    (b"# train:\n#   max_steps: 1\n", "bad.yaml sets nothing"),
+])
+def test_a_config_file_that_cannot_be_read_as_written_is_named_with_the_fix(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_a_config_path_that_is_a_directory_is_named(tmp_path):
+    (tmp_path / "adir.yaml").mkdir()
+    with pytest.raises(ConfigError, match="adir.yaml is a directory: it must be a YAML file"):
+        load_config(tmp_path / "adir.yaml")
 
 
 def test_every_example_config_loads():
