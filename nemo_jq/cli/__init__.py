@@ -18,10 +18,18 @@ COMMANDS = ("train", "sweep", "report", "evaluate", "generate", "export", "exper
             "theory")
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (the usage block above it buried the error), pointing at ``--help``;
+    its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     stop_with_parent()
     guard_terminal_streams()
-    parser = argparse.ArgumentParser(prog="nemo-jq", description="Post-train reasoning LLMs on the J_Q loss continuum.")
+    parser = OneLineErrors(prog="nemo-jq", description="Post-train reasoning LLMs on the J_Q loss continuum.")
     parser.add_argument("--debug", action="store_true", help=f"show the traceback behind an error (or set {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
@@ -30,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     stray = [word for word in extra if word.startswith("-") or "=" not in word]
     if stray or (extra and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:  # key=value words after an option land here
         args.overrides = [*args.overrides, *extra]
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY_RUN, one_line_error, run_cli
+from nemo_jq.cli import main
 from nemo_jq.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,6 +114,18 @@ def test_a_misspelt_key_a_closed_pipe_a_file_as_run_directory_and_a_failed_start
 
     code, _, err = run_cli(capsys, "train", *QUICK, f"model.path={tmp_path / 'no_model'}", f"train.run_dir={tmp_path / 'new'}")
     assert code == 2 and not (tmp_path / "new").exists()  # a failed start leaves no run directory behind
+
+
+@pytest.mark.parametrize("args, said", [
+    (["sweep", "--out", "x", "objective.q=0,1", "--seeds", "0,,1"], "nemo-jq sweep: error: argument --seeds: "),
+    (["plan", "--gpus-per-node", "0"], "nemo-jq plan: error: argument --gpus-per-node: must be a whole number >= 1"),
+    (["train", "--nope"], "nemo-jq train: error: unrecognized arguments: --nope (see nemo-jq train --help)"),
+    (["bogus"], "nemo-jq: error: argument command: invalid choice: 'bogus'")])
+def test_a_bad_argument_is_one_line_without_the_usage_block(capsys, args, said):
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
 
 
 def test_auto_row_chunks_are_resolved_said_and_saved(tmp_path, capsys):
