@@ -88,6 +88,10 @@ def user_error_message(err: BaseException) -> str | None:
             errno.EACCES: "make it writable or choose another train.run_dir / --out",
             errno.EROFS: "choose a writable train.run_dir / --out",
             errno.EPERM: "make it writable or choose another train.run_dir / --out",
+            errno.EISDIR: "it is a folder: give a file's path",
+            errno.ENOTDIR: "a part of that path is a file, not a folder: give another path",
+            errno.EEXIST: "a file is there where a folder is wanted: give another path",
+            errno.ENOENT: "check the path (a relative one is read from the current directory)",
         }
         reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err)).lower()
         return f"{reason}: {err.filename}" + (f"; {hints[err.errno]}" if err.errno in hints else "")

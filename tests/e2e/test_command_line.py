@@ -128,6 +128,14 @@ def test_a_bad_argument_is_one_line_without_the_usage_block(capsys, args, said):
     assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
 
 
+def test_a_path_that_is_not_what_a_command_wants_is_named_with_the_fix(tmp_path, capsys):
+    a_file = tmp_path / "figures.txt"
+    a_file.write_text("mine")
+    code, _, err = run_cli(capsys, "theory", "--out", a_file)
+    one_line_error(code, err, f"file exists: {a_file}; a file is there where a folder is wanted: give another path")
+    assert a_file.read_text() == "mine"
+
+
 def test_auto_row_chunks_are_resolved_said_and_saved(tmp_path, capsys):
     """``train.micro_batch_rows=auto``: `nemo-jq train` resolves it once the run is built (on the CPU, or for a model
     built from scratch, whole groups: the memory model sizes a Qwen3 on a GPU), says so, and saves the number it
