@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 
@@ -26,8 +25,14 @@ def print_report(paths: list[Path], *, figures: Path | None = None, csv_path: Pa
                  json_path: Path | None = None) -> int:
     """The table of the finished runs under ``paths`` (markdown; also CSV and JSON where asked), its figures written
     under ``figures``."""
-    from nemo_jq.runtime.report import csv_text, markdown, report
+    from nemo_jq.runtime.report import CSV_START, JSON_START, csv_text, json_text, markdown, report
 
+    check_output("--csv", csv_path, CSV_START)
+    check_output("--json", json_path, JSON_START)
+    if csv_path and json_path and csv_path.resolve() == json_path.resolve():
+        raise ValueError(f"--csv and --json both name {csv_path}: give each its own file")
+    if figures is not None and figures.exists() and not figures.is_dir():
+        raise ValueError(f"--figures {figures} is a file: give a folder for the figures")
     result = report(paths, figures=figures)
     print(markdown(result["rows"]), end="")
     if result["unfinished"]:
@@ -35,7 +40,29 @@ def print_report(paths: list[Path], *, figures: Path | None = None, csv_path: Pa
     if csv_path:
         csv_path.write_text(csv_text(result["rows"]))
     if json_path:
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        json_path.write_text(json_text(result))
     for path in [*result["figures"], *filter(None, [csv_path, json_path])]:
         print(f"wrote {path}")
     return 0
+
+
+def check_output(flag: str, path: Path | None, start: str) -> None:
+    """Before anything is read: ``path`` can take the table, and holds nothing a user would lose (a run's or a sweep's
+    own file never; an existing file only where it is an earlier table of report's, beginning with ``start``)."""
+    from nemo_jq.runtime.report import written_by_report
+    from nemo_jq.runtime.runs import RUN_FILES
+    from nemo_jq.runtime.sweep import SWEEP_FILE
+
+    if path is None:
+        return
+    if path.name in (*RUN_FILES, SWEEP_FILE):
+        raise ValueError(f"{flag} {path}: {path.name} is a run's or a sweep's own file: give the table another name "
+                         f"(e.g. table.{flag[2:]})")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: give a file in it (e.g. {path / ('table.' + flag[2:])})")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: its folder {path.parent} does not exist: make it (mkdir -p {path.parent}) or "
+                         "give another path")
+    if path.exists() and not written_by_report(path, start):
+        raise FileExistsError(f"{flag} {path} exists and is not a table nemo-jq report wrote: give a new file name "
+                              "(that file is left as it is)")

@@ -90,13 +90,18 @@ def run_task(sweep, index: int | None) -> int:
     from nemo_jq.cli import main
     from nemo_jq.runtime.sweep import FINISHED
 
+    given = f"--index {index}"
     if index is None:
         if "SLURM_ARRAY_TASK_ID" not in os.environ:
             raise ValueError("--task runs one run of a sweep: give --index K, or run it as a SLURM array task "
                              "(nemo-jq sweep --slurm submits them)")
-        index = int(os.environ["SLURM_ARRAY_TASK_ID"])
+        task = os.environ["SLURM_ARRAY_TASK_ID"]
+        if not task.isdigit():
+            raise ValueError(f"SLURM_ARRAY_TASK_ID is {task!r}, not a run's place in the sweep (a whole number): run "
+                             "--task as a task of the array `nemo-jq sweep --slurm` submits, or give --index K")
+        given, index = f"SLURM_ARRAY_TASK_ID={task}", int(task)
     if not 0 <= index < len(sweep.runs):
-        raise ValueError(f"--index {index}: {sweep.directory} holds runs 0 to {len(sweep.runs) - 1}")
+        raise ValueError(f"{given}: {sweep.directory} holds runs 0 to {len(sweep.runs) - 1}")
     run = sweep.runs[index]
     if sweep.status(run) == FINISHED:
         print(f"nemo-jq sweep: run {index} ({run.name}) has finished; nothing to do")

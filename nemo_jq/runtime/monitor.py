@@ -10,7 +10,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 METRICS_FILE = "metrics.jsonl"
 #: What each validation's first prompts were answered with (``eval.samples_shown``): a line a prompt, with its step.
@@ -82,8 +82,8 @@ class RunLogger:
         kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step and r["kind"] != "test"] if resume_step else []
         self.path.write_text("".join(map(metrics_line, kept)))
         self.samples = run_dir / SAMPLES_FILE
-        lines = self.samples.read_text().splitlines(keepends=True) if resume_step and self.samples.exists() else []
-        self.samples.write_text("".join(line for line in lines if json.loads(line)["step"] <= resume_step))
+        shown = read_records(self.samples, ("step",)) if resume_step else []
+        self.samples.write_text("".join(json.dumps(prompt) + "\n" for prompt in shown if prompt["step"] <= resume_step))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -187,10 +187,49 @@ def progress(total: int, desc: str, *, initial: int = 0, shows: bool = True, tra
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
+    """A run's ``metrics.jsonl`` records (none where it has logged none yet); see :func:`read_records`."""
+    return read_records(Path(run_dir) / METRICS_FILE, ("kind", "step"), object_hook=_nonfinite_back)
+
+
+def read_records(path: Path, keys: tuple[str, ...], object_hook: Callable[[dict], Any] | None = None) -> list[dict[str, Any]]:
+    """The records of a JSONL file a run appends to, each holding ``keys``. A last line cut short (no newline: a write
+    caught in progress, or one a kill stopped) is left out, as a resumed run's rewrite of the file drops it; any other
+    line that is not such a record is an error naming the file, the line and the fix."""
     if not path.exists():
         return []
-    return [json.loads(line, object_hook=_nonfinite_back) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text(errors="replace").split("\n")  # a byte that is not UTF-8 fails its line, named
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line, object_hook=object_hook)
+            wrong = None if isinstance(record, dict) else "not a JSON object"
+        except json.JSONDecodeError as err:
+            wrong = f"not JSON: {err.msg}, column {err.colno}"
+        if wrong is None and (missing := [key for key in keys if key not in record]):
+            wrong = f"no {', '.join(map(repr, missing))}"
+        if wrong is None:
+            records.append(record)
+        elif number < len(lines):  # a whole line, not the unfinished last one
+            raise ValueError(f"{path} line {number} is not a record the run logged ({wrong}): repair that line or "
+                             "delete it")
+    return records
+
+
+def read_json_file(path: Path, what: str, problem: Callable[[dict[str, Any]], str | None], fix: str) -> dict[str, Any]:
+    """``path``'s JSON object, in which ``problem`` finds nothing wrong (else it says what is). A file edited, or cut
+    short by a kill or a full disk, is one line: ``PATH is not WHAT (what is wrong): FIX``."""
+    text = path.read_text(errors="replace")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        wrong = "it is empty" if not text.strip() else f"not JSON: {err.msg}, line {err.lineno} column {err.colno}"
+    else:
+        wrong = problem(value) if isinstance(value, dict) else f"it holds {json.dumps(value)[:30]}, not an object"
+    if wrong:
+        raise ValueError(f"{path} is not {what} ({wrong}): {fix}")
+    return value
 
 
 def metrics_line(record: dict[str, Any]) -> str:

@@ -15,13 +15,14 @@ import io
 import json
 import math
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_jq.runtime.monitor import read_metrics
+from nemo_jq.runtime.monitor import read_json_file, read_metrics
 from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE
-from nemo_jq.runtime.sweep import SWEEP_FILE
+from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep
 
 
 @dataclass
@@ -66,20 +67,21 @@ def method_label(results: dict[str, Any]) -> str:
 def run_dirs(paths: list[Path]) -> list[Path]:
     """The run folders under ``paths``: a sweep's runs (its ``sweep.json`` order), a run folder itself, or the runs and
     sweeps anywhere below a folder (an experiment's ``<method>/seed<S>``), in name order; a path with none is an error
-    naming it."""
-    found = []
+    naming it. A run found twice (a sweep, and one of its runs given too) is read once."""
+    found: dict[Path, Path] = {}
     for path in map(Path, paths):
         below = _runs_in(path)
         if not below:
             raise FileNotFoundError(f"{path} holds no run ({CONFIG_FILE}) or sweep ({SWEEP_FILE}): give run folders, "
                                     "sweep folders or a folder of runs")
-        found += below
-    return found
+        for run_dir in below:
+            found.setdefault(run_dir.resolve(), run_dir)
+    return list(found.values())
 
 
 def _runs_in(path: Path) -> list[Path]:
     if (path / SWEEP_FILE).exists():
-        return [path / run["name"] for run in json.loads((path / SWEEP_FILE).read_text())["runs"]]
+        return [path / run.name for run in Sweep.load(path).runs]
     if (path / CONFIG_FILE).exists():
         return [path]
     return [run for child in sorted(path.iterdir()) if child.is_dir() for run in _runs_in(child)] if path.is_dir() else []
@@ -92,9 +94,24 @@ def read_run(run_dir: Path) -> RunRecord | None:
     if not (run_dir / RESULTS_FILE).exists():
         return None
     config = load_config(run_dir / CONFIG_FILE)
-    results = json.loads((run_dir / RESULTS_FILE).read_text())
+    results = read_json_file(run_dir / RESULTS_FILE, "a finished run's results", results_problem,
+                             f"restore it, or move it aside and `nemo-jq train --resume {run_dir}` writes it again")
     return RunRecord(run_dir, config.data.name, config.data.format, method_label(results), config.train.seed,
                      config.rollout.num_samples, results, read_metrics(run_dir))
+
+
+def results_problem(results: dict[str, Any]) -> str | None:
+    """What keeps ``results`` from being what a finished run writes, as far as the report reads it (None: nothing)."""
+    if not isinstance(results.get("objective"), str):
+        return "no objective"
+    if not isinstance(results.get("test"), dict):
+        return "no test scores"
+    if results.get("q_schedule") is not None and not isinstance(results["q_schedule"], dict):
+        return "its q_schedule is not an object"
+    named = {"q": results.get("q"), **{f"test {key}": results["test"][key] for key in _metrics(results["test"])}}
+    wrong = [f"{name} is {value!r}" for name, value in named.items()
+             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))]
+    return f"{wrong[0]}, not a number" if wrong else None
 
 
 def seed_stats(values: list[float | None]) -> dict[str, float | int | None]:
@@ -112,35 +129,44 @@ def seed_stats(values: list[float | None]) -> dict[str, float | int | None]:
 
 
 def table(runs: list[RunRecord]) -> list[dict[str, Any]]:
-    """A row per dataset, format and method (in the order the runs come): each test metric's mean and interval half
-    width over its seeds, n, the seeds, and how many runs collapsed after their peak."""
-    groups: dict[tuple[str, str, str], list[RunRecord]] = {}
+    """A row per dataset, format, method and set of test metrics (runs evaluated at another k are another row), in the
+    order the runs come: each test metric's mean and interval half width over its seeds (None where no seed has it),
+    n, the seeds, and how many runs collapsed after their peak. Runs of a row that share a seed are said: each counts."""
+    groups: dict[tuple[str, str, str, frozenset[str]], list[RunRecord]] = {}
     for run in runs:
-        groups.setdefault((run.dataset, run.format, run.method), []).append(run)
+        groups.setdefault((run.dataset, run.format, run.method, frozenset(_metrics(run.results["test"]))), []).append(run)
     rows = []
-    for (dataset, fmt, method), members in groups.items():
-        metrics = [key for key in members[0].results["test"] if key.startswith(("p@", "m@"))]
-        row = {"dataset": dataset, "format": fmt, "method": method, "n": len(members),
-               "seeds": sorted(run.seed for run in members),
+    for (dataset, fmt, method, _), members in groups.items():
+        seeds = sorted(run.seed for run in members)
+        for seed in sorted({seed for seed in seeds if seeds.count(seed) > 1}):
+            alike = ", ".join(str(run.run_dir) for run in members if run.seed == seed)
+            print(f"nemo-jq: warning: {alike} ({method}, {dataset}) share train.seed={seed}: each is counted as a seed "
+                  "of its own", file=sys.stderr)
+        row = {"dataset": dataset, "format": fmt, "method": method, "n": len(members), "seeds": seeds,
                "collapsed_after_peak": sum(run.collapsed_after_peak for run in members)}
-        for key in metrics:
+        for key in _metrics(members[0].results["test"]):
             spread = seed_stats([run.results["test"][key] for run in members])
-            row[key], row[f"{key} ±"] = round(spread["mean"], 2), None if spread["ci95"] is None else round(spread["ci95"], 2)
+            row[key], row[f"{key} ±"] = (None if spread[part] is None else round(spread[part], 2) for part in ("mean", "ci95"))
         rows.append(row)
     return rows
 
 
+def _metrics(scores: dict[str, Any]) -> list[str]:
+    """The metric keys (``p@k``, ``m@k``) of a run's test scores or a row, in their order."""
+    return [key for key in scores if key.startswith(("p@", "m@")) and not key.endswith("±")]
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """A table per dataset and format: each metric as ``mean ± half-width`` (percent; 95% t-interval over n seeds);
-    a dagger where runs collapsed after their peak."""
+    """A table per dataset, format and set of metrics: each metric as ``mean ± half-width`` (percent; 95% t-interval
+    over n seeds; a dash where no seed has it); a dagger where runs collapsed after their peak."""
     out = []
-    for (dataset, fmt), members in _by_setting(rows).items():
-        metrics = [key for key in members[0] if key.startswith(("p@", "m@")) and not key.endswith("±")]
+    for (dataset, fmt, _), members in _by_setting(rows).items():
+        metrics = _metrics(members[0])
         out += [f"### {dataset}, {fmt} start (test, best-validation checkpoint; mean ± 95% t-interval over n seeds)", "",
                 "| method | n | " + " | ".join(metrics) + " |", "| --- " * (len(metrics) + 2) + "|"]
         for row in members:
-            cells = [f"{row[key]:.1f}" + (f" ± {row[key + ' ±']:.1f}" if row[f"{key} ±"] is not None else "")
-                     for key in metrics]
+            cells = ["—" if row[key] is None else f"{row[key]:.1f}" + (
+                f" ± {row[key + ' ±']:.1f}" if row[f"{key} ±"] is not None else "") for key in metrics]
             flag = f" † ({row['collapsed_after_peak']}/{row['n']})" if row["collapsed_after_peak"] else ""
             out.append(f"| {row['method']}{flag} | {row['n']} | " + " | ".join(cells) + " |")
         out.append("")
@@ -148,6 +174,20 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         out.append("† peak before collapse: validation fell to zero after its best (the scores are the peak's); "
                    "(runs flagged / n)")
     return "\n".join(out).rstrip() + "\n"
+
+
+#: How the tables ``--csv`` and ``--json`` write begin: an existing file is written over only where it begins so.
+CSV_START, JSON_START = "dataset,format,method,n,seeds,", '{\n "rows": ['
+
+
+def written_by_report(path: Path, start: str) -> bool:
+    """Whether the file at ``path`` is an earlier table of report's (it begins with ``start``), or empty."""
+    with path.open(errors="replace") as file:
+        return file.read(len(start)) in ("", start)
+
+
+def json_text(result: dict[str, Any]) -> str:
+    return json.dumps(result, indent=1) + "\n"
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
@@ -159,10 +199,10 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
     return buffer.getvalue()
 
 
-def _by_setting(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+def _by_setting(rows: list[dict[str, Any]]) -> dict[tuple[str, str, frozenset[str]], list[dict[str, Any]]]:
+    grouped: dict[tuple[str, str, frozenset[str]], list[dict[str, Any]]] = {}
     for row in rows:
-        grouped.setdefault((row["dataset"], row["format"]), []).append(row)
+        grouped.setdefault((row["dataset"], row["format"], frozenset(_metrics(row))), []).append(row)
     return grouped
 
 

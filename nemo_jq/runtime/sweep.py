@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,10 +28,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import yaml
+
 from nemo_jq.runtime.checkpoint import latest_checkpoint
-from nemo_jq.runtime.monitor import read_metrics
+from nemo_jq.runtime.monitor import read_json_file, read_metrics
 from nemo_jq.runtime.outputs import claim_dir
-from nemo_jq.runtime.runs import CHECKPOINT_DIR, RESULTS_FILE
+from nemo_jq.runtime.runs import CHECKPOINT_DIR, RESULTS_FILE, RUN_FILES
 
 SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
 #: A run's state in its sweep: results written; a checkpoint to continue from; nothing to continue (a new start).
@@ -64,42 +67,53 @@ class Sweep:
     @classmethod
     def from_grid(cls, directory: Path, configs: Sequence[str | None], words: Sequence[str],
                   seeds: Sequence[int] | None) -> Sweep:
-        """Every config x value of each swept key (``key=a,b``; ``key=value`` is the same for every run) x seed."""
+        """Every config x value of each swept key (``key=a,b``; ``key=value`` is the same for every run) x seed; a value
+        given twice is refused (it would train one point twice). Each run is named by what it sweeps, its values as a
+        folder name may hold them (:func:`folder_labels`)."""
         fixed, axes = split_words(words)
+        refuse_repeats("--config", list(configs), lambda config: Path(config).resolve())
+        refuse_repeats("--seeds", list(seeds or []), lambda seed: seed)
+        for key, values in axes.items():
+            refuse_repeats(key, values, as_a_config_reads)
         configs = list(configs) or [None]
+        config_label = dict(zip(configs, folder_labels([str(Path(config).with_suffix("")) for config in configs])
+                                if len(configs) > 1 else []))
+        value_label = {key: dict(zip(values, folder_labels(values))) for key, values in axes.items()}
         runs = []
         for config, values, seed in itertools.product(configs, itertools.product(*axes.values()), seeds or [None]):
             chosen = [f"{key}={value}" for key, value in zip(axes, values)]
-            parts = ([Path(config).stem] if len(configs) > 1 else []) + [
-                f"{key.rsplit('.', 1)[-1]}={value}" for key, value in zip(axes, values)]
+            parts = ([config_label[config]] if config_label else []) + [
+                f"{key.rsplit('.', 1)[-1]}={value_label[key][value]}" for key, value in zip(axes, values)]
             parts += [f"seed={seed}"] if seed is not None else []
             runs.append(SweepRun("_".join(parts) or "run", config, tuple([*fixed, *chosen,
                                                                           *([f"train.seed={seed}"] if seed is not None else [])])))
-        names = [run.name for run in runs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"the grid names two runs alike ({sorted({n for n in names if names.count(n) > 1})[0]}): "
-                             "give the configs distinct file names")
+        check_names(runs)
         grid = {"configs": configs, "fixed": fixed, "axes": axes, "seeds": list(seeds) if seeds else None}
         return cls(Path(directory), runs, grid)
 
     @classmethod
     def load(cls, directory: Path) -> Sweep:
+        """The sweep ``directory/sweep.json`` records (``--resume``, ``--task`` and ``report`` read it here): one edited
+        or cut short is refused in one line saying what is wrong with it."""
         path = Path(directory) / SWEEP_FILE
         if not path.exists():
             raise FileNotFoundError(f"{directory} holds no sweep ({SWEEP_FILE}): give the folder `nemo-jq sweep --out` made")
-        saved = json.loads(path.read_text())
+        saved = read_json_file(path, "a sweep record", record_problem, "restore it or start a new sweep with --out")
         runs = [SweepRun(run["name"], run["config"], tuple(run["overrides"])) for run in saved["runs"]]
         return cls(Path(directory), runs, saved.get("grid", {}), saved.get("here", {}))
 
     def write(self, *, overwrite: bool = False, markers: tuple[str, ...] = (), what: str = "a sweep",
               advice: str | None = None) -> None:
         """Claim the folder (an earlier sweep there, or any of ``markers``, is refused saying ``advice``, or moved
-        aside with ``overwrite``) and record the grid. Each run's config is loaded first, as its run will load it, so a
-        bad key or value is refused in one line naming the run before anything is written."""
+        aside with ``overwrite``; so is a run's folder, whose run a report would no longer find) and record the grid.
+        Each run's config is loaded first, as its run will load it, so a bad key or value is refused in one line naming
+        the run before anything is written."""
         self.check()
         claim_dir(self.directory, (SWEEP_FILE, *markers, *(run.name for run in self.runs)), overwrite=overwrite,
                   what=what, advice=advice or f"continue it with `nemo-jq sweep --resume {self.directory}`, write the new "
                                               "one elsewhere (--out), or pass --overwrite to move the old one aside first")
+        claim_dir(self.directory, RUN_FILES, overwrite=overwrite, what="a run", advice="a sweep's runs go in a folder of "
+                  "their own: choose another, or pass --overwrite to move the run aside first")
         self.directory.mkdir(parents=True, exist_ok=True)
         record = {"grid": self.grid, "here": self.here, "runs": [asdict(run) for run in self.runs]}
         (self.directory / SWEEP_FILE).write_text(json.dumps(record, indent=1) + "\n")
@@ -124,6 +138,78 @@ class Sweep:
             return STOPPED if latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None else NEW
         except FileNotFoundError:
             return NEW
+
+
+def record_problem(saved: dict[str, Any]) -> str | None:
+    """What keeps ``saved`` from being a sweep record as :meth:`Sweep.write` writes it (None: nothing)."""
+    runs, here = saved.get("runs"), saved.get("here", {})
+    if not isinstance(runs, list) or not runs:
+        return "no list of runs"
+    for index, run in enumerate(runs):
+        if not (isinstance(run, dict) and isinstance(run.get("name"), str) and run["name"] not in ("", ".", "..")
+                and "/" not in run["name"] and isinstance(run.get("config"), (str, type(None)))
+                and isinstance(run.get("overrides"), list) and all(isinstance(word, str) for word in run["overrides"])):
+            return f"run {index} is not a folder name, a config and a list of overrides"
+    names = [run["name"] for run in runs]
+    if len(set(names)) < len(names):
+        return "two runs share a name"
+    if not isinstance(saved.get("grid", {}), dict) or not isinstance(here, dict):
+        return "its grid and here are not both objects"
+    for key in ("parallel", "threads"):
+        if here.get(key) is not None and (type(here[key]) is not int or here[key] < 1):
+            return f"here.{key} is {here[key]!r}, not a whole number >= 1"
+    return None
+
+
+def refuse_repeats(what: str, values: Sequence[Any], same: Callable[[Any], Any]) -> None:
+    """Two of an axis's values that are one (``0,0``, or ``0.5,.5`` as a config reads them) would train one point
+    twice: refused, naming them."""
+    for index, value in enumerate(values):
+        for earlier in values[:index]:
+            if same(earlier) == same(value):
+                alike = f"{value} is given twice" if str(earlier) == str(value) else f"{earlier} and {value} are the same"
+                raise ValueError(f"{what}: {alike}, which would train one run twice: drop one")
+
+
+def as_a_config_reads(value: str) -> Any:
+    """A ``key=value`` word's value as YAML reads it, as a config does (one YAML cannot read: itself; the run's config,
+    loaded, says what is wrong with it)."""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
+def folder_labels(values: Sequence[str]) -> list[str]:
+    """Each value as part of a run folder's name: a path (``Qwen/Qwen3-0.6B``, ``/data/models/qwen3``) by as few of its
+    last parts as tell the values apart, joined by ``-``; a character other than a letter, a digit or ``._+=-`` (a
+    space, ``:``, ``#``) as ``-``. Values still alike are refused as the runs are named (:func:`check_names`)."""
+    parts = [[part for part in value.split("/") if part] or [value] for value in values]
+    for depth in range(1, max(map(len, parts)) + 1):
+        labels = [re.sub(r"[^\w.+=-]+", "-", "-".join(path[-depth:])) for path in parts]
+        if len(set(labels)) == len(labels):
+            break
+    return labels
+
+
+#: The longest run name: a file name's 255 bytes, less the ``.log`` of its log.
+LONGEST_NAME = 255 - len(".log")
+
+
+def check_names(runs: Sequence[SweepRun]) -> None:
+    """Each run's name can name its folder and its log, and no two are alike (they would share a folder): refused,
+    naming the run, or what tells the two apart."""
+    first: dict[str, SweepRun] = {}
+    for run in runs:
+        if len(run.name.encode()) > LONGEST_NAME:
+            raise ValueError(f"run {run.name[:60]}... would have a name of {len(run.name.encode())} bytes, longer than a "
+                             f"file name may be ({LONGEST_NAME}): sweep fewer keys at once, or shorter values")
+        other = first.setdefault(run.name, run)
+        if other is not run:
+            differ = [f"{a} and {b}" for a, b in zip([other.config, *other.overrides], [run.config, *run.overrides])
+                      if a != b]
+            raise ValueError(f"{'; '.join(differ)} would name one run folder ({run.name}): rename one (the file, or a "
+                             "path's folder), or sweep them in two sweeps (--out)")
 
 
 def split_words(words: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:

@@ -84,6 +84,85 @@ def test_a_bad_key_or_value_in_a_sweep_is_refused_naming_the_run_before_its_fold
         assert line.count("nemo-jq") == 1 and not (tmp_path / "s").exists(), line
 
 
+def test_swept_paths_name_runs_by_their_last_parts_and_values_that_would_share_a_folder_are_refused(tmp_path, capsys):
+    import sys
+
+    from nemo_jq.runtime.sweep import run_here
+
+    models = Sweep.from_grid(tmp_path / "m", [], ["model.path=Qwen/Qwen3-0.6B,Qwen/Qwen3-1.7B", "train.max_steps=1"], None)
+    assert [run.name for run in models.runs] == ["path=Qwen3-0.6B", "path=Qwen3-1.7B"]
+    assert models.runs[0].overrides == ("train.max_steps=1", "model.path=Qwen/Qwen3-0.6B")
+    models.write()  # each run's log is made (a stand-in for `nemo-jq train` that exits at once)
+    run_here(models, threads=1, say=lambda _: None, python=(sys.executable, "-c", "pass"))
+    assert sorted(path.name for path in (tmp_path / "m" / "logs").iterdir()) == ["path=Qwen3-0.6B.log", "path=Qwen3-1.7B.log"]
+    local = Sweep.from_grid(tmp_path / "l", ["a/x.yaml", "b/x.yaml"], ["model.path=/data/a/model,/data/b/model/",
+                                                                     "data.name=my set:1,two"], None)
+    assert local.runs[0].name == "a-x_path=a-model_name=my-set-1"
+    code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", "data.name=a b,a:b")
+    one_line_error(code, err, "data.name=a b and data.name=a:b would name one run folder (name=a-b)", "--out")
+    code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", f"objective.q=0.{'1' * 260},0.2")
+    one_line_error(code, err, "would have a name of 264 bytes, longer than a file name may be (251)")
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_value_given_twice_is_refused_naming_it_before_anything_is_written(tmp_path, capsys):
+    for words, fragment in ((["--seeds", "0,0"], "--seeds: 0 is given twice, which would train one run twice: drop one"),
+                            (["objective.q=0,0"], "objective.q: 0 is given twice"),
+                            (["objective.q=0.5,.5"], "objective.q: 0.5 and .5 are the same"),
+                            (["--config", "configs/a.yaml", "./configs/a.yaml"],
+                             "--config: configs/a.yaml and ./configs/a.yaml are the same")):
+        code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", *words)
+        one_line_error(code, err, fragment)
+        assert not (tmp_path / "s").exists()
+
+
+def test_sweep_out_refuses_a_run_folder_as_train_does(tmp_path, capsys, monkeypatch):
+    from nemo_jq.runtime import sweep as sweeps
+
+    monkeypatch.setattr(sweeps, "run_here", lambda *_, **__: None)
+    monkeypatch.setattr("nemo_jq.cli.report.print_report", lambda *_, **__: 0)
+    run = finished_run(tmp_path / "run")
+    code, _, err = run_cli(capsys, "sweep", "--out", run, "objective.q=0,1")
+    one_line_error(code, err, f"{run} already holds a run (config.yaml, results.json, metrics.jsonl)", "--overwrite")
+    assert not (run / "sweep.json").exists()
+    assert run_cli(capsys, "sweep", "--out", run, "--overwrite", "objective.q=0,1")[0] == 0
+    (aside,) = tmp_path.glob("run.old-*")
+    assert (aside / "results.json").exists() and (run / "sweep.json").exists()
+
+
+def test_a_sweep_record_edited_or_cut_short_is_refused_in_one_line_by_resume_task_and_report(tmp_path, capsys,
+                                                                                              monkeypatch):
+    from nemo_jq.runtime import sweep as sweeps
+
+    monkeypatch.setattr(sweeps, "run_here", lambda *_, **__: None)  # a record that loads would run: it must not load
+    Sweep.from_grid(tmp_path / "s", [], ["objective.q=0,1"], None).write()
+    record = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    broken = {'{"grid": {': "not JSON: Expecting property name", "": "it is empty", "[]": "it holds [], not an object",
+              '{"grid": {}}': "no list of runs", '{"runs": {"a": 1}}': "no list of runs",
+              json.dumps({**record, "runs": [{"name": "../x", "config": None, "overrides": []}]}): "run 0 is not",
+              json.dumps({**record, "runs": record["runs"] * 2}): "two runs share a name"}
+    for text, wrong in broken.items():
+        (tmp_path / "s" / "sweep.json").write_text(text)
+        for words in (["sweep", "--resume"], ["sweep", "--index", "0", "--task"], ["report"]):
+            code, _, err = run_cli(capsys, *words, tmp_path / "s")
+            one_line_error(code, err, f"{tmp_path / 's' / 'sweep.json'} is not a sweep record ({wrong}",
+                           "): restore it or start a new sweep with --out")
+    for here, wrong in (({"parallel": "two"}, "here.parallel is 'two'"), ({"parallel": -1}, "here.parallel is -1"),
+                        ({"parallel": 1, "threads": 0}, "here.threads is 0")):
+        (tmp_path / "s" / "sweep.json").write_text(json.dumps({**record, "here": here}))
+        code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s")
+        one_line_error(code, err, f"({wrong}, not a whole number >= 1)")
+
+
+def test_a_sweep_task_names_a_slurm_array_task_id_that_is_no_run_of_it(tmp_path, capsys, monkeypatch):
+    Sweep.from_grid(tmp_path / "s", [], ["objective.q=0,1"], None).write()
+    for task, fragment in (("abc", "SLURM_ARRAY_TASK_ID is 'abc', not a run's place in the sweep"),
+                           ("7", f"SLURM_ARRAY_TASK_ID=7: {tmp_path / 's'} holds runs 0 to 1")):
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
+        code, _, err = run_cli(capsys, "sweep", "--task", tmp_path / "s")
+        one_line_error(code, err, fragment)
+
+
 def test_a_run_that_fails_stops_the_sweep_in_one_line_naming_its_log(tmp_path):
     import sys
 
@@ -188,3 +267,87 @@ def test_a_run_that_ends_at_its_best_or_never_scores_is_not_flagged(tmp_path):
     two = report.seed_stats([1.0, 3.0])  # sd sqrt(2), t(0.975, 1) = 12.7062: half-width 12.7062 * sqrt(2) / sqrt(2)
     assert (two["mean"], two["n"]) == (2.0, 2) and math.isclose(two["sd"], math.sqrt(2))
     assert math.isclose(two["ci95"], 12.706204736 * math.sqrt(2) / math.sqrt(2))
+
+
+def test_a_metrics_line_cut_short_at_the_end_is_left_out_as_a_resumed_run_drops_it_and_a_bad_line_elsewhere_is_named(
+        tmp_path, capsys):
+    from nemo_jq.runtime.monitor import RunLogger, read_metrics
+
+    run = finished_run(tmp_path / "run")
+    whole = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text(whole + '{"kind": "train", "st')  # a run killed mid-write, or being written
+    assert read_metrics(run) == [json.loads(line) for line in whole.splitlines()]
+    assert run_cli(capsys, "report", run)[0] == 0
+    (run / "samples.jsonl").write_text(json.dumps({"step": 2, "question": "Infinity"}) + '\n{"step": 3, "quest')
+    RunLogger(run, tensorboard=False, resume_step=4).close()  # `train --resume` from step 4 rewrites both without it
+    assert (run / "metrics.jsonl").read_text() == whole
+    assert (run / "samples.jsonl").read_text() == json.dumps({"step": 2, "question": "Infinity"}) + "\n"
+    lines = whole.splitlines(keepends=True)
+    for bad, wrong in (('{"kind": "train", "st\n', "not JSON: Unterminated string starting at, column 19"),
+                       ('{"step": 1}\n', "no 'kind'"), ("[1]\n", "not a JSON object")):
+        (run / "metrics.jsonl").write_text("".join([lines[0], bad, *lines[1:]]))
+        code, _, err = run_cli(capsys, "report", run)
+        one_line_error(code, err, f"{run / 'metrics.jsonl'} line 2 is not a record the run logged ({wrong}): repair "
+                                  "that line or delete it")
+
+
+def test_a_results_file_cut_short_or_edited_is_named_in_one_line_and_a_score_no_seed_has_is_a_dash(tmp_path, capsys):
+    run = finished_run(tmp_path / "run")
+    for text, wrong in (('{"objective": "garl", "te', "not JSON: Unterminated string"), ("", "it is empty"),
+                        ('{"test": {}}', "no objective"), ('{"objective": "garl", "test": [1, 2]}', "no test scores"),
+                        ('{"objective": "garl", "q": "x", "test": {}}', "q is 'x', not a number"),
+                        ('{"objective": "garl", "test": {"p@1": [1]}}', "test p@1 is [1], not a number")):
+        (run / "results.json").write_text(text)
+        code, _, err = run_cli(capsys, "report", run)
+        one_line_error(code, err, f"{run / 'results.json'} is not a finished run's results ({wrong}",
+                       f"restore it, or move it aside and `nemo-jq train --resume {run}` writes it again")
+    (run / "results.json").write_text(json.dumps({"objective": "garl", "q": 0.5, "test": {"p@1": None, "m@16": 3.0}}))
+    code, out, _ = run_cli(capsys, "report", run)
+    assert code == 0 and "| GARL q=0.5 | 1 | — | 3.0 |" in out, out
+
+
+def test_runs_evaluated_at_another_k_are_rows_and_tables_of_their_own(tmp_path, capsys):
+    finished_run(tmp_path / "runs" / "k16", test={"p@1": 1.0, "p@16": 2.0, "m@16": 3.0})
+    finished_run(tmp_path / "runs" / "k4", seed=1, test={"p@1": 4.0, "p@4": 5.0, "m@4": 6.0})
+    finished_run(tmp_path / "runs" / "grpo_k4", name="grpo", test={"p@1": 7.0, "p@4": 8.0, "m@4": 9.0})
+    code, out, _ = run_cli(capsys, "report", tmp_path / "runs", "--csv", tmp_path / "t.csv")
+    assert code == 0, out
+    assert "| method | n | p@1 | p@16 | m@16 |\n| --- | --- | --- | --- | --- |\n| GARL q=0.5 | 1 | 1.0 | 2.0 | 3.0 |" in out
+    assert "| method | n | p@1 | p@4 | m@4 |\n| --- | --- | --- | --- | --- |\n| GRPO | 1 | 7.0 | 8.0 | 9.0 |\n| GARL q=0.5 " in out
+    assert (tmp_path / "t.csv").read_text().splitlines()[2:] == ["synthetic,cold,GARL q=0.5,1,0,0,1.0,,,,,,2.0,,3.0,",
+                                                                 "synthetic,cold,GARL q=0.5,1,1,0,4.0,,5.0,,6.0,,,,,"]
+
+
+def test_a_run_given_twice_is_read_once_and_two_runs_of_one_seed_are_said(tmp_path, capsys):
+    finished_run(tmp_path / "runs" / "a")
+    rows = report.report([tmp_path / "runs", tmp_path / "runs" / "a", tmp_path / "runs" / ".." / "runs" / "a"])["rows"]
+    assert [(row["n"], row["seeds"]) for row in rows] == [(1, [0])]
+    finished_run(tmp_path / "runs" / "b")
+    rows = report.report([tmp_path / "runs"])["rows"]
+    assert [(row["n"], row["seeds"]) for row in rows] == [(2, [0, 0])]
+    assert capsys.readouterr().err == (f"nemo-jq: warning: {tmp_path / 'runs' / 'a'}, {tmp_path / 'runs' / 'b'} (GARL "
+                                       "q=0.5, synthetic) share train.seed=0: each is counted as a seed of its own\n")
+
+
+def test_report_writes_its_tables_over_nothing_but_its_own_earlier_tables_and_checks_where_before_it_reads(tmp_path,
+                                                                                                        capsys):
+    run = finished_run(tmp_path / "run")
+    config = (run / "config.yaml").read_text()
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    (tmp_path / "folder").mkdir()
+    for words, fragments in (
+            (["--csv", run / "config.yaml"], ["config.yaml is a run's or a sweep's own file", "table.csv"]),
+            (["--json", tmp_path / "results.json"], ["results.json is a run's or a sweep's own file"]),
+            (["--json", tmp_path / "notes.json"], ["exists and is not a table nemo-jq report wrote", "left as it is"]),
+            (["--csv", tmp_path / "folder"], [f"--csv {tmp_path / 'folder'} is a folder", "table.csv"]),
+            (["--csv", tmp_path / "no" / "t.csv"], [f"its folder {tmp_path / 'no'} does not exist", "mkdir -p"]),
+            (["--csv", tmp_path / "t", "--json", tmp_path / "t"], ["--csv and --json both name"]),
+            (["--figures", run / "config.yaml"], ["is a file: give a folder"])):
+        code, out, err = run_cli(capsys, "report", run, *words)
+        one_line_error(code, err, *fragments)
+        assert out == "", out  # refused before the table is made
+    assert (run / "config.yaml").read_text() == config and (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+    (tmp_path / "empty.csv").touch()
+    for _ in range(2):  # an empty file, then the table it was given, is written over
+        assert run_cli(capsys, "report", run, "--csv", tmp_path / "empty.csv", "--json", tmp_path / "t.json")[0] == 0
+    assert json.loads((tmp_path / "t.json").read_text())["rows"][0]["n"] == 1
