@@ -15,15 +15,16 @@ def add_parser(commands) -> None:
     evaluate.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
     evaluate.add_argument("--split", default="test", choices=("train", "validation", "test"))
     evaluate.add_argument("--step", default="best", help=arguments.STEP_HELP)
-    evaluate.add_argument("overrides", nargs="*", help="e.g. eval.num_samples=16")
+    evaluate.add_argument("overrides", nargs="*", help="how it samples and where it runs, e.g. eval.num_samples=16 train.device=cpu")
     evaluate.set_defaults(run=run)
 
 
 def load(args: argparse.Namespace):
-    """The checkpoint ``args`` names, loaded for inference with its overrides (eval and export)."""
+    """The checkpoint ``args`` names, loaded for inference with the overrides its command takes (eval, generate,
+    export)."""
     from nemo_jq.recipe.components import load_for_inference
 
-    return load_for_inference(args.checkpoint, getattr(args, "overrides", ()), args.step)
+    return load_for_inference(args.checkpoint, args.overrides, args.step, command=args.command)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ def add_parser(commands) -> None:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--step", default="best", help=arguments.STEP_HELP)
     generate.add_argument("--json", action="store_true", help="print JSON instead of text")
-    generate.add_argument("overrides", nargs="*", help="e.g. rollout.max_thinking_tokens=512")
+    generate.add_argument("overrides", nargs="*", help="how it samples and where it runs, e.g. rollout.max_thinking_tokens=512")
     generate.set_defaults(run=run)
 
 
@@ -36,9 +36,13 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jq.models.common import new_generator
     from nemo_jq.recipe.evaluation import shown_samples
 
+    if not args.question.strip():
+        raise ValueError("the question is empty: give it as the run's task states its questions, e.g. "
+                         'nemo-jq generate RUN_DIR "3 + 4 + 5"')
+    answer = "" if args.answer is None else reference_answer(args.answer)
     loaded = load(args)
     parts, selected = loaded.components, loaded.selected
-    example = Example("generate", args.question, args.answer or "", context=args.context)
+    example = Example("generate", args.question, answer, context=args.context)
     generator = new_generator(parts.device).manual_seed(args.seed)
     [group] = parts.engine.generate(parts.prompt_ids([example]), args.samples, sample_answers=True, generator=generator,
                                     greedy=args.greedy)
@@ -55,3 +59,15 @@ def run(args: argparse.Namespace) -> int:
         verdict = "" if "correct" not in sample else f" [{'correct' if sample['correct'] else 'wrong'}]"
         print(f"--- sample {index}\n<think>{sample['rationale']}</think>{forced}\nanswer: {sample['answer']}{verdict}")
     return 0
+
+
+def reference_answer(answer: str) -> str:
+    """``--answer`` as ``data prepare`` keeps a row's answer: one no output could match (empty, only punctuation or
+    articles) would mark every sample wrong, so it is refused."""
+    from nemo_jq.data.qa import BadRow, required_answer
+
+    try:
+        return required_answer({"--answer": answer}, "--answer")
+    except BadRow as err:
+        raise ValueError(f"{err}: give the reference answer as the run's data states it, or leave --answer out to see "
+                         "the samples unscored") from None

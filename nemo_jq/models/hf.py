@@ -20,7 +20,7 @@ from nemo_jq.models.export import export_hf_model
 from nemo_jq.models.interfaces import LossFn, TokenBatch, backward_each
 from nemo_jq.models.logprobs import chunked_token_logprobs
 from nemo_jq.precision import recompute_contexts
-from nemo_jq.runtime.checkpoint import require_files
+from nemo_jq.runtime.checkpoint import damaged, require_files
 from nemo_jq.runtime.distributed import DataParallel
 
 
@@ -189,11 +189,15 @@ class HFPolicy:
         torch.save(self.optimizer.state_dict(), Path(directory) / OPTIMIZER_FILE)
 
     def load(self, directory: Path, *, with_optimizer: bool = True) -> None:
+        from safetensors import SafetensorError
         from safetensors.torch import load_model
 
         directory = Path(directory)
         require_files(directory, [WEIGHTS_FILE, *([OPTIMIZER_FILE] if with_optimizer else [])])
-        load_model(self.model, str(directory / WEIGHTS_FILE), device=str(self.device))
+        try:
+            load_model(self.model, str(directory / WEIGHTS_FILE), device=str(self.device))
+        except SafetensorError as err:  # a file cut short or overwritten: its header does not describe its bytes
+            raise damaged(directory / WEIGHTS_FILE, f"truncated or corrupt: {err}") from None
         self.weights_version += 1
         if with_optimizer:
             self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))

@@ -40,7 +40,16 @@ from nemo_jq.rollouts.wiring import scratch_model_dir
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import load_checkpoint
 from nemo_jq.runtime.distributed import DataParallel
-from nemo_jq.runtime.runs import CONFIG_FILE, TOKENIZER_DIR, Selected, at_home, claim_run_dir, select_checkpoint
+from nemo_jq.runtime.runs import (
+    CONFIG_FILE,
+    INFERENCE_KEYS,
+    TOKENIZER_DIR,
+    Selected,
+    at_home,
+    claim_run_dir,
+    refuse_overrides,
+    select_checkpoint,
+)
 
 
 @dataclass
@@ -232,8 +241,14 @@ def resolve_model_dir(path: str | None) -> Path | None:
 
 
 def load_tokenizer(config: Config, model_dir: Path | None, task: Task, splits: Splits, saved: Path | None) -> Any:
-    """A run's own saved tokenizer when reopening it; else the model folder's; else one trained on the task's texts."""
-    if saved is not None and saved.exists():
+    """A run's own saved tokenizer when reopening it (one gone is an error: its checkpoints' token ids are that
+    tokenizer's, and a rebuilt one would differ once the data or the tokenizers library did); else the model folder's;
+    else one trained on the task's texts."""
+    if saved is not None:
+        if not saved.exists():
+            from_model = f" (or copy the tokenizer files of model.path, {model_dir}, into it)" if model_dir else ""
+            raise FileNotFoundError(f"the run's tokenizer folder {saved} is missing: its checkpoints' token ids are that "
+                                    f"tokenizer's, and no other may stand in; restore it from a copy of the run{from_model}")
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(saved)
@@ -335,10 +350,13 @@ class LoadedRun:
     components: Components
 
 
-def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), which: str = "best") -> LoadedRun:
+def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), which: str = "best", *,
+                       command: str) -> LoadedRun:
     """The components of the run at ``path`` (a run directory: its ``which`` checkpoint, see
-    :func:`select_checkpoint`; or a checkpoint directory), with that checkpoint's weights; ``overrides`` as for the
-    run's config (e.g. ``eval.num_samples=4``)."""
+    :func:`select_checkpoint`; or a checkpoint directory), with that checkpoint's weights; ``overrides`` of the run's
+    config only of the keys ``command`` may change (:data:`INFERENCE_KEYS`, e.g. ``eval.num_samples=4``)."""
+    refuse_overrides(overrides, INFERENCE_KEYS[command], command,
+                     f"{command} uses a checkpoint as its run trained it (its model, data and prompt format) and trains nothing")
     selected = select_checkpoint(path, which)
     run_dir = selected.run_dir
     config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir)

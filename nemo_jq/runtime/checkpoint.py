@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -36,6 +37,17 @@ class Checkpointed(Protocol):
     def save(self, directory: Path) -> None: ...
 
     def load(self, directory: Path, *, with_optimizer: bool = True) -> None: ...
+
+
+def damaged(file: Path, what: str) -> ValueError:
+    """The one line for a checkpoint file that is there but cannot be read (cut short by a copy, or corrupt): the file,
+    what is wrong, and the run's other steps to take instead."""
+    checkpoint = Path(file).parent
+    others = [step for step in saved_steps(checkpoint.parent) if step_dir_name(step) != checkpoint.name]
+    fix = (f"use another of the run's checkpoints with --step N (step{'s' if len(others) > 1 else ''} "
+           f"{', '.join(map(str, others))})" if others else "the run holds no other checkpoint: restore this one from a "
+           "copy of the run")
+    return ValueError(f"checkpoint file {file} is damaged ({what}): {fix}")
 
 
 def require_files(directory: Path, names: Sequence[str]) -> None:
@@ -111,6 +123,26 @@ def saved_steps(root: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if (p / STATE).exists())
 
 
+#: The fields of ``state.json`` that choosing and loading a checkpoint read, and the JSON types they may have.
+STATE_FIELDS = {"step": (int,), "best_step": (int, type(None)), "best_metric": (int, float, type(None))}
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's ``state.json``; one that is no JSON object with its step (an edit, a copy cut short) is
+    :func:`damaged`, here rather than as a ``KeyError`` wherever a field is first read."""
+    file = Path(checkpoint) / STATE
+    try:
+        state = json.loads(file.read_text())
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise damaged(file, f"not JSON: {err}") from None
+    if not isinstance(state, dict):
+        raise damaged(file, f"a JSON {type(state).__name__}, not the object a checkpoint writes")
+    wrong = [key for key, kinds in STATE_FIELDS.items() if not isinstance(state.get(key), kinds)]
+    if wrong:
+        raise damaged(file, f"{', '.join(wrong)} missing or not a number")
+    return state
+
+
 def load_checkpoint(path: Path, policy: Checkpointed, *, with_optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load weights (and optimizer) into ``policy``; return (trainer state, this rank's RNG states).
 
@@ -118,10 +150,15 @@ def load_checkpoint(path: Path, policy: Checkpointed, *, with_optimizer: bool = 
     """
     path = Path(path)
     require_files(path, [STATE, RNG])
+    state = read_state(path)
     policy.load(path, with_optimizer=with_optimizer)
     own = path / rng_file(distributed.rank())
-    rng = torch.load(own if own.exists() else path / RNG, weights_only=False)
-    return json.loads((path / STATE).read_text()), rng
+    rng_path = own if own.exists() else path / RNG
+    try:
+        rng = torch.load(rng_path, weights_only=False)
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:  # torch's words for a file cut short
+        raise damaged(rng_path, f"truncated or corrupt: {str(err).partition('. ')[0]}") from None
+    return state, rng
 
 
 def prune_checkpoints(root: Path, keep: int, protect: set[str]) -> None:

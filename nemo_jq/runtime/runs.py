@@ -11,7 +11,7 @@ from typing import Any
 
 from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
-from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, saved_steps, step_dir_name
+from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
 from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, plot_runs, read_metrics
 from nemo_jq.runtime.outputs import claim_dir, hold_run_dir, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE
@@ -24,14 +24,25 @@ PLOT_FILE = "training.png"
 #: What a run writes into its directory; any of them there means the directory holds a run.
 RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, SAMPLES_FILE, "tensorboard", PLOT_FILE,
              TRACKING_FILE)
+#: How the megatron backend lays the model out over the processes: its checkpoints load at any TP, PP, CP and DP size.
+LAYOUT_KEYS = ("megatron.tensor_parallel", "megatron.pipeline_parallel", "megatron.context_parallel",
+               "megatron.sequence_parallel")
 #: Keys a resumed run may change: how long it goes on, how it is evaluated and saved, how much memory a step holds
-#: (row chunks and recomputation give the same gradient), and how the megatron backend lays the model out over the
-#: processes (its checkpoints load at any TP, PP, CP and DP size), never what it trains.
+#: (row chunks and recomputation give the same gradient), and where it runs (:data:`LAYOUT_KEYS`), never what it trains.
 RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.tensorboard",
                   "train.micro_batch_rows", "model.activation_checkpointing", "eval.every", "eval.num_samples", "eval.samples_shown",
-                  "eval.batch_size", "megatron.tensor_parallel",
-                  "megatron.pipeline_parallel", "megatron.context_parallel", "megatron.sequence_parallel",
-                  "megatron.recompute_activations", "megatron.distributed_optimizer", "rollout.placement", "rollout.ranks")
+                  "eval.batch_size", *LAYOUT_KEYS, "megatron.recompute_activations", "megatron.distributed_optimizer",
+                  "rollout.placement", "rollout.ranks")
+#: Where a loaded checkpoint runs: the device (a run trained on a GPU, exported on a login node) and the layout.
+PLACEMENT_KEYS = ("train.device", *LAYOUT_KEYS)
+#: How a loaded checkpoint samples: its budgets, sampling, engine and compute precision.
+SAMPLING_KEYS = ("rollout.max_thinking_tokens", "rollout.max_answer_tokens", "rollout.temperature", "rollout.top_k",
+                 "rollout.top_p", "rollout.engine", "rollout.cuda_graphs", "rollout.compile", "rollout.kv_cache_tokens",
+                 "rollout.vllm_memory_utilization", "rollout.vllm_kv_cache_gb", "model.precision")
+#: Keys each command that loads a checkpoint may override: how it scores and samples, and where it runs, never what
+#: the checkpoint is (its model, data and prompt format: another would not load, or would score another task).
+INFERENCE_KEYS = {"eval": ("eval.num_samples", "eval.batch_size", *SAMPLING_KEYS, *PLACEMENT_KEYS),
+                  "generate": (*SAMPLING_KEYS, *PLACEMENT_KEYS), "export": PLACEMENT_KEYS}
 
 
 def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:
@@ -148,22 +159,27 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
         raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}")
     if _writes_here():
         hold_run_dir(run_dir)
-    refused = [item for item in overrides if current_key(item.partition("=")[0]) not in RESUMABLE_KEYS]
-    for item in refused:  # a key no config has is a typo, which did-you-mean serves better than "cannot change"
-        try:
-            load_config(None, [item])
-        except ConfigError as err:
-            if "unknown config key" in str(err):
-                raise ConfigError(f"{err} (with --resume: {', '.join(RESUMABLE_KEYS)})") from None
-    if refused:
-        raise ValueError(f"a resumed run keeps what it trains; {', '.join(refused)} cannot change mid-run. "
-                         f"Overrides allowed with --resume: {', '.join(RESUMABLE_KEYS)}")
+    refuse_overrides(overrides, RESUMABLE_KEYS, "--resume", "a resumed run keeps what it trains")
     checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
     if checkpoint is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (its start failed before the first): "
                                 f"start it again with its command (train.run_dir={run_dir}, no --resume); this start is "
                                 "moved aside")
     return at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir), checkpoint
+
+
+def refuse_overrides(overrides: list[str] | tuple[str, ...], allowed: tuple[str, ...], command: str, why: str) -> None:
+    """One line refusing an override of a key outside ``allowed``, naming it and the keys ``command`` takes."""
+    refused = [item for item in overrides if current_key(item.partition("=")[0]) not in allowed]
+    for item in refused:  # a key no config has is a typo, which did-you-mean serves better than "cannot change"
+        try:
+            load_config(None, [item])
+        except ConfigError as err:
+            if "unknown config key" in str(err):
+                raise ConfigError(f"{err} (with {command}: {', '.join(allowed)})") from None
+    if refused:
+        raise ValueError(f"{why}; {', '.join(refused)} cannot change with {command}. "
+                         f"Overrides allowed with {command}: {', '.join(allowed)}")
 
 
 def _writes_here() -> bool:
@@ -228,22 +244,34 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
     if (path / STATE).exists():
         if which != "best":
             raise ValueError(f"--step {which} picks among a run's checkpoints: give the run directory, not {path}")
-        return Selected(path.parent.parent, path, json.loads((path / STATE).read_text())["step"], "the one given")
+        run_dir = path.parent.parent
+        if path.parent.name != CHECKPOINT_DIR or not (run_dir / CONFIG_FILE).exists():
+            raise FileNotFoundError(f"checkpoint {path} is not inside a run directory (RUN/{CHECKPOINT_DIR}/step_N, "
+                                    f"beside the RUN/{CONFIG_FILE} and RUN/{TOKENIZER_DIR}/ it is loaded with): give the "
+                                    f"run directory it came from, with --step N, or copy it back into that run's "
+                                    f"{CHECKPOINT_DIR}/")
+        return Selected(run_dir, path, read_state(path)["step"], "the one given")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (neither a checkpoint nor a run directory is there): give the "
+                                f"run's directory (its train.run_dir) or a checkpoint in it (RUN/{CHECKPOINT_DIR}/step_N)")
     if not (path / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{path} is neither a checkpoint (no {STATE}) nor a run directory (no {CONFIG_FILE})")
     root = path / CHECKPOINT_DIR
     latest = latest_checkpoint(root)
     if latest is None:
-        raise FileNotFoundError(f"run {path} has no checkpoint")
-    saved, state = saved_steps(root), json.loads((latest / STATE).read_text())
-    if which == "latest":
-        return Selected(path, latest, state["step"], "the latest")
-    if which != "best":
+        raise FileNotFoundError(f"run {path} has no checkpoint yet (a run saves one every train.save_every steps, and "
+                                "when it stops): let it train until it saves one, or, if its start failed, start it "
+                                f"again with its command (train.run_dir={path}; the failed start is moved aside)")
+    saved = saved_steps(root)
+    if which not in ("best", "latest"):
         step = int(which) if which.isdigit() else None
         if step not in saved:
             raise ValueError(f"--step {which}: {path} has checkpoints at steps {', '.join(map(str, saved))} (or use best, "
                              "latest)")
         return Selected(path, root / step_dir_name(step), step, f"step {step}, as asked")
+    state = read_state(latest)
+    if which == "latest":
+        return Selected(path, latest, state["step"], "the latest")
     best = best_step_of(state)
     key = f"m@{load_config(path / CONFIG_FILE, saved=True).eval.num_samples}"
     if best is None:

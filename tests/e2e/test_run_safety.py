@@ -2,6 +2,7 @@
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -295,6 +296,81 @@ def test_export_onto_an_existing_file_is_one_line(tmp_path, capsys):
     code, _, err = run_cli(capsys, "export", run_dir, "--out", target)
     one_line_error(code, err, str(target), "choose another --out")
     assert target.read_text() == "mine"
+
+
+def test_eval_generate_and_export_take_only_overrides_of_how_they_sample_and_where_they_run(tmp_path, capsys):
+    """A key of what the run trained used to load into a model of another shape (a 60-line traceback) or be ignored."""
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    code, _, err = run_cli(capsys, "eval", run_dir, "model.tiny.hidden_size=64")
+    one_line_error(code, err, "model.tiny.hidden_size=64 cannot change with eval", "eval.num_samples", "train.device")
+    code, _, err = run_cli(capsys, "eval", run_dir, "train.max_steps=5")
+    one_line_error(code, err, "train.max_steps=5 cannot change with eval")
+    code, _, err = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "eval.num_samples=2")
+    one_line_error(code, err, "eval.num_samples=2 cannot change with generate", "rollout.max_thinking_tokens")
+    code, _, err = run_cli(capsys, "export", run_dir, "--out", tmp_path / "hf", "rollout.temperature=0.5")
+    one_line_error(code, err, "rollout.temperature=0.5 cannot change with export", "train.device")
+    assert not (tmp_path / "hf").exists()
+    code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation", "eval.num_samples=2", "train.device=cpu")
+    assert code == 0 and "m@2" in json.loads(out)
+    assert run_cli(capsys, "export", run_dir, "--out", tmp_path / "hf", "train.device=cpu")[0] == 0
+
+
+def test_generate_refuses_a_question_or_answer_no_sample_could_be_scored_against(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    for question in ("", "  "):
+        code, _, err = run_cli(capsys, "generate", run_dir, question)
+        one_line_error(code, err, "the question is empty")
+    code, _, err = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "--answer", " ")
+    one_line_error(code, err, "empty '--answer'", "leave --answer out")
+    code, _, err = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "--answer", "the")
+    one_line_error(code, err, "'the' is empty once normalised", "leave --answer out")
+    code, out, _ = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "--answer", " 12 ", "--json")
+    assert code == 0 and json.loads(out)["reference"] == "12"
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp_path, capsys):
+    """A checkpoint file cut short (a copy, a full disk elsewhere) or edited: its file and the other steps, which still
+    load."""
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")[0] == 0
+    step_2 = run_dir / "checkpoints" / "step_00000002"
+    for name in ("model.safetensors", "rng.pt"):
+        intact = (step_2 / name).read_bytes()
+        (step_2 / name).write_bytes(intact[:100])
+        for command in (["eval", run_dir, "--step", "2"], ["generate", run_dir, "3 + 4 + 5"]):
+            code, _, err = run_cli(capsys, *command)
+            one_line_error(code, err, f"{step_2 / name} is damaged (truncated or corrupt", "--step N (step 1)")
+        (step_2 / name).write_bytes(intact)
+    for text, what in [("[]", "a JSON list"), ("{bad", "not JSON"), ("{}", "step missing")]:
+        (step_2 / "state.json").write_text(text)
+        code, _, err = run_cli(capsys, "eval", run_dir)
+        one_line_error(code, err, f"{step_2 / 'state.json'} is damaged ({what}", "--step N (step 1)")
+    code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "1")
+    assert code == 0 and json.loads(out)["step"] == 1
+
+
+def test_eval_says_what_is_missing_where_no_run_holds_a_checkpoint(tmp_path, capsys):
+    """A path that is not there, a checkpoint copied out of its run, a run with no checkpoint yet, a run without the
+    tokenizer its checkpoints' token ids are of (one trained anew would stand in silently)."""
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    code, _, err = run_cli(capsys, "eval", tmp_path / "nowhere")
+    one_line_error(code, err, f"{tmp_path / 'nowhere'} does not exist")
+    copied = tmp_path / "copies" / "step_00000002"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000002", copied)
+    for command in (["eval", copied], ["export", copied, "--out", tmp_path / "hf"]):
+        code, _, err = run_cli(capsys, *command)
+        one_line_error(code, err, f"{copied} is not inside a run directory (RUN/checkpoints/step_N", "give the run directory")
+    unsaved = tmp_path / "unsaved"
+    unsaved.mkdir()
+    shutil.copy(run_dir / "config.yaml", unsaved)
+    code, _, err = run_cli(capsys, "eval", unsaved)
+    one_line_error(code, err, f"run {unsaved} has no checkpoint yet", f"train.run_dir={unsaved}")
+    shutil.rmtree(run_dir / "tokenizer")
+    code, _, err = run_cli(capsys, "eval", run_dir)
+    one_line_error(code, err, f"tokenizer folder {run_dir / 'tokenizer'} is missing", "restore it")
 
 
 def test_train_help_lists_every_config_key_with_its_default():
