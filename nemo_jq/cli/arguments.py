@@ -55,25 +55,31 @@ def whole_number(text: str) -> int:
     return int(text)
 
 
+def output_problem(path: Path, what: str, is_earlier: Callable[[str], bool]) -> str | None:
+    """What keeps a command from writing ``what`` to ``path`` (None: nothing), checked before its work: the path is a
+    file's in a folder that exists, and a file already there is an earlier ``what`` (``is_earlier`` of its text),
+    never anything else of the user's."""
+    if path.is_dir():
+        return f"{path} is a folder: give the path of a file in it"
+    if not path.parent.is_dir():
+        return f"the folder {path.parent} does not exist: create it (mkdir -p {path.parent}), or give a path in another"
+    if path.exists():
+        try:
+            earlier = is_earlier(path.read_text())
+        except (OSError, UnicodeDecodeError):
+            earlier = False
+        if not earlier:
+            return f"{path} exists and is not an earlier {what}: give another path (that file is left as it is)"
+    return None
+
+
 def output_file(what: str, is_earlier: Callable[[str], bool]):
-    """A file a command writes ``what`` to, checked before the command's work: its folder exists, and a file already
-    there is an earlier ``what`` (``is_earlier`` of its text), never anything else of the user's."""
+    """An argument naming a file the command writes ``what`` to (:func:`output_problem`)."""
 
     def parse(text: str) -> Path:
-        path = Path(text)
-        if path.is_dir():
-            raise argparse.ArgumentTypeError(f"{text} is a folder: give a file's path in it, e.g. {path / 'report.json'}")
-        if not path.parent.is_dir():
-            raise argparse.ArgumentTypeError(f"the folder {path.parent} does not exist: create it, or give a path in "
-                                             "another folder")
-        if path.exists():
-            try:
-                earlier = is_earlier(path.read_text())
-            except (OSError, UnicodeDecodeError):
-                earlier = False
-            if not earlier:
-                raise argparse.ArgumentTypeError(f"{text} exists and is not an earlier {what}: give another path "
-                                                 "(nothing was written)")
-        return path
+        problem = output_problem(Path(text), what, is_earlier)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return Path(text)
 
     return parse

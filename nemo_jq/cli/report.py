@@ -48,8 +48,9 @@ def print_report(paths: list[Path], *, figures: Path | None = None, csv_path: Pa
 
 def check_output(flag: str, path: Path | None, start: str) -> None:
     """Before anything is read: ``path`` can take the table, and holds nothing a user would lose (a run's or a sweep's
-    own file never; an existing file only where it is an earlier table of report's, beginning with ``start``)."""
-    from nemo_jq.runtime.report import written_by_report
+    own file never; an existing file only where it is an earlier table of report's, beginning with ``start``, or
+    empty)."""
+    from nemo_jq.cli.arguments import output_problem
     from nemo_jq.runtime.runs import RUN_FILES
     from nemo_jq.runtime.sweep import SWEEP_FILE
 
@@ -58,11 +59,6 @@ def check_output(flag: str, path: Path | None, start: str) -> None:
     if path.name in (*RUN_FILES, SWEEP_FILE):
         raise ValueError(f"{flag} {path}: {path.name} is a run's or a sweep's own file: give the table another name "
                          f"(e.g. table.{flag[2:]})")
-    if path.is_dir():
-        raise ValueError(f"{flag} {path} is a folder: give a file in it (e.g. {path / ('table.' + flag[2:])})")
-    if not path.parent.is_dir():
-        raise ValueError(f"{flag} {path}: its folder {path.parent} does not exist: make it (mkdir -p {path.parent}) or "
-                         "give another path")
-    if path.exists() and not written_by_report(path, start):
-        raise FileExistsError(f"{flag} {path} exists and is not a table nemo-jq report wrote: give a new file name "
-                              "(that file is left as it is)")
+    problem = output_problem(path, "table nemo-jq report wrote", lambda text: text[:len(start)] in ("", start))
+    if problem:
+        raise ValueError(f"{flag}: {problem}")

@@ -180,12 +180,6 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 CSV_START, JSON_START = "dataset,format,method,n,seeds,", '{\n "rows": ['
 
 
-def written_by_report(path: Path, start: str) -> bool:
-    """Whether the file at ``path`` is an earlier table of report's (it begins with ``start``), or empty."""
-    with path.open(errors="replace") as file:
-        return file.read(len(start)) in ("", start)
-
-
 def json_text(result: dict[str, Any]) -> str:
     return json.dumps(result, indent=1) + "\n"
 

@@ -338,9 +338,10 @@ def test_report_writes_its_tables_over_nothing_but_its_own_earlier_tables_and_ch
     for words, fragments in (
             (["--csv", run / "config.yaml"], ["config.yaml is a run's or a sweep's own file", "table.csv"]),
             (["--json", tmp_path / "results.json"], ["results.json is a run's or a sweep's own file"]),
-            (["--json", tmp_path / "notes.json"], ["exists and is not a table nemo-jq report wrote", "left as it is"]),
-            (["--csv", tmp_path / "folder"], [f"--csv {tmp_path / 'folder'} is a folder", "table.csv"]),
-            (["--csv", tmp_path / "no" / "t.csv"], [f"its folder {tmp_path / 'no'} does not exist", "mkdir -p"]),
+            (["--json", tmp_path / "notes.json"], ["exists and is not an earlier table nemo-jq report wrote",
+                                                   "left as it is"]),
+            (["--csv", tmp_path / "folder"], [f"--csv: {tmp_path / 'folder'} is a folder: give the path of a file in it"]),
+            (["--csv", tmp_path / "no" / "t.csv"], [f"the folder {tmp_path / 'no'} does not exist", "mkdir -p"]),
             (["--csv", tmp_path / "t", "--json", tmp_path / "t"], ["--csv and --json both name"]),
             (["--figures", run / "config.yaml"], ["is a file: give a folder"])):
         code, out, err = run_cli(capsys, "report", run, *words)
