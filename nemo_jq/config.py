@@ -475,7 +475,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
-        raw = _read_yaml_file(path)
+        raw = read_yaml_file(path)
         if raw is None or raw == {}:  # almost surely a mistake: the wrong file, or one not saved yet
             raise ConfigError(f"config file {path} sets nothing (it is empty or only comments): add keys to it, or pass "
                               "no --config to run the defaults")
@@ -548,7 +548,7 @@ def read_schedule_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"objective.q_schedule must be a mapping or a .yaml file holding one; got {str(path)!r}")
     if not path.exists():
         raise ConfigError(f"objective.q_schedule: {path} does not exist (a path is read from the current directory)")
-    schedule = _read_yaml_file(path)
+    schedule = read_yaml_file(path)
     if not isinstance(schedule, dict) or "name" not in schedule:
         raise ConfigError(f"objective.q_schedule: {path} must hold a schedule mapping with a name, e.g. {{name: linear, "
                           "num_steps: 200}}")
@@ -581,7 +581,7 @@ def _migrate(raw: dict[str, Any]) -> None:
         guard.setdefault("estimator", "paft")
 
 
-def _read_yaml_file(path: Path) -> Any:
+def read_yaml_file(path: Path) -> Any:
     """The YAML the file at ``path`` holds; a folder, or a file that is not UTF-8, is an error saying what to pass."""
     if path.is_dir():
         raise ConfigError(f"{path} is a directory: it must be a YAML file")

@@ -72,9 +72,9 @@ class LaunchConfig:
 
 def load_launch_config(path: Path) -> LaunchConfig:
     """Read a launch YAML; unknown keys and impossible values raise ``ValueError`` naming them."""
-    import yaml
+    from nemo_jq.config import read_yaml_file
 
-    values = yaml.safe_load(Path(path).read_text()) or {}
+    values = read_yaml_file(Path(path)) or {}
     if not isinstance(values, dict):
         raise ValueError(f"{path}: a launch config is a mapping of keys to values")
     known = {f.name for f in dataclasses.fields(LaunchConfig)}

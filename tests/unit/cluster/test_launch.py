@@ -90,6 +90,7 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: 5\n", "network_interface=5 is not an interface name"),
     ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: ''\n", "network_interface='' is not an interface name"),
     ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: ib0 eth0\n", "network_interface='ib0 eth0' is not an"),
+    ("account: a\ncontainer_image: x.sqsh\naccount: b\n", ":3: key 'account' is given twice (first on line 1)"),
 ])
 def test_bad_launch_configs_are_one_line_errors(tmp_path, capsys, text, message):
     assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train"]) == 2
