@@ -20,7 +20,7 @@ from nemo_jq.models.export import export_hf_model
 from nemo_jq.models.interfaces import LossFn, TokenBatch, backward_each
 from nemo_jq.models.logprobs import chunked_token_logprobs
 from nemo_jq.precision import recompute_contexts
-from nemo_jq.runtime.checkpoint import damaged, require_files
+from nemo_jq.runtime.checkpoint import damaged, load_torch_file, require_files
 from nemo_jq.runtime.distributed import DataParallel
 
 
@@ -200,7 +200,7 @@ class HFPolicy:
             raise damaged(directory / WEIGHTS_FILE, f"truncated or corrupt: {err}") from None
         self.weights_version += 1
         if with_optimizer:
-            self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
+            self.optimizer.load_state_dict(load_torch_file(directory / OPTIMIZER_FILE, weights_only=True))
 
     def export(self, out_dir: Path, tokenizer: Any) -> None:
         """Write the model as an HF folder that plain ``transformers`` code uses as training did (:func:`export_hf_model`)."""

@@ -45,8 +45,9 @@ def damaged(file: Path, what: str) -> ValueError:
     checkpoint = Path(file).parent
     others = [step for step in saved_steps(checkpoint.parent) if step_dir_name(step) != checkpoint.name]
     fix = (f"use another of the run's checkpoints with --step N (step{'s' if len(others) > 1 else ''} "
-           f"{', '.join(map(str, others))})" if others else "the run holds no other checkpoint: restore this one from a "
-           "copy of the run")
+           f"{', '.join(map(str, others))}); to resume from one, write its folder's name ({step_dir_name(others[-1])}) "
+           f"into {checkpoint.parent / 'latest'}" if others
+           else "the run holds no other checkpoint: restore this one from a copy of the run")
     return ValueError(f"checkpoint file {file} is damaged ({what}): {fix}")
 
 
@@ -153,12 +154,15 @@ def load_checkpoint(path: Path, policy: Checkpointed, *, with_optimizer: bool = 
     state = read_state(path)
     policy.load(path, with_optimizer=with_optimizer)
     own = path / rng_file(distributed.rank())
-    rng_path = own if own.exists() else path / RNG
+    return state, load_torch_file(own if own.exists() else path / RNG, weights_only=False)
+
+
+def load_torch_file(file: Path, *, weights_only: bool) -> Any:
+    """``torch.load`` of a checkpoint's file; one cut short or corrupt is :func:`damaged`."""
     try:
-        rng = torch.load(rng_path, weights_only=False)
+        return torch.load(file, weights_only=weights_only)
     except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:  # torch's words for a file cut short
-        raise damaged(rng_path, f"truncated or corrupt: {str(err).partition('. ')[0]}") from None
-    return state, rng
+        raise damaged(file, f"truncated or corrupt: {str(err).partition('. ')[0]}") from None
 
 
 def prune_checkpoints(root: Path, keep: int, protect: set[str]) -> None:

@@ -343,12 +343,20 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp
             code, _, err = run_cli(capsys, *command)
             one_line_error(code, err, f"{step_2 / name} is damaged (truncated or corrupt", "--step N (step 1)")
         (step_2 / name).write_bytes(intact)
+    state = (step_2 / "state.json").read_text()
     for text, what in [("[]", "a JSON list"), ("{bad", "not JSON"), ("{}", "step missing")]:
         (step_2 / "state.json").write_text(text)
         code, _, err = run_cli(capsys, "eval", run_dir)
         one_line_error(code, err, f"{step_2 / 'state.json'} is damaged ({what}", "--step N (step 1)")
     code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "1")
     assert code == 0 and json.loads(out)["step"] == 1
+    (step_2 / "state.json").write_text(state)
+    (step_2 / "optimizer.pt").write_bytes((step_2 / "optimizer.pt").read_bytes()[:100])  # read by a resume only
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")
+    one_line_error(code, err, f"{step_2 / 'optimizer.pt'} is damaged (truncated or corrupt",
+                   f"write its folder's name (step_00000001) into {run_dir / 'checkpoints' / 'latest'}")
+    (run_dir / "checkpoints" / "latest").write_text("step_00000001")
+    assert run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")[0] == 0
 
 
 def test_eval_says_what_is_missing_where_no_run_holds_a_checkpoint(tmp_path, capsys):
