@@ -57,12 +57,14 @@ PREPARE_FLAGS = OptionNames(source="--source", sizes="--sizes", skip_bad_rows="-
 
 def make_task(name: str, *, template: str | None = None, system: str | None = None,
               options: OptionNames = CONFIG_KEYS) -> QATask:
-    """The dataset's task; ``template`` and ``system`` shape custom ``jsonl`` prompts, and are an error elsewhere
-    (another dataset builds its own prompts, so they would be dropped unsaid)."""
+    """The dataset's task; ``template`` and ``system`` shape the prompts of a dataset that takes them (``jsonl``, or a
+    plugin's task with those fields), and are an error elsewhere (it builds its own prompts: they would be dropped
+    unsaid)."""
     if name not in DATASETS:
         raise ValueError(DATASETS.unknown(name) + " (and 'synthetic', which needs no preparing)")
     given = {key: value for key, value in {"template": template, "system": system}.items() if value is not None}
-    if given and name != "jsonl":
+    takes = {field.name for field in dataclasses.fields(DATASETS[name])}
+    if not set(given) <= takes:
         spelled = " and ".join(getattr(options, key) for key in given)
         raise ValueError(f"{spelled} {'are' if len(given) > 1 else 'is'} for the jsonl dataset only: {name} builds its own "
                          f"prompts (docs/datasets.md); drop {'them' if len(given) > 1 else 'it'}")

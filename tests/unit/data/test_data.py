@@ -370,7 +370,7 @@ def test_a_utf16_or_utf32_source_is_named_with_the_fix(tmp_path, encoding, name)
             prepare(make_task("jsonl"), str(source), (3, 2, 2), seed=0)
 
 
-def test_the_prompt_options_of_jsonl_are_refused_for_other_datasets(tmp_path, capsys):
+def test_the_prompt_options_of_jsonl_are_refused_for_other_datasets(tmp_path, capsys, monkeypatch):
     """A --template for hotpotqa was ignored: the manifest said template null and nothing told the person."""
     with pytest.raises(ValueError, match="data.template is for the jsonl dataset only"):
         make_task("hotpotqa", template="{question}")
@@ -378,6 +378,17 @@ def test_the_prompt_options_of_jsonl_are_refused_for_other_datasets(tmp_path, ca
                            "--sizes", "2,2,2", "--template", "{question}", "--system", "hi", "--out", tmp_path / "out")
     one_line_error(code, err, "--template and --system are for the jsonl dataset only", "hotpotqa")
     assert not (tmp_path / "out").exists()
+    # a plugin's dataset built on jsonl's takes them, under its own name
+    from dataclasses import dataclass
+
+    from nemo_jq.data.qa import DATASETS, CustomQA
+
+    @dataclass
+    class MyQA(CustomQA):
+        name: str = "my_qa"
+
+    monkeypatch.setitem(DATASETS, "my_qa", MyQA)
+    assert make_task("my_qa", template="Q: {question}", system="hi").template == "Q: {question}"
 
 
 def test_empty_questions_and_true_or_false_answers_are_bad_rows(tmp_path):
