@@ -263,9 +263,23 @@ def write_prepared(splits: Splits, manifest: dict[str, Any], out_dir: Path) -> N
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
-def prepare_again(folder: Path) -> str:
-    """The fix for a prepared folder that is broken or incomplete: write it afresh from its source."""
-    return f"prepare the data again (nemo-jq data prepare --dataset NAME --source SOURCE --sizes N,N,N --out {folder} --overwrite)"
+def prepare_again(folder: Path, manifest: dict[str, Any] | None = None) -> str:
+    """The fix for a prepared folder that is broken or incomplete: write it afresh from its source; the command in
+    full where its manifest says how it was made (placeholders where it cannot: no manifest, or prompt options of
+    the person's own, which a shell line would have to quote whole)."""
+    import shlex
+
+    made = manifest or {}
+    sizes = made.get("sizes") if isinstance(made.get("sizes"), dict) else {}
+    dataset = made.get("dataset") if made.get("dataset") in DATASETS else "NAME"
+    own_prompts = dataset == "NAME" or [made.get("template"), made.get("system")] != list(
+        prompt_options(DATASETS[dataset]()).values())
+    known = (isinstance(made.get("source"), str) and all(isinstance(sizes.get(split), int) for split in SPLITS)
+             and isinstance(made.get("seed"), int) and not own_prompts)
+    source, sizes_text, seed = ((shlex.quote(made["source"]), ",".join(str(sizes[split]) for split in SPLITS),
+                                 f" --seed {made['seed']}") if known else ("SOURCE", "N,N,N", ""))
+    return (f"prepare the data again (nemo-jq data prepare --dataset {dataset} --source {source} --sizes {sizes_text}"
+            f"{seed} --out {shlex.quote(str(folder))} --overwrite)")
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -285,26 +299,25 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 def load_prepared(folder: Path) -> Splits:
     """Splits written by ``nemo-jq data prepare``; every split must hold at least one example."""
     folder = Path(folder)
-    read_manifest(folder)
+    again = prepare_again(folder, read_manifest(folder))
     loaded = {}
     for name in SPLITS:
         path = folder / f"{name}.jsonl"
         if not path.is_file():
-            raise FileNotFoundError(f"{folder} is not a complete prepared dataset: it has no {name}.jsonl; "
-                                    f"{prepare_again(folder)}")
+            raise FileNotFoundError(f"{folder} is not a complete prepared dataset: it has no {name}.jsonl; {again}")
         rows = read_rows(path)
         if not rows:
             raise ValueError(f"{path} is empty: prepare the data again with a {name} size of at least 1")
-        loaded[name] = [prepared_example(path, number, row) for number, row in rows]
+        loaded[name] = [prepared_example(path, number, row, again) for number, row in rows]
     return Splits(**loaded)
 
 
-def prepared_example(path: Path, number: int, row: Any) -> Example:
+def prepared_example(path: Path, number: int, row: Any, again: str) -> Example:
     """Row ``number`` of a prepared split as an :class:`Example`; a row edited into another shape is an error naming it
-    (here, not deep in a training run)."""
+    (here, not deep in a training run) and ``again``, how to prepare the folder afresh."""
     problem = prepared_row_problem(row)
     if problem:
-        raise ValueError(f"{path}:{number}: {problem}; fix the row, or {prepare_again(path.parent)}")
+        raise ValueError(f"{path}:{number}: {problem}; fix the row, or {again}")
     return Example(**{**row, "aliases": tuple(row["aliases"])})
 
 

@@ -317,7 +317,9 @@ def test_a_hand_edited_prepared_row_is_one_line_naming_file_row_and_fix(tmp_path
         load_prepared(prepared)
     assert str(raised.value).startswith(f"{prepared / 'train.jsonl'}:1: {problem}")
     code, _, err = run_cli(capsys, "train", f"data.prepared_dir={prepared}", f"train.run_dir={tmp_path / 'run'}")
-    one_line_error(code, err, f"{prepared / 'train.jsonl'}:1: {problem}", f"--out {prepared} --overwrite")
+    one_line_error(code, err, f"{prepared / 'train.jsonl'}:1: {problem}",  # the command that made it, in full
+                   f"nemo-jq data prepare --dataset jsonl --source {tmp_path / 'mine.jsonl'} --sizes 4,4,4 --seed 0 "
+                   f"--out {prepared} --overwrite")
 
 
 def test_a_prepared_folder_with_a_corrupt_manifest_or_no_split_file_names_it_and_the_fix(tmp_path, capsys):
