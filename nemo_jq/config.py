@@ -6,7 +6,7 @@ hold (estimators and their options, backends, rollout engines, datasets, the gua
 checked against those registries once ``plugins`` are imported. The defaults are the embedded CPU demo
 (a tiny Qwen3 on the synthetic task).
 
-One file of ~580 lines: every section of a run's config, with each key's help, default and range beside it, is
+One file of ~600 lines: every section of a run's config, with each key's help, default and range beside it, is
 what `nemo-jq train --help` prints and what every layer reads; the checks across sections need them all.
 """
 
@@ -29,6 +29,7 @@ from nemo_jq.models import OPTIMIZERS, PRECISIONS
 from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
 from nemo_jq.objectives.importance import CORRECTIONS
 from nemo_jq.recipe.guard import GUARD_ACTIONS
+from nemo_jq.strict_yaml import parse_yaml, read_yaml_file
 from nemo_jq.typed import ConfigError, build, describe_fields, option
 
 #: Keys that may name a local file or folder (``section``, ``key``): made absolute when a config loads.
@@ -508,7 +509,7 @@ def _override(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> No
         if current_key(key) != key:
             _deprecated(key, current_key(key))
         fix = f"fix the syntax there, or quote a text value: {key}='\"...\"'"
-        _set_path(raw, current_key(key).split("."), _parse_yaml(value, f"override {item!r}", fix))
+        _set_path(raw, current_key(key).split("."), parse_yaml(value, f"override {item!r}", fix))
     _migrate(raw)
 
 
@@ -579,66 +580,6 @@ def _migrate(raw: dict[str, Any]) -> None:
         _deprecated("guard.action=paft", "guard.action=switch_estimator (with guard.estimator=paft, its default)")
         guard["action"] = "switch_estimator"
         guard.setdefault("estimator", "paft")
-
-
-def read_yaml_file(path: Path) -> Any:
-    """The YAML the file at ``path`` holds; a folder, or a file that is not UTF-8, is an error saying what to pass."""
-    if path.is_dir():
-        raise ConfigError(f"{path} is a directory: it must be a YAML file")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data[:err.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {data[err.start]:#04x}); save the file as UTF-8") from None
-    return _parse_yaml(text, str(path))
-
-
-def _parse_yaml(text: str, where: str, fix: str = "fix the syntax there") -> Any:
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except _DuplicateKey as err:
-        key, line, first_line = err.args
-        raise ConfigError(f"{where}:{line}: key '{key}' is given twice (first on line {first_line}): keep one (YAML "
-                          "would silently use the last)") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        place = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"{place}: invalid YAML ({problem}); {fix}") from None
-
-
-class _DuplicateKey(yaml.YAMLError):
-    """A key given twice in one mapping: (its dotted path, its line, the first one's line)."""
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader, but a key given twice is an error: safe_load silently keeps the last, so a second
-    ``train:`` dropped the first's run_dir and a run went to the wrong folder."""
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        _refuse_duplicate_keys(node, "", set())
-        return super().construct_document(node)
-
-
-def _refuse_duplicate_keys(node: yaml.Node, prefix: str, walked: set[int]) -> None:
-    """Raise :class:`_DuplicateKey` for the first key given twice in any mapping under ``node`` (``walked``: the nodes
-    seen, as an alias may point back up)."""
-    if id(node) in walked:
-        return
-    walked.add(id(node))
-    if isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            _refuse_duplicate_keys(item, f"{prefix}[{index}]", walked)
-    elif isinstance(node, yaml.MappingNode):
-        first_lines: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-            line = key_node.start_mark.line + 1
-            if key in first_lines:
-                raise _DuplicateKey(key, line, first_lines[key])
-            first_lines[key] = line
-            _refuse_duplicate_keys(value_node, key, walked)
 
 
 def save_config(config: Config, path: Path) -> None:

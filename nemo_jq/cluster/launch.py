@@ -72,7 +72,7 @@ class LaunchConfig:
 
 def load_launch_config(path: Path) -> LaunchConfig:
     """Read a launch YAML; unknown keys and impossible values raise ``ValueError`` naming them."""
-    from nemo_jq.config import read_yaml_file
+    from nemo_jq.strict_yaml import read_yaml_file
 
     values = read_yaml_file(Path(path)) or {}
     if not isinstance(values, dict):

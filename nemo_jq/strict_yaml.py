@@ -1,0 +1,73 @@
+"""YAML read strictly, for configs and launch files: a key given twice in a mapping is an error naming its line (PyYAML's
+``safe_load`` keeps the last silently: a second ``train:`` dropped the first's ``run_dir``, and a run went to the wrong
+folder), as are a file that is not UTF-8 and a folder given for a file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nemo_jq.typed import ConfigError
+
+
+def read_yaml_file(path: Path) -> Any:
+    """The YAML the file at ``path`` holds; a folder, or a file that is not UTF-8, is an error saying what to pass."""
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: it must be a YAML file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {data[err.start]:#04x}); save the file as UTF-8") from None
+    return parse_yaml(text, str(path))
+
+
+def parse_yaml(text: str, where: str, fix: str = "fix the syntax there") -> Any:
+    """``text`` (from ``where``) as YAML; a syntax error or a key given twice is one line saying where, and ``fix``."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except _DuplicateKey as err:
+        key, line, first_line = err.args
+        raise ConfigError(f"{where}:{line}: key '{key}' is given twice (first on line {first_line}): keep one (YAML "
+                          "would silently use the last)") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        place = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{place}: invalid YAML ({problem}); {fix}") from None
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping: (its dotted path, its line, the first one's line)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice is an error: safe_load silently keeps the last, so a second
+    ``train:`` dropped the first's run_dir and a run went to the wrong folder."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_duplicate_keys(node, "", set())
+        return super().construct_document(node)
+
+
+def _refuse_duplicate_keys(node: yaml.Node, prefix: str, walked: set[int]) -> None:
+    """Raise :class:`_DuplicateKey` for the first key given twice in any mapping under ``node`` (``walked``: the nodes
+    seen, as an alias may point back up)."""
+    if id(node) in walked:
+        return
+    walked.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{prefix}[{index}]", walked)
+    elif isinstance(node, yaml.MappingNode):
+        first_lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in first_lines:
+                raise _DuplicateKey(key, line, first_lines[key])
+            first_lines[key] = line
+            _refuse_duplicate_keys(value_node, key, walked)
