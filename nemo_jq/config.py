@@ -84,7 +84,7 @@ class DataConfig:
     train_size: int = option(768, "ignored with prepared_dir", ge=1)
     validation_size: int = option(64, "ignored with prepared_dir", ge=1)
     test_size: int = option(128, "ignored with prepared_dir", ge=1)
-    seed: int = option(0, "subset draw (and the synthetic expressions)", ge=0)
+    seed: int = option(0, "subset draw (and the synthetic expressions)", ge=0, le=2**32 - 1)
     num_operands: int = option(3, "synthetic only: operands per expression", ge=2)
     answer_width: int = option(0, "synthetic only: write the sum zero-padded to this many digits (0: as is); every digit "
                                "is a token a random model gives ~1/V, the knob of the escape-rates experiment", ge=0, le=12)
@@ -246,7 +246,7 @@ class TrainConfig:
         "rows nemo-jq plan's memory model fits on this GPU (nemo-jq train and dryrun resolve it, and say the number)",
         ge=1, choices=("auto",))
     max_steps: int | None = option(None, "stop after this many steps; null = all epochs", ge=1)
-    seed: int = option(0, ge=0)
+    seed: int = option(0, "every generator of the run (numpy's too: at most 2**32 - 1)", ge=0, le=2**32 - 1)
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     save_every: int = option(25, "checkpoint every this many steps", ge=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept (the best one is always kept)", ge=1)

@@ -55,6 +55,17 @@ def whole_number(text: str) -> int:
     return int(text)
 
 
+#: The largest seed the generators take (numpy's: a run seeds it too).
+LARGEST_SEED = 2**32 - 1
+
+
+def seed(text: str) -> int:
+    """A random seed: a whole number the run's generators all take."""
+    if not text.isdigit() or int(text) > LARGEST_SEED:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {LARGEST_SEED}; got {text!r}")
+    return int(text)
+
+
 def output_problem(path: Path, what: str, is_earlier: Callable[[str], bool]) -> str | None:
     """What keeps a command from writing ``what`` to ``path`` (None: nothing), checked before its work: the path is a
     file's in a folder that exists, and a file already there is an earlier ``what`` (``is_earlier`` of its text),

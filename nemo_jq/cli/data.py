@@ -25,7 +25,7 @@ def add_parser(commands) -> None:
     prep.add_argument("--out", type=Path, required=True, help="a new folder (one that holds prepared data is refused)")
     prep.add_argument("--overwrite", action="store_true", help="if --out holds prepared data, move it aside to NAME.old-<time> first")
     prep.add_argument("--sizes", help="train,validation,test sizes (default: the paper's for its datasets)")
-    prep.add_argument("--seed", type=arguments.whole_number, default=0)
+    prep.add_argument("--seed", type=arguments.seed, default=0)
     prep.add_argument("--on-bad-row", default="skip", choices=("skip", "fail"))
     prep.add_argument("--template", type=arguments.with_escapes,
                       help="jsonl: user-turn template over {question} and {context}; \\n is a new line")

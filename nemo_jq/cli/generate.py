@@ -23,7 +23,7 @@ def add_parser(commands) -> None:
     generate.add_argument("--answer", help="the reference answer: each sample is then marked correct or not")
     generate.add_argument("--samples", type=arguments.positive, default=1, help="samples to draw (default 1)")
     generate.add_argument("--greedy", action="store_true", help="argmax decoding instead of the run's sampling")
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--seed", type=arguments.seed, default=0)
     generate.add_argument("--step", default="best", help=arguments.STEP_HELP)
     generate.add_argument("--json", action="store_true", help="print JSON instead of text")
     generate.add_argument("overrides", nargs="*", help="how it samples and where it runs, e.g. rollout.max_thinking_tokens=512")
@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = load(args)
     parts, selected = loaded.components, loaded.selected
     example = Example("generate", args.question, answer, context=args.context)
+    if args.context and parts.prompt_ids([example]) == parts.prompt_ids([Example("generate", args.question, answer)]):
+        raise ValueError(f"--context: this run's task (data.name={parts.config.data.name}) puts no passage in its "
+                         "prompts, so the model would never see it: drop --context")
     generator = new_generator(parts.device).manual_seed(args.seed)
     [group] = parts.engine.generate(parts.prompt_ids([example]), args.samples, sample_answers=True, generator=generator,
                                     greedy=args.greedy)

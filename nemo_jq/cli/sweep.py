@@ -11,9 +11,10 @@ from nemo_jq.cli import arguments
 def seeds(text: str) -> list[int]:
     """``0,1,2`` -> ``[0, 1, 2]``."""
     try:
-        return [int(item) for item in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be whole numbers separated by commas (e.g. 0,1,2); got {text!r}") from None
+        return [arguments.seed(item) for item in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be seeds (whole numbers from 0 to {arguments.LARGEST_SEED}) separated "
+                                         f"by commas, e.g. 0,1,2; got {text!r}") from None
 
 
 def add_parser(commands) -> None:

@@ -132,8 +132,19 @@ def test_a_path_that_is_not_what_a_command_wants_is_named_with_the_fix(tmp_path,
     a_file = tmp_path / "figures.txt"
     a_file.write_text("mine")
     code, _, err = run_cli(capsys, "theory", "--out", a_file)
-    one_line_error(code, err, f"file exists: {a_file}; a file is there where a folder is wanted: give another path")
+    one_line_error(code, err, f"--out {a_file} is a file: give a folder")
     assert a_file.read_text() == "mine"
+    notes = tmp_path / "notes"  # a folder of the person's own, holding a theory.json theory did not write
+    notes.mkdir()
+    (notes / "theory.json").write_text('{"mine": 1}')
+    code, _, err = run_cli(capsys, "theory", "--out", notes)
+    one_line_error(code, err, f"--out {notes} holds theory.json, which is no earlier report of nemo-jq theory")
+    assert (notes / "theory.json").read_text() == '{"mine": 1}' and not (notes / "escape_time.png").exists()
+    for _ in range(2):  # its own earlier report is written over
+        assert run_cli(capsys, "theory", "--out", tmp_path / "theory")[0] == 0
+    with pytest.raises(SystemExit) as refused:
+        main(["generate", str(tmp_path), "3 + 4", "--seed", str(2**64)])
+    assert refused.value.code == 2 and "argument --seed: must be a whole number from 0 to 4294967295" in capsys.readouterr().err
 
 
 def test_auto_row_chunks_are_resolved_said_and_saved(tmp_path, capsys):

@@ -328,6 +328,8 @@ def test_generate_refuses_a_question_or_answer_no_sample_could_be_scored_against
     one_line_error(code, err, "'the' is empty once normalised", "leave --answer out")
     code, out, _ = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "--answer", " 12 ", "--json")
     assert code == 0 and json.loads(out)["reference"] == "12"
+    code, _, err = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "--context", "a passage")  # the synthetic task's
+    one_line_error(code, err, "data.name=synthetic) puts no passage in its prompts", "drop --context")
 
 
 def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp_path, capsys):

@@ -80,6 +80,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (["optim.lr=nan"], "optim.lr must be a finite number; got 'nan'"),
         (["objective.importance_bounds=[0.5, .inf]"], r"objective.importance_bounds\[1\] must be a finite number"),
         (["train.collective_timeout_minutes=1e300"], r"train.collective_timeout_minutes must be > 0.0 and <= 10080.0; got 1e\+300"),
+        (["train.seed=4294967296"], r"train.seed must be >= 0 and <= 4294967295; got 4294967296"),
         (["data.template={question}"], r"data.template must be str; got \{'question': None\} \(YAML reads \{...\} as a mapping: "
          r"quote the value, e.g. data.template='\"\{...\}\"'\)"),
         (["data.template={question} Answer:"], r"invalid YAML .*; fix the syntax there, or quote a text value: data.template="),
