@@ -12,9 +12,10 @@ SHARED = [
     (("--seeds",), dict(type=int, nargs="+", default=[0, 1, 2])),
     (("--quick",), dict(action="store_true", help="a few-second smoke size (not a result)")),
     (("--overwrite",), dict(action="store_true", help="if --out holds an experiment, move it aside first")),
-    (("--methods",), dict(type=lambda text: [name.strip() for name in text.split(",")], default=[], metavar="NAME,NAME",
-                          help="run only these methods (e.g. adaptive,q=1); default: all")),
 ]
+#: ``--methods``, shared too; its help gives an example of the methods each experiment takes (:data:`METHODS_EXAMPLE`).
+METHODS = dict(type=lambda text: [name.strip() for name in text.split(",")], default=[], metavar="NAME,NAME")
+METHODS_EXAMPLE = {"noisy-cold-start": "adaptive,q=1", "escape-rates": "GRPO,q=1", "warm-start": "'GRPO,PAFT q=0.25'"}
 
 
 def knobs(text: str) -> dict[str, float]:
@@ -22,12 +23,16 @@ def knobs(text: str) -> dict[str, float]:
     parsed = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
+        name = name.strip()
         try:
-            if not name.strip():
+            if not name:
                 raise ValueError
-            parsed[name.strip()] = float(value)
+            number = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be KNOB=NUMBER,... (e.g. cold_p=0.0625,q_min=0.25); got {item!r}") from None
+        if name in parsed:
+            raise argparse.ArgumentTypeError(f"{name} is given twice: drop one")
+        parsed[name] = number
     return parsed
 
 
@@ -56,13 +61,16 @@ def add_parser(commands) -> None:
                                      + ", ".join(EXPERIMENTS) + " (nemo-jq experiment NAME --help: its options)")
     experiment.add_argument("-h", "--help", action=ExperimentHelp, nargs=0, help="this help, or NAME's")
     experiment.add_argument("name", choices=EXPERIMENTS)
-    add_options(experiment, [option for own in OWN.values() for option in own])
+    add_options(experiment, [option for own in OWN.values() for option in own],
+                ", ".join(f"{example} ({name})" for name, example in METHODS_EXAMPLE.items()))
     experiment.set_defaults(run=run)
 
 
-def add_options(parser: argparse.ArgumentParser, own: list) -> None:
-    """The shared options, ``own`` (an experiment's, or all of them), and the overrides."""
-    for flags, options in SHARED + own:
+def add_options(parser: argparse.ArgumentParser, own: list, methods_example: str) -> None:
+    """The shared options, ``own`` (an experiment's, or all of them), and the overrides; ``--methods`` with
+    ``methods_example``, methods the experiment (or each) takes."""
+    methods = (("--methods",), {**METHODS, "help": f"run only these methods (e.g. {methods_example}); default: all"})
+    for flags, options in [*SHARED, methods, *own]:
         parser.add_argument(*flags, **options)
     parser.add_argument("overrides", **OVERRIDES)
 
@@ -80,7 +88,7 @@ class ExperimentHelp(argparse.Action):
         module = importlib.import_module(f"nemo_jq.experiments.{name.replace('-', '_')}")
         own = argparse.ArgumentParser(prog=f"{parser.prog} {name}", description=module.__doc__.split("\n\n", 1)[0].replace("``", ""),
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
-        add_options(own, OWN[name])
+        add_options(own, OWN[name], METHODS_EXAMPLE[name])
         own.print_help()
         parser.exit()
 

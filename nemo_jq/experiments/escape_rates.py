@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nemo_jq.config import ConfigError, load_config
-from nemo_jq.experiments.noisy_cold_start import slug
+from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, refuse_repeats, slug
 from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
@@ -51,6 +51,10 @@ QUICK = ["data.train_size=24", "data.validation_size=4", "data.test_size=4", "tr
          "train.micro_batch_size=4", "rollout.max_thinking_tokens=3", "model.tiny.hidden_size=32",
          "model.tiny.intermediate_size=64"]
 SUMMARY_FILE, TABLE_FILE, FIGURE_FILE = "summary.json", "table.md", "escape_rates.png"
+#: The keys each run sets (:data:`~nemo_jq.experiments.common.PER_RUN`), with its width and its optimizer's settings.
+CONTROLLED = {**PER_RUN, "data.seed": ("per seed", "--seeds"), "data.answer_width": ("per width", "--widths"),
+              **dict.fromkeys({item.partition("=")[0] for settings in OPTIMIZERS.values() for item in settings},
+                              ("per optimizer (SGD's own, AdamW's defaults)", None))}
 
 
 def methods() -> dict[str, list[str]]:
@@ -174,13 +178,12 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, widths: Sequence[int]
     ``train(overrides, cap)`` runs one configuration and returns its metrics records (default: the trainer, stopped
     at escape)."""
     out_dir = Path(out_dir)
+    refuse_repeats("--seeds", seeds)
+    refuse_repeats("--widths", widths or ())
+    refuse_per_run_keys("escape-rates", overrides, CONTROLLED)
     widths = widths or ((2, 3) if quick else WIDTHS)
     cap = (4 if quick else CAP) if cap is None else cap
-    plan = methods()
-    unknown = sorted(set(only) - set(plan))
-    if unknown:
-        raise ConfigError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, plan))}")
-    plan = {name: method for name, method in plan.items() if not only or name in only}
+    plan = chosen_methods(methods(), only)
     if cap < 1:
         raise ConfigError(f"--cap must be at least 1 step; got {cap}")
     base = [*SETTINGS, *(QUICK if quick else []), *overrides]

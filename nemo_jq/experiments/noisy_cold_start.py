@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 import yaml
 
-from nemo_jq.config import ConfigError, load_config
+from nemo_jq.config import load_config
+from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, refuse_repeats, slug
 from nemo_jq.runtime.monitor import plot_runs, read_metrics
 from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
@@ -63,10 +64,8 @@ def methods(steps: int, adaptive: dict[str, float] | None = None) -> dict[str, l
 
 
 SUMMARY_FILE, TABLE_FILE, TRADEOFF_FILE = "summary.json", "table.md", "tradeoff.png"
-
-
-def slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c in ".=" else "_" for c in name).strip("_")
+#: The keys each run sets (:data:`~nemo_jq.experiments.common.PER_RUN`), with the noise rate every run takes.
+CONTROLLED = {**PER_RUN, "data.seed": ("per seed", "--seeds"), "data.label_noise": ("from --label-noise", "--label-noise")}
 
 
 #: log P̂ above which a run has left P̂ ≈ 0 (the demo's reading uses it too): e^-5 ≈ 0.7%, where the initial is ~e^-21.
@@ -88,16 +87,14 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
     from nemo_jq.recipe.trainer import Trainer
 
     out_dir = Path(out_dir)
+    refuse_repeats("--seeds", seeds)
+    refuse_per_run_keys("noisy-cold-start", overrides, CONTROLLED)
     base = [*(QUICK if quick else SETTINGS), f"data.label_noise={label_noise}", *overrides]
     probe = load_config(None, base)
     steps = probe.train.epochs * math.ceil(probe.data.train_size / probe.train.batch_size)
     if probe.train.max_steps:
         steps = min(steps, probe.train.max_steps)
-    plan = methods(steps, adaptive)
-    unknown = sorted(set(only) - set(plan))
-    if unknown:
-        raise ConfigError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, plan))}")
-    plan = {name: overrides_of for name, overrides_of in plan.items() if not only or name in only}
+    plan = chosen_methods(methods(steps, adaptive), only)
     for method in plan.values():  # every run's config is checked before anything is written or trained
         load_config(None, [*base, *method])
     claim_dir(out_dir, (SUMMARY_FILE, TABLE_FILE, TRADEOFF_FILE, *map(slug, plan)), overwrite=overwrite,

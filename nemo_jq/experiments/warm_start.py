@@ -33,7 +33,7 @@ import torch
 
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES
-from nemo_jq.experiments.noisy_cold_start import slug
+from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, refuse_repeats, slug
 from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
@@ -65,6 +65,10 @@ DEPENDENCES = ("none", "operations")
 #: A run has collapsed when its validation m@k falls below this share of its peak and stays there to the end.
 COLLAPSE_FRACTION = 0.1
 SUMMARY_FILE, TABLE_FILE = "summary.json", "table.md"
+#: The keys each run sets (:data:`~nemo_jq.experiments.common.PER_RUN`), with its setting; a method's run also starts
+#: from the warm policy (an override of model.path sets the warm-up's start).
+CONTROLLED = {**PER_RUN, "data.rationale_dependence": ("per setting", "--dependences")}
+METHODS_CONTROLLED = {**CONTROLLED, "model.path": ("to the warm policy", None)}
 
 
 def methods() -> dict[str, list[str]]:
@@ -175,6 +179,10 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence
     into ``out_dir/<setting>/<method>/seed<S>``; then the table and figures. ``overrides`` set both phases,
     ``methods_overrides`` the methods' phase only (e.g. its learning rate: the warm-up's SFT keeps its own)."""
     out_dir = Path(out_dir)
+    refuse_repeats("--seeds", seeds)
+    refuse_repeats("--dependences", dependences or ())
+    refuse_per_run_keys("warm-start", overrides, CONTROLLED)
+    refuse_per_run_keys("warm-start", methods_overrides, METHODS_CONTROLLED, given_as="--methods-override")
     dependences = list(dependences or DEPENDENCES)
     unknown = sorted(set(dependences) - set(RATIONALE_DEPENDENCES))
     if unknown:
@@ -182,11 +190,7 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence
                           f"{', '.join(RATIONALE_DEPENDENCES)}")
     if not 0 <= target_p1 <= 100:
         raise ConfigError(f"--target-p1 is a validation p@1 in percent, in [0, 100]; got {target_p1:g}")
-    plan = methods()
-    unknown = sorted(set(only) - set(plan))
-    if unknown:
-        raise ConfigError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, plan))}")
-    plan = {name: method for name, method in plan.items() if not only or name in only}
+    plan = chosen_methods(methods(), only)
     size = QUICK if quick else []
     phases = {"warm-up": [*COMMON, *size, *overrides, *(QUICK_WARMUP if quick else WARMUP)],
               "methods": [*COMMON, *SETTINGS, *size, *overrides, *methods_overrides]}

@@ -3,6 +3,7 @@
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -86,6 +87,68 @@ def test_the_experiment_places_runs_at_the_measured_p0_fits_and_censors(tmp_path
     assert "| SGD | GRPO | >100 [" in table and "W=3: log p0 -18.1" in table
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["cap"] == 100
     assert (tmp_path / "out" / "escape_rates.png").stat().st_size > 0
+
+
+#: Per experiment: options that keep it small, then bad input and what its one-line error must say.
+REFUSED = {
+    "escape-rates": (["--methods", "q=1", "--widths", "2"], [
+        (["--seeds", "0", "0"], ["--seeds: 0 is given twice: drop one"]),
+        (["--widths", "2", "3", "2"], ["--widths: 2 is given twice"]),
+        (["--methods", "q=1,GRPO,q=1"], ["--methods: 'q=1' is given twice"]),
+        (["objective.q=0.3"], ["override objective.q=0.3", "sets objective.q per method", "use --methods"]),
+        (["data.answer_width=4"], ["sets data.answer_width per width", "use --widths"]),
+        (["train.run_dir=elsewhere"], ["sets train.run_dir", "use --out"]),
+        (["train={seed: 3}"], ["sets train.seed per seed", "use --seeds"]),
+        (["optim.lr=0.001"], ["sets optim.lr per optimizer", "drop it"])]),
+    "noisy-cold-start": (["--methods", "q=1"], [
+        (["--seeds", "1", "0", "1", "1"], ["--seeds: 1 is given 3 times: drop all but one"]),
+        (["data.label_noise=0.3"], ["sets data.label_noise from --label-noise", "use --label-noise"]),
+        (["data.seed=4"], ["sets data.seed per seed", "use --seeds"]),
+        (["objective.q_schedule={name: linear, num_steps: 4}"], ["sets objective.q_schedule per method"])]),
+    "warm-start": (["--methods", "GRPO", "--dependences", "none"], [
+        (["--dependences", "none", "sum", "none"], ["--dependences: 'none' is given twice"]),
+        (["--methods", "GRPO,PAFT q=0.25,GRPO"], ["--methods: 'GRPO' is given twice"]),
+        (["data.rationale_dependence=sum"], ["sets data.rationale_dependence per setting", "use --dependences"]),
+        (["train.seed=1"], ["sets train.seed per seed", "use --seeds"]),
+        (["--methods-override", "objective.q=0.5"], ["--methods-override objective.q=0.5", "use --methods"]),
+        (["--methods-override", "model.path=elsewhere"], ["sets model.path to the warm policy", "drop it"])]),
+}
+
+
+def test_each_experiment_refuses_repeated_values_and_overrides_of_keys_its_runs_set_before_anything_is_written(
+        tmp_path, capsys, monkeypatch):
+    """A seed given twice used to train its runs, then die at the second one's folder (`--resume`, the wrong fix); an
+    override of a key each run sets was ignored yet recorded among the settings."""
+    def refuse_to_train(config):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr("nemo_jq.recipe.trainer.Trainer", refuse_to_train)
+    monkeypatch.chdir(tmp_path)  # where train.run_dir=elsewhere would land
+    for name, (small, cases) in REFUSED.items():
+        for extra, fragments in cases:
+            one_line_error(*run_cli(capsys, "experiment", name, "--out", "out", *small, "--seeds", "0", "--quick",
+                                    *extra)[::2], *fragments)
+    assert not list(tmp_path.iterdir())
+
+
+def test_overrides_of_keys_no_run_sets_are_kept(tmp_path):
+    escaped = lambda overrides, cap: train_records([-4.0])  # noqa: E731
+    summary = run_experiment(tmp_path / "out", seeds=[0], widths=[2], cap=2, only=["q=1"], train=escaped,
+                             overrides=["train={epochs: 3}", "objective.importance=none"])
+    assert summary["settings"][-2:] == ["train={epochs: 3}", "objective.importance=none"]
+
+
+def test_each_experiment_s_methods_help_gives_methods_it_takes(capsys):
+    """The shared --methods help said "e.g. adaptive,q=1" under escape-rates, which has no adaptive method."""
+    from nemo_jq.experiments import noisy_cold_start, warm_start
+
+    takes = {"noisy-cold-start": noisy_cold_start.methods(steps=8), "escape-rates": escape_rates.methods(),
+             "warm-start": warm_start.methods()}
+    for name, plan in takes.items():
+        with pytest.raises(SystemExit):
+            run_cli(capsys, "experiment", name, "--help")
+        example = re.search(r"run only these methods \(e\.g\. (.+?)\); default", " ".join(capsys.readouterr().out.split()))
+        assert set(example.group(1).strip("'").split(",")) <= set(plan), (name, example.group(1))
 
 
 def test_answer_width_pads_the_answer_and_only_the_padded_answer_earns_the_reward():

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from helpers import one_line_error, run_cli
 from nemo_jq.config import load_config
 from nemo_jq.experiments.noisy_cold_start import aggregate, methods, steps_to_escape
 
@@ -38,6 +39,14 @@ def test_every_method_shares_the_settings_and_schedules_span_the_run():
     assert "cold_p: 0.25, ema_decay: 0.5" in methods(steps=384, adaptive={"cold_p": 0.25, "ema_decay": 0.5})["adaptive"][-1]
     tiny = methods(steps=384, adaptive={"cold_p": 1e-5})["adaptive"][-1]  # written so that YAML reads a number back
     assert load_config(None, [tiny]).objective.q_schedule["cold_p"] == 1e-5
+
+
+def test_a_knob_given_twice_to_adaptive_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:  # argparse's own error
+        run_cli(capsys, "experiment", "noisy-cold-start", "--out", tmp_path / "x", "--quick", "--seeds", "0", "--methods",
+                "adaptive", "--adaptive", "cold_p=0.1,cold_p=0.2")
+    one_line_error(refused.value.code, capsys.readouterr().err, "--adaptive: cold_p is given twice: drop one")
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow
