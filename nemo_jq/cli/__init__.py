@@ -8,6 +8,7 @@ import errno
 import importlib
 import os
 import sys
+from typing import Callable
 
 from nemo_jq.runtime.preemption import Stopped, guard_terminal_streams, stop_with_parent
 
@@ -26,6 +27,19 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def parse_words(parser: argparse.ArgumentParser, words: list[str] | None,
+                errors_of: Callable[[argparse.Namespace], argparse.ArgumentParser] | None = None) -> argparse.Namespace:
+    """``words`` read by ``parser`` as ``nemo-jq`` reads a command: key=value words after an option are overrides too;
+    any other stray word is one line from the parser ``errors_of`` names (the command's own), exit 2."""
+    args, extra = parser.parse_known_args(words)
+    stray = [word for word in extra if word.startswith("-") or "=" not in word]
+    if stray or (extra and not hasattr(args, "overrides")):
+        (errors_of(args) if errors_of else parser).error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:  # key=value words after an option land here
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     stop_with_parent()
     guard_terminal_streams()
@@ -35,12 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     for command in COMMANDS:
         importlib.import_module(f"nemo_jq.cli.{command}").add_parser(commands)
 
-    args, extra = parser.parse_known_args(argv)
-    stray = [word for word in extra if word.startswith("-") or "=" not in word]
-    if stray or (extra and not hasattr(args, "overrides")):
-        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(stray or extra)}")
-    if extra:  # key=value words after an option land here
-        args.overrides = [*args.overrides, *extra]
+    args = parse_words(parser, argv, lambda args: commands.choices[args.command])
     try:
         code = args.run(args)
         if not code:  # every rank got here: end the process groups together (a failed rank's peers are stopped)

@@ -21,10 +21,9 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.cluster import doctor
-    from nemo_jq.cluster.launch import separate_rollout_ranks
 
     if args.config is not None and not args.config.is_file():
         raise ValueError(f"--config {args.config}: no such file")
-    info = doctor.report(args.model, separate_rollout_ranks(args.config, args.overrides))
+    info = doctor.report(args.model, doctor.rollout_ranks(args.config, args.overrides))
     print(json.dumps(info, indent=2) if args.json else doctor.format_report(info))
     return 0

@@ -13,28 +13,44 @@ def add_parser(commands) -> None:
         description="nemo-jq launch launch.yaml [--dryrun] train --config /abs/config.yaml model.backend=megatron ...\n\n"
         "launch.yaml keys: executor (slurm, docker, local), account, partition, nodes, gpus_per_node, time,\n"
         "container_image, container_mounts (host:container), env, network_interface (gloo's and NCCL's sockets),\n"
-        "job_dir, signal. Needs the launch extra.",
+        "job_dir, signal, master_port, exclusive, mem, cpus_per_task. The command's words are read by its own\n"
+        "parser here, before anything is queued. Needs the launch extra.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     launcher.add_argument("launch_config", type=Path, help="launch YAML")
-    launcher.add_argument("--dryrun", action="store_true", help="print the sbatch script (SLURM) instead of submitting")
+    launcher.add_argument("--dryrun", action="store_true",
+                          help="show what would be submitted (SLURM: the sbatch script) and write nothing; before the command")
     launcher.add_argument("launched", nargs=argparse.REMAINDER, help="a nemo-jq command and its arguments")
     launcher.set_defaults(nemo_jq_commands=commands.choices)  # filled in as the commands are added
     launcher.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from nemo_jq.cli import parse_words
     from nemo_jq.cluster import launch
 
     while args.launched and args.launched[0] in ("--dryrun", "--"):  # argparse's remainder keeps options after the config
         args.dryrun |= args.launched.pop(0) == "--dryrun"
     if not args.launched:
         raise ValueError("nemo-jq launch needs the command to run after the launch config, e.g. train --config C.yaml")
-    known = sorted(name for name in args.nemo_jq_commands if name != "launch")
-    if args.launched[0] not in known:
-        close = difflib.get_close_matches(args.launched[0], known, n=1)
-        raise ValueError(f"{args.launched[0]!r} is not a nemo-jq command"
+    name, words = args.launched[0], args.launched[1:]
+    if name == "launch":
+        raise ValueError("launch cannot wrap launch: give one launch config, then the command it runs "
+                         f"(nemo-jq launch {args.launch_config} train --config C.yaml)")
+    known = sorted(command for command in args.nemo_jq_commands if command != "launch")
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        raise ValueError(f"{name!r} is not a nemo-jq command"
                          + (f" (did you mean {close[0]!r}?)" if close else f"; choose one of {', '.join(known)}"))
-    script = launch.launch(launch.load_launch_config(args.launch_config), args.launched, dryrun=args.dryrun)
+    parser = args.nemo_jq_commands[name]
+    if "--dryrun" in words and "--dryrun" not in parser._option_string_actions:
+        raise ValueError(f"--dryrun after the command goes to {name}, which takes no --dryrun: put it before the command "
+                         f"(nemo-jq launch {args.launch_config} --dryrun {name} ...)")
+    arguments = parse_words(parser, words)  # as nemo-jq reads them, before anything is written or queued
+    paths = {action.option_strings[0] if action.option_strings else action.dest: getattr(arguments, action.dest)
+             for action in parser._actions if action.type is Path}
+    config = launch.load_launch_config(args.launch_config)
+    script = launch.launch(config, args.launched, arguments, paths, dryrun=args.dryrun)
     if script is not None:
         print(script)
     return 0
+

@@ -10,7 +10,10 @@ import importlib
 import os
 import platform
 from importlib import metadata
+from pathlib import Path
 from typing import Any
+
+from nemo_jq.typed import ConfigError
 
 #: The launcher's view of this process: torchrun's variables, then SLURM's.
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES",
@@ -78,7 +81,10 @@ def report(model: str | None = None, rollout_ranks: int = 0) -> dict[str, Any]:
     info.update(_vllm(cuda, head_dim, model or "the demo's tiny model"))
     info["launch"] = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
     info["network interfaces"] = network_interfaces()
-    info["world size / rank"] = f"{os.environ.get('WORLD_SIZE', '1')} / {os.environ.get('RANK', '0')}"
+    try:
+        info["world size / rank"] = "{} / {}".format(*launched_world())
+    except ValueError as err:
+        info["world size / rank"] = f"unusable: {err}"
     if rollout_ranks:
         info["role (rollout.placement=separate)"] = role(rollout_ranks)
     return info
@@ -123,16 +129,56 @@ def network_interfaces() -> str:
     return f"{', '.join(found) or 'none with an address'}" + (f"; {'; '.join(said)}" if said else unset)
 
 
+def launched_world() -> tuple[int, int]:
+    """``WORLD_SIZE`` and ``RANK`` as the launcher set them (1 and 0 where unset); one that is not a process count, or
+    a rank outside that world, raises ``ValueError`` naming it."""
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    if not world.isdigit() or int(world) < 1:
+        raise ValueError(f"WORLD_SIZE={world!r} is not a process count (a whole number >= 1): unset it, or start under "
+                         "torchrun/srun")
+    if not rank.isdigit() or int(rank) >= int(world):
+        raise ValueError(f"RANK={rank!r} is not a rank of a world of WORLD_SIZE={world} (0 to {int(world) - 1}): unset "
+                         "both, or start under torchrun/srun, which set them together")
+    return int(world), int(rank)
+
+
 def role(rollout_ranks: int) -> str:
     """This rank's role in a world whose last ``rollout_ranks`` sample (the rule the run splits by), or what is wrong."""
     from nemo_jq.runtime.distributed import role_of
 
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    try:
+        world, rank = launched_world()
+    except ValueError as err:
+        return f"none: {err}"
     if rollout_ranks >= world:
         return (f"none: rollout.ranks={rollout_ranks} leaves no training rank in a world of {world} (start at least "
                 f"{rollout_ranks + 1} processes)")
     name, within, size = role_of(rank, world, rollout_ranks)
     return f"{name} rank {within} of {size} (global rank {rank} of {world})"
+
+
+def rollout_ranks(config: Path | None, overrides: list[str]) -> int:
+    """``rollout.ranks`` when the run's config (``config`` under ``overrides``, loaded as ``train`` loads it) sets
+    ``rollout.placement=separate``, else 0. A bad override is an error naming it (with a did-you-mean), a bad config an
+    error naming the file, and saying so where the file is a launch YAML (``nemo-jq launch``'s) instead."""
+    import dataclasses
+
+    from nemo_jq.cluster.launch import LaunchConfig
+    from nemo_jq.config import check_overrides, load_config
+    from nemo_jq.strict_yaml import read_yaml_file
+
+    check_overrides(overrides)
+    try:
+        return load_config(config, overrides).rollout.own_ranks
+    except ConfigError as err:
+        if config is None or str(config) in str(err):
+            raise
+        keys = read_yaml_file(config)
+        launch_keys = sorted(set(keys) & {f.name for f in dataclasses.fields(LaunchConfig)}) if isinstance(keys, dict) else []
+        if launch_keys:
+            raise ConfigError(f"--config {config} looks like a launch file (it sets {', '.join(launch_keys)}, which nemo-jq "
+                              "launch reads), not a run's config: give --config the config train takes") from None
+        raise ConfigError(f"--config {config}: {err}") from None
 
 
 def _vllm(cuda: bool, head_dim: int, model: str) -> dict[str, Any]:

@@ -17,20 +17,43 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import re
+import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nemo_jq.runtime.preemption import REQUEUE_EXIT_CODE
+from nemo_jq.typed import ConfigError, check_range, check_type, option
 
 EXECUTORS = ("slurm", "docker", "local")
-#: SLURM's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (sbatch rejects ``4h``).
-SLURM_TIME = re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)")
-#: ``--mem``: a size with an optional K/M/G/T unit; 0: all of each node's memory.
-SLURM_MEM = re.compile(r"\d+[KMGT]?")
+#: Where NeMo-Run starts the job's command under SLURM and Docker: a relative path is read there, not where it was typed.
+JOB_WORKDIR = "/nemo_run/code"
+#: The launch keys SLURM reads in a form of its own (each into the batch script): the form, and how to write it.
+SLURM_FORMS = {
+    #: SLURM's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (sbatch rejects ``4h``).
+    "time": (re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)"),
+             'is not a SLURM time limit: write it quoted as "HH:MM:SS", "D-HH:MM:SS" or minutes ("240"); an unquoted '
+             "2:00:00 is YAML's number 7200"),
+    #: ``--mem``: a size with an optional K/M/G/T unit; 0: all of each node's memory.
+    "mem": (re.compile(r"\d+[KMGT]?"), 'is not a SLURM memory size: "0" (all of the node\'s), "512G", ...'),
+    #: ``--signal``: ``[{R|B}:]SIGNAL[@SECONDS]``, the signal by name or number.
+    "signal": (re.compile(r"([RB]{1,2}:)?(SIG)?([A-Z][A-Z0-9]*|\d+)(@\d+)?"),
+               "is not a signal as sbatch --signal takes it: USR1@300 (SIGUSR1 300 s before the time limit, the one the "
+               "trainer checkpoints on), or B:USR1@300 for the batch shell alone"),
+    "account": (re.compile(r"[\w.-]+"), "is not a SLURM account name: one name, as sacctmgr lists it"),
+    "partition": (re.compile(r"[\w.-]+(,[\w.-]+)*"), "is not a SLURM partition: one name, or several comma-separated "
+                  "(batch,debug)"),
+    "network_interface": (re.compile(r"[=^]?[\w.:-]+(,[\w.:-]+)*"),
+                          "is not an interface name: write it as the node calls it (ib0, eth0; a comma-separated list, "
+                          "as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME take it), or leave it out"),
+}
+#: A name the batch script can ``export`` (NeMo-Run writes ``export NAME=value``).
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: The experiment title NeMo-Run files the job under (``job_dir/experiments/nemo-jq/nemo-jq_<id>``).
 TITLE = "nemo-jq"
 #: The batch script's last word after ``train --requeue`` exits with :data:`~nemo_jq.runtime.preemption.REQUEUE_EXIT_CODE`:
@@ -44,18 +67,20 @@ REQUEUE_ON_EXIT = (f"trap 'status=$?; if [ \"$status\" = {REQUEUE_EXIT_CODE} ]; 
 
 @dataclass
 class LaunchConfig:
-    executor: str = "slurm"
+    executor: str = option("slurm", choices=EXECUTORS)
     account: str | None = None
     partition: str | None = None
-    nodes: int = 1
-    gpus_per_node: int = 8
+    nodes: int = option(1, ge=1)
+    gpus_per_node: int = option(8, ge=1)
     time: str = "04:00:00"
     #: What pyxis/enroot (SLURM) or Docker runs: ``REGISTRY#IMAGE:TAG`` (``nvcr.io#nvidia/pytorch:25.04-py3``) or a
     #: squashfs path on a filesystem every node sees (``enroot import -o /shared/nemo-jq.sqsh dockerd://nemo-jq``).
     container_image: str | None = None
     #: host:container pairs; the config and run directory must be reachable through them (absolute paths).
-    container_mounts: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    container_mounts: list[str] = option(factory=list, help="a YAML list of host:container pairs, e.g. "
+                                         "container_mounts: [/lustre/me:/lustre/me]")
+    env: dict[str, str] = option(factory=dict, help="a mapping of names to quoted values, e.g. env: {NCCL_IB_HCA: mlx5, "
+                                 "OMP_NUM_THREADS: '4'}")
     #: The network interface the ranks talk over (multi-NIC nodes, containers): GLOO_SOCKET_IFNAME and
     #: NCCL_SOCKET_IFNAME, unless ``env`` sets them (``nemo-jq doctor`` says whether it resolves on a node).
     network_interface: str | None = None
@@ -63,52 +88,76 @@ class LaunchConfig:
     job_dir: str = "nemo_run_jobs"
     signal: str = "USR1@300"
     #: The rendezvous port on the first node (SLURM).
-    master_port: int = 29500
+    master_port: int = option(29500, help="a free TCP port number, e.g. master_port: 29500", ge=1, le=65535)
     #: SLURM: whole nodes (``--exclusive``), each node's memory (``--mem``; "0": all of it), CPUs per task (GPU).
     exclusive: bool = True
     mem: str = "0"
-    cpus_per_task: int | None = None
+    cpus_per_task: int | None = option(None, ge=1)
 
 
 def load_launch_config(path: Path) -> LaunchConfig:
-    """Read a launch YAML; unknown keys and impossible values raise ``ValueError`` naming them."""
+    """Read a launch YAML; an unknown key, a value of the wrong type or form (its values go into a batch script), or an
+    impossible combination raises ``ConfigError`` naming the file and the key."""
     from nemo_jq.strict_yaml import read_yaml_file
 
     values = read_yaml_file(Path(path)) or {}
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: a launch config is a mapping of keys to values")
+        raise ConfigError(f"{path}: a launch config is a mapping of keys to values")
     known = {f.name for f in dataclasses.fields(LaunchConfig)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(map(str, set(values) - known))
     if unknown:
         close = [match for key in unknown for match in difflib.get_close_matches(key, known, n=1)]
-        raise ValueError(f"{path}: unknown launch key(s) {', '.join(unknown)}"
-                         + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
-                         + f"; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"{path}: unknown launch key(s) {', '.join(unknown)}"
+                          + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+                          + f"; known: {', '.join(sorted(known))}")
+    for key, (form, fix) in SLURM_FORMS.items():
+        value = values.get(key)
+        if value is not None and not (isinstance(value, str) and form.fullmatch(value)):
+            raise ConfigError(f"{path}: {key}={value!r} {fix}")
+    hints = typing.get_type_hints(LaunchConfig)
+    for spec in dataclasses.fields(LaunchConfig):
+        if spec.name in values:
+            try:
+                check_range(check_type(values[spec.name], hints[spec.name], spec.name), spec.metadata, spec.name)
+            except ConfigError as err:
+                how = spec.metadata.get("help")
+                raise ConfigError(f"{path}: {err}" + (f"; write {how}" if how else "")) from None
+    check_env(path, values.get("env", {}))
     config = LaunchConfig(**values)
-    if config.executor not in EXECUTORS:
-        raise ValueError(f"{path}: executor={config.executor!r}; choose one of {', '.join(EXECUTORS)}")
     if config.executor == "slurm" and not config.account:
-        raise ValueError(f"{path}: executor=slurm needs account (the SLURM account to charge)")
+        raise ConfigError(f"{path}: executor=slurm needs account (the SLURM account to charge)")
     if config.executor != "local" and not config.container_image:
-        raise ValueError(f"{path}: executor={config.executor} needs container_image: REGISTRY#IMAGE:TAG for pyxis "
-                         "(nvcr.io#nvidia/pytorch:25.04-py3), or a squashfs path every node sees (/shared/nemo-jq.sqsh)")
-    for key in ("nodes", "gpus_per_node", *(("cpus_per_task",) if config.cpus_per_task is not None else ())):
-        value = getattr(config, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{path}: {key}={value!r} must be a whole number >= 1")
-    if not isinstance(config.time, str) or not SLURM_TIME.fullmatch(config.time):
-        raise ValueError(f"{path}: time={config.time!r} is not a SLURM time limit: write it quoted as \"HH:MM:SS\", "
-                         "\"D-HH:MM:SS\" or minutes (\"240\"); an unquoted 2:00:00 is YAML's number 7200")
-    if not isinstance(config.mem, str) or not SLURM_MEM.fullmatch(config.mem):
-        raise ValueError(f"{path}: mem={config.mem!r} is not a SLURM memory size: \"0\" (all of the node's), \"512G\", ...")
-    interface = config.network_interface
-    if interface is not None and (not isinstance(interface, str) or not re.fullmatch(r"[=^]?[\w.:-]+(,[\w.:-]+)*", interface)):
-        raise ValueError(f"{path}: network_interface={interface!r} is not an interface name: write it as the node calls it "
-                         "(ib0, eth0; a comma-separated list, as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME take it), or "
-                         "leave it out")
-    if not isinstance(config.exclusive, bool):
-        raise ValueError(f"{path}: exclusive={config.exclusive!r} must be true or false")
+        raise ConfigError(f"{path}: executor={config.executor} needs container_image: REGISTRY#IMAGE:TAG for pyxis "
+                          "(nvcr.io#nvidia/pytorch:25.04-py3), or a squashfs path every node sees (/shared/nemo-jq.sqsh)")
+    if config.executor != "slurm" and config.nodes > 1:  # NeMo-Run's local and docker executors use this host alone
+        raise ConfigError(f"{path}: nodes={config.nodes} but executor={config.executor} starts every process on this "
+                          "machine: set nodes: 1 (gpus_per_node processes), or use executor: slurm for several nodes")
     return config
+
+
+def check_env(path: Path, env: dict[Any, Any]) -> None:
+    """Each ``env`` name one the batch script can export, each value a string (YAML reads 4 or true as others)."""
+    import json
+
+    for name, value in env.items():
+        if not (isinstance(name, str) and ENV_NAME.fullmatch(name)):
+            raise ConfigError(f"{path}: env name {name!r} is not a shell variable name (letters, digits and _, not "
+                              "starting with a digit): rename it")
+        if isinstance(value, (bool, int, float)):
+            raise ConfigError(f"{path}: env {name}={value!r} must be a string: quote it ({name}: '{json.dumps(value)}')")
+        if value is None:
+            raise ConfigError(f"{path}: env {name} has no value: give it one, quoted ({name}: '...'), or leave {name} out")
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: env {name}={value!r} must be a string: write one, quoted ({name}: '...')")
+
+
+def job_shell_value(value: str) -> str:
+    """``value`` as the batch script's ``export NAME=value`` line takes it (NeMo-Run writes it unquoted): in double
+    quotes, so that spaces and ``;`` stay in the value, while the job's own variables still expand (``$USER``,
+    ``$SLURM_JOB_ID``: a per-user scratch path is the usual reason to set one); a plain word as it is."""
+    if re.fullmatch(r"[\w@%+=:,./-]+", value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
 
 
 def build_executor(config: LaunchConfig) -> Any:
@@ -121,7 +170,8 @@ def build_executor(config: LaunchConfig) -> Any:
         return run.SlurmExecutor(
             account=config.account, partition=config.partition, nodes=config.nodes, ntasks_per_node=config.gpus_per_node,
             gpus_per_node=config.gpus_per_node, launcher=None, time=config.time, container_image=config.container_image,
-            container_mounts=list(config.container_mounts), env_vars={"MASTER_PORT": str(config.master_port), **env},
+            container_mounts=list(config.container_mounts),
+            env_vars={name: job_shell_value(value) for name, value in {"MASTER_PORT": str(config.master_port), **env}.items()},
             setup_lines="\n".join(['export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                                     REQUEUE_ON_EXIT]),
             signal=config.signal, exclusive=config.exclusive or None, mem=config.mem, cpus_per_task=config.cpus_per_task,
@@ -170,50 +220,58 @@ def sbatch_script(config: LaunchConfig, command: list[str]) -> str:
         return request.materialize().replace(scratch, real)
 
 
-def separate_rollout_ranks(config: Path | None, overrides: list[str]) -> int:
-    """``rollout.ranks`` when the run's config, loaded as ``train`` loads it, sets ``rollout.placement=separate``; 0
-    otherwise (every rank trains and samples). A config this host cannot read (a launch may name a path inside the
-    container) leaves the defaults and the overrides of the two keys."""
-    from nemo_jq.config import load_config
-
-    if config is None or not Path(config).is_file():
-        config, overrides = None, [o for o in overrides if o.partition("=")[0] in ("rollout.placement", "rollout.ranks")]
-    rollout = load_config(config, overrides).rollout
-    return rollout.own_ranks
+#: The run's keys that name a file or folder the job reads or writes, made absolute where the job runs elsewhere.
+RUN_PATH_KEYS = ("train.run_dir", "data.prepared_dir", "model.path")
 
 
-def train_config(command: list[str]) -> Any | None:
-    """The config a launched ``train`` command trains, checked here before anything is written or queued: its file
-    and overrides as ``train`` loads them where the file is readable here; where it is not (a path inside the
-    container, or ``--resume``'s run), the overrides alone against the schema (keys with a did-you-mean, types,
-    ranges), said in a line, and the defaults under the overrides of the rollout split's keys. None for another
-    command."""
-    import argparse
-
+def train_config(command: list[str], arguments: Any, launch_config: LaunchConfig) -> Any | None:
+    """The config a launched ``train`` command (``arguments``: its words as ``train`` parses them) trains, checked here
+    before anything is written or queued, its :data:`RUN_PATH_KEYS` too (:func:`check_job_paths`): its file and
+    overrides as ``train`` loads them where the file is readable here; where it is not (a path inside the container, or
+    ``--resume``'s run), the overrides alone against the schema (keys with a did-you-mean, types, ranges), said in a
+    line, and the defaults under the overrides of the rollout split's keys. None for another command."""
     from nemo_jq.config import check_overrides, load_config
 
-    if command[:1] != ["train"]:
+    if command[0] != "train":
         return None
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config", type=Path)
-    parser.add_argument("--resume", type=Path)
-    known, rest = parser.parse_known_args(command[1:])
-    overrides = [word for word in rest if "=" in word and not word.startswith("-")]
-    if known.config is not None and known.config.is_file():
-        return load_config(known.config, overrides)
+    overrides = arguments.overrides
+    if arguments.config is not None and arguments.config.is_file():
+        config = load_config(arguments.config, overrides)
+        check_job_paths(launch_config, {key: operator.attrgetter(key)(config) for key in RUN_PATH_KEYS})
+        return config
     check_overrides(overrides)
-    unread = known.config or known.resume
+    given = dict(override.split("=", 1) for override in overrides)
+    check_job_paths(launch_config, {key: given[key] for key in RUN_PATH_KEYS if key in given})
+    unread = arguments.config or arguments.resume
     if unread is not None:
         print(f"nemo-jq launch: {unread} is not readable here: the overrides were checked against the schema, the "
               "whole config is checked when the job starts", file=sys.stderr)
-    return load_config(None, [o for o in overrides if o.partition("=")[0] in ("rollout.placement", "rollout.ranks")])
+    return load_config(None, [f"{key}={given[key]}" for key in ("rollout.placement", "rollout.ranks") if key in given])
 
 
-def roles(config: LaunchConfig, command: list[str]) -> str | None:
-    """Which of the job's ranks train and which sample (``rollout.placement=separate``: the last ``rollout.ranks``;
-    srun numbers the tasks node by node, so they are the allocation's last GPUs), as a comment line; None when every
-    rank trains. A split that leaves no training rank is an error before anything is queued."""
-    trained = train_config(command)
+def check_job_paths(config: LaunchConfig, paths: dict[str, Any]) -> None:
+    """Under SLURM and Docker the job runs in NeMo-Run's code folder (:data:`JOB_WORKDIR`), where a relative path
+    names nothing of the user's: each of ``paths`` (the command's path arguments and :data:`RUN_PATH_KEYS`; a
+    ``model.path`` only where it is not a hub name, by the rule the model's loader reads it by) must be absolute."""
+    from nemo_jq.models.common import is_hub_name
+
+    if config.executor == "local":
+        return
+    for name, value in paths.items():
+        for path in value if isinstance(value, list) else [value]:
+            text = str(path or "")
+            hub_name = name == "model.path" and is_hub_name(text)
+            if text and not hub_name and not text.startswith(("/", "~")):
+                shown = f"{name}={text}" if name in RUN_PATH_KEYS else f"{name} {text}"
+                raise ConfigError(f"{shown} is a relative path, but under executor={config.executor} the job runs "
+                                  f"in NeMo-Run's code folder ({JOB_WORKDIR}), where it names nothing of yours: give an "
+                                  "absolute path under one of container_mounts (docs/cluster.md)")
+
+
+def roles(config: LaunchConfig, trained: Any | None) -> str | None:
+    """Which of the job's ranks train and which sample (``rollout.placement=separate`` in the ``trained`` config: the
+    last ``rollout.ranks``; srun numbers the tasks node by node, so they are the allocation's last GPUs), as a comment
+    line; None when every rank trains. A split that leaves no training rank is an error before anything is queued."""
     rollout = trained.rollout.own_ranks if trained is not None else 0
     if not rollout:
         return None
@@ -235,28 +293,52 @@ def roles(config: LaunchConfig, command: list[str]) -> str | None:
             f"{where(spans['rollout'])} sample; nodes counted from 0 in the allocation's order")
 
 
-def launch(config: LaunchConfig, command: list[str], *, dryrun: bool) -> str | None:
-    """Submit ``command`` (or, with ``dryrun`` on SLURM, return the script instead, with the roles of a split world
-    as a comment after its first line); a submission returns a line naming the job and where NeMo-Run keeps its
-    files (and the roles)."""
+def launch(config: LaunchConfig, command: list[str], arguments: Any, paths: dict[str, Any], *, dryrun: bool) -> str | None:
+    """Submit ``command`` (``arguments``: its words as its own parser read them; ``paths``: its path arguments by
+    name), or with ``dryrun`` show what would be submitted (on SLURM: return the script, with the roles of a split
+    world as a comment after its first line) and write nothing; a submission returns a line naming the job and where
+    NeMo-Run keeps its files (and the roles). sbatch's refusal is one line, and leaves no experiment folder."""
     import nemo_run as run
+    from invoke.exceptions import UnexpectedExit
 
-    split = roles(config, command)
+    check_job_paths(config, paths)
+    split = roles(config, train_config(command, arguments, config))
     if dryrun and config.executor == "slurm":
         first, rest = sbatch_script(config, command).split("\n", 1)
         return "\n".join([first, split, rest]) if split else "\n".join([first, rest])
     executor = build_executor(config)
-    if dryrun:
-        run.run(task(command, config.executor), executor=executor, name=TITLE, dryrun=True)
+    if dryrun:  # NeMo-Run's dry run writes its experiment's folder (under ~/.nemo_run by default): a scratch one here
+        with tempfile.TemporaryDirectory() as scratch, run.Experiment(title=TITLE, executor=executor, base_dir=scratch,
+                                                                     log_level="WARN") as exp:
+            exp.add(task(command, config.executor), name=command[0])
+            exp.dryrun()
         return None
-    with run.Experiment(title=TITLE, executor=executor, base_dir=str(Path(config.job_dir).resolve()), log_level="WARN") as exp:
-        exp.add(task(command, config.executor), name=command[0])
-        exp.run(detach=True)
-        submitted = exp.jobs[0]
+    job_dir = Path(config.job_dir).resolve()
+    made = [folder for folder in (job_dir, job_dir / "experiments", job_dir / "experiments" / TITLE) if not folder.exists()]
+    try:  # clean_mode: NeMo-Run's console would print a page for a refusal this turns into one line
+        with run.Experiment(title=TITLE, executor=executor, base_dir=str(job_dir), log_level="WARN", clean_mode=True) as exp:
+            exp.add(task(command, config.executor), name=command[0])
+            exp.run(detach=True)
+            submitted = exp.jobs[0]
+    except UnexpectedExit as refused:  # sbatch's (the one command NeMo-Run's local tunnel runs)
+        shutil.rmtree(Path(exp.jobs[0].executor.job_dir).parent, ignore_errors=True)  # the experiment's own folder
+        for folder in reversed(made):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise ValueError(f"sbatch refused the job ({sbatch_refusal(refused.result.stderr or refused.result.stdout)}); "
+                         "nothing was queued or kept: fix what it says in the launch YAML, or launch from a host that "
+                         "submits to this SLURM") from None
     files, split = submitted.executor.job_dir, f"\n{split.removeprefix('# ')}" if split else ""
     if config.executor == "slurm":
         return f"nemo-jq launch: submitted SLURM job {submitted.handle.rsplit('/', 1)[-1]}; its files: {files}{split}"
     return f"nemo-jq launch: started {submitted.handle}; its files: {files}{split}"
+
+
+def sbatch_refusal(output: str) -> str:
+    """What sbatch said when it refused a job: its last line with words on it (the fatal one, after the lines that led
+    to it)."""
+    said = [line.strip() for line in output.splitlines() if line.strip()]
+    return said[-1] if said else "it said nothing"
 
 
 #: The batch script each task of a sweep's job array runs (``nemo-jq sweep --task DIR``), in a checkout of this project.
@@ -286,7 +368,7 @@ def submit_sweep(sweep: Any, options: list[str], launcher: Path = SWEEP_LAUNCHER
                str(directory)]
     submitted = subprocess.run(command, capture_output=True, text=True)
     if submitted.returncode != 0:
-        raise ValueError(f"sbatch refused the sweep's array ({' '.join(submitted.stderr.split())}): {' '.join(command)}")
+        raise ValueError(f"sbatch refused the sweep's array ({sbatch_refusal(submitted.stderr)}): {' '.join(command)}")
     job = submitted.stdout.strip().split(";")[0]
     print(f"nemo-jq sweep: submitted job array {job}: {len(unfinished)} of {len(sweep.runs)} runs of {directory} "
           f"(tasks {','.join(map(str, unfinished))}: their place in sweep.json), output in "

@@ -117,6 +117,12 @@ def quiet_weight_files() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+def is_hub_name(path: str) -> bool:
+    """Whether ``model.path`` names a hub model (``Qwen/Qwen3-8B``: one slash, no leading ``/``, ``.`` or ``~``) where
+    no local folder of that name is."""
+    return not path.startswith(("/", ".", "~")) and path.count("/") == 1
+
+
 def resolve_pretrained(path: str, *, local_files_only: bool = False) -> Path:
     """``model.path`` as a local HF folder holding config.json: a folder as it is, or a hub name's snapshot in the
     Hugging Face cache (downloaded into it, unless ``local_files_only`` or ``HF_HUB_OFFLINE``). A name the cache
@@ -126,7 +132,7 @@ def resolve_pretrained(path: str, *, local_files_only: bool = False) -> Path:
         if not (local / "config.json").exists():
             raise FileNotFoundError(f"model folder {local} has no config.json")
         return local
-    if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+    if not is_hub_name(path):
         raise FileNotFoundError(f"model folder {local} does not exist (model.path is a local folder or a hub name "
                                 "like Qwen/Qwen3-8B)")
     from huggingface_hub import snapshot_download

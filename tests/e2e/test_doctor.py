@@ -78,18 +78,56 @@ def test_doctor_says_this_ranks_role_in_a_split_world(tmp_path, monkeypatch):
     """``rollout.placement=separate`` from a config or overrides: the role by the run's own rule (the last
     ``rollout.ranks`` sample), and a split that leaves no trainer said as such."""
     from nemo_jq.cluster import doctor
-    from nemo_jq.cluster.launch import separate_rollout_ranks
 
     config = tmp_path / "c.yaml"
     config.write_text("rollout:\n  placement: separate\n  ranks: 2\n")
-    assert separate_rollout_ranks(config, []) == 2 and separate_rollout_ranks(config, ["rollout.ranks=3"]) == 3
-    assert separate_rollout_ranks(config, ["rollout.placement=colocated"]) == 0
-    assert separate_rollout_ranks(None, ["rollout.placement=separate"]) == 1  # rollout.ranks' default
+    assert doctor.rollout_ranks(config, []) == 2 and doctor.rollout_ranks(config, ["rollout.ranks=3"]) == 3
+    assert doctor.rollout_ranks(config, ["rollout.placement=colocated"]) == 0
+    assert doctor.rollout_ranks(None, ["rollout.placement=separate"]) == 1  # rollout.ranks' default
     monkeypatch.setenv("WORLD_SIZE", "4")
     for rank, role in ((1, "training rank 1 of 2 (global rank 1 of 4)"), (3, "rollout rank 1 of 2 (global rank 3 of 4)")):
         monkeypatch.setenv("RANK", str(rank))
         assert doctor.role(2) == role
     assert doctor.role(4).startswith("none: rollout.ranks=4 leaves no training rank in a world of 4")
+
+
+@pytest.mark.parametrize("world, rank, said", [
+    ("abc", "0", "WORLD_SIZE='abc' is not a process count (a whole number >= 1): unset it, or start under torchrun/srun"),
+    ("0", "0", "WORLD_SIZE='0' is not a process count"),
+    ("4", "9", "RANK='9' is not a rank of a world of WORLD_SIZE=4 (0 to 3): unset both, or start under torchrun/srun"),
+    ("3", "-1", "RANK='-1' is not a rank of a world of WORLD_SIZE=3 (0 to 2)"),
+])
+def test_doctor_names_a_launcher_variable_that_is_not_a_world_or_a_rank_of_it(monkeypatch, world, rank, said):
+    """The role and the world line say which variable is wrong (no bare int() error, no rank 9 of 4)."""
+    from nemo_jq.cluster import doctor
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("RANK", rank)
+    assert doctor.role(1).startswith(f"none: {said}")
+    with pytest.raises(ValueError, match="^" + said.replace("(", r"\(").replace(")", r"\)")):
+        doctor.launched_world()
+
+
+@pytest.mark.parametrize("words, message", [
+    (["rollout.rankz=3"], "unknown config key 'rollout.rankz'; did you mean 'rollout.ranks'?"),
+    (["rollout.placement=separate", "rollout.ranks=1", "train.max_steps=abc"], "train.max_steps must be int; got 'abc'"),
+    (["--config", "LAUNCH"], "--config LAUNCH looks like a launch file (it sets account, executor, nodes, which nemo-jq "
+     "launch reads), not a run's config: give --config the config train takes"),
+    (["--config", "BAD"], "--config BAD: unknown config key 'train.max_stepz'; did you mean 'train.max_steps'?"),
+])
+def test_doctors_config_and_overrides_are_checked_as_train_checks_them(tmp_path, capsys, words, message):
+    """A misspelt or mistyped override, or a bad --config, is one line (exit 2) naming it, not a report of the defaults."""
+    from nemo_jq.cli import main
+
+    files = {"LAUNCH": "executor: slurm\naccount: acct\nnodes: 1\n", "BAD": "train:\n  max_stepz: 3\n"}
+    for name, text in files.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    words = [str(tmp_path / f"{word}.yaml") if word in files else word for word in words]
+    assert main(["doctor", *words]) == 2
+    out, err = capsys.readouterr()
+    for name in files:
+        message = message.replace(name, str(tmp_path / f"{name}.yaml"))
+    assert err == f"nemo-jq doctor: error: {message}\n" and not out
 
 
 def test_doctor_says_whether_the_socket_interface_resolves(monkeypatch):

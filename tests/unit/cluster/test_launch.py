@@ -77,25 +77,57 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("acount: acct\n", "unknown launch key(s) acount (did you mean 'account'?); known: account,"),
-    ("executor: k8s\n", "executor='k8s'; choose one of slurm, docker, local"),
+    ("executor: k8s\n", "executor must be one of slurm, docker, local; got 'k8s'"),
     ("executor: slurm\n", "executor=slurm needs account"),
     ("account: a\n", "executor=slurm needs container_image: REGISTRY#IMAGE:TAG for pyxis"),
-    ("account: a\ncontainer_image: x.sqsh\nnodes: 0\n", "nodes=0 must be a whole number >= 1"),
-    ("account: a\ncontainer_image: x.sqsh\ngpus_per_node: true\n", "gpus_per_node=True must be a whole number >= 1"),
-    ("account: a\ncontainer_image: x.sqsh\nnodes: '2'\n", "nodes='2' must be a whole number >= 1"),
+    ("account: a\ncontainer_image: x.sqsh\nnodes: 0\n", "nodes must be >= 1; got 0"),
+    ("account: a\ncontainer_image: x.sqsh\ngpus_per_node: true\n", "gpus_per_node must be int; got True"),
+    ("account: a\ncontainer_image: x.sqsh\nnodes: '2'\n", "nodes must be int; got '2'"),
     ("account: a\ncontainer_image: x.sqsh\ntime: 4h\n", "time='4h' is not a SLURM time limit"),
     ("account: a\ncontainer_image: x.sqsh\ntime: 2:00:00\n", "time=7200 is not a SLURM time limit"),
     ("account: a\ncontainer_image: x.sqsh\nmem: 80 GB\n", "mem='80 GB' is not a SLURM memory size"),
-    ("account: a\ncontainer_image: x.sqsh\ncpus_per_task: 0\n", "cpus_per_task=0 must be a whole number >= 1"),
+    ("account: a\ncontainer_image: x.sqsh\ncpus_per_task: 0\n", "cpus_per_task must be >= 1; got 0"),
     ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: 5\n", "network_interface=5 is not an interface name"),
     ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: ''\n", "network_interface='' is not an interface name"),
     ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: ib0 eth0\n", "network_interface='ib0 eth0' is not an"),
     ("account: a\ncontainer_image: x.sqsh\naccount: b\n", ":3: key 'account' is given twice (first on line 1)"),
+    # every key against its type, and what goes into the batch script in the form SLURM and the shell take it
+    ("account: a\ncontainer_image: 5\n", "container_image must be str; got 5"),
+    ("account: a\ncontainer_image: x.sqsh\ncontainer_mounts: /l/me:/l/me\n",
+     "container_mounts must be list; got '/l/me:/l/me'; write a YAML list of host:container pairs"),
+    ("account: a\ncontainer_image: x.sqsh\nenv: [NCCL_IB_HCA=mlx5]\n",
+     "env must be dict; got ['NCCL_IB_HCA=mlx5']; write a mapping of names to quoted values, e.g. env: {NCCL_IB_HCA: mlx5"),
+    ("account: a\ncontainer_image: x.sqsh\nenv: {OMP_NUM_THREADS: 4}\n",
+     "env OMP_NUM_THREADS=4 must be a string: quote it (OMP_NUM_THREADS: '4')"),
+    ("account: a\ncontainer_image: x.sqsh\nenv: {NCCL_DEBUG: null}\n", "env NCCL_DEBUG has no value: give it one"),
+    ("account: a\ncontainer_image: x.sqsh\nenv: {BAD NAME: x}\n", "env name 'BAD NAME' is not a shell variable name"),
+    ("account: a\ncontainer_image: x.sqsh\nenv: {'A;rm -rf ~': x}\n", "env name 'A;rm -rf ~' is not a shell variable"),
+    ("account: a\ncontainer_image: x.sqsh\nsignal: bogus\n", "signal='bogus' is not a signal as sbatch --signal takes it"),
+    ("account: a\ncontainer_image: x.sqsh\nmaster_port: hello\n", "master_port must be int; got 'hello'"),
+    ("account: a\ncontainer_image: x.sqsh\nmaster_port: 70000\n", "master_port must be >= 1 and <= 65535; got 70000"),
+    ("account: a\ncontainer_image: x.sqsh\npartition: [a, b]\n", "partition=['a', 'b'] is not a SLURM partition: one name, or"),
+    ("account: a\ncontainer_image: x.sqsh\nexclusive: maybe\n", "exclusive must be bool; got 'maybe'"),
+    # NeMo-Run's local and docker executors start every process on this machine: a second node would never run
+    ("executor: local\nnodes: 2\n", "nodes=2 but executor=local starts every process on this machine: set nodes: 1"),
+    ("executor: docker\ncontainer_image: x\nnodes: 2\n", "nodes=2 but executor=docker starts every process on this"),
 ])
 def test_bad_launch_configs_are_one_line_errors(tmp_path, capsys, text, message):
     assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"nemo-jq launch: error: {tmp_path / 'launch.yaml'}")  # the file is named
+
+
+def test_the_signal_sbatch_takes_and_env_values_are_written_as_given(tmp_path, capsys):
+    """``--signal`` in SLURM's forms, and each env value double-quoted in the batch script NeMo-Run writes unquoted,
+    so that a space or ``;`` stays in the value (it runs nothing) and the job's variables still expand."""
+    for signal in ("USR1@120", "B:USR1@120", "SIGUSR1", "10@60"):
+        text = LAUNCH_YAML.replace("env: {NCCL_IB_HCA: mlx5}",
+                                   f"env: {{NCCL_IB_HCA: mlx5, X: 'a b; touch {tmp_path}/ran', HF_HOME: '/scratch/$USER/hf'}}")
+        assert main(["launch", str(write_launch(tmp_path, text + f"signal: '{signal}'\n")), "--dryrun", "train"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert f"#SBATCH --signal={signal}" in lines and "export NCCL_IB_HCA=mlx5" in lines
+        assert f'export X="a b; touch {tmp_path}/ran"' in lines and 'export HF_HOME="/scratch/$USER/hf"' in lines
 
 
 def test_a_launch_without_a_command_is_refused(tmp_path, capsys):
@@ -145,7 +177,7 @@ def test_a_split_world_says_which_gpus_train_and_which_sample_and_refuses_a_spli
     """``rollout.placement=separate`` (from the config, if this host can read it, or the overrides): the script names
     the roles by the same rule the run splits its world by (``role_of``); the last node's GPUs sample here."""
     config = tmp_path / "c.yaml"
-    config.write_text("rollout:\n  placement: separate\n  ranks: 4\n")
+    config.write_text("rollout:\n  placement: separate\n  ranks: 4\ntrain:\n  run_dir: /lustre/me/runs/c\n")
     for command, roles in ((["train", "--config", config], "rollout.ranks=4): ranks 0-11 (nodes 0-1) train, ranks 12-15 (node 1) sample"),
                            (["train", "--config", "/not/here.yaml", "rollout.placement=separate", "rollout.ranks=8"],
                             "rollout.ranks=8): ranks 0-7 (node 0) train, ranks 8-15 (node 1) sample")):
@@ -197,3 +229,104 @@ def test_the_network_interface_reaches_gloo_and_nccl_in_the_launch_and_the_batch
                            capture_output=True, env={"PATH": "/usr/bin:/bin", "NEMO_JQ_IFNAME": "ib0",
                                                      "NCCL_SOCKET_IFNAME": "=eth1"}).stdout.strip()
     assert shown == "ib0 =eth1"
+
+
+def refused_at_once(argv: list[str], capsys) -> str:
+    """The one line (exit 2) ``nemo-jq`` ends with, by the launched command's own parser (which exits) or as an error."""
+    try:
+        code = main(argv)
+    except SystemExit as exited:
+        code = exited.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("words, message", [
+    (["train", "--bogus-flag"], "nemo-jq train: error: unrecognized arguments: --bogus-flag (see nemo-jq train --help)"),
+    (["generate"], "nemo-jq generate: error: the following arguments are required: checkpoint, question"),
+    (["train", "--config"], "nemo-jq train: error: argument --config: expected one argument"),
+    (["train", "--dryrun", "train.max_steps=2"], "--dryrun after the command goes to train, which takes no --dryrun: put "
+     "it before the command (nemo-jq launch LAUNCH --dryrun train ...)"),
+    (["launch", "LAUNCH", "train"], "launch cannot wrap launch: give one launch config, then the command it runs"),
+])
+def test_the_launched_words_are_read_by_the_commands_own_parser_before_anything_is_queued(tmp_path, capsys, monkeypatch,
+                                                                                        words, message):
+    """A bad word of the launched command is its own parser's one line; a --dryrun among them (where the command
+    takes none) is refused rather than submitting; and launch does not wrap itself."""
+    monkeypatch.setenv("PATH", f"{fake_sbatch(tmp_path)}:{__import__('os').environ['PATH']}")
+    launch_yaml = str(write_launch(tmp_path))
+    err = refused_at_once(["launch", launch_yaml, *[launch_yaml if word == "LAUNCH" else word for word in words]], capsys)
+    assert message.replace("LAUNCH", launch_yaml) in err
+    assert not (tmp_path / "jobs").exists() and not (tmp_path / "submitted").exists()
+
+
+@pytest.mark.parametrize("words, given", [
+    (["train", "--config", "c.yaml"], "--config c.yaml"),
+    (["train", "--config", "/lustre/me/c.yaml", "train.run_dir=runs/x"], "train.run_dir=runs/x"),
+    (["train", "--config", "/lustre/me/c.yaml", "data.prepared_dir=prepared/finqa"], "data.prepared_dir=prepared/finqa"),
+    (["train", "--config", "/lustre/me/c.yaml", "model.path=qwen3_local"], "model.path=qwen3_local"),
+    (["train", "--config", "READABLE"], "train.run_dir=runs/here"),
+    (["eval", "runs/x"], "checkpoint runs/x"),
+])
+def test_a_relative_path_is_refused_where_the_job_runs_in_nemo_runs_code_folder(tmp_path, capsys, words, given):
+    """Under SLURM (and Docker) the job starts in /nemo_run/code: a relative path the command is given, or its
+    config's run_dir, prepared_dir or a local model.path, names nothing there; a hub name is no path."""
+    readable = tmp_path / "c.yaml"
+    readable.write_text("train:\n  run_dir: runs/here\n")
+    words = [str(readable) if word == "READABLE" else word for word in words]
+    err = refused_at_once(["launch", str(write_launch(tmp_path)), "--dryrun", *words], capsys)
+    assert f"error: {given} is a relative path, but under executor=slurm the job runs in NeMo-Run's code folder " \
+           "(/nemo_run/code)" in err and "give an absolute path under one of container_mounts" in err
+    assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "train", "--config", "/lustre/me/c.yaml",
+                 "model.path=Qwen/Qwen3-0.6B", "train.run_dir=/lustre/me/runs/x"]) == 0
+    local = write_launch(tmp_path, "executor: local\ngpus_per_node: 1\n")  # the job runs here: a relative path is fine
+    assert launch.check_job_paths(launch.load_launch_config(local), {"--config": Path("c.yaml")}) is None
+
+
+def fake_sbatch(tmp_path: Path) -> Path:
+    """A folder holding an ``sbatch`` that refuses every job as a host without a SLURM configuration does (and marks
+    that it ran)."""
+    folder = tmp_path / "bin"
+    folder.mkdir(exist_ok=True)
+    (folder / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/submitted\necho 'sbatch: error: fetch_config: DNS SRV "
+                                   "lookup failed' >&2\necho 'sbatch: fatal: Could not establish a configuration source' >&2\n"
+                                   "exit 1\n")
+    (folder / "sbatch").chmod(0o755)
+    return folder
+
+
+@pytest.mark.slow
+def test_sbatchs_refusal_is_one_line_and_leaves_no_experiment_folder(tmp_path):
+    """The last line sbatch said, exit 2, and the experiment folder NeMo-Run made for the job removed, with the
+    folders above it this launch made (one there before is kept)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": f"{fake_sbatch(tmp_path)}:{os.environ['PATH']}", "NEMORUN_HOME": str(tmp_path / "home")}
+    for kept in (None, tmp_path / "jobs" / "experiments" / "nemo-jq" / "earlier"):
+        if kept is not None:
+            kept.mkdir(parents=True)
+        result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "launch", str(write_launch(tmp_path)), "train",
+                                 "train.max_steps=2"], env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2 and not result.stdout, result.stdout + result.stderr
+        assert result.stderr.splitlines()[-1] == (
+            "nemo-jq launch: error: sbatch refused the job (sbatch: fatal: Could not establish a configuration source); "
+            "nothing was queued or kept: fix what it says in the launch YAML, or launch from a host that submits to this "
+            "SLURM") and "Traceback" not in result.stderr and "Error running job" not in result.stderr, result.stderr
+        assert (tmp_path / "submitted").exists()
+        if kept is None:
+            assert not (tmp_path / "jobs").exists()
+        else:
+            assert sorted((tmp_path / "jobs").rglob("*")) == [kept.parents[1], kept.parent, kept]
+
+
+def test_a_local_dry_run_writes_nothing(tmp_path, capsys, monkeypatch):
+    """NeMo-Run's own dry run files an experiment under NEMORUN_HOME (~/.nemo_run): this one's is a scratch folder."""
+    monkeypatch.setattr("nemo_run.config._NEMORUN_HOME", str(tmp_path / "nemo_run_home"))
+    monkeypatch.chdir(tmp_path)
+    for text in ("executor: local\ngpus_per_node: 1\n", "executor: docker\ngpus_per_node: 1\ncontainer_image: x\n"):
+        assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train", "train.max_steps=2"]) == 0
+        capsys.readouterr()
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["launch.yaml"]
