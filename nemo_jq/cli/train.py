@@ -82,9 +82,9 @@ def train(args: argparse.Namespace) -> int:
                     raise ConfigError(finished)
             else:
                 config = load_config(args.config, args.overrides)
-                held = holds_this_run(config) if args.requeue else None
-                trainer = (Trainer.resume(config.train.run_dir, rows_for=rows_on_this_gpu) if held == "resume" else
-                           Trainer(config, overwrite=args.overwrite or held == "restart", rows_for=rows_on_this_gpu))
+                held, changed = holds_this_run(config) if args.requeue else ("new", [])
+                trainer = (Trainer.resume(config.train.run_dir, changed, rows_for=rows_on_this_gpu) if held == "resume"
+                           else Trainer(config, overwrite=args.overwrite or held == "restart", rows_for=rows_on_this_gpu))
             result = trainer.fit(stop=stop)
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step; say which one the run goes on from
         if distributed.is_writer():

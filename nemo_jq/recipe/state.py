@@ -36,6 +36,12 @@ class Course:
         else:
             self.lr_scale *= guard.factor
 
+    def trains(self, config: Any) -> str:
+        """The estimator a run of ``config`` trains on this course: its ``objective.name``, or the guard's once the
+        guard switched to it (a checkpoint whose course names another was not trained by this config)."""
+        switched = self.guard_triggers and config.guard.action == "switch_estimator"
+        return config.guard.estimator if switched else config.objective.name
+
     def apply(self, objective: ObjectiveInUse, policy: Any, config: Any) -> None:
         """Make the run follow this course (the estimator, q's scale, the learning rate's), also after a resume."""
         objective.follow(self, config.objective.q)

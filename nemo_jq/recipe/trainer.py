@@ -29,9 +29,9 @@ from nemo_jq.recipe.step import StepResult, rollout_record
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.runtime import distributed, runs
 from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
-from nemo_jq.runtime.monitor import RunLogger, merge_metrics, progress
+from nemo_jq.runtime.monitor import RunLogger, merge_metrics, progress, read_metrics
 from nemo_jq.runtime.preemption import StopSignals, current_series
-from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, RESULTS_FILE, open_for_resume, run_results, write_results, write_run_files
+from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, open_for_resume, run_results, write_results, write_run_files
 from nemo_jq.runtime.tracking import open_trackers
 
 
@@ -49,6 +49,8 @@ class Trainer:
             raise ConfigError("train.micro_batch_rows=auto is resolved by `nemo-jq train` (nemo-jq plan's memory "
                               "model) or a Trainer given rows_for=; set a number of rows here, or null")
         self.run_dir = Path(run_dir or config.train.run_dir)
+        if not existing:
+            runs.refuse_shared_run_dir(self.run_dir, config)
         #: On a rollout rank (``rollout.placement=separate``): what it serves instead of training.
         self.server: RolloutServer | None = None
         if components is None:
@@ -73,6 +75,8 @@ class Trainer:
         self.resumed_with: list[str] = []
         #: The q of the latest step trained in this process (None before the first).
         self.last_q: float | None = None
+        #: The step whose checkpoint this run wrote last or resumed from: saved again, it is only pointed at.
+        self.saved_step: int | None = None
 
     @classmethod
     def resume(cls, run_dir: Path, overrides: list[str] | tuple[str, ...] = (),
@@ -84,6 +88,10 @@ class Trainer:
         config, checkpoint = open_for_resume(Path(run_dir), overrides)
         trainer = cls(config, run_dir=run_dir, existing=True, rows_for=rows_for)
         trainer.restore(checkpoint)
+        if trainer.server is None and trainer.state.step > trainer.total_steps:  # it would end where it is, past them
+            limit, key, raised = trainer._limit()
+            raise ConfigError(f"{trainer.run_dir}: the run is at step {trainer.state.step}, beyond {limit}: raise {key} "
+                              f"to go past step {trainer.state.step} (e.g. --resume {trainer.run_dir} {key}={raised})")
         trainer.resumed_with = list(overrides)
         return trainer
 
@@ -99,18 +107,21 @@ class Trainer:
 
     def finished(self) -> str | None:
         """For a resumed run: why it has no step left to train, in one line with the key to raise (None: it has steps
-        left, or its end's evaluation has not been written yet, which resuming then does)."""
-        if self.state.step < self.total_steps or not (self.run_dir / RESULTS_FILE).exists():
+        left, or its end's evaluation is not written for this step, which resuming then does)."""
+        if self.state.step < self.total_steps or runs.results_step(self.run_dir) != self.state.step:
             return None
-        train, epochs_steps = self.config.train, self.epochs_steps
-        if self.state.step >= epochs_steps:
-            limit, key = f"its {train.epochs} epoch{'s' * (train.epochs != 1)} ({epochs_steps} steps)", "train.epochs"
-            raised = train.epochs * 2
-        else:
-            limit, key = f"its train.max_steps={train.max_steps} steps", "train.max_steps"
-            raised = min(epochs_steps, 2 * train.max_steps)
+        limit, key, raised = self._limit()
         return (f"{self.run_dir}: the run finished {limit} and has nothing left to train; raise {key} (e.g. --resume "
                 f"{self.run_dir} {key}={raised})")
+
+    def _limit(self) -> tuple[str, str, int]:
+        """The limit the run's step has reached, in words; its key; and a value of it that leaves steps to train."""
+        train, epochs_steps, step = self.config.train, self.epochs_steps, self.state.step
+        if step >= epochs_steps:
+            per_epoch = epochs_steps // train.epochs
+            return (f"its {train.epochs} epoch{'s' * (train.epochs != 1)} ({epochs_steps} steps)", "train.epochs",
+                    2 * math.ceil(step / per_epoch))
+        return f"its train.max_steps={train.max_steps} steps", "train.max_steps", min(epochs_steps, 2 * step)
 
     # ----------------------------------------------------------------- train
     def fit(self, max_steps: int | None = None, stop: StopSignals | None = None,
@@ -249,6 +260,8 @@ class Trainer:
         memorisation = {"final": final_memorisation, "tested": self.evaluator.memorisation()} if final_memorisation is not None else None
         logger.log({"kind": "test", "step": self.state.step, "best_step": best, **scores,
                     **({"memorisation": memorisation["tested"]} if memorisation else {})})
+        if self.last_q is None:  # resumed only to evaluate the end again: the q its last step trained with, as logged
+            self.last_q = next((r.get("q") for r in reversed(read_metrics(self.run_dir)) if r["kind"] == "train"), None)
         results = run_results(self.config.objective, self.objective.estimator.uses_q, self.last_q, best, self.state.best_metric,
                               scores, memorisation, step=self.state.step, key=f"m@{self.config.eval.num_samples}")
         distributed.on_writer(lambda: write_results(self.run_dir, results))
@@ -266,7 +279,8 @@ class Trainer:
         state, rng = loop_checkpoint(self.state, self.objective, self.guard, self.random, self.ahead)
         root = self.run_dir / CHECKPOINT_DIR
         distributed.everywhere(lambda: self._stop_if_diverged(self.state.step, *runs.nonfinite_weights(self.policy)))
-        path = save_checkpoint(root, self.state.step, self.policy, state, rng)
+        path = save_checkpoint(root, self.state.step, self.policy, state, rng, written=self.saved_step == self.state.step)
+        self.saved_step = self.state.step
         protect = {path.name} | ({step_dir_name(self.state.best_step)} if self.state.best_step is not None else set())
         distributed.on_writer(lambda: prune_checkpoints(root, self.config.train.keep_checkpoints, protect))
         return path
@@ -276,4 +290,11 @@ class Trainer:
             return
         state, rng = load_checkpoint(checkpoint, self.policy)
         self.state = restore_loop(state, rng, self.state.course, self.objective, self.guard, self.random, self.ahead)
+        trains = self.state.course.trains(self.config)
+        if self.state.course.objective != trains:  # config.yaml edited: results.json would name what it did not train
+            raise ConfigError(f"{self.run_dir / runs.CONFIG_FILE} says objective.name={self.config.objective.name}, but "
+                              f"its checkpoint {checkpoint} trains {self.state.course.objective}; a run's objective is "
+                              f"fixed: put objective.name={self.state.course.objective} back, or start a new run "
+                              "(another train.run_dir)")
         self.state.course.apply(self.objective, self.policy, self.config)
+        self.saved_step = self.state.step

@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -18,6 +19,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from nemo_jq.runtime import distributed
+from nemo_jq.runtime.outputs import move_aside
 
 RNG, STATE = "rng.pt", "state.json"
 
@@ -43,12 +45,20 @@ def damaged(file: Path, what: str) -> ValueError:
     """The one line for a checkpoint file that is there but cannot be read (cut short by a copy, or corrupt): the file,
     what is wrong, and the run's other steps to take instead."""
     checkpoint = Path(file).parent
-    others = [step for step in saved_steps(checkpoint.parent) if step_dir_name(step) != checkpoint.name]
-    fix = (f"use another of the run's checkpoints with --step N (step{'s' if len(others) > 1 else ''} "
-           f"{', '.join(map(str, others))}); to resume from one, write its folder's name ({step_dir_name(others[-1])}) "
-           f"into {checkpoint.parent / 'latest'}" if others
-           else "the run holds no other checkpoint: restore this one from a copy of the run")
+    fix = other_checkpoints(checkpoint.parent, but=checkpoint.name) or ("the run holds no other checkpoint: restore "
+                                                                        "this one from a copy of the run")
     return ValueError(f"checkpoint file {file} is damaged ({what}): {fix}")
+
+
+def other_checkpoints(root: Path, but: str | None = None) -> str | None:
+    """How to go on from the run's complete checkpoints under ``root`` other than the folder ``but``, in words (None:
+    there is none): eval's ``--step N``, and for a resume the newest's name written into ``latest``."""
+    others = [step for step in saved_steps(root) if step_dir_name(step) != but]
+    if not others:
+        return None
+    return (f"use {'another' if but else 'one'} of the run's checkpoints with --step N (step{'s' if len(others) > 1 else ''} "
+            f"{', '.join(map(str, others))}); to resume from one, write its folder's name ({step_dir_name(others[-1])}) "
+            f"into {root / 'latest'}")
 
 
 def require_files(directory: Path, names: Sequence[str]) -> None:
@@ -58,15 +68,20 @@ def require_files(directory: Path, names: Sequence[str]) -> None:
         raise FileNotFoundError(f"checkpoint {directory} is missing {', '.join(missing)}")
 
 
-def save_checkpoint(root: Path, step: int, policy: Checkpointed, state: dict[str, Any], rng: dict[str, Any]) -> Path:
+def save_checkpoint(root: Path, step: int, policy: Checkpointed, state: dict[str, Any], rng: dict[str, Any], *,
+                    written: bool = False) -> Path:
     """Write checkpoint ``step`` under ``root`` and point ``latest`` at it; returns its directory.
+
+    ``written``: this run wrote (or resumed from) this step's checkpoint already (a step saved twice: for its validation
+    and its ``save_every``), so ``latest`` is only pointed at it. Otherwise a folder of this step there is another
+    life's (one resumed from an earlier step, past a damaged checkpoint): it is moved aside, and the step written anew.
 
     A collective: every rank writes its part (the policy's shards, its RNG states) into one
     temporary directory, which rank 0 completes with the trainer state and renames into place.
     """
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{final.name}"
-    if not distributed.on_writer(lambda: _begin(root, final, tmp)):
+    if not distributed.on_writer(lambda: _begin(root, final, tmp, written)):
         return final
     try:
         distributed.everywhere(lambda: policy.save(tmp))
@@ -81,12 +96,14 @@ def save_checkpoint(root: Path, step: int, policy: Checkpointed, state: dict[str
     return final
 
 
-def _begin(root: Path, final: Path, tmp: Path) -> bool:
-    """Make an empty ``tmp``; False (and ``latest`` pointed at it) when ``final`` exists already."""
+def _begin(root: Path, final: Path, tmp: Path, written: bool) -> bool:
+    """Make an empty ``tmp``; False (and ``latest`` pointed at it) when this run wrote ``final`` already."""
     root.mkdir(parents=True, exist_ok=True)
-    if final.exists():
+    if final.exists() and written:
         _point_latest(root, final)
         return False
+    if final.exists():
+        move_aside(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return True
@@ -110,18 +127,30 @@ def _point_latest(root: Path, final: Path) -> None:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``latest`` names (None: the run has none). A ``latest`` that is gone, or names no complete
+    checkpoint, beside complete ones is one line naming them: the trainer writes it after every checkpoint, so only a
+    hand or a copy lost it, and which step to go on from is the user's to say (the newest may be one they pointed
+    ``latest`` away from)."""
     pointer = root / "latest"
     if not pointer.exists():
+        if saved_steps(root):
+            raise FileNotFoundError(f"{pointer} is missing, beside complete checkpoints: {other_checkpoints(root)}")
         return None
     path = root / pointer.read_text().strip()
     if not (path / STATE).exists():
-        raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
+        raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint: "
+                                f"{other_checkpoints(root) or 'the run holds none: restore one from a copy of the run'}")
     return path
 
 
 def saved_steps(root: Path) -> list[int]:
     """The steps of the complete checkpoints under ``root``, in order."""
-    return sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if (p / STATE).exists())
+    return sorted(int(p.name.removeprefix("step_")) for p in step_folders(root) if (p / STATE).exists())
+
+
+def step_folders(root: Path) -> list[Path]:
+    """The checkpoint folders under ``root``, in step order: ``step_N`` only, not one moved aside (``step_N.old-...``)."""
+    return sorted(p for p in root.glob("step_*") if re.fullmatch(r"step_\d+", p.name) and p.is_dir())
 
 
 #: The fields of ``state.json`` that choosing and loading a checkpoint read, and the JSON types they may have.
@@ -169,7 +198,7 @@ def prune_checkpoints(root: Path, keep: int, protect: set[str]) -> None:
     """Delete all but the newest ``keep`` checkpoints, never those named in ``protect``; clear stale temporaries."""
     for tmp in root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    steps = step_folders(root)
     for path in steps[: max(len(steps) - keep, 0)]:
         if path.name not in protect:
             shutil.rmtree(path)

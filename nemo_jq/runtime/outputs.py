@@ -30,7 +30,14 @@ def claim_dir(path: Path, markers: tuple[str, ...], *, overwrite: bool, what: st
 
 
 def move_aside(path: Path) -> Path:
-    """Rename ``path`` to a fresh ``NAME.old-YYYYmmdd-HHMMSS[-N]`` beside it and say so; nothing is deleted."""
+    """Rename ``path`` to a fresh ``NAME.old-YYYYmmdd-HHMMSS[-N]`` beside it and say so; nothing is deleted. A path
+    spelled ``.`` or ``x/..`` is the folder it names; the folder this process runs in (or one holding it) is refused:
+    moved, it would take the shell's folder along, and a relative path would still lead into the old one."""
+    path = Path(os.path.abspath(path))
+    here = Path.cwd()  # a real path: compared with the real one
+    if here == path.resolve() or path.resolve() in here.parents:
+        raise FileExistsError(f"{path} holds the folder this command runs in ({here}), which moving it aside would move "
+                              f"too: run the command from outside it (cd {path.parent}) and name the folder from there")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, suffix = path.with_name(f"{path.name}.old-{stamp}"), 1
     while aside.exists():
@@ -95,6 +102,24 @@ def hold_run_dir(run_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps(holder).encode())
     _HELD[key] = _Held(fd, created)
+
+
+def holder_of(folder: Path) -> str | None:
+    """Who holds ``folder`` (:func:`hold_run_dir`; this process too), in words; None when no live process does."""
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:  # the lock is taken for an instant only when nobody holds it
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return _describe_holder(fd)
+    except OSError:  # no flock on this file system: nothing says whether it is held
+        return None
+    finally:
+        os.close(fd)
 
 
 def _describe_holder(fd: int) -> str:

@@ -7,14 +7,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
 from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, plot_runs, read_metrics
-from nemo_jq.runtime.outputs import claim_dir, hold_run_dir, let_go, release_run_dir
+from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, hold_run_dir, holder_of, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE
+from nemo_jq.strict_yaml import read_yaml_file
 
 CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
 #: Where ``nemo-jq eval`` writes its reports in a run's directory.
@@ -24,6 +25,10 @@ PLOT_FILE = "training.png"
 #: What a run writes into its directory; any of them there means the directory holds a run.
 RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, SAMPLES_FILE, "tensorboard", PLOT_FILE,
              TRACKING_FILE)
+#: All a run's start writes into its directory: its files, its lock, and the trackers' stores (W&B offline, MLflow's).
+STARTED_FILES = (*RUN_FILES, LOCK_FILE, "wandb", "mlruns")
+#: How far below a new run's directory a run inside it is looked for.
+NESTED_RUN_DEPTH = 4
 #: How the megatron backend lays the model out over the processes: its checkpoints load at any TP, PP, CP and DP size.
 LAYOUT_KEYS = ("megatron.tensor_parallel", "megatron.pipeline_parallel", "megatron.context_parallel",
                "megatron.sequence_parallel")
@@ -48,15 +53,20 @@ INFERENCE_KEYS = {"eval": ("eval.num_samples", "eval.batch_size", *SAMPLING_KEYS
 def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:
     """Hold ``run_dir`` (:func:`hold_run_dir`) and make sure a new run never writes over an earlier one
     (:func:`claim_dir` with the run's files). An earlier start that never saved a checkpoint (it failed, or was
-    killed, before its first) holds nothing to resume: it is moved aside, as ``overwrite`` would."""
+    killed, before its first) holds nothing to resume: it is moved aside, as ``overwrite`` would. A folder with run
+    files' names but no checkpoint that is not such a start (a user's own config.yaml, notes) is refused."""
     run_dir = Path(run_dir)
     if run_dir.is_dir():
         hold_run_dir(run_dir)
     try:
-        failed = failed_start(run_dir)
-        if failed:
+        unsaved = not overwrite and _run_files_without_checkpoint(run_dir)
+        if unsaved:
+            if foreign := not_written_by_a_run(run_dir):
+                raise FileExistsError(f"{run_dir} holds no run's checkpoint, and what a run does not write "
+                                      f"({'; '.join(foreign)}): write the run elsewhere (e.g. train.run_dir="
+                                      f"{run_dir / 'run'}), or pass --overwrite to move {run_dir} aside first")
             print(f"nemo-jq: {run_dir} holds a start that never saved a checkpoint: moving it aside")
-        aside = claim_dir(run_dir, RUN_FILES, overwrite=overwrite or failed, what="a run",
+        aside = claim_dir(run_dir, RUN_FILES, overwrite=overwrite or unsaved, what="a run",
                           advice=f"continue it with `nemo-jq train --resume {run_dir}`, write the new run elsewhere "
                                  "(train.run_dir=...), or pass --overwrite to move the old run aside first")
     except BaseException:
@@ -69,9 +79,82 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:
 
 
 def failed_start(run_dir: Path) -> bool:
-    """True when ``run_dir`` holds a run's files but no checkpoint: a start that failed (or was killed) before it
+    """True when ``run_dir`` holds a run's start but no checkpoint: a start that failed (or was killed) before it
     saved its first, which holds nothing to resume."""
-    return any((run_dir / name).exists() for name in RUN_FILES) and not (run_dir / CHECKPOINT_DIR / "latest").exists()
+    return _run_files_without_checkpoint(run_dir) and not not_written_by_a_run(run_dir)
+
+
+def _run_files_without_checkpoint(run_dir: Path) -> bool:
+    """``run_dir`` holds a run's files but neither ``latest`` nor a complete checkpoint."""
+    checkpoints = run_dir / CHECKPOINT_DIR
+    return (any((run_dir / name).exists() for name in RUN_FILES) and not (checkpoints / "latest").exists()
+            and not saved_steps(checkpoints))
+
+
+def not_written_by_a_run(run_dir: Path) -> list[str]:
+    """What in ``run_dir`` a run's start does not leave there, in words: other files, and a config.yaml that is not a
+    run's saved config (or none)."""
+    found = [f"{path.name}{'/' * path.is_dir()}" for path in sorted(run_dir.iterdir()) if path.name not in STARTED_FILES]
+    config = run_dir / CONFIG_FILE
+    if not is_run_config(config):
+        found.append(f"{CONFIG_FILE}, not a run's saved config (a run saves every section)" if config.exists()
+                     else f"no {CONFIG_FILE}")
+    return found
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether ``path`` is a config a run saved (:func:`write_run_files`): every section of the config, where one
+    written by hand sets a few."""
+    try:
+        saved = read_yaml_file(path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and set(saved) == {field.name for field in dataclasses.fields(Config)}
+
+
+def refuse_shared_run_dir(run_dir: Path, config: Config) -> None:
+    """Before a new run writes anything: its directory is its own. Inside another run's (or a held folder), that run
+    prunes its checkpoints/, rebuilds its tensorboard/ and moves all it holds on ``--overwrite``; holding a run, this
+    one does so to it; and a run's directory is never the prepared data's, which ``--overwrite`` would move away."""
+    folder = Path(run_dir).resolve()
+    for outer in folder.parents:
+        if (why := _run_there(outer)) is not None:
+            raise ConfigError(f"train.run_dir={run_dir} is inside the run {outer} ({why}), whose folder is its own (it "
+                              "rebuilds its tensorboard/, prunes its checkpoints/, and --overwrite moves all of it): "
+                              f"choose a train.run_dir outside it (e.g. {outer.parent / folder.name})")
+    for inner in _folders_below(folder, NESTED_RUN_DEPTH):
+        if (why := _run_there(inner)) is not None:
+            raise ConfigError(f"train.run_dir={run_dir} holds the run {inner} ({why}), which this run's folder would "
+                              "share (it rebuilds its tensorboard/, prunes its checkpoints/, and --overwrite moves all "
+                              f"of it): choose a train.run_dir that holds no run (a new folder, beside {inner})")
+    prepared = config.data.prepared_dir
+    if prepared is not None:
+        data = Path(prepared).resolve()
+        where = ("is" if folder == data else "is inside" if data in folder.parents else
+                 "holds" if folder in data.parents else None)
+        if where is not None:
+            raise ConfigError(f"train.run_dir={run_dir} {where} data.prepared_dir={prepared}: a run writes (and "
+                              "--overwrite moves) its folder, the data with it: choose a train.run_dir outside the "
+                              "prepared data's folder")
+
+
+def _run_there(folder: Path) -> str | None:
+    """What shows a run in ``folder``, in words (None: nothing does): its saved config, its checkpoints, or a holder."""
+    if is_run_config(folder / CONFIG_FILE):
+        return f"its {CONFIG_FILE}"
+    if (folder / CHECKPOINT_DIR / "latest").exists():
+        return f"its {CHECKPOINT_DIR}/latest"
+    holder = holder_of(folder)
+    return None if holder is None else f"held by {holder}"
+
+
+def _folders_below(folder: Path, depth: int) -> Iterator[Path]:
+    """The folders under ``folder`` down to ``depth`` levels (not hidden ones, nor links)."""
+    for parent, names, _ in os.walk(folder):
+        names[:] = sorted(name for name in names if not name.startswith("."))
+        yield from (Path(parent, name) for name in names)
+        if len(Path(parent).relative_to(folder).parts) + 1 >= depth:
+            names.clear()
 
 
 class Diverged(ValueError):
@@ -133,16 +216,25 @@ def best_step_of(state: dict[str, Any]) -> int | None:
 def run_results(objective: Any, uses_q: bool, final_q: float | None, best_step: int | None,
                 best_validation: float | None, test: dict[str, Any], memorisation: dict | None, *, step: int,
                 key: str) -> dict[str, Any]:
-    """What ``results.json`` holds: the method (q, or its schedule and the last q trained with), the best validation
-    checkpoint's step and m@k, which checkpoint the test split scored (``tested``, in words), its test scores and, for
-    a noisy run, its memorisation."""
+    """What ``results.json`` holds: the method (q, or its schedule and the last q trained with), the step it ended at
+    (results of an earlier end are evaluated again), the best validation checkpoint's step and m@k, which checkpoint
+    the test split scored (``tested``, in words), its test scores and, for a noisy run, its memorisation."""
     scheduled = uses_q and objective.q_schedule is not None
     tested = (f"the best validation {key} (step {best_step})" if best_step is not None else
               f"the latest (step {step}): no validation {key} rose above 0")
     return {"objective": objective.name, "q": objective.q if uses_q and not scheduled else None,
-            **({"q_schedule": objective.q_schedule, "final_q": final_q} if scheduled else {}),
+            **({"q_schedule": objective.q_schedule, "final_q": final_q} if scheduled else {}), "step": step,
             "best_step": best_step, "best_validation": best_validation, "tested": tested, "test": test,
             **({"memorisation": memorisation} if memorisation else {})}
+
+
+def results_step(run_dir: Path) -> int | None:
+    """The step a run's ``results.json`` was written at (None: none is, it is unreadable, or it is older than the
+    step it names)."""
+    try:
+        return json.loads((Path(run_dir) / RESULTS_FILE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def write_results(run_dir: Path, results: dict[str, Any]) -> None:
@@ -161,6 +253,9 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
         hold_run_dir(run_dir)
     refuse_overrides(overrides, RESUMABLE_KEYS, "--resume", "a resumed run keeps what it trains")
     checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
+    if checkpoint is None and not failed_start(run_dir):
+        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from, and holds what a run does not write "
+                                f"({'; '.join(not_written_by_a_run(run_dir))}): give the run's own directory")
     if checkpoint is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (its start failed before the first): "
                                 f"start it again with its command (train.run_dir={run_dir}, no --resume); this start is "
@@ -196,20 +291,33 @@ def at_home(config: Config, run_dir: Path) -> Config:
     return config
 
 
-def holds_this_run(config: Config) -> str | None:
-    """For a job that may run again with the same command: ``"resume"`` when ``train.run_dir`` holds this run with a
-    checkpoint, ``"restart"`` when it holds this run's start but no checkpoint yet (moved aside, nothing lost), None
-    when it holds no run. A different run there (another config) is refused, as a new run's directory would be."""
+def holds_this_run(config: Config) -> tuple[str, list[str]]:
+    """For a job that may run again with the same command: ``("resume", overrides)`` when ``train.run_dir`` holds this
+    run with a checkpoint (``overrides``: the :data:`RESUMABLE_KEYS` the command changes, which the resume applies as
+    ``--resume`` does), ``("restart", [])`` when it holds this run's start but no checkpoint yet (moved aside, nothing
+    lost), ``("new", [])`` when it holds no run. A different run there (another config) is refused, as a new run's
+    directory would be; so is a change to a key a resumed run keeps."""
     run_dir = Path(config.train.run_dir)
     if not (run_dir / CONFIG_FILE).exists():
-        return None
+        return "new", []
     saved = load_config(run_dir / CONFIG_FILE, saved=True)
-    differing = [key for key in _differences(dataclasses.asdict(saved), dataclasses.asdict(config))
-                 if key not in RESUMABLE_KEYS]
-    if differing:
-        raise FileExistsError(f"{run_dir} holds another run (its config.yaml differs in {', '.join(differing[:3])}): "
-                              "choose another train.run_dir")
-    return "resume" if latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None else "restart"
+    new = dataclasses.asdict(config)
+    # train.run_dir: the run was found there, however the command spells it (relative, absolute) or it since moved
+    differing = [key for key in _differences(dataclasses.asdict(saved), new) if key != "train.run_dir"]
+    kept = [key for key in differing if key not in RESUMABLE_KEYS]
+    if kept:
+        raise FileExistsError(f"{run_dir} holds another run (its config.yaml differs in {', '.join(kept[:3])}, which a "
+                              "resumed run keeps): choose another train.run_dir, or give the run's own values")
+    if latest_checkpoint(run_dir / CHECKPOINT_DIR) is None:
+        return "restart", []
+    return "resume", [f"{key}={json.dumps(_value_at(new, key))}" for key in differing]
+
+
+def _value_at(tree: dict[str, Any], key: str) -> Any:
+    """The value of the dotted ``key`` (``train.max_steps``) in a config's nested dict."""
+    for part in key.split("."):
+        tree = tree[part]
+    return tree
 
 
 def _differences(saved: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

@@ -30,10 +30,10 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from nemo_jq.runtime.checkpoint import latest_checkpoint
+from nemo_jq.runtime.checkpoint import latest_checkpoint, read_state
 from nemo_jq.runtime.monitor import read_json_file, read_metrics
 from nemo_jq.runtime.outputs import claim_dir
-from nemo_jq.runtime.runs import CHECKPOINT_DIR, RESULTS_FILE, RUN_FILES
+from nemo_jq.runtime.runs import CHECKPOINT_DIR, RESULTS_FILE, RUN_FILES, results_step
 
 SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
 #: A run's state in its sweep: results written; a checkpoint to continue from; nothing to continue (a new start).
@@ -131,13 +131,16 @@ class Sweep:
             seen.add(run.config)
 
     def status(self, run: SweepRun) -> str:
+        """FINISHED where the run wrote its results at its last checkpoint's step (older results name no step); one
+        stopped in its end's evaluation, or with results of an earlier step, is STOPPED: its resume evaluates again."""
         run_dir = self.directory / run.name
-        if (run_dir / RESULTS_FILE).exists():
-            return FINISHED
         try:
-            return STOPPED if latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None else NEW
+            latest = latest_checkpoint(run_dir / CHECKPOINT_DIR)
         except FileNotFoundError:
-            return NEW
+            latest = None
+        if (run_dir / RESULTS_FILE).exists() and results_step(run_dir) in (None, latest and read_state(latest)["step"]):
+            return FINISHED
+        return STOPPED if latest is not None else NEW
 
 
 def record_problem(saved: dict[str, Any]) -> str | None:

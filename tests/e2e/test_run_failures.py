@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import TINY_RUN, one_line_error, run_cli
+from nemo_jq.config import load_config
 from nemo_jq.recipe.trainer import Trainer
 from nemo_jq.runtime.checkpoint import latest_checkpoint, load_checkpoint
 from nemo_jq.runtime.monitor import RunLogger, read_metrics
@@ -340,3 +341,39 @@ def test_checkpoints_follow_the_umask_and_the_progress_line_shows_its_own_step(t
     for line in lines:  # "train run: 3/10 (1.2/s), loss=..., ...": the figures of step 3
         step = int(line.split(": ")[1].split("/")[0])
         assert f"loss={losses[step]}," in line, (line, losses)
+
+
+# ----------------------------------------------------------------------------- what a resume may change
+def test_a_requeued_command_applies_its_changed_limits_however_it_spells_the_run_directory(tmp_path, capsys, monkeypatch):
+    """The job's command run again with a higher train.max_steps (or the run directory spelled absolute, where it was
+    relative) resumed with the old limits (or was refused as "another run")."""
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(capsys, "train", "--requeue", *QUICK, "train.run_dir=run")[0] == 0
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "--requeue", *QUICK, "train.max_steps=3", "eval.every=3",
+                           f"train.run_dir={run_dir}")
+    assert code == 0, err
+    config = load_config(run_dir / "config.yaml")
+    assert (config.train.max_steps, config.eval.every) == (3, 3)
+    records = read_metrics(run_dir)
+    assert {"kind": "resume", "step": 2, "overrides": ["eval.every=3", "train.max_steps=3"]} in records
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    code, _, err = run_cli(capsys, "train", "--requeue", *QUICK, "train.max_steps=3", "optim.lr=0.1", "train.run_dir=run")
+    one_line_error(code, err, "run holds another run (its config.yaml differs in optim.lr, which a resumed run keeps)")
+
+
+def test_a_resume_never_ends_a_run_below_its_step_nor_trains_another_objective_than_its_checkpoint(tmp_path, capsys):
+    """A run at step 2 resumed with train.max_steps=1 wrote its final results at step 2 under a config saying 1; one
+    whose config.yaml was edited to another objective trained the checkpoint's and recorded the edited one."""
+    run_dir = tmp_path / "run"
+    Trainer(load_config(None, [*QUICK, "train.max_steps=4", f"train.run_dir={run_dir}"])).fit(max_steps=2)
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=1")
+    one_line_error(code, err, "the run is at step 2, beyond its train.max_steps=1 steps: raise train.max_steps to go "
+                   f"past step 2 (e.g. --resume {run_dir} train.max_steps=4)")
+    config = run_dir / "config.yaml"
+    saved = config.read_text()
+    config.write_text(saved.replace("name: garl", "name: paft"))
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir)
+    one_line_error(code, err, f"{config} says objective.name=paft, but its checkpoint", "trains garl",
+                   "put objective.name=garl back")
+    assert not (run_dir / "results.json").exists() and config.read_text() != saved

@@ -444,3 +444,90 @@ def test_a_cuda_device_without_cuda_is_one_line_and_creates_nothing(tmp_path, ca
     code, _, err = run_cli(capsys, "train", *QUICK, "train.device=cuda", f"train.run_dir={tmp_path / 'run'}")
     one_line_error(code, err, "train.device=cuda but", "train.device=cpu")
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- a run's folder and its checkpoints
+def test_a_step_resumed_past_a_damaged_checkpoint_is_written_afresh_and_the_old_one_kept(tmp_path):
+    """Resumed from step 2 (as the damaged step 4's line advises), the run reached step 4 again and found step_4 there:
+    it kept the damaged folder, pointed latest at it and lost the weights it had just trained."""
+    trainer = Trainer(load_config(None, [*QUICK, "train.max_steps=4", f"train.run_dir={tmp_path / 'run'}"]))
+    trainer.fit()
+    root = trainer.run_dir / "checkpoints"
+    damaged = root / "step_00000004" / "model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    (root / "latest").write_text("step_00000002")
+    resumed = Trainer.resume(trainer.run_dir)
+    resumed.fit()
+    (aside,) = root.glob("step_00000004.old-*")
+    assert (aside / "model.safetensors").stat().st_size == 1000  # moved aside, not deleted
+    assert latest_checkpoint(root) == root / "step_00000004"
+    assert load_checkpoint(root / "step_00000004", resumed.policy)[0]["step"] == 4
+    resumed.save()  # a step saved twice by one run is written once
+    assert len(list(root.glob("step_00000004*"))) == 2
+
+
+def test_a_folder_of_ones_own_files_is_refused_not_moved_aside_as_a_failed_start(tmp_path, capsys):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("train:\n  max_steps: 2\n")
+    (folder / "notes.txt").write_text("notes")
+    code, _, err = run_cli(capsys, "train", "--config", folder / "config.yaml", *QUICK, f"train.run_dir={folder}")
+    one_line_error(code, err, f"{folder} holds no run's checkpoint", "notes.txt", "config.yaml, not a run's saved config",
+                   f"train.run_dir={folder / 'run'}", "--overwrite")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "notes.txt"]
+
+
+def test_a_run_directory_inside_or_holding_a_run_or_the_prepared_data_is_refused_before_anything_is_written(tmp_path, capsys):
+    from nemo_jq.config import save_config
+    from nemo_jq.runtime.outputs import hold_run_dir
+
+    saved = tmp_path / "saved"  # a run as its start leaves it: its whole config
+    saved.mkdir()
+    save_config(load_config(None, []), saved / "config.yaml")
+    checkpointed = tmp_path / "checkpointed"
+    (checkpointed / "checkpoints").mkdir(parents=True)
+    (checkpointed / "checkpoints" / "latest").write_text("step_00000002")
+    held = tmp_path / "held"  # a run loading its model: nothing in its folder but the lock it holds (until train ends)
+    hold_run_dir(held)
+    for outer, why in ((held, "held by pid"), (saved, "its config.yaml"), (checkpointed, "its checkpoints/latest")):
+        code, _, err = run_cli(capsys, "train", *QUICK, f"train.run_dir={outer / 'tensorboard' / 'x'}")
+        one_line_error(code, err, f"is inside the run {outer} ({why}", f"(e.g. {tmp_path / 'x'})")
+        assert not (outer / "tensorboard").exists()
+    code, _, err = run_cli(capsys, "train", *QUICK, f"train.run_dir={tmp_path}")
+    one_line_error(code, err, f"train.run_dir={tmp_path} holds the run", "choose a train.run_dir that holds no run")
+    prepared = _prepared(tmp_path / "data")
+    before = {p.name: p.read_bytes() for p in prepared.iterdir()}
+    for run_dir, where in ((prepared, "is"), (prepared / "run", "is inside"), (prepared.parent, "holds")):
+        code, _, err = run_cli(capsys, "train", *QUICK, f"data.prepared_dir={prepared}", f"train.run_dir={run_dir}",
+                               "--overwrite")
+        one_line_error(code, err, f"train.run_dir={run_dir} {where} data.prepared_dir={prepared}", "outside")
+    assert {p.name: p.read_bytes() for p in prepared.iterdir()} == before
+    assert sorted(p.name for p in prepared.parent.iterdir()) == [prepared.name]
+
+
+def test_a_lost_or_dangling_latest_names_the_complete_checkpoints_and_never_moves_the_run(tmp_path, capsys, monkeypatch):
+    """latest deleted: the run looked like a failed start, and the next start moved it aside; latest naming a deleted
+    step: a line with no fix."""
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")[0] == 0
+    root = run_dir / "checkpoints"
+    (root / "latest").unlink()
+    fix = f"with --step N (steps 1, 2); to resume from one, write its folder's name (step_00000002) into {root / 'latest'}"
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")
+    one_line_error(code, err, f"{root / 'latest'} is missing, beside complete checkpoints", fix)
+    code, _, err = run_cli(capsys, "train", "--requeue", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")
+    one_line_error(code, err, f"{root / 'latest'} is missing", fix)
+    code, _, err = run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")
+    one_line_error(code, err, f"{run_dir} already holds a run", "--resume")
+    assert not list(tmp_path.glob("run.old-*"))
+    shutil.rmtree(root / "step_00000002")
+    (root / "latest").write_text("step_00000002")
+    code, _, err = run_cli(capsys, "eval", run_dir)
+    one_line_error(code, err, f"names {root / 'step_00000002'}, which is not a complete checkpoint", "--step N (step 1)",
+                   f"write its folder's name (step_00000001) into {root / 'latest'}")
+    # --overwrite of the folder the command runs in, spelled ".": one line, and the run stays where it is
+    monkeypatch.chdir(run_dir)
+    code, _, err = run_cli(capsys, "train", *QUICK, "train.run_dir=.", "--overwrite")
+    one_line_error(code, err, f"{run_dir} holds the folder this command runs in", f"cd {tmp_path}")
+    assert (run_dir / "results.json").exists() and not list(tmp_path.glob("run.old-*"))

@@ -293,6 +293,30 @@ def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     assert state["step"] == 0
 
 
+def test_a_crash_in_the_end_evaluation_is_evaluated_again_on_resume(tmp_path):
+    """Killed in its test evaluation after a resume that trained on, a run kept the earlier end's results.json, and
+    every later --resume said it had nothing left to train."""
+    schedule = "objective.q_schedule={name: linear, num_steps: 3, q_start: 1, q_end: 0}"
+    make_trainer(tmp_path, schedule, "train.max_steps=2", "eval.every=1000").fit()
+    crashing = Trainer.resume(tmp_path / "run", ["train.max_steps=3"])
+    evaluate = crashing.evaluator.evaluate
+
+    def killed_in_test(split, **options):
+        if split == "test":
+            raise KeyboardInterrupt(split)
+        return evaluate(split, **options)
+
+    crashing.evaluator.evaluate = killed_in_test
+    with pytest.raises(KeyboardInterrupt, match="test"):
+        crashing.fit()
+    resumed = Trainer.resume(tmp_path / "run")
+    assert resumed.finished() is None
+    results = resumed.fit()
+    assert results["step"] == 3 == json.loads((tmp_path / "run" / "results.json").read_text())["step"]
+    assert results["final_q"] == [r["q"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"][-1]
+    assert "nothing left to train" in Trainer.resume(tmp_path / "run").finished()
+
+
 def test_missing_checkpoint_files_are_named(tmp_path):
     trainer = make_trainer(tmp_path)
     path = save_checkpoint(tmp_path / "ck", 1, trainer.policy, {"step": 1}, {})

@@ -51,9 +51,15 @@ def test_a_sweep_folder_records_its_grid_refuses_a_second_sweep_and_knows_each_r
     (tmp_path / "s" / garl.name / "results.json").parent.mkdir(parents=True)
     (tmp_path / "s" / garl.name / "results.json").write_text("{}")
     (tmp_path / "s" / grpo.name / "checkpoints" / "step_00000004").mkdir(parents=True)
-    (tmp_path / "s" / grpo.name / "checkpoints" / "step_00000004" / STATE).write_text("{}")
+    (tmp_path / "s" / grpo.name / "checkpoints" / "step_00000004" / STATE).write_text(
+        json.dumps({"step": 4, "best_step": None, "best_metric": None}))
     (tmp_path / "s" / grpo.name / "checkpoints" / "latest").write_text("step_00000004")
     assert (sweep.status(garl), sweep.status(grpo)) == (FINISHED, STOPPED)
+    # results of an earlier step (a run stopped in its end's evaluation after a resume): its resume evaluates again
+    (tmp_path / "s" / grpo.name / "results.json").write_text(json.dumps({"step": 3}))
+    assert sweep.status(grpo) == STOPPED
+    (tmp_path / "s" / grpo.name / "results.json").write_text(json.dumps({"step": 4}))
+    assert sweep.status(grpo) == FINISHED
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "objective.q=1")
     one_line_error(code, err, "--resume continues a sweep as its sweep.json records it")
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "nothing")
