@@ -71,8 +71,9 @@ def test_one_trainer_and_one_rollout_rank_train_as_one_colocated_process(tmp_pat
 
 
 @pytest.mark.parametrize("layout, rollout_ranks", [
-    ([], 1), pytest.param(["megatron.tensor_parallel=2", "rollout.kv_cache_tokens=1"], 1, marks=pytest.mark.slow),
-    pytest.param([], 2, marks=pytest.mark.slow)], ids=["dp2", "tp2", "dp2-two-rollout-ranks"])  # 17 s, 42 s, 25 s
+    ([], 1), (["megatron.tensor_parallel=2", "rollout.kv_cache_tokens=1"], 1),
+    ([], 2)], ids=["dp2", "tp2", "dp2-two-rollout-ranks"])  # 17 s, 42 s, 25 s
+@pytest.mark.slow
 @pytest.mark.megatron
 @pytest.mark.distributed
 def test_two_megatron_trainers_and_rollout_ranks_train_as_colocated(layout, rollout_ranks, tmp_path):

@@ -275,13 +275,13 @@ def counted_collectives():
 
 
 @pytest.mark.parametrize("aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel, context_parallel, etp", [
-    (0.0, False, 1, 1, 1, 1), (0.5, False, 1, 1, 1, 1), pytest.param(0.5, True, 1, 1, 1, 1, marks=pytest.mark.slow),
-    pytest.param(0.5, False, 2, 1, 1, 1, marks=pytest.mark.slow), (0.5, True, 1, 2, 1, 1),
-    pytest.param(0.5, False, 2, 2, 1, 1, marks=pytest.mark.slow), (0.5, True, 1, 1, 2, 1), (0.5, True, 1, 1, 1, 2)],
+    (0.0, False, 1, 1, 1, 1), (0.5, False, 1, 1, 1, 1), (0.5, True, 1, 1, 1, 1), (0.5, False, 2, 1, 1, 1),
+    (0.5, True, 1, 2, 1, 1), (0.5, False, 2, 2, 1, 1), (0.5, True, 1, 1, 2, 1), (0.5, True, 1, 1, 1, 2)],
     ids=["no-balancing-loss", "balancing-loss", "balancing-loss-distributed-optimizer", "balancing-loss-tp2-sp",
          "balancing-loss-pp2-distributed-optimizer", "balancing-loss-tp2-sp-pp2", "balancing-loss-cp2-distributed-optimizer",
          "balancing-loss-expert-tp2-distributed-optimizer"])
 @pytest.mark.distributed
+@pytest.mark.slow  # 5-9 s each on 2 cores
 def test_a_garl_step_at_expert_parallel_2_equals_transformers_trained_on_the_whole_batch(
         tmp_path, aux_coef, distributed_optimizer, tensor_parallel, pipeline_parallel, context_parallel, etp):
     """Expert gradients from both ranks' tokens (the dispatcher's gather), dense ones summed over DP, the norm

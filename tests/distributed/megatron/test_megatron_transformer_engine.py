@@ -110,6 +110,7 @@ def devices_of_a_gpu_build() -> list[str]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 6 s
 def test_the_local_spec_builds_every_module_on_the_models_device():
     """megatron-core's WrappedTorchNorm builds its norms on CPU whatever the device (the first GPU forward then mixes
     devices); the package's own norm follows the device the rest of the model is built on."""

@@ -36,6 +36,7 @@ def small_config(tmp_path: Path, *overrides: str):
     return megatron_config(model, *LAYOUT, "train.micro_batch_rows=4", "model.logprob_chunk_size=128", *overrides)
 
 
+@pytest.mark.slow  # 12 s: two ranks of TP=2 PP=2 DP=2
 def test_the_first_and_last_stage_hold_what_plan_estimates_for_their_layout(tmp_path, monkeypatch):
     """TP=2 PP=2 DP=2 with the bf16 distributed optimizer and vLLM (every rank samples): the first and the last
     stage's ranks are simulated, and plan's weights, gradient buffer, optimizer state (sharded over DP) and vLLM share
@@ -104,6 +105,7 @@ def test_a_split_worlds_pipeline_trains_syncs_and_its_rollout_rank_holds_what_pl
 
 
 @pytest.mark.parametrize("distributed", ["true", "false"])
+@pytest.mark.slow  # 7-12 s
 def test_the_optimizer_step_holds_the_square_root_of_v_once_as_a_gpus_foreach_adamw(tmp_path, distributed):
     """Measured on an H100 (docs/results/real_gpu.md): a 0.6B Megatron step peaks in its optimizer step with AdamW's
     state plus sqrt(v) once, for the replicated AdamW (12.28 GiB) and the distributed optimizer's shard (13.39). On
@@ -118,6 +120,7 @@ def test_the_optimizer_step_holds_the_square_root_of_v_once_as_a_gpus_foreach_ad
     assert phases["optimizer_step"]["by_kind_gib"]["optimizer"] == pytest.approx(state + square_root_of_v, rel=0.02)
 
 
+@pytest.mark.slow  # 9 s
 def test_an_offloaded_optimizers_state_is_host_memory(tmp_path):
     """megatron.optimizer_cpu_offload=true: the distributed optimizer's fp32 master weights and moments (12 bytes a
     parameter at DP=1) and the gradient shard's host copy (4) are host memory, none of them on the GPU."""
@@ -208,6 +211,7 @@ def test_a_rank_that_samples_none_has_no_sampler_to_call(tmp_path, monkeypatch):
         dry_run(config, GPUS["a100-80gb"], prompt_tokens=16, world_size=2, ranks=[1])
 
 
+@pytest.mark.slow  # 5 s
 def test_the_host_memory_of_a_save_is_the_writing_replica_s_and_a_node_that_cannot_hold_it_is_one_line(tmp_path, capsys):
     """Issue 43's N6 seen by the dry run: at TP=2 PP=2 DP=2 the save puts the replicated AdamW state (fp32 moments and
     master weights: 3 x 4 bytes a parameter of the rank's shard) in DP rank 0's host memory, beside its writer's copy

@@ -186,6 +186,7 @@ def test_a_run_that_fails_stops_the_sweep_in_one_line_naming_its_log(tmp_path):
     assert "grpo" not in message  # no further run started after the failure
 
 
+@pytest.mark.slow  # 7 s: two runs' progress
 def test_the_first_progress_line_comes_once_each_running_runs_step_rate_is_measured(tmp_path):
     import sys
 
