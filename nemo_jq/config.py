@@ -314,6 +314,13 @@ class Config:
         if self.optim.name == "sgd" and self.model.backend != "hf":
             raise ConfigError(f"optim.name=sgd trains with model.backend=hf only (model.backend={self.model.backend} "
                               "checkpoints and shards AdamW's state): use optim.name=adamw")
+        tiny = self.model.tiny
+        if self.model.path is None and (tiny.hidden_size % tiny.num_heads or tiny.hidden_size // tiny.num_heads % 2
+                                        or tiny.num_heads % tiny.num_kv_heads):
+            raise ConfigError("model.tiny: hidden_size must split into num_heads heads of an even width (the rotary "
+                              "embedding turns pairs) and num_kv_heads divide num_heads; got hidden_size="
+                              f"{tiny.hidden_size} num_heads={tiny.num_heads} num_kv_heads={tiny.num_kv_heads}: e.g. "
+                              "hidden_size=128 num_heads=4 num_kv_heads=2")
         if self.data.answer_width and self.data.name not in (None, "synthetic"):
             raise ConfigError(f"data.answer_width pads the synthetic sums; data.name={self.data.name} has its own answers: "
                               "drop data.answer_width")
@@ -423,6 +430,10 @@ class Config:
                 setattr(data, key, value)
         elif data.name is None:
             data.name = "synthetic"
+        given = [key for key in ("template", "system_prompt") if getattr(data, key) is not None]
+        if data.name == "synthetic" and given:  # as make_task refuses them for a dataset that builds its own prompts
+            raise ConfigError(f"{' and '.join(f'data.{key}' for key in given)} shape jsonl prompts: the synthetic task "
+                              f"builds its own (docs/datasets.md); drop {'them' if len(given) > 1 else 'it'}")
         if data.name != "synthetic" and data.name not in DATASETS:
             raise ConfigError(f"data.name: {DATASETS.unknown(data.name)} (and 'synthetic', built in)")
 
@@ -514,23 +525,59 @@ def _override(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> No
 
 
 def _warn_unused(raw: dict[str, Any], config: Config) -> None:
-    """``objective.q`` given where nothing reads it: an estimator without a q, or beside a q schedule. (Given: set to
-    other than its default, so that loading a run's config.yaml, which holds every key, says nothing.)"""
+    """One warning line for each key given where the run does not read it (given: set in the file or an override to
+    other than its default, so that loading a run's config.yaml, which holds every key, says nothing)."""
+    defaults = Config()
+    for key, why in _unread(config):
+        section, _, name = key.partition(".")
+        value = _value_at(config, key)
+        if name.split(".")[0] not in (raw.get(section) or {}) or value == _value_at(defaults, key):
+            continue
+        message = f"{key}={value} is ignored: {why}"
+        if message not in _ANNOUNCED:
+            _ANNOUNCED.add(message)
+            print(f"nemo-jq: warning: {message}", file=sys.stderr)
+
+
+def _value_at(config: Config, key: str) -> Any:
+    value: Any = config
+    for name in key.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _unread(config: Config) -> list[tuple[str, str]]:
+    """The keys a run of ``config`` does not read, and why (each of its own settings decides)."""
     from nemo_jq.objectives import get_objective
 
-    objective = config.objective
-    if not isinstance(raw.get("objective"), dict) or "q" not in raw["objective"] or objective.q == ObjectiveConfig.q:
-        return
+    objective, rollout, data, model = config.objective, config.rollout, config.data, config.model
+    unread = []
     if not get_objective(objective.name).uses_q:
-        why = f"objective.name={objective.name} takes no q"
+        unread += [(key, f"objective.name={objective.name} takes no q") for key in ("objective.q", "objective.q_schedule")]
     elif objective.q_schedule is not None:
-        why = "objective.q_schedule sets q at every step"
+        unread.append(("objective.q", "objective.q_schedule sets q at every step"))
+    if not config.guard.enabled:
+        unread += [(f"guard.{field.name}", "guard.enabled=false") for field in dataclasses.fields(config.guard)
+                   if field.name != "enabled"]
+    if rollout.engine != "vllm":
+        unread += [(f"rollout.{key}", f"rollout.engine={rollout.engine}") for key in ("vllm_memory_utilization",
+                                                                                       "vllm_kv_cache_gb")]
+    if rollout.placement == "colocated":
+        unread += [(f"rollout.{key}", "rollout.placement=colocated") for key in ("ranks", "sync_bucket_mb")]
+    if config.optim.name == "adamw":
+        unread.append(("optim.momentum", "optim.name=adamw (SGD's)"))
     else:
-        return
-    message = f"objective.q={objective.q:g} is ignored: {why}"
-    if message not in _ANNOUNCED:
-        _ANNOUNCED.add(message)
-        print(f"nemo-jq: warning: {message}", file=sys.stderr)
+        unread += [(f"optim.{key}", f"optim.name={config.optim.name} (AdamW's)") for key in ("betas", "eps")]
+    if model.path is not None:
+        unread += [(f"model.tiny.{field.name}", "model.path gives the model") for field in dataclasses.fields(model.tiny)]
+    if config.train.device == "cpu":
+        unread.append(("model.compile", "train.device=cpu (it compiles on a GPU)"))
+    if data.name == "synthetic":
+        unread += [(f"data.{key}", "the synthetic task reads no source") for key in ("source", "hub_config", "on_bad_row")]
+    else:
+        unread += [(f"data.{key}", f"data.name={data.name} (the synthetic task's)") for key in ("num_operands",
+                                                                                                "rationale_dependence")]
+    return unread
 
 
 #: Deprecations already announced in this process (each is said once).

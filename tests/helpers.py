@@ -141,8 +141,9 @@ def run_cli(capsys, *args):
 
 
 def one_line_error(code, err, *fragments):
-    """Exit code 2 and one ``nemo-jq`` line on stderr holding every fragment (no traceback); that line."""
-    lines = [line for line in err.splitlines() if line.startswith("nemo-jq")]
+    """Exit code 2 and one ``nemo-jq`` line on stderr holding every fragment (no traceback; warnings said before it
+    aside); that line."""
+    lines = [line for line in err.splitlines() if line.startswith("nemo-jq") and not line.startswith("nemo-jq: warning:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])

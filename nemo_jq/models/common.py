@@ -22,7 +22,9 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:  # "gpu", "cuda0", ...: torch lists its twenty device types
-        raise ValueError(f"train.device={name} is not a device: use auto, cpu, cuda or cuda:N") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):  # meta, xpu, mps...: the runs are built for these two
+        raise ValueError(f"train.device={name} is not a device a run takes: use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         why = ("this torch is a CPU build" if torch.version.cuda is None else
                f"no GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")

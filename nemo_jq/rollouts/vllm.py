@@ -364,7 +364,14 @@ class VLLMSampler:
         quiet_expected_noise()
         shut_down_engine()
         with random_state_kept(), rank_in_engine_world():
-            self.llm = LLM(**kwargs)
+            try:
+                self.llm = LLM(**kwargs)
+            except ValueError as err:  # vLLM names its own gpu_memory_utilization, which is not what sizes it here
+                if "cache" not in str(err).lower():
+                    raise
+                raise ValueError(f"vLLM's KV cache cannot hold one sequence ({str(err).splitlines()[0]}): raise "
+                                 "rollout.vllm_kv_cache_gb" + (" or rollout.vllm_memory_utilization" if on_gpu else "")
+                                 + ", or lower the budgets (rollout.max_thinking_tokens, rollout.max_answer_tokens)") from None
         _LIVE["sampler"] = self
         distributed.before_close(shut_down_engine)  # the groups it made end with it, before the run's own
         self._awake, self._depth = {"weights", "kv_cache"}, 0

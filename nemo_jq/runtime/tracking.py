@@ -55,6 +55,10 @@ def flat_config(config: Any) -> dict[str, Any]:
     return flat
 
 
+class TrackerDidNotStart(ValueError):
+    """A tracker the config turns on could not start (its service, its login): one line, the run not begun."""
+
+
 class WandbTracker:
     """A Weights & Biases run named after the run directory (offline mode writes under ``RUN_DIR/wandb``)."""
 
@@ -63,9 +67,14 @@ class WandbTracker:
 
         tracking = config.tracking
         self.wandb = wandb
-        self.run = wandb.init(project=tracking.wandb_project, entity=tracking.wandb_entity, name=run_dir.name,
-                              dir=str(run_dir), mode=tracking.wandb_mode, config=flat_config(config),
-                              id=ids.get("wandb"), resume="allow", settings=wandb.Settings(silent=True, console="off"))
+        try:
+            self.run = wandb.init(project=tracking.wandb_project, entity=tracking.wandb_entity, name=run_dir.name,
+                                  dir=str(run_dir), mode=tracking.wandb_mode, config=flat_config(config),
+                                  id=ids.get("wandb"), resume="allow", settings=wandb.Settings(silent=True, console="off"))
+        except (wandb.Error, OSError) as err:  # no login, no network: the tracker's, said before any step
+            raise TrackerDidNotStart(f"tracking.wandb=true (wandb_mode={tracking.wandb_mode}) could not start W&B "
+                                     f"({first_line(err)}): log in (wandb login, or WANDB_API_KEY), or set "
+                                     "tracking.wandb_mode=offline (sync later with wandb sync)") from None
         ids["wandb"] = self.run.id
 
     def log(self, record: dict[str, Any]) -> None:
@@ -79,6 +88,28 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, with its kind."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
+def reachable(uri: str) -> None:
+    """An MLflow server answers at ``uri`` (its ``/health``), within seconds: its client retries a refused connection
+    for minutes before it fails (MLFLOW_HTTP_REQUEST_MAX_RETRIES), a run started against a wrong URI waited as long."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).close()
+    except (urllib.error.URLError, OSError) as err:
+        if isinstance(err, urllib.error.HTTPError):  # it answered: a server is there (a proxy's page, a login)
+            return
+        raise TrackerDidNotStart(f"tracking.mlflow_tracking_uri={uri}: no MLflow server answers there "
+                                 f"({first_line(err)}): "
+                                 "start it (mlflow server), correct the URI, or leave it unset for a file store in "
+                                 "the run directory") from None
 
 
 def mlflow_name(key: str) -> str:
@@ -98,6 +129,8 @@ class MlflowTracker:
         uri = tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
         if uri.startswith("file:"):  # MLflow 3 wants a database; a file store needs no server and no SQLAlchemy
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if uri.startswith(("http://", "https://")):
+            reachable(uri)
         self.client = MlflowClient(tracking_uri=uri)
         if "mlflow" in ids:
             self.run_id = ids["mlflow"]

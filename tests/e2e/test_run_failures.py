@@ -267,6 +267,7 @@ def test_model_tokenizer_and_device_mistakes_are_one_line_and_leave_nothing(tmp_
         (variant("no_template", no_template), ["has no chat template", "chat_template.jinja"]),
         (variant("no_tokenizer", no_tokenizer), ["has no tokenizer files", "hf download"]),
         ("train.device=gpu", ["train.device=gpu is not a device", "auto, cpu, cuda or cuda:N"]),
+        ("train.device=meta", ["train.device=meta is not a device a run takes", "auto, cpu, cuda or cuda:N"]),
     ]
     for index, (override, fragments) in enumerate(cases):
         run_dir = tmp_path / f"run{index}"
@@ -314,7 +315,7 @@ def test_the_readme_commands_name_a_kept_step_and_a_ui_that_the_install_has():
 
 # ----------------------------------------------------------------------------- item 11: smaller frictions
 def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys):
-    from nemo_jq.config import load_config
+    from nemo_jq.config import ConfigError, load_config
 
     load_config(None, ["objective.name=grpo", "objective.q=0.5"])
     load_config(None, ["objective.name=garl", "objective.q=0.25", "objective.q_schedule={name: step, switch_step: 5}"])
@@ -322,6 +323,22 @@ def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "nemo-jq: warning: objective.q=0.5 is ignored: objective.name=grpo takes no q",
         "nemo-jq: warning: objective.q=0.25 is ignored: objective.q_schedule sets q at every step"]
+    # so is every other key a run does not read: a schedule without a q, a guard switched off, another engine's,
+    # placement's, optimizer's, model source's or dataset's key
+    load_config(None, ["objective.name=grpo", "objective.q_schedule={name: linear, num_steps: 10}", "guard.patience=5",
+                       "rollout.vllm_kv_cache_gb=4", "rollout.sync_bucket_mb=1", "optim.momentum=0.9",
+                       "train.device=cpu", "model.compile=true", "data.on_bad_row=fail"])
+    assert capsys.readouterr().err.splitlines() == [
+        "nemo-jq: warning: objective.q_schedule={'name': 'linear', 'num_steps': 10} is ignored: objective.name=grpo "
+        "takes no q",
+        "nemo-jq: warning: guard.patience=5 is ignored: guard.enabled=false",
+        "nemo-jq: warning: rollout.vllm_kv_cache_gb=4.0 is ignored: rollout.engine=native",
+        "nemo-jq: warning: rollout.sync_bucket_mb=1.0 is ignored: rollout.placement=colocated",
+        "nemo-jq: warning: optim.momentum=0.9 is ignored: optim.name=adamw (SGD's)",
+        "nemo-jq: warning: model.compile=True is ignored: train.device=cpu (it compiles on a GPU)",
+        "nemo-jq: warning: data.on_bad_row=fail is ignored: the synthetic task reads no source"]
+    with pytest.raises(ConfigError, match="data.template shape jsonl prompts: the synthetic task builds its own"):
+        load_config(None, ['data.template="Q: {question}"'])
 
 
 def test_checkpoints_follow_the_umask_and_the_progress_line_shows_its_own_step(tmp_path, capsys):

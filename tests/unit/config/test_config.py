@@ -85,6 +85,9 @@ def test_defaults_yaml_and_overrides(tmp_path):
          r"quote the value, e.g. data.template='\"\{...\}\"'\)"),
         (["data.template={question} Answer:"], r"invalid YAML .*; fix the syntax there, or quote a text value: data.template="),
         (["objective.options={baseline: none, baseline: rloo}"], "key 'baseline' is given twice"),
+        (["model.tiny.num_heads=3"], "model.tiny: hidden_size must split into num_heads heads of an even width"),
+        (["model.tiny.num_kv_heads=3"], "and num_kv_heads divide num_heads; got hidden_size=128 num_heads=4 num_kv_heads=3"),
+        (["model.tiny.hidden_size=2"], "got hidden_size=2 num_heads=4"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

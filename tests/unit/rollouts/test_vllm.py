@@ -87,6 +87,21 @@ def test_one_engine_per_process_and_a_shut_down_one_says_so():
         first.generate(prompts, 2, sample_answers=False, generator=torch.Generator())
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_a_kv_cache_too_small_for_one_sequence_names_the_key_that_sizes_it():
+    """vLLM says to raise its gpu_memory_utilization, which on the CPU sizes nothing: the key that does is named."""
+    import tempfile
+
+    from nemo_jq.rollouts import SamplingSettings
+
+    _, _, chat, model = tiny_setup(num_heads=1)
+    folder = tempfile.mkdtemp()
+    HFPolicy(model, device=CPU).export(folder, chat.tokenizer)
+    with pytest.raises(ValueError, match="vLLM's KV cache cannot hold one sequence .*: raise rollout.vllm_kv_cache_gb, or "):
+        VLLMSampler(folder, settings=SamplingSettings(), device=CPU, kv_cache_gb=1e-6)
+
+
 def megatron_refit_worker() -> list[float]:
     """A tied model trained by the Megatron policy, sampled by vLLM: Megatron's stream names no lm_head.weight."""
     import tempfile
