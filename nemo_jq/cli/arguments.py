@@ -66,6 +66,21 @@ def seed(text: str) -> int:
     return int(text)
 
 
+def json_holding(*keys: str) -> Callable[[str], bool]:
+    """Whether a file's text is a JSON object holding ``keys``: how a command knows a report it wrote earlier (which
+    a later run of it may replace)."""
+    import json
+
+    def holds(text: str) -> bool:
+        try:
+            report = json.loads(text)
+        except ValueError:
+            return False
+        return isinstance(report, dict) and set(keys) <= set(report)
+
+    return holds
+
+
 def output_problem(path: Path, what: str, is_earlier: Callable[[str], bool]) -> str | None:
     """What keeps a command from writing ``what`` to ``path`` (None: nothing), checked before its work: the path is a
     file's in a folder that exists, and a file already there is an earlier ``what`` (``is_earlier`` of its text),

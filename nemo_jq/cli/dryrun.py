@@ -28,7 +28,8 @@ def add_parser(commands) -> None:
                      "what a node's host memory holds")
     dry.add_argument("--host-memory", type=arguments.positive_gb, metavar="GiB", help="a node's host memory: exit 2 "
                      "in one line if its processes need more")
-    dry.add_argument("--json", type=arguments.output_file("dry run's JSON report", is_json_report), metavar="FILE",
+    dry.add_argument("--json", type=arguments.output_file("dry run's JSON report", arguments.json_holding(
+        "gpu", "usable_gib", "phases", "peak_gib")), metavar="FILE",
                      help="also write the report as JSON to FILE (a new file, or an earlier dry run's report)")
     dry.add_argument("overrides", nargs="*", help="section.key=value overrides (as train takes them)")
     dry.set_defaults(run=run)
@@ -42,15 +43,6 @@ def notes() -> str:
     folder = Path(__file__).parents[1] / "dryrun"
     notes = [ast.get_docstring(ast.parse((folder / f"{name}.py").read_text())).split("\n", 2)[2] for name in ("run", "world")]
     return "how it works:\n" + notes[0] + "\n" + notes[1]
-
-
-def is_json_report(text: str) -> bool:
-    """Whether ``text`` is a report ``--json`` wrote (which a later dry run may replace)."""
-    try:
-        report = json.loads(text)
-    except ValueError:
-        return False
-    return isinstance(report, dict) and {"gpu", "usable_gib", "phases", "peak_gib"} <= set(report)
 
 
 def ranks(text: str) -> list[int]:

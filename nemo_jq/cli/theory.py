@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from nemo_jq.cli import arguments
+
 
 def add_parser(commands) -> None:
     theory = commands.add_parser("theory", help="print the paper's stylised results and plot escape times")
@@ -18,20 +20,11 @@ def run(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise FileExistsError(f"--out {args.out} is a file: give a folder for theory.json and escape_time.png")
     report, plot = args.out / "theory.json", args.out / "escape_time.png"
-    earlier = report.is_file() and is_theory_report(report.read_text(errors="replace"))
+    earlier = report.is_file() and arguments.json_holding("escape_time", "escort_minimizer", "noise_equilibrium",
+                                                           "garl_bias")(report.read_text(errors="replace"))
     if not earlier and (report.exists() or plot.exists()):
         raise FileExistsError(f"--out {args.out} holds {'theory.json' if report.exists() else 'escape_time.png'}, which "
                               "is no earlier report of nemo-jq theory: give another folder (nothing was written)")
     write_report(args.out)
     return 0
 
-
-def is_theory_report(text: str) -> bool:
-    """Whether ``text`` is a theory.json this command wrote (which a later run may replace: it is the same)."""
-    import json
-
-    try:
-        report = json.loads(text)
-    except ValueError:
-        return False
-    return isinstance(report, dict) and {"escape_time", "escort_minimizer", "noise_equilibrium", "garl_bias"} <= set(report)
