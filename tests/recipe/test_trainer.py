@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_RUN, from_a_terminal, learn_on, machine_kind, run_cli
+from helpers import TINY_RUN, from_a_terminal, learn_on, machine_kind, one_line_error, run_cli
 from nemo_jq.config import load_config, save_config
 from nemo_jq.objectives import get_objective, list_objectives
 from nemo_jq.recipe.experience import Experience
@@ -396,10 +396,9 @@ def test_a_hub_name_resolves_to_its_cached_snapshot_offline_and_an_uncached_one_
     assert done.returncode == 0, done.stderr[-2000:]
     assert load_config(tmp_path / "cached" / "config.yaml").model.path == "org/tiny-qwen3"  # the name, not the cache path
     missing = train("org/not-downloaded", "missing")
-    errors = [line for line in missing.stderr.splitlines() if line.startswith("nemo-jq")]
-    assert missing.returncode == 2 and len(errors) == 1 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
-    assert "model.path=org/not-downloaded is not in the local Hugging Face cache" in errors[0]
-    assert "huggingface-cli download org/not-downloaded" in errors[0] and not (tmp_path / "missing").exists()
+    error = one_line_error(missing.returncode, missing.stderr, "model.path=org/not-downloaded is not in the local "
+                           "Hugging Face cache", "huggingface-cli download org/not-downloaded")
+    assert error and not (tmp_path / "missing").exists()
 
 
 def test_each_step_logs_its_own_gpu_peak_and_a_cpu_step_none(tmp_path, monkeypatch):
