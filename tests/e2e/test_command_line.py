@@ -142,6 +142,16 @@ def test_a_path_that_is_not_what_a_command_wants_is_named_with_the_fix(tmp_path,
     assert (notes / "theory.json").read_text() == '{"mine": 1}' and not (notes / "escape_time.png").exists()
     for _ in range(2):  # its own earlier report is written over
         assert run_cli(capsys, "theory", "--out", tmp_path / "theory")[0] == 0
+    # dryrun --json never replaces a user's file (here the config itself), nor waits for the dry run to find a
+    # missing folder (tests/unit/dryrun/test_dryrun.py writes over its own earlier report)
+    config = tmp_path / "run.yaml"
+    config.write_text("train:\n  max_steps: 1\n")
+    for target, reason in [(config, "exists and is not an earlier dry run's JSON report"),
+                           (tmp_path / "missing" / "dry.json", "does not exist: create it")]:
+        with pytest.raises(SystemExit) as refused:
+            main(["dryrun", "--config", str(config), "--json", str(target)])
+        assert refused.value.code == 2 and reason in capsys.readouterr().err
+    assert config.read_text() == "train:\n  max_steps: 1\n"
     with pytest.raises(SystemExit) as refused:
         main(["generate", str(tmp_path), "3 + 4", "--seed", str(2**64)])
     assert refused.value.code == 2 and "argument --seed: must be a whole number from 0 to 4294967295" in capsys.readouterr().err

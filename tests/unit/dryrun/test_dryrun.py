@@ -135,15 +135,6 @@ def test_a_sampler_left_on_the_host_is_named(tmp_path, monkeypatch):
 def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path, capsys):
     out = tmp_path / "dry.json"
     base = ["dryrun", "--prompt-tokens", "24", "train.batch_size=4", "train.micro_batch_size=2", "eval.batch_size=4"]
-    # --json never replaces a user's file (here the config itself), nor waits for the dry run to find a missing folder
-    config = tmp_path / "run.yaml"
-    config.write_text("train:\n  max_steps: 1\n")
-    for target, reason in [(config, "exists and is not an earlier dry run's JSON report"),
-                           (tmp_path / "missing" / "dry.json", "does not exist: create it")]:
-        with pytest.raises(SystemExit) as refused:
-            main([*base, "--config", str(config), "--json", str(target)])
-        assert refused.value.code == 2 and reason in capsys.readouterr().err
-    assert config.read_text() == "train:\n  max_steps: 1\n"
     assert main([*base, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["fits"] and "peak:" in capsys.readouterr().out
