@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_jq.cli import main
 from nemo_jq.config import load_config
 from nemo_jq.dryrun import GPUS, DoesNotFit, GpuProfile, WrongDevice, check_fits, dry_run, on_gpu
 from nemo_jq.dryrun.memory import MemoryTracker
@@ -132,12 +131,20 @@ def test_a_sampler_left_on_the_host_is_named(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path, capsys):
+def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path):
+    """The command as a person runs it, each call a process of its own."""
+    import subprocess
+    import sys
+
+    def dryrun(words: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "nemo_jq.cli", *words], capture_output=True, text=True, timeout=600)
+
     out = tmp_path / "dry.json"
     base = ["dryrun", "--prompt-tokens", "24", "train.batch_size=4", "train.micro_batch_size=2", "eval.batch_size=4"]
-    assert main([*base, "--json", str(out)]) == 0
+    done = dryrun([*base, "--json", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["fits"] and "peak:" in capsys.readouterr().out
+    assert report["fits"] and "peak:" in done.stdout
     phases = report["phases"]
     assert list(phases) == ["build", "rollout", "train", "optimizer_step", "save", "guard_restore", "evaluate", "resume"]
     assert phases["optimizer_step"]["most_by_kind_gib"]["optimizer"] >= 2 * phases["build"]["by_kind_gib"]["weights"]
@@ -147,15 +154,17 @@ def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path,
     weights = phases["build"]["by_kind_gib"]["weights"]
     assert phases["save"]["host_peak_gib"] >= weights and report["host"]["processes"] == 1
     assert report["host"]["gib"] == max(phase["host_peak_gib"] for phase in phases.values())
-    assert main([*base, "--gpu-memory", "0.001"]) == 2
-    error = capsys.readouterr().err.strip()
+    done = dryrun([*base, "--gpu-memory", "0.001"])
+    error = done.stderr.strip()
+    assert done.returncode == 2, error[-3000:]
     assert len(error.splitlines()) == 1 and "nemo-jq dryrun: error: phase" in error and "try " in error
     with pytest.raises(DoesNotFit):
         check_fits({**report, "fits": False})
     # a split world: the training rank holds no sampler, no KV cache, and syncs; a rollout rank holds them
-    assert main([*base, "--json", str(out), "rollout.placement=separate"]) == 0
+    done = dryrun([*base, "--json", str(out), "rollout.placement=separate"])
+    assert done.returncode == 0, done.stderr[-3000:]
     split = json.loads(out.read_text())
-    assert "a rollout rank's" in capsys.readouterr().out
+    assert "a rollout rank's" in done.stdout
     phases, serving = split["phases"], split["rollout_rank"]["phases"]
     assert list(phases) == ["build", "rollout", "train", "optimizer_step", "sync", "save", "guard_restore", "evaluate",
                             "resume"]
