@@ -24,6 +24,7 @@ What a fake tensor cannot say, the world answers, always with the case that cost
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import weakref
 from pathlib import Path
@@ -70,6 +71,9 @@ class FakeWorld:
     def __enter__(self) -> FakeWorld:
         import safetensors.torch
 
+        # Garbage left from before runs its finalizers now, on real values: freed inside, a finalizer reads the
+        # world's answers (vLLM CPU's oneDNN handle was released as MOST, a segfault, where an engine ran earlier).
+        gc.collect()
         stack = self._stack
         self._swap = torch.utils.swap_tensors
         for owner, name, replacement in ((torch.utils, "swap_tensors", self._swap_tensors),

@@ -16,6 +16,7 @@ weights are loaded in place (GPU only). docs/vllm.md has the table of versions.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import inspect
 import json
@@ -323,11 +324,26 @@ def quiet_expected_noise() -> None:
 
 
 def shut_down_engine() -> None:
-    """Shut down the engine this process holds, if any (its teardown also ends the process group vLLM made)."""
+    """Shut down the engine this process holds, if any (its teardown also ends the process group vLLM made), and free
+    its model now: its layers sit in reference cycles, and their native handles (vLLM CPU's oneDNN matmul handles)
+    would otherwise be released at a later collection, under whatever runs then."""
     sampler = _LIVE.pop("sampler", None)
     if sampler is not None and sampler.llm is not None:
         sampler.llm.llm_engine.engine_core.shutdown()
         sampler.llm = None
+        forget_reload_records()
+        gc.collect()
+
+
+def forget_reload_records() -> None:
+    """A refit (``reload_weights``) records every layer in vLLM's module-level ``LAYERWISE_INFO``, a weak-keyed
+    dictionary whose values hold their layer again (the weight loaders it wraps), so no entry ever goes: every model
+    refitted once stayed in memory, a GPU's included. One engine per process: every record is the one shut down."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:  # a vLLM without layerwise reloading keeps no such records
+        return
+    layerwise.LAYERWISE_INFO.clear()
 
 
 class VLLMSampler:
@@ -365,13 +381,16 @@ class VLLMSampler:
         shut_down_engine()
         with random_state_kept(), rank_in_engine_world():
             try:
-                self.llm = LLM(**kwargs)
+                self.llm, too_small = LLM(**kwargs), None
             except ValueError as err:  # vLLM names its own gpu_memory_utilization, which is not what sizes it here
                 if "cache" not in str(err).lower():
                     raise
-                raise ValueError(f"vLLM's KV cache cannot hold one sequence ({str(err).splitlines()[0]}): raise "
-                                 "rollout.vllm_kv_cache_gb" + (" or rollout.vllm_memory_utilization" if on_gpu else "")
-                                 + ", or lower the budgets (rollout.max_thinking_tokens, rollout.max_answer_tokens)") from None
+                too_small = str(err).splitlines()[0]
+        if too_small is not None:  # raised here, not from vLLM's error, whose frames would keep its half-built engine
+            gc.collect()  # that engine's model, freed now (see shut_down_engine)
+            raise ValueError(f"vLLM's KV cache cannot hold one sequence ({too_small}): raise rollout.vllm_kv_cache_gb"
+                             + (" or rollout.vllm_memory_utilization" if on_gpu else "")
+                             + ", or lower the budgets (rollout.max_thinking_tokens, rollout.max_answer_tokens)")
         _LIVE["sampler"] = self
         distributed.before_close(shut_down_engine)  # the groups it made end with it, before the run's own
         self._awake, self._depth = {"weights", "kv_cache"}, 0

@@ -8,6 +8,7 @@ nemo_jq/dryrun/world.py), and its numbers are checked here against a real CPU ru
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import resource
@@ -97,6 +98,28 @@ def test_the_world_answers_with_the_most_memory():
         assert tracker.total - before == 4000
         del kept
         assert tracker.total == before
+
+
+def test_garbage_from_before_the_world_is_freed_before_it_starts():
+    """A finalizer that runs inside the world reads its answers: vLLM CPU's oneDNN handle, left for the collector by an
+    engine run earlier in the process, was released as MOST there (a segfault in CI's worker order)."""
+    released = []
+
+    class Handle:
+        def __init__(self):
+            self.address, self.me = torch.tensor(7), self  # a cycle: only the collector frees it
+
+        def __del__(self):
+            released.append(int(self.address.item()))
+
+    gc.disable()  # no collection but the world's
+    try:
+        Handle()
+        with FakeWorld(MemoryTracker(GPU.type)):
+            gc.collect()
+    finally:
+        gc.enable()
+    assert released == [7]
 
 
 def test_gpu_attention_keeps_no_scores():
