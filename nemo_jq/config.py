@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import operator
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,14 +24,14 @@ from typing import Any
 import yaml
 
 from nemo_jq.data.base import FORMATS
-from nemo_jq.data.prepare import BAD_ROW_POLICIES
+from nemo_jq.data.prepare import BAD_ROW_POLICIES, refuse_prompt_options
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES, SyntheticArithmetic
 from nemo_jq.models import OPTIMIZERS, PRECISIONS
 from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
 from nemo_jq.objectives.importance import CORRECTIONS
 from nemo_jq.recipe.guard import GUARD_ACTIONS
 from nemo_jq.strict_yaml import parse_yaml, read_yaml_file
-from nemo_jq.typed import ConfigError, build, describe_fields, option
+from nemo_jq.typed import LARGEST_SEED, ConfigError, build, describe_fields, option
 
 #: Keys that may name a local file or folder (``section``, ``key``): made absolute when a config loads.
 PATH_KEYS = (("model", "path"), ("data", "prepared_dir"), ("data", "source"))
@@ -84,7 +85,7 @@ class DataConfig:
     train_size: int = option(768, "ignored with prepared_dir", ge=1)
     validation_size: int = option(64, "ignored with prepared_dir", ge=1)
     test_size: int = option(128, "ignored with prepared_dir", ge=1)
-    seed: int = option(0, "subset draw (and the synthetic expressions)", ge=0, le=2**32 - 1)
+    seed: int = option(0, "subset draw (and the synthetic expressions)", ge=0, le=LARGEST_SEED)
     num_operands: int = option(3, "synthetic only: operands per expression", ge=2)
     answer_width: int = option(0, "synthetic only: write the sum zero-padded to this many digits (0: as is); every digit "
                                "is a token a random model gives ~1/V, the knob of the escape-rates experiment", ge=0, le=12)
@@ -246,7 +247,7 @@ class TrainConfig:
         "rows nemo-jq plan's memory model fits on this GPU (nemo-jq train and dryrun resolve it, and say the number)",
         ge=1, choices=("auto",))
     max_steps: int | None = option(None, "stop after this many steps; null = all epochs", ge=1)
-    seed: int = option(0, "every generator of the run (numpy's too: at most 2**32 - 1)", ge=0, le=2**32 - 1)
+    seed: int = option(0, "every generator of the run (numpy's too: at most 2**32 - 1)", ge=0, le=LARGEST_SEED)
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     save_every: int = option(25, "checkpoint every this many steps", ge=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept (the best one is always kept)", ge=1)
@@ -430,10 +431,9 @@ class Config:
                 setattr(data, key, value)
         elif data.name is None:
             data.name = "synthetic"
-        given = [key for key in ("template", "system_prompt") if getattr(data, key) is not None]
+        given = [f"data.{key}" for key in ("template", "system_prompt") if getattr(data, key) is not None]
         if data.name == "synthetic" and given:  # as make_task refuses them for a dataset that builds its own prompts
-            raise ConfigError(f"{' and '.join(f'data.{key}' for key in given)} shape jsonl prompts: the synthetic task "
-                              f"builds its own (docs/datasets.md); drop {'them' if len(given) > 1 else 'it'}")
+            refuse_prompt_options("the synthetic task", given)
         if data.name != "synthetic" and data.name not in DATASETS:
             raise ConfigError(f"data.name: {DATASETS.unknown(data.name)} (and 'synthetic', built in)")
 
@@ -530,20 +530,13 @@ def _warn_unused(raw: dict[str, Any], config: Config) -> None:
     defaults = Config()
     for key, why in _unread(config):
         section, _, name = key.partition(".")
-        value = _value_at(config, key)
-        if name.split(".")[0] not in (raw.get(section) or {}) or value == _value_at(defaults, key):
+        value = operator.attrgetter(key)(config)
+        if name.split(".")[0] not in (raw.get(section) or {}) or value == operator.attrgetter(key)(defaults):
             continue
         message = f"{key}={value} is ignored: {why}"
         if message not in _ANNOUNCED:
             _ANNOUNCED.add(message)
             print(f"nemo-jq: warning: {message}", file=sys.stderr)
-
-
-def _value_at(config: Config, key: str) -> Any:
-    value: Any = config
-    for name in key.split("."):
-        value = getattr(value, name)
-    return value
 
 
 def _unread(config: Config) -> list[tuple[str, str]]:

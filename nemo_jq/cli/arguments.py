@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
+from nemo_jq.typed import LARGEST_SEED
+
 STEP_HELP = ("for a run directory: best (the best validation m@k; ties keep the earliest, as training does), latest, "
              "or a step number; the output names the step and why")
 
@@ -56,9 +58,6 @@ def whole_number(text: str) -> int:
 
 
 #: The largest seed the generators take (numpy's: a run seeds it too).
-LARGEST_SEED = 2**32 - 1
-
-
 def seed(text: str) -> int:
     """A random seed: a whole number the run's generators all take."""
     if not text.isdigit() or int(text) > LARGEST_SEED:

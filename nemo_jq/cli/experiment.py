@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from nemo_jq.cli import arguments
+
 #: The options every experiment takes: (flags, argparse keywords).
 SHARED = [
     (("--out",), dict(type=Path, help="a new folder for the runs (default: runs/noisy_cold_start, runs/escape_rates, "
                       "runs/warm_start)")),
-    (("--seeds",), dict(type=int, nargs="+", default=[0, 1, 2])),
+    (("--seeds",), dict(type=arguments.seed, nargs="+", default=[0, 1, 2])),
     (("--quick",), dict(action="store_true", help="a few-second smoke size (not a result)")),
     (("--overwrite",), dict(action="store_true", help="if --out holds an experiment, move it aside first")),
 ]

@@ -53,4 +53,3 @@ def run(args: argparse.Namespace) -> int:
     if script is not None:
         print(script)
     return 0
-

@@ -15,16 +15,15 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nemo_jq.theory.report import REPORT_KEYS
     from nemo_jq.theory.report import run as write_report
 
     if args.out.exists() and not args.out.is_dir():
         raise FileExistsError(f"--out {args.out} is a file: give a folder for theory.json and escape_time.png")
     report, plot = args.out / "theory.json", args.out / "escape_time.png"
-    earlier = report.is_file() and arguments.json_holding("escape_time", "escort_minimizer", "noise_equilibrium",
-                                                           "garl_bias")(report.read_text(errors="replace"))
+    earlier = report.is_file() and arguments.json_holding(*REPORT_KEYS)(report.read_text(errors="replace"))
     if not earlier and (report.exists() or plot.exists()):
         raise FileExistsError(f"--out {args.out} holds {'theory.json' if report.exists() else 'escape_time.png'}, which "
                               "is no earlier report of nemo-jq theory: give another folder (nothing was written)")
     write_report(args.out)
     return 0
-

@@ -23,6 +23,7 @@ from typing import Any
 from nemo_jq.data.base import Example, Splits
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
 from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, read_hub, read_rows, sha256
+from nemo_jq.typed import ConfigError
 
 SPLITS = ("train", "validation", "test")
 #: The paper's subset sizes (Appendix F): train / validation / test.
@@ -63,12 +64,17 @@ def make_task(name: str, *, template: str | None = None, system: str | None = No
     if name not in DATASETS:
         raise ValueError(DATASETS.unknown(name) + " (and 'synthetic', which needs no preparing)")
     given = {key: value for key, value in {"template": template, "system": system}.items() if value is not None}
-    takes = {field.name for field in dataclasses.fields(DATASETS[name])}
-    if not set(given) <= takes:
-        spelled = " and ".join(getattr(options, key) for key in given)
-        raise ValueError(f"{spelled} {'are' if len(given) > 1 else 'is'} for the jsonl dataset only: {name} builds its own "
-                         f"prompts (docs/datasets.md); drop {'them' if len(given) > 1 else 'it'}")
+    if not set(given) <= {field.name for field in dataclasses.fields(DATASETS[name])}:
+        refuse_prompt_options(name, [getattr(options, key) for key in given])
     return DATASETS[name](**given)
+
+
+def refuse_prompt_options(name: str, spelled: list[str]) -> None:
+    """The prompt template or system prompt (``spelled`` as the command names them) given for dataset ``name``, which
+    builds its own prompts: they would be dropped unsaid."""
+    are, they, shape, them = ("are", "they", "shape", "them") if len(spelled) > 1 else ("is", "it", "shapes", "it")
+    raise ConfigError(f"{' and '.join(spelled)} {are} for a dataset whose prompts {they} {shape} (jsonl): {name} builds "
+                      f"its own (docs/datasets.md); drop {them}")
 
 
 def _read_source_split(task: QATask, source: str, hub_config: str | None, names: tuple[str, ...], options: OptionNames):

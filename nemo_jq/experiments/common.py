@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from nemo_jq.config import ConfigError, current_key
+from nemo_jq.runtime.sweep import refuse_repeats
 from nemo_jq.strict_yaml import parse_yaml
 
 #: The keys every experiment sets for each run itself, after the user's overrides: key -> (what sets it, the option to
@@ -17,15 +18,6 @@ PER_RUN = {"objective.name": ("per method", "--methods"), "objective.q": ("per m
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in ".=" else "_" for c in name).strip("_")
-
-
-def refuse_repeats(option: str, values: Sequence[Any]) -> None:
-    """A value given twice would train its runs twice, the second time into the first's folders."""
-    for index, value in enumerate(values):
-        if value in values[:index]:
-            count = values.count(value)
-            raise ConfigError(f"{option}: {value!r} is given {'twice' if count == 2 else f'{count} times'}: drop "
-                              f"{'one' if count == 2 else 'all but one'}")
 
 
 def chosen_methods(plan: dict[str, list[str]], only: Sequence[str]) -> dict[str, list[str]]:

@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nemo_jq.config import ConfigError, load_config
-from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, refuse_repeats, slug
+from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, slug
 from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import seed_stats
+from nemo_jq.runtime.sweep import refuse_repeats
 
 #: log P̂ a run must exceed to have escaped: e^-5 ≈ 0.7%, the noisy cold-start experiment's "left P̂ ≈ 0".
 THRESHOLD = -5.0

@@ -23,11 +23,12 @@ from typing import Any, Sequence
 import yaml
 
 from nemo_jq.config import load_config
-from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, refuse_repeats, slug
+from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, slug
 from nemo_jq.runtime.monitor import plot_runs, read_metrics
 from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import seed_stats
+from nemo_jq.runtime.sweep import refuse_repeats
 
 #: The one configuration every method trains with: the demo's model, M=4 and budgets on sums of two digits, 64
 #: training prompts (13 of them noisy at rho=0.2) seen 64 times (512 steps of 8 prompts), so that a method can

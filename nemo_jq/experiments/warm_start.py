@@ -33,11 +33,12 @@ import torch
 
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES
-from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, refuse_repeats, slug
+from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, slug
 from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import seed_stats
+from nemo_jq.runtime.sweep import refuse_repeats
 
 if TYPE_CHECKING:
     from nemo_jq.recipe.components import Components

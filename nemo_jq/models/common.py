@@ -120,8 +120,8 @@ def quiet_weight_files() -> Iterator[None]:
 
 
 def is_hub_name(path: str) -> bool:
-    """Whether ``model.path`` names a hub model (``Qwen/Qwen3-8B``: one slash, no leading ``/``, ``.`` or ``~``) where
-    no local folder of that name is."""
+    """Whether ``model.path`` is spelled as a hub model's name (``Qwen/Qwen3-8B``: one slash, no leading ``/``, ``.``
+    or ``~``); the disk is not looked at (a local folder so spelled is the caller's to find first)."""
     return not path.startswith(("/", ".", "~")) and path.count("/") == 1
 
 

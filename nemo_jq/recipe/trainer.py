@@ -28,7 +28,7 @@ from nemo_jq.recipe.state import Course, ObjectiveInUse, PromptStream, RandomStr
 from nemo_jq.recipe.step import StepResult, rollout_record
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.runtime import distributed, runs
-from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir_name
+from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, read_state, save_checkpoint, step_dir_name
 from nemo_jq.runtime.monitor import RunLogger, merge_metrics, progress, read_metrics
 from nemo_jq.runtime.preemption import StopSignals, current_series
 from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, open_for_resume, run_results, write_results, write_run_files
@@ -87,11 +87,12 @@ class Trainer:
         """
         config, checkpoint = open_for_resume(Path(run_dir), overrides)
         trainer = cls(config, run_dir=run_dir, existing=True, rows_for=rows_for)
+        step = read_state(checkpoint)["step"]  # checked before the weights and optimizer state load
+        if trainer.server is None and step > trainer.total_steps:  # it would end where it is, past them
+            limit, key, raised = trainer._limit(step)
+            raise ConfigError(f"{trainer.run_dir}: the run is at step {step}, beyond {limit}: raise {key} to go past "
+                              f"step {step} (e.g. --resume {trainer.run_dir} {key}={raised})")
         trainer.restore(checkpoint)
-        if trainer.server is None and trainer.state.step > trainer.total_steps:  # it would end where it is, past them
-            limit, key, raised = trainer._limit()
-            raise ConfigError(f"{trainer.run_dir}: the run is at step {trainer.state.step}, beyond {limit}: raise {key} "
-                              f"to go past step {trainer.state.step} (e.g. --resume {trainer.run_dir} {key}={raised})")
         trainer.resumed_with = list(overrides)
         return trainer
 
@@ -108,15 +109,15 @@ class Trainer:
     def finished(self) -> str | None:
         """For a resumed run: why it has no step left to train, in one line with the key to raise (None: it has steps
         left, or its end's evaluation is not written for this step, which resuming then does)."""
-        if self.state.step < self.total_steps or runs.results_step(self.run_dir) != self.state.step:
+        if self.state.step < self.total_steps or not runs.results_current(self.run_dir, self.state.step):
             return None
-        limit, key, raised = self._limit()
+        limit, key, raised = self._limit(self.state.step)
         return (f"{self.run_dir}: the run finished {limit} and has nothing left to train; raise {key} (e.g. --resume "
                 f"{self.run_dir} {key}={raised})")
 
-    def _limit(self) -> tuple[str, str, int]:
-        """The limit the run's step has reached, in words; its key; and a value of it that leaves steps to train."""
-        train, epochs_steps, step = self.config.train, self.epochs_steps, self.state.step
+    def _limit(self, step: int) -> tuple[str, str, int]:
+        """The limit ``step`` has reached, in words; its key; and a value of it that leaves steps to train."""
+        train, epochs_steps = self.config.train, self.epochs_steps
         if step >= epochs_steps:
             per_epoch = epochs_steps // train.epochs
             return (f"its {train.epochs} epoch{'s' * (train.epochs != 1)} ({epochs_steps} steps)", "train.epochs",

@@ -167,7 +167,7 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
         raise damaged(file, f"not JSON: {err}") from None
     if not isinstance(state, dict):
         raise damaged(file, f"a JSON {type(state).__name__}, not the object a checkpoint writes")
-    wrong = [key for key, kinds in STATE_FIELDS.items() if not isinstance(state.get(key), kinds)]
+    wrong = [key for key, kinds in STATE_FIELDS.items() if type(state.get(key)) not in kinds]  # JSON's true is no step
     if wrong:
         raise damaged(file, f"{', '.join(wrong)} missing or not a number")
     return state

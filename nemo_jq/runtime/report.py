@@ -176,7 +176,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-#: How the tables ``--csv`` and ``--json`` write begin: an existing file is written over only where it begins so.
+#: How the CSV and JSON tables begin: a report replaces an existing file only where it begins so (an earlier one).
 CSV_START, JSON_START = "dataset,format,method,n,seeds,", '{\n "rows": ['
 
 

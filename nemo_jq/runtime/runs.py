@@ -117,16 +117,15 @@ def refuse_shared_run_dir(run_dir: Path, config: Config) -> None:
     prunes its checkpoints/, rebuilds its tensorboard/ and moves all it holds on ``--overwrite``; holding a run, this
     one does so to it; and a run's directory is never the prepared data's, which ``--overwrite`` would move away."""
     folder = Path(run_dir).resolve()
+    owns = "it rebuilds its tensorboard/, prunes its checkpoints/, and --overwrite moves all of it"
     for outer in folder.parents:
         if (why := _run_there(outer)) is not None:
-            raise ConfigError(f"train.run_dir={run_dir} is inside the run {outer} ({why}), whose folder is its own (it "
-                              "rebuilds its tensorboard/, prunes its checkpoints/, and --overwrite moves all of it): "
-                              f"choose a train.run_dir outside it (e.g. {outer.parent / folder.name})")
+            raise ConfigError(f"train.run_dir={run_dir} is inside the run {outer} ({why}), whose folder is its own "
+                              f"({owns}): choose a train.run_dir outside it (e.g. {outer.parent / folder.name})")
     for inner in _folders_below(folder, NESTED_RUN_DEPTH):
         if (why := _run_there(inner)) is not None:
             raise ConfigError(f"train.run_dir={run_dir} holds the run {inner} ({why}), which this run's folder would "
-                              "share (it rebuilds its tensorboard/, prunes its checkpoints/, and --overwrite moves all "
-                              f"of it): choose a train.run_dir that holds no run (a new folder, beside {inner})")
+                              f"share ({owns}): choose a train.run_dir that holds no run (a new folder, beside {inner})")
     prepared = config.data.prepared_dir
     if prepared is not None:
         data = Path(prepared).resolve()
@@ -149,7 +148,7 @@ def _run_there(folder: Path) -> str | None:
 
 
 def _folders_below(folder: Path, depth: int) -> Iterator[Path]:
-    """The folders under ``folder`` down to ``depth`` levels (not hidden ones, nor links)."""
+    """The folders under ``folder`` down to ``depth`` levels (not hidden ones; a link to a folder is listed, not entered)."""
     for parent, names, _ in os.walk(folder):
         names[:] = sorted(name for name in names if not name.startswith("."))
         yield from (Path(parent, name) for name in names)
@@ -228,13 +227,15 @@ def run_results(objective: Any, uses_q: bool, final_q: float | None, best_step: 
             **({"memorisation": memorisation} if memorisation else {})}
 
 
-def results_step(run_dir: Path) -> int | None:
-    """The step a run's ``results.json`` was written at (None: none is, it is unreadable, or it is older than the
-    step it names)."""
+def results_current(run_dir: Path, step: int | None) -> bool:
+    """Whether the run's ``results.json`` holds its end's evaluation at ``step`` (its last checkpoint's): it names
+    that step, or it is readable and names none (results written before they named their step). A missing or
+    unreadable one is not: a resume evaluates again."""
     try:
-        return json.loads((Path(run_dir) / RESULTS_FILE).read_text()).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
+        results = json.loads((Path(run_dir) / RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(results, dict) and results.get("step") in (None, step)
 
 
 def write_results(run_dir: Path, results: dict[str, Any]) -> None:

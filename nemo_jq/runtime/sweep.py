@@ -33,7 +33,8 @@ import yaml
 from nemo_jq.runtime.checkpoint import latest_checkpoint, read_state
 from nemo_jq.runtime.monitor import read_json_file, read_metrics
 from nemo_jq.runtime.outputs import claim_dir
-from nemo_jq.runtime.runs import CHECKPOINT_DIR, RESULTS_FILE, RUN_FILES, results_step
+from nemo_jq.runtime.runs import CHECKPOINT_DIR, RUN_FILES, results_current
+from nemo_jq.typed import ConfigError
 
 SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
 #: A run's state in its sweep: results written; a checkpoint to continue from; nothing to continue (a new start).
@@ -120,7 +121,7 @@ class Sweep:
 
     def check(self) -> None:
         """Load every run's config (a key its run will not use is said once a config file, not once a run)."""
-        from nemo_jq.config import ConfigError, load_config
+        from nemo_jq.config import load_config
 
         seen: set[str | None] = set()
         for run in self.runs:
@@ -138,7 +139,7 @@ class Sweep:
             latest = latest_checkpoint(run_dir / CHECKPOINT_DIR)
         except FileNotFoundError:
             latest = None
-        if (run_dir / RESULTS_FILE).exists() and results_step(run_dir) in (None, latest and read_state(latest)["step"]):
+        if results_current(run_dir, read_state(latest)["step"] if latest is not None else None):
             return FINISHED
         return STOPPED if latest is not None else NEW
 
@@ -164,14 +165,17 @@ def record_problem(saved: dict[str, Any]) -> str | None:
     return None
 
 
-def refuse_repeats(what: str, values: Sequence[Any], same: Callable[[Any], Any]) -> None:
-    """Two of an axis's values that are one (``0,0``, or ``0.5,.5`` as a config reads them) would train one point
-    twice: refused, naming them."""
+def refuse_repeats(what: str, values: Sequence[Any], same: Callable[[Any], Any] = lambda value: value) -> None:
+    """Two of an axis's values (a sweep's, an experiment's option's) that are one (``0,0``, or ``0.5,.5`` as a config
+    reads them) would train one point twice, the second time into the first's folders: refused, naming them."""
     for index, value in enumerate(values):
-        for earlier in values[:index]:
-            if same(earlier) == same(value):
-                alike = f"{value} is given twice" if str(earlier) == str(value) else f"{earlier} and {value} are the same"
-                raise ValueError(f"{what}: {alike}, which would train one run twice: drop one")
+        earlier = next((other for other in values[:index] if same(other) == same(value)), None)
+        if earlier is not None:
+            count = sum(same(other) == same(value) for other in values)
+            times = "twice" if count == 2 else f"{count} times"
+            alike = f"{value} is given {times}" if str(earlier) == str(value) else f"{earlier} and {value} are the same"
+            raise ConfigError(f"{what}: {alike}, which would train one run {times}: drop "
+                              f"{'one' if count == 2 else 'all but one'}")
 
 
 def as_a_config_reads(value: str) -> Any:

@@ -94,6 +94,10 @@ def plot_escape_times(path: Path, delta: float = 0.5) -> None:
     plt.close(fig)
 
 
+#: The parts of ``theory.json`` (how an earlier report is known, which a later one may replace).
+REPORT_KEYS = ("escape_time", "escort_minimizer", "noise_equilibrium", "garl_bias")
+
+
 def run(out_dir: Path) -> dict[str, object]:
     """Print every table, write ``theory.json`` and ``escape_time.png`` under ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -92,22 +92,22 @@ def test_the_experiment_places_runs_at_the_measured_p0_fits_and_censors(tmp_path
 #: Per experiment: options that keep it small, then bad input and what its one-line error must say.
 REFUSED = {
     "escape-rates": (["--methods", "q=1", "--widths", "2"], [
-        (["--seeds", "0", "0"], ["--seeds: 0 is given twice: drop one"]),
+        (["--seeds", "0", "0"], ["--seeds: 0 is given twice, which would train one run twice: drop one"]),
         (["--widths", "2", "3", "2"], ["--widths: 2 is given twice"]),
-        (["--methods", "q=1,GRPO,q=1"], ["--methods: 'q=1' is given twice"]),
+        (["--methods", "q=1,GRPO,q=1"], ["--methods: q=1 is given twice"]),
         (["objective.q=0.3"], ["override objective.q=0.3", "sets objective.q per method", "use --methods"]),
         (["data.answer_width=4"], ["sets data.answer_width per width", "use --widths"]),
         (["train.run_dir=elsewhere"], ["sets train.run_dir", "use --out"]),
         (["train={seed: 3}"], ["sets train.seed per seed", "use --seeds"]),
         (["optim.lr=0.001"], ["sets optim.lr per optimizer", "drop it"])]),
     "noisy-cold-start": (["--methods", "q=1"], [
-        (["--seeds", "1", "0", "1", "1"], ["--seeds: 1 is given 3 times: drop all but one"]),
+        (["--seeds", "1", "0", "1", "1"], ["--seeds: 1 is given 3 times, which would train one run 3 times: drop all but one"]),
         (["data.label_noise=0.3"], ["sets data.label_noise from --label-noise", "use --label-noise"]),
         (["data.seed=4"], ["sets data.seed per seed", "use --seeds"]),
         (["objective.q_schedule={name: linear, num_steps: 4}"], ["sets objective.q_schedule per method"])]),
     "warm-start": (["--methods", "GRPO", "--dependences", "none"], [
-        (["--dependences", "none", "sum", "none"], ["--dependences: 'none' is given twice"]),
-        (["--methods", "GRPO,PAFT q=0.25,GRPO"], ["--methods: 'GRPO' is given twice"]),
+        (["--dependences", "none", "sum", "none"], ["--dependences: none is given twice"]),
+        (["--methods", "GRPO,PAFT q=0.25,GRPO"], ["--methods: GRPO is given twice"]),
         (["data.rationale_dependence=sum"], ["sets data.rationale_dependence per setting", "use --dependences"]),
         (["train.seed=1"], ["sets train.seed per seed", "use --seeds"]),
         (["--methods-override", "objective.q=0.5"], ["--methods-override objective.q=0.5", "use --methods"]),

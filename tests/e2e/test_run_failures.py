@@ -314,9 +314,11 @@ def test_the_readme_commands_name_a_kept_step_and_a_ui_that_the_install_has():
 
 
 # ----------------------------------------------------------------------------- item 11: smaller frictions
-def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys):
+def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys, monkeypatch):
+    from nemo_jq import config
     from nemo_jq.config import ConfigError, load_config
 
+    monkeypatch.setattr(config, "_ANNOUNCED", set())  # a warning is said once a process: what ran before said none here
     load_config(None, ["objective.name=grpo", "objective.q=0.5"])
     load_config(None, ["objective.name=garl", "objective.q=0.25", "objective.q_schedule={name: step, switch_step: 5}"])
     load_config(None, ["objective.name=garl", "objective.q=0.25"])
@@ -337,7 +339,7 @@ def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys):
         "nemo-jq: warning: optim.momentum=0.9 is ignored: optim.name=adamw (SGD's)",
         "nemo-jq: warning: model.compile=True is ignored: train.device=cpu (it compiles on a GPU)",
         "nemo-jq: warning: data.on_bad_row=fail is ignored: the synthetic task reads no source"]
-    with pytest.raises(ConfigError, match="data.template shape jsonl prompts: the synthetic task builds its own"):
+    with pytest.raises(ConfigError, match=r"data.template is for a dataset whose prompts it shapes \(jsonl\): the synthetic task builds"):
         load_config(None, ['data.template="Q: {question}"'])
 
 

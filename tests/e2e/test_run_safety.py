@@ -346,7 +346,8 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp
             one_line_error(code, err, f"{step_2 / name} is damaged (truncated or corrupt", "--step N (step 1)")
         (step_2 / name).write_bytes(intact)
     state = (step_2 / "state.json").read_text()
-    for text, what in [("[]", "a JSON list"), ("{bad", "not JSON"), ("{}", "step missing")]:
+    for text, what in [("[]", "a JSON list"), ("{bad", "not JSON"), ("{}", "step missing"),
+                       ('{"step": true, "best_step": null, "best_metric": null}', "step missing or not a number")]:
         (step_2 / "state.json").write_text(text)
         code, _, err = run_cli(capsys, "eval", run_dir)
         one_line_error(code, err, f"{step_2 / 'state.json'} is damaged ({what}", "--step N (step 1)")

@@ -315,6 +315,12 @@ def test_a_crash_in_the_end_evaluation_is_evaluated_again_on_resume(tmp_path):
     assert results["step"] == 3 == json.loads((tmp_path / "run" / "results.json").read_text())["step"]
     assert results["final_q"] == [r["q"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"][-1]
     assert "nothing left to train" in Trainer.resume(tmp_path / "run").finished()
+    # as a sweep counts it: results written before they named their step are this step's; cut short, they are not
+    results_file = tmp_path / "run" / "results.json"
+    results_file.write_text(json.dumps({key: value for key, value in results.items() if key != "step"}))
+    assert "nothing left to train" in Trainer.resume(tmp_path / "run").finished()
+    results_file.write_text(json.dumps(results)[:-1])
+    assert Trainer.resume(tmp_path / "run").finished() is None
 
 
 def test_missing_checkpoint_files_are_named(tmp_path):

@@ -374,11 +374,11 @@ def test_a_utf16_or_utf32_source_is_named_with_the_fix(tmp_path, encoding, name)
 
 def test_the_prompt_options_of_jsonl_are_refused_for_other_datasets(tmp_path, capsys, monkeypatch):
     """A --template for hotpotqa was ignored: the manifest said template null and nothing told the person."""
-    with pytest.raises(ValueError, match="data.template is for the jsonl dataset only"):
+    with pytest.raises(ValueError, match="data.template is for a dataset whose prompts it shapes"):
         make_task("hotpotqa", template="{question}")
     code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "hotpotqa", "--source", FIXTURES / "hotpotqa_hf",
                            "--sizes", "2,2,2", "--template", "{question}", "--system", "hi", "--out", tmp_path / "out")
-    one_line_error(code, err, "--template and --system are for the jsonl dataset only", "hotpotqa")
+    one_line_error(code, err, "--template and --system are for a dataset whose prompts they shape (jsonl): hotpotqa builds its own")
     assert not (tmp_path / "out").exists()
     # a plugin's dataset built on jsonl's takes them, under its own name
     from dataclasses import dataclass

@@ -60,6 +60,8 @@ def test_a_sweep_folder_records_its_grid_refuses_a_second_sweep_and_knows_each_r
     assert sweep.status(grpo) == STOPPED
     (tmp_path / "s" / grpo.name / "results.json").write_text(json.dumps({"step": 4}))
     assert sweep.status(grpo) == FINISHED
+    (tmp_path / "s" / grpo.name / "results.json").write_text('{"step": 4')  # cut short: its resume evaluates again
+    assert sweep.status(grpo) == STOPPED
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "objective.q=1")
     one_line_error(code, err, "--resume continues a sweep as its sweep.json records it")
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "nothing")
