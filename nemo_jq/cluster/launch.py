@@ -221,21 +221,27 @@ def sbatch_script(config: LaunchConfig, command: list[str]) -> str:
 
 
 #: The run's keys that name a file or folder the job reads or writes, made absolute where the job runs elsewhere.
-RUN_PATH_KEYS = ("train.run_dir", "data.prepared_dir", "model.path")
+RUN_PATH_KEYS = ("train.run_dir", "data.prepared_dir", "model.path", "data.source")
 
 
 def train_config(command: list[str], arguments: Any, launch_config: LaunchConfig) -> Any | None:
     """The config a launched ``train`` command (``arguments``: its words as ``train`` parses them) trains, checked here
     before anything is written or queued, its :data:`RUN_PATH_KEYS` too (:func:`check_job_paths`): its file and
-    overrides as ``train`` loads them where the file is readable here; where it is not (a path inside the container, or
-    ``--resume``'s run), the overrides alone against the schema (keys with a did-you-mean, types, ranges), said in a
-    line, and the defaults under the overrides of the rollout split's keys. None for another command."""
+    overrides as ``train`` loads them where the file is readable here or there is none (the defaults, under which
+    ``train.run_dir`` is relative); where it is not (a path inside the container, or ``--resume``'s run), the overrides
+    alone against the schema (keys with a did-you-mean, types, ranges), said in a line, and the defaults under the
+    overrides of the rollout split's keys. The demo (``train`` with no config and no overrides): its folder. None for
+    the demo and for another command."""
     from nemo_jq.config import check_overrides, load_config
+    from nemo_jq.recipe.demo import DEMO_DIR
 
     if command[0] != "train":
         return None
     overrides = arguments.overrides
-    if arguments.config is not None and arguments.config.is_file():
+    if arguments.config is None and arguments.resume is None and (not overrides or arguments.demo_dir or arguments.quick):
+        check_job_paths(launch_config, {"--demo-dir": arguments.demo_dir or DEMO_DIR})
+        return None
+    if arguments.config is None and arguments.resume is None or arguments.config is not None and arguments.config.is_file():
         config = load_config(arguments.config, overrides)
         check_job_paths(launch_config, {key: operator.attrgetter(key)(config) for key in RUN_PATH_KEYS})
         return config
@@ -252,7 +258,9 @@ def train_config(command: list[str], arguments: Any, launch_config: LaunchConfig
 def check_job_paths(config: LaunchConfig, paths: dict[str, Any]) -> None:
     """Under SLURM and Docker the job runs in NeMo-Run's code folder (:data:`JOB_WORKDIR`), where a relative path
     names nothing of the user's: each of ``paths`` (the command's path arguments and :data:`RUN_PATH_KEYS`; a
-    ``model.path`` only where it is not a hub name, by the rule the model's loader reads it by) must be absolute."""
+    ``model.path`` only where it is not a hub name, by the rule the model's loader reads it by; a ``data.source`` only
+    where it names a file, by its suffix or one here, not a hub dataset) must be absolute."""
+    from nemo_jq.data.sources import SUFFIXES
     from nemo_jq.models.common import is_hub_name
 
     if config.executor == "local":
@@ -260,8 +268,9 @@ def check_job_paths(config: LaunchConfig, paths: dict[str, Any]) -> None:
     for name, value in paths.items():
         for path in value if isinstance(value, list) else [value]:
             text = str(path or "")
-            hub_name = name == "model.path" and is_hub_name(text)
-            if text and not hub_name and not text.startswith(("/", "~")):
+            no_path = ((name == "model.path" and is_hub_name(text))
+                       or (name == "data.source" and not text.endswith(SUFFIXES) and not Path(text).exists()))
+            if text and not no_path and not text.startswith(("/", "~")):
                 shown = f"{name}={text}" if name in RUN_PATH_KEYS else f"{name} {text}"
                 raise ConfigError(f"{shown} is a relative path, but under executor={config.executor} the job runs "
                                   f"in NeMo-Run's code folder ({JOB_WORKDIR}), where it names nothing of yours: give an "

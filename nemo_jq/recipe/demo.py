@@ -28,6 +28,8 @@ DEMO_RUNS = (
 )
 #: ``--quick``: a comparison of about a minute (not the README's table): one epoch (96 steps), 32 validation prompts
 #: every 32 steps, 64 test prompts.
+#: Where ``nemo-jq train`` with no config writes the demo unless ``--demo-dir`` says.
+DEMO_DIR = Path("runs/cold_start")
 QUICK = ("train.epochs=1", "eval.every=32", "data.validation_size=32", "data.test_size=64")
 #: Keys the demo sets itself: each run's method, and its folder under the demo's.
 OWN_KEYS = ("objective.name", "objective.q", "train.run_dir")

@@ -42,12 +42,12 @@ class Checkpointed(Protocol):
 
 
 def damaged(file: Path, what: str) -> ValueError:
-    """The one line for a checkpoint file that is there but cannot be read (cut short by a copy, or corrupt): the file,
-    what is wrong, and the run's other steps to take instead."""
+    """The one line for a checkpoint file (or a Megatron checkpoint's folder of files) that is there but cannot be read
+    (cut short by a copy, or corrupt): the file, what is wrong, and the run's other steps to take instead."""
     checkpoint = Path(file).parent
     fix = other_checkpoints(checkpoint.parent, but=checkpoint.name) or ("the run holds no other checkpoint: restore "
                                                                         "this one from a copy of the run")
-    return ValueError(f"checkpoint file {file} is damaged ({what}): {fix}")
+    return ValueError(f"checkpoint {'folder' if Path(file).is_dir() else 'file'} {file} is damaged ({what}): {fix}")
 
 
 def other_checkpoints(root: Path, but: str | None = None) -> str | None:

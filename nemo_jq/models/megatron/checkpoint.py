@@ -9,17 +9,21 @@ model. AdamW's moments are sharded exactly like their parameters (megatron-core'
 
 from __future__ import annotations
 
+import contextlib
 import math
+import pickle
 import signal
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_config
 from nemo_jq.models.megatron.zero import DenseAndExpertAdamW, DistributedAdamW
+from nemo_jq.runtime.checkpoint import damaged
 
 transformer_engine_usable()  # before importing megatron.core
 from megatron.core import dist_checkpointing  # noqa: E402
@@ -86,7 +90,8 @@ def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer |
     if optimizer is not None and not common[_HAS_OPTIMIZER]:
         raise FileNotFoundError(f"checkpoint {directory} holds no optimizer state (saved before the first step)")
     model_state = model.sharded_state_dict()
-    saved = set(dist_checkpointing.load_tensors_metadata(str(source)))
+    with reading(source):
+        saved = set(dist_checkpointing.load_tensors_metadata(str(source)))
     missing = sorted({value.key for value in nested_values(model_state) if isinstance(value, (ShardedTensor, ShardedTensorFactory))}
                      - saved)
     if missing:
@@ -108,7 +113,8 @@ def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer |
     elif optimizer is not None:
         _initialise_adam_state(optimizer, with_master=with_master)
         request[_OPTIMIZER] = _sharded_optimizer_state(model_state, optimizer)
-    loaded = dist_checkpointing.load(request, str(source))
+    with reading(source):
+        loaded = dist_checkpointing.load(request, str(source))
     model.load_state_dict(loaded[_MODEL], strict=True)
     for rows, target, at, (start, end) in partial_rows:
         target[at:at + end - start].copy_(rows.reshape(-1)[start:end])
@@ -180,11 +186,27 @@ def _rows_of(part: ShardedTensor, row: int, prefix: str, data: torch.Tensor) -> 
                          replica_id=part.replica_id, allow_shape_mismatch=part.allow_shape_mismatch)
 
 
+@contextlib.contextmanager
+def reading(source: Path) -> Iterator[None]:
+    """megatron-core reading the distributed checkpoint ``source``: a file of it cut short or corrupt (a copy, a full
+    disk elsewhere) is :func:`~nemo_jq.runtime.checkpoint.damaged`, one line naming the folder, what broke and the
+    run's other steps, where megatron-core and torch's distributed checkpoint raised their own tracebacks."""
+    try:
+        yield
+    except (CheckpointException, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:
+        if isinstance(err, CheckpointException):  # each failing rank's own exception, gathered: the first says it
+            err = next(iter(err.failures.values()))[0]
+        words = str(err).strip().splitlines()
+        raise damaged(source, f"truncated or corrupt: {type(err).__name__}"
+                      + (f": {words[0][:160]}" if words else "")) from None
+
+
 def _common_state(source: Path, arch: Qwen3Architecture) -> dict[str, Any]:
     """The checkpoint's non-tensor state, once its architecture is checked against ``arch``."""
     if not (source / "metadata.json").exists():
         raise FileNotFoundError(f"checkpoint {source.parent} is missing {SHARDED_DIR}/ (a Megatron distributed checkpoint)")
-    common = dist_checkpointing.load_common_state_dict(str(source))
+    with reading(source):
+        common = dist_checkpointing.load_common_state_dict(str(source))
     saved = read_qwen3_config(common[_ARCH])
     differing = [name for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
                                    "num_key_value_heads", "head_dim", "tie_word_embeddings")

@@ -103,7 +103,8 @@ def train_and_save_worker(checkpoint_dir: str) -> dict[str, dict[str, torch.Tens
 
 def resume_at_tp1_worker(checkpoint_dir: str, out_dir: str, scratch_dir: str) -> dict[str, Any]:
     """The TP=2 checkpoint resumed at TP=1 into other weights: loaded weights, the second step, the export;
-    then the errors for a checkpoint without optimizer state, one that lacks a weight, one of another model."""
+    then the errors for a checkpoint without optimizer state, one that lacks a weight, one of another model, and one
+    with a file cut short (each of megatron-core's files: one line naming the folder, not its traceback)."""
     from megatron.core import dist_checkpointing
 
     from nemo_jq.models.megatron.policy import MegatronPolicy
@@ -114,6 +115,7 @@ def resume_at_tp1_worker(checkpoint_dir: str, out_dir: str, scratch_dir: str) ->
     loaded = policy.hf_state_dict()
     garl_step(policy, garl_batch(policy.arch.vocab_size))
     policy.export(Path(out_dir), tokenizer)
+    after_two = policy.hf_state_dict()  # before the refusals below, which may leave weights half loaded
 
     untrained = Path(scratch_dir) / "untrained"
     MegatronPolicy.from_hf_model(untied_qwen3(), **OPTIM).save(untrained)
@@ -130,7 +132,14 @@ def resume_at_tp1_worker(checkpoint_dir: str, out_dir: str, scratch_dir: str) ->
     with pytest.raises(ValueError, match=r"saved from another model: vocab_size 317 there, \d+ here, .*"
                                          r"tie_word_embeddings False there, True here"):
         tied.load(untrained, with_optimizer=False)
-    return {"loaded": loaded, "after_two": policy.hf_state_dict()}
+    for name in sorted(path.name for path in (untrained / "megatron").iterdir()):
+        cut = Path(scratch_dir) / f"cut{name}"
+        shutil.copytree(untrained, cut)
+        data = (cut / "megatron" / name).read_bytes()
+        (cut / "megatron" / name).write_bytes(data[:len(data) // 2])
+        with pytest.raises(ValueError, match=rf"checkpoint folder {cut / 'megatron'} is damaged \(truncated or corrupt: "):
+            policy.load(cut, with_optimizer=False)
+    return {"loaded": loaded, "after_two": after_two}
 
 
 @pytest.mark.slow

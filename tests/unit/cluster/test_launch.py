@@ -124,7 +124,8 @@ def test_the_signal_sbatch_takes_and_env_values_are_written_as_given(tmp_path, c
     for signal in ("USR1@120", "B:USR1@120", "SIGUSR1", "10@60"):
         text = LAUNCH_YAML.replace("env: {NCCL_IB_HCA: mlx5}",
                                    f"env: {{NCCL_IB_HCA: mlx5, X: 'a b; touch {tmp_path}/ran', HF_HOME: '/scratch/$USER/hf'}}")
-        assert main(["launch", str(write_launch(tmp_path, text + f"signal: '{signal}'\n")), "--dryrun", "train"]) == 0
+        assert main(["launch", str(write_launch(tmp_path, text + f"signal: '{signal}'\n")), "--dryrun", "train",
+                     "--demo-dir", "/lustre/me/demo"]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert f"#SBATCH --signal={signal}" in lines and "export NCCL_IB_HCA=mlx5" in lines
         assert f'export X="a b; touch {tmp_path}/ran"' in lines and 'export HF_HOME="/scratch/$USER/hf"' in lines
@@ -189,7 +190,7 @@ def test_a_split_world_says_which_gpus_train_and_which_sample_and_refuses_a_spli
                  "rollout.placement=colocated"]) == 0
     assert "nemo-jq roles" not in capsys.readouterr().out
     assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "train", "rollout.placement=separate",
-                 "rollout.ranks=16"]) == 2
+                 "rollout.ranks=16", "train.run_dir=/lustre/me/runs/x"]) == 2
     assert "rollout.ranks=16 leaves no training rank among the job's 16 GPUs" in capsys.readouterr().err
 
 
@@ -220,7 +221,8 @@ def test_the_network_interface_reaches_gloo_and_nccl_in_the_launch_and_the_batch
     interface (a cluster's own variables win in the batch script)."""
     import subprocess
 
-    assert main(["launch", str(write_launch(tmp_path, LAUNCH_YAML + "network_interface: ib0\n")), "--dryrun", "train"]) == 0
+    assert main(["launch", str(write_launch(tmp_path, LAUNCH_YAML + "network_interface: ib0\n")), "--dryrun", "train",
+                 "--demo-dir", "/lustre/me/demo"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "export GLOO_SOCKET_IFNAME=ib0" in lines and "export NCCL_SOCKET_IFNAME=ib0" in lines
     script = (ROOT / "launchers" / "slurm_multinode.sbatch").read_text()
@@ -266,12 +268,16 @@ def test_the_launched_words_are_read_by_the_commands_own_parser_before_anything_
     (["train", "--config", "/lustre/me/c.yaml", "train.run_dir=runs/x"], "train.run_dir=runs/x"),
     (["train", "--config", "/lustre/me/c.yaml", "data.prepared_dir=prepared/finqa"], "data.prepared_dir=prepared/finqa"),
     (["train", "--config", "/lustre/me/c.yaml", "model.path=qwen3_local"], "model.path=qwen3_local"),
+    (["train", "--config", "/lustre/me/c.yaml", "data.name=jsonl", "data.source=data/qa.jsonl"], "data.source=data/qa.jsonl"),
     (["train", "--config", "READABLE"], "train.run_dir=runs/here"),
+    (["train", "train.max_steps=2"], "train.run_dir=runs/train"),  # no config: the default run directory
+    (["train"], "--demo-dir runs/cold_start"),  # the demo, in its default folder
     (["eval", "runs/x"], "checkpoint runs/x"),
 ])
 def test_a_relative_path_is_refused_where_the_job_runs_in_nemo_runs_code_folder(tmp_path, capsys, words, given):
     """Under SLURM (and Docker) the job starts in /nemo_run/code: a relative path the command is given, or its
-    config's run_dir, prepared_dir or a local model.path, names nothing there; a hub name is no path."""
+    config's run_dir, prepared_dir, a local model.path or a data.source file, names nothing there; a hub name (of a
+    model, of a dataset) is no path."""
     readable = tmp_path / "c.yaml"
     readable.write_text("train:\n  run_dir: runs/here\n")
     words = [str(readable) if word == "READABLE" else word for word in words]
@@ -279,7 +285,8 @@ def test_a_relative_path_is_refused_where_the_job_runs_in_nemo_runs_code_folder(
     assert f"error: {given} is a relative path, but under executor=slurm the job runs in NeMo-Run's code folder " \
            "(/nemo_run/code)" in err and "give an absolute path under one of container_mounts" in err
     assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "train", "--config", "/lustre/me/c.yaml",
-                 "model.path=Qwen/Qwen3-0.6B", "train.run_dir=/lustre/me/runs/x"]) == 0
+                 "model.path=Qwen/Qwen3-0.6B", "train.run_dir=/lustre/me/runs/x", "data.name=hotpotqa",
+                 "data.source=hotpot_qa"]) == 0
     local = write_launch(tmp_path, "executor: local\ngpus_per_node: 1\n")  # the job runs here: a relative path is fine
     assert launch.check_job_paths(launch.load_launch_config(local), {"--config": Path("c.yaml")}) is None
 
@@ -309,7 +316,8 @@ def test_sbatchs_refusal_is_one_line_and_leaves_no_experiment_folder(tmp_path):
         if kept is not None:
             kept.mkdir(parents=True)
         result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "launch", str(write_launch(tmp_path)), "train",
-                                 "train.max_steps=2"], env=env, capture_output=True, text=True, timeout=300)
+                                 "train.max_steps=2", "train.run_dir=/lustre/me/runs/x"], env=env, capture_output=True,
+                                text=True, timeout=300)
         assert result.returncode == 2 and not result.stdout, result.stdout + result.stderr
         assert result.stderr.splitlines()[-1] == (
             "nemo-jq launch: error: sbatch refused the job (sbatch: fatal: Could not establish a configuration source); "
@@ -327,6 +335,7 @@ def test_a_local_dry_run_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("nemo_run.config._NEMORUN_HOME", str(tmp_path / "nemo_run_home"))
     monkeypatch.chdir(tmp_path)
     for text in ("executor: local\ngpus_per_node: 1\n", "executor: docker\ngpus_per_node: 1\ncontainer_image: x\n"):
-        assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train", "train.max_steps=2"]) == 0
+        assert main(["launch", str(write_launch(tmp_path, text)), "--dryrun", "train", "train.max_steps=2",
+                     f"train.run_dir={tmp_path}/runs/x"]) == 0
         capsys.readouterr()
         assert sorted(path.name for path in tmp_path.iterdir()) == ["launch.yaml"]
