@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import typing
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,8 @@ def load_launch_config(path: Path) -> LaunchConfig:
             except ConfigError as err:
                 how = spec.metadata.get("help")
                 raise ConfigError(f"{path}: {err}" + (f"; write {how}" if how else "")) from None
-    check_env(path, values.get("env", {}))
     config = LaunchConfig(**values)
+    check_env(path, config.env, config.executor)
     if config.executor == "slurm" and not config.account:
         raise ConfigError(f"{path}: executor=slurm needs account (the SLURM account to charge)")
     if config.executor != "local" and not config.container_image:
@@ -135,14 +136,18 @@ def load_launch_config(path: Path) -> LaunchConfig:
     return config
 
 
-def check_env(path: Path, env: dict[Any, Any]) -> None:
-    """Each ``env`` name one the batch script can export, each value a string (YAML reads 4 or true as others)."""
+def check_env(path: Path, env: dict[Any, Any], executor: str) -> None:
+    """Each ``env`` name one the batch script can export as it is written (NeMo-Run's SLURM script exports each name
+    upper-cased: ``http_proxy`` would arrive as ``HTTP_PROXY``), each value a string (YAML reads 4 or true as others)."""
     import json
 
     for name, value in env.items():
         if not (isinstance(name, str) and ENV_NAME.fullmatch(name)):
             raise ConfigError(f"{path}: env name {name!r} is not a shell variable name (letters, digits and _, not "
                               "starting with a digit): rename it")
+        if executor == "slurm" and name != name.upper():
+            raise ConfigError(f"{path}: env name {name!r} has lower-case letters, and NeMo-Run's SLURM script exports "
+                              f"it as {name.upper()}: give it in upper case, or set {name} in the job's own environment")
         if isinstance(value, (bool, int, float)):
             raise ConfigError(f"{path}: env {name}={value!r} must be a string: quote it ({name}: '{json.dumps(value)}')")
         if value is None:
@@ -307,7 +312,9 @@ def launch(config: LaunchConfig, command: list[str], arguments: Any, paths: dict
     name), or with ``dryrun`` show what would be submitted (on SLURM: return the script, with the roles of a split
     world as a comment after its first line) and write nothing; a submission returns a line naming the job and where
     NeMo-Run keeps its files (and the roles). sbatch's refusal is one line, and leaves no experiment folder."""
-    import nemo_run as run
+    with warnings.catch_warnings():  # NeMo-Run imports fastapi, which imports a module starlette says is deprecated
+        warnings.filterwarnings("ignore", message="starlette.middleware.wsgi is deprecated")
+        import nemo_run as run
     from invoke.exceptions import UnexpectedExit
 
     check_job_paths(config, paths)

@@ -102,6 +102,8 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("account: a\ncontainer_image: x.sqsh\nenv: {NCCL_DEBUG: null}\n", "env NCCL_DEBUG has no value: give it one"),
     ("account: a\ncontainer_image: x.sqsh\nenv: {BAD NAME: x}\n", "env name 'BAD NAME' is not a shell variable name"),
     ("account: a\ncontainer_image: x.sqsh\nenv: {'A;rm -rf ~': x}\n", "env name 'A;rm -rf ~' is not a shell variable"),
+    ("account: a\ncontainer_image: x.sqsh\nenv: {http_proxy: x}\n", "env name 'http_proxy' has lower-case letters, and "
+     "NeMo-Run's SLURM script exports it as HTTP_PROXY: give it in upper case"),
     ("account: a\ncontainer_image: x.sqsh\nsignal: bogus\n", "signal='bogus' is not a signal as sbatch --signal takes it"),
     ("account: a\ncontainer_image: x.sqsh\nmaster_port: hello\n", "master_port must be int; got 'hello'"),
     ("account: a\ncontainer_image: x.sqsh\nmaster_port: 70000\n", "master_port must be >= 1 and <= 65535; got 70000"),
@@ -323,6 +325,7 @@ def test_sbatchs_refusal_is_one_line_and_leaves_no_experiment_folder(tmp_path):
             "nemo-jq launch: error: sbatch refused the job (sbatch: fatal: Could not establish a configuration source); "
             "nothing was queued or kept: fix what it says in the launch YAML, or launch from a host that submits to this "
             "SLURM") and "Traceback" not in result.stderr and "Error running job" not in result.stderr, result.stderr
+        assert "DeprecationWarning" not in result.stderr, result.stderr  # NeMo-Run's imports' noise is not the user's
         assert (tmp_path / "submitted").exists()
         if kept is None:
             assert not (tmp_path / "jobs").exists()
