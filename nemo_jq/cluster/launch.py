@@ -315,6 +315,7 @@ def launch(config: LaunchConfig, command: list[str], arguments: Any, paths: dict
     with warnings.catch_warnings():  # NeMo-Run imports fastapi, which imports a module starlette says is deprecated
         warnings.filterwarnings("ignore", message="starlette.middleware.wsgi is deprecated")
         import nemo_run as run
+    from docker.errors import DockerException
     from invoke.exceptions import UnexpectedExit
 
     check_job_paths(config, paths)
@@ -336,11 +337,15 @@ def launch(config: LaunchConfig, command: list[str], arguments: Any, paths: dict
             exp.add(task(command, config.executor), name=command[0])
             exp.run(detach=True)
             submitted = exp.jobs[0]
-    except UnexpectedExit as refused:  # sbatch's (the one command NeMo-Run's local tunnel runs)
+    except (UnexpectedExit, DockerException) as refused:  # sbatch's (the one command NeMo-Run's local tunnel runs), Docker's
         shutil.rmtree(Path(exp.jobs[0].executor.job_dir).parent, ignore_errors=True)  # the experiment's own folder
         for folder in reversed(made):
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
+        if isinstance(refused, DockerException):
+            said = (str(refused).strip().splitlines() or ["it said nothing"])[0][:200]
+            raise ValueError(f"Docker could not start the job ({said}); nothing was started or kept: start Docker's "
+                             "daemon (`docker info` says whether one answers), or launch with executor: local") from None
         raise ValueError(f"sbatch refused the job ({sbatch_refusal(refused.result.stderr or refused.result.stdout)}); "
                          "nothing was queued or kept: fix what it says in the launch YAML, or launch from a host that "
                          "submits to this SLURM") from None

@@ -333,6 +333,17 @@ def test_sbatchs_refusal_is_one_line_and_leaves_no_experiment_folder(tmp_path):
             assert sorted((tmp_path / "jobs").rglob("*")) == [kept.parents[1], kept.parent, kept]
 
 
+def test_a_docker_daemon_that_does_not_answer_is_one_line_and_leaves_no_experiment_folder(tmp_path, capsys, monkeypatch):
+    """Docker's client found no daemon (here a socket that is not there): NeMo-Run's 140-line traceback, exit 1 and an
+    experiment folder left behind were what a user saw."""
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
+    monkeypatch.setattr("nemo_run.config._NEMORUN_HOME", str(tmp_path / "nemo_run_home"))
+    text = f"executor: docker\ngpus_per_node: 1\ncontainer_image: x\njob_dir: {tmp_path}/jobs\n"
+    err = refused_at_once(["launch", str(write_launch(tmp_path, text)), "train", f"train.run_dir={tmp_path}/run"], capsys)
+    assert "nemo-jq launch: error: Docker could not start the job (" in err and "start Docker's daemon" in err, err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["launch.yaml"]
+
+
 def test_a_local_dry_run_writes_nothing(tmp_path, capsys, monkeypatch):
     """NeMo-Run's own dry run files an experiment under NEMORUN_HOME (~/.nemo_run): this one's is a scratch folder."""
     monkeypatch.setattr("nemo_run.config._NEMORUN_HOME", str(tmp_path / "nemo_run_home"))
