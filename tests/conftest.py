@@ -38,6 +38,15 @@ def no_vllm_engine_outlives_its_test():
 
 
 @pytest.fixture(autouse=True)
+def warnings_said_once_start_afresh():
+    """A config warning is said once a process (``nemo_jq.config._ANNOUNCED``): each test starts as a fresh command
+    does, whatever ran before it in this worker."""
+    config = sys.modules.get("nemo_jq.config")
+    if config is not None:
+        config._ANNOUNCED.clear()
+
+
+@pytest.fixture(autouse=True)
 def registrations_stay_in_their_test():
     """A plugin a test loads registers its backend, estimator, dataset or rollout engine for the whole process: undo
     that after the test, and forget the modules that registered them (a later test naming the plugin imports it and

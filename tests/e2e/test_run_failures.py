@@ -314,11 +314,9 @@ def test_the_readme_commands_name_a_kept_step_and_a_ui_that_the_install_has():
 
 
 # ----------------------------------------------------------------------------- item 11: smaller frictions
-def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys, monkeypatch):
-    from nemo_jq import config
+def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys):
     from nemo_jq.config import ConfigError, load_config
 
-    monkeypatch.setattr(config, "_ANNOUNCED", set())  # a warning is said once a process: what ran before said none here
     load_config(None, ["objective.name=grpo", "objective.q=0.5"])
     load_config(None, ["objective.name=garl", "objective.q=0.25", "objective.q_schedule={name: step, switch_step: 5}"])
     load_config(None, ["objective.name=garl", "objective.q=0.25"])

@@ -137,9 +137,6 @@ def test_every_example_config_loads():
     ("guard.action=paft", "guard.action=switch_estimator", "switch_estimator"),
 ])
 def test_renamed_keys_still_load_with_one_line_naming_the_new_key(capsys, old, new, value):
-    import nemo_jq.config
-
-    nemo_jq.config._ANNOUNCED.clear()
     extra = ["model.backend=megatron", "model.distributed_optimizer=true"] if "bf16" in old else ["model.backend=megatron"]
     config = load_config(None, [old, *extra])
     section, key = new.partition("=")[0].split(".")
