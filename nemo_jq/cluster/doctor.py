@@ -130,9 +130,13 @@ def network_interfaces() -> str:
 
 
 def launched_world() -> tuple[int, int]:
-    """``WORLD_SIZE`` and ``RANK`` as the launcher set them (1 and 0 where unset); one that is not a process count, or
-    a rank outside that world, raises ``ValueError`` naming it."""
-    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    """``WORLD_SIZE`` and ``RANK`` as the launcher set them, or as a run takes them from a plain ``srun`` step of
+    several tasks (1 and 0 where neither is); one that is not a process count, or a rank outside that world, raises
+    ``ValueError`` naming it."""
+    from nemo_jq.runtime.distributed import slurm_step_world
+
+    launched = {**os.environ, **(slurm_step_world() or {})}
+    world, rank = launched.get("WORLD_SIZE", "1"), launched.get("RANK", "0")
     if not world.isdigit() or int(world) < 1:
         raise ValueError(f"WORLD_SIZE={world!r} is not a process count (a whole number >= 1): unset it, or start under "
                          "torchrun/srun")

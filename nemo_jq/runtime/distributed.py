@@ -205,19 +205,28 @@ def receive_object(group: Any, source: int, device: torch.device) -> Any:
     return pickle.loads(data.cpu().numpy().tobytes())
 
 
+def slurm_step_world() -> dict[str, str] | None:
+    """Where ``srun`` started one process per GPU (no torchrun, so that SLURM's signals reach this process): the
+    ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` the step's variables give. None outside a step of several tasks
+    (``SLURM_STEP_NUM_TASKS``: the batch shell has ``SLURM_PROCID`` too) or where a launcher set ``WORLD_SIZE``."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if "WORLD_SIZE" in os.environ or not tasks.isdigit() or int(tasks) <= 1:
+        return None
+    return {"WORLD_SIZE": tasks, "RANK": os.environ.get("SLURM_PROCID", "0"),
+            "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0")}
+
+
 def adopt_slurm_step() -> None:
-    """Where ``srun`` started one process per GPU (no torchrun, so that SLURM's signals reach this process), take the
-    rank, world size and local rank from the step's variables, as torch's env:// rendezvous and vLLM read them.
-    Only inside a step of several tasks (``SLURM_STEP_NUM_TASKS``): the batch shell has ``SLURM_PROCID`` too."""
-    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
-    if "WORLD_SIZE" in os.environ or tasks <= 1:
+    """Take :func:`slurm_step_world`'s rank, world size and local rank, as torch's env:// rendezvous and vLLM read them."""
+    step = slurm_step_world()
+    if step is None:
         return
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
-        raise ValueError(f"srun started {tasks} tasks but {', '.join(missing)} is not set: export MASTER_ADDR (the first "
-                         "node: scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and MASTER_PORT in the "
-                         "batch script")
-    os.environ.update(WORLD_SIZE=str(tasks), RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        raise ValueError(f"srun started {step['WORLD_SIZE']} tasks but {', '.join(missing)} is not set: export "
+                         "MASTER_ADDR (the first node: scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and "
+                         "MASTER_PORT in the batch script")
+    os.environ.update(step)
 
 
 #: The collective timeout of this process's groups (None: the backend's default).

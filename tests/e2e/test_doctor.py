@@ -108,6 +108,24 @@ def test_doctor_names_a_launcher_variable_that_is_not_a_world_or_a_rank_of_it(mo
         doctor.launched_world()
 
 
+def test_doctor_under_a_plain_srun_step_sees_the_world_the_run_takes_from_it(monkeypatch):
+    """srun starting one task per GPU (no torchrun): doctor's world and role are the step's, as the run adopts them,
+    not a world of one; the batch shell (one task) and a torchrun under srun keep theirs."""
+    from nemo_jq.cluster import doctor
+
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert doctor.launched_world() == (4, 3) and doctor.role(1) == "rollout rank 0 of 1 (global rank 3 of 4)"
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    assert doctor.launched_world() == (1, 0)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    assert doctor.launched_world() == (8, 5)
+
+
 @pytest.mark.parametrize("words, message", [
     (["rollout.rankz=3"], "unknown config key 'rollout.rankz'; did you mean 'rollout.ranks'?"),
     (["rollout.placement=separate", "rollout.ranks=1", "train.max_steps=abc"], "train.max_steps must be int; got 'abc'"),
