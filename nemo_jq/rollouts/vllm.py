@@ -379,13 +379,18 @@ class VLLMSampler:
         self.sleeps = bool(kwargs.get("enable_sleep_mode"))
         quiet_expected_noise()
         shut_down_engine()
+        had_groups = torch.distributed.is_initialized()
         with random_state_kept(), rank_in_engine_world():
             try:
                 self.llm, too_small = LLM(**kwargs), None
-            except ValueError as err:  # vLLM names its own gpu_memory_utilization, which is not what sizes it here
-                if "cache" not in str(err).lower():
+            except BaseException as err:
+                if not had_groups:  # the groups vLLM made for an engine that did not start end with it
+                    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                    cleanup_dist_env_and_memory()
+                if not isinstance(err, ValueError) or "cache" not in str(err).lower():
                     raise
-                too_small = str(err).splitlines()[0]
+                too_small = str(err).splitlines()[0]  # vLLM names its gpu_memory_utilization, which sizes nothing here
         if too_small is not None:  # raised here, not from vLLM's error, whose frames would keep its half-built engine
             gc.collect()  # that engine's model, freed now (see shut_down_engine)
             raise ValueError(f"vLLM's KV cache cannot hold one sequence ({too_small}): raise rollout.vllm_kv_cache_gb"
