@@ -19,6 +19,7 @@ from typing import Any
 #: The largest random seed: numpy's generators take none above it.
 LARGEST_SEED = 2**32 - 1
 
+
 class ConfigError(ValueError):
     """A bad key or value in a config file, an override or an estimator's options."""
 

@@ -57,7 +57,6 @@ def whole_number(text: str) -> int:
     return int(text)
 
 
-#: The largest seed the generators take (numpy's: a run seeds it too).
 def seed(text: str) -> int:
     """A random seed: a whole number the run's generators all take."""
     if not text.isdigit() or int(text) > LARGEST_SEED:

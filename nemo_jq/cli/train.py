@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> int:
     from nemo_jq.config import ConfigError, load_config
-    from nemo_jq.recipe.demo import DEMO_DIR, QUICK, run_demo
+    from nemo_jq.recipe.demo import DEMO_DIR, QUICK, asks_for_demo, run_demo
     from nemo_jq.recipe.trainer import Trainer
     from nemo_jq.runtime import distributed
     from nemo_jq.runtime.preemption import StopSignals, end_stopped_run
@@ -67,7 +67,7 @@ def train(args: argparse.Namespace) -> int:
             raise ValueError(f"--resume {args.resume} continues the demo as it started: drop the key=value words and --quick")
         run_demo(args.resume, resume=True)
         return 0
-    if args.resume is None and args.config is None and (not args.overrides or args.demo_dir or args.quick):
+    if asks_for_demo(args):
         run_demo(args.demo_dir or DEMO_DIR, [*(QUICK if args.quick else ()), *args.overrides],
                  overwrite=args.overwrite)
         return 0

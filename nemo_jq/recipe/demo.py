@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from nemo_jq.runtime.monitor import plot_runs
 from nemo_jq.runtime.report import read_run
@@ -26,10 +27,10 @@ DEMO_RUNS = (
     ("GARL q=0.75", "garl_q0.75", ["objective.name=garl", "objective.q=0.75"]),
     ("GARL q=1", "garl_q1", ["objective.name=garl", "objective.q=1.0"]),
 )
-#: ``--quick``: a comparison of about a minute (not the README's table): one epoch (96 steps), 32 validation prompts
-#: every 32 steps, 64 test prompts.
 #: Where ``nemo-jq train`` with no config writes the demo unless ``--demo-dir`` says.
 DEMO_DIR = Path("runs/cold_start")
+#: ``--quick``: a comparison of about a minute (not the README's table): one epoch (96 steps), 32 validation prompts
+#: every 32 steps, 64 test prompts.
 QUICK = ("train.epochs=1", "eval.every=32", "data.validation_size=32", "data.test_size=64")
 #: Keys the demo sets itself: each run's method, and its folder under the demo's.
 OWN_KEYS = ("objective.name", "objective.q", "train.run_dir")
@@ -45,6 +46,13 @@ def demo_sweep(out_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> Sw
                          "run: nemo-jq train --config FILE ...)")
     runs = [SweepRun(slug, None, (*overrides, *method)) for _, slug, method in DEMO_RUNS]
     return Sweep(Path(out_dir), runs, {"demo": list(overrides)})
+
+
+def asks_for_demo(arguments: Any) -> bool:
+    """Whether ``nemo-jq train``'s parsed words ask for the demo: no ``--config`` and no ``--resume``, and no overrides
+    unless ``--demo-dir`` or ``--quick`` (overrides alone train one run from the defaults)."""
+    return (arguments.config is None and arguments.resume is None
+            and (not arguments.overrides or arguments.demo_dir is not None or arguments.quick))
 
 
 def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, overwrite: bool = False,

@@ -156,8 +156,6 @@ def test_a_sampler_left_on_the_host_is_named(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path):
     """The command as a person runs it, each call a process of its own."""
-    import subprocess
-    import sys
 
     def dryrun(words: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "nemo_jq.cli", *words], capture_output=True, text=True, timeout=600)
