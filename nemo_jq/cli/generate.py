@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                          "prompts, so the model would never see it: drop --context")
     generator = new_generator(parts.device).manual_seed(args.seed)
     [group] = parts.engine.generate(parts.prompt_ids([example]), args.samples, sample_answers=True, generator=generator,
-                                    greedy=args.greedy)
+                                    greedy=args.greedy, routes=False)
     [shown] = shown_samples(parts, [example], [group], limit=args.samples)
     if args.answer is None:
         for sample in shown["samples"]:

@@ -160,7 +160,7 @@ class DryRun:
                                     sample_answers=self.sampled_answers, generator=generator)
                 with self._phase("evaluate"):
                     engine.generate([prompt] * config.eval.batch_size, config.eval.num_samples, sample_answers=True,
-                                    generator=generator)
+                                    generator=generator, routes=False)
 
     def _weight_bytes(self, sampler: Any) -> int:
         """The bytes of the weights a sampling call reads: as the sampler reads them (the graph path: in the compute
@@ -450,7 +450,7 @@ class DryRun:
                 return patched(sampler, "_compact", lambda cache, keep, batch_rows: True)
             return contextlib.nullcontext()
 
-        def sample(prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
+        def sample(prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False, **options):
             if not self.samples:
                 raise WrongDevice(f"phase {self.world.phase_name}: {self.place.describe()} samples nothing "
                                   f"(rollout.engine={self.config.rollout.engine}: each replica's first rank samples) and "
@@ -460,7 +460,7 @@ class DryRun:
                 chunk = prompts[:sampler.prompts_per_chunk(prompts, num_samples, max_new_tokens)]
             with self.world.sampling_call(), compacting():
                 real(chunk, num_samples, stop_ids=stop_ids, max_new_tokens=max_new_tokens, generator=generator,
-                     greedy=greedy)
+                     greedy=greedy, **options)
             return full_budget_samples(prompts, num_samples, max_new_tokens)
 
         return sample

@@ -128,5 +128,5 @@ class SamplingRank:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sampler, name)
 
-    def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False):
+    def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False, routes=True):
         return full_budget_samples(prompts, num_samples, max_new_tokens)

@@ -176,9 +176,12 @@ class RolloutEngine(Protocol):
         sample_answers: bool,
         generator: torch.Generator,
         greedy: bool = False,
+        routes: bool = True,
     ) -> list[list[Rollout]]:
         """``num_samples`` rollouts per prompt (``[B][M]``) under the thinking and answer budgets
-        (``greedy``: the most likely token at each step instead of the run's sampling)."""
+        (``greedy``: the most likely token at each step instead of the run's sampling; ``routes=False``: a
+        Qwen3-MoE's rollouts carry no routes, and an engine that records them per call records none: evaluation's,
+        which trains on nothing it samples)."""
         ...
 
 

@@ -60,12 +60,13 @@ def sample_outputs(
 ) -> list[list[str]]:
     """Decoded answers, ``num_samples`` per example, generated ``batch_size`` prompts at a time from the prompts
     training samples from (:meth:`Components.prompt_ids`); ``on_group(index, rollouts)`` sees each example's rollouts
-    as they come (the evaluation keeps a few to show, :func:`shown_samples`)."""
+    as they come (the evaluation keeps a few to show, :func:`shown_samples`). A Qwen3-MoE's routes are not recorded:
+    nothing trains on these rollouts."""
     outputs: list[list[str]] = []
     for start in range(0, len(examples), batch_size):
         chunk = list(examples[start : start + batch_size])
         for group in components.engine.generate(components.prompt_ids(chunk), num_samples, sample_answers=True,
-                                                generator=generator, greedy=greedy):
+                                                generator=generator, greedy=greedy, routes=False):
             if on_group is not None:
                 on_group(len(outputs), group)
             outputs.append([components.chat.decode_answer(r.answer_ids or []) for r in group])

@@ -55,17 +55,21 @@ class BudgetedRollouts:
         self.sampler.load_weights(tensors)
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
-                 generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
+                 generator: torch.Generator, greedy: bool = False, routes: bool = True) -> list[list[Rollout]]:
         with self.awake():
-            return self._generate(prompts, num_samples, sample_answers=sample_answers, generator=generator, greedy=greedy)
+            return self._generate(prompts, num_samples, sample_answers=sample_answers, generator=generator, greedy=greedy,
+                                  routes=routes)
 
     def _generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
-                  generator: torch.Generator, greedy: bool) -> list[list[Rollout]]:
+                  generator: torch.Generator, greedy: bool, routes: bool) -> list[list[Rollout]]:
+        # only a sampler that records routes takes the word not to (a plugin's, or the dry run's, may not)
+        options = {} if routes or not getattr(self.sampler, "record_routes", False) else {"routes": False}
         if self.max_thinking_tokens == 0:  # no thinking: </think> forced at once
             thoughts = as_groups([Sample([], False, []) for _ in range(len(prompts) * num_samples)], num_samples)
         else:
             thoughts = self.sampler.sample(prompts, num_samples, stop_ids=[self.think_end_id],
-                                           max_new_tokens=self.max_thinking_tokens, generator=generator, greedy=greedy)
+                                           max_new_tokens=self.max_thinking_tokens, generator=generator, greedy=greedy,
+                                           **options)
         rollouts = []
         for prompt, group in zip(prompts, thoughts):
             for thought in group:
@@ -82,7 +86,8 @@ class BudgetedRollouts:
         if sample_answers:
             contexts = [r.prompt_ids + r.rationale_ids + [self.think_end_id] for r in rollouts]
             answers = self.sampler.sample(contexts, 1, stop_ids=[self.end_of_turn_id],
-                                          max_new_tokens=self.max_answer_tokens, generator=generator, greedy=greedy)
+                                          max_new_tokens=self.max_answer_tokens, generator=generator, greedy=greedy,
+                                          **options)
             for rollout, [answer] in zip(rollouts, answers):
                 rollout.answer_ids, rollout.answer_logprobs = answer.token_ids, answer.logprobs
                 if answer.routes is not None:  # the rationale as its pass ran it, the rest as the answer's did

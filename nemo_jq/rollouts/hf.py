@@ -99,14 +99,15 @@ class HFSampler:
         return False
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
-               generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
+               generator: torch.Generator, greedy: bool = False, routes: bool = True) -> list[list[Sample]]:
         """As the protocol says; prompts are sampled in chunks of whole groups whose keys and values fit
         ``kv_cache_tokens`` (at least one prompt's M rows at a time), so memory is bounded whatever B x M."""
         check_request(prompts, num_samples, max_new_tokens)
         per_chunk = self.prompts_per_chunk(prompts, num_samples, max_new_tokens)
         return [group for start in range(0, len(prompts), per_chunk)
                 for group in self._sample(prompts[start:start + per_chunk], num_samples, stop_ids=stop_ids,
-                                          max_new_tokens=max_new_tokens, generator=generator, greedy=greedy)]
+                                          max_new_tokens=max_new_tokens, generator=generator, greedy=greedy,
+                                          routes=routes and self.record_routes)]
 
     def prompts_per_chunk(self, prompts: Sequence[list[int]], num_samples: int, max_new_tokens: int) -> int:
         """How many of ``prompts`` one chunk samples at once: as many whole groups as ``kv_cache_tokens`` holds."""
@@ -116,7 +117,7 @@ class HFSampler:
 
     @torch.inference_mode()
     def _sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
-                generator: torch.Generator, greedy: bool) -> list[list[Sample]]:
+                generator: torch.Generator, greedy: bool, routes: bool) -> list[list[Sample]]:
         settings = SamplingSettings(temperature=0.0) if greedy else self.settings
         n = len(prompts) * num_samples
         self.model.eval()
@@ -126,7 +127,7 @@ class HFSampler:
         stopped = torch.zeros(n, dtype=torch.bool, device=self.device)
         stops = torch.tensor(list(stop_ids), dtype=torch.long, device=self.device)
 
-        with RouteRecorder(self.model) if self.record_routes else contextlib.nullcontext() as recorder:
+        with RouteRecorder(self.model) if routes else contextlib.nullcontext() as recorder:
             logits, cache, mask, positions = self._prefill(prompts, num_samples, max_new_tokens)
             width = mask.shape[1]
             routes = None if recorder is None else recorder.prefilled(width, n, max_new_tokens)

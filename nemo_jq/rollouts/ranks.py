@@ -64,13 +64,14 @@ class RemoteRollouts:
         self.syncs: list[SyncStats] = []
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
-                 generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
+                 generator: torch.Generator, greedy: bool = False, routes: bool = True) -> list[list[Rollout]]:
         self.request(prompts, num_samples, sample_answers=sample_answers, generator=generator, greedy=greedy,
-                     waited_for=True)
+                     routes=routes, waited_for=True)
         return self.result()[0]
 
     def request(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
-                generator: torch.Generator, greedy: bool = False, waited_for: bool = False) -> None:
+                generator: torch.Generator, greedy: bool = False, routes: bool = True,
+                waited_for: bool = False) -> None:
         """Send the weights if they moved, then this replica's request; the rollout rank samples it meanwhile, and
         :meth:`result` takes the rollouts (one request in flight at a time). ``waited_for``: the replica waits for
         them at once, so the rollout rank reports each chunk of its sampling (the replica's ranks then wait one chunk
@@ -86,8 +87,8 @@ class RemoteRollouts:
                     send_object(bridge, ("generate", self.leads[engine::self.roles.engines]), server, device)
         if dist.get_rank() == self.replica_lead:
             for server in self.servers:
-                send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, generator_state(generator),
-                                     waited_for), server, device)
+                send_object(bridge, (list(prompts), num_samples, sample_answers, greedy, routes,
+                                     generator_state(generator), waited_for), server, device)
         self._generator = generator
 
     def result(self) -> tuple[list[list[Rollout]], int, float]:
@@ -177,13 +178,13 @@ class RolloutServer:
         """Sample one replica's request with its generator's state (an empty message after each chunk, when the replica
         waits for it); send back the rollouts, the tokens sampled, the generator's state after them and the seconds."""
         bridge, device = self.roles.bridge, self.roles.device
-        prompts, num_samples, sample_answers, greedy, state, waited_for = receive_object(bridge, lead, device)
+        prompts, num_samples, sample_answers, greedy, routes, state, waited_for = receive_object(bridge, lead, device)
         generator = generator_from(state, engine_device(self.engine))
         started, before = time.perf_counter(), self.engine.tokens_generated
         with reporting_chunks(self.engine, lambda: send_object(bridge, None, lead, device)) \
                 if waited_for and self.answers else nullcontext():
             rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
-                                            greedy=greedy)
+                                            greedy=greedy, routes=routes)
         if self.answers:
             send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state(),
                                  time.perf_counter() - started), lead, device)

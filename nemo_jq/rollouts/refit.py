@@ -46,7 +46,7 @@ class RefittedRolloutEngine:
             self._refit(self._sampling_ranks())
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
-                 generator: torch.Generator, greedy: bool = False) -> list[list[Rollout]]:
+                 generator: torch.Generator, greedy: bool = False, routes: bool = True) -> list[list[Rollout]]:
         """The replica's rollouts on each of its ranks: its sampling ranks' (:meth:`_sampling_ranks`) own. A rank that
         samples none waits for them in one collective per chunk of the sampler's work (:func:`share_in_chunks`), never in one
         for the whole call, which at 8B outlasts the collective timeout (``train.collective_timeout_minutes``)."""
@@ -60,13 +60,13 @@ class RefittedRolloutEngine:
             if self.lockstep and shared and dist.get_world_size(group) > self.engine.tensor_parallel:
                 with replica_shares(self.engine, group):  # every rank samples its engine's share, and gets them all
                     return self.engine.generate(prompts, num_samples, sample_answers=sample_answers,
-                                                generator=generator, greedy=greedy)
+                                                generator=generator, greedy=greedy, routes=routes)
             if samplers is None or dist.get_rank() in samplers:
                 waited_for = shared and dist.get_world_size(group) > len(samplers)
                 with reporting_chunks(self.engine, lambda: share_object(None, samplers[0], group)) if waited_for else \
                         nullcontext():
                     rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers,
-                                                    generator=generator, greedy=greedy)
+                                                    generator=generator, greedy=greedy, routes=routes)
         return share_in_chunks(rollouts, samplers[0], group) if shared else rollouts
 
     def _sampling_ranks(self) -> list[int] | None:
@@ -107,14 +107,14 @@ class ChunkReporting:
         return getattr(self.sampler, name)
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
-               generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
+               generator: torch.Generator, greedy: bool = False, **options: Any) -> list[list[Sample]]:
         chunk = len(prompts)
         if prompts and hasattr(self.sampler, "prompts_per_chunk"):
             chunk = self.sampler.prompts_per_chunk(prompts, num_samples, max_new_tokens)
         groups = []
         for piece in [prompts[start:start + chunk] for start in range(0, len(prompts), chunk)] or [prompts]:
             groups += self.sampler.sample(piece, num_samples, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
-                                          generator=generator, greedy=greedy)
+                                          generator=generator, greedy=greedy, **options)
             self.report()
         return groups
 
@@ -165,13 +165,13 @@ class ReplicaShares:
         return getattr(self.sampler, name)
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
-               generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
+               generator: torch.Generator, greedy: bool = False, **options: Any) -> list[list[Sample]]:
         seeds = [seed_from(generator) for _ in prompts]
         sizes = share_sizes(len(prompts), self.engines)
         start = sum(sizes[:self.share])
         end = start + sizes[self.share]
         own = self.sampler.sample_seeded(prompts[start:end], seeds[start:end], num_samples, stop_ids=stop_ids,
-                                         max_new_tokens=max_new_tokens, greedy=greedy)
+                                         max_new_tokens=max_new_tokens, greedy=greedy, **options)
         return [group for share in gather_shares(own, self.share, sizes, self.group, sends=self.lead) for group in share]
 
 

@@ -35,7 +35,8 @@ class Sampler(Protocol):
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
                generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
         """``[B][num_samples]`` continuations; the same ``generator`` state gives the same samples
-        (``greedy``: argmax decoding instead of the engine's sampling settings)."""
+        (``greedy``: argmax decoding instead of the engine's sampling settings). A sampler that records routes (its
+        ``record_routes`` true) also takes ``routes=False``: this call's samples carry none."""
         ...
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

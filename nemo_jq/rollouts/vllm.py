@@ -182,10 +182,11 @@ def sampling_params_kwargs(settings: SamplingSettings, *, num_samples: int, stop
     return kwargs
 
 
-def sample_from_completion(completion: Any, prompt_length: int = 0) -> Sample:
+def sample_from_completion(completion: Any, prompt_length: int = 0, *, routes: bool = True) -> Sample:
     """A vLLM ``CompletionOutput`` as a :class:`Sample`: the stop id kept at the end (vLLM keeps stop
     token ids in ``token_ids``; added back if a version drops it), the sampled tokens' log-probs, and where the engine
-    returns them (``enable_return_routed_experts``) the routes of the ``prompt_length`` + sampled positions."""
+    returns them (``enable_return_routed_experts``) and ``routes`` asks for them, the routes of the ``prompt_length`` +
+    sampled positions."""
     token_ids = list(completion.token_ids)
     stopped = completion.finish_reason == "stop"
     if stopped and isinstance(completion.stop_reason, int) and token_ids[-1:] != [completion.stop_reason]:
@@ -193,9 +194,9 @@ def sample_from_completion(completion: Any, prompt_length: int = 0) -> Sample:
     logprobs = None
     if completion.logprobs is not None and len(completion.logprobs) == len(token_ids):
         logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids)]
-    routed = getattr(completion, "routed_experts", None)
-    routes = None if routed is None else routes_from_engine(torch.as_tensor(routed), prompt_length + len(token_ids))
-    return Sample(token_ids, stopped, logprobs, routes)
+    routed = getattr(completion, "routed_experts", None) if routes else None
+    return Sample(token_ids, stopped, logprobs,
+                  None if routed is None else routes_from_engine(torch.as_tensor(routed), prompt_length + len(token_ids)))
 
 
 def routes_from_engine(routed: torch.Tensor, positions: int) -> torch.Tensor:
@@ -465,17 +466,19 @@ class VLLMSampler:
             self._engine().reset_prefix_cache()
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, *, stop_ids: Sequence[int], max_new_tokens: int,
-               generator: torch.Generator, greedy: bool = False) -> list[list[Sample]]:
+               generator: torch.Generator, greedy: bool = False, routes: bool = True) -> list[list[Sample]]:
         """A seed per prompt drawn from ``generator`` (one shared seed gives every prompt the same noise), then
         :meth:`sample_seeded`."""
         return self.sample_seeded(prompts, [seed_from(generator) for _ in prompts], num_samples, stop_ids=stop_ids,
-                                  max_new_tokens=max_new_tokens, greedy=greedy)
+                                  max_new_tokens=max_new_tokens, greedy=greedy, routes=routes)
 
     def sample_seeded(self, prompts: Sequence[list[int]], seeds: Sequence[int], num_samples: int, *,
-                      stop_ids: Sequence[int], max_new_tokens: int, greedy: bool = False) -> list[list[Sample]]:
+                      stop_ids: Sequence[int], max_new_tokens: int, greedy: bool = False,
+                      routes: bool = True) -> list[list[Sample]]:
         """Each prompt's ``num_samples`` continuations from its own seed: a prompt's samples do not depend on the
         others in the call, so the engines of one replica can each take a share of a call (``refit.ReplicaShares``).
-        An empty call still steps with the other data-parallel engines until they finish (vLLM's dummy batches)."""
+        An empty call still steps with the other data-parallel engines until they finish (vLLM's dummy batches).
+        ``routes=False``: the samples carry none (the engine, built to return them, still does; they are not read)."""
         from vllm import SamplingParams
 
         check_request(prompts, num_samples, max_new_tokens)
@@ -485,9 +488,9 @@ class VLLMSampler:
                   for seed in seeds]
         with self.awake():
             outputs = self._engine().generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        samples = [[sample_from_completion(c, len(prompt)) for c in output.outputs]
+        samples = [[sample_from_completion(c, len(prompt), routes=routes) for c in output.outputs]
                    for prompt, output in zip(prompts, outputs)]
-        if self.record_routes and any(sample.routes is None for group in samples for sample in group):
+        if self.record_routes and routes and any(sample.routes is None for group in samples for sample in group):
             raise RuntimeError("rollout.routing_replay: vLLM returned no routed experts with its samples (built with "
                                "enable_return_routed_experts on its Model Runner V2); set rollout.routing_replay=false "
                                "to train without replaying them")

@@ -73,6 +73,38 @@ def test_rollouts_carry_their_routes_into_the_training_rows():
     assert torch.equal(micro.routes, garl.routes[2:4, :micro.input_ids.shape[1]])
 
 
+
+def test_evaluation_records_no_routes(monkeypatch):
+    """Evaluation trains on nothing it samples: its calls (``routes=False``) enter no recorder and carry no routes, and
+    draw the same tokens and log-probs as a call that records them."""
+    from nemo_jq.recipe.evaluation import sample_outputs
+    from nemo_jq.rollouts import hf
+
+    recorders = []
+
+    class CountedRecorder(RouteRecorder):
+        def __enter__(self):
+            recorders.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(hf, "RouteRecorder", CountedRecorder)
+    engine = BudgetedRollouts(NativeSampler(tiny_qwen3_moe_model().eval(), pad_id=PAD, device=torch.device("cpu"),
+                                            record_routes=True),
+                              think_end_id=THINK_END, end_of_turn_id=END_OF_TURN, max_thinking_tokens=4,
+                              max_answer_tokens=3)
+    recorded = engine.generate(PROMPTS, 2, sample_answers=True, generator=torch.Generator().manual_seed(1))
+    assert len(recorders) == 2 and all(r.routes is not None for group in recorded for r in group)  # both phases
+    del recorders[:]
+    seen = []
+    parts = SimpleNamespace(engine=engine, prompt_ids=lambda examples: examples,
+                            chat=SimpleNamespace(decode_answer=lambda ids: " ".join(map(str, ids))))
+    outputs = sample_outputs(parts, PROMPTS, 2, 2, torch.Generator().manual_seed(1),
+                             on_group=lambda index, group: seen.append(group))
+    assert recorders == [] and all(r.routes is None for group in seen for r in group)
+    assert [[(r.rationale_ids, r.answer_ids, r.rationale_logprobs, r.answer_logprobs) for r in group] for group in seen] \
+        == [[(r.rationale_ids, r.answer_ids, r.rationale_logprobs, r.answer_logprobs) for r in group] for group in recorded]
+    assert outputs == [[" ".join(map(str, r.answer_ids)) for r in group] for group in recorded]
+
 def test_routing_replay_where_it_cannot_be_is_one_line(capsys):
     """A dense model has no routes to replay, and the hf backend does not replay them: said before any step."""
     code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=1", "rollout.routing_replay=true")
@@ -97,6 +129,7 @@ def test_vllms_routed_experts_become_routes_of_every_position():
     cached = sample_from_completion(SimpleNamespace(**{**vars(completion), "routed_experts": rows[2:]}), prompt).routes
     assert bool((cached[:2] == ROUTE_YOURSELF).all()) and torch.equal(cached[2:-1], routes[2:-1])
     assert sample_from_completion(SimpleNamespace(**{**vars(completion), "routed_experts": None}), prompt).routes is None
+    assert sample_from_completion(completion, prompt, routes=False).routes is None  # evaluation's calls
 
 
 def test_vllm_with_a_qwen3_moe_on_cpu_is_one_line(tmp_path):
