@@ -9,20 +9,14 @@ from typing import Any
 
 import yaml
 
-from nemo_jq.typed import ConfigError
+from nemo_jq.typed import ConfigError, utf8_text
 
 
 def read_yaml_file(path: Path) -> Any:
     """The YAML the file at ``path`` holds; a folder, or a file that is not UTF-8, is an error saying what to pass."""
     if path.is_dir():
         raise ConfigError(f"{path} is a directory: it must be a YAML file")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data[:err.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {data[err.start]:#04x}); save the file as UTF-8") from None
-    return parse_yaml(text, str(path))
+    return parse_yaml(utf8_text(path, path.read_bytes(), error=ConfigError), str(path))
 
 
 def parse_yaml(text: str, where: str, fix: str = "fix the syntax there") -> Any:

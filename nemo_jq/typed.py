@@ -24,6 +24,16 @@ class ConfigError(ValueError):
     """A bad key or value in a config file, an override or an estimator's options."""
 
 
+def utf8_text(path: Any, data: bytes, *, error: type[ValueError] = ValueError, encoding: str = "utf-8") -> str:
+    """``data``, the bytes of the file at ``path``, as text; bytes that are not UTF-8 are one ``error`` naming the
+    file, the line and the byte (``encoding="utf-8-sig"``: a byte-order mark first is skipped)."""
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise error(f"{path}:{line}: not UTF-8 text (byte {data[err.start]:#04x}); save the file as UTF-8") from None
+
+
 def option(default: Any = None, help: str = "", *, factory: Any = None, ge: float | None = None,
            gt: float | None = None, le: float | None = None, lt: float | None = None,
            choices: tuple[str, ...] | None = None) -> Any:

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from nemo_jq.typed import utf8_text
+
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -90,11 +92,7 @@ def _load_json(path: Path) -> Any:
     """A JSON file's content; bad bytes or bad syntax is an error naming the file and line."""
     data = path.read_bytes()
     check_not_wide_text(path, data)
-    try:
-        text = data.decode("utf-8-sig")  # a byte-order mark some editors write first is not part of the JSON
-    except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x}); re-encode the file as UTF-8") from None
+    text = utf8_text(path, data, encoding="utf-8-sig")  # a byte-order mark some editors write first is not JSON
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:

@@ -181,7 +181,7 @@ def test_a_json_file_with_bad_bytes_or_syntax_names_file_and_line(tmp_path, caps
     broken.write_bytes(b'[\n{"id": 1},\n{"id": "\xe9t\xe9"}\n]')
     code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "finqa", "--source", broken, "--sizes", "1,1,1",
                            "--out", tmp_path / "out")
-    one_line_error(code, err, f"{broken}:3", "not UTF-8", "re-encode")
+    one_line_error(code, err, f"{broken}:3", "not UTF-8", "save the file as UTF-8")
     broken.write_text('[\n{"id": 1},\n{"id": 2,}\n]')
     code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "finqa", "--source", broken, "--sizes", "1,1,1",
                            "--out", tmp_path / "out")
