@@ -197,9 +197,29 @@ def members(protocol: type) -> list[str]:
 
 
 def require(obj: Any, protocol: type, what: str) -> Any:
-    """``obj``, if it has every member of ``protocol``; else a ``TypeError`` naming what it lacks."""
+    """``obj``, if it has every member of ``protocol`` and its methods take every keyword the protocol's do; else a
+    ``TypeError`` naming what it lacks (at the backend's build, not at the first call that passes the keyword)."""
     missing = [name for name in members(protocol) if not hasattr(obj, name)]
+    missing += [f"{name}(..., {keyword}=...)" for name in members(protocol) if hasattr(obj, name)
+                for keyword in _keywords_not_taken(getattr(protocol, name, None), getattr(obj, name))]
     if missing:
         raise TypeError(f"{what} ({type(obj).__name__}) does not implement {protocol.__name__}: it lacks "
                         f"{', '.join(missing)}")
     return obj
+
+
+def _keywords_not_taken(declared: Any, method: Any) -> list[str]:
+    """The keyword-only parameters of the protocol's ``declared`` method that ``method`` takes neither by name nor by
+    ``**kwargs`` (none where either is no function, or has no signature to read)."""
+    import inspect
+
+    if not (inspect.isfunction(declared) and callable(method)):
+        return []
+    try:
+        taken = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(parameter.kind is parameter.VAR_KEYWORD for parameter in taken.values()):
+        return []
+    return [name for name, parameter in inspect.signature(declared).parameters.items()
+            if parameter.kind is parameter.KEYWORD_ONLY and name not in taken]

@@ -59,9 +59,14 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
             def export(self, out_dir, tokenizer): ...
 
 
-        class Engine:
-            tokens_generated = 0
+        class Engine:  # an engine that evaluation's calls (routes=False) would fail at the first evaluation
+            tokens_generated, on_policy, lockstep = 0, False, False
             def generate(self, prompts, num_samples, *, sample_answers, generator, greedy=False): ...
+
+
+        @register_backend("takes_no_routes")
+        def takes_no_routes(request):
+            return TrainsOnly(), Engine()
 
 
         @register_backend("no_refit")
@@ -82,7 +87,9 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
     for backend, message in [("no_refit", "does not implement RefittablePolicy: it lacks gathers_over_replicas, iter_hf, "
                                           "model_parallel_group, weights_version$"),
                              ("no_export", "backend 'no_export'.s policy \\(SimpleNamespace\\) does not implement Policy: "
-                                           "it lacks export$")]:
+                                           "it lacks export$"),
+                             ("takes_no_routes", "backend 'takes_no_routes'.s engine \\(Engine\\) does not implement "
+                                                 "RolloutEngine: it lacks generate\\(\\.\\.\\., routes=\\.\\.\\.\\)$")]:
         config = load_config(None, [*TINY_RUN, f"plugins=[{plugin}]", f"model.backend={backend}"])
         with pytest.raises(TypeError, match=message):
             build_components(config, torch.device("cpu"))

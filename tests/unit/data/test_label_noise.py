@@ -76,8 +76,8 @@ def test_a_noisy_run_reports_the_memorisation_of_its_final_and_tested_models(tmp
 def _answering(trainer, answers):
     from nemo_jq.models.interfaces import Rollout
 
-    def generate(prompts, num_samples, *, sample_answers, generator, greedy=False):
-        assert greedy and num_samples == 1
+    def generate(prompts, num_samples, *, sample_answers, generator, greedy=False, routes=True):
+        assert greedy and not routes and num_samples == 1
         return [[Rollout(list(p), [], True, trainer.components.chat.answer_ids(answers[tuple(p)]))] for p in prompts]
 
     return generate
