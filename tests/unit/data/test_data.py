@@ -224,6 +224,10 @@ def test_hub_sources_are_the_papers(monkeypatch):
         prepare(FinQA(), None, (1, 1, 1), seed=0)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         prepare(FinQA(), "./no/such/finqa", (1, 1, 1), seed=0)
+    # the paper configs' relative data/finqa, missing, was looked up on the hub: FinQA has no hub source
+    monkeypatch.setattr("nemo_jq.data.prepare.read_hub", lambda *args: pytest.fail("finqa asked the hub"))
+    with pytest.raises(FileNotFoundError, match="data/finqa does not exist: finqa reads a local file .* no hub source"):
+        prepare(FinQA(), "data/finqa", (1, 1, 1), seed=0)
 
 
 def test_custom_jsonl_with_a_template(tmp_path):
