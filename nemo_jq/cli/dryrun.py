@@ -18,7 +18,8 @@ def add_parser(commands) -> None:
     dry.add_argument("--config", type=Path, help="the run's YAML config (as train takes it)")
     dry.add_argument("--gpu", default="h100-80gb", help="a100-80gb or h100-80gb (its memory, bf16 FLOP/s and bandwidth)")
     dry.add_argument("--gpu-memory", type=arguments.positive_gb, help="GiB per GPU, instead of the profile's")
-    dry.add_argument("--prompt-tokens", type=arguments.positive, default=1024, help="the longest prompt the data holds, in tokens")
+    dry.add_argument("--prompt-tokens", type=arguments.positive, help="the longest prompt the data holds, in tokens "
+                     "(default 1024, or as many as the model's context leaves beside the thinking and answer budgets)")
     dry.add_argument("--decode-steps", type=arguments.positive, default=2, help="decode steps each sampling call runs")
     dry.add_argument("--gpus", type=arguments.positive, help="model.backend=megatron: the world's GPUs (processes), which the "
                      "layout splits into TP x PP x CP x DP (default: one replica, TP x PP x CP)")

@@ -32,7 +32,8 @@ def add_parser(commands) -> None:
     planner.add_argument("--prompt-tokens", type=arguments.positive, default=1024,
                          help="with --config: the longest prompt the data holds, in tokens")
     planner.add_argument("overrides", nargs="*", help="with --config: section.key=value overrides")
-    planner.add_argument("--model", help="a Qwen3 size (0.6b, 1.7b, 4b, 8b, 14b, 32b) or an HF config.json / folder "
+    planner.add_argument("--model", help="a Qwen3 size (0.6b, 1.7b, 4b, 8b, 14b, 32b, 30b-a3b, 235b-a22b) or an HF "
+                         "config.json / folder "
                          "(with --config: its model.path)")
     planner.add_argument("--gpus-per-node", type=arguments.positive, default=8)
     planner.add_argument("--nodes", type=arguments.positive, default=1)
@@ -83,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None:
             raise ValueError("nemo-jq plan needs --model (a Qwen3 size or an HF config) or --config (a run config)")
         work = plan.Workload(**{field: given.get(option, default) for option, (field, default) in PLAN_WORKLOAD.items()})
+        arch = plan.architecture(args.model)
+        if work.seq_len > arch.max_position_embeddings:
+            raise ValueError(f"--seq-len {work.seq_len} is beyond the model's context of {arch.max_position_embeddings} "
+                             f"tokens (max_position_embeddings of {args.model}): lower it")
     else:
         from nemo_jq.config import load_config
 
@@ -90,9 +95,13 @@ def run(args: argparse.Namespace) -> int:
             flags = ", ".join("--" + option.replace("_", "-") for option in given)
             raise ValueError(f"{flags}: --config gives the workload; set it in the config or as key=value overrides")
         config = load_config(args.config, args.overrides)
+        given_as = "--model" if args.model else f"{args.config}: model.path"
         args.model = args.model or config.model.path
         if args.model is None:
             raise ValueError(f"{args.config} trains a tiny model from scratch (model.path: null): plan sizes real ones")
+        arch = plan.architecture(args.model, given_as)
+        plan.check_context(config, args.prompt_tokens, arch.max_position_embeddings,
+                           f"max_position_embeddings of {args.model}")
         if config.train.micro_batch_rows == "auto":  # as train resolves it, for the config's own layout
             world = args.gpus_per_node * args.nodes - config.rollout.own_ranks
             config.train.micro_batch_rows = plan.auto_micro_batch_rows(config, args.prompt_tokens, args.gpu_memory,
@@ -100,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"train.micro_batch_rows=auto: {config.train.micro_batch_rows} rows at the config's layout "
                   f"({args.gpu_memory:g} GiB GPUs)", file=sys.stderr)
         work = plan.Workload.from_config(config, args.prompt_tokens)
-    arch = plan.architecture(args.model)
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
     result = plan.report(arch, work, layouts, args.gpu_memory, plan.HEADROOM, args.sync_bandwidth,
                          gpus=args.gpus_per_node * args.nodes)

@@ -86,6 +86,7 @@ from typing import Any
 
 from nemo_jq.models.megatron.layout import MegatronLayout
 from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_config
+from nemo_jq.typed import ConfigError
 
 GiB = 1024**3
 #: Bytes per parameter of the weights, of the gradients and of the optimizer state, and whether that state is
@@ -133,16 +134,38 @@ def hf_config_dict(model: str) -> dict[str, Any]:
     return {**_QWEN3_COMMON, **QWEN3_SIZES[size]}
 
 
-def architecture(model: str) -> Qwen3Architecture:
+def architecture(model: str, given_as: str = "--model") -> Qwen3Architecture:
     """A Qwen3 or Qwen3-MoE size (``8b``, ``Qwen3-8B``, ``Qwen/Qwen3-30B-A3B``) or a path to an HF config.json /
-    model folder."""
+    model folder; ``given_as``: where the user gave it, for the error (``model.path in C.yaml``)."""
     with contextlib.suppress(ValueError):
         return read_qwen3_config(hf_config_dict(model))
     try:
         return read_qwen3_config(model)
     except FileNotFoundError:
-        raise ValueError(f"--model {model!r} is neither a Qwen3 size ({', '.join(QWEN3_SIZES)}) nor an HF config "
+        raise ValueError(f"{given_as} {model!r} is neither a Qwen3 size ({', '.join(QWEN3_SIZES)}) nor an HF config "
                          f"path: give a size or a config.json / model folder") from None
+
+
+def model_context(config: Any, given_as: str = "model.path") -> tuple[int, str]:
+    """The context of ``config``'s model in tokens (``max_position_embeddings``), and the setting that says it."""
+    if config.model.path is None:
+        return config.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
+    path = str(config.model.path)
+    return architecture(path, given_as).max_position_embeddings, f"max_position_embeddings of {path}"
+
+
+def check_context(config: Any, prompt_tokens: int, context: int, where: str) -> None:
+    """A row of the longest prompt (``prompt_tokens``), the thinking budget, ``</think>`` and the answer budget fits
+    the model's ``context`` (``where``: the setting that says it), as ``train`` checks each of its prompts; else one
+    line (a plan or dry run of a config ``train`` refuses would report it as fitting)."""
+    rollout = config.rollout
+    row = prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens
+    if row > context:
+        raise ConfigError(f"a prompt of {prompt_tokens} tokens (--prompt-tokens), rollout.max_thinking_tokens="
+                          f"{rollout.max_thinking_tokens}, </think> and rollout.max_answer_tokens="
+                          f"{rollout.max_answer_tokens} make rows of {row} tokens, beyond the model's context of "
+                          f"{context} tokens ({where}), which train refuses: lower rollout.max_thinking_tokens or "
+                          "--prompt-tokens")
 
 
 def layer_parameters(arch: Qwen3Architecture) -> int:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from nemo_jq.cluster.plan import HEADROOM, auto_micro_batch_rows
+from nemo_jq.cluster.plan import HEADROOM, auto_micro_batch_rows, check_context, model_context
 from nemo_jq.config import Config
 from nemo_jq.dryrun.bounds import GpuProfile, run_time, seconds_at_least
 from nemo_jq.dryrun.memory import MemoryTracker, gib
@@ -54,19 +54,29 @@ ROLLOUT_RANK_KNOBS = {"weights": "rollout.engine=vllm within its rollout.vllm_me
                                  "rollout.tensor_parallel rollout ranks), or a GPU that holds the whole model in bf16"}
 
 
+#: The longest prompt a dry run assumes where none is given (`--prompt-tokens`), as `nemo-jq plan` does.
+PROMPT_TOKENS = 1024
+
+
 class DoesNotFit(ValueError):
     """One line: the phase, the GPU, the kind that takes the most, and the knob that shrinks it."""
 
 
-def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int = 1024, decode_steps: int = 2,
+def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int | None = None, decode_steps: int = 2,
             headroom: float = HEADROOM, world_size: int | None = None, ranks: list[int] | None = None,
             skip_repeats: bool = True, gpus_per_node: int = 8, host_memory_gib: float | None = None) -> dict[str, Any]:
     """The report of ``config``'s first step on ``gpu`` (see the module docstring); ``prompt_tokens``: the longest
-    prompt the data holds; ``skip_repeats``: run a training chunk of a shape already seen twice only in its FLOPs
+    prompt the data holds (None: :data:`PROMPT_TOKENS`, or as many as the model's context leaves beside the budgets,
+    where fewer: a tiny model's); ``skip_repeats``: run a training chunk of a shape already seen twice only in its FLOPs
     (the same report, sooner: ``DryRun._repeats_skipped``). ``model.backend=megatron``: ``ranks`` (default:
     :func:`.megatron.default_ranks`) of a world of ``world_size`` GPUs (default: one replica), each simulated apart;
     the report's phases are the fullest one's. ``host_memory_gib``: a node's host memory, which the processes of a
     node (``gpus_per_node`` at most) must fit in (``host_per_node``)."""
+    context, where = model_context(config)
+    if prompt_tokens is None:
+        rollout = config.rollout
+        prompt_tokens = max(1, min(PROMPT_TOKENS, context - rollout.max_thinking_tokens - 1 - rollout.max_answer_tokens))
+    check_context(config, prompt_tokens, context, where)
     separate = config.rollout.placement == "separate"
     config = copy.deepcopy(config)
     if separate:  # a training rank holds the same with rollouts sampled a step ahead: token ids, sent by the rollout ranks

@@ -169,6 +169,28 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
         assert f"--gpu-memory: must be a number of GiB > 0; got '{memory}'" in capsys.readouterr().err
 
 
+
+def test_rows_beyond_the_models_context_are_refused_as_train_refuses_them(capsys, tmp_path):
+    """A plan or dry run of rows longer than the model's context (which train refuses) reported them as fitting;
+    a config's unknown model.path was blamed on --model, which was not given."""
+    from helpers import one_line_error
+
+    paper = "configs/qwen3_0p6b/finqa_cold_garl_q0.75.yaml"
+    one_line_error(main(["plan", "--config", paper, "--gpus-per-node", "1", "rollout.max_thinking_tokens=60000"]),
+                   capsys.readouterr().err, "rows of 61153 tokens, beyond the model's context of 40960 tokens "
+                   "(max_position_embeddings of Qwen/Qwen3-0.6B)", "lower rollout.max_thinking_tokens")
+    assert main(["plan", "--config", paper, "--gpus-per-node", "1", "--prompt-tokens", "35000"]) == 0  # 40,225: fits
+    capsys.readouterr()
+    one_line_error(main(["plan", "--model", "8b", "--seq-len", "50000"]), capsys.readouterr().err,
+                   "--seq-len 50000 is beyond the model's context of 40960 tokens")
+    one_line_error(main(["dryrun", "--config", "configs/examples/synthetic_cold_paft_q0.75.yaml",
+                         "rollout.max_thinking_tokens=2000"]), capsys.readouterr().err,
+                   "beyond the model's context of 512 tokens (model.tiny.max_position_embeddings)")
+    unknown = tmp_path / "nine.yaml"
+    unknown.write_text("model: {path: Qwen/Qwen3-9B}\n")
+    one_line_error(main(["plan", "--config", str(unknown)]), capsys.readouterr().err,
+                   f"{unknown}: model.path 'Qwen/Qwen3-9B' is neither a Qwen3 size")
+
 def test_the_readmes_plan_commands_say_what_they_print(capsys, monkeypatch):
     """Each ``nemo-jq plan`` command with a layout in its comment, in README.md and docs/ (docs/cluster.md has five, docs/moe.md two),
     run as written from the repository root, recommends the layout its comment says, to the GiB figure."""
