@@ -82,9 +82,9 @@ class DataConfig:
     )
     format: str = option("cold", "cold: linearised x*, no task description or format hint; warm: instructions",
                          choices=FORMATS)
-    train_size: int = option(768, "ignored with prepared_dir", ge=1)
-    validation_size: int = option(64, "ignored with prepared_dir", ge=1)
-    test_size: int = option(128, "ignored with prepared_dir", ge=1)
+    train_size: int = option(768, "with prepared_dir: the count its manifest records", ge=1)
+    validation_size: int = option(64, "with prepared_dir: the count its manifest records", ge=1)
+    test_size: int = option(128, "with prepared_dir: the count its manifest records", ge=1)
     seed: int = option(0, "subset draw (and the synthetic expressions)", ge=0, le=LARGEST_SEED)
     num_operands: int = option(3, "synthetic only: operands per expression", ge=2)
     answer_width: int = option(0, "synthetic only: write the sum zero-padded to this many digits (0: as is); every digit "
@@ -429,6 +429,12 @@ class Config:
                         f"(its manifest.json): drop data.{key}, or prepare the data again with it"
                     )
                 setattr(data, key, value)
+            # the splits' sizes, which a plan, a dry run and a sweep's progress count steps and evaluations from
+            counts = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
+            for split in ("train", "validation", "test"):
+                count = counts.get(split, {}).get("count") if isinstance(counts.get(split), dict) else None
+                if type(count) is int and count >= 1:
+                    setattr(data, f"{split}_size", count)
         elif data.name is None:
             data.name = "synthetic"
         given = [f"data.{key}" for key in ("template", "system_prompt") if getattr(data, key) is not None]

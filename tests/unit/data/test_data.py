@@ -262,6 +262,21 @@ def test_trainer_runs_on_a_prepared_dataset(tmp_path):
     assert set(result["test"]) == {"p@1", "p@4", "m@4"}
 
 
+
+def test_a_prepared_folder_gives_the_split_sizes_that_plans_and_dry_runs_count_steps_from(tmp_path, capsys):
+    """With data.prepared_dir, a plan and a dry run counted the run's steps from data.train_size's default (768
+    prompts: 192 steps, where the run trains 2), and its evaluations from the default validation and test sizes."""
+    from nemo_jq.cli import main
+    from nemo_jq.config import load_config
+
+    splits, manifest = prepare(HotPotQA(), str(FIXTURES / "hotpotqa_hf"), (3, 2, 2), seed=0)
+    write_prepared(splits, manifest, tmp_path / "prepared")
+    config = load_config(None, [f"data.prepared_dir={tmp_path / 'prepared'}", "train.batch_size=2"])
+    assert (config.data.train_size, config.data.validation_size, config.data.test_size) == (3, 2, 2)
+    assert main(["plan", "--config", "configs/qwen3_0p6b/hotpotqa_warm_paft_q0.75.yaml", "--gpus-per-node", "1",
+                 f"data.prepared_dir={tmp_path / 'prepared'}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["time"]["layout"]["run"]["steps"] == 2  # 2 epochs of 3 prompts, batches of 32
+
 def test_finqa_rows_without_an_annotated_answer_are_kept_and_counted():
     splits, manifest = prepare(FinQA(), str(FIXTURES / "finqa"), (3, 4, 1), seed=0)
     dev = manifest["sources"]["dev"]
