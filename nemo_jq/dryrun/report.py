@@ -138,10 +138,19 @@ def format_report(report: dict[str, Any]) -> str:
     if host:
         limit = f" of the {host['memory_gib']:g} GiB given: {'fits' if host['fits'] else 'does NOT fit'}" \
             if host["memory_gib"] is not None else ""
-        lines.append(f"host: {host['gib']:.2f} GiB a node{limit} ({host['processes']} process{'es' * (host['processes'] != 1)} x "
-                     f"{host['per_process_gib']:.2f} GiB, the fullest's peak, in phase {host['phase']}); what this "
-                     "project's code puts on the host, not vLLM's own process memory, Python or the libraries")
+        lines.append(f"host: {host['gib']:.2f} GiB a node{limit} ({host_sum(host)}); what this project's code puts on "
+                     "the host, not vLLM's own process memory, Python or the libraries")
     return "\n".join(lines)
+
+def host_sum(host: dict[str, Any], digits: int = 2) -> str:
+    """How a node's host memory (``run.host_per_node``) adds up, in words: its processes at the fullest's peak, or
+    where that peak is the save's, the saving replica's processes at it and the other replicas' at theirs outside it."""
+    writing, processes, per = host["writing_replica_processes"], host["processes"], host["per_process_gib"]
+    if writing == processes or host["phase"] != "save":
+        return f"{processes} process{'es' * (processes != 1)} x {per:.{digits}f} GiB, the fullest's peak, in phase {host['phase']}"
+    others = processes - writing
+    return (f"{writing} process{'es' * (writing != 1)} of the saving replica x {per:.{digits}f} GiB, the fullest's peak, in "
+            f"phase save, + {others} of other replicas x {host['outside_save_gib']:.{digits}f} GiB, its peak outside it")
 
 
 def phase_table(phases: dict[str, Any]) -> list[str]:

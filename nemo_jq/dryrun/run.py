@@ -28,7 +28,7 @@ from nemo_jq.config import Config
 from nemo_jq.dryrun.bounds import GpuProfile, run_time, seconds_at_least
 from nemo_jq.dryrun.memory import MemoryTracker, gib
 from nemo_jq.dryrun.phases import DryRun
-from nemo_jq.dryrun.report import decode_work
+from nemo_jq.dryrun.report import decode_work, host_sum
 from nemo_jq.dryrun.world import GPU, FakeWorld
 
 #: The knob that shrinks each kind of bytes, for the one line a run that does not fit gets.
@@ -158,14 +158,16 @@ def host_per_node(report: dict[str, Any], gpus_per_node: int, data_parallel_rank
     the one phase where the writing
     replica's ranks hold more (they gather the optimizer's state and stage what they write). A bound where a node's
     processes differ otherwise."""
-    simulated = [*report.get("ranks", {}).values(), *([report["rollout_rank"]] if "rollout_rank" in report else [])]
-    fullest = max(simulated or [report], key=lambda part: part["host_peak_gib"])
+    training = list(report.get("ranks", {}).values()) or [report]  # the hf backend's one training process: the report
+    simulated = [*training, *([report["rollout_rank"]] if "rollout_rank" in report else [])]
+    fullest = max(simulated, key=lambda part: part["host_peak_gib"])
     processes = min(gpus_per_node, report.get("world_size", 1) + (1 if "rollout_rank" in report else 0))
     writing = processes if data_parallel_rank is None else sum(data_parallel_rank(rank) == 0 for rank in range(processes))
     outside_save = max(phase["host_peak_gib"] for name, phase in fullest["phases"].items() if name != "save")
     total = writing * fullest["host_peak_gib"] + (processes - writing) * outside_save
     return {"processes": processes, "per_process_gib": fullest["host_peak_gib"], "phase": fullest["host_peak_phase"],
-            "writing_replica_processes": writing, "gib": round(total, 6)}
+            "writing_replica_processes": writing, "outside_save_gib": outside_save, "gib": round(total, 6)}
+
 
 
 def on_gpu(report: dict[str, Any], config: Config, gpu: GpuProfile) -> dict[str, Any]:
@@ -200,9 +202,8 @@ def check_fits(report: dict[str, Any]) -> None:
     host's phase, when a node's processes need more host memory than it has."""
     host = report.get("host", {})
     if report["fits"] and not host.get("fits", True):
-        processes = f"{host['processes']} process{'es' * (host['processes'] != 1)}"
-        raise DoesNotFit(f"phase {host['phase']} needs {host['gib']:.1f} GiB of host memory on a node ({processes} x "
-                         f"{host['per_process_gib']:.1f} GiB), more than --host-memory {host['memory_gib']:g}: fewer "
+        raise DoesNotFit(f"phase {host['phase']} needs {host['gib']:.1f} GiB of host memory on a node ({host_sum(host, 1)}), "
+                         f"more than --host-memory {host['memory_gib']:g}: fewer "
                          "processes a node (--gpus-per-node), or a node with more memory")
     if report["fits"]:
         return

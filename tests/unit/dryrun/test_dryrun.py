@@ -194,6 +194,11 @@ def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path)
     assert list(serving) == ["build", "sync", "rollout", "evaluate"]
     assert serving["rollout"]["most_by_kind_gib"]["kv_cache"] > 0 and serving["sync"]["most_by_kind_gib"]["sync_buckets"] > 0
     assert not any(phase["most_by_kind_gib"].get(kind) for phase in serving.values() for kind in ("gradients", "optimizer"))
+    # the node's host memory: the training process's and the rollout rank's, each at the fuller one's peak (the training
+    # process, whose save serialises its weights on the host, was left out: the rollout rank's peak alone)
+    host = split["host"]
+    assert host["processes"] == 2 and split["host_peak_gib"] > split["rollout_rank"]["host_peak_gib"]
+    assert host["per_process_gib"] == split["host_peak_gib"] and host["gib"] == pytest.approx(2 * split["host_peak_gib"])
 
 
 @pytest.mark.parametrize("memory", [[], ["train.micro_batch_rows=4", "model.activation_checkpointing=true"]],
