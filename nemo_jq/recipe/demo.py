@@ -102,13 +102,16 @@ def markdown_table(results: dict[str, dict]) -> str:
 
 
 def format_table(results: dict[str, dict], num_samples: int) -> str:
+    """The demo's table as it prints: each run's test scores (p@1, p@k and m@k, k being ``eval.num_samples``: 16 unless
+    an override says otherwise) and its first log P̂ beside log(1/M)."""
+    columns = list(next(iter(results.values()))["test"])
     lines = [
-        f"Cold start (test split, best validation m@16 checkpoint; log(1/M) = {math.log(1 / num_samples):.2f})",
-        f"{'Method':<20} {'p@1':>6} {'p@16':>6} {'m@16':>6}  {'initial log P̂':>14}",
+        f"Cold start (test split, best validation {columns[-1]} checkpoint; log(1/M) = {math.log(1 / num_samples):.2f})",
+        f"{'Method':<20} " + " ".join(f"{column:>6}" for column in columns) + f"  {'initial log P̂':>14}",
     ]
     for label, result in results.items():
-        test = result["test"]
         initial = result.get("initial_log_p_hat")
         initial_text = f"{initial:14.2f}" if initial is not None else f"{'n/a':>14}"
-        lines.append(f"{label:<20} {test['p@1']:6.1f} {test['p@16']:6.1f} {test['m@16']:6.1f}  {initial_text}")
+        scores = " ".join(f"{result['test'][column]:6.1f}" for column in columns)
+        lines.append(f"{label:<20} {scores}  {initial_text}")
     return "\n".join(lines)
