@@ -56,9 +56,9 @@ def other_checkpoints(root: Path, but: str | None = None) -> str | None:
     others = [step for step in saved_steps(root) if step_dir_name(step) != but]
     if not others:
         return None
-    return (f"use {'another' if but else 'one'} of the run's checkpoints with --step N (step{'s' if len(others) > 1 else ''} "
-            f"{', '.join(map(str, others))}); to resume from one, write its folder's name ({step_dir_name(others[-1])}) "
-            f"into {root / 'latest'}")
+    return (f"use {'another' if but else 'one'} of the run's checkpoints (step{'s' if len(others) > 1 else ''} "
+            f"{', '.join(map(str, others))}): `nemo-jq eval` and `export` take one with --step N; to resume from one "
+            f"(train --resume has no --step), write its folder's name ({step_dir_name(others[-1])}) into {root / 'latest'}")
 
 
 def require_files(directory: Path, names: Sequence[str]) -> None:
