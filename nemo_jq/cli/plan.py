@@ -29,8 +29,8 @@ def add_parser(commands) -> None:
         epilog=assumptions(), formatter_class=argparse.RawDescriptionHelpFormatter)
     planner.add_argument("--config", type=Path, help="read the workload from a run config (model, micro-batch in the "
                          "trainer's units, M, budgets, backend, engine, optimizer mode); key=value overrides as train takes")
-    planner.add_argument("--prompt-tokens", type=arguments.positive, default=1024,
-                         help="with --config: the longest prompt the data holds, in tokens")
+    planner.add_argument("--prompt-tokens", type=arguments.positive,
+                         help="with --config: the longest prompt the data holds, in tokens (default 1024)")
     planner.add_argument("overrides", nargs="*", help="with --config: section.key=value overrides")
     planner.add_argument("--model", help="a Qwen3 size (0.6b, 1.7b, 4b, 8b, 14b, 32b, 30b-a3b, 235b-a22b) or an HF "
                          "config.json / folder "
@@ -62,7 +62,7 @@ def add_parser(commands) -> None:
     planner.add_argument("--sync-bucket-mb", type=arguments.positive_amount("MiB"), help="rollout.sync_bucket_mb (default 256)")
     planner.add_argument("--sync-bandwidth", type=arguments.positive_amount("GB/s"), default=25.0, help="GB/s of the weight sync's "
                          "broadcast to the rollout ranks (default 25: one 200 Gb/s InfiniBand port)")
-    planner.add_argument("--gpu", default="h100-80gb", help="with --config: a100-80gb or h100-80gb, the GPU whose bf16 "
+    planner.add_argument("--gpu", help="with --config: a100-80gb or h100-80gb, the GPU whose bf16 "
                          "peak and memory bandwidth bound the run's time (default h100-80gb)")
     planner.add_argument("--json", action="store_true", help="print JSON instead of a table")
     planner.set_defaults(run=run)
@@ -83,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"key=value overrides ({' '.join(args.overrides)}) need --config: give the run config")
         if args.model is None:
             raise ValueError("nemo-jq plan needs --model (a Qwen3 size or an HF config) or --config (a run config)")
+        ignored = [flag for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--gpu", args.gpu)) if value]
+        if ignored:  # without a config, nothing of the run's time is estimated, and --seq-len is the whole row
+            raise ValueError(f"{', '.join(ignored)}: read with --config only (the run's time, its rows); without it, "
+                             "--seq-len gives a row's tokens: drop them or give --config")
         work = plan.Workload(**{field: given.get(option, default) for option, (field, default) in PLAN_WORKLOAD.items()})
         arch = plan.architecture(args.model)
         if work.seq_len > arch.max_position_embeddings:
@@ -95,11 +99,14 @@ def run(args: argparse.Namespace) -> int:
             flags = ", ".join("--" + option.replace("_", "-") for option in given)
             raise ValueError(f"{flags}: --config gives the workload; set it in the config or as key=value overrides")
         config = load_config(args.config, args.overrides)
+        args.prompt_tokens, args.gpu = args.prompt_tokens or plan.PROMPT_TOKENS, args.gpu or "h100-80gb"
         given_as = "--model" if args.model else f"{args.config}: model.path"
         args.model = args.model or config.model.path
         if args.model is None:
             raise ValueError(f"{args.config} trains a tiny model from scratch (model.path: null): plan sizes real ones")
         arch = plan.architecture(args.model, given_as)
+        if config.model.backend == "megatron":  # the config's own layout, as train checks it for this model
+            config.megatron.validate(arch)
         plan.check_context(config, args.prompt_tokens, arch.max_position_embeddings,
                            f"max_position_embeddings of {args.model}")
         if config.train.micro_batch_rows == "auto":  # as train resolves it, for the config's own layout

@@ -146,6 +146,10 @@ def architecture(model: str, given_as: str = "--model") -> Qwen3Architecture:
                          f"path: give a size or a config.json / model folder") from None
 
 
+#: The longest prompt a plan or a dry run of a config assumes where ``--prompt-tokens`` gives none.
+PROMPT_TOKENS = 1024
+
+
 def model_context(config: Any, given_as: str = "model.path") -> tuple[int, str]:
     """The context of ``config``'s model in tokens (``max_position_embeddings``), and the setting that says it."""
     if config.model.path is None:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from nemo_jq.cluster.plan import HEADROOM, auto_micro_batch_rows, check_context, model_context
+from nemo_jq.cluster.plan import HEADROOM, PROMPT_TOKENS, auto_micro_batch_rows, check_context, model_context
 from nemo_jq.config import Config
 from nemo_jq.dryrun.bounds import GpuProfile, run_time, seconds_at_least
 from nemo_jq.dryrun.memory import MemoryTracker, gib
@@ -52,10 +52,6 @@ KNOBS = {
 #: A rollout rank's knobs, where they differ: a native or hf engine is one whole model on each rollout rank.
 ROLLOUT_RANK_KNOBS = {"weights": "rollout.engine=vllm within its rollout.vllm_memory_utilization share (over "
                                  "rollout.tensor_parallel rollout ranks), or a GPU that holds the whole model in bf16"}
-
-
-#: The longest prompt a dry run assumes where none is given (`--prompt-tokens`), as `nemo-jq plan` does.
-PROMPT_TOKENS = 1024
 
 
 class DoesNotFit(ValueError):

@@ -186,6 +186,11 @@ def test_rows_beyond_the_models_context_are_refused_as_train_refuses_them(capsys
     one_line_error(main(["dryrun", "--config", "configs/examples/synthetic_cold_paft_q0.75.yaml",
                          "rollout.max_thinking_tokens=2000"]), capsys.readouterr().err,
                    "beyond the model's context of 512 tokens (model.tiny.max_position_embeddings)")
+    # what a plan without a config does not read, and a config's layout this model cannot take, are refused
+    one_line_error(main(["plan", "--model", "8b", "--gpu", "foo", "--prompt-tokens", "100"]), capsys.readouterr().err,
+                   "--prompt-tokens, --gpu: read with --config only")
+    one_line_error(main(["plan", "--config", "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml", "megatron.tensor_parallel=3"]),
+                   capsys.readouterr().err, "num_attention_heads=32")
     unknown = tmp_path / "nine.yaml"
     unknown.write_text("model: {path: Qwen/Qwen3-9B}\n")
     one_line_error(main(["plan", "--config", str(unknown)]), capsys.readouterr().err,
