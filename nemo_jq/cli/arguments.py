@@ -106,4 +106,5 @@ def output_file(what: str, is_earlier: Callable[[str], bool]):
             raise argparse.ArgumentTypeError(problem)
         return Path(text)
 
+    parse.names_a_path = True  # a launch checks it as it checks a Path option (cluster.launch.check_job_paths)
     return parse

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 from pathlib import Path
+from typing import Any
 
 
 def add_parser(commands) -> None:
@@ -22,6 +23,21 @@ def add_parser(commands) -> None:
     launcher.add_argument("launched", nargs=argparse.REMAINDER, help="a nemo-jq command and its arguments")
     launcher.set_defaults(nemo_jq_commands=commands.choices)  # filled in as the commands are added
     launcher.set_defaults(run=run)
+
+
+def path_options(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> dict[str, Any]:
+    """The parsed values of the command's options that name a path, by option (its subcommand's too: ``data prepare
+    --out``) and ``data prepare --source`` (a path where it names a file, as ``data.source``: ``check_job_paths``)."""
+    paths = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(arguments, action.dest, None))
+            paths.update(path_options(chosen, arguments) if chosen is not None else {})
+        elif action.type is Path or getattr(action.type, "names_a_path", False):
+            paths[action.option_strings[0] if action.option_strings else action.dest] = getattr(arguments, action.dest)
+        elif action.option_strings == ["--source"]:
+            paths["--source"] = getattr(arguments, action.dest)
+    return paths
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--dryrun after the command goes to {name}, which takes no --dryrun: put it before the command "
                          f"(nemo-jq launch {args.launch_config} --dryrun {name} ...)")
     arguments = parse_words(parser, words)  # as nemo-jq reads them, before anything is written or queued
-    paths = {action.option_strings[0] if action.option_strings else action.dest: getattr(arguments, action.dest)
-             for action in parser._actions if action.type is Path}
+    paths = path_options(parser, arguments)
     config = launch.load_launch_config(args.launch_config)
     script = launch.launch(config, args.launched, arguments, paths, dryrun=args.dryrun)
     if script is not None:

@@ -275,7 +275,8 @@ def check_job_paths(config: LaunchConfig, paths: dict[str, Any]) -> None:
         for path in value if isinstance(value, list) else [value]:
             text = str(path or "")
             no_path = ((name == "model.path" and is_hub_name(text))
-                       or (name == "data.source" and not text.endswith(SUFFIXES) and not Path(text).exists()))
+                       or (name in ("data.source", "--source") and not text.endswith(SUFFIXES)
+                           and not Path(text).exists()))
             if text and not no_path and not text.startswith(("/", "~")):
                 shown = f"{name}={text}" if name in RUN_PATH_KEYS else f"{name} {text}"
                 raise ConfigError(f"{shown} is a relative path, but under executor={config.executor} the job runs "

@@ -275,6 +275,12 @@ def test_the_launched_words_are_read_by_the_commands_own_parser_before_anything_
     (["train", "train.max_steps=2"], "train.run_dir=runs/train"),  # no config: the default run directory
     (["train"], "--demo-dir runs/cold_start"),  # the demo, in its default folder
     (["eval", "runs/x"], "checkpoint runs/x"),
+    # a subcommand's own path options, and an output file of a type of its own, went unchecked
+    (["data", "prepare", "--dataset", "jsonl", "--source", "/d/x.jsonl", "--out", "rel/out", "--sizes", "1,1,1"],
+     "--out rel/out"),
+    (["data", "prepare", "--dataset", "jsonl", "--source", "rel/x.jsonl", "--out", "/d/out", "--sizes", "1,1,1"],
+     "--source rel/x.jsonl"),
+    (["dryrun", "--config", "/lustre/me/c.yaml", "--json", "rel.json"], "--json rel.json"),
 ])
 def test_a_relative_path_is_refused_where_the_job_runs_in_nemo_runs_code_folder(tmp_path, capsys, words, given):
     """Under SLURM (and Docker) the job starts in /nemo_run/code: a relative path the command is given, or its
