@@ -286,6 +286,10 @@ def check_prompt_lengths(config: Config, model_dir: Path | None, task: Task, spl
         return
     rollout, form = config.rollout, config.data.format
     room = context - rollout.max_thinking_tokens - 1  # the rationale and </think>
+    if room - rollout.max_answer_tokens < 1:  # no prompt fits: the budgets are the fault, not an example
+        raise ValueError(f"rollout.max_thinking_tokens={rollout.max_thinking_tokens}, </think> and "
+                         f"rollout.max_answer_tokens={rollout.max_answer_tokens} leave no room for a prompt in the "
+                         f"model's context of {context} tokens ({where}): lower rollout.max_thinking_tokens")
     blank = [{**m, "content": ""} if m["role"] == "user" else m for m in task.messages(examples[0][1], form)]
     overhead = len(chat.prompt_ids(blank)) + 8  # the template's tokens, and a few where the text meets them
     for split, example in examples:

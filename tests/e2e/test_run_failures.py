@@ -208,6 +208,12 @@ def test_a_prompt_beyond_the_models_context_is_one_line_before_anything_is_writt
     one_line_error(code, err, "example 'q5': its prompt is", "beyond the model's context of 128 tokens",
                    "raise model.tiny.max_position_embeddings")
     assert not run_dir.exists()
+    # budgets that leave no room for any prompt are the budgets' fault: said so, not of the first example (generate's
+    # question included, which the message named as a train example to drop)
+    code, _, err = run_cli(capsys, "train", *QUICK, *data, "rollout.max_thinking_tokens=600", f"train.run_dir={run_dir}")
+    one_line_error(code, err, "rollout.max_thinking_tokens=600, </think> and rollout.max_answer_tokens=",
+                   "leave no room for a prompt in the model's context of 512 tokens", "lower rollout.max_thinking_tokens")
+    assert not run_dir.exists()
 
 
 def test_a_start_that_failed_before_its_first_checkpoint_never_blocks_the_retry(tmp_path, capsys, monkeypatch):
