@@ -28,6 +28,7 @@ MEGATRON_PLAN_COMPONENTS = {**PLAN_COMPONENTS, "weights": (("train",), "weights"
 
 #: Where each of ``plan``'s parts of a rollout rank is seen in its dry run.
 ROLLOUT_RANK_COMPONENTS = {"weights": (("build",), "weights"), "kv_cache": (("rollout", "evaluate"), "kv_cache"),
+                           "prefill": (("rollout", "evaluate"), "temporaries"),
                            "vllm": (("rollout",), "vllm"), "sync_buckets": (("sync",), "sync_buckets")}
 
 

@@ -343,14 +343,14 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp
         (step_2 / name).write_bytes(intact[:100])
         for command in (["eval", run_dir, "--step", "2"], ["generate", run_dir, "3 + 4 + 5"]):
             code, _, err = run_cli(capsys, *command)
-            one_line_error(code, err, f"{step_2 / name} is damaged (truncated or corrupt", "checkpoints (step 1): `nemo-jq eval` and `export` take one with --step N")
+            one_line_error(code, err, f"{step_2 / name} is damaged (truncated or corrupt", "(step 1): `nemo-jq eval` and `export` take one")
         (step_2 / name).write_bytes(intact)
     state = (step_2 / "state.json").read_text()
     for text, what in [("[]", "a JSON list"), ("{bad", "not JSON"), ("{}", "step missing"),
                        ('{"step": true, "best_step": null, "best_metric": null}', "step missing or not a number")]:
         (step_2 / "state.json").write_text(text)
         code, _, err = run_cli(capsys, "eval", run_dir)
-        one_line_error(code, err, f"{step_2 / 'state.json'} is damaged ({what}", "checkpoints (step 1): `nemo-jq eval` and `export` take one with --step N")
+        one_line_error(code, err, f"{step_2 / 'state.json'} is damaged ({what}", "(step 1): `nemo-jq eval` and `export` take one")
     code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "1")
     assert code == 0 and json.loads(out)["step"] == 1
     (step_2 / "state.json").write_text(state)
@@ -537,8 +537,8 @@ def test_a_lost_or_dangling_latest_names_the_complete_checkpoints_and_never_move
     shutil.rmtree(root / "step_00000002")
     (root / "latest").write_text("step_00000002")
     code, _, err = run_cli(capsys, "eval", run_dir)
-    one_line_error(code, err, f"names {root / 'step_00000002'}, which is not a complete checkpoint", "checkpoints (step 1): `nemo-jq eval` and `export` take one with --step N",
-                   f"write its folder's name (step_00000001) into {root / 'latest'}")
+    one_line_error(code, err, f"names {root / 'step_00000002'}, which is not a complete checkpoint",
+                   "(step 1): `nemo-jq eval` and `export` take one", f"write its folder's name (step_00000001) into {root / 'latest'}")
     # --overwrite of the folder the command runs in, spelled ".": one line, and the run stays where it is
     monkeypatch.chdir(run_dir)
     code, _, err = run_cli(capsys, "train", *QUICK, "train.run_dir=.", "--overwrite")

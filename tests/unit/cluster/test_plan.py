@@ -290,9 +290,12 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
     result = plan.report(arch, separate, trainers, 80, 0.9, sync_gb_s=50)
     kv = 2 * 2 * 36 * 8 * 128 * 131072 * (1 + 3 / 72)  # 8 prompts x 32 rows per replica: the 131072-token cap
     receiving = 2 * 64 * 2**20 + 151936 * 4096 * 2  # the untied bf16 head put together, its last bucket and the one before
+    # the answer phase's prefill of a chunk of 32 rows (the cap over 4,096-token rows) at once: 3 MLP and 5 query widths
+    prefill = 2 * 32 * 4096 * (3 * 12288 + 5 * 32 * 128)
     assert result["rollout_rank"] == {"weights": round(2 * params / GiB, 2), "kv_cache": round(kv / GiB, 2),
-                                      "sync_buckets": round(receiving / GiB, 2), "fits": True,
-                                      "total": round(round(2 * params / GiB, 2) + round(kv / GiB, 2) + 1.28, 2)}
+                                      "prefill": round(prefill / GiB, 2), "sync_buckets": round(receiving / GiB, 2),
+                                      "fits": True, "total": round(round(2 * params / GiB, 2) + round(kv / GiB, 2)
+                                                                   + round(prefill / GiB, 2) + 1.28, 2)}
     assert result["weight_sync"] == {"bytes": 2 * params, "buckets": -(-2 * params // (64 * 2**20)), "gb_per_s": 50,
                                      "seconds": 2 * params / 50e9}
     fp32 = plan.weight_sync(arch, plan.Workload(optimizer="fp32-adamw", rollout_ranks=8), 50)  # fp32 weights, fp32 sent

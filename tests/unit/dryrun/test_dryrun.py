@@ -252,7 +252,7 @@ def test_plan_agrees_with_the_dry_run_of_a_rollout_rank_and_catches_a_receiver_c
     every_row = against_plan(report, config)
     assert 0.9 <= every_row["refit"]["plan_over_dry_run"] <= 1.1, every_row["refit"]
     rows = {name: row for name, row in every_row.items() if name.startswith("rollout_rank.")}
-    expected = {"vllm", "sync_buckets"} if engine == "vllm" else {"weights", "kv_cache", "sync_buckets"}
+    expected = {"vllm", "sync_buckets"} if engine == "vllm" else {"weights", "kv_cache", "prefill", "sync_buckets"}
     assert {name.removeprefix("rollout_rank.") for name in rows} == expected
     assert all(0.9 <= row["plan_over_dry_run"] <= 1.1 for row in rows.values()), rows
     two_buckets = 2 * config.rollout.bucket_bytes() / 2**30
