@@ -46,14 +46,15 @@ class OptionNames:
     skip_bad_rows: str
     template: str
     system: str
+    hub_config: str
 
 
 #: A run's config keys: ``nemo-jq train`` prepares a ``data.source`` in memory (the default of :func:`prepare`).
 CONFIG_KEYS = OptionNames(source="data.source", sizes="data.{split}_size", skip_bad_rows="data.on_bad_row=skip",
-                          template="data.template", system="data.system_prompt")
+                          template="data.template", system="data.system_prompt", hub_config="data.hub_config")
 #: ``nemo-jq data prepare``'s flags.
 PREPARE_FLAGS = OptionNames(source="--source", sizes="--sizes", skip_bad_rows="--on-bad-row skip",
-                            template="--template", system="--system")
+                            template="--template", system="--system", hub_config="--hub-config")
 
 
 def make_task(name: str, *, template: str | None = None, system: str | None = None,
@@ -112,7 +113,12 @@ def prepare(
     if source is None:
         if task.name not in HUB_SOURCES:
             raise ValueError(f"dataset {task.name!r} needs a source: a local file or folder of split files")
-        source, hub_config = HUB_SOURCES[task.name]
+        source, paper_config = HUB_SOURCES[task.name]
+        hub_config = hub_config or paper_config
+    elif hub_config is not None and (not task.from_hub or Path(source).exists()):  # it would be dropped unsaid
+        raise ConfigError(f"{options.hub_config} {hub_config} names a configuration of a hub dataset, but "
+                          f"{options.source} {source} is {'a local path' if Path(source).exists() else 'read from local files'}"
+                          f" ({task.name}): drop {options.hub_config}")
     single_file = Path(source).is_file()
     plan = dict(zip(SPLITS, sizes))
     source_of = {target: ("all",) if single_file else names for target, names in task.source_splits}

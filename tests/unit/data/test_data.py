@@ -208,7 +208,7 @@ def test_parquet_source_in_the_hf_schema(tmp_path):
     assert from_parquet == from_jsonl
 
 
-def test_hub_sources_are_the_papers(monkeypatch):
+def test_hub_sources_are_the_papers(monkeypatch, tmp_path, capsys):
     calls = []
 
     def fake_hub(name, config, split):
@@ -220,6 +220,17 @@ def test_hub_sources_are_the_papers(monkeypatch):
     _, manifest = prepare(HotPotQA(), None, (1, 1, 1), seed=0)
     assert manifest["sources"]["train"]["fingerprint"] == "fp-train"
     assert calls == [("hotpotqa/hotpot_qa", "distractor", "train"), ("hotpotqa/hotpot_qa", "distractor", "validation")]
+    # a hub configuration given is the one read (the paper's replaced it), and one no hub reads is refused, not dropped
+    prepare(HotPotQA(), None, (1, 1, 1), seed=0, hub_config="fullwiki")
+    assert calls[-2:] == [("hotpotqa/hotpot_qa", "fullwiki", "train"), ("hotpotqa/hotpot_qa", "fullwiki", "validation")]
+    with pytest.raises(ValueError, match="data.hub_config distractor names a configuration of a hub dataset, but "
+                                         "data.source .* is a local path \\(hotpotqa\\): drop data.hub_config"):
+        prepare(HotPotQA(), str(FIXTURES / "hotpotqa_hf"), (1, 1, 1), seed=0, hub_config="distractor")
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", "mine.jsonl", "--sizes", "1,1,1",
+                           "--hub-config", "distractor", "--out", tmp_path / "out")
+    one_line_error(code, err, "--hub-config distractor names a configuration", "is read from local files (jsonl)",
+                   "drop --hub-config")
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="needs a source"):
         prepare(FinQA(), None, (1, 1, 1), seed=0)
     with pytest.raises(FileNotFoundError, match="does not exist"):
