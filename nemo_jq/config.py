@@ -534,7 +534,7 @@ def _warn_unused(raw: dict[str, Any], config: Config) -> None:
     """One warning line for each key given where the run does not read it (given: set in the file or an override to
     other than its default, so that loading a run's config.yaml, which holds every key, says nothing)."""
     defaults = Config()
-    for key, why in _unread(config):
+    for key, why in unread_keys(config):
         section, _, name = key.partition(".")
         value = operator.attrgetter(key)(config)
         if name.split(".")[0] not in (raw.get(section) or {}) or value == operator.attrgetter(key)(defaults):
@@ -545,7 +545,7 @@ def _warn_unused(raw: dict[str, Any], config: Config) -> None:
             print(f"nemo-jq: warning: {message}", file=sys.stderr)
 
 
-def _unread(config: Config) -> list[tuple[str, str]]:
+def unread_keys(config: Config) -> list[tuple[str, str]]:
     """The keys a run of ``config`` does not read, and why (each of its own settings decides)."""
     from nemo_jq.objectives import get_objective
 

@@ -58,6 +58,10 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.runtime.sweep import Sweep, run_here
 
+    if args.index is not None and args.task is None:
+        raise ValueError(f"--index {args.index} picks the run of --task SWEEP_DIR: add --task, or drop --index")
+    if args.sbatch and not args.slurm:
+        raise ValueError(f"--sbatch={args.sbatch[0]} is an option of --slurm's job array: add --slurm, or drop --sbatch")
     if args.task is not None:
         return run_task(Sweep.load(args.task), args.index)
     if args.resume is not None:

@@ -1,16 +1,19 @@
 """The paper's tables and curves from finished runs, as each recorded them (``results.json``, ``metrics.jsonl``).
 
 ``nemo-jq report RUNS_OR_SWEEPS...`` groups the runs by dataset, prompt format and method (the estimator and its q, or
-its q schedule; the seeds of one setting are one group), and gives each group's test scores (its best-validation
-checkpoint's, as ``results.json`` recorded them: nothing is evaluated again) as the mean and a 95% t-interval over
-the seeds, with n. A run whose validation m@k falls to zero after its best is flagged (*peak before collapse*, as the
-paper marks GARL on HotPotQA): its test scores are its peak's. Tables as markdown, CSV and JSON; the curves (log P̂
-with log(1/M) marked, validation m@k with the seeds' range, the train reward smoothed, q) one figure per dataset.
+its q schedule; the seeds of one setting are one group; runs of a method whose configs differ in more than their seeds
+are groups of their own, each labelled with the settings that tell it apart), and gives each group's test scores (its
+best-validation checkpoint's, as ``results.json`` recorded them: nothing is evaluated again) as the mean and a 95%
+t-interval over the seeds, with n. A run whose validation m@k falls to zero after its best is flagged (*peak before
+collapse*, as the paper marks GARL on HotPotQA): its test scores are its peak's. Tables as markdown, CSV and JSON; the
+curves (log P̂ with log(1/M) marked, validation m@k with the seeds' range, the train reward smoothed, q) one figure per
+dataset.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_jq.runtime.monitor import read_json_file, read_metrics
-from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE
+from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE, has_finished
 from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep
 
 
@@ -37,6 +40,8 @@ class RunRecord:
     samples: int
     results: dict[str, Any]
     records: list[dict[str, Any]]
+    #: What it was trained and tested with (:func:`settings`): runs that differ in any of it are rows of their own.
+    settings: dict[str, str]
 
     @property
     def collapsed_after_peak(self) -> bool:
@@ -64,13 +69,52 @@ def method_label(results: dict[str, Any]) -> str:
     return f"{name} q={results['q']:g}" if results.get("q") is not None else name
 
 
+#: Keys runs of one row differ in: their seeds (the training's, and the data split's, which the experiments draw with
+#: it), and each run's own folder.
+NOT_SETTINGS = ("train.seed", "data.seed", "train.run_dir")
+
+
+def settings(config: Any) -> dict[str, str]:
+    """A run's config as ``key -> value`` text (``optim.lr -> 0.001``, as the typed config read it), less
+    :data:`NOT_SETTINGS` and the keys it does not read (GRPO's ``objective.q``): runs alike in all of it are seeds of
+    one setting."""
+    from nemo_jq.config import unread_keys
+    from nemo_jq.runtime.tracking import flat_config
+
+    unread = {key for key, _ in unread_keys(config)}
+    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in flat_config(config).items()
+            if key not in NOT_SETTINGS and key not in unread}
+
+
+def told_apart(runs: list[RunRecord]) -> list[RunRecord]:
+    """The runs, each labelled (its ``method``) with the settings that tell it from the others of its dataset, format,
+    method and metrics (``GRPO optim.lr=0.001``, ``GRPO optim.lr=0.05``): a row each, where runs alike but for their
+    seeds share one. Runs alone in their group keep their method's label."""
+    groups: dict[tuple[str, str, str, frozenset[str]], list[RunRecord]] = {}
+    for run in runs:
+        groups.setdefault(_group(run), []).append(run)
+    differing = {key: [setting for setting in dict.fromkeys(name for run in members for name in run.settings)
+                       if len({run.settings.get(setting) for run in members}) > 1]
+                 for key, members in groups.items()}
+    return [dataclasses.replace(run, method=" ".join([run.method, *(f"{setting}={run.settings[setting]}"
+                                                                    for setting in differing[_group(run)]
+                                                                    if setting in run.settings)]))
+            for run in runs]
+
+
+def _group(run: RunRecord) -> tuple[str, str, str, frozenset[str]]:
+    """What a table row of runs shares, besides their settings: dataset, prompt format, method and test metrics."""
+    return run.dataset, run.format, run.method, frozenset(_metrics(run.results["test"]))
+
+
 def run_dirs(paths: list[Path]) -> list[Path]:
     """The run folders under ``paths``: a sweep's runs (its ``sweep.json`` order), a run folder itself, or the runs and
     sweeps anywhere below a folder (an experiment's ``<method>/seed<S>``), in name order; a path with none is an error
-    naming it. A run found twice (a sweep, and one of its runs given too) is read once."""
+    naming it. A run found twice (a sweep, and one of its runs given too; a link to a folder already searched) is read
+    once."""
     found: dict[Path, Path] = {}
     for path in map(Path, paths):
-        below = _runs_in(path)
+        below = _runs_in(path, set())
         if not below:
             raise FileNotFoundError(f"{path} holds no run ({CONFIG_FILE}) or sweep ({SWEEP_FILE}): give run folders, "
                                     "sweep folders or a folder of runs")
@@ -79,25 +123,36 @@ def run_dirs(paths: list[Path]) -> list[Path]:
     return list(found.values())
 
 
-def _runs_in(path: Path) -> list[Path]:
+def _runs_in(path: Path, searched: set[Path]) -> list[Path]:
+    """The runs at or below ``path``; a folder in ``searched`` (reached again through a link) is not searched again."""
     if (path / SWEEP_FILE).exists():
         return [path / run.name for run in Sweep.load(path).runs]
     if (path / CONFIG_FILE).exists():
         return [path]
-    return [run for child in sorted(path.iterdir()) if child.is_dir() for run in _runs_in(child)] if path.is_dir() else []
+    if not path.is_dir() or path.resolve() in searched:
+        return []
+    searched.add(path.resolve())
+    return [run for child in sorted(path.iterdir()) if child.is_dir() for run in _runs_in(child, searched)]
 
 
 def read_run(run_dir: Path) -> RunRecord | None:
-    """A finished run's record (None: no ``results.json`` yet)."""
-    from nemo_jq.config import load_config
+    """A finished run's record (None: unfinished, as the sweep decides: no ``results.json`` yet, or one older than
+    the run's last checkpoint, a run resumed to train on)."""
+    from nemo_jq.config import ConfigError, load_config
 
     if not (run_dir / RESULTS_FILE).exists():
         return None
-    config = load_config(run_dir / CONFIG_FILE)
+    try:
+        config = load_config(run_dir / CONFIG_FILE, saved=True)
+    except ConfigError as err:
+        raise ConfigError(f"{run_dir / CONFIG_FILE} is not the run's saved config ({err}): restore it from a copy of "
+                          "the run, or leave the run out") from None
     results = read_json_file(run_dir / RESULTS_FILE, "a finished run's results", results_problem,
                              f"restore it, or move it aside and `nemo-jq train --resume {run_dir}` writes it again")
+    if not has_finished(run_dir):
+        return None
     return RunRecord(run_dir, config.data.name, config.data.format, method_label(results), config.train.seed,
-                     config.rollout.num_samples, results, read_metrics(run_dir))
+                     config.rollout.num_samples, results, read_metrics(run_dir), settings(config))
 
 
 def results_problem(results: dict[str, Any]) -> str | None:
@@ -129,12 +184,13 @@ def seed_stats(values: list[float | None]) -> dict[str, float | int | None]:
 
 
 def table(runs: list[RunRecord]) -> list[dict[str, Any]]:
-    """A row per dataset, format, method and set of test metrics (runs evaluated at another k are another row), in the
-    order the runs come: each test metric's mean and interval half width over its seeds (None where no seed has it),
-    n, the seeds, and how many runs collapsed after their peak. Runs of a row that share a seed are said: each counts."""
+    """A row per dataset, format, method (as :func:`told_apart` labels the runs: a setting each) and set of test
+    metrics (runs evaluated at another k are another row), in the order the runs come: each test metric's mean and
+    interval half width over its seeds (None where no seed has it), n, the seeds, and how many runs collapsed after
+    their peak. Runs of a row that share a seed are said: each counts."""
     groups: dict[tuple[str, str, str, frozenset[str]], list[RunRecord]] = {}
     for run in runs:
-        groups.setdefault((run.dataset, run.format, run.method, frozenset(_metrics(run.results["test"]))), []).append(run)
+        groups.setdefault(_group(run), []).append(run)
     rows = []
     for (dataset, fmt, method, _), members in groups.items():
         seeds = sorted(run.seed for run in members)
@@ -245,8 +301,19 @@ def plot_dataset(runs: list[RunRecord], path: Path) -> None:
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8)
     fig.suptitle(f"{runs[0].dataset}: mean over seeds, band: their range", fontsize=10)
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": FIGURE_MARK})
     plt.close(fig)
+
+
+#: What a figure of report's says it is (its PNG ``Software`` text): a report writes over such a file, and no other.
+FIGURE_MARK = "nemo-jq report"
+
+
+def refuse_foreign_figure(path: Path) -> None:
+    """Before any figure is written: ``path`` holds nothing a user would lose (nothing, or a figure report wrote)."""
+    if path.exists() and (path.is_dir() or FIGURE_MARK.encode() not in path.read_bytes()):
+        raise FileExistsError(f"{path} exists and is not a figure nemo-jq report wrote: give the figures another folder "
+                              "(that file is left as it is)")
 
 
 def _curve(records: list[dict[str, Any]], kind: str, field: str | None, smooth: bool) -> tuple[list[int], list[float]]:
@@ -270,11 +337,13 @@ def report(paths: list[Path], *, figures: Path | None = None) -> dict[str, Any]:
     if not finished:
         raise ValueError(f"none of the {len(unfinished)} runs under {', '.join(map(str, paths))} has finished "
                          f"({RESULTS_FILE}): report reads what finished runs recorded")
-    written = []
-    if figures is not None:
-        figures.mkdir(parents=True, exist_ok=True)
-        for dataset in dict.fromkeys(run.dataset for run in finished):
-            written.append(figures / f"curves_{dataset}.png")
-            plot_dataset([run for run in finished if run.dataset == dataset], written[-1])
+    finished = told_apart(finished)
+    datasets = list(dict.fromkeys(run.dataset for run in finished))
+    written = [] if figures is None else [figures / f"curves_{dataset}.png" for dataset in datasets]
+    for path in written:
+        refuse_foreign_figure(path)
+    for dataset, path in zip(datasets, written):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plot_dataset([run for run in finished if run.dataset == dataset], path)
     return {"rows": table(finished), "runs": [str(run.run_dir) for run in finished], "unfinished": unfinished,
             "figures": [str(path) for path in written]}

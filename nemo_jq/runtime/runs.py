@@ -238,6 +238,22 @@ def results_current(run_dir: Path, step: int | None) -> bool:
     return isinstance(results, dict) and results.get("step") in (None, step)
 
 
+def has_finished(run_dir: Path) -> bool:
+    """Whether the run has finished: its ``results.json`` is its last checkpoint's (:func:`results_current`). One
+    resumed since its results were written (to train on) has not, whatever they say: the sweep continues it, and the
+    report leaves it out."""
+    return results_current(run_dir, last_checkpoint_step(run_dir))
+
+
+def last_checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run's latest checkpoint (None: it has none, or its ``latest`` was lost beside complete ones)."""
+    try:
+        latest = latest_checkpoint(Path(run_dir) / CHECKPOINT_DIR)
+    except FileNotFoundError:
+        return None
+    return read_state(latest)["step"] if latest is not None else None
+
+
 def write_results(run_dir: Path, results: dict[str, Any]) -> None:
     """What a finished run writes: its test results and the Figure-3 panels of its metrics; then it lets go of its
     directory (a process that goes on to other runs holds only the one it writes)."""
@@ -438,7 +454,7 @@ def model_card(selected: Selected) -> str:
         lines.append("- test (the run's own evaluation of this checkpoint): "
                      + ", ".join(f"{key} {value:.1f}" for key, value in results["test"].items()))
     lines += ["", "## Sampling it as training did", "",
-              "The chat template (`tokenizer_config.json`) is Qwen3's, with the generation prompt ending in "
+              "The chat template (`chat_template.jinja`) is Qwen3's, with the generation prompt ending in "
               "`<think>\\n`: the model thinks, then answers after `</think>`. Training sampled at temperature "
               f"{rollout.temperature:g}, top-k {rollout.top_k}, top-p {rollout.top_p:g} "
               f"(`generation_config.json`), a thinking budget of {rollout.max_thinking_tokens} tokens (at the budget "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import os
 import re
 import signal
@@ -28,12 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import yaml
-
-from nemo_jq.runtime.checkpoint import latest_checkpoint, read_state
 from nemo_jq.runtime.monitor import read_json_file, read_metrics
 from nemo_jq.runtime.outputs import claim_dir
-from nemo_jq.runtime.runs import CHECKPOINT_DIR, RUN_FILES, results_current
+from nemo_jq.runtime.runs import RUN_FILES, has_finished, last_checkpoint_step
 from nemo_jq.typed import ConfigError
 
 SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
@@ -72,10 +70,11 @@ class Sweep:
         given twice is refused (it would train one point twice). Each run is named by what it sweeps, its values as a
         folder name may hold them (:func:`folder_labels`)."""
         fixed, axes = split_words(words)
+        refuse_own_keys([*(word.split("=", 1)[0] for word in fixed), *axes], seeds)
         refuse_repeats("--config", list(configs), lambda config: Path(config).resolve())
         refuse_repeats("--seeds", list(seeds or []), lambda seed: seed)
         for key, values in axes.items():
-            refuse_repeats(key, values, as_a_config_reads)
+            refuse_repeats(key, values, lambda value, key=key: as_a_config_reads(key, value))
         configs = list(configs) or [None]
         config_label = dict(zip(configs, folder_labels([str(Path(config).with_suffix("")) for config in configs])
                                 if len(configs) > 1 else []))
@@ -106,15 +105,20 @@ class Sweep:
     def write(self, *, overwrite: bool = False, markers: tuple[str, ...] = (), what: str = "a sweep",
               advice: str | None = None) -> None:
         """Claim the folder (an earlier sweep there, or any of ``markers``, is refused saying ``advice``, or moved
-        aside with ``overwrite``; so is a run's folder, whose run a report would no longer find) and record the grid.
-        Each run's config is loaded first, as its run will load it, so a bad key or value is refused in one line naming
-        the run before anything is written."""
+        aside with ``overwrite``; so is a run's folder, whose run a report would no longer find; a folder holding
+        anything else is refused: the sweep's runs, logs and figures would land among, and over, a user's files) and
+        record the grid. Each run's config is loaded first, as its run will load it, so a bad key or value is refused
+        in one line naming the run before anything is written."""
         self.check()
         claim_dir(self.directory, (SWEEP_FILE, *markers, *(run.name for run in self.runs)), overwrite=overwrite,
                   what=what, advice=advice or f"continue it with `nemo-jq sweep --resume {self.directory}`, write the new "
                                               "one elsewhere (--out), or pass --overwrite to move the old one aside first")
         claim_dir(self.directory, RUN_FILES, overwrite=overwrite, what="a run", advice="a sweep's runs go in a folder of "
                   "their own: choose another, or pass --overwrite to move the run aside first")
+        held = sorted(path.name for path in self.directory.iterdir()) if self.directory.is_dir() else []
+        if held:
+            raise FileExistsError(f"{self.directory} is not empty ({', '.join(held[:3])}{', ...' * (len(held) > 3)}) and "
+                                  "holds no sweep: give a new or empty folder (what is there is left as it is)")
         self.directory.mkdir(parents=True, exist_ok=True)
         record = {"grid": self.grid, "here": self.here, "runs": [asdict(run) for run in self.runs]}
         (self.directory / SWEEP_FILE).write_text(json.dumps(record, indent=1) + "\n")
@@ -135,13 +139,9 @@ class Sweep:
         """FINISHED where the run wrote its results at its last checkpoint's step (older results name no step); one
         stopped in its end's evaluation, or with results of an earlier step, is STOPPED: its resume evaluates again."""
         run_dir = self.directory / run.name
-        try:
-            latest = latest_checkpoint(run_dir / CHECKPOINT_DIR)
-        except FileNotFoundError:
-            latest = None
-        if results_current(run_dir, read_state(latest)["step"] if latest is not None else None):
+        if has_finished(run_dir):
             return FINISHED
-        return STOPPED if latest is not None else NEW
+        return STOPPED if last_checkpoint_step(run_dir) is not None else NEW
 
 
 def record_problem(saved: dict[str, Any]) -> str | None:
@@ -178,12 +178,28 @@ def refuse_repeats(what: str, values: Sequence[Any], same: Callable[[Any], Any] 
                               f"{'one' if count == 2 else 'all but one'}")
 
 
-def as_a_config_reads(value: str) -> Any:
-    """A ``key=value`` word's value as YAML reads it, as a config does (one YAML cannot read: itself; the run's config,
-    loaded, says what is wrong with it)."""
+def refuse_own_keys(keys: Sequence[str], seeds: Sequence[int] | None) -> None:
+    """A key the sweep sets for each run, given too, would be dropped: ``train.run_dir`` (each run's is ``DIR/NAME``),
+    and ``train.seed`` beside ``--seeds``. Refused, naming it."""
+    from nemo_jq.config import current_key
+
+    for key in keys:
+        if current_key(key) == "train.run_dir":
+            raise ConfigError(f"{key}: the sweep sets train.run_dir for each of its runs (--out DIR, each run DIR/NAME): "
+                              "drop it, and give the sweep's folder as --out")
+        if current_key(key) == "train.seed" and seeds:
+            raise ConfigError(f"{key}: --seeds sets train.seed for each run: give the seeds once, either as --seeds "
+                              "or as train.seed=a,b")
+
+
+def as_a_config_reads(key: str, value: str) -> Any:
+    """A ``key=value`` word's value as the typed config reads it (``1e-3`` and ``0.001`` are one float; one it cannot
+    read alone is itself: the run's config, loaded, says what is wrong with it)."""
+    from nemo_jq.config import current_key, load_config
+
     try:
-        return yaml.safe_load(value)
-    except yaml.YAMLError:
+        return operator.attrgetter(current_key(key))(load_config(None, [f"{key}={value}"], saved=True))
+    except (ValueError, OSError, AttributeError):
         return value
 
 

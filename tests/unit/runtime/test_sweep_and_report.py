@@ -117,6 +117,7 @@ def test_a_value_given_twice_is_refused_naming_it_before_anything_is_written(tmp
     for words, fragment in ((["--seeds", "0,0"], "--seeds: 0 is given twice, which would train one run twice: drop one"),
                             (["objective.q=0,0"], "objective.q: 0 is given twice"),
                             (["objective.q=0.5,.5"], "objective.q: 0.5 and .5 are the same"),
+                            (["optim.lr=1e-3,0.001"], "optim.lr: 1e-3 and 0.001 are the same"),  # as the config reads them
                             (["--config", "configs/a.yaml", "./configs/a.yaml"],
                              "--config: configs/a.yaml and ./configs/a.yaml are the same")):
         code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", *words)
@@ -214,11 +215,12 @@ def test_the_first_progress_line_comes_once_each_running_runs_step_rate_is_measu
     assert "/24 (" in lines[progress[0]] and " s left)" in lines[progress[0]], lines
 
 
-def finished_run(folder, *, name="garl", q=0.5, seed=0, dataset="synthetic", test=None, validation=(10.0, 20.0)):
+def finished_run(folder, *, name="garl", q=0.5, seed=0, dataset="synthetic", test=None, validation=(10.0, 20.0),
+                 overrides=()):
     """A run folder as a finished run leaves it, written by hand."""
     folder.mkdir(parents=True)
     save_config(load_config(None, [f"objective.name={name}", f"objective.q={q}", f"train.seed={seed}",
-                                   f"data.name={dataset}"]), folder / "config.yaml")
+                                   f"data.name={dataset}", *overrides]), folder / "config.yaml")
     results = {"objective": name, "q": q if name != "grpo" else None, "best_step": 2, "best_validation": max(validation),
                "test": test or {"p@1": 1.0, "p@16": 2.0, "m@16": 3.0}}
     (folder / "results.json").write_text(json.dumps(results))
@@ -361,3 +363,106 @@ def test_report_writes_its_tables_over_nothing_but_its_own_earlier_tables_and_ch
     for _ in range(2):  # an empty file, then the table it was given, is written over
         assert run_cli(capsys, "report", run, "--csv", tmp_path / "empty.csv", "--json", tmp_path / "t.json")[0] == 0
     assert json.loads((tmp_path / "t.json").read_text())["rows"][0]["n"] == 1
+
+
+def checkpoint_at(run, step):
+    """A checkpoint of ``run`` at ``step``, ``latest`` naming it, as training leaves one (its state only)."""
+    folder = run / "checkpoints" / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / STATE).write_text(json.dumps({"step": step, "best_step": None, "best_metric": None}))
+    (run / "checkpoints" / "latest").write_text(folder.name)
+
+
+def test_a_run_resumed_after_its_results_is_unfinished_in_the_report_as_in_its_sweep(tmp_path, capsys):
+    """`train --resume RUN train.epochs=200` stopped at step 76: its results.json is step 6's, no longer its end's."""
+    done, resumed = finished_run(tmp_path / "runs" / "done"), finished_run(tmp_path / "runs" / "resumed", seed=1)
+    for run in (done, resumed):
+        (run / "results.json").write_text(json.dumps({**json.loads((run / "results.json").read_text()), "step": 6}))
+    checkpoint_at(done, 6)
+    checkpoint_at(resumed, 76)
+    result = report.report([tmp_path / "runs"])
+    assert result["unfinished"] == [str(resumed)] and result["runs"] == [str(done)]
+    assert [(row["n"], row["seeds"]) for row in result["rows"]] == [(1, [0])]
+    code, _, err = run_cli(capsys, "report", resumed)
+    one_line_error(code, err, "none of the 1 runs", "has finished")
+
+
+def test_runs_that_differ_in_more_than_their_seeds_are_rows_of_their_own_labelled_by_what_tells_them_apart(tmp_path,
+                                                                                                        capsys):
+    runs = tmp_path / "runs"
+    for seed in (0, 1):  # an experiment's seeds: the data split's too
+        finished_run(runs / f"lr=0.001_seed={seed}", seed=seed, overrides=["optim.lr=1e-3", f"data.seed={seed}"],
+                     test={"p@1": 10.0 + seed})
+    finished_run(runs / "lr=0.05_seed=0", overrides=["optim.lr=5e-2"], test={"p@1": 30.0})
+    finished_run(runs / "lr=0.05_epochs=2", overrides=["optim.lr=5e-2", "train.epochs=2"], test={"p@1": 40.0})
+    for seed, q in ((0, 0.5), (1, 1.0)):  # a key GRPO does not read tells nothing apart: one row, its seeds
+        finished_run(runs / f"grpo_q={q}", name="grpo", q=q, seed=seed, test={"p@1": 50.0})
+    code, out, _ = run_cli(capsys, "report", runs, "--csv", tmp_path / "t.csv", "--json", tmp_path / "t.json")
+    assert code == 0, out
+    labels = ["GRPO", "GARL q=0.5 optim.lr=0.001 train.epochs=8", "GARL q=0.5 optim.lr=0.05 train.epochs=2",
+              "GARL q=0.5 optim.lr=0.05 train.epochs=8"]  # in the order the runs come (folder names)
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert [(row["method"], row["n"], row["p@1"]) for row in rows] == list(zip(labels, [2, 2, 1, 1],
+                                                                               [50.0, 10.5, 40.0, 30.0]))
+    assert "| GARL q=0.5 optim.lr=0.001 train.epochs=8 | 2 | 10.5 ± 6.3 |" in out and "| GRPO | 2 | 50.0 ± 0.0 |" in out
+    assert [line.split(",")[2] for line in (tmp_path / "t.csv").read_text().splitlines()[1:]] == labels
+
+
+def test_a_sweep_refuses_the_keys_it_sets_itself_and_options_that_would_do_nothing(tmp_path, capsys):
+    for words, fragments in (
+            (["train.seed=5", "--seeds", "0,1"], ["train.seed: --seeds sets train.seed for each run"]),
+            (["train.seed=5,6", "--seeds", "0,1"], ["train.seed: --seeds sets train.seed for each run"]),
+            ([f"train.run_dir={tmp_path / 'x'}"], ["train.run_dir: the sweep sets train.run_dir for each of its runs"]),
+            (["train.run_dir=foo,bar", "objective.q=0,1"], ["train.run_dir: the sweep sets train.run_dir"]),
+            (["objective.q=0,1", "--sbatch=--time=1:00:00"], ["--sbatch=--time=1:00:00 is an option of --slurm's",
+                                                              "add --slurm"]),
+            (["objective.q=0,1", "--index", "0"], ["--index 0 picks the run of --task SWEEP_DIR", "drop --index"])):
+        code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", *words)
+        one_line_error(code, err, *fragments)
+        assert not (tmp_path / "s").exists() and not (tmp_path / "x").exists()
+    Sweep.from_grid(tmp_path / "s", [], ["objective.q=0,1"], None).write()
+    code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--index", "0")
+    one_line_error(code, err, "--index 0 picks the run of --task SWEEP_DIR")
+    code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--sbatch=--partition=gpu")
+    one_line_error(code, err, "add --slurm, or drop --sbatch")
+
+
+def test_sweep_out_and_report_figures_write_over_no_file_of_a_users(tmp_path, capsys):
+    users = tmp_path / "uf"
+    users.mkdir()
+    (users / "curves_synthetic.png").write_text("notes")
+    code, _, err = run_cli(capsys, "sweep", "--out", users, "objective.name=grpo")
+    one_line_error(code, err, f"{users} is not empty (curves_synthetic.png) and holds no sweep", "a new or empty folder")
+    code, _, err = run_cli(capsys, "sweep", "--out", users, "--overwrite", "objective.name=grpo")
+    one_line_error(code, err, "is not empty")
+    assert [path.name for path in users.iterdir()] == ["curves_synthetic.png"]
+    run = finished_run(tmp_path / "run")
+    code, out, err = run_cli(capsys, "report", run, "--figures", users)
+    one_line_error(code, err, f"{users / 'curves_synthetic.png'} exists and is not a figure nemo-jq report wrote")
+    assert out == "" and (users / "curves_synthetic.png").read_text() == "notes"
+    for _ in range(2):  # a new folder, then the figure report wrote there, is written over
+        assert run_cli(capsys, "report", run, "--figures", tmp_path / "figures")[0] == 0
+    assert (tmp_path / "figures" / "curves_synthetic.png").stat().st_size > 10_000
+
+
+def test_report_searches_a_folder_reached_again_through_a_link_once(tmp_path, monkeypatch):
+    """A folder holding a link to itself: searched once (it was searched through the link until the path was too
+    long, and with two such links, without end)."""
+    from pathlib import Path
+
+    folder = tmp_path / "L"
+    finished_run(folder / "run")
+    (folder / "a").symlink_to(".")
+    listed = []
+    iterdir = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda path: listed.append(path) or iterdir(path))
+    assert report.run_dirs([folder]) == [folder / "run"] and listed == [folder]
+    (folder / "b").symlink_to(".")
+    assert report.run_dirs([folder, folder / "a" / "run"]) == [folder / "run"]
+
+
+def test_a_run_config_that_is_no_runs_is_named_in_one_line(tmp_path, capsys):
+    run = finished_run(tmp_path / "run")
+    (run / "config.yaml").write_text("a: 1\n")
+    code, _, err = run_cli(capsys, "report", run)
+    one_line_error(code, err, f"{run / 'config.yaml'} is not the run's saved config (unknown config key 'a'")
