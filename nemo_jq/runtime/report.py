@@ -310,7 +310,9 @@ FIGURE_MARK = "nemo-jq report"
 
 
 def refuse_foreign_figure(path: Path) -> None:
-    """Before any figure is written: ``path`` holds nothing a user would lose (nothing, or a figure report wrote)."""
+    """Before any figure is written: ``path`` holds nothing a user would lose (nothing, or a figure report wrote). A
+    sweep's own folder is not asked (``sweep --out`` takes no folder of a user's files): its figures, written before
+    they carried the mark, are the sweep's."""
     if path.exists() and (path.is_dir() or FIGURE_MARK.encode() not in path.read_bytes()):
         raise FileExistsError(f"{path} exists and is not a figure nemo-jq report wrote: give the figures another folder "
                               "(that file is left as it is)")
@@ -340,7 +342,7 @@ def report(paths: list[Path], *, figures: Path | None = None) -> dict[str, Any]:
     finished = told_apart(finished)
     datasets = list(dict.fromkeys(run.dataset for run in finished))
     written = [] if figures is None else [figures / f"curves_{dataset}.png" for dataset in datasets]
-    for path in written:
+    for path in written if not (figures / SWEEP_FILE).exists() else ():  # a sweep's folder holds its files alone
         refuse_foreign_figure(path)
     for dataset, path in zip(datasets, written):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -443,6 +443,13 @@ def test_sweep_out_and_report_figures_write_over_no_file_of_a_users(tmp_path, ca
     for _ in range(2):  # a new folder, then the figure report wrote there, is written over
         assert run_cli(capsys, "report", run, "--figures", tmp_path / "figures")[0] == 0
     assert (tmp_path / "figures" / "curves_synthetic.png").stat().st_size > 10_000
+    # a sweep's own folder holds the sweep's files alone: its figure of an earlier version (no mark) is the sweep's
+    swept = tmp_path / "sweep"
+    swept.mkdir()
+    (swept / "sweep.json").write_text("{}")
+    (swept / "curves_synthetic.png").write_text("written before figures carried the mark")
+    assert report.report([run], figures=swept)["figures"] == [str(swept / "curves_synthetic.png")]
+    assert (swept / "curves_synthetic.png").stat().st_size > 10_000
 
 
 def test_report_searches_a_folder_reached_again_through_a_link_once(tmp_path, monkeypatch):
