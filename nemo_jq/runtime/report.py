@@ -342,8 +342,9 @@ def report(paths: list[Path], *, figures: Path | None = None) -> dict[str, Any]:
     finished = told_apart(finished)
     datasets = list(dict.fromkeys(run.dataset for run in finished))
     written = [] if figures is None else [figures / f"curves_{dataset}.png" for dataset in datasets]
-    for path in written if not (figures / SWEEP_FILE).exists() else ():  # a sweep's folder holds its files alone
-        refuse_foreign_figure(path)
+    if figures is not None and not (figures / SWEEP_FILE).exists():  # a sweep's folder holds its files alone
+        for path in written:
+            refuse_foreign_figure(path)
     for dataset, path in zip(datasets, written):
         path.parent.mkdir(parents=True, exist_ok=True)
         plot_dataset([run for run in finished if run.dataset == dataset], path)
