@@ -159,10 +159,11 @@ def longest_prompt(folder: Path) -> int:
     """The longest prompt of the run's data in tokens, as the trainer builds it (for the dry run's prompts)."""
     from nemo_jq.config import load_config
     from nemo_jq.data.chat import ChatFormat
-    from nemo_jq.recipe.components import build_task, load_tokenizer
+    from nemo_jq.data.prepare import build_task
+    from nemo_jq.recipe.components import load_tokenizer
 
     config = load_config(CONFIG, [f"model.path={folder}", *OVERRIDES])
-    task, splits = build_task(config)
+    task, splits = build_task(config.data)
     chat = ChatFormat(load_tokenizer(config, folder, task, splits, None))
     return max(len(chat.prompt_ids(task.messages(example, config.data.format)))
                for split in (splits.train, splits.validation, splits.test) for example in split)

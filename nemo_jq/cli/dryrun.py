@@ -72,5 +72,5 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    check_fits(report)
+    check_fits(report, config)
     return 0

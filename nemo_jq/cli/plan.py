@@ -89,9 +89,8 @@ def run(args: argparse.Namespace) -> int:
                              "--seq-len gives a row's tokens: drop them or give --config")
         work = plan.Workload(**{field: given.get(option, default) for option, (field, default) in PLAN_WORKLOAD.items()})
         arch = plan.architecture(args.model)
-        if work.seq_len > arch.max_position_embeddings:
-            raise ValueError(f"--seq-len {work.seq_len} is beyond the model's context of {arch.max_position_embeddings} "
-                             f"tokens (max_position_embeddings of {args.model}): lower it")
+        plan.check_row(work.seq_len, arch.max_position_embeddings, f"max_position_embeddings of {args.model}",
+                       "--seq-len is", "lower --seq-len")
     else:
         from nemo_jq.config import load_config
 

@@ -42,10 +42,11 @@ SLURM_FORMS = {
              "2:00:00 is YAML's number 7200"),
     #: ``--mem``: a size with an optional K/M/G/T unit; 0: all of each node's memory.
     "mem": (re.compile(r"\d+[KMGT]?"), 'is not a SLURM memory size: "0" (all of the node\'s), "512G", ...'),
-    #: ``--signal``: ``[{R|B}:]SIGNAL[@SECONDS]``, the signal by name or number.
+    #: ``--signal``: ``[{R|B}:]SIGNAL[@SECONDS]``, the signal by name or number (:func:`check_signal` then asks for
+    #: the one the trainer requeues on).
     "signal": (re.compile(r"([RB]{1,2}:)?(SIG)?([A-Z][A-Z0-9]*|\d+)(@\d+)?"),
                "is not a signal as sbatch --signal takes it: USR1@300 (SIGUSR1 300 s before the time limit, the one the "
-               "trainer checkpoints on), or B:USR1@300 for the batch shell alone"),
+               "trainer checkpoints and requeues on)"),
     "account": (re.compile(r"[\w.-]+"), "is not a SLURM account name: one name, as sacctmgr lists it"),
     "partition": (re.compile(r"[\w.-]+(,[\w.-]+)*"), "is not a SLURM partition: one name, or several comma-separated "
                   "(batch,debug)"),
@@ -115,6 +116,8 @@ def load_launch_config(path: Path) -> LaunchConfig:
         value = values.get(key)
         if value is not None and not (isinstance(value, str) and form.fullmatch(value)):
             raise ConfigError(f"{path}: {key}={value!r} {fix}")
+    if values.get("signal") is not None:
+        check_signal(path, values["signal"])
     hints = typing.get_type_hints(LaunchConfig)
     for spec in dataclasses.fields(LaunchConfig):
         if spec.name in values:
@@ -134,6 +137,26 @@ def load_launch_config(path: Path) -> LaunchConfig:
         raise ConfigError(f"{path}: nodes={config.nodes} but executor={config.executor} starts every process on this "
                           "machine: set nodes: 1 (gpus_per_node processes), or use executor: slurm for several nodes")
     return config
+
+
+def check_signal(path: Path, value: str) -> None:
+    """The time-limit signal must reach the run's processes and be the one ``train --requeue`` requeues on (SIGUSR1):
+    sbatch's ``B:`` sends it to the batch shell alone (the run never hears it and dies at the limit without a
+    checkpoint), and another signal stops the run unrequeued (TERM, INT, HUP: a checkpoint, then the job ends) or
+    kills it. Refused in one line saying which."""
+    import signal
+
+    flags, _, rest = value.rpartition(":")
+    name = rest.split("@", 1)[0].removeprefix("SIG")
+    usr1 = name == "USR1" or name == str(int(signal.SIGUSR1))
+    why = ("B: sends it to the batch shell alone, which does not pass it to the run's processes (they never checkpoint)"
+           if "B" in flags else None if usr1 else
+           f"SIG{name} checkpoints and ends the run without a requeue (only SIGUSR1 requeues it)"
+           if name in ("TERM", "INT", "HUP", *(str(int(getattr(signal, f"SIG{n}"))) for n in ("TERM", "INT", "HUP")))
+           else f"{name} is not a signal the trainer checkpoints on (it requeues on SIGUSR1)")
+    if why:
+        raise ConfigError(f"{path}: signal={value!r}: {why}: write {'R:' * ('R' in flags)}USR1@SECONDS (USR1@300: 300 s "
+                          "before the time limit)")
 
 
 def check_env(path: Path, env: dict[Any, Any], executor: str) -> None:

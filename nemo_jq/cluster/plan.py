@@ -150,12 +150,12 @@ def architecture(model: str, given_as: str = "--model") -> Qwen3Architecture:
 PROMPT_TOKENS = 1024
 
 
-def model_context(config: Any, given_as: str = "model.path") -> tuple[int, str]:
+def model_context(config: Any) -> tuple[int, str]:
     """The context of ``config``'s model in tokens (``max_position_embeddings``), and the setting that says it."""
     if config.model.path is None:
         return config.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
     path = str(config.model.path)
-    return architecture(path, given_as).max_position_embeddings, f"max_position_embeddings of {path}"
+    return architecture(path, "model.path").max_position_embeddings, f"max_position_embeddings of {path}"
 
 
 def check_context(config: Any, prompt_tokens: int, context: int, where: str) -> None:
@@ -163,13 +163,17 @@ def check_context(config: Any, prompt_tokens: int, context: int, where: str) -> 
     the model's ``context`` (``where``: the setting that says it), as ``train`` checks each of its prompts; else one
     line (a plan or dry run of a config ``train`` refuses would report it as fitting)."""
     rollout = config.rollout
-    row = prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens
+    check_row(prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens, context, where,
+              f"a prompt of {prompt_tokens} tokens (--prompt-tokens), rollout.max_thinking_tokens="
+              f"{rollout.max_thinking_tokens}, </think> and rollout.max_answer_tokens={rollout.max_answer_tokens} make "
+              "rows of", "train refuses them: lower rollout.max_thinking_tokens or --prompt-tokens")
+
+
+def check_row(row: int, context: int, where: str, made_of: str, fix: str) -> None:
+    """Rows of ``row`` tokens (``made_of`` says what makes them) fit the model's ``context`` (``where`` says it); else
+    one line ending in ``fix``."""
     if row > context:
-        raise ConfigError(f"a prompt of {prompt_tokens} tokens (--prompt-tokens), rollout.max_thinking_tokens="
-                          f"{rollout.max_thinking_tokens}, </think> and rollout.max_answer_tokens="
-                          f"{rollout.max_answer_tokens} make rows of {row} tokens, beyond the model's context of "
-                          f"{context} tokens ({where}), which train refuses: lower rollout.max_thinking_tokens or "
-                          "--prompt-tokens")
+        raise ConfigError(f"{made_of} {row} tokens, beyond the model's context of {context} tokens ({where}): {fix}")
 
 
 def layer_parameters(arch: Qwen3Architecture) -> int:
@@ -232,6 +236,8 @@ class Workload:
     expert_parallel: int = 1
     #: ``megatron.expert_tensor_parallel``: each expert's MLP split over that many ranks.
     expert_tensor_parallel: int = 1
+    #: A run config's workload: advice names its config keys, not ``plan``'s flags (refused beside ``--config``).
+    config_keys: bool = False
 
     @classmethod
     def from_config(cls, config: Any, prompt_tokens: int) -> Workload:
@@ -260,7 +266,7 @@ class Workload:
                    eval_call=(config.eval.batch_size, config.eval.num_samples),
                    rollout_ranks=rollout.ranks if separate else 0, sync_bucket_mb=rollout.sync_bucket_mb,
                    expert_parallel=layout.expert_parallel if not hf else 1,
-                   expert_tensor_parallel=layout.expert_tensor_parallel if not hf else 1)
+                   expert_tensor_parallel=layout.expert_tensor_parallel if not hf else 1, config_keys=True)
 
     @property
     def tokens_per_rank(self) -> float:
@@ -625,6 +631,25 @@ def weight_sync(arch: Qwen3Architecture, work: Workload, bandwidth_gb_s: float) 
             "seconds": sent / (bandwidth_gb_s * 1e9)}
 
 
+#: ``nemo-jq plan``'s workload flags and the config keys they stand for.
+FLAG_KEYS = {"--micro-batch": "train.micro_batch_rows", "--batch-prompts": "train.batch_size",
+             "--recompute": "megatron.recompute_activations", "--context-parallel": "megatron.context_parallel",
+             "--rollout-engine": "rollout.engine", "--kv-cache-tokens": "rollout.kv_cache_tokens",
+             "--vllm-memory-utilization": "rollout.vllm_memory_utilization",
+             "--rollout-tensor-parallel": "rollout.tensor_parallel", "--rollout-ranks": "rollout.ranks"}
+
+
+def setting(flag: str, config_keys: bool, value: Any = None) -> str:
+    """How advice names a setting: ``plan``'s flag with its config key beside it, or, for a run config's workload
+    (``config_keys``: the flags are refused beside ``--config``), the key alone (``key=value`` with a ``value``)."""
+    key = FLAG_KEYS[flag]
+    if config_keys:
+        return key if value is None else f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+    if value is None:
+        return f"{flag} ({key})"
+    return f"{flag} ({key}={str(value).lower()})" if isinstance(value, bool) else f"{flag} {value} ({key}={value})"
+
+
 def remedies(component: str, work: Workload) -> list[tuple[str, Workload | None]]:
     """The settings that may shrink ``component`` (ones ``work`` has not already chosen), each with the workload it
     gives (None: a change of layout or GPUs, which no workload field holds)."""
@@ -632,32 +657,36 @@ def remedies(component: str, work: Workload) -> list[tuple[str, Workload | None]
         return [("model.backend=megatron with megatron.distributed_optimizer=true and more GPUs (hf trains the whole "
                  "model and its AdamW state on one GPU)", None)]
     if component == "rollout_copy" or (component == "kv_cache" and work.rollout_engine != "vllm"):
-        found = [("--rollout-engine vllm (rollout.engine=vllm: no HF copy of the whole model on the sampling rank)",
-                  replace(work, rollout_engine="vllm"))]
+        found = [(f"{setting('--rollout-engine', work.config_keys, 'vllm')}: no HF copy of the whole model on the "
+                  "sampling rank", replace(work, rollout_engine="vllm"))]
         if component == "kv_cache" and work.kv_cache_tokens:
-            found.insert(0, ("a smaller --kv-cache-tokens (rollout.kv_cache_tokens)",
+            found.insert(0, (f"a smaller {setting('--kv-cache-tokens', work.config_keys)}",
                              replace(work, kv_cache_tokens=work.kv_cache_tokens // 2)))
         return found
     if component == "decode_cast":
         return [("rollout.cuda_graphs=false (the eager decode, no bf16 cast of the fp32 policy; slower on a GPU)",
                  replace(work, decode_cast=False))]
     if component == "vllm":
-        return [("a smaller --vllm-memory-utilization (rollout.vllm_memory_utilization)",
+        return [(f"a smaller {setting('--vllm-memory-utilization', work.config_keys)}",
                  replace(work, vllm_memory_utilization=work.vllm_memory_utilization * 0.75))]
     if component == "optimizer" and work.optimizer in OPTIMIZER_LADDER:
-        return [(f"--optimizer {mode} ({OPTIMIZER_FLAGS[mode]})", replace(work, optimizer=mode))
+        now = OPTIMIZER_FLAGS[work.optimizer].split()
+        return [(" ".join(key for key in OPTIMIZER_FLAGS[mode].split() if key not in now) if work.config_keys
+                 else f"--optimizer {mode} ({OPTIMIZER_FLAGS[mode]})", replace(work, optimizer=mode))
                 for mode in OPTIMIZER_LADDER[OPTIMIZER_LADDER.index(work.optimizer) + 1:]]
     if component == "activations":
         found = []
         if not work.recompute:
             found.append(("model.activation_checkpointing=true" if work.backend == "hf"
-                          else "--recompute (megatron.recompute_activations)", replace(work, recompute=True)))
+                          else setting("--recompute", work.config_keys, True), replace(work, recompute=True)))
         if work.micro_batch > 1:
-            found.append(("fewer rows per forward/backward: --micro-batch (train.micro_batch_rows, whatever M; the "
-                          "same gradient for one more forward pass)", replace(work, micro_batch=max(1, work.micro_batch // 2))))
+            found.append((f"fewer rows per forward/backward, whatever M (the same gradient for one more forward pass): "
+                          f"{setting('--micro-batch', work.config_keys, max(1, work.micro_batch // 2))}",
+                          replace(work, micro_batch=max(1, work.micro_batch // 2))))
         return found
     if component == "logprob_head":
-        return [("more tensor parallelism (more GPUs per node) or --context-parallel", None)]
+        return [(f"more tensor parallelism (more GPUs per node) or {setting('--context-parallel', work.config_keys)}",
+                 None)]
     return []
 
 
@@ -726,20 +755,20 @@ def decode_work(work: Workload, tp: int, pp: int, dp: int) -> dict[str, Any] | N
             "empty_engines": max(0, engines - prompts)}
 
 
-def format_decode(decode: dict[str, Any], engine: str) -> str:
-    """:func:`decode_work` in one line, naming the setting that puts what waits to work."""
+def format_decode(decode: dict[str, Any], engine: str, config_keys: bool = False) -> str:
+    """:func:`decode_work` in one line, naming the setting that puts what waits to work (as :func:`setting` does)."""
     line = f"decode: each replica's {decode['replica_prompts']} prompts x {decode['samples']} rollouts"
     if engine == "vllm":
         line += (f" over its {decode['engines']} vLLM engine{'s' * (decode['engines'] > 1)} "
                  f"({decode['prompts_per_engine']} prompts each, none decoded twice)")
         if decode["empty_engines"]:
             line += (f"; {decode['empty_engines']} engines get no prompt (fewer prompts than engines): a larger "
-                     "--batch-prompts or --rollout-tensor-parallel")
+                     f"{setting('--batch-prompts', config_keys)} or {setting('--rollout-tensor-parallel', config_keys)}")
         return line
     line += " on its first rank"
     if decode["waiting_ranks"]:
-        line += (f"; its other {decode['waiting_ranks']} ranks wait while it decodes: --rollout-engine vllm splits the "
-                 "prompts over the replica's ranks")
+        line += (f"; its other {decode['waiting_ranks']} ranks wait while it decodes: "
+                 f"{setting('--rollout-engine', config_keys, 'vllm')} splits the prompts over the replica's ranks")
     return line
 
 
@@ -753,16 +782,20 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
         from nemo_jq.config import SEPARATE_ENGINES
 
         if gpus < 1:
-            raise ValueError(f"--rollout-ranks {work.rollout_ranks} (rollout.ranks) of {gpus + work.rollout_ranks} GPUs "
-                             "leaves none to train: fewer rollout ranks, or more --nodes/--gpus-per-node")
+            raise ValueError(f"{setting('--rollout-ranks', work.config_keys, work.rollout_ranks)} of "
+                             f"{gpus + work.rollout_ranks} GPUs leaves none to train: fewer rollout ranks, or more "
+                             "--nodes/--gpus-per-node")
         if work.rollout_engine not in SEPARATE_ENGINES:
             raise ValueError(f"rollout ranks of their own sample with {', '.join(SEPARATE_ENGINES)} for now, not "
-                             f"{work.rollout_engine}: --rollout-engine native (rollout.engine), or colocated rollouts "
-                             "(no --rollout-ranks; rollout.placement=colocated)")
+                             f"{work.rollout_engine}: {setting('--rollout-engine', work.config_keys, 'native')}, or "
+                             f"colocated rollouts ({'' if work.config_keys else 'no --rollout-ranks; '}"
+                             "rollout.placement=colocated)")
         if work.vllm_tensor_parallel > 1 and (work.rollout_engine != "vllm" or work.rollout_ranks % work.vllm_tensor_parallel):
-            raise ValueError(f"--rollout-tensor-parallel {work.vllm_tensor_parallel} (rollout.tensor_parallel) with "
-                             f"--rollout-ranks {work.rollout_ranks} (rollout.ranks): a vLLM engine over that many rollout "
-                             "ranks needs --rollout-engine vllm and --rollout-ranks a multiple of it")
+            keys = work.config_keys
+            raise ValueError(f"{setting('--rollout-tensor-parallel', keys, work.vllm_tensor_parallel)} with "
+                             f"{setting('--rollout-ranks', keys, work.rollout_ranks)}: a vLLM engine over that many "
+                             f"rollout ranks needs {setting('--rollout-engine', keys, 'vllm')} and "
+                             f"{setting('--rollout-ranks', keys)} a multiple of it")
     if work.backend == "hf":  # one training process, one GPU
         return [estimate(arch, work, 1, 1, 1, gpu_gb, headroom)]
     layouts = []
@@ -783,9 +816,9 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
         raise ValueError(f"no TP x PP x DP layout of {gpus} {which} at CP={cp} divides this model and a batch of "
                          f"{work.batch_prompts} prompts" + (f", with a TP that is a multiple of the vLLM engine's "
                                                             f"{work.vllm_tensor_parallel} GPUs" if engine_tp else "")
-                         + ": change --nodes/--gpus-per-node, --context-parallel (megatron.context_parallel)"
-                         + (", --rollout-tensor-parallel (rollout.tensor_parallel)" if engine_tp else "")
-                         + " or --batch-prompts (train.batch_size)")
+                         + f": change --nodes/--gpus-per-node, {setting('--context-parallel', work.config_keys)}"
+                         + (f", {setting('--rollout-tensor-parallel', work.config_keys)}" if engine_tp else "")
+                         + f" or {setting('--batch-prompts', work.config_keys)}")
     fitting = sorted((e for e in layouts if e.fits),
                      key=lambda e: (-e.data_parallel, e.tensor_parallel, e.expert_parallel, e.total_gib))
     return fitting + sorted((e for e in layouts if not e.fits), key=lambda e: e.total_gib)
@@ -834,7 +867,8 @@ def format_report(result: dict[str, Any]) -> str:
         keys, columns = [key for key in keys if key != "expert_parallel"], [c for c in columns if c != "EP"]
     timed = result.get("time", {}).get("layouts")
     lines = [f"{result['parameters'] / 1e9:.3f}B parameters; workload: "
-             + ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in result["workload"].items()),
+             + ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in result["workload"].items()
+                         if key != "config_keys"),
              " ".join(f"{c:>12}" for c in columns + ([run_hours_column(timed)] if timed else []))]
     for index, layout in enumerate(result["layouts"]):
         run = timed[index]["run"] if timed else None
@@ -850,8 +884,9 @@ def format_report(result: dict[str, Any]) -> str:
         held = (f"{sampler['vllm']} GiB vLLM share (its weights and KV cache)" if vllm else
                 f"{sampler['weights']} GiB bf16 weights + {sampler['kv_cache']} KV cache + {sampler['prefill']} "
                 "prefill temporaries")
-        advice = ("a --vllm-memory-utilization whose share holds the bf16 weights, below the headroom" if vllm else
-                  "a smaller --kv-cache-tokens")
+        keys = result["workload"]["config_keys"]
+        advice = (f"a {setting('--vllm-memory-utilization', keys)} whose share holds the bf16 weights, below the "
+                  f"headroom" if vllm else f"a smaller {setting('--kv-cache-tokens', keys)}")
         lines.append(f"rollout ranks (the last {result['workload']['rollout_ranks']} GPUs; the layouts above are the "
                      f"others'): each {held} + {sampler['sync_buckets']} sync buckets = {sampler['total']} GiB"
                      + ("" if sampler["fits"] else f": does not fit in {budget:.0f} GiB: try {advice}"))
@@ -872,7 +907,7 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{closest['total_gib']} GiB, most of it the {largest.replace('_', ' ')} "
                      f"({closest[largest + '_gib']} GiB): try {closest['advice']}")
     if result.get("decode"):
-        lines.append(format_decode(result["decode"], result["workload"]["rollout_engine"])
+        lines.append(format_decode(result["decode"], result["workload"]["rollout_engine"], result["workload"]["config_keys"])
                      + ("" if best else " (at the closest layout)"))
     if result["workload"]["backend"] == "hf" and result.get("gpus", 1) > 1:
         lines.append(f"model.backend=hf trains a run on one GPU: the other {result['gpus'] - 1} of the {result['gpus']} "

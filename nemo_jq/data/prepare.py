@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_jq.data.base import Example, Splits
+from nemo_jq.data.base import Example, Splits, Task
+from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
 from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, read_hub, read_rows, sha256
+from nemo_jq.data.synthetic import SyntheticArithmetic
 from nemo_jq.typed import ConfigError
 
 SPLITS = ("train", "validation", "test")
@@ -183,6 +185,32 @@ def prepare(
         for t in SPLITS
     }
     return Splits(**chosen), manifest
+
+
+def build_task(data: Any) -> tuple[Task, Splits]:
+    """The task of a config's ``data`` section and its splits (the synthetic sums, a prepared folder, or a dataset
+    prepared in memory), with ``data.label_noise`` of the training labels corrupted."""
+    task, splits = _clean_task(data)
+    if data.label_noise:
+        splits = dataclasses.replace(splits, train=corrupt_labels(splits.train, data.label_noise, data.seed, task))
+    return task, splits
+
+
+def _clean_task(data: Any) -> tuple[Task, Splits]:
+    sizes = (data.train_size, data.validation_size, data.test_size)
+    if data.name == "synthetic":
+        task = SyntheticArithmetic(num_operands=data.num_operands, answer_width=data.answer_width,
+                                   rationale_dependence=data.rationale_dependence)
+        return task, task.splits(*sizes, data.seed)
+    task = make_task(data.name, template=data.template, system=data.system_prompt)
+    if data.prepared_dir:
+        return task, load_prepared(Path(data.prepared_dir))
+    splits, manifest = prepare(task, data.source, sizes, data.seed, hub_config=data.hub_config, on_bad_row=data.on_bad_row)
+    for name, entry in manifest["sources"].items():  # no manifest is written here: say which rows were dropped
+        if entry["over_cap"]:
+            print(f"nemo-jq: warning: data.source {entry.get('file', data.source)} ({name}): "
+                  f"{describe_over_cap(task, entry)} dropped", file=sys.stderr)
+    return task, splits
 
 
 def source_label(source: str, split: str, entry: dict[str, Any]) -> str:

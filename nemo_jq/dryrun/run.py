@@ -31,27 +31,47 @@ from nemo_jq.dryrun.phases import DryRun
 from nemo_jq.dryrun.report import decode_work, host_sum
 from nemo_jq.dryrun.world import GPU, FakeWorld
 
-#: The knob that shrinks each kind of bytes, for the one line a run that does not fit gets.
-KNOBS = {
-    "weights": "model.backend=megatron with tensor/pipeline parallelism (megatron.tensor_parallel, "
-               "megatron.pipeline_parallel)",
-    "gradients": "model.backend=megatron with megatron.distributed_optimizer=true and more GPUs",
-    "optimizer": "model.backend=megatron with megatron.distributed_optimizer=true (the state sharded over DP)",
-    "activations": "model.activation_checkpointing=true and a small train.micro_batch_rows (rows per forward/backward, "
-                   "whatever M; the same gradient), or model.backend=megatron with megatron.recompute_activations=true",
-    "logprob_head": "a smaller model.logprob_chunk_size",
-    "kv_cache": "a smaller rollout.kv_cache_tokens",
-    "sampler_copy": "rollout.engine=vllm (no HF copy of the model beside the policy); with an fp32 policy, "
-                    "rollout.cuda_graphs=false (the native decode's weights cast to bf16 once a sampling call)",
-    "vllm": "a smaller rollout.vllm_memory_utilization",
-    "temporaries": "a smaller rollout.kv_cache_tokens or eval.batch_size (fewer rows sampled at once)",
-    "sync_buckets": "a smaller rollout.sync_bucket_mb",
-}
 
-
-#: A rollout rank's knobs, where they differ: a native or hf engine is one whole model on each rollout rank.
-ROLLOUT_RANK_KNOBS = {"weights": "rollout.engine=vllm within its rollout.vllm_memory_utilization share (over "
-                                 "rollout.tensor_parallel rollout ranks), or a GPU that holds the whole model in bf16"}
+def knob(kind: str, config: Config, *, rollout_rank: bool = False) -> str:
+    """The setting that shrinks ``kind``'s bytes, for the one line a run that does not fit gets; a setting ``config``
+    already has is not offered again (the next one is), and one to make smaller says its value now."""
+    model, layout, train, rollout = config.model, config.megatron, config.train, config.rollout
+    megatron = model.backend == "megatron"
+    parallel = (f"more tensor or pipeline parallelism (megatron.tensor_parallel={layout.tensor_parallel}, "
+                f"megatron.pipeline_parallel={layout.pipeline_parallel} now)")
+    if kind == "weights":
+        if rollout_rank:
+            return ("rollout.engine=vllm within its rollout.vllm_memory_utilization share (over rollout.tensor_parallel "
+                    "rollout ranks), or a GPU that holds the whole model in bf16")
+        return parallel if megatron else f"model.backend=megatron with {parallel.replace(' now', '')}"
+    if kind in ("gradients", "optimizer"):
+        if not megatron:
+            return "model.backend=megatron with megatron.distributed_optimizer=true (the state sharded over DP) and more GPUs"
+        if not layout.distributed_optimizer:
+            return "megatron.distributed_optimizer=true (the state sharded over the data-parallel ranks) and more GPUs"
+        if kind == "optimizer" and not layout.optimizer_cpu_offload:
+            return "megatron.optimizer_cpu_offload=true (the state in host memory), or more GPUs (more DP shards)"
+        return f"more GPUs (more data-parallel shards), or {parallel}"
+    if kind == "activations":
+        rows = train.micro_batch_rows
+        steps = [*([] if megatron or model.activation_checkpointing else ["model.activation_checkpointing=true"]),
+                 *([] if not megatron or layout.recompute_activations else ["megatron.recompute_activations=true"]),
+                 *([] if rows == 1 else [f"a smaller train.micro_batch_rows ({rows if rows is not None else 'unset'} "
+                                         "now; rows per forward/backward, whatever M; the same gradient)"])]
+        more = (f"megatron.context_parallel above {layout.context_parallel} (each rank a share of every sequence)"
+                if megatron else "model.backend=megatron with megatron.context_parallel (each rank a share of every "
+                                 "sequence)")
+        return f"{' and '.join(steps)}, or {more}" if steps else more
+    if kind == "sampler_copy":
+        graphs = (", or rollout.cuda_graphs=false (the native decode's weights cast to bf16 once a sampling call)"
+                  if rollout.cuda_graphs and rollout.engine == "native" else "")
+        return f"rollout.engine=vllm (no HF copy of the model beside the policy){graphs}"
+    return {"logprob_head": f"a smaller model.logprob_chunk_size ({model.logprob_chunk_size} now)",
+            "kv_cache": f"a smaller rollout.kv_cache_tokens ({rollout.kv_cache_tokens} now)",
+            "vllm": f"a smaller rollout.vllm_memory_utilization ({rollout.vllm_memory_utilization:g} now)",
+            "temporaries": f"a smaller rollout.kv_cache_tokens ({rollout.kv_cache_tokens} now) or eval.batch_size "
+                           f"({config.eval.batch_size} now): fewer rows sampled at once",
+            "sync_buckets": f"a smaller rollout.sync_bucket_mb ({rollout.sync_bucket_mb:g} now)"}[kind]
 
 
 class DoesNotFit(ValueError):
@@ -193,9 +213,10 @@ def whole_run(report: dict[str, Any], config: Config) -> dict[str, Any] | None:
     return run_time(phases, config, gpus)
 
 
-def check_fits(report: dict[str, Any]) -> None:
-    """Raise :class:`DoesNotFit` naming the worst phase's largest kind and its knob, when the peak is over; or the
-    host's phase, when a node's processes need more host memory than it has."""
+def check_fits(report: dict[str, Any], config: Config) -> None:
+    """Raise :class:`DoesNotFit` naming the worst phase's largest kind and the setting of ``config`` that shrinks it
+    (:func:`knob`), when the peak is over; or the host's phase, when a node's processes need more host memory than it
+    has."""
     host = report.get("host", {})
     if report["fits"] and not host.get("fits", True):
         raise DoesNotFit(f"phase {host['phase']} needs {host['gib']:.1f} GiB of host memory on a node ({host_sum(host, 1)}), "
@@ -204,9 +225,10 @@ def check_fits(report: dict[str, Any]) -> None:
     if report["fits"]:
         return
     serving = report.get("rollout_rank")
-    where, knobs = (serving, {**KNOBS, **ROLLOUT_RANK_KNOBS}) if serving and not serving["fits"] else (report, KNOBS)
+    where = serving if serving and not serving["fits"] else report
     phase = where["phases"][where["peak_phase"]]
     kind = max(phase["by_kind_gib"], key=phase["by_kind_gib"].get)
     raise DoesNotFit(f"phase {where['peak_phase']}{' of a rollout rank' if where is serving else ''} needs "
                      f"{phase['peak_gib']:.1f} GiB of the {report['usable_gib']:.0f} usable on {report['gpu']['name']}, "
-                     f"{phase['by_kind_gib'][kind]:.1f} GiB of it {kind.replace('_', ' ')}: try {knobs[kind]}")
+                     f"{phase['by_kind_gib'][kind]:.1f} GiB of it {kind.replace('_', ' ')}: try "
+                     f"{knob(kind, config, rollout_rank=where is serving)}")

@@ -8,11 +8,9 @@ asked for the components.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,10 +21,9 @@ import torch
 
 from nemo_jq.backends import BackendRequest, build_backend
 from nemo_jq.config import Config, load_config
-from nemo_jq.data import Example, Splits, SyntheticArithmetic, Task
+from nemo_jq.data import Example, Splits, Task
 from nemo_jq.data.chat import ChatFormat, build_tokenizer
-from nemo_jq.data.noise import corrupt_labels
-from nemo_jq.data.prepare import describe_over_cap, load_prepared, make_task, prepare
+from nemo_jq.data.prepare import build_task
 from nemo_jq.models.common import SafetensorsFolder, autocast_dtype, resolve_device, resolve_pretrained
 from nemo_jq.models.export import export_hf_model
 from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
@@ -151,7 +148,7 @@ def _prepare(config: Config, tokenizer_dir: Path | None) -> tuple[Task, Splits, 
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    task, splits = build_task(config)
+    task, splits = build_task(config.data)
     model_dir = resolve_model_dir(config.model.path)
     tokenizer = load_tokenizer(config, model_dir, task, splits, tokenizer_dir)
     chat = ChatFormat(tokenizer)
@@ -190,33 +187,6 @@ def importance_correction(config: Config, *, on_policy: bool) -> Correction | No
         return None
     low, high = objective.importance_bounds
     return Correction(mode, cap=objective.importance_cap, low=low, high=high)
-
-
-def build_task(config: Config) -> tuple[Task, Splits]:
-    """The task and its splits (the synthetic sums, a prepared folder, or a dataset prepared in memory), with
-    ``data.label_noise`` of the training labels corrupted."""
-    task, splits = _clean_task(config)
-    if config.data.label_noise:
-        splits = dataclasses.replace(splits, train=corrupt_labels(splits.train, config.data.label_noise, config.data.seed, task))
-    return task, splits
-
-
-def _clean_task(config: Config) -> tuple[Task, Splits]:
-    data = config.data
-    sizes = (data.train_size, data.validation_size, data.test_size)
-    if data.name == "synthetic":
-        task = SyntheticArithmetic(num_operands=data.num_operands, answer_width=data.answer_width,
-                                   rationale_dependence=data.rationale_dependence)
-        return task, task.splits(*sizes, data.seed)
-    task = make_task(data.name, template=data.template, system=data.system_prompt)
-    if data.prepared_dir:
-        return task, load_prepared(Path(data.prepared_dir))
-    splits, manifest = prepare(task, data.source, sizes, data.seed, hub_config=data.hub_config, on_bad_row=data.on_bad_row)
-    for name, entry in manifest["sources"].items():  # no manifest is written here: say which rows were dropped
-        if entry["over_cap"]:
-            print(f"nemo-jq: warning: data.source {entry.get('file', data.source)} ({name}): "
-                  f"{describe_over_cap(task, entry)} dropped", file=sys.stderr)
-    return task, splits
 
 
 def resolve_model_dir(path: str | None) -> Path | None:

@@ -235,14 +235,21 @@ def results_current(run_dir: Path, step: int | None) -> bool:
         results = json.loads((Path(run_dir) / RESULTS_FILE).read_text())
     except (OSError, ValueError):
         return False
+    return results_at(results, step)
+
+
+def results_at(results: Any, step: int | None) -> bool:
+    """Whether ``results`` (a run's ``results.json``, read) are its end's evaluation at ``step`` (see
+    :func:`results_current`)."""
     return isinstance(results, dict) and results.get("step") in (None, step)
 
 
-def has_finished(run_dir: Path) -> bool:
-    """Whether the run has finished: its ``results.json`` is its last checkpoint's (:func:`results_current`). One
-    resumed since its results were written (to train on) has not, whatever they say: the sweep continues it, and the
-    report leaves it out."""
-    return results_current(run_dir, last_checkpoint_step(run_dir))
+def has_finished(run_dir: Path, results: Any = None) -> bool:
+    """Whether the run has finished: its ``results.json`` (``results``, where the caller has read it) is its last
+    checkpoint's (:func:`results_current`). One resumed since its results were written (to train on) has not,
+    whatever they say: the sweep continues it, and the report leaves it out."""
+    step = last_checkpoint_step(run_dir)
+    return results_current(run_dir, step) if results is None else results_at(results, step)
 
 
 def last_checkpoint_step(run_dir: Path) -> int | None:

@@ -124,14 +124,16 @@ class Sweep:
         (self.directory / SWEEP_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
     def check(self) -> None:
-        """Load every run's config (a key its run will not use is said once a config file, not once a run)."""
+        """Load every run's config (a key its run will not use is said once a config file, not once a run), and its
+        data where this machine's files hold it (:func:`check_data`)."""
         from nemo_jq.config import load_config
 
         seen: set[str | None] = set()
+        data_seen: set[str] = set()
         for run in self.runs:
             try:
-                load_config(run.config, list(run.overrides), saved=run.config in seen)
-            except ConfigError as err:
+                check_data(load_config(run.config, list(run.overrides), saved=run.config in seen).data, data_seen)
+            except (ValueError, OSError) as err:
                 raise ConfigError(f"run {run.name} of the sweep: {err}") from None
             seen.add(run.config)
 
@@ -142,6 +144,20 @@ class Sweep:
         if has_finished(run_dir):
             return FINISHED
         return STOPPED if last_checkpoint_step(run_dir) is not None else NEW
+
+
+def check_data(data: Any, seen: set[str]) -> None:
+    """Build the splits a run will train on from its config's ``data``, as its start does (a split larger than the
+    data, a prepared folder or a source file that is missing or damaged: one error), once for each section ``seen``.
+    Only data this machine's files hold (the synthetic task, a prepared folder, a local source): a hub dataset is
+    read by its runs."""
+    from nemo_jq.data.prepare import build_task
+
+    key = json.dumps(asdict(data), sort_keys=True, default=str)
+    if key in seen or not (data.name == "synthetic" or data.prepared_dir or (data.source and Path(data.source).exists())):
+        return
+    build_task(data)
+    seen.add(key)
 
 
 def record_problem(saved: dict[str, Any]) -> str | None:
@@ -206,10 +222,11 @@ def as_a_config_reads(key: str, value: str) -> Any:
 def folder_labels(values: Sequence[str]) -> list[str]:
     """Each value as part of a run folder's name: a path (``Qwen/Qwen3-0.6B``, ``/data/models/qwen3``) by as few of its
     last parts as tell the values apart, joined by ``-``; a character other than a letter, a digit or ``._+=-`` (a
-    space, ``:``, ``#``) as ``-``. Values still alike are refused as the runs are named (:func:`check_names`)."""
+    space, ``:``, ``#``) as ``-``, a flow list's or mapping's outer brackets dropped. Values still alike are refused
+    as the runs are named (:func:`check_names`)."""
     parts = [[part for part in value.split("/") if part] or [value] for value in values]
     for depth in range(1, max(map(len, parts)) + 1):
-        labels = [re.sub(r"[^\w.+=-]+", "-", "-".join(path[-depth:])) for path in parts]
+        labels = [re.sub(r"[^\w.+=-]+", "-", "-".join(path[-depth:]).strip("[]{}'\" ")) for path in parts]
         if len(set(labels)) == len(labels):
             break
     return labels
@@ -236,8 +253,9 @@ def check_names(runs: Sequence[SweepRun]) -> None:
 
 
 def split_words(words: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
-    """``key=value`` overrides (the same for every run) and swept keys (``key=a,b,c``: a list value in brackets is one
-    value); a word without ``=``, or a key given twice, is an error naming it."""
+    """``key=value`` overrides (the same for every run) and swept keys (``key=a,b,c``; a comma inside brackets, braces
+    or quotes is the value's own: ``[1,2]`` and ``{name: linear, num_steps: 200}`` are one value each); a word without
+    ``=``, or a key given twice, is an error naming it."""
     fixed, axes = [], {}
     for word in words:
         key, sep, value = word.partition("=")
@@ -245,13 +263,32 @@ def split_words(words: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
             raise ValueError(f"{word!r}: a sweep takes section.key=value (or section.key=a,b,c to sweep it)")
         if key in axes or any(item.split("=", 1)[0] == key for item in fixed):
             raise ValueError(f"{key} is given twice: give it once (key=a,b,c sweeps it)")
-        if "," in value and not value.startswith("["):
-            axes[key] = [item.strip() for item in value.split(",")]
+        items = top_level_items(value)
+        if len(items) > 1:
+            axes[key] = [item.strip() for item in items]
             if any(not item for item in axes[key]):
                 raise ValueError(f"{word!r}: an empty value in a swept list")
         else:
             fixed.append(word)
     return fixed, axes
+
+
+def top_level_items(value: str) -> list[str]:
+    """``value`` cut at each comma outside brackets, braces and quotes (YAML's flow lists, mappings and strings)."""
+    items, depth, quote, start = [], 0, None, 0
+    for index, char in enumerate(value):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth = max(0, depth - 1)
+        elif char == "," and depth == 0:
+            items.append(value[start:index])
+            start = index + 1
+    return [*items, value[start:]]
 
 
 def free_cores(window: float = 0.5) -> int:

@@ -192,14 +192,14 @@ def test_a_prompt_beyond_the_models_context_is_one_line_before_anything_is_writt
     """Training from data.source (no prepared folder, no manifest): a row over the cap is named as it is dropped; a
     prompt under it that the model's context cannot hold is an error naming it."""
     from nemo_jq.config import load_config
-    from nemo_jq.recipe.components import build_task
+    from nemo_jq.data.prepare import build_task
 
     source = tmp_path / "mine.jsonl"
     questions = {5: "why " * 300, 8: "x" * 40_000}
     source.write_text("".join(json.dumps({"id": f"q{i}", "question": questions.get(i, f"{i}+1?"), "answer": str(i + 1)})
                               + "\n" for i in range(9)))
     data = ["data.name=jsonl", f"data.source={source}", "data.train_size=4", "data.validation_size=2", "data.test_size=2"]
-    build_task(load_config(None, data))
+    build_task(load_config(None, data).data)
     assert f"nemo-jq: warning: data.source {source} (all): 1 over the 32000-character cap (row 9: id q8, 40010 " \
            "characters) dropped" in capsys.readouterr().err
     source.write_text("".join(source.read_text().splitlines(keepends=True)[:8]))  # without q8

@@ -105,6 +105,12 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("account: a\ncontainer_image: x.sqsh\nenv: {http_proxy: x}\n", "env name 'http_proxy' has lower-case letters, and "
      "NeMo-Run's SLURM script exports it as HTTP_PROXY: give it in upper case"),
     ("account: a\ncontainer_image: x.sqsh\nsignal: bogus\n", "signal='bogus' is not a signal as sbatch --signal takes it"),
+    # a signal the run does not requeue on, or one only the batch shell hears: the job would end without its requeue
+    ("account: a\ncontainer_image: x.sqsh\nsignal: TERM@300\n", "signal='TERM@300': SIGTERM checkpoints and ends the "
+     "run without a requeue (only SIGUSR1 requeues it): write USR1@SECONDS"),
+    ("account: a\ncontainer_image: x.sqsh\nsignal: KILL@300\n", "KILL is not a signal the trainer checkpoints on"),
+    ("account: a\ncontainer_image: x.sqsh\nsignal: 'B:USR1@300'\n", "signal='B:USR1@300': B: sends it to the batch "
+     "shell alone, which does not pass it to the run's processes"),
     ("account: a\ncontainer_image: x.sqsh\nmaster_port: hello\n", "master_port must be int; got 'hello'"),
     ("account: a\ncontainer_image: x.sqsh\nmaster_port: 70000\n", "master_port must be >= 1 and <= 65535; got 70000"),
     ("account: a\ncontainer_image: x.sqsh\npartition: [a, b]\n", "partition=['a', 'b'] is not a SLURM partition: one name, or"),
@@ -123,7 +129,7 @@ def test_bad_launch_configs_are_one_line_errors(tmp_path, capsys, text, message)
 def test_the_signal_sbatch_takes_and_env_values_are_written_as_given(tmp_path, capsys):
     """``--signal`` in SLURM's forms, and each env value double-quoted in the batch script NeMo-Run writes unquoted,
     so that a space or ``;`` stays in the value (it runs nothing) and the job's variables still expand."""
-    for signal in ("USR1@120", "B:USR1@120", "SIGUSR1", "10@60"):
+    for signal in ("USR1@120", "R:USR1@120", "SIGUSR1", "10@60"):
         text = LAUNCH_YAML.replace("env: {NCCL_IB_HCA: mlx5}",
                                    f"env: {{NCCL_IB_HCA: mlx5, X: 'a b; touch {tmp_path}/ran', HF_HOME: '/scratch/$USER/hf'}}")
         assert main(["launch", str(write_launch(tmp_path, text + f"signal: '{signal}'\n")), "--dryrun", "train",

@@ -9,6 +9,7 @@ import pytest
 
 from nemo_jq.cli import main
 from nemo_jq.cluster import plan
+from nemo_jq.config import load_config
 
 GiB = 1024**3
 
@@ -182,7 +183,8 @@ def test_rows_beyond_the_models_context_are_refused_as_train_refuses_them(capsys
     assert main(["plan", "--config", paper, "--gpus-per-node", "1", "--prompt-tokens", "35000"]) == 0  # 40,225: fits
     capsys.readouterr()
     one_line_error(main(["plan", "--model", "8b", "--seq-len", "50000"]), capsys.readouterr().err,
-                   "--seq-len 50000 is beyond the model's context of 40960 tokens")
+                   "--seq-len is 50000 tokens, beyond the model's context of 40960 tokens (max_position_embeddings of 8b): "
+                   "lower --seq-len")
     one_line_error(main(["dryrun", "--config", "configs/examples/synthetic_cold_paft_q0.75.yaml",
                          "rollout.max_thinking_tokens=2000"]), capsys.readouterr().err,
                    "beyond the model's context of 512 tokens (model.tiny.max_position_embeddings)")
@@ -318,7 +320,8 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
     halved = plan.report(arch, replace(separate, rollout_engine="vllm", vllm_memory_utilization=0.15,
                                        vllm_tensor_parallel=2), trainers, 80, 0.9)
     assert halved["rollout_rank"]["fits"] and halved["overrides"].endswith("rollout.placement=separate rollout.ranks=8")
-    assert "--vllm-memory-utilization whose share holds the bf16 weights" in plan.format_report(starved)
+    assert "--vllm-memory-utilization (rollout.vllm_memory_utilization) whose share holds the bf16 weights" in \
+        plan.format_report(starved)
     config = "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml"
     broken = tmp_path / "config.json"
     for text in ("{bad", "[1]"):
@@ -326,12 +329,15 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
         assert main(["plan", "--model", str(broken)]) == 2
         error = capsys.readouterr().err.strip()
         assert len(error.splitlines()) == 1 and f"{broken} is not an HF config.json" in error
-    # each setting at fault is named as a flag and, for --config, as its key
-    for args, fragment in ((["--model", "8b", "--rollout-ranks", "8"], "leaves none to train"),
+    # each setting at fault is named as a flag with its key beside it, and for --config (whose flags are refused) as
+    # its key alone
+    for args, fragment in ((["--model", "8b", "--rollout-ranks", "8"], "--rollout-ranks 8 (rollout.ranks=8) of 8 GPUs "
+                                                                        "leaves none to train"),
                            (["--config", config, "rollout.placement=separate", "rollout.ranks=8"],
-                            "--rollout-ranks 8 (rollout.ranks) of 8 GPUs leaves none to train"),
+                            "error: rollout.ranks=8 of 8 GPUs leaves none to train"),
                            (["--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm",
-                             "--rollout-tensor-parallel", "3"], "--rollout-ranks a multiple of it"),
+                             "--rollout-tensor-parallel", "3"], "--rollout-ranks (rollout.ranks) a multiple of it"),
+
                            (["--model", "8b", "--rollout-engine", "vllm", "--rollout-tensor-parallel", "3"],
                             "a multiple of the vLLM engine's 3 GPUs: change --nodes/--gpus-per-node, --context-parallel "
                             "(megatron.context_parallel), --rollout-tensor-parallel (rollout.tensor_parallel)")):
@@ -374,13 +380,33 @@ def test_plan_says_how_a_steps_decode_is_split_and_what_waits(capsys):
     assert plan.decode_work(replace(vllm, vllm_tensor_parallel=2), 2, 2, 2)["engines"] == 2
     native = plan.decode_work(replace(vllm, rollout_engine="native"), 2, 2, 2)
     assert native["engines"] == 1 and native["prompts_per_engine"] == 32 and native["waiting_ranks"] == 3
-    assert "other 3 ranks wait" in plan.format_decode(native, "native")
+    assert "other 3 ranks wait while it decodes: --rollout-engine vllm (rollout.engine=vllm) splits" in \
+        plan.format_decode(native, "native")
+    assert "wait while it decodes: rollout.engine=vllm splits" in plan.format_decode(native, "native", config_keys=True)
     few = plan.decode_work(replace(vllm, batch_prompts=4), 2, 2, 2)
     assert few["empty_engines"] == 2 and "2 engines get no prompt" in plan.format_decode(few, "vllm")
     assert plan.decode_work(replace(vllm, rollout_ranks=2), 2, 2, 2) is None  # rollout ranks serve whole replicas
     main(["plan", "--model", "8b", "--rollout-engine", "vllm", "--samples", "16"])
     assert "decode: each replica's 32 prompts x 16 rollouts over its 4 vLLM engines (8 prompts each, none decoded " \
            "twice)" in capsys.readouterr().out
+
+
+def test_plan_advice_under_a_config_names_its_keys_not_the_flags_refused_beside_it(capsys):
+    """``plan --config`` refuses the workload flags, so its advice names the config's keys (and leaves out those the
+    config has already set); without a config, each flag with its key beside it."""
+    config = "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml"
+    assert main(["plan", "--config", config, "--gpu-memory", "40", "--nodes", "2", "rollout.placement=separate",
+                 "rollout.ranks=8", "rollout.engine=native"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit in 36 GiB: try a smaller rollout.kv_cache_tokens\n" in out and " --kv-cache" not in out
+    assert main(["plan", "--model", "8b", "--gpu-memory", "40", "--nodes", "2", "--rollout-ranks", "8"]) == 0
+    assert "try a smaller --kv-cache-tokens (rollout.kv_cache_tokens)\n" in capsys.readouterr().out
+    work = plan.Workload.from_config(load_config(config, []), 1024)
+    assert work.config_keys and not plan.Workload().config_keys
+    texts = [text for component in ("activations", "optimizer", "kv_cache", "vllm", "logprob_head")
+             for text, _ in plan.remedies(component, replace(work, micro_batch=4, recompute=False))]
+    assert texts and not any("--" in text for text in texts), texts
+    assert "megatron.recompute_activations=true" in texts and any("train.micro_batch_rows=2" in text for text in texts)
 
 
 def test_plan_of_an_hf_run_on_many_gpus_says_they_would_idle_and_the_two_ways_to_use_them(capsys):

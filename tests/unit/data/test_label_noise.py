@@ -10,7 +10,7 @@ from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data import SyntheticArithmetic
 from nemo_jq.data.base import Example
 from nemo_jq.data.noise import CLEAN_ANSWER, corrupt_labels, noisy_examples
-from nemo_jq.recipe.components import build_task
+from nemo_jq.data.prepare import build_task
 from nemo_jq.recipe.evaluation import memorised
 from nemo_jq.recipe.trainer import Trainer
 
@@ -41,7 +41,7 @@ def test_the_corrupted_set_follows_the_seed():
 def test_a_run_corrupts_training_labels_only_and_bad_rates_are_refused():
     clean = load_config(None, ["data.train_size=100", "data.validation_size=20", "data.test_size=30"])
     noisy = load_config(None, ["data.train_size=100", "data.validation_size=20", "data.test_size=30", "data.label_noise=0.3"])
-    (_, clean_splits), (_, noisy_splits) = build_task(clean), build_task(noisy)
+    (_, clean_splits), (_, noisy_splits) = build_task(clean.data), build_task(noisy.data)
     assert noisy_splits.validation == clean_splits.validation and noisy_splits.test == clean_splits.test
     assert len(noisy_examples(noisy_splits.train)) == 30 and not noisy_examples(clean_splits.train)
     for value in ("1.0", "-0.1"):

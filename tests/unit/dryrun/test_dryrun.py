@@ -21,8 +21,9 @@ import torch
 
 from nemo_jq.config import load_config
 from nemo_jq.dryrun import GPUS, DoesNotFit, GpuProfile, WrongDevice, check_fits, dry_run, on_gpu
-from nemo_jq.dryrun.memory import MemoryTracker
+from nemo_jq.dryrun.memory import KINDS, MemoryTracker
 from nemo_jq.dryrun.report import format_report
+from nemo_jq.dryrun.run import knob
 from nemo_jq.dryrun.world import GPU, MOST, FakeWorld
 from nemo_jq.models.interfaces import TokenBatch
 
@@ -153,6 +154,35 @@ def test_a_sampler_left_on_the_host_is_named(tmp_path, monkeypatch):
         dry(tmp_path, "model.backend=sampler_on_host")
 
 
+def test_the_advice_of_a_run_that_does_not_fit_offers_no_setting_the_config_already_has():
+    """A config with activation checkpointing and one row a chunk was told to set both; megatron's distributed
+    optimizer likewise. Each kind's advice moves on to the next setting, and one to make smaller says its value now."""
+    def fails_with(words: list[str], kind: str, rollout_rank: bool = False) -> str:
+        phases = {"train": {"peak_gib": 90.0, "by_kind_gib": {**dict.fromkeys(KINDS, 0.0), kind: 80.0}}}
+        report = {"fits": False, "peak_phase": "train", "phases": phases, "usable_gib": 75, "gpu": {"name": "H100"}}
+        if rollout_rank:
+            report = {**report, "phases": {}, "rollout_rank": {**report, "fits": False}}
+        with pytest.raises(DoesNotFit) as error:
+            check_fits(report, load_config(None, words))
+        return str(error.value)
+
+    assert "model.activation_checkpointing=true and a smaller train.micro_batch_rows (unset now" in fails_with(
+        [], "activations")
+    both = fails_with(["model.activation_checkpointing=true", "train.micro_batch_rows=1"], "activations")
+    assert "activation_checkpointing" not in both and "micro_batch_rows" not in both and "context_parallel" in both
+    mega = ["model.backend=megatron", "megatron.recompute_activations=true", "megatron.distributed_optimizer=true"]
+    assert "recompute_activations" not in fails_with([*mega, "train.micro_batch_rows=2"], "activations")
+    assert fails_with(mega, "optimizer").endswith("try megatron.optimizer_cpu_offload=true (the state in host memory), "
+                                                  "or more GPUs (more DP shards)")
+    assert "distributed_optimizer=true" in fails_with(["model.backend=megatron"], "optimizer")
+    assert "megatron.tensor_parallel=1, megatron.pipeline_parallel=1 now" in fails_with(mega, "weights")
+    assert "of a rollout rank" in fails_with([], "weights", rollout_rank=True)
+    assert "cuda_graphs" not in fails_with(["rollout.cuda_graphs=false"], "sampler_copy")
+    assert "(256 now)" in fails_with([], "logprob_head")
+    config = load_config(None, [])
+    assert all(knob(kind, config) for kind in KINDS)
+
+
 @pytest.mark.slow
 def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path):
     """The command as a person runs it, each call a process of its own."""
@@ -180,7 +210,7 @@ def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path)
     assert done.returncode == 2, error[-3000:]
     assert len(error.splitlines()) == 1 and "nemo-jq dryrun: error: phase" in error and "try " in error
     with pytest.raises(DoesNotFit):
-        check_fits({**report, "fits": False})
+        check_fits({**report, "fits": False}, load_config(None, base[3:]))
     # a split world: the training rank holds no sampler, no KV cache, and syncs; a rollout rank holds them
     done = dryrun([*base, "--json", str(out), "rollout.placement=separate"])
     assert done.returncode == 0, done.stderr[-3000:]

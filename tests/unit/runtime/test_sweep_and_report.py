@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from doc_pages import ROOT
 
 from helpers import one_line_error, run_cli
 from nemo_jq.config import load_config, save_config
@@ -90,6 +91,36 @@ def test_a_bad_key_or_value_in_a_sweep_is_refused_naming_the_run_before_its_fold
         code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", *words)
         line = one_line_error(code, err, *fragments)
         assert line.count("nemo-jq") == 1 and not (tmp_path / "s").exists(), line
+
+
+def test_a_sweep_whose_data_its_runs_would_refuse_is_refused_naming_the_run_before_its_folder_is_written(tmp_path,
+                                                                                                           capsys):
+    """The runs' splits are built first where the files are here (the synthetic task, a local source): a split larger
+    than the data failed inside every run before, the sweep saying only "run 1/2 FAILED"."""
+    source = tmp_path / "mine.jsonl"
+    source.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i}+1?", "answer": str(i + 1)}) + "\n"
+                              for i in range(12)))
+    local = ["data.name=jsonl", f"data.source={source}", "data.validation_size=2", "data.test_size=2"]
+    for words, fragments in ((["objective.q=0,1", "data.train_size=1200"], ["run q=0", "1392 distinct examples",
+                                                                             "only 1000 exist"]),
+                             ([*local, "data.train_size=4,20"], ["run train_size=20", str(source)])):
+        code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", *words)
+        line = one_line_error(code, err, *fragments)
+        assert not (tmp_path / "s").exists(), line
+    assert Sweep.from_grid(tmp_path / "s", [], [*local, "data.train_size=4,8"], None).write() is None
+
+
+def test_inline_q_schedules_are_swept_whole(tmp_path):
+    """docs/sweeps.md's two inline schedules: the commas inside braces are the schedule's own."""
+    one = "{name: linear, num_steps: 200, q_start: 1, q_end: 0}"
+    two = "{name: linear, num_steps: 200, q_start: 1, q_end: 0.5}"
+    assert f'"objective.q_schedule={one},{two}"' in " ".join((ROOT / "docs" / "sweeps.md").read_text().split())
+    sweep = Sweep.from_grid(tmp_path / "s", [], ["objective.name=garl", f"objective.q_schedule={one},{two}"], None)
+    assert [run.name for run in sweep.runs] == ["q_schedule=name-linear-num_steps-200-q_start-1-q_end-0",
+                                                "q_schedule=name-linear-num_steps-200-q_start-1-q_end-0.5"]
+    assert [load_config(None, list(run.overrides)).objective.q_schedule["q_end"] for run in sweep.runs] == [0, 0.5]
+    assert split_words([f"objective.q_schedule={one}", "data.system_prompt='a, b','c'"]) == (
+        [f"objective.q_schedule={one}"], {"data.system_prompt": ["'a, b'", "'c'"]})
 
 
 def test_swept_paths_name_runs_by_their_last_parts_and_values_that_would_share_a_folder_are_refused(tmp_path, capsys):
