@@ -274,12 +274,13 @@ def split_words(words: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
 
 
 def top_level_items(value: str) -> list[str]:
-    """``value`` cut at each comma outside brackets, braces and quotes (YAML's flow lists, mappings and strings)."""
+    """``value`` cut at each comma outside brackets, braces and quotes (YAML's flow lists, mappings and quoted strings;
+    a quote within a word, ``don't``, quotes nothing)."""
     items, depth, quote, start = [], 0, None, 0
     for index, char in enumerate(value):
         if quote:
             quote = None if char == quote else quote
-        elif char in "'\"":
+        elif char in "'\"" and not value[start:index].strip():
             quote = char
         elif char in "[{":
             depth += 1

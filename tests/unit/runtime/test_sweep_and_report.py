@@ -119,8 +119,8 @@ def test_inline_q_schedules_are_swept_whole(tmp_path):
     assert [run.name for run in sweep.runs] == ["q_schedule=name-linear-num_steps-200-q_start-1-q_end-0",
                                                 "q_schedule=name-linear-num_steps-200-q_start-1-q_end-0.5"]
     assert [load_config(None, list(run.overrides)).objective.q_schedule["q_end"] for run in sweep.runs] == [0, 0.5]
-    assert split_words([f"objective.q_schedule={one}", "data.system_prompt='a, b','c'"]) == (
-        [f"objective.q_schedule={one}"], {"data.system_prompt": ["'a, b'", "'c'"]})
+    assert split_words([f"objective.q_schedule={one}", "data.system_prompt='a, b','c'", "data.template=don't,do"]) == (
+        [f"objective.q_schedule={one}"], {"data.system_prompt": ["'a, b'", "'c'"], "data.template": ["don't", "do"]})
 
 
 def test_swept_paths_name_runs_by_their_last_parts_and_values_that_would_share_a_folder_are_refused(tmp_path, capsys):
