@@ -7,6 +7,7 @@ import argparse
 import errno
 import importlib
 import os
+import re
 import sys
 from typing import Callable
 
@@ -27,17 +28,42 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+#: A ``section.key=value`` override word (a value of an option of several values stops before one).
+OVERRIDE_WORD = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)+=")
+
+
 def parse_words(parser: argparse.ArgumentParser, words: list[str] | None,
-                errors_of: Callable[[argparse.Namespace], argparse.ArgumentParser] | None = None) -> argparse.Namespace:
-    """``words`` read by ``parser`` as ``nemo-jq`` reads a command: key=value words after an option are overrides too;
-    any other stray word is one line from the parser ``errors_of`` names (the command's own), exit 2."""
-    args, extra = parser.parse_known_args(words)
+                errors_of: Callable[[argparse.Namespace], argparse.ArgumentParser] | None = None,
+                subcommands: dict[str, argparse.ArgumentParser] | None = None) -> argparse.Namespace:
+    """``words`` read by ``parser`` as ``nemo-jq`` reads a command: key=value words after an option are overrides too,
+    those right after an option of several values (``--seeds 1 2 3 guard.enabled=true``; argparse would take them as
+    its values) included; any other stray word is one line from the parser ``errors_of`` names (the command's own),
+    exit 2. ``subcommands``: the parsers of ``parser``'s commands, whose options of several values these are."""
+    words = list(sys.argv[1:] if words is None else words)
+    taken = pulled_overrides(words, parser, subcommands or {})
+    args, extra = parser.parse_known_args([word for index, word in enumerate(words) if index not in taken])
     stray = [word for word in extra if word.startswith("-") or "=" not in word]
+    extra += [words[index] for index in sorted(taken)]
     if stray or (extra and not hasattr(args, "overrides")):
         (errors_of(args) if errors_of else parser).error(f"unrecognized arguments: {' '.join(stray or extra)}")
-    if extra:  # key=value words after an option land here
-        args.overrides = [*args.overrides, *extra]
+    if extra:  # key=value words after an option land here; all of them in the order given
+        args.overrides = sorted([*args.overrides, *extra], key=words.index)
     return args
+
+
+def pulled_overrides(words: list[str], parser: argparse.ArgumentParser,
+                     subcommands: dict[str, argparse.ArgumentParser]) -> set[int]:
+    """The places of the override words that follow the values of an option of several values (``nargs`` + or *),
+    in the command's parser (the first word naming one of ``subcommands``) or ``parser``."""
+    command = next((subcommands[word] for word in words if word in subcommands), parser)
+    several = {flag for action in command._actions if action.nargs in ("+", "*") for flag in action.option_strings}
+    taken, inside = set(), False
+    for index, word in enumerate(words):
+        if word.startswith("-"):
+            inside = word in several
+        elif inside and OVERRIDE_WORD.match(word):
+            taken.add(index)
+    return taken
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     for command in COMMANDS:
         importlib.import_module(f"nemo_jq.cli.{command}").add_parser(commands)
 
-    args = parse_words(parser, argv, lambda args: commands.choices[args.command])
+    args = parse_words(parser, argv, lambda args: commands.choices[args.command], commands.choices)
     try:
         code = args.run(args)
         if not code:  # every rank got here: end the process groups together (a failed rank's peers are stopped)
@@ -104,6 +130,8 @@ def user_error_message(err: BaseException) -> str | None:
         }
         reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err)).lower()
         return f"{reason}: {err.filename}" + (f"; {hints[err.errno]}" if err.errno in hints else "")
+    if isinstance(err, KeyError) and not (err.args and " " in str(err.args[0])):
+        return None  # a bare key looked up and missing is a bug (the registries' KeyErrors are sentences)
     if isinstance(err, (ValueError, OSError, KeyError, distributed.OtherRankFailed)):
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         return " ".join(str(text).split())

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jq.config import import_plugins
     from nemo_jq.data.prepare import PAPER_SIZES, PREPARE_FLAGS, PREPARED_FILES, describe_rejects, make_task, prepare, write_prepared
     from nemo_jq.runtime.outputs import claim_dir
+    from nemo_jq.runtime.runs import RUN_FILES
 
     import_plugins(args.plugin)
     task = make_task(args.dataset, template=args.template, system=args.system, options=PREPARE_FLAGS)
@@ -51,6 +52,12 @@ def run(args: argparse.Namespace) -> int:
         sizes = PAPER_SIZES[args.dataset]
     else:
         raise ValueError(f"--sizes is required for dataset {args.dataset!r} (train,validation,test, e.g. 800,100,100)")
+    if args.source and Path(args.source).exists() and Path(args.out).resolve() in (Path(args.source).resolve(),
+                                                                                 *Path(args.source).resolve().parents):
+        raise ValueError(f"--out {args.out} holds --source {args.source}: write the prepared data to a folder of its own "
+                         "(moved aside with --overwrite, the source would go with it)")
+    claim_dir(args.out, RUN_FILES, overwrite=False, what="a run", advice="prepared data goes in a folder of its own: "
+              "choose another --out")
     splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row,
                                options=PREPARE_FLAGS)
     claim_dir(args.out, PREPARED_FILES, overwrite=args.overwrite, what="prepared data",

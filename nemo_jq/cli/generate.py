@@ -12,7 +12,7 @@ from nemo_jq.cli import arguments
 def add_parser(commands) -> None:
     generate = commands.add_parser(
         "generate", help="sample a checkpoint's rationales and answers for a question",
-        description='nemo-jq generate runs/cold_start/garl_q1 "Compute: 3 + 4 + 5" --samples 4\n\n'
+        description='nemo-jq generate runs/cold_start/garl_q1 "3+4+5" --samples 4\n\n'
                     "The prompt is the run's (its task's messages in data.format, its chat template), the budgets its\n"
                     "rollout.max_thinking_tokens and max_answer_tokens (overrides change them); --answer gives the\n"
                     "reference answer, so each sample is scored by the task's rule, as training rewards it.",
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.question.strip():
         raise ValueError("the question is empty: give it as the run's task states its questions, e.g. "
-                         'nemo-jq generate RUN_DIR "3 + 4 + 5"')
+                         'nemo-jq generate RUN_DIR "3+4+5" (as the synthetic task states them)')
     answer = "" if args.answer is None else reference_answer(args.answer)
     loaded = load(args)
     parts, selected = loaded.components, loaded.selected

@@ -207,9 +207,14 @@ def _clean_task(data: Any) -> tuple[Task, Splits]:
         return task, load_prepared(Path(data.prepared_dir))
     splits, manifest = prepare(task, data.source, sizes, data.seed, hub_config=data.hub_config, on_bad_row=data.on_bad_row)
     for name, entry in manifest["sources"].items():  # no manifest is written here: say which rows were dropped
+        where = f"data.source {entry.get('file', data.source)} ({name})"
+        if entry["bad"]:
+            rows = ", ".join(f"row {row['row']}: {row['reason']}" for row in entry["bad"][:3])
+            print(f"nemo-jq: warning: {where}: {len(entry['bad'])} bad row{'s' * (len(entry['bad']) > 1)} dropped ({rows}"
+                  f"{', ...' if len(entry['bad']) > 3 else ''}; data.on_bad_row=fail stops at the first, `nemo-jq data "
+                  "prepare` lists them all)", file=sys.stderr)
         if entry["over_cap"]:
-            print(f"nemo-jq: warning: data.source {entry.get('file', data.source)} ({name}): "
-                  f"{describe_over_cap(task, entry)} dropped", file=sys.stderr)
+            print(f"nemo-jq: warning: {where}: {describe_over_cap(task, entry)} dropped", file=sys.stderr)
     return task, splits
 
 

@@ -54,6 +54,8 @@ QUICK = ["data.train_size=24", "data.validation_size=4", "data.test_size=4", "tr
 SUMMARY_FILE, TABLE_FILE, FIGURE_FILE = "summary.json", "table.md", "escape_rates.png"
 #: The keys each run sets (:data:`~nemo_jq.experiments.common.PER_RUN`), with its width and its optimizer's settings.
 CONTROLLED = {**PER_RUN, "data.seed": ("per seed", "--seeds"), "data.answer_width": ("per width", "--widths"),
+              # a run stopped before the cap would count as censored at it
+              "train.max_steps": ("to --cap (a run that has not escaped by then is censored there)", "--cap"),
               **dict.fromkeys({item.partition("=")[0] for settings in OPTIMIZERS.values() for item in settings},
                               ("per optimizer (SGD's own, AdamW's defaults)", None))}
 

@@ -29,6 +29,7 @@ from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
+from nemo_jq.typed import ConfigError
 
 #: The one configuration every method trains with: the demo's model, M=4 and budgets on sums of two digits, 64
 #: training prompts (13 of them noisy at rho=0.2) seen 64 times (512 steps of 8 prompts), so that a method can
@@ -92,6 +93,10 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
     refuse_per_run_keys("noisy-cold-start", overrides, CONTROLLED)
     base = [*(QUICK if quick else SETTINGS), f"data.label_noise={label_noise}", *overrides]
     probe = load_config(None, base)
+    if round(label_noise * probe.data.train_size) < 1:  # corrupt_labels' count: the experiment measures memorising them
+        raise ConfigError(f"--label-noise {label_noise:g} makes none of the {probe.data.train_size} training labels wrong, "
+                          "and the experiment measures how many wrong ones a method memorises: give at least "
+                          f"{1 / probe.data.train_size:.2g}")
     steps = probe.train.epochs * math.ceil(probe.data.train_size / probe.train.batch_size)
     if probe.train.max_steps:
         steps = min(steps, probe.train.max_steps)

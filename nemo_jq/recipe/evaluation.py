@@ -57,13 +57,16 @@ def sample_outputs(
     progress=None,
     greedy: bool = False,
     on_group: Callable[[int, list[Rollout]], None] | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> list[list[str]]:
     """Decoded answers, ``num_samples`` per example, generated ``batch_size`` prompts at a time from the prompts
     training samples from (:meth:`Components.prompt_ids`); ``on_group(index, rollouts)`` sees each example's rollouts
     as they come (the evaluation keeps a few to show, :func:`shown_samples`). A Qwen3-MoE's routes are not recorded:
-    nothing trains on these rollouts."""
+    nothing trains on these rollouts. ``stopped``: asked before each call; true, :class:`EvaluationStopped`."""
     outputs: list[list[str]] = []
     for start in range(0, len(examples), batch_size):
+        if stopped is not None and stopped():
+            raise EvaluationStopped
         chunk = list(examples[start : start + batch_size])
         for group in components.engine.generate(components.prompt_ids(chunk), num_samples, sample_answers=True,
                                                 generator=generator, greedy=greedy, routes=False):
@@ -73,6 +76,10 @@ def sample_outputs(
         if progress is not None:
             progress.update(len(chunk))
     return outputs
+
+
+class EvaluationStopped(Exception):
+    """A stop signal came while a run's end was evaluated: nothing is written, and a resume evaluates again."""
 
 
 def memorised(task: Task, noisy: Sequence[Example], outputs: Sequence[Sequence[str]]) -> list[bool]:
@@ -98,9 +105,10 @@ class Evaluator:
         #: The first prompts of the last call's ``shown`` (:func:`shown_samples`): what the model wrote for them.
         self.shown: list[dict[str, Any]] = []
 
-    def evaluate(self, split: str, seed_offset: int = 0, shown: int = 0) -> dict[str, float]:
+    def evaluate(self, split: str, seed_offset: int = 0, shown: int = 0,
+                 stopped: Callable[[], bool] | None = None) -> dict[str, float]:
         """p@1, p@k and m@k (k = eval.num_samples) on ``split``; the first ``shown`` prompts' samples are kept in
-        :attr:`shown`."""
+        :attr:`shown`. ``stopped``: as :func:`sample_outputs` takes it."""
         from nemo_jq.runtime import distributed
         from nemo_jq.runtime.monitor import progress
 
@@ -113,7 +121,7 @@ class Evaluator:
         keep = (lambda index, group: kept.setdefault(index, group) if index < shown else None) if shown else None
         with progress(len(mine), f"eval {split}", shows=distributed.is_writer(), transient=True) as bar:
             outputs = sample_outputs(parts, mine, settings.num_samples, settings.batch_size, generator, bar,
-                                     on_group=keep)
+                                     on_group=keep, stopped=stopped)
         self.shown = shown_samples(parts, mine[:min(shown, count)], [kept[i] for i in range(min(shown, count))])
         return score_outputs(parts.task, examples, parts.data_parallel.gather(outputs[:count]), settings.num_samples)
 
@@ -128,9 +136,9 @@ class Evaluator:
         most = -(-len(examples) // parts.data_parallel.size)
         return mine + [(mine or examples)[-1]] * (most - len(mine)), len(mine)
 
-    def memorisation(self) -> float | None:
+    def memorisation(self, stopped: Callable[[], bool] | None = None) -> float | None:
         """Percent of the noisy training prompts (``data.label_noise``) whose corrupted label the model's greedy
-        answer reproduces; None without label noise."""
+        answer reproduces; None without label noise. ``stopped``: as :func:`sample_outputs` takes it."""
         from nemo_jq.data.noise import noisy_examples
 
         parts = self.components
@@ -139,7 +147,7 @@ class Evaluator:
             return None
         unused = new_generator(parts.device)  # greedy decoding draws nothing
         mine, count = self._share(noisy)
-        outputs = sample_outputs(parts, mine, 1, parts.config.eval.batch_size, unused, greedy=True)
+        outputs = sample_outputs(parts, mine, 1, parts.config.eval.batch_size, unused, greedy=True, stopped=stopped)
         flags = memorised(parts.task, noisy, parts.data_parallel.gather(outputs[:count]))
         return 100 * sum(flags) / len(flags)
 

@@ -21,7 +21,7 @@ from nemo_jq.config import Config, ConfigError
 from nemo_jq.data import Example
 from nemo_jq.models.common import peak_memory_gib, reset_peak_memory
 from nemo_jq.recipe.components import Components, this_ranks_part
-from nemo_jq.recipe.evaluation import Evaluator
+from nemo_jq.recipe.evaluation import EvaluationStopped, Evaluator
 from nemo_jq.recipe.experience import Experience, MismatchWatch, RolloutsAhead, RolloutsAheadOnRanks, make_experience
 from nemo_jq.recipe.learn import estimator_gradient
 from nemo_jq.recipe.state import Course, ObjectiveInUse, PromptStream, RandomStreams, TrainState, loop_checkpoint, restore_loop
@@ -161,9 +161,14 @@ class Trainer:
                     if series is not None:
                         raise series.stopped(self.run_dir, self.state.step)
                     return {"preempted": stop.received, "step": self.state.step}
+                results = self._finish(logger, stop) if self.state.step >= self.total_steps else {"step": self.state.step}
+                if results is None:  # stopped in the end's evaluation: its last checkpoint stands, a resume evaluates
+                    if series is not None:
+                        raise series.stopped(self.run_dir, self.state.step)
+                    return {"preempted": stop.received, "step": self.state.step}
                 if series is not None:
                     series.finished.append(self.run_dir)
-                return self._finish(logger) if self.state.step >= self.total_steps else {"step": self.state.step}
+                return results
             finally:
                 bar.close()
                 logger.close()
@@ -250,15 +255,25 @@ class Trainer:
         logger.log({"kind": "guard", "step": self.state.step, "reason": reason, "action": guard.action,
                     "restored_step": best, **dataclasses.asdict(course)})
 
-    def _finish(self, logger: RunLogger) -> dict[str, Any]:
-        """Evaluate the best validation checkpoint on the test split and write results.json."""
+    def _finish(self, logger: RunLogger, stop: StopSignals) -> dict[str, Any] | None:
+        """Evaluate the best validation checkpoint on the test split and write results.json; None, writing nothing,
+        after a stop signal (checked between its evaluations on every rank; in one process, before each call)."""
         best = self.state.best_step
         self._settle_rollouts()
-        final_memorisation = self.evaluator.memorisation()
-        if best is not None and best != self.state.step:
-            self.policy.load(self.run_dir / CHECKPOINT_DIR / step_dir_name(best), with_optimizer=False)
-        scores = self.evaluator.evaluate("test")
-        memorisation = {"final": final_memorisation, "tested": self.evaluator.memorisation()} if final_memorisation is not None else None
+        alone = (lambda: stop.received is not None) if distributed.world_size() == 1 else None
+        try:
+            final_memorisation = self.evaluator.memorisation(alone)
+            if stop.requested():
+                return None
+            if best is not None and best != self.state.step:
+                self.policy.load(self.run_dir / CHECKPOINT_DIR / step_dir_name(best), with_optimizer=False)
+            scores = self.evaluator.evaluate("test", stopped=alone)
+            tested = self.evaluator.memorisation(alone) if final_memorisation is not None else None
+        except EvaluationStopped:
+            return None
+        if stop.requested():
+            return None
+        memorisation = {"final": final_memorisation, "tested": tested} if final_memorisation is not None else None
         logger.log({"kind": "test", "step": self.state.step, "best_step": best, **scores,
                     **({"memorisation": memorisation["tested"]} if memorisation else {})})
         if self.last_q is None:  # resumed only to evaluate the end again: the q its last step trained with, as logged

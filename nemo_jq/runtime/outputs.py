@@ -38,6 +38,10 @@ def move_aside(path: Path) -> Path:
     if here == path.resolve() or path.resolve() in here.parents:
         raise FileExistsError(f"{path} holds the folder this command runs in ({here}), which moving it aside would move "
                               f"too: run the command from outside it (cd {path.parent}) and name the folder from there")
+    for folder, holder in held_runs_in(path):
+        raise RunDirInUse(f"{path} holds {folder}, in use by another run ({holder}): moved aside, that run would go on "
+                          "writing into the moved folder and its next run into the new one; wait for it to end (or stop "
+                          "it), or choose another folder")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, suffix = path.with_name(f"{path.name}.old-{stamp}"), 1
     while aside.exists():
@@ -102,6 +106,23 @@ def hold_run_dir(run_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps(holder).encode())
     _HELD[key] = _Held(fd, created)
+
+
+#: How deep below a folder to look for runs in use before moving it aside (an experiment's runs are at
+#: ``OUT/method/seedS``, its warm policies at ``OUT/warm/setting/policy``).
+RUN_DEPTH = 4
+
+
+def held_runs_in(path: Path) -> list[tuple[Path, str]]:
+    """The run folders at or below ``path`` (to :data:`RUN_DEPTH`; not into checkpoints) that another process holds
+    now, each with its holder in words."""
+    found = []
+    for folder, subfolders, files in os.walk(path):
+        depth = len(Path(folder).relative_to(path).parts)
+        subfolders[:] = [] if depth >= RUN_DEPTH else [name for name in subfolders if name != "checkpoints"]
+        if LOCK_FILE in files and Path(folder).absolute() not in _HELD and (holder := holder_of(Path(folder))):
+            found.append((Path(folder), holder))
+    return found
 
 
 def holder_of(folder: Path) -> str | None:

@@ -38,8 +38,9 @@ RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.
                   "train.micro_batch_rows", "model.activation_checkpointing", "eval.every", "eval.num_samples", "eval.samples_shown",
                   "eval.batch_size", *LAYOUT_KEYS, "megatron.recompute_activations", "megatron.distributed_optimizer",
                   "rollout.placement", "rollout.ranks")
-#: Where a loaded checkpoint runs: the device (a run trained on a GPU, exported on a login node) and the layout.
-PLACEMENT_KEYS = ("train.device", *LAYOUT_KEYS)
+#: Where a loaded checkpoint runs: the device (a run trained on a GPU, exported on a login node) and the layout, a
+#: Qwen3-MoE's experts' too (a checkpoint's weights load at any EP: docs/moe.md; its AdamW state is resumed at its own).
+PLACEMENT_KEYS = ("train.device", *LAYOUT_KEYS, "megatron.expert_parallel", "megatron.expert_tensor_parallel")
 #: How a loaded checkpoint samples: its budgets, sampling, engine and compute precision.
 SAMPLING_KEYS = ("rollout.max_thinking_tokens", "rollout.max_answer_tokens", "rollout.temperature", "rollout.top_k",
                  "rollout.top_p", "rollout.engine", "rollout.cuda_graphs", "rollout.compile", "rollout.kv_cache_tokens",

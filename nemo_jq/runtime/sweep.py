@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nemo_jq.runtime.monitor import read_json_file, read_metrics
-from nemo_jq.runtime.outputs import claim_dir
+from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in
 from nemo_jq.runtime.runs import RUN_FILES, has_finished, last_checkpoint_step
 from nemo_jq.typed import ConfigError
 
@@ -341,6 +341,9 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     from nemo_jq.runtime.preemption import STOP_WITH_ENV, Stopped, release_terminal, signal_name, stop_signals_here
 
     say = say or (lambda line: print(line, flush=True))
+    for folder, holder in held_runs_in(sweep.directory):  # a second start of it: its runs would fail one by one
+        raise RunDirInUse(f"{folder} is in use by another run ({holder}): {sweep.directory} is being run already; wait "
+                          f"for it to end (or stop it) before `nemo-jq {command} --resume {sweep.directory}`")
     threads = threads or max(1, free_cores() // parallel)
     states = {run.name: sweep.status(run) for run in sweep.runs}
     pending = [run for run in sweep.runs if states[run.name] != FINISHED]

@@ -46,6 +46,13 @@ def train_run(run_dir: Path, overrides: list[str], steps: int, stop_after: int |
     return {"train": records, "test": [r for r in read_metrics(run_dir) if r["kind"] == "test"], **held}
 
 
+def command(words: list[str]) -> int:
+    """``nemo-jq WORDS`` from torchrun's variables."""
+    from nemo_jq.cli import main
+
+    return main(words)
+
+
 def same_training(ours: list[dict], theirs: list[dict]) -> None:
     assert len(ours) == len(theirs) and all(r.get(k) is not None for r in ours for k in ("loss", "grad_norm", "kl_k3"))
     for mine, other in zip(ours, theirs, strict=True):
@@ -114,6 +121,11 @@ def test_a_qwen3_moe_at_expert_parallel_2_trains_from_a_rollout_rank_as_colocate
     assert [record["routing_disagreement"] for record in separate[0]["train"]] == [0.0, 0.0]
     assert [record["routing_disagreement"] for record in colocated["train"]] == [0.0, 0.0]
     assert separate[2]["result"] == {"served": 8, "synced": 3}
+    # eval, generate and export place a checkpoint where they run: this EP=2 one evaluates in one process at EP=1
+    # (its experts gathered whole), as docs/moe.md says it loads; the key was refused as what the checkpoint is
+    assert run_in_processes(command, 1, ["eval", str(tmp_path / "colocated"), "megatron.expert_parallel=1",
+                                         "eval.num_samples=2"], process_group=False) == [0]
+    assert list((tmp_path / "colocated" / "evals").glob("test-step_*.json"))
 
 
 ONE_STEP_OFF = ["rollout.async_steps=1", "train.save_every=100"]

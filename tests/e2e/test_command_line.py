@@ -128,6 +128,35 @@ def test_a_bad_argument_is_one_line_without_the_usage_block(capsys, args, said):
     assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
 
 
+def test_overrides_after_an_option_of_several_values_are_overrides(monkeypatch):
+    """The experiments' READMEs give ``--seeds 1 2 3 guard.enabled=true``: argparse took the override as a fourth seed
+    (and ``sweep --config A.yaml objective.q=0,1`` as a second config). Each value list stops at an override word."""
+    import nemo_jq.experiments.escape_rates as escape_rates
+    import nemo_jq.experiments.noisy_cold_start as noisy_cold_start
+    import nemo_jq.runtime.sweep as sweep
+
+    seen = []
+    for module in (noisy_cold_start, escape_rates):
+        monkeypatch.setattr(module, "run_experiment", lambda out, seeds, *rest, **options: seen.append((seeds, options)))
+    for page, start in (("noisy_cold_start", "nemo-jq experiment noisy-cold-start --seeds 1 2 3 guard"),
+                        ("escape_rates", "nemo-jq experiment escape-rates --methods")):
+        line = next(line for line in (ROOT / "docs" / "results" / page / "README.md").read_text().splitlines()
+                    if line.startswith(start))
+        assert main(line.split("#")[0].split()[1:]) == 0
+    assert seen[0][0] == [1, 2, 3] and seen[0][1]["overrides"] == ["guard.enabled=true"]
+    assert seen[1][0] == [0] and seen[1][1]["widths"] == [3, 4] and seen[1][1]["overrides"] == ["optim.eps=1e-16"]
+    main(["experiment", "escape-rates", "a.b=1", "--widths", "2", "c.d=2", "--quick", "e.f=3"])
+    assert seen[2][1]["widths"] == [2] and seen[2][1]["overrides"] == ["a.b=1", "c.d=2", "e.f=3"]  # as given
+
+    def grid(directory, configs, words, seeds):
+        seen.append((configs, words))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(sweep.Sweep, "from_grid", grid)
+    assert main(["sweep", "--out", "x", "--config", "a.yaml", "b.yaml", "objective.q=0,1"]) == 2
+    assert seen[-1] == (["a.yaml", "b.yaml"], ["objective.q=0,1"])
+
+
 def test_a_path_that_is_not_what_a_command_wants_is_named_with_the_fix(tmp_path, capsys):
     a_file = tmp_path / "figures.txt"
     a_file.write_text("mine")

@@ -36,7 +36,7 @@ RUN_BY = {
     ("docs/extending.md", "class UniformSampler:"): "test_the_documented_rollout_engine_trains_and_is_refitted_after_every_step",
     ("docs/sweeps.md", "nemo-jq sweep --resume runs/q_sweep"):
         "test_the_documented_sweep_stopped_resumes_to_an_unstopped_ones_metrics_and_its_report_reads_each_runs_results",
-    ("docs/sweeps.md", 'nemo-jq generate runs/cold_start/garl_q1 "3 + 4 + 5" --answer 12 --samples 4'):
+    ("docs/sweeps.md", 'nemo-jq generate runs/cold_start/garl_q1 "3+4+5" --answer 12 --samples 4'):
         "test_the_documented_sweep_stopped_resumes_to_an_unstopped_ones_metrics_and_its_report_reads_each_runs_results",
     ("docs/rollout_ranks.md", "torchrun --nproc-per-node 2 -m nemo_jq.cli train rollout.placement=separate "
                               "rollout.async_steps=1 train.run_dir=runs/separate"):

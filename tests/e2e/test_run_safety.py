@@ -306,7 +306,7 @@ def test_eval_generate_and_export_take_only_overrides_of_how_they_sample_and_whe
     one_line_error(code, err, "model.tiny.hidden_size=64 cannot change with eval", "eval.num_samples", "train.device")
     code, _, err = run_cli(capsys, "eval", run_dir, "train.max_steps=5")
     one_line_error(code, err, "train.max_steps=5 cannot change with eval")
-    code, _, err = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "eval.num_samples=2")
+    code, _, err = run_cli(capsys, "generate", run_dir, "3+4+5", "eval.num_samples=2")
     one_line_error(code, err, "eval.num_samples=2 cannot change with generate", "rollout.max_thinking_tokens")
     code, _, err = run_cli(capsys, "export", run_dir, "--out", tmp_path / "hf", "rollout.temperature=0.5")
     one_line_error(code, err, "rollout.temperature=0.5 cannot change with export", "train.device")
@@ -322,13 +322,13 @@ def test_generate_refuses_a_question_or_answer_no_sample_could_be_scored_against
     for question in ("", "  "):
         code, _, err = run_cli(capsys, "generate", run_dir, question)
         one_line_error(code, err, "the question is empty")
-    code, _, err = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "--answer", " ")
+    code, _, err = run_cli(capsys, "generate", run_dir, "3+4+5", "--answer", " ")
     one_line_error(code, err, "empty '--answer'", "leave --answer out")
-    code, _, err = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "--answer", "the")
+    code, _, err = run_cli(capsys, "generate", run_dir, "3+4+5", "--answer", "the")
     one_line_error(code, err, "'the' is empty once normalised", "leave --answer out")
-    code, out, _ = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "--answer", " 12 ", "--json")
+    code, out, _ = run_cli(capsys, "generate", run_dir, "3+4+5", "--answer", " 12 ", "--json")
     assert code == 0 and json.loads(out)["reference"] == "12"
-    code, _, err = run_cli(capsys, "generate", run_dir, "3 + 4 + 5", "--context", "a passage")  # the synthetic task's
+    code, _, err = run_cli(capsys, "generate", run_dir, "3+4+5", "--context", "a passage")  # the synthetic task's
     one_line_error(code, err, "data.name=synthetic) puts no passage in its prompts", "drop --context")
 
 
@@ -341,7 +341,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp
     for name in ("model.safetensors", "rng.pt"):
         intact = (step_2 / name).read_bytes()
         (step_2 / name).write_bytes(intact[:100])
-        for command in (["eval", run_dir, "--step", "2"], ["generate", run_dir, "3 + 4 + 5"]):
+        for command in (["eval", run_dir, "--step", "2"], ["generate", run_dir, "3+4+5"]):
             code, _, err = run_cli(capsys, *command)
             one_line_error(code, err, f"{step_2 / name} is damaged (truncated or corrupt", "(step 1): `nemo-jq eval` and `export` take one")
         (step_2 / name).write_bytes(intact)

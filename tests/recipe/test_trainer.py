@@ -204,6 +204,29 @@ def test_resume_continues_exactly(tmp_path, name):
     assert a[0]["step"] == 5
 
 
+def test_a_signal_during_the_ends_evaluation_stops_the_run_and_its_resume_evaluates_again(tmp_path):
+    """A stop signal in the end's test evaluation (after the last step's checkpoint) was taken as "finish this step":
+    the evaluation went on (a minute at eval.num_samples=1024), results.json was written and the command ended 0 (an
+    experiment's last run ended the experiment). It stops before the next generation call, writing nothing; the run
+    is not finished, and its resume evaluates the end again."""
+    from nemo_jq.runtime.preemption import StopSignals
+
+    trainer = make_trainer(tmp_path, "train.max_steps=2", "eval.every=1000", "eval.batch_size=1")
+    evaluate = trainer.evaluator.evaluate
+
+    def signalled(split, *args, **options):
+        if split == "test":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(split, *args, **options)
+
+    trainer.evaluator.evaluate = signalled
+    with StopSignals() as stop:
+        assert trainer.fit(stop=stop) == {"preempted": signal.SIGTERM, "step": 2}
+    assert not (tmp_path / "run" / "results.json").exists()
+    resumed = Trainer.resume(tmp_path / "run")
+    assert resumed.finished() is None and resumed.fit()["step"] == 2 and (tmp_path / "run" / "results.json").exists()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 @pytest.mark.slow
 def test_a_signal_writes_a_loadable_checkpoint_and_exits_zero(tmp_path, signum):
