@@ -64,7 +64,8 @@ def train(args: argparse.Namespace) -> int:
                          "(key=value overrides of how long it runs and how it is evaluated are allowed)")
     if args.resume is not None and (args.resume / SWEEP_FILE).exists():  # the demo, stopped: its runs go on
         if args.overrides or args.quick:
-            raise ValueError(f"--resume {args.resume} continues the demo as it started: drop the key=value words and --quick")
+            given = " and ".join(["the key=value words"] * bool(args.overrides) + ["--quick"] * args.quick)
+            raise ValueError(f"--resume {args.resume} continues the demo as it started: drop {given}")
         run_demo(args.resume, resume=True)
         return 0
     if asks_for_demo(args):

@@ -127,7 +127,9 @@ def prepare(
 
     pools: dict[tuple[str, ...], list[Example]] = {}
     manifest: dict[str, Any] = {
-        "dataset": task.name, **prompt_options(task), "source": source, "seed": seed,
+        # a local source by its absolute path: the manifest's "prepare it again" command runs from anywhere
+        "dataset": task.name, **prompt_options(task), "source": str(Path(source).absolute()) if Path(source).exists()
+        else source, "seed": seed,
         "max_input_chars": task.max_input_chars, "on_bad_row": on_bad_row, "sizes": plan, "sources": {},
     }
     ids_of: dict[str, dict[str, list[int]]] = {}
@@ -330,6 +332,11 @@ def prepare_again(folder: Path, manifest: dict[str, Any] | None = None) -> str:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """A prepared folder's manifest; says which dataset it holds and with which prompt options."""
     path = Path(folder) / "manifest.json"
+    if not Path(folder).is_dir():
+        raise FileNotFoundError(f"{folder} does not exist: give the folder `nemo-jq data prepare --out` wrote")
+    if (Path(folder) / "config.yaml").exists() and not path.exists():
+        raise FileNotFoundError(f"{folder} is a run's folder, not prepared data: give the folder `nemo-jq data prepare "
+                                "--out` wrote")
     if not path.exists():
         raise FileNotFoundError(f"{folder} is not a prepared dataset: no manifest.json; {prepare_again(folder)}")
     try:
@@ -344,7 +351,9 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 def load_prepared(folder: Path) -> Splits:
     """Splits written by ``nemo-jq data prepare``; every split must hold at least one example."""
     folder = Path(folder)
-    again = prepare_again(folder, read_manifest(folder))
+    manifest = read_manifest(folder)
+    again = prepare_again(folder, manifest)
+    sizes = manifest.get("sizes") if isinstance(manifest.get("sizes"), dict) else {}
     loaded = {}
     for name in SPLITS:
         path = folder / f"{name}.jsonl"
@@ -353,6 +362,9 @@ def load_prepared(folder: Path) -> Splits:
         rows = read_rows(path)
         if not rows:
             raise ValueError(f"{path} is empty: prepare the data again with a {name} size of at least 1")
+        if isinstance(sizes.get(name), int) and len(rows) != sizes[name]:  # the run's split sizes and steps are these
+            raise ValueError(f"{path} holds {len(rows)} rows where manifest.json says {sizes[name]} (edited since it "
+                             f"was prepared?): {again}, or set manifest.json's sizes.{name} to {len(rows)} to keep the edit")
         loaded[name] = [prepared_example(path, number, row, again) for number, row in rows]
     return Splits(**loaded)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from nemo_jq.runtime.monitor import plot_runs
 from nemo_jq.runtime.report import read_run
-from nemo_jq.runtime.sweep import Sweep, SweepRun, free_cores, run_here
+from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep, SweepRun, free_cores, run_here
 
 DEMO_RUNS = (
     ("GRPO", "grpo", ["objective.name=grpo"]),
@@ -66,9 +66,11 @@ def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, over
             raise ValueError(f"{out_dir} holds a sweep, not the demo: `nemo-jq sweep --resume {out_dir}` continues it")
     else:
         sweep = demo_sweep(out_dir, overrides)
-        sweep.write(overwrite=overwrite, markers=(SUMMARY_FILE, FIGURE_FILE), what="an earlier demo",
-                    advice=f"continue it with `nemo-jq train --resume {out_dir}`, pass --demo-dir DIR for a new one, or "
-                           "--overwrite to move it aside first")
+        resumable = (out_dir / SWEEP_FILE).exists()  # else an older demo's or an experiment's results alone
+        sweep.write(overwrite=overwrite, markers=(SUMMARY_FILE, FIGURE_FILE),
+                    what="an earlier demo" if resumable else "an earlier demo's or an experiment's results",
+                    advice=(f"continue it with `nemo-jq train --resume {out_dir}`, " if resumable else "")
+                    + "pass --demo-dir DIR for a new one, or --overwrite to move it aside first")
     parallel = min(len(sweep.runs), free_cores())
     print(f"nemo-jq train: the cold-start comparison, {', '.join(label for label, _, _ in DEMO_RUNS)}; steps and time "
           "left follow as they are measured", flush=True)
@@ -105,8 +107,12 @@ def format_table(results: dict[str, dict], num_samples: int) -> str:
     """The demo's table as it prints: each run's test scores (p@1, p@k and m@k, k being ``eval.num_samples``: 16 unless
     an override says otherwise) and its first log P̂ beside log(1/M)."""
     columns = list(next(iter(results.values()))["test"])
+    unvalidated = {result.get("best_step") is None for result in results.values()}  # as results.json's "tested" says
+    tested = {frozenset({False}): f"best validation {columns[-1]} checkpoint",
+              frozenset({True}): f"latest checkpoint: no validation {columns[-1]} rose above 0"}.get(
+        frozenset(unvalidated), f"best validation {columns[-1]} checkpoint, or the latest where none rose above 0")
     lines = [
-        f"Cold start (test split, best validation {columns[-1]} checkpoint; log(1/M) = {math.log(1 / num_samples):.2f})",
+        f"Cold start (test split, {tested}; log(1/M) = {math.log(1 / num_samples):.2f})",
         f"{'Method':<20} " + " ".join(f"{column:>6}" for column in columns) + f"  {'initial log P̂':>14}",
     ]
     for label, result in results.items():

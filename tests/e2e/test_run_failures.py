@@ -61,6 +61,36 @@ def test_a_second_writer_of_a_held_run_directory_is_one_line_naming_the_holder(t
     assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == [1, 2, 3]
 
 
+def test_a_folder_whose_runs_are_in_use_is_not_moved_aside_nor_run_a_second_time(tmp_path, capsys):
+    """A demo or experiment folder moved aside by --overwrite while its runs trained: the running one went on writing
+    into the moved folder and its next run into the new one (a table mixing two demos). A second start of a running
+    sweep (or demo) failed run by run, blaming each run. Both are refused up front, naming the holder; nothing moves."""
+    from nemo_jq.runtime.outputs import claim_dir
+    from nemo_jq.runtime.sweep import Sweep, run_here
+
+    demo = tmp_path / "demo"
+    sweep = Sweep.from_grid(demo, [], ["objective.name=garl,grpo", "train.max_steps=1"], None)
+    sweep.write()
+    script = tmp_path / "holder.py"
+    script.write_text("import sys\nfrom nemo_jq.runtime.outputs import hold_run_dir\n\nhold_run_dir(sys.argv[1])\n"
+                      "print('held', flush=True)\nsys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, script, demo / sweep.runs[1].name], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for attempt in (lambda: claim_dir(demo, ("sweep.json",), overwrite=True, what="a sweep", advice=""),
+                        lambda: run_here(sweep)):
+            with pytest.raises(FileExistsError, match=f"{demo / sweep.runs[1].name}.* in use by another run \\(pid "
+                                                      f"{holder.pid} on host"):
+                attempt()
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["demo", "holder.py"]
+        assert not (demo / "logs").exists()  # the second start wrote nothing
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert claim_dir(demo, ("sweep.json",), overwrite=True, what="a sweep", advice="").name.startswith("demo.old-")
+
+
 def test_the_sbatch_default_run_directories_never_collide():
     """15 of the 8B config names are also 0.6B config names: ``runs/NAME`` gave both runs one directory."""
     configs = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("qwen3_*/*.yaml"))

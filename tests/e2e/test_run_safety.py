@@ -432,11 +432,16 @@ def test_the_demos_table_shows_the_scores_its_runs_have_at_any_eval_num_samples(
     """`nemo-jq train --demo-dir D eval.num_samples=4` finished its five runs, then stopped at the table: "error: p@16"."""
     from nemo_jq.recipe.demo import format_table
 
-    results = {"GRPO": {"test": {"p@1": 25.0, "p@4": 50.0, "m@4": 12.5}, "initial_log_p_hat": -3.0},
-               "GARL q=1": {"test": {"p@1": 75.0, "p@4": 100.0, "m@4": 62.5}, "initial_log_p_hat": None}}
+    results = {"GRPO": {"test": {"p@1": 25.0, "p@4": 50.0, "m@4": 12.5}, "initial_log_p_hat": -3.0, "best_step": 8},
+               "GARL q=1": {"test": {"p@1": 75.0, "p@4": 100.0, "m@4": 62.5}, "initial_log_p_hat": None, "best_step": 4}}
     lines = format_table(results, 4).splitlines()
-    assert "best validation m@4 checkpoint" in lines[0] and lines[1].split()[1:4] == ["p@1", "p@4", "m@4"]
+    assert "test split, best validation m@4 checkpoint;" in lines[0] and lines[1].split()[1:4] == ["p@1", "p@4", "m@4"]
     assert lines[2].split()[1:] == ["25.0", "50.0", "12.5", "-3.00"] and lines[3].split()[2:] == ["75.0", "100.0", "62.5", "n/a"]
+    # the header says what was tested: a run none of whose validations rose above 0 tests its latest checkpoint
+    results["GRPO"]["best_step"] = None
+    assert "best validation m@4 checkpoint, or the latest where none rose above 0;" in format_table(results, 4)
+    results["GARL q=1"]["best_step"] = None
+    assert "test split, latest checkpoint: no validation m@4 rose above 0;" in format_table(results, 4)
 
 def test_a_run_that_fails_to_start_leaves_nothing_that_blocks_the_next(tmp_path, capsys):
     run_dir = tmp_path / "run"

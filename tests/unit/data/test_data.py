@@ -365,6 +365,51 @@ def test_a_prepared_folder_with_a_corrupt_manifest_or_no_split_file_names_it_and
     one_line_error(code, err, f"{prepared / 'manifest.json'}: not valid JSON", "prepare the data again")
 
 
+def test_a_prepared_folder_edited_to_other_sizes_a_missing_one_or_a_run_are_named_with_a_fix_that_works(
+        tmp_path, capsys, monkeypatch):
+    """A split edited to fewer rows trained silently on them (the config's split sizes, and the steps counted from them,
+    were the manifest's); a missing folder was "no manifest.json"; a run's folder was offered `--overwrite`, which
+    would move the run aside; the fix's `--source` was the relative path prepare was given, from another folder."""
+    monkeypatch.chdir(tmp_path)
+    _write_jsonl(tmp_path / "mine.jsonl", _questions(12))
+    prepared = tmp_path / "prepared"
+    assert run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", "mine.jsonl", "--sizes", "4,4,4",
+                   "--out", prepared)[0] == 0
+    lines = (prepared / "train.jsonl").read_text().splitlines()
+    (prepared / "train.jsonl").write_text("".join(line + "\n" for line in lines[:3]))
+    monkeypatch.chdir(tmp_path.parent)
+    code, _, err = run_cli(capsys, "train", f"data.prepared_dir={prepared}", f"train.run_dir={tmp_path / 'run'}")
+    one_line_error(code, err, f"{prepared / 'train.jsonl'} holds 3 rows where manifest.json says 4",
+                   f"--source {tmp_path / 'mine.jsonl'} --sizes 4,4,4", "set manifest.json's sizes.train to 3")
+    (tmp_path / "a_run").mkdir()
+    (tmp_path / "a_run" / "config.yaml").write_text("{}")
+    for folder, said in ((tmp_path / "none", f"{tmp_path / 'none'} does not exist"),
+                         (tmp_path / "a_run", f"{tmp_path / 'a_run'} is a run's folder, not prepared data")):
+        code, _, err = run_cli(capsys, "train", f"data.prepared_dir={folder}", f"train.run_dir={tmp_path / 'run'}")
+        assert "--overwrite" not in one_line_error(code, err, said)
+    # prepare's own --out: a run's folder, or the source's, is refused before anything is read or moved
+    (tmp_path / "splits").mkdir()
+    (tmp_path / "splits" / "train.jsonl").write_text((tmp_path / "mine.jsonl").read_text())
+    for out, source, said in ((tmp_path / "a_run", tmp_path / "mine.jsonl", "already holds a run (config.yaml)"),
+                              (tmp_path / "splits", tmp_path / "splits", "holds --source")):
+        code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", source, "--sizes", "4,4,4",
+                               "--out", out, "--overwrite")
+        one_line_error(code, err, said)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a_run", "mine.jsonl", "prepared", "splits"]
+
+
+def test_a_run_from_a_source_with_bad_rows_says_which_it_dropped(tmp_path, capsys):
+    """``data prepare`` lists bad rows in its manifest; a run reading the source itself dropped them without a word."""
+    source = _write_jsonl(tmp_path / "bad.jsonl", [*_questions(9), '{"id": "broken", ',
+                                                    {"id": "q10", "question": "no answer"}])
+    code, _, err = run_cli(capsys, "train", "data.name=jsonl", f"data.source={source}", "data.train_size=3",
+                           "data.validation_size=2", "data.test_size=2", "train.max_steps=1", "eval.num_samples=2",
+                           "train.batch_size=3", "train.micro_batch_size=3", f"train.run_dir={tmp_path / 'run'}")
+    assert code == 0, err
+    assert f"nemo-jq: warning: data.source {source} (all): 2 bad rows dropped (row 10: not valid JSON" in err
+    assert "row 11: missing field 'answer'" in err
+
+
 def test_fixes_name_the_option_of_the_command_that_prepares(tmp_path, capsys):
     """``data prepare`` takes flags and ``train`` config keys: a fix names the one the person typed a command with."""
     source = _write_jsonl(tmp_path / "bad.jsonl", [*_questions(7), '{"id": "broken", '])
