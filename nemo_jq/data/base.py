@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,6 +61,13 @@ class Splits:
     train: list[Example]
     validation: list[Example]
     test: list[Example]
+
+    def digests(self) -> dict[str, str]:
+        """Each split's SHA-256 over its examples' ids, questions, answers, contexts and aliases, in order: what a run
+        records at its start, so that a reopened run can tell data that has changed under it."""
+        return {name: hashlib.sha256(json.dumps([[e.id, e.question, e.answer, e.context, list(e.aliases)]
+                                                 for e in self.get(name)]).encode()).hexdigest()
+                for name in ("train", "validation", "test")}
 
     def get(self, name: str) -> list[Example]:
         if name not in ("train", "validation", "test"):

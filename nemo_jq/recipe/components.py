@@ -43,6 +43,7 @@ from nemo_jq.runtime.runs import (
     TOKENIZER_DIR,
     Selected,
     at_home,
+    check_splits,
     claim_run_dir,
     refuse_overrides,
     select_checkpoint,
@@ -337,5 +338,7 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), 
     device = distributed.init_from_env(resolve_device(config.train.device),
                                       timedelta(minutes=config.train.collective_timeout_minutes))
     components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)
+    if command == "eval":  # it scores the run's own splits (generate and export read none)
+        check_splits(run_dir, components.splits, config.data)
     load_checkpoint(selected.checkpoint, components.policy, with_optimizer=False)
     return LoadedRun(selected, components)

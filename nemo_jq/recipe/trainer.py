@@ -59,6 +59,8 @@ class Trainer:
                 self.server = components
                 return
         self.components = parts = components
+        if existing:  # a resume trains on, and tests, the splits it started with
+            runs.check_splits(self.run_dir, parts.splits, config.data)
         if config.train.micro_batch_rows == "auto":
             config.train.micro_batch_rows = rows_for(parts)
         device = parts.device
@@ -137,7 +139,8 @@ class Trainer:
         series = current_series() if stop is None else None
         stop = series.stop if series is not None else stop
         end = min(self.total_steps, max_steps or self.total_steps)
-        distributed.on_writer(lambda: write_run_files(self.run_dir, self.config, self.components.tokenizer))
+        distributed.on_writer(lambda: write_run_files(self.run_dir, self.config, self.components.tokenizer,
+                                                      self.components.splits))
         writes = distributed.is_writer()
         logger = RunLogger(self.run_dir, tensorboard=self.config.train.tensorboard, resume_step=self.state.step,
                            writes=writes, trackers=open_trackers(self.run_dir, self.config) if writes else ())

@@ -22,9 +22,11 @@ CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "token
 EVALS_DIR = "evals"
 #: The Figure-3 panels of a finished run's metrics.
 PLOT_FILE = "training.png"
+#: Each split's digest as the run built it at its start (:func:`check_splits`).
+SPLITS_FILE = "splits.json"
 #: What a run writes into its directory; any of them there means the directory holds a run.
 RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_FILE, SAMPLES_FILE, "tensorboard", PLOT_FILE,
-             TRACKING_FILE)
+             TRACKING_FILE, SPLITS_FILE)
 #: All a run's start writes into its directory: its files, its lock, and the trackers' stores (W&B offline, MLflow's).
 STARTED_FILES = (*RUN_FILES, LOCK_FILE, "wandb", "mlruns")
 #: How far below a new run's directory a run inside it is looked for.
@@ -190,13 +192,32 @@ def nonfinite_weights(policy: Any) -> tuple[str, float | None]:
     return f"the weight tensor {bad[0][0]}{more}", bad[0][1]
 
 
-def write_run_files(run_dir: Path, config: Config, tokenizer: Any) -> None:
+def write_run_files(run_dir: Path, config: Config, tokenizer: Any, splits: Any) -> None:
     """What a run writes before its first step (holding its directory, if it does not yet): its resolved config, and
-    its tokenizer (once)."""
+    (once) its tokenizer and its splits' digests (:meth:`~nemo_jq.data.base.Splits.digests`)."""
     hold_run_dir(run_dir)
     save_config(config, run_dir / CONFIG_FILE)
     if not (run_dir / TOKENIZER_DIR).exists():
         tokenizer.save_pretrained(run_dir / TOKENIZER_DIR)
+    if not (run_dir / SPLITS_FILE).exists():
+        (run_dir / SPLITS_FILE).write_text(json.dumps(splits.digests(), indent=1) + "\n")
+
+
+def check_splits(run_dir: Path, splits: Any, data: Any) -> None:
+    """The splits a reopened run (a resume, an evaluation) built from its config's ``data`` are the ones it recorded
+    at its start: a source edited since (or a prepared folder rewritten) would train on other data, or score a test
+    split that holds training examples. Refused in one line naming the splits; a run that recorded none is not
+    checked."""
+    try:
+        recorded = json.loads((Path(run_dir) / SPLITS_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    changed = [name for name, digest in splits.digests().items() if isinstance(recorded, dict) and recorded.get(name) != digest]
+    if changed:
+        where = data.prepared_dir or data.source or f"the {data.name} task"
+        raise ConfigError(f"{run_dir}: its {' and '.join(changed)} split{'s' * (len(changed) > 1)} as built now from {where} "
+                          f"differ from those it recorded at its start ({SPLITS_FILE}): its data has changed since; "
+                          "restore it as it was, or start a new run on the data as it is")
 
 
 def beats_best(value: float, best: float | None) -> bool:

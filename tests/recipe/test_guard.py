@@ -81,7 +81,7 @@ def scripted_trainer(tmp_path, validation, *overrides):
                                          *overrides]))
     scores = iter(validation)
     evaluate = trainer.evaluator.evaluate
-    trainer.evaluator.evaluate = lambda split, seed_offset=0, shown=0: (
+    trainer.evaluator.evaluate = lambda split, seed_offset=0, shown=0, stopped=None: (
         {"p@1": 0.0, "p@4": 0.0, "m@4": next(scores)} if split == "validation" else evaluate(split, seed_offset))
     loads = []
     load = trainer.policy.load

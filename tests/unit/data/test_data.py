@@ -410,6 +410,27 @@ def test_a_run_from_a_source_with_bad_rows_says_which_it_dropped(tmp_path, capsy
     assert "row 11: missing field 'answer'" in err
 
 
+def test_a_run_whose_source_changed_under_it_is_neither_evaluated_nor_resumed_on_other_splits(tmp_path, capsys):
+    """A run trained from data.source redrew its splits from the file as it is when evaluated or resumed: rows
+    reordered and added put training examples into its test split, without a word. The splits' digests, recorded at
+    its start (splits.json), are checked; a run that only samples (generate) or exports is not held to them."""
+    source = _write_jsonl(tmp_path / "mine.jsonl", _questions(12))
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "data.name=jsonl", f"data.source={source}", "data.train_size=4",
+                           "data.validation_size=2", "data.test_size=2", "train.max_steps=1", "eval.num_samples=2",
+                           "train.batch_size=2", "train.micro_batch_size=2", f"train.run_dir={run_dir}")
+    assert code == 0, err
+    assert set(json.loads((run_dir / "splits.json").read_text())) == {"train", "validation", "test"}
+    assert run_cli(capsys, "eval", run_dir)[0] == 0  # the same source: the same splits
+    _write_jsonl(source, list(reversed(_questions(20))))
+    for command in (["eval", run_dir], ["train", "--resume", run_dir, "train.max_steps=2"]):
+        code, _, err = run_cli(capsys, *command)
+        one_line_error(code, err, f"{run_dir}: its train and validation and test splits as built now from {source} "
+                       "differ from those it recorded at its start (splits.json)", "restore it as it was")
+    code, _, err = run_cli(capsys, "generate", run_dir, "What is 3+1?")
+    assert code == 0, err
+
+
 def test_fixes_name_the_option_of_the_command_that_prepares(tmp_path, capsys):
     """``data prepare`` takes flags and ``train`` config keys: a fix names the one the person typed a command with."""
     source = _write_jsonl(tmp_path / "bad.jsonl", [*_questions(7), '{"id": "broken", '])
