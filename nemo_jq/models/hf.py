@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -46,11 +47,34 @@ def tiny_qwen3(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads:
 
 
 def load_causal_lm(folder: Path) -> Any:
-    """An HF causal LM from a local folder, in fp32."""
+    """An HF causal LM from a local folder, in fp32. A weight its ``config.json`` builds that the folder lacks (a layer
+    more, an MLP where the weights hold experts) would start random, and one of another shape fails inside
+    transformers: either is one ``ValueError`` naming the weights."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    fix = "use the config.json that came with these weights"
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its load report: what it says is said below, in a line
     with quiet_weight_files():
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+        except RuntimeError as err:  # a shape the name check before loading could not compare (fused experts)
+            if "size mismatch" not in str(err) and "mismatched_sizes" not in str(err):
+                raise
+            raise ValueError(f"model folder {folder}: its config.json does not match its weights "
+                             f"({' '.join(str(err).split())[:300]}): {fix}") from None
+        finally:
+            logging.set_verbosity(verbosity)
+    missing, unused = info["missing_keys"], info["unexpected_keys"]
+    if unused and not missing:
+        print(f"nemo-jq: warning: model folder {folder}: {len(unused)} of its weights are not used by its config.json "
+              f"({', '.join(sorted(unused)[:3])}{', ...' * (len(unused) > 3)})", file=sys.stderr)
+    if missing:
+        raise ValueError(f"model folder {folder}: its config.json builds {len(missing)} weight{'s' * (len(missing) > 1)} "
+                         f"its weight files lack ({', '.join(sorted(missing)[:3])}{', ...' * (len(missing) > 3)}), which "
+                         f"would start random: {fix}")
+    return model
 
 
 #: The optimizer state of an HF policy's checkpoint (its weights are ``WEIGHTS_FILE``, in HF layout).

@@ -291,13 +291,18 @@ def load_model(config: Config, model_dir: Path | None, vocab_size: int) -> Any:
 
 def check_config_matches_weights(model_dir: Path) -> None:
     """A ``ValueError`` naming the first weight whose shape in the folder's safetensors differs from the one its
-    ``config.json`` builds (checked on the meta device, before anything is loaded)."""
+    ``config.json`` builds (checked on the meta device, before anything is loaded), or a Qwen3-MoE routing to more
+    experts than it has."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(model_dir)
+    experts, chosen = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    if experts and chosen and chosen > experts:  # transformers fails at the first forward, deep in the router
+        raise ValueError(f"model folder {model_dir}: its config.json routes each token to num_experts_per_tok={chosen} "
+                         f"of num_experts={experts} experts: use the config.json that came with these weights")
     with torch.device("meta"):
-        expected = {name: tuple(p.shape) for name, p in
-                    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).state_dict().items()}
+        expected = {name: tuple(p.shape) for name, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
     weights = SafetensorsFolder(model_dir)
     for file in dict.fromkeys(weights.files.values()):
         with safe_open(str(file), framework="pt") as tensors:

@@ -286,6 +286,11 @@ def test_model_tokenizer_and_device_mistakes_are_one_line_and_leave_nothing(tmp_
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
 
+    def deeper(folder):  # a layer more than the weights hold: it started random, without a word
+        config = json.loads((folder / "config.json").read_text())
+        config.pop("layer_types", None)
+        (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+
     def no_template(folder):
         (folder / "chat_template.jinja").unlink(missing_ok=True)
         config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -300,6 +305,8 @@ def test_model_tokenizer_and_device_mistakes_are_one_line_and_leave_nothing(tmp_
     cases = [
         (variant("wider", wider), ["its config.json does not match its weights", "in model.safetensors, [",
                                    "by config.json"]),
+        (variant("deeper", deeper), ["its config.json builds 11 weights its weight files lack (model.layers.1.",
+                                     "which would start random: use the config.json that came with these weights"]),
         (variant("no_template", no_template), ["has no chat template", "chat_template.jinja"]),
         (variant("no_tokenizer", no_tokenizer), ["has no tokenizer files", "hf download"]),
         ("train.device=gpu", ["train.device=gpu is not a device", "auto, cpu, cuda or cuda:N"]),
@@ -310,6 +317,30 @@ def test_model_tokenizer_and_device_mistakes_are_one_line_and_leave_nothing(tmp_
         code, _, err = run_cli(capsys, "train", *QUICK, override, f"train.run_dir={run_dir}")
         one_line_error(code, err, *fragments)
         assert not run_dir.exists(), override
+
+
+def test_a_qwen3_moe_folder_whose_config_does_not_fit_its_weights_is_one_line(tmp_path, capsys):
+    """A Qwen3-MoE's config that puts a dense MLP where the weights hold experts (``mlp_only_layers``) trained with
+    that MLP random; one routing to more experts than it has failed at the first forward; experts of another width
+    failed inside transformers (its fused experts' names are not the file's, so the check before loading missed them)."""
+    from helpers import moe_run_folder
+
+    good = moe_run_folder(tmp_path)
+
+    def variant(name, **changes):
+        folder = tmp_path / name
+        subprocess.run(["cp", "-r", str(good), str(folder)], check=True)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+        return folder
+
+    for folder, fragments in ((variant("dense_layer", mlp_only_layers=[0]), ["builds 3 weights its weight files lack "
+                                                                            "(model.layers.0.mlp.down_proj.weight"]),
+                              (variant("top_k", num_experts_per_tok=8), ["num_experts_per_tok=8 of num_experts=4"]),
+                              (variant("narrow", moe_intermediate_size=8), ["its config.json does not match its weights"])):
+        code, _, err = run_cli(capsys, "train", *QUICK, f"model.path={folder}", f"train.run_dir={tmp_path / 'run'}")
+        one_line_error(code, err, f"model folder {folder}", *fragments)
+        assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------- item 10: hints that work
