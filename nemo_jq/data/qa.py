@@ -17,6 +17,7 @@ tokenizer's chat template with thinking on.
 
 from __future__ import annotations
 
+import math
 import string
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -66,6 +67,9 @@ def required_text(record: dict[str, Any], key: str) -> str:
 
 def required_answer(record: dict[str, Any], key: str = "answer") -> str:
     answer = required_field(record, key, (str, int, float))
+    if isinstance(answer, float) and (not math.isfinite(answer) or "e" in repr(answer)):
+        # NaN and Infinity are no JSON; 1e20 reads back as "1e+20", which no written-out answer matches
+        raise BadRow(f"{key!r} is the number {answer!r}, which no answer is written as: give it as a string")
     answer = str(answer).strip()
     if not answer:
         raise BadRow(f"empty {key!r}")
@@ -306,11 +310,15 @@ class CustomQA(QATask):
         try:
             self.template.format(question="", context="")
         except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(f"prompt template {self.template!r} may only use {{question}} and {{context}}: {err}") from None
+            raise ValueError(f"prompt template {self.template!r} may only use {{question}} and {{context}} (a brace of "
+                             f"its own written {{{{ or }}}}): {err}") from None
+        if "{question}" not in self.template:  # every prompt would be the same
+            raise ValueError(f"prompt template {self.template!r} does not use {{question}}: every prompt would be the "
+                             "same; put {question} where the question goes")
         self.warm_system = self.system
 
     def build(self, record: dict[str, Any]) -> Example:
-        context = record.get("context", "")
+        context = "" if record.get("context") is None else record["context"]  # null: none (a data frame's missing one)
         if not isinstance(context, str):
             raise BadRow(f"field 'context' must be str, got {type(context).__name__}")
         return Example(

@@ -256,6 +256,10 @@ def test_custom_jsonl_with_a_template(tmp_path):
     ]
     with pytest.raises(ValueError, match="may only use"):
         CustomQA(template="{answer}")
+    with pytest.raises(ValueError, match=r"a brace of its own written \{\{ or \}\}"):
+        CustomQA(template="{question} {")
+    with pytest.raises(ValueError, match="does not use {question}: every prompt would be the same"):
+        CustomQA(template="Answer this.")  # it was taken, and every prompt was one
 
 
 def test_trainer_runs_on_a_prepared_dataset(tmp_path):
@@ -491,14 +495,20 @@ def test_the_prompt_options_of_jsonl_are_refused_for_other_datasets(tmp_path, ca
 
 def test_empty_questions_and_true_or_false_answers_are_bad_rows(tmp_path):
     rows = [*_questions(6), {"id": "blank", "question": "", "answer": "1"}, {"id": "spaces", "question": " \t", "answer": "1"},
-            {"id": "yes", "question": "Is it?", "answer": True}, {"id": "number", "question": "How many?", "answer": 7}]
+            {"id": "yes", "question": "Is it?", "answer": True}, {"id": "number", "question": "How many?", "answer": 7},
+            # numbers no answer is written as (NaN and Infinity, which Python's JSON reads, became "nan" and "inf");
+            # a null context, as a data frame writes a missing one, is none (it was a bad row)
+            '{"id": "nan", "question": "Q?", "answer": NaN}', '{"id": "big", "question": "Q?", "answer": 1e20}',
+            {"id": "no_context", "question": "Q?", "answer": "2", "context": None}]
     _, manifest = prepare(make_task("jsonl"), str(_write_jsonl(tmp_path / "mine.jsonl", rows)), (3, 2, 2), seed=0)
     assert manifest["sources"]["all"]["bad"] == [
         {"id": "blank", "row": 7, "reason": "empty 'question'"},
         {"id": "spaces", "row": 8, "reason": "empty 'question'"},
         {"id": "yes", "row": 9, "reason": "field 'answer' must be str/int/float, got bool"},
+        {"id": "nan", "row": 11, "reason": "'answer' is the number nan, which no answer is written as: give it as a string"},
+        {"id": "big", "row": 12, "reason": "'answer' is the number 1e+20, which no answer is written as: give it as a string"},
     ]
-    assert manifest["sources"]["all"]["eligible"] == 7
+    assert manifest["sources"]["all"]["eligible"] == 8
 
 
 def test_ids_shared_between_source_split_files_are_named(tmp_path, capsys):
