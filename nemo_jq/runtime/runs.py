@@ -332,9 +332,29 @@ def _writes_here() -> bool:
 
 
 def at_home(config: Config, run_dir: Path) -> Config:
-    """A saved config with ``train.run_dir`` where the run is now (it may have moved since it was written)."""
+    """A saved config with ``train.run_dir`` where the run is now (it may have moved since it was written), and its
+    ``model.path`` where it moved with it: a model folder that shared a folder with the run (a warm-start experiment's
+    warm policy, ``OUT/warm/SETTING/policy`` beside ``OUT/SETTING/METHOD/seedS``) is read from that folder's new place
+    where the run's own moved there (``mv OUT OUT2``, or ``--overwrite``'s ``OUT.old-...``: the path written then may
+    hold another experiment's policy now)."""
+    saved, now = Path(config.train.run_dir), Path(run_dir).absolute()
     config.train.run_dir = str(run_dir)
+    if config.model.path and Path(config.model.path).is_absolute() == saved.is_absolute():
+        moved = moved_with(Path(config.model.path), saved, now)
+        if moved is not None and moved.exists():
+            config.model.path = str(moved)
     return config
+
+
+def moved_with(path: Path, saved: Path, now: Path) -> Path | None:
+    """Where ``path`` is now if the folder it shares with a run once at ``saved`` (not the root alone) moved with the
+    run, now at ``now``; None where it did not move, or nothing but the root is shared."""
+    common = Path(os.path.commonpath([path, saved]))
+    inner = saved.relative_to(common).parts
+    if common in (Path(common.anchor), Path(".")) or not inner or now.parts[-len(inner):] != inner:
+        return None
+    base = Path(*now.parts[:-len(inner)])
+    return None if base == common.absolute() else base / path.relative_to(common)
 
 
 def holds_this_run(config: Config) -> tuple[str, list[str]]:

@@ -111,6 +111,9 @@ def test_quick_run_through_the_cli_writes_table_summary_and_figures_and_refuses_
     assert "| none |" in stdout and (out / "table.md").exists() and (out / "curves_none.png").stat().st_size > 0
     one_line_error(*run_cli(capsys, "experiment", "warm-start", "--quick", "--seeds", "0", "--out", out)[::2],
                    "an earlier experiment")
+    moved = out.rename(tmp_path / "moved")  # its runs' model.path names the warm policy where it was written
+    code, _, err = run_cli(capsys, "eval", moved / "none" / "GRPO" / "seed0", "eval.num_samples=2")
+    assert code == 0, err  # read from where it moved with them ("model folder ... does not exist" before)
     one_line_error(*run_cli(capsys, "experiment", "warm-start", "--dependences", "all", "--out", tmp_path / "x")[::2],
                    "--dependences", "'all'", "none, sum, operations")
     one_line_error(*run_cli(capsys, "experiment", "warm-start", "--widths", "2", "--out", tmp_path / "x")[::2],
