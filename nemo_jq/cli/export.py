@@ -25,9 +25,27 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load(args)
     selected = loaded.selected
+    earlier = earlier_source(args.out)
+    if earlier and Path(earlier.get("run_dir", "")) != Path(selected.run_dir):  # a run may start from it (model.path)
+        raise FileExistsError(f"--out {args.out} holds the export of another run ({earlier.get('run_dir')}, step "
+                              f"{earlier.get('step')}): choose another --out, or move that export away first")
     loaded.components.policy.export(args.out, loaded.components.tokenizer)
     if distributed.is_writer():
         (args.out / MODEL_CARD).write_text(model_card(selected))
         record_source(args.out, selected.describe(), written=[MODEL_CARD])
-        print(f"exported step {selected.step} of {selected.run_dir} ({selected.why}) to {args.out}")
+        print(f"exported step {selected.step} of {selected.run_dir} ({selected.why}) to {args.out}"
+              + (f", replacing its export of step {earlier.get('step')}" if earlier else ""))
     return 0
+
+
+def earlier_source(out: Path) -> dict | None:
+    """Where the export already in ``out`` came from (its marker's ``source``); None where there is none."""
+    import json
+
+    from nemo_jq.models.export import EXPORT_MARKER
+
+    try:
+        source = json.loads((Path(out) / EXPORT_MARKER).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, dict) else None

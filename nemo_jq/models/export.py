@@ -34,7 +34,9 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
     marker = out_dir / EXPORT_MARKER
     earlier = [EXPORT_MARKER, *json.loads(marker.read_text())["files"]] if marker.is_file() else []
     if not present <= set(earlier):
-        raise ValueError(f"export target {out_dir} holds files that are not from an earlier export: choose another --out or remove it")
+        foreign = sorted(present - set(earlier))
+        raise ValueError(f"export target {out_dir} holds files that are not from an earlier export ({', '.join(foreign[:3])}"
+                         f"{', ...' * (len(foreign) > 3)}): choose another --out or remove them")
     return earlier
 
 

@@ -269,6 +269,14 @@ def test_eval_and_export_name_the_step_they_use_and_take_another_on_request(tmp_
     assert (source["step"], source["checkpoint"]) == (3, str(run_dir / "checkpoints" / "step_00000003"))
     code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "first", "--step", "1")
     assert code == 0 and "exported step 1" in out and "(step 1, as asked)" in out
+    code, out, _ = run_cli(capsys, "export", run_dir, "--out", tmp_path / "first", "--step", "2")  # said, not silent
+    assert code == 0 and "exported step 2" in out and "replacing its export of step 1" in out, out
+    # another run's export may be a run's model.path: it is not replaced (it was, silently)
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other, ignore=shutil.ignore_patterns(".nemo_jq.lock"))
+    code, _, err = run_cli(capsys, "export", other, "--out", tmp_path / "first")
+    one_line_error(code, err, f"--out {tmp_path / 'first'} holds the export of another run ({run_dir}, step 2)")
+    assert json.loads((tmp_path / "first" / "nemo_jq_export.json").read_text())["source"]["step"] == 2
     # the same validations at 0.5 (written as a run that scored them would): the best is the earliest of the tie
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text(metrics.read_text().replace('"m@4": 0.0', '"m@4": 0.5'))
