@@ -32,7 +32,7 @@ def add_parser(commands) -> None:
     dry.add_argument("--json", type=arguments.output_file("dry run's JSON report", arguments.json_holding(
         "gpu", "usable_gib", "phases", "peak_gib")), metavar="FILE",
                      help="also write the report as JSON to FILE (a new file, or an earlier dry run's report)")
-    dry.add_argument("overrides", nargs="*", help="section.key=value overrides (as train takes them)")
+    dry.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides (as train takes them)")
     dry.set_defaults(run=run)
 
 

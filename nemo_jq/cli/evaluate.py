@@ -15,7 +15,8 @@ def add_parser(commands) -> None:
     evaluate.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
     evaluate.add_argument("--split", default="test", choices=("train", "validation", "test"))
     evaluate.add_argument("--step", default="best", help=arguments.STEP_HELP)
-    evaluate.add_argument("overrides", nargs="*", help="how it samples and where it runs, e.g. eval.num_samples=16 train.device=cpu")
+    evaluate.add_argument("overrides", nargs="*", default=[],
+                          help="how it samples and where it runs, e.g. eval.num_samples=16 train.device=cpu")
     evaluate.set_defaults(run=run)
 
 

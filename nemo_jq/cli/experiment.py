@@ -55,7 +55,7 @@ OWN = {
                                        "only, not the warm-up (repeatable; e.g. optim.lr=1e-3)"))],
 }
 EXPERIMENTS = tuple(OWN)
-OVERRIDES = dict(nargs="*", help="section.key=value overrides for every run (e.g. guard.enabled=true)")
+OVERRIDES = dict(nargs="*", default=[], help="section.key=value overrides for every run (e.g. guard.enabled=true)")
 
 
 def add_parser(commands) -> None:

@@ -14,7 +14,7 @@ def add_parser(commands) -> None:
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
     export.add_argument("--out", type=Path, required=True)
     export.add_argument("--step", default="best", help=arguments.STEP_HELP)
-    export.add_argument("overrides", nargs="*", help="where it runs, e.g. train.device=cpu (a run trained on a GPU)")
+    export.add_argument("overrides", nargs="*", default=[], help="where it runs, e.g. train.device=cpu (a run trained on a GPU)")
     export.set_defaults(run=run)
 
 

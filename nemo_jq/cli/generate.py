@@ -26,7 +26,7 @@ def add_parser(commands) -> None:
     generate.add_argument("--seed", type=arguments.seed, default=0)
     generate.add_argument("--step", default="best", help=arguments.STEP_HELP)
     generate.add_argument("--json", action="store_true", help="print JSON instead of text")
-    generate.add_argument("overrides", nargs="*", help="how it samples and where it runs, e.g. rollout.max_thinking_tokens=512")
+    generate.add_argument("overrides", nargs="*", default=[], help="how it samples and where it runs, e.g. rollout.max_thinking_tokens=512")
     generate.set_defaults(run=run)
 
 

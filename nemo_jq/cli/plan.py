@@ -31,7 +31,7 @@ def add_parser(commands) -> None:
                          "trainer's units, M, budgets, backend, engine, optimizer mode); key=value overrides as train takes")
     planner.add_argument("--prompt-tokens", type=arguments.positive,
                          help="with --config: the longest prompt the data holds, in tokens (default 1024)")
-    planner.add_argument("overrides", nargs="*", help="with --config: section.key=value overrides")
+    planner.add_argument("overrides", nargs="*", default=[], help="with --config: section.key=value overrides")
     planner.add_argument("--model", help="a Qwen3 size (0.6b, 1.7b, 4b, 8b, 14b, 32b, 30b-a3b, 235b-a22b) or an HF "
                          "config.json / folder "
                          "(with --config: its model.path)")

@@ -50,7 +50,7 @@ def add_parser(commands) -> None:
     sweep.add_argument("--task", type=Path, metavar="SWEEP_DIR", help="run one run of the sweep here, in this process: "
                        "the one --index names, else $SLURM_ARRAY_TASK_ID's (what each array task of --slurm runs)")
     sweep.add_argument("--index", type=int, help="with --task: the run's place in sweep.json's runs, from 0")
-    sweep.add_argument("overrides", nargs="*", help="section.key=value (the same for every run) or section.key=a,b,c "
+    sweep.add_argument("overrides", nargs="*", default=[], help="section.key=value (the same for every run) or section.key=a,b,c "
                        "(swept)")
     sweep.set_defaults(run=run)
 

@@ -37,7 +37,7 @@ def add_parser(commands) -> None:
                        "key=value overrides given with it apply to each of the demo's runs")
     train.add_argument("--quick", action="store_true", help="the demo in about a minute (one epoch, 32 "
                        "validation and 64 test prompts): a smoke test, not the README's table")
-    train.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    train.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     train.set_defaults(run=run)
 
 

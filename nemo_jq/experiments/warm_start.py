@@ -193,8 +193,9 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence
         raise ConfigError(f"--target-p1 is a validation p@1 in percent, in [0, 100]; got {target_p1:g}")
     plan = chosen_methods(methods(), only)
     size = QUICK if quick else []
+    shaped = [item for item in size if not item.startswith("model.tiny.")]  # the methods start from the warm policy
     phases = {"warm-up": [*COMMON, *size, *overrides, *(QUICK_WARMUP if quick else WARMUP)],
-              "methods": [*COMMON, *SETTINGS, *size, *overrides, *methods_overrides]}
+              "methods": [*COMMON, *SETTINGS, *shaped, *overrides, *methods_overrides]}
     for dependence in dependences:  # every configuration is checked before anything is written or trained
         load_config(None, [*phases["warm-up"], f"data.rationale_dependence={dependence}"])
         for method in plan.values():

@@ -120,7 +120,10 @@ def test_a_misspelt_key_a_closed_pipe_a_file_as_run_directory_and_a_failed_start
     (["sweep", "--out", "x", "objective.q=0,1", "--seeds", "0,,1"], "nemo-jq sweep: error: argument --seeds: "),
     (["plan", "--gpus-per-node", "0"], "nemo-jq plan: error: argument --gpus-per-node: must be a whole number >= 1"),
     (["train", "--nope"], "nemo-jq train: error: unrecognized arguments: --nope (see nemo-jq train --help)"),
-    (["bogus"], "nemo-jq: error: argument command: invalid choice: 'bogus'")])
+    (["bogus"], "nemo-jq: error: argument command: invalid choice: 'bogus'"),
+    # the overrides, optional, were named as required beside what is
+    (["experiment"], "nemo-jq experiment: error: the following arguments are required: name (see"),
+    (["eval"], "nemo-jq eval: error: the following arguments are required: checkpoint (see")])
 def test_a_bad_argument_is_one_line_without_the_usage_block(capsys, args, said):
     with pytest.raises(SystemExit) as exited:
         main(args)
