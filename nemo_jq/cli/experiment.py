@@ -103,6 +103,22 @@ def run(args: argparse.Namespace) -> int:
              if getattr(args, flags[0].lstrip("-").replace("-", "_")) not in (None, {})]
     if given:
         raise ConfigError(f"experiment {args.name} takes no {', '.join(given)} (another experiment's option): drop it")
+    try:
+        return run_named(args)
+    except ValueError as err:  # a key an option sets, named as the option it came from
+        given = [option for option, key in OPTION_KEYS.items() if key in str(err)
+                 and getattr(args, option.lstrip("-").replace("-", "_"), None) not in (None, {}, [])]
+        if given:
+            raise type(err)(f"{given[0]} ({OPTION_KEYS[given[0]]} of its runs): {err}") from None
+        raise
+
+
+#: The config key each experiment option sets in its runs (an error about the key is about the option).
+OPTION_KEYS = {"--label-noise": "data.label_noise", "--widths": "data.answer_width", "--adaptive": "objective.q_schedule",
+               "--dependences": "data.rationale_dependence"}
+
+
+def run_named(args: argparse.Namespace) -> int:
     common = dict(quick=args.quick, overrides=args.overrides, overwrite=args.overwrite, only=args.methods)
     if args.name == "noisy-cold-start":
         from nemo_jq.experiments.noisy_cold_start import run_experiment

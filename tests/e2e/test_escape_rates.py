@@ -99,12 +99,20 @@ REFUSED = {
         (["data.answer_width=4"], ["sets data.answer_width per width", "use --widths"]),
         (["train.run_dir=elsewhere"], ["sets train.run_dir", "use --out"]),
         (["train={seed: 3}"], ["sets train.seed per seed", "use --seeds"]),
-        (["optim.lr=0.001"], ["sets optim.lr per optimizer", "drop it"])]),
+        (["optim.lr=0.001"], ["sets optim.lr per optimizer", "drop it"]),
+        # a run stopped before the cap was reported censored at it
+        (["train.max_steps=2"], ["sets train.max_steps to --cap", "use --cap"]),
+        (["--widths", "1"], ["--widths (data.answer_width of its runs): data.answer_width=1 cannot hold"])]),
     "noisy-cold-start": (["--methods", "q=1"], [
         (["--seeds", "1", "0", "1", "1"], ["--seeds: 1 is given 3 times, which would train one run 3 times: drop all but one"]),
         (["data.label_noise=0.3"], ["sets data.label_noise from --label-noise", "use --label-noise"]),
         (["data.seed=4"], ["sets data.seed per seed", "use --seeds"]),
-        (["objective.q_schedule={name: linear, num_steps: 4}"], ["sets objective.q_schedule per method"])]),
+        (["objective.q_schedule={name: linear, num_steps: 4}"], ["sets objective.q_schedule per method"]),
+        # no training label made wrong: it trained a run, then failed on its memorisation ("error: memorisation")
+        (["--label-noise", "0"], ["--label-noise 0 makes none of the 24 training labels wrong", "at least 0.042"]),
+        (["--label-noise", "1.5"], ["--label-noise (data.label_noise of its runs): data.label_noise must be"]),
+        (["--methods", "adaptive", "--adaptive", "foo=1"], ["--adaptive (objective.q_schedule of its runs)",
+                                                           "unknown key(s) ['foo']"])]),
     "warm-start": (["--methods", "GRPO", "--dependences", "none"], [
         (["--dependences", "none", "sum", "none"], ["--dependences: none is given twice"]),
         (["--methods", "GRPO,PAFT q=0.25,GRPO"], ["--methods: GRPO is given twice"]),
