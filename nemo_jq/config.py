@@ -399,7 +399,7 @@ class Config:
         if self.model.backend != "megatron" and not self.megatron.is_single_process:
             changed = [f"megatron.{f.name}" for f in dataclasses.fields(MegatronLayout)
                        if getattr(self.megatron, f.name) != getattr(MegatronLayout(), f.name)]
-            raise ConfigError(f"{', '.join(changed)} need model.backend=megatron "
+            raise ConfigError(f"{', '.join(changed)} need{'s' * (len(changed) == 1)} model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
         if self.model.activation_checkpointing and self.model.backend == "megatron":
             raise ConfigError("model.activation_checkpointing is the hf backend's; with model.backend=megatron set "

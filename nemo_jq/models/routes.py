@@ -33,8 +33,10 @@ def routing_replay(config: Any, experts: bool) -> bool:
     megatron backend, the one that replays them), or a one-line :class:`ConfigError` where it asks for what cannot be."""
     asked = config.rollout.routing_replay
     if asked and not experts:
-        raise ConfigError("rollout.routing_replay=true, but model.path's model has no experts to route (a dense "
-                          "Qwen3): set it to null or false")
+        model = (f"model.path's model ({config.model.path})" if config.model.path
+                 else "the tiny model from scratch (model.path: null)")
+        raise ConfigError(f"rollout.routing_replay=true, but {model} has no experts to route (a dense Qwen3): set it to "
+                          "null or false")
     if asked and config.model.backend != "megatron":
         raise ConfigError(f"rollout.routing_replay=true replays routes in model.backend=megatron only; "
                           f"model.backend={config.model.backend} routes as transformers does: set it to null or false")

@@ -117,7 +117,7 @@ def test_resume_applies_safe_overrides_and_refuses_the_rest(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "megatron.tensor_parallel=2")
     one_line_error(code, err, "megatron.tensor_parallel", "model.backend=megatron")
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "model.tensor_parallel=2")  # the key before 0.2
-    assert code == 2 and "megatron.tensor_parallel need model.backend=megatron" in err and "Traceback" not in err
+    assert code == 2 and "megatron.tensor_parallel needs model.backend=megatron" in err and "Traceback" not in err
     assert run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3", "eval.every=3")[0] == 0
     saved = load_config(run_dir / "config.yaml")
     assert saved.train.max_steps == 3 and saved.eval.every == 3

@@ -108,7 +108,7 @@ def test_evaluation_records_no_routes(monkeypatch):
 def test_routing_replay_where_it_cannot_be_is_one_line(capsys):
     """A dense model has no routes to replay, and the hf backend does not replay them: said before any step."""
     code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=1", "rollout.routing_replay=true")
-    one_line_error(code, err, "rollout.routing_replay=true, but model.path's model has no experts")
+    one_line_error(code, err, "rollout.routing_replay=true, but the tiny model from scratch (model.path: null) has no experts")
 
 
 def test_vllms_routed_experts_become_routes_of_every_position():
