@@ -434,6 +434,12 @@ class Config:
             for split in ("train", "validation", "test"):
                 count = counts.get(split, {}).get("count") if isinstance(counts.get(split), dict) else None
                 if type(count) is int and count >= 1:
+                    given = getattr(data, f"{split}_size")
+                    message = (f"data.{split}_size={given} is ignored: data.prepared_dir={data.prepared_dir} holds "
+                               f"{count} {split} rows (its manifest.json), which the run takes")
+                    if given not in (count, getattr(DataConfig(), f"{split}_size")) and message not in _ANNOUNCED:
+                        _ANNOUNCED.add(message)  # one set, and not the folder's: said, as an unread key is
+                        print(f"nemo-jq: warning: {message}", file=sys.stderr)
                     setattr(data, f"{split}_size", count)
         elif data.name is None:
             data.name = "synthetic"

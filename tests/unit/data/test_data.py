@@ -291,6 +291,10 @@ def test_a_prepared_folder_gives_the_split_sizes_that_plans_and_dry_runs_count_s
     assert main(["plan", "--config", "configs/qwen3_0p6b/hotpotqa_warm_paft_q0.75.yaml", "--gpus-per-node", "1",
                  f"data.prepared_dir={tmp_path / 'prepared'}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["time"]["layout"]["run"]["steps"] == 2  # 2 epochs of 3 prompts, batches of 32
+    # a size given beside the folder is said to be the folder's (it was replaced without a word)
+    assert load_config(None, [f"data.prepared_dir={tmp_path / 'prepared'}", "data.train_size=5"]).data.train_size == 3
+    assert (f"nemo-jq: warning: data.train_size=5 is ignored: data.prepared_dir={tmp_path / 'prepared'} holds 3 train "
+            "rows (its manifest.json), which the run takes") in capsys.readouterr().err
 
 def test_finqa_rows_without_an_annotated_answer_are_kept_and_counted():
     splits, manifest = prepare(FinQA(), str(FIXTURES / "finqa"), (3, 4, 1), seed=0)
