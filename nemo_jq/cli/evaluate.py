@@ -35,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load(args)
     selected = loaded.selected
+    noise = loaded.components.config.data.label_noise
+    if args.split == "train" and noise and distributed.is_writer():
+        print(f"nemo-jq: warning: the train split is scored against its labels as the run trained on them: "
+              f"data.label_noise={noise:g} of them made wrong", file=sys.stderr)
     report = {"split": args.split, **selected.describe(), **Evaluator(loaded.components).evaluate(args.split)}
     if distributed.is_writer():
         print(json.dumps(report, indent=2))

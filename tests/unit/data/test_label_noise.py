@@ -73,6 +73,19 @@ def test_a_noisy_run_reports_the_memorisation_of_its_final_and_tested_models(tmp
     assert trainer.evaluator.memorisation() == 100
 
 
+def test_eval_of_a_noisy_runs_train_split_says_its_labels_are_the_corrupted_ones(tmp_path, capsys):
+    from helpers import run_cli
+
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *TINY_RUN, "data.label_noise=0.25", "train.max_steps=1", "eval.num_samples=2",
+                   f"train.run_dir={run_dir}")[0] == 0
+    code, _, err = run_cli(capsys, "eval", run_dir, "--split", "train", "eval.num_samples=2")
+    assert code == 0 and "the train split is scored against its labels as the run trained on them: " \
+        "data.label_noise=0.25 of them made wrong" in err, err
+    code, _, err = run_cli(capsys, "eval", run_dir, "--split", "test", "eval.num_samples=2")
+    assert code == 0 and "label_noise" not in err  # the evaluation splits are clean
+
+
 def _answering(trainer, answers):
     from nemo_jq.models.interfaces import Rollout
 
