@@ -38,7 +38,8 @@ def move_aside(path: Path) -> Path:
     if here == path.resolve() or path.resolve() in here.parents:
         raise FileExistsError(f"{path} holds the folder this command runs in ({here}), which moving it aside would move "
                               f"too: run the command from outside it (cd {path.parent}) and name the folder from there")
-    for folder, holder in held_runs_in(path):
+    if held := held_runs_in(path):
+        folder, holder = held[0]
         raise RunDirInUse(f"{path} holds {folder}, in use by another run ({holder}): moved aside, that run would go on "
                           "writing into the moved folder and its next run into the new one; wait for it to end (or stop "
                           "it), or choose another folder")
@@ -108,8 +109,8 @@ def hold_run_dir(run_dir: Path) -> None:
     _HELD[key] = _Held(fd, created)
 
 
-#: How deep below a folder to look for runs in use before moving it aside (an experiment's runs are at
-#: ``OUT/method/seedS``, its warm policies at ``OUT/warm/setting/policy``).
+#: How deep below a folder its runs are looked for (an experiment's runs are at ``OUT/method/seedS``, its warm
+#: policies at ``OUT/warm/setting/policy``): a run in use before it is moved aside, one inside a new run's folder.
 RUN_DEPTH = 4
 
 

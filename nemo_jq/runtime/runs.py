@@ -13,7 +13,7 @@ from nemo_jq.config import Config, ConfigError, current_key, load_config, save_c
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
 from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, plot_runs, read_metrics
-from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, hold_run_dir, holder_of, let_go, release_run_dir
+from nemo_jq.runtime.outputs import LOCK_FILE, RUN_DEPTH, claim_dir, hold_run_dir, holder_of, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE
 from nemo_jq.strict_yaml import read_yaml_file
 
@@ -29,8 +29,6 @@ RUN_FILES = (CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE, METRICS_F
              TRACKING_FILE, SPLITS_FILE)
 #: All a run's start writes into its directory: its files, its lock, and the trackers' stores (W&B offline, MLflow's).
 STARTED_FILES = (*RUN_FILES, LOCK_FILE, "wandb", "mlruns")
-#: How far below a new run's directory a run inside it is looked for.
-NESTED_RUN_DEPTH = 4
 #: How the megatron backend lays the model out over the processes: its checkpoints load at any TP, PP, CP and DP size.
 LAYOUT_KEYS = ("megatron.tensor_parallel", "megatron.pipeline_parallel", "megatron.context_parallel",
                "megatron.sequence_parallel")
@@ -125,7 +123,7 @@ def refuse_shared_run_dir(run_dir: Path, config: Config) -> None:
         if (why := _run_there(outer)) is not None:
             raise ConfigError(f"train.run_dir={run_dir} is inside the run {outer} ({why}), whose folder is its own "
                               f"({owns}): choose a train.run_dir outside it (e.g. {outer.parent / folder.name})")
-    for inner in _folders_below(folder, NESTED_RUN_DEPTH):
+    for inner in _folders_below(folder, RUN_DEPTH):
         if (why := _run_there(inner)) is not None:
             raise ConfigError(f"train.run_dir={run_dir} holds the run {inner} ({why}), which this run's folder would "
                               f"share ({owns}): choose a train.run_dir that holds no run (a new folder, beside {inner})")

@@ -341,7 +341,8 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     from nemo_jq.runtime.preemption import STOP_WITH_ENV, Stopped, release_terminal, signal_name, stop_signals_here
 
     say = say or (lambda line: print(line, flush=True))
-    for folder, holder in held_runs_in(sweep.directory):  # a second start of it: its runs would fail one by one
+    if held := held_runs_in(sweep.directory):  # a second start of it: its runs would fail one by one
+        folder, holder = held[0]
         raise RunDirInUse(f"{folder} is in use by another run ({holder}): {sweep.directory} is being run already; wait "
                           f"for it to end (or stop it) before `nemo-jq {command} --resume {sweep.directory}`")
     threads = threads or max(1, free_cores() // parallel)
