@@ -95,7 +95,7 @@ def test_data_parallel_replicas_split_each_batch_and_stay_identical(tmp_path):
     assert max_diff(first["after"], first["before"]) > 1e-4
     assert max_diff(first["after"], second["after"]) == 0.0
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
-        "checkpoints", "config.yaml", "metrics.jsonl", "results.json", "samples.jsonl", "tokenizer",
+        "checkpoints", "config.yaml", "metrics.jsonl", "results.json", "samples.jsonl", "splits.json", "tokenizer",
         "training.png"]
 
 
