@@ -436,6 +436,24 @@ def test_the_readme_shows_the_demo_table_ci_checks():
 
 
 
+def test_the_demo_over_an_experiments_results_and_a_demos_resume_with_words_say_what_works(tmp_path, capsys):
+    """``--demo-dir`` over an experiment's folder (its summary.json) offered `train --resume`, which fails there ("not a
+    run directory"); `train --resume DEMO key=value` said to drop "the key=value words and --quick", none of --quick."""
+    experiment = tmp_path / "experiment"
+    experiment.mkdir()
+    (experiment / "summary.json").write_text("{}")
+    code, _, err = run_cli(capsys, "train", "--demo-dir", experiment, "--quick")
+    line = one_line_error(code, err, f"{experiment} already holds an earlier demo's or an experiment's results "
+                          "(summary.json): pass --demo-dir DIR for a new one, or --overwrite")
+    assert "--resume" not in line and sorted(path.name for path in experiment.iterdir()) == ["summary.json"]
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    (demo / "sweep.json").write_text("{}")
+    code, _, err = run_cli(capsys, "train", "--resume", demo, "train.max_steps=5")
+    assert one_line_error(code, err, f"--resume {demo} continues the demo as it started: drop the key=value words"
+                          ).endswith("drop the key=value words")
+
+
 def test_the_demos_table_shows_the_scores_its_runs_have_at_any_eval_num_samples():
     """`nemo-jq train --demo-dir D eval.num_samples=4` finished its five runs, then stopped at the table: "error: p@16"."""
     from nemo_jq.recipe.demo import format_table
