@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import re
 from pathlib import Path
+from types import ModuleType
 
 from nemo_jq.cli import arguments
 
@@ -85,9 +88,7 @@ class ExperimentHelp(argparse.Action):
         if name not in OWN:
             parser.print_help()
             parser.exit()
-        import importlib
-
-        module = importlib.import_module(f"nemo_jq.experiments.{name.replace('-', '_')}")
+        module = experiment_module(name)
         own = argparse.ArgumentParser(prog=f"{parser.prog} {name}", description=module.__doc__.split("\n\n", 1)[0].replace("``", ""),
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
         add_options(own, OWN[name], METHODS_EXAMPLE[name])
@@ -106,16 +107,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_named(args)
     except ValueError as err:  # a key an option sets, named as the option it came from
-        given = [option for option, key in OPTION_KEYS.items() if key in str(err)
-                 and getattr(args, option.lstrip("-").replace("-", "_"), None) not in (None, {}, [])]
-        if given:
-            raise type(err)(f"{given[0]} ({OPTION_KEYS[given[0]]} of its runs): {err}") from None
+        for option, key in option_keys(args.name).items():
+            if key in str(err) and getattr(args, option.lstrip("-").replace("-", "_"), None) not in (None, {}, []):
+                raise type(err)(f"{option} ({key} of its runs): {err}") from None
         raise
 
 
-#: The config key each experiment option sets in its runs (an error about the key is about the option).
-OPTION_KEYS = {"--label-noise": "data.label_noise", "--widths": "data.answer_width", "--adaptive": "objective.q_schedule",
-               "--dependences": "data.rationale_dependence"}
+def option_keys(name: str) -> dict[str, str]:
+    """The config key each of experiment ``name``'s own options sets in its runs, as its ``CONTROLLED`` table says
+    (the option it names, or one its reason mentions: the adaptive method's schedule takes ``--adaptive``'s knobs)."""
+    controlled = experiment_module(name).CONTROLLED
+    return {flags[0]: key for flags, _ in OWN[name] for key, (reason, option) in controlled.items()
+            if flags[0] in (option, *re.findall(r"--[\w-]+", reason))}
+
+
+def experiment_module(name: str) -> ModuleType:
+    return importlib.import_module(f"nemo_jq.experiments.{name.replace('-', '_')}")
 
 
 def run_named(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from nemo_jq.data.base import Example, Splits, Task
 from nemo_jq.data.noise import corrupt_labels
@@ -211,10 +211,9 @@ def _clean_task(data: Any) -> tuple[Task, Splits]:
     for name, entry in manifest["sources"].items():  # no manifest is written here: say which rows were dropped
         where = f"data.source {entry.get('file', data.source)} ({name})"
         if entry["bad"]:
-            rows = ", ".join(f"row {row['row']}: {row['reason']}" for row in entry["bad"][:3])
-            print(f"nemo-jq: warning: {where}: {len(entry['bad'])} bad row{'s' * (len(entry['bad']) > 1)} dropped ({rows}"
-                  f"{', ...' if len(entry['bad']) > 3 else ''}; data.on_bad_row=fail stops at the first, `nemo-jq data "
-                  "prepare` lists them all)", file=sys.stderr)
+            rows = first_few(entry["bad"], lambda row: f"row {row['row']}: {row['reason']}")
+            print(f"nemo-jq: warning: {where}: {len(entry['bad'])} bad row{'s' * (len(entry['bad']) > 1)} dropped ({rows}; "
+                  "data.on_bad_row=fail stops at the first, `nemo-jq data prepare` lists them all)", file=sys.stderr)
         if entry["over_cap"]:
             print(f"nemo-jq: warning: {where}: {describe_over_cap(task, entry)} dropped", file=sys.stderr)
     return task, splits
@@ -258,9 +257,13 @@ def describe_over_cap(task: QATask, entry: dict[str, Any]) -> str:
     over = entry["over_cap"]
     text = f"{len(over)} over the {task.max_input_chars}-character cap"
     if over:
-        text += " (" + ", ".join(f"row {row.get('row', '?')}: id {row['id']}, {row['chars']} characters"
-                                 for row in over[:3]) + (", ..." if len(over) > 3 else "") + ")"
+        text += " (" + first_few(over, lambda row: f"row {row.get('row', '?')}: id {row['id']}, {row['chars']} characters") + ")"
     return text
+
+
+def first_few(rows: list[dict[str, Any]], describe: Callable[[dict[str, Any]], str], shown: int = 3) -> str:
+    """The first ``shown`` of ``rows`` described, with ", ..." where there are more."""
+    return ", ".join(map(describe, rows[:shown])) + (", ..." if len(rows) > shown else "")
 
 
 def warn_duplicate_ids(source: str, rows_of: dict[str, list[int]]) -> None:

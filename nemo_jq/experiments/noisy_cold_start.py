@@ -67,7 +67,8 @@ def methods(steps: int, adaptive: dict[str, float] | None = None) -> dict[str, l
 
 SUMMARY_FILE, TABLE_FILE, TRADEOFF_FILE = "summary.json", "table.md", "tradeoff.png"
 #: The keys each run sets (:data:`~nemo_jq.experiments.common.PER_RUN`), with the noise rate every run takes.
-CONTROLLED = {**PER_RUN, "data.seed": ("per seed", "--seeds"), "data.label_noise": ("from --label-noise", "--label-noise")}
+CONTROLLED = {**PER_RUN, "objective.q_schedule": ("per method (the adaptive one's knobs from --adaptive)", "--methods"),
+              "data.seed": ("per seed", "--seeds"), "data.label_noise": ("from --label-noise", "--label-noise")}
 
 
 #: log P̂ above which a run has left P̂ ≈ 0 (the demo's reading uses it too): e^-5 ≈ 0.7%, where the initial is ~e^-21.

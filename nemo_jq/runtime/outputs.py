@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 
 def claim_dir(path: Path, markers: tuple[str, ...], *, overwrite: bool, what: str, advice: str) -> Path | None:
@@ -115,15 +116,20 @@ RUN_DEPTH = 4
 
 
 def held_runs_in(path: Path) -> list[tuple[Path, str]]:
-    """The run folders at or below ``path`` (to :data:`RUN_DEPTH`; not into checkpoints) that another process holds
-    now, each with its holder in words."""
-    found = []
-    for folder, subfolders, files in os.walk(path):
-        depth = len(Path(folder).relative_to(path).parts)
-        subfolders[:] = [] if depth >= RUN_DEPTH else [name for name in subfolders if name != "checkpoints"]
-        if LOCK_FILE in files and Path(folder).absolute() not in _HELD and (holder := holder_of(Path(folder))):
-            found.append((Path(folder), holder))
-    return found
+    """The run folders at or below ``path`` (:func:`folders_below`) that another process holds now, each with its
+    holder in words."""
+    return [(folder, holder) for folder in (Path(path), *folders_below(path))
+            if folder.absolute() not in _HELD and (holder := holder_of(folder))]
+
+
+def folders_below(folder: Path, depth: int = RUN_DEPTH) -> Iterator[Path]:
+    """The folders under ``folder`` down to ``depth`` levels where a run may be: not hidden ones, not into a run's
+    checkpoints (a link to a folder is listed, not entered)."""
+    for parent, names, _ in os.walk(folder):
+        names[:] = sorted(name for name in names if not name.startswith(".") and name != "checkpoints")
+        yield from (Path(parent, name) for name in names)
+        if len(Path(parent).relative_to(folder).parts) + 1 >= depth:
+            names.clear()
 
 
 def holder_of(folder: Path) -> str | None:

@@ -7,13 +7,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
 from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, plot_runs, read_metrics
-from nemo_jq.runtime.outputs import LOCK_FILE, RUN_DEPTH, claim_dir, hold_run_dir, holder_of, let_go, release_run_dir
+from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE
 from nemo_jq.strict_yaml import read_yaml_file
 
@@ -123,7 +123,7 @@ def refuse_shared_run_dir(run_dir: Path, config: Config) -> None:
         if (why := _run_there(outer)) is not None:
             raise ConfigError(f"train.run_dir={run_dir} is inside the run {outer} ({why}), whose folder is its own "
                               f"({owns}): choose a train.run_dir outside it (e.g. {outer.parent / folder.name})")
-    for inner in _folders_below(folder, RUN_DEPTH):
+    for inner in folders_below(folder):
         if (why := _run_there(inner)) is not None:
             raise ConfigError(f"train.run_dir={run_dir} holds the run {inner} ({why}), which this run's folder would "
                               f"share ({owns}): choose a train.run_dir that holds no run (a new folder, beside {inner})")
@@ -146,15 +146,6 @@ def _run_there(folder: Path) -> str | None:
         return f"its {CHECKPOINT_DIR}/latest"
     holder = holder_of(folder)
     return None if holder is None else f"held by {holder}"
-
-
-def _folders_below(folder: Path, depth: int) -> Iterator[Path]:
-    """The folders under ``folder`` down to ``depth`` levels (not hidden ones; a link to a folder is listed, not entered)."""
-    for parent, names, _ in os.walk(folder):
-        names[:] = sorted(name for name in names if not name.startswith("."))
-        yield from (Path(parent, name) for name in names)
-        if len(Path(parent).relative_to(folder).parts) + 1 >= depth:
-            names.clear()
 
 
 class Diverged(ValueError):
