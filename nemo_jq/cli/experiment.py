@@ -14,10 +14,14 @@ from nemo_jq.cli import arguments
 SHARED = [
     (("--out",), dict(type=Path, help="a new folder for the runs (default: runs/noisy_cold_start, runs/escape_rates, "
                       "runs/warm_start)")),
-    (("--seeds",), dict(type=arguments.seed, nargs="+", default=[0, 1, 2])),
+    (("--seeds",), dict(type=arguments.seed, nargs="+", help="default 0 1 2")),
     (("--quick",), dict(action="store_true", help="a few-second smoke size (not a result)")),
     (("--overwrite",), dict(action="store_true", help="if --out holds an experiment, move it aside first")),
+    (("--resume",), dict(type=Path, metavar="OUT", help="go on with the experiment a stop left in OUT, with the options "
+                         "it started with: its finished runs are kept, the stopped one continues from its checkpoint")),
 ]
+#: The seeds an experiment runs unless ``--seeds`` says.
+SEEDS = [0, 1, 2]
 #: ``--methods``, shared too; its help gives an example of the methods each experiment takes (:data:`METHODS_EXAMPLE`).
 METHODS = dict(type=lambda text: [name.strip() for name in text.split(",")], default=[], metavar="NAME,NAME")
 METHODS_EXAMPLE = {"noisy-cold-start": "adaptive,q=1", "escape-rates": "GRPO,q=1", "warm-start": "'GRPO,PAFT q=0.25'"}
@@ -100,15 +104,24 @@ def run(args: argparse.Namespace) -> int:
     """``nemo-jq experiment NAME``: each experiment takes the shared options and its own (another's is an error)."""
     from nemo_jq.config import ConfigError
 
-    given = [flags[0] for name, options in OWN.items() if name != args.name for flags, _ in options
-             if getattr(args, flags[0].lstrip("-").replace("-", "_")) not in (None, {})]
+    given = [flags[0] for name, options in OWN.items() if name != args.name for flags, _ in options if is_given(args, flags[0])]
     if given:
         raise ConfigError(f"experiment {args.name} takes no {', '.join(given)} (another experiment's option): drop it")
+    if args.resume is not None:
+        given = [flags[0] for flags, _ in [*SHARED, (("--methods",), None), *OWN[args.name]]
+                 if flags[0] != "--resume" and is_given(args, flags[0])] + ["key=value overrides"] * bool(args.overrides)
+        if given:
+            raise ConfigError(f"--resume {args.resume} goes on with the experiment as it started: drop {', '.join(given)}")
+        from nemo_jq.experiments.common import Progress
+
+        options = Progress.read(args.resume, args.name).options
+        experiment_module(args.name).run_experiment(args.resume, **options, resume=True)
+        return 0
     try:
         return run_named(args)
     except ValueError as err:  # a key an option sets, named as the option it came from
         for option, key in option_keys(args.name).items():
-            if key in str(err) and getattr(args, option.lstrip("-").replace("-", "_"), None) not in (None, {}, []):
+            if key in str(err) and is_given(args, option):
                 raise type(err)(f"{option} ({key} of its runs): {err}") from None
         raise
 
@@ -121,25 +134,30 @@ def option_keys(name: str) -> dict[str, str]:
             if flags[0] in (option, *re.findall(r"--[\w-]+", reason))}
 
 
+def is_given(args: argparse.Namespace, option: str) -> bool:
+    return getattr(args, option.lstrip("-").replace("-", "_"), None) not in (None, {}, [], False)
+
+
 def experiment_module(name: str) -> ModuleType:
     return importlib.import_module(f"nemo_jq.experiments.{name.replace('-', '_')}")
 
 
 def run_named(args: argparse.Namespace) -> int:
     common = dict(quick=args.quick, overrides=args.overrides, overwrite=args.overwrite, only=args.methods)
+    seeds = args.seeds or SEEDS
     if args.name == "noisy-cold-start":
         from nemo_jq.experiments.noisy_cold_start import run_experiment
 
-        run_experiment(args.out or Path("runs/noisy_cold_start"), args.seeds,
+        run_experiment(args.out or Path("runs/noisy_cold_start"), seeds,
                        0.2 if args.label_noise is None else args.label_noise, adaptive=args.adaptive, **common)
     elif args.name == "escape-rates":
         from nemo_jq.experiments.escape_rates import run_experiment
 
-        run_experiment(args.out or Path("runs/escape_rates"), args.seeds, widths=args.widths, cap=args.cap, **common)
+        run_experiment(args.out or Path("runs/escape_rates"), seeds, widths=args.widths, cap=args.cap, **common)
     else:
         from nemo_jq.experiments.warm_start import TARGET_P1, run_experiment
 
-        run_experiment(args.out or Path("runs/warm_start"), args.seeds, dependences=args.dependences,
+        run_experiment(args.out or Path("runs/warm_start"), seeds, dependences=args.dependences,
                        target_p1=TARGET_P1 if args.target_p1 is None else args.target_p1,
                        methods_overrides=args.methods_override or (), **common)
     return 0

@@ -1,13 +1,26 @@
-"""What the experiments share: their run folders' names, and the checks of their options and overrides that must pass
-before anything is written or trained (a run that fails halfway leaves a half-built experiment)."""
+"""What the experiments share: their run folders' names, the checks of their options and overrides that must pass
+before anything is written or trained (a run that fails halfway leaves a half-built experiment), and their record
+(:class:`Progress`), which ``--resume`` continues from."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
 
-from nemo_jq.config import ConfigError, current_key
+from nemo_jq.config import Config, ConfigError, current_key
+from nemo_jq.runtime.monitor import read_json_file
+from nemo_jq.runtime.outputs import claim_dir
+from nemo_jq.runtime.preemption import current_series
+from nemo_jq.runtime.runs import holds_this_run
 from nemo_jq.runtime.sweep import refuse_repeats
 from nemo_jq.strict_yaml import parse_yaml
+
+#: An experiment's record in its folder (:class:`Progress`).
+PROGRESS_FILE = "experiment.json"
+Entry = TypeVar("Entry")
 
 #: The keys every experiment sets for each run itself, after the user's overrides: key -> (what sets it, the option to
 #: use instead, None where there is none). An override of one would be ignored, yet recorded among the settings.
@@ -51,3 +64,83 @@ def keys_set(key: str, value: Any) -> list[str]:
     if isinstance(value, dict):
         return [leaf for name, inner in value.items() for leaf in keys_set(f"{key}.{name}", inner)]
     return [key]
+
+
+@dataclass
+class Progress:
+    """An experiment's record (``OUT/experiment.json``): the options it started with, and each finished run's entry
+    (what the experiment keeps of it) as the run ends. ``nemo-jq experiment NAME --resume OUT`` starts the experiment
+    again with those options: a recorded run is read back, not trained; the run a stop left continues from its
+    checkpoint (:func:`start_run`); the others train."""
+
+    out_dir: Path
+    experiment: str
+    options: dict[str, Any]
+    runs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def begin(cls, out_dir: Path, experiment: str, options: dict[str, Any], *, markers: tuple[str, ...],
+              overwrite: bool, resume: bool) -> Progress:
+        """The record of an experiment starting in ``out_dir`` (an earlier one there, or any of ``markers``, is
+        refused, or moved aside with ``overwrite``), or with ``resume`` the record there."""
+        out_dir = Path(out_dir)
+        if resume:
+            return cls.read(out_dir, experiment)
+        again = f"continue it with `nemo-jq experiment {experiment} --resume {out_dir}`, " if (out_dir / PROGRESS_FILE).exists() else ""
+        claim_dir(out_dir, (PROGRESS_FILE, *markers), overwrite=overwrite, what="an earlier experiment",
+                  advice=f"{again}pass --out DIR for a new one, or --overwrite to move it aside first")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        progress = cls(out_dir, experiment, options)
+        progress.write()
+        return progress
+
+    @classmethod
+    def read(cls, out_dir: Path, experiment: str) -> Progress:
+        """The record in ``out_dir``: a folder without one, another experiment's, or one edited is one line."""
+        path = Path(out_dir) / PROGRESS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{out_dir} holds no experiment to resume ({PROGRESS_FILE}): give the --out folder "
+                                    "of an experiment that was stopped")
+        saved = read_json_file(path, "an experiment's record", _record_problem, "restore it, or start the experiment "
+                               "again with --out NEW_DIR")
+        if saved["experiment"] != experiment:
+            raise ConfigError(f"{out_dir} holds experiment {saved['experiment']}, not {experiment}: `nemo-jq experiment "
+                              f"{saved['experiment']} --resume {out_dir}` continues it")
+        return cls(Path(out_dir), experiment, saved["options"], saved["runs"])
+
+    def run(self, run_dir: Path, train: Callable[[], Entry]) -> Entry:
+        """The entry of the run in ``run_dir``: the recorded one, or ``train()``'s, recorded. Either way as JSON reads
+        it back, so an experiment resumed sums up what an unstopped one would."""
+        key = Path(run_dir).relative_to(self.out_dir).as_posix()
+        if key not in self.runs:
+            self.runs[key] = json.loads(json.dumps(train()))
+            self.write()
+            if (series := current_series()) is not None:
+                series.finished.append(Path(run_dir))
+        return self.runs[key]
+
+    def write(self) -> None:
+        path = self.out_dir / PROGRESS_FILE
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps({"experiment": self.experiment, "options": self.options, "runs": self.runs},
+                                      indent=1) + "\n")
+        os.replace(partial, path)  # a stop while it is written leaves the record before it
+
+
+def _record_problem(saved: dict[str, Any]) -> str | None:
+    for key, kind in (("experiment", str), ("options", dict), ("runs", dict)):
+        if not isinstance(saved.get(key), kind):
+            return f"no {key} {kind.__name__}"
+    return None
+
+
+def start_run(config: Config, *, continues: bool = True) -> Any:
+    """The trainer of one of an experiment's runs. Where its folder holds the run already (an experiment resumed), it
+    continues from its checkpoint if ``continues`` (False: the run measures along the way, in memory, so it starts
+    again); a start of it without a checkpoint, or not continued, is moved aside and the run starts anew."""
+    from nemo_jq.recipe.trainer import Trainer
+
+    held, _ = holds_this_run(config)
+    if held == "resume" and continues:
+        return Trainer.resume(config.train.run_dir)
+    return Trainer(config, overwrite=held != "new")

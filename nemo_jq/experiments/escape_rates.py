@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nemo_jq.config import ConfigError, load_config
-from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, slug
+from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
 from nemo_jq.runtime.monitor import read_metrics
-from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
@@ -172,14 +171,16 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]], widths: Sequence
             "optimizers": by_optimizer}
 
 
-@Series("experiment escape-rates", again="`--out NEW_DIR` (or --overwrite) runs the whole experiment again")
+@Series("experiment escape-rates", again="`nemo-jq experiment escape-rates --resume {out_dir}` goes on from there")
 def run_experiment(out_dir: Path, seeds: Sequence[int], *, widths: Sequence[int] | None = None, cap: int | None = None,
                    quick: bool = False, overrides: Sequence[str] = (), overwrite: bool = False,
-                   only: Sequence[str] = (), train: Callable[[list[str], int], list[dict]] | None = None) -> dict[str, Any]:
+                   only: Sequence[str] = (), train: Callable[[list[str], int], list[dict]] | None = None,
+                   resume: bool = False) -> dict[str, Any]:
     """Every optimizer x method x width x seed into ``out_dir/<optimizer>/<method>/w<W>_seed<S>``, then the table
     and figure. ``widths`` and ``cap`` default to :data:`WIDTHS` and :data:`CAP` (``quick``: 2, 3 and 4 steps).
     ``train(overrides, cap)`` runs one configuration and returns its metrics records (default: the trainer, stopped
-    at escape)."""
+    at escape). ``resume``: go on with the experiment in ``out_dir`` (:class:`~nemo_jq.experiments.common.Progress`;
+    its options are the ones given)."""
     out_dir = Path(out_dir)
     refuse_repeats("--seeds", seeds)
     refuse_repeats("--widths", widths or ())
@@ -194,9 +195,10 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, widths: Sequence[int]
         for method in plan.values():
             for width in widths:
                 load_config(None, [*base, *optimizer, *method, f"data.answer_width={width}"])
-    claim_dir(out_dir, (SUMMARY_FILE, TABLE_FILE, FIGURE_FILE, *OPTIMIZERS), overwrite=overwrite,
-              what="an earlier experiment", advice="pass --out DIR for a new one, or --overwrite to move it aside first")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    progress = Progress.begin(out_dir, "escape-rates", dict(seeds=list(seeds), widths=list(widths), cap=cap, quick=quick,
+                                                            overrides=list(overrides), only=list(only)),
+                              markers=(SUMMARY_FILE, TABLE_FILE, FIGURE_FILE, *OPTIMIZERS), overwrite=overwrite,
+                              resume=resume)
     train = train or _train
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {name: {method: [] for method in plan} for name in OPTIMIZERS}
     for seed in seeds:
@@ -204,9 +206,9 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, widths: Sequence[int]
             for optimizer, optimizer_overrides in OPTIMIZERS.items():
                 for method, method_overrides in plan.items():
                     run_dir = out_dir / optimizer / slug(method) / f"w{width}_seed{seed}"
-                    records = train([*base, *optimizer_overrides, *method_overrides, f"data.answer_width={width}",
-                                     f"train.seed={seed}", f"data.seed={seed}", f"train.run_dir={run_dir}"], cap)
-                    result = escape(records, THRESHOLD, cap)
+                    words = [*base, *optimizer_overrides, *method_overrides, f"data.answer_width={width}",
+                             f"train.seed={seed}", f"data.seed={seed}", f"train.run_dir={run_dir}"]
+                    result = progress.run(run_dir, lambda: escape(train(words, cap), THRESHOLD, cap))
                     runs[optimizer][method].append({"width": width, "seed": seed, **result})
                     print(f"{optimizer:5s} {method:6s} width {width} seed {seed}: log p0 {result['log_p0']:.1f}, "
                           f"{'censored at' if result['censored'] else 'escaped at'} step {result['steps']}", flush=True)
@@ -239,12 +241,10 @@ def plot_curves(out_dir: Path, plan: dict[str, list[str]], width: int, seed: int
 
 def _train(overrides: list[str], cap: int) -> list[dict[str, Any]]:
     """One run of at most ``cap`` steps, stopped after the first step past :data:`THRESHOLD`."""
-    from nemo_jq.recipe.trainer import Trainer
-
     config = load_config(None, overrides)
     epochs = max(config.train.epochs, math.ceil(cap * config.train.batch_size / config.data.train_size))
     config = load_config(None, [*overrides, f"train.epochs={epochs}"])
-    Trainer(config).fit(max_steps=cap, until=lambda record: step_log_p(record) > THRESHOLD)
+    start_run(config).fit(max_steps=cap, until=lambda record: step_log_p(record) > THRESHOLD)
     return read_metrics(Path(config.train.run_dir))
 
 

@@ -23,9 +23,8 @@ from typing import Any, Sequence
 import yaml
 
 from nemo_jq.config import load_config
-from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, slug
+from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
 from nemo_jq.runtime.monitor import plot_runs, read_metrics
-from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
@@ -81,14 +80,13 @@ def steps_to_escape(records: Sequence[dict[str, Any]], threshold: float) -> int 
     return next((r["step"] for r in records if r["kind"] == "train" and (r.get("log_p_hat") or -math.inf) > threshold), None)
 
 
-@Series("experiment noisy-cold-start", again="`--out NEW_DIR` (or --overwrite) runs the whole experiment again")
+@Series("experiment noisy-cold-start", again="`nemo-jq experiment noisy-cold-start --resume {out_dir}` goes on from there")
 def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, quick: bool = False,
                    overrides: Sequence[str] = (), overwrite: bool = False, only: Sequence[str] = (),
-                   adaptive: dict[str, float] | None = None) -> dict[str, Any]:
+                   adaptive: dict[str, float] | None = None, resume: bool = False) -> dict[str, Any]:
     """Every method (or those named in ``only``) over every seed into ``out_dir/<method>/seed<S>``, then the
-    table and figures. ``adaptive``: the adaptive rule's knobs (see :func:`methods`)."""
-    from nemo_jq.recipe.trainer import Trainer
-
+    table and figures. ``adaptive``: the adaptive rule's knobs (see :func:`methods`). ``resume``: go on with the
+    experiment in ``out_dir`` (:class:`~nemo_jq.experiments.common.Progress`; its options are the ones given)."""
     out_dir = Path(out_dir)
     refuse_repeats("--seeds", seeds)
     refuse_per_run_keys("noisy-cold-start", overrides, CONTROLLED)
@@ -104,25 +102,19 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
     plan = chosen_methods(methods(steps, adaptive), only)
     for method in plan.values():  # every run's config is checked before anything is written or trained
         load_config(None, [*base, *method])
-    claim_dir(out_dir, (SUMMARY_FILE, TABLE_FILE, TRADEOFF_FILE, *map(slug, plan)), overwrite=overwrite,
-              what="an earlier experiment", advice="pass --out DIR for a new one, or --overwrite to move it aside first")
+    progress = Progress.begin(out_dir, "noisy-cold-start", dict(seeds=list(seeds), label_noise=label_noise, quick=quick,
+                              overrides=list(overrides), only=list(only), adaptive=adaptive),
+                              markers=(SUMMARY_FILE, TABLE_FILE, TRADEOFF_FILE, *map(slug, plan)), overwrite=overwrite,
+                              resume=resume)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in plan}
     curves: dict[str, list[dict[str, Any]]] = {}
     for seed in seeds:
         for name, method in plan.items():
             run_dir = out_dir / slug(name) / f"seed{seed}"
             config = load_config(None, [*base, *method, f"train.seed={seed}", f"data.seed={seed}", f"train.run_dir={run_dir}"])
-            result = Trainer(config).fit()
-            records = read_metrics(run_dir)
+            runs[name].append(progress.run(run_dir, lambda: describe_run(config, start_run(config).fit())))
             if seed == seeds[0]:
-                curves[name] = records
-            runs[name].append({"seed": seed, "test": result["test"], "memorisation": result["memorisation"]["final"],
-                               "memorisation_tested": result["memorisation"]["tested"], "best_step": result["best_step"],
-                               "best_validation": result["best_validation"],
-                               "final_q": next((r.get("q") for r in reversed(records) if r["kind"] == "train"), None),
-                               "steps_to_escape": steps_to_escape(records, -math.log(config.rollout.num_samples)),
-                               "steps_to_leave_cold": steps_to_escape(records, LEFT_COLD),
-                               "guard_events": sum(r["kind"] == "guard" for r in records)})
+                curves[name] = read_metrics(run_dir)
     k = probe.eval.num_samples
     summary = {"settings": base, "methods": plan, "seeds": list(seeds), "label_noise": label_noise, "steps": steps,
                "num_samples": probe.rollout.num_samples, "k": k, "runs": runs,
@@ -135,6 +127,18 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
     print(markdown_table(summary))
     print(f"wrote {out_dir / SUMMARY_FILE}, {out_dir / TABLE_FILE}, {out_dir / TRADEOFF_FILE} and the Figure-3 panels")
     return summary
+
+
+def describe_run(config: Any, result: dict[str, Any]) -> dict[str, Any]:
+    """One run's entry: its test scores and memorisation (``result``, fit's), and what its metrics show."""
+    records = read_metrics(Path(config.train.run_dir))
+    return {"seed": config.train.seed, "test": result["test"], "memorisation": result["memorisation"]["final"],
+            "memorisation_tested": result["memorisation"]["tested"], "best_step": result["best_step"],
+            "best_validation": result["best_validation"],
+            "final_q": next((r.get("q") for r in reversed(records) if r["kind"] == "train"), None),
+            "steps_to_escape": steps_to_escape(records, -math.log(config.rollout.num_samples)),
+            "steps_to_leave_cold": steps_to_escape(records, LEFT_COLD),
+            "guard_events": sum(r["kind"] == "guard" for r in records)}
 
 
 def aggregate(per_seed: Sequence[dict[str, Any]], k: int) -> dict[str, dict[str, float | None]]:

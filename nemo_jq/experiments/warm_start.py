@@ -33,9 +33,8 @@ import torch
 
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES
-from nemo_jq.experiments.common import PER_RUN, chosen_methods, refuse_per_run_keys, slug
+from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
 from nemo_jq.runtime.monitor import read_metrics
-from nemo_jq.runtime.outputs import claim_dir
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
@@ -138,10 +137,8 @@ def train_measured(overrides: list[str], *, stop_at_p1: float | None = None,
                    variance_seed: int = 0) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
     """One run with Var_z[w] measured before training and at every validation; with ``stop_at_p1``, stopped at the
     first validation whose p@1 reaches it. Returns the trainer, fit's result and the measurements."""
-    from nemo_jq.recipe.trainer import Trainer
-
     config = load_config(None, overrides)
-    trainer = Trainer(config)
+    trainer = start_run(config, continues=False)  # what it measured before a stop is not kept: it starts again
     components, every = trainer.components, config.eval.every
     measured = [{"step": 0, **measure_variance(components, variance_seed)}]
 
@@ -171,14 +168,17 @@ def warm_up(out_dir: Path, overrides: list[str], dependence: str, target_p1: flo
             "variance_before": measured[-1]}
 
 
-@Series("experiment warm-start", again="`--out NEW_DIR` (or --overwrite) runs the whole experiment again")
+@Series("experiment warm-start", again="`nemo-jq experiment warm-start --resume {out_dir}` goes on from there (that "
+                                        "run starts again: what it measures along the way is not in its checkpoint)")
 def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence[str] | None = None,
                    target_p1: float = TARGET_P1, quick: bool = False, overrides: Sequence[str] = (),
                    overwrite: bool = False, only: Sequence[str] = (),
-                   methods_overrides: Sequence[str] = ()) -> dict[str, Any]:
+                   methods_overrides: Sequence[str] = (), resume: bool = False) -> dict[str, Any]:
     """Per rationale-dependence setting: the warm policy, then every method (or those in ``only``) over every seed
     into ``out_dir/<setting>/<method>/seed<S>``; then the table and figures. ``overrides`` set both phases,
-    ``methods_overrides`` the methods' phase only (e.g. its learning rate: the warm-up's SFT keeps its own)."""
+    ``methods_overrides`` the methods' phase only (e.g. its learning rate: the warm-up's SFT keeps its own).
+    ``resume``: go on with the experiment in ``out_dir`` (:class:`~nemo_jq.experiments.common.Progress`; its options
+    are the ones given)."""
     out_dir = Path(out_dir)
     refuse_repeats("--seeds", seeds)
     refuse_repeats("--dependences", dependences or ())
@@ -200,14 +200,17 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence
         load_config(None, [*phases["warm-up"], f"data.rationale_dependence={dependence}"])
         for method in plan.values():
             load_config(None, [*phases["methods"], f"data.rationale_dependence={dependence}", *method])
-    claim_dir(out_dir, (SUMMARY_FILE, TABLE_FILE, "warm", *dependences), overwrite=overwrite,
-              what="an earlier experiment", advice="pass --out DIR for a new one, or --overwrite to move it aside first")
+    progress = Progress.begin(out_dir, "warm-start", dict(seeds=list(seeds), dependences=dependences, target_p1=target_p1,
+                                                          quick=quick, overrides=list(overrides), only=list(only),
+                                                          methods_overrides=list(methods_overrides)),
+                              markers=(SUMMARY_FILE, TABLE_FILE, "warm", *dependences), overwrite=overwrite, resume=resume)
     probe = load_config(None, phases["methods"])
     k = probe.eval.num_samples
     warm, runs = {}, {}
     for dependence in dependences:
         setting = f"data.rationale_dependence={dependence}"
-        warm[dependence] = warm_up(out_dir, [*phases["warm-up"], setting], dependence, target_p1)
+        warm[dependence] = progress.run(out_dir / "warm" / dependence,
+                                        lambda: warm_up(out_dir, [*phases["warm-up"], setting], dependence, target_p1))
         print(f"{dependence}: warm policy after {warm[dependence]['steps']} SFT steps, validation p@1 "
               f"{warm[dependence]['validation_p@1']:.1f} (target {target_p1:g}), Var_z[w] "
               f"{warm[dependence]['variance_before']['var_w']:.4f}", flush=True)
@@ -215,11 +218,11 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence
         for seed in seeds:
             for name, method in plan.items():
                 run_dir = out_dir / dependence / slug(name) / f"seed{seed}"
-                _, result, measured = train_measured(
-                    [*phases["methods"], setting, *method, f"model.path={warm[dependence]['policy']}", f"train.seed={seed}",
-                     f"train.run_dir={run_dir}"], variance_seed=seed)
-                run = describe_run(read_metrics(run_dir), measured, result, warm[dependence][f"validation_m@{k}"], k)
-                runs[dependence][name].append({"seed": seed, **run})
+                words = [*phases["methods"], setting, *method, f"model.path={warm[dependence]['policy']}",
+                         f"train.seed={seed}", f"train.run_dir={run_dir}"]
+                run = progress.run(run_dir, lambda: {"seed": seed, **describe_run(
+                    run_dir, *train_measured(words, variance_seed=seed)[1:], warm[dependence][f"validation_m@{k}"], k)})
+                runs[dependence][name].append(run)
                 print(f"{dependence} {name} seed {seed}: peak {run['peak']:.1f} at {run['peak_step']}, final "
                       f"{run['final']:.1f}, " + (f"collapsed at {run['collapse_step']}" if run["collapse_step"] is not None
                                                  else "no collapse") + f", test m@{k} {run['test']:.1f}", flush=True)
@@ -236,10 +239,11 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence
     return summary
 
 
-def describe_run(records: Sequence[dict[str, Any]], measured: Sequence[dict[str, Any]], result: dict[str, Any],
-                 warm_validation: float, k: int) -> dict[str, Any]:
+def describe_run(run_dir: Path, result: dict[str, Any], measured: Sequence[dict[str, Any]], warm_validation: float,
+                 k: int) -> dict[str, Any]:
     """One run's row: its validation m@k curve (step 0: the warm policy's), :func:`collapse` of it, the test m@k of
     the best-validation checkpoint, and Var_z[w] along the run."""
+    records = read_metrics(run_dir)
     curve = [(0, warm_validation), *((r["step"], r[f"m@{k}"]) for r in records if r["kind"] == "validation")]
     return {"curve": curve, **collapse(curve), "test": result["test"][f"m@{k}"], "best_step": result["best_step"],
             "variance": list(measured)}

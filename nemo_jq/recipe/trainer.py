@@ -169,8 +169,6 @@ class Trainer:
                     if series is not None:
                         raise series.stopped(self.run_dir, self.state.step)
                     return {"preempted": stop.received, "step": self.state.step}
-                if series is not None:
-                    series.finished.append(self.run_dir)
                 return results
             finally:
                 bar.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import signal
 import stat
@@ -169,13 +170,29 @@ _series: Series | None = None
 class Series(contextlib.ContextDecorator):
     """Several trainings in one command: one :class:`StopSignals` for all of them (``Trainer.fit`` takes it while a
     series is entered), and a stop signal raises :class:`Stopped` from the current run's ``fit`` once its checkpoint
-    is written, so no further run starts. ``again`` says how to run the whole command anew. Also a decorator of the
-    function that runs the command."""
+    is written, so no further run starts; a second Ctrl-C raises it at once. ``again`` says how to go on, ``{out_dir}``
+    in it the folder the command writes. A decorator of the function that runs the command, whose first argument is
+    that folder."""
 
     def __init__(self, command: str, again: str):
         self.command, self.again = command, again
         self.stop = StopSignals()
+        #: The runs finished so far (an experiment's record adds each as it ends).
         self.finished: list[Path] = []
+        self.out_dir: Path | None = None
+
+    def __call__(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def run(out_dir: Path, *args: Any, **kwargs: Any) -> Any:
+            with self:
+                self.out_dir = Path(out_dir)
+                try:
+                    return function(out_dir, *args, **kwargs)
+                except KeyboardInterrupt:
+                    raise Stopped(signal.SIGINT, f"nemo-jq {self.command}: interrupted by a second Ctrl-C (no checkpoint "
+                                                 f"of the step it stopped); finished runs: {self._finished()}; "
+                                                 f"{self._again()}") from None
+        return run
 
     def __enter__(self) -> Series:
         global _series
@@ -191,10 +208,15 @@ class Series(contextlib.ContextDecorator):
 
     def stopped(self, run_dir: Path, step: int) -> Stopped:
         signum = self.stop.received or signal.SIGTERM
-        finished = ", ".join(str(path) for path in self.finished) or "none"
-        return Stopped(signum, f"nemo-jq {self.command}: stopped by {signal_name(signum)}; finished runs: {finished}; "
-                               f"{run_dir} stopped at step {step} with a checkpoint (`nemo-jq train --resume {run_dir}` "
-                               f"continues it); no further run started; {self.again}")
+        return Stopped(signum, f"nemo-jq {self.command}: stopped by {signal_name(signum)}; finished runs: "
+                               f"{self._finished()}; {run_dir} stopped at step {step} with a checkpoint; no further run "
+                               f"started; {self._again()}")
+
+    def _finished(self) -> str:
+        return ", ".join(str(path) for path in self.finished) or "none"
+
+    def _again(self) -> str:
+        return self.again.format(out_dir=self.out_dir)
 
 
 def current_series() -> Series | None:

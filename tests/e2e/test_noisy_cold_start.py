@@ -116,3 +116,46 @@ def test_ctrl_c_stops_the_whole_experiment_not_one_run(tmp_path):
     started = {path.parent for path in out.glob("**/metrics.jsonl")}
     assert len(started) == 1, started  # no second run began
     assert list(next(iter(started)).glob("checkpoints/step_*")), "the interrupted run wrote its checkpoint"
+
+
+@pytest.mark.slow
+def test_an_experiment_stopped_mid_run_resumes_to_the_summary_an_unstopped_one_writes(tmp_path, capsys, monkeypatch):
+    """`experiment NAME --resume OUT`: the run a stop left continues from its checkpoint, a finished run is read back
+    from the record, not trained again, and the summary equals the one an experiment never stopped writes."""
+    import os
+    import signal
+
+    from nemo_jq.experiments.noisy_cold_start import run_experiment
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime.preemption import Stopped
+
+    options = dict(seeds=[0], label_noise=0.2, quick=True, only=["q=1", "GRPO"])
+    unstopped = run_experiment(tmp_path / "unstopped", **options)
+    step = Trainer.train_step
+    calls = []
+
+    def stopped_at_the_second_runs_fourth_step(self, batch):
+        calls.append(self.run_dir.parent.name)
+        if calls.count("q=1") == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: the step ends, a checkpoint is written
+        return step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", stopped_at_the_second_runs_fourth_step)
+    with pytest.raises(Stopped) as stop:
+        run_experiment(tmp_path / "out", **options)
+    assert f"--resume {tmp_path / 'out'}` goes on" in str(stop.value) and "q=1/seed0 stopped at step 4" in str(stop.value)
+    calls.clear()
+    code, out, err = run_cli(capsys, "experiment", "noisy-cold-start", "--resume", tmp_path / "out")
+    assert code == 0, err
+    assert calls.count("GRPO") == 0 and calls.count("q=1") == 2  # GRPO read back; q=1 from its step-4 checkpoint on
+    resumed = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert resumed["runs"] == json.loads(json.dumps(unstopped["runs"])) and resumed["aggregate"] == unstopped["aggregate"]
+    for words, message in [(["--seeds", "1"], "drop --seeds"), (["--quick", "train.epochs=2"], "drop --quick, key=value"),
+                           (["--label-noise", "0.1"], "drop --label-noise")]:
+        code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--resume", tmp_path / "out", *words)
+        one_line_error(code, err, message)
+    code, _, err = run_cli(capsys, "experiment", "escape-rates", "--resume", tmp_path / "out")
+    one_line_error(code, err, "holds experiment noisy-cold-start, not escape-rates: `nemo-jq experiment noisy-cold-start "
+                              f"--resume {tmp_path / 'out'}` continues it")
+    code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--resume", tmp_path / "unstopped" / "GRPO")
+    one_line_error(code, err, "holds no experiment to resume (experiment.json)")

@@ -138,3 +138,49 @@ def test_each_experiment_s_help_is_its_own():
                           capture_output=True, text=True, timeout=60).stdout
     assert text.startswith("usage: nemo-jq experiment warm-start") and "does GARL collapse where PAFT stays" in text
     assert "--target-p1" in text and "--seeds" in text and "--widths" not in text and "--label-noise" not in text
+
+
+@pytest.mark.slow
+def test_a_run_stopped_in_the_methods_phase_starts_again_on_resume_and_the_warm_policy_is_kept(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """What a method's run measures along the way (Var_z[w]) is in memory, not in its checkpoint: on `--resume` the
+    stopped run starts again (its start moved aside), the warm-up is read back, and the summary is an unstopped one's.
+    A second Ctrl-C stops the experiment at once, in one line that says how to go on."""
+    import os
+    import signal
+
+    from nemo_jq.experiments.warm_start import run_experiment
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime.preemption import Stopped
+
+    options = dict(seeds=[0], dependences=["none"], quick=True, only=["GRPO"], target_p1=10.0)
+    unstopped = run_experiment(tmp_path / "unstopped", **options)
+    step, calls, stops = Trainer.train_step, [], [1]
+
+    def stopped_in_the_methods_first_step(self, batch):
+        calls.append(self.run_dir.parent.name)
+        if calls.count("GRPO") == 1 and stops:
+            os.kill(os.getpid(), signal.SIGINT)
+            stops.pop()
+        return step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", stopped_in_the_methods_first_step)
+    with pytest.raises(Stopped) as stop:
+        run_experiment(tmp_path / "out", **options)
+    assert "that run starts again" in str(stop.value) and f"finished runs: {tmp_path / 'out' / 'warm' / 'none'}" in str(stop.value)
+    calls.clear()
+    code, _, err = run_cli(capsys, "experiment", "warm-start", "--resume", tmp_path / "out")
+    assert code == 0, err
+    assert calls == ["GRPO", "GRPO"]  # the warm-up read back; GRPO's two steps from its start
+    assert [path.name.split(".old-")[0] for path in (tmp_path / "out" / "none" / "GRPO").iterdir()] == ["seed0"] * 2
+    resumed = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert resumed["runs"] == json.loads(json.dumps(unstopped["runs"]))
+
+    def interrupted(self, batch):  # the second Ctrl-C of a user who will not wait for the checkpoint
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    with pytest.raises(Stopped) as stop:
+        run_experiment(tmp_path / "again", **options)
+    assert stop.value.exit_code == 130 and "interrupted by a second Ctrl-C" in str(stop.value)
+    assert f"`nemo-jq experiment warm-start --resume {tmp_path / 'again'}` goes on" in str(stop.value)
