@@ -31,7 +31,7 @@ from nemo_jq.config import ConfigError, load_config
 from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
 from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.runtime.preemption import Series
-from nemo_jq.runtime.report import seed_stats
+from nemo_jq.runtime.report import mean_sd, seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
 
 #: log P̂ a run must exceed to have escaped: e^-5 ≈ 0.7%, the noisy cold-start experiment's "left P̂ ≈ 0".
@@ -261,7 +261,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
             cells = []
             for width in widths:
                 cell = row["widths"][str(width)]
-                text = f">{summary['cap']}" if cell["mean"] is None else f"{cell['mean']:.0f} ± {cell['sd']:.0f}"
+                text = f">{summary['cap']}" if cell["mean"] is None else mean_sd(cell, ".0f")
                 if cell["mean"] is not None and cell["escaped"] < cell["runs"]:
                     text += f" ({cell['escaped']}/{cell['runs']})"
                 if cell["theory_steps"] is not None:

@@ -26,7 +26,7 @@ from nemo_jq.config import load_config
 from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
 from nemo_jq.runtime.monitor import plot_runs, read_metrics
 from nemo_jq.runtime.preemption import Series
-from nemo_jq.runtime.report import seed_stats
+from nemo_jq.runtime.report import mean_sd, seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
 from nemo_jq.typed import ConfigError
 
@@ -167,7 +167,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     def cell(stats: dict[str, float | None], digits: int = 1) -> str:
         if stats["mean"] is None:
             return "n/a"
-        text = f"{stats['mean']:.{digits}f} ± {stats['sd']:.{digits}f}"
+        text = mean_sd(stats, f".{digits}f")
         return text if stats["n"] == len(summary["seeds"]) else f"{text} ({stats['n']}/{len(summary['seeds'])})"
 
     lines = [f"| method | test p@1 | test p@{k} | test m@{k} | steps to log P̂ > {LEFT_COLD:g} | steps to escape (log P̂ > log 1/M) "

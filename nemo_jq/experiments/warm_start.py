@@ -36,7 +36,7 @@ from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES
 from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
 from nemo_jq.runtime.monitor import read_metrics
 from nemo_jq.runtime.preemption import Series
-from nemo_jq.runtime.report import seed_stats
+from nemo_jq.runtime.report import mean_sd, seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     def cell(stats: dict[str, float | None], style: str = ".1f") -> str:
         if stats["mean"] is None:
             return "n/a"
-        return f"{stats['mean']:{style}} ± {stats['sd']:{style}}"
+        return mean_sd(stats, style)
 
     lines = [f"| setting | warm p@1 | method | peak val m@{k} | peak step | final val m@{k} | collapsed | collapse step "
              f"| test m@{k} (best val) | Var_z[w] start | Var_z[w] end |",

@@ -170,17 +170,24 @@ def results_problem(results: dict[str, Any]) -> str | None:
 
 
 def seed_stats(values: list[float | None]) -> dict[str, float | int | None]:
-    """Over the seeds' values (a None left out: a seed that never got there): the mean, the sample sd (0 for one value),
-    n, and ``ci95``, the half-width of the 95% Student-t interval (None for one value). The report's tables and the
-    experiments' (noisy-cold-start, escape-rates, warm-start) all read it."""
+    """Over the seeds' values (a None left out: a seed that never got there): the mean, the sample sd, n, and ``ci95``,
+    the half-width of the 95% Student-t interval (sd and ci95 None for one value: one seed shows no spread). The
+    report's tables and the experiments' (noisy-cold-start, escape-rates, warm-start) all read it."""
     from scipy import stats
 
     present = [value for value in values if value is not None]
     n = len(present)
     if not n:
         return {"mean": None, "sd": None, "n": 0, "ci95": None}
-    mean, sd = statistics.mean(present), statistics.stdev(present) if n > 1 else 0.0
-    return {"mean": mean, "sd": sd, "n": n, "ci95": float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n) if n > 1 else None}
+    if n == 1:
+        return {"mean": present[0], "sd": None, "n": 1, "ci95": None}
+    sd = statistics.stdev(present)
+    return {"mean": statistics.mean(present), "sd": sd, "n": n, "ci95": float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)}
+
+
+def mean_sd(stats: dict[str, Any], style: str = ".1f") -> str:
+    """``mean ± sd`` of :func:`seed_stats` (the mean alone for one seed), in ``style``."""
+    return f"{stats['mean']:{style}}" + ("" if stats["sd"] is None else f" ± {stats['sd']:{style}}")
 
 
 def table(runs: list[RunRecord]) -> list[dict[str, Any]]:

@@ -62,6 +62,7 @@ def test_quick_run_writes_table_summary_and_figures_and_refuses_to_overwrite(tmp
         assert 0 <= per_seed[0]["memorisation"] <= 100 and set(per_seed[0]["test"]) == {"p@1", "p@4", "m@4"}
     assert summary["theory"]["q=1"]["noise_equilibrium"] > summary["theory"]["q=0.25"]["noise_equilibrium"]
     assert (out / "table.md").read_text().startswith("| method |")
+    assert "±" not in (out / "table.md").read_text()  # one seed shows no spread: its mean alone, not "± 0.0"
     assert (out / "tradeoff.png").exists() and (out / "figure3_seed0.png").exists()
     # `nemo-jq report` reads the experiment's run folders: each method's row is the experiment's own aggregate
     from nemo_jq.experiments.noisy_cold_start import slug

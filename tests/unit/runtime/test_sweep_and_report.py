@@ -304,7 +304,7 @@ def test_a_run_that_ends_at_its_best_or_never_scores_is_not_flagged(tmp_path):
     zero = report.read_run(finished_run(tmp_path / "b", validation=(0.0, 0.0)))
     fallen = report.read_run(finished_run(tmp_path / "c", validation=(0.0, 5.0, 0.0)))
     assert (rising.collapsed_after_peak, zero.collapsed_after_peak, fallen.collapsed_after_peak) == (False, False, True)
-    assert report.seed_stats([2.0, None]) == {"mean": 2.0, "sd": 0.0, "n": 1, "ci95": None}
+    assert report.seed_stats([2.0, None]) == {"mean": 2.0, "sd": None, "n": 1, "ci95": None}
     assert report.seed_stats([None]) == {"mean": None, "sd": None, "n": 0, "ci95": None}
     two = report.seed_stats([1.0, 3.0])  # sd sqrt(2), t(0.975, 1) = 12.7062: half-width 12.7062 * sqrt(2) / sqrt(2)
     assert (two["mean"], two["n"]) == (2.0, 2) and math.isclose(two["sd"], math.sqrt(2))
