@@ -23,7 +23,7 @@ from typing import Any, Callable
 from nemo_jq.data.base import Example, Splits, Task
 from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
-from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, read_hub, read_rows, sha256
+from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, folder_split_names, read_hub, read_rows, sha256
 from nemo_jq.data.synthetic import SyntheticArithmetic
 from nemo_jq.typed import ConfigError
 
@@ -96,6 +96,18 @@ def _read_source_split(task: QATask, source: str, hub_config: str | None, names:
     return list(enumerate(records, 1)), {"hub": source, "config": hub_config, "split": names[0], "fingerprint": fingerprint}
 
 
+def source_names(source: str, target: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The source split that split ``target`` is drawn from: ``("all",)`` for a single file; a folder's file, by its
+    name (:func:`~nemo_jq.data.sources.folder_split_names`), so that splits read from one file share its rows'
+    pool (drawn apart, not twice); the task's ``names`` for the hub."""
+    path = Path(source)
+    if path.is_file():
+        return ("all",)
+    if path.is_dir():
+        return (find_split_file(path, folder_split_names(target, names)).stem,)
+    return names
+
+
 def prepare(
     task: QATask,
     source: str | None,
@@ -121,9 +133,8 @@ def prepare(
         raise ConfigError(f"{options.hub_config} {hub_config} names a configuration of a hub dataset, but "
                           f"{options.source} {source} is {'a local path' if Path(source).exists() else 'read from local files'}"
                           f" ({task.name}): drop {options.hub_config}")
-    single_file = Path(source).is_file()
     plan = dict(zip(SPLITS, sizes))
-    source_of = {target: ("all",) if single_file else names for target, names in task.source_splits}
+    source_of = {target: source_names(source, target, names) for target, names in task.source_splits}
 
     pools: dict[tuple[str, ...], list[Example]] = {}
     manifest: dict[str, Any] = {

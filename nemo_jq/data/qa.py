@@ -348,13 +348,14 @@ HUB_SOURCES = {"hotpotqa": ("hotpotqa/hotpot_qa", "distractor"), "musique": ("bd
 
 def describe_datasets() -> str:
     """Each registered dataset: what its records hold, and the files a --source folder is searched for."""
-    from nemo_jq.data.sources import SUFFIXES
+    from nemo_jq.data.sources import SUFFIXES, folder_split_names
 
     lines = []
     for name in sorted(DATASETS):
         task = DATASETS[name]
         doc = " ".join((task.__doc__ or "").split("\n\n")[0].split()).replace("``", "")
-        files = "; ".join(f"{target}: {' or '.join(names)}" for target, names in dict(task.source_splits).items())
+        files = "; ".join(f"{target}: {' or '.join(folder_split_names(target, names))}"
+                          for target, names in dict(task.source_splits).items())
         cap = f"; inputs of {task.max_input_chars} characters or more are dropped" if task.max_input_chars else ""
         lines.append(f"  {name}: {doc}\n    a --source folder is searched for {files} ({'/'.join(SUFFIXES)}){cap}")
     return "\n".join(lines)

@@ -13,6 +13,13 @@ from nemo_jq.typed import utf8_text
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+def folder_split_names(target: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The files a source folder is searched for, for split ``target``: the task's ``names``, after a file named for
+    the split itself where they do not name it (a folder's own test.jsonl is its test split; the hub's HotPotQA has
+    none, so the task draws test from validation)."""
+    return names if target in names else (target, *names)
+
+
 def find_split_file(folder: Path, names: tuple[str, ...]) -> Path:
     """The first ``{name}{suffix}`` present in ``folder`` (e.g. FinQA's dev.json for validation)."""
     for name in names:

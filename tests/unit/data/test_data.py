@@ -533,3 +533,24 @@ def test_a_jsonl_source_that_is_not_a_local_file_fails_at_once(monkeypatch, tmp_
     code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", "nope", "--sizes", "10,5,5",
                            "--out", tmp_path / "out")
     one_line_error(code, err, "--source nope does not exist", "no hub source")
+
+
+def test_a_folders_own_test_file_is_its_test_split_and_splits_of_one_file_are_drawn_apart(tmp_path, capsys):
+    """A jsonl folder's test.jsonl was never read: test was drawn from validation.jsonl. Without a test file, test and
+    validation are disjoint draws from the validation file (one pool, not two copies of it)."""
+    (tmp_path / "all").mkdir()
+    for split in ("train", "validation", "test"):
+        _write_jsonl(tmp_path / "all" / f"{split}.jsonl",
+                     [{"id": f"{split[:2]}{i}", "question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(6)])
+    splits, manifest = prepare(make_task("jsonl"), str(tmp_path / "all"), (4, 3, 5), seed=0)
+    assert {example.id[:2] for example in splits.test} == {"te"} and len(splits.test) == 5
+    assert {example.id[:2] for example in splits.validation} == {"va"} and manifest["splits"]["test"]["source"] == "test"
+    (tmp_path / "all" / "test.jsonl").unlink()
+    splits, manifest = prepare(make_task("jsonl"), str(tmp_path / "all"), (4, 3, 3), seed=0)
+    assert {example.id[:2] for example in splits.test} == {"va"}
+    assert not {example.id for example in splits.test} & {example.id for example in splits.validation}
+    with pytest.raises(ValueError, match="only 3 eligible rows remain"):  # 3 + 4 > the file's 6 rows
+        prepare(make_task("jsonl"), str(tmp_path / "all"), (4, 3, 4), seed=0)
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "data", "prepare", "--help")
+    assert "test: test or validation or dev" in capsys.readouterr().out
