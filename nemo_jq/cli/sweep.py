@@ -23,6 +23,7 @@ def add_parser(commands) -> None:
         description="nemo-jq sweep --out runs/q_sweep objective.name=garl objective.q=0,0.5,0.75,1 --seeds 0,1,2\n"
                     "nemo-jq sweep --out runs/paper --config configs/qwen3_0p6b/*_cold_*.yaml\n"
                     "nemo-jq sweep --resume runs/q_sweep\n"
+                    "nemo-jq sweep --resume runs/q_sweep train.epochs=4     # every run trains on to 4 epochs\n"
                     "nemo-jq sweep --out runs/q_sweep objective.q=0,1 --seeds 0,1 --slurm --sbatch=--time=08:00:00\n\n"
                     "key=value is the same for every run; key=a,b,c sweeps it. Each run is DIR/NAME (NAME from the\n"
                     "swept values and the seed), its output DIR/logs/NAME.log; DIR/sweep.json records the grid.\n"
@@ -65,10 +66,13 @@ def run(args: argparse.Namespace) -> int:
     if args.task is not None:
         return run_task(Sweep.load(args.task), args.index)
     if args.resume is not None:
-        if args.out or args.config or args.seeds or args.overrides or args.overwrite:
-            raise ValueError("--resume continues a sweep as its sweep.json records it: drop --out, --config, --seeds, "
-                             "--overwrite and key=value words")
+        if args.out or args.config or args.seeds or args.overwrite:
+            raise ValueError("--resume continues a sweep as its sweep.json records it: drop --out, --config, --seeds "
+                             "and --overwrite (key=value words of how long its runs train, how they are evaluated and "
+                             "saved, are allowed)")
         sweep = Sweep.load(args.resume)
+        if args.overrides:
+            sweep.go_on_with(args.overrides)
     else:
         if args.out is None:
             raise ValueError("nemo-jq sweep needs --out DIR (a new folder for the sweep) or --resume SWEEP_DIR")

@@ -58,12 +58,15 @@ def asks_for_demo(arguments: Any) -> bool:
 def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, overwrite: bool = False,
              resume: bool = False) -> dict[str, dict]:
     """Run the five methods into ``out_dir/<slug>`` (an earlier demo there is refused, or moved aside with
-    ``overwrite``; ``resume`` continues the one there), then print the table and write the plot."""
+    ``overwrite``; ``resume`` continues the one there, ``overrides`` then of how long its runs train, how they are
+    evaluated and saved: :meth:`~nemo_jq.runtime.sweep.Sweep.go_on_with`), then print the table and write the plot."""
     out_dir = Path(out_dir)
     if resume:
         sweep = Sweep.load(out_dir)
         if "demo" not in sweep.grid:
             raise ValueError(f"{out_dir} holds a sweep, not the demo: `nemo-jq sweep --resume {out_dir}` continues it")
+        if overrides:
+            sweep.go_on_with(overrides)
     else:
         sweep = demo_sweep(out_dir, overrides)
         resumable = (out_dir / SWEEP_FILE).exists()  # else an older demo's or an experiment's results alone

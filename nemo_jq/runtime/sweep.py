@@ -25,13 +25,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nemo_jq.runtime.monitor import read_json_file, read_metrics
 from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in
-from nemo_jq.runtime.runs import RUN_FILES, has_finished, last_checkpoint_step
+from nemo_jq.runtime.runs import RESUMABLE_KEYS, RUN_FILES, has_finished, last_checkpoint_step, refuse_overrides
 from nemo_jq.typed import ConfigError
 
 SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
@@ -120,8 +120,30 @@ class Sweep:
             raise FileExistsError(f"{self.directory} is not empty ({', '.join(held[:3])}{', ...' * (len(held) > 3)}) and "
                                   "holds no sweep: give a new or empty folder (what is there is left as it is)")
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.save()
+
+    def save(self) -> None:
         record = {"grid": self.grid, "here": self.here, "runs": [asdict(run) for run in self.runs]}
         (self.directory / SWEEP_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+    def go_on_with(self, overrides: Sequence[str]) -> None:
+        """``--resume DIR key=value``: every run goes on with ``overrides``, of :data:`~nemo_jq.runtime.runs.RESUMABLE_KEYS`
+        only (how long it trains, how it is evaluated and saved, where it runs), each replacing the run's own value;
+        ``sweep.json`` records them, for a later resume to keep. A finished run given more steps goes on too
+        (:meth:`status`); one already past the steps they give it is refused."""
+        from nemo_jq.config import current_key
+
+        refuse_overrides(list(overrides), RESUMABLE_KEYS, "--resume", "a resumed sweep's runs keep what they train")
+        given = {current_key(word.partition("=")[0]) for word in overrides}
+        self.runs = [replace(run, overrides=(*(word for word in run.overrides if current_key(word.partition("=")[0])
+                                               not in given), *overrides)) for run in self.runs]
+        self.check()
+        for run in self.runs:
+            step, steps = last_checkpoint_step(self.directory / run.name), total_steps(run)
+            if step is not None and steps is not None and step > steps:
+                raise ConfigError(f"run {run.name} of the sweep is at step {step}, beyond the {steps} steps "
+                                  f"{' '.join(overrides)} gives it: give it at least {step}")
+        self.save()
 
     def check(self) -> None:
         """Load every run's config (a key its run will not use is said once a config file, not once a run), and its
@@ -138,12 +160,14 @@ class Sweep:
             seen.add(run.config)
 
     def status(self, run: SweepRun) -> str:
-        """FINISHED where the run wrote its results at its last checkpoint's step (older results name no step); one
-        stopped in its end's evaluation, or with results of an earlier step, is STOPPED: its resume evaluates again."""
+        """FINISHED where the run wrote its results at its last checkpoint's step (older results name no step) and its
+        config gives it no more steps; one stopped in its end's evaluation, with results of an earlier step, or given
+        more steps (:meth:`go_on_with`), is STOPPED: its resume trains on and evaluates again."""
         run_dir = self.directory / run.name
-        if has_finished(run_dir):
+        step = last_checkpoint_step(run_dir)
+        if has_finished(run_dir) and (step is None or (total_steps(run) or 0) <= step):  # not given more steps since
             return FINISHED
-        return STOPPED if last_checkpoint_step(run_dir) is not None else NEW
+        return STOPPED if step is not None else NEW
 
 
 def check_data(data: Any, seen: set[str]) -> None:

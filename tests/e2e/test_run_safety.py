@@ -438,7 +438,8 @@ def test_the_readme_shows_the_demo_table_ci_checks():
 
 def test_the_demo_over_an_experiments_results_and_a_demos_resume_with_words_say_what_works(tmp_path, capsys):
     """``--demo-dir`` over an experiment's folder (its summary.json) offered `train --resume`, which fails there ("not a
-    run directory"); `train --resume DEMO key=value` said to drop "the key=value words and --quick", none of --quick."""
+    run directory"); `train --resume DEMO --quick` is refused, and its key=value words may change only how long the
+    runs train, how they are evaluated and saved (tests/e2e/test_sweep.py trains on with them)."""
     experiment = tmp_path / "experiment"
     experiment.mkdir()
     (experiment / "summary.json").write_text("{}")
@@ -446,12 +447,16 @@ def test_the_demo_over_an_experiments_results_and_a_demos_resume_with_words_say_
     line = one_line_error(code, err, f"{experiment} already holds an earlier demo's or an experiment's results "
                           "(summary.json): pass --demo-dir DIR for a new one, or --overwrite")
     assert "--resume" not in line and sorted(path.name for path in experiment.iterdir()) == ["summary.json"]
+    from nemo_jq.recipe.demo import demo_sweep
+
     demo = tmp_path / "demo"
-    demo.mkdir()
-    (demo / "sweep.json").write_text("{}")
-    code, _, err = run_cli(capsys, "train", "--resume", demo, "train.max_steps=5")
-    assert one_line_error(code, err, f"--resume {demo} continues the demo as it started: drop the key=value words"
-                          ).endswith("drop the key=value words")
+    demo_sweep(demo).write()
+    record = (demo / "sweep.json").read_text()
+    code, _, err = run_cli(capsys, "train", "--resume", demo, "--quick")
+    assert one_line_error(code, err, f"--resume {demo} continues the demo as it started: drop --quick").endswith("--quick")
+    code, _, err = run_cli(capsys, "train", "--resume", demo, "objective.q=1")
+    one_line_error(code, err, "objective.q=1 cannot change with --resume", "train.epochs, train.max_steps")
+    assert (demo / "sweep.json").read_text() == record
 
 
 def test_the_demos_table_shows_the_scores_its_runs_have_at_any_eval_num_samples():

@@ -95,6 +95,17 @@ def test_the_documented_sweep_stopped_resumes_to_an_unstopped_ones_metrics_and_i
     assert (tmp_path / "stopped" / "curves_synthetic.png").stat().st_size > 10_000
     code, out = finish(nemo_jq("generate", tmp_path / "whole" / "name=garl_seed=0", *documented_generate()))
     assert code == 0 and out.count("--- sample") == 4 and out.count("answer: ") == 4, out
+    # --resume with words of how long the runs train: every run, finished ones too, trains on; sweep.json keeps them
+    for words, message in [(["objective.q=1"], "objective.q=1 cannot change with --resume"),
+                           (["train.max_steps=10"], "is at step 16, beyond the 10 steps train.max_steps=10 gives it")]:
+        code, out = finish(nemo_jq(*resume, *words))
+        assert code == 2 and message in out and "Traceback" not in out, out
+    code, out = finish(nemo_jq(*resume, "train.max_steps=20"))
+    assert code == 0 and "(0 finished, 4 to continue" in out.splitlines()[0], out
+    for name in names:
+        assert json.loads((tmp_path / "stopped" / name / "results.json").read_text())["step"] == 20, name
+    code, out = finish(nemo_jq(*resume))
+    assert code == 0 and "(4 finished, 0 to continue, 0 to start)" in out.splitlines()[0], out
 
 
 def test_a_sweep_whose_terminal_closed_or_that_was_killed_stops_its_runs_with_checkpoints(tmp_path):
