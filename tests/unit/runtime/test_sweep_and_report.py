@@ -41,7 +41,7 @@ def test_the_words_of_a_sweep_are_checked_in_one_line():
 
 
 def test_a_sweep_folder_records_its_grid_refuses_a_second_sweep_and_knows_each_runs_state(tmp_path, capsys):
-    sweep = Sweep.from_grid(tmp_path / "s", [], ["objective.name=garl,grpo"], None)
+    sweep = Sweep.from_grid(tmp_path / "s", [], ["objective.name=garl,grpo", "train.max_steps=4"], None)
     sweep.write()
     loaded = Sweep.load(tmp_path / "s")
     assert loaded.runs == sweep.runs and loaded.grid["axes"] == {"objective.name": ["garl", "grpo"]}
@@ -63,8 +63,12 @@ def test_a_sweep_folder_records_its_grid_refuses_a_second_sweep_and_knows_each_r
     assert sweep.status(grpo) == FINISHED
     (tmp_path / "s" / grpo.name / "results.json").write_text('{"step": 4')  # cut short: its resume evaluates again
     assert sweep.status(grpo) == STOPPED
-    code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "objective.q=1")
-    one_line_error(code, err, "--resume continues a sweep as its sweep.json records it")
+    (tmp_path / "s" / grpo.name / "results.json").write_text(json.dumps({"step": 4}))
+    code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--seeds", "1")
+    one_line_error(code, err, "--resume continues a sweep as its sweep.json records it: drop --out, --config, --seeds")
+    sweep.go_on_with(["train.max_steps=6"])  # given more steps, a finished run trains on
+    assert Sweep.load(tmp_path / "s").runs[1].overrides == ("objective.name=grpo", "train.max_steps=6")
+    assert sweep.status(grpo) == FINISHED and sweep.status(sweep.runs[1]) == STOPPED
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "nothing")
     one_line_error(code, err, "holds no sweep")
 
