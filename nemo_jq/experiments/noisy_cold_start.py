@@ -6,8 +6,8 @@ replaced by wrong answers (validation and test clean). Every method trains with 
 GRPO, GARL at fixed q, SFT-then-RLVR (q=1 then q=0), linear and cosine annealing from 1 to 0, and
 the adaptive rule (q from log P̂; knobs :data:`TUNED_ADAPTIVE`). Per run: test p@1 / p@16 / m@16, steps to
 leave P̂ ≈ 0 (log P̂ > :data:`LEFT_COLD`) and to escape (the first step whose log P̂ exceeds log(1/M)), and memorisation
-(the share of noisy training
-prompts whose corrupted label the final model's greedy answer reproduces). Writes ``summary.json``,
+(the share of noisy training prompts whose corrupted label the final model's greedy answer reproduces, beside what
+those answers score against wrong labels drawn afresh: memorisation by chance). Writes ``summary.json``,
 ``table.md``, ``tradeoff.png`` (test m@16 against memorisation, a point per method and seed) and
 ``figure3_seed<S>.png`` (the Figure-3 panels of the first seed) to the output folder.
 """
@@ -133,7 +133,8 @@ def describe_run(config: Any, result: dict[str, Any]) -> dict[str, Any]:
     """One run's entry: its test scores and memorisation (``result``, fit's), and what its metrics show."""
     records = read_metrics(Path(config.train.run_dir))
     return {"seed": config.train.seed, "test": result["test"], "memorisation": result["memorisation"]["final"],
-            "memorisation_tested": result["memorisation"]["tested"], "best_step": result["best_step"],
+            "memorisation_tested": result["memorisation"]["tested"],
+            "memorisation_chance": result["memorisation"]["chance"]["final"], "best_step": result["best_step"],
             "best_validation": result["best_validation"],
             "final_q": next((r.get("q") for r in reversed(records) if r["kind"] == "train"), None),
             "steps_to_escape": steps_to_escape(records, -math.log(config.rollout.num_samples)),
@@ -148,7 +149,8 @@ def aggregate(per_seed: Sequence[dict[str, Any]], k: int) -> dict[str, dict[str,
             f"m@{k}": seed_stats([r["test"][f"m@{k}"] for r in per_seed]),
             "steps_to_escape": seed_stats([r["steps_to_escape"] for r in per_seed]),
             "steps_to_leave_cold": seed_stats([r["steps_to_leave_cold"] for r in per_seed]),
-            "memorisation": seed_stats([r["memorisation"] for r in per_seed])}
+            "memorisation": seed_stats([r["memorisation"] for r in per_seed]),
+            "memorisation_chance": seed_stats([r.get("memorisation_chance") for r in per_seed])}
 
 
 def theory(num_samples: int, label_noise: float) -> dict[str, Any]:
@@ -171,13 +173,15 @@ def markdown_table(summary: dict[str, Any]) -> str:
         return text if stats["n"] == len(summary["seeds"]) else f"{text} ({stats['n']}/{len(summary['seeds'])})"
 
     lines = [f"| method | test p@1 | test p@{k} | test m@{k} | steps to log P̂ > {LEFT_COLD:g} | steps to escape (log P̂ > log 1/M) "
-             f"| memorisation % | theory p̃*(q, ε={summary['label_noise']:g}) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"| memorisation % | by chance % | theory p̃*(q, ε={summary['label_noise']:g}) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, stats in summary["aggregate"].items():
         predicted = summary["theory"].get(name, {}).get("noise_equilibrium")
+        theory = "" if predicted is None else f"{100 * predicted:.2g}%"
+        chance = cell(stats.get("memorisation_chance", {"mean": None}))  # a summary written before it: n/a
         lines.append(f"| {name} | {cell(stats['p@1'])} | {cell(stats[f'p@{k}'])} | {cell(stats[f'm@{k}'])} | "
                      f"{cell(stats['steps_to_leave_cold'], 0)} | {cell(stats['steps_to_escape'], 0)} | {cell(stats['memorisation'])} | "
-                     f"{'' if predicted is None else f'{100 * predicted:.2g}%'} |")
+                     f"{chance} | {theory} |")
     return "\n".join(lines)
 
 

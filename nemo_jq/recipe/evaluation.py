@@ -93,6 +93,36 @@ def memorised(task: Task, noisy: Sequence[Example], outputs: Sequence[Sequence[s
             for example, samples in zip(noisy, outputs)]
 
 
+#: Of each noisy example's pool of training answers, how many :func:`chance_memorised` draws at most.
+CHANCE_DRAWS = 2000
+
+
+def chance_memorised(task: Task, train: Sequence[Example], noisy: Sequence[Example], outputs: Sequence[Sequence[str]],
+                     draws: int = CHANCE_DRAWS) -> list[float]:
+    """For each noisy example, the share of the wrong labels its corruption could have drawn (a training answer the
+    task does not count correct for it, as :func:`~nemo_jq.data.noise.corrupt_labels` draws them) that its (first)
+    output would count as memorised: what :func:`memorised` gives an output that ignores the label it trained on. An
+    output naming many answers matches many labels by chance. The pool is ``train``'s answers, clean; past ``draws``
+    of them, a seeded draw of that many."""
+    import dataclasses
+    import random
+
+    from nemo_jq.data.noise import CLEAN_ANSWER
+
+    pool = sorted({example.meta.get(CLEAN_ANSWER, example.answer) for example in train})
+    shares = []
+    for example, samples in zip(noisy, outputs):
+        clean = dataclasses.replace(example, answer=example.meta[CLEAN_ANSWER])
+        if task.is_correct(samples[0], clean):  # memorised never counts an output naming the clean answer
+            shares.append(0.0)
+            continue
+        drawn = pool if len(pool) <= draws else random.Random(f"chance-{example.id}").sample(pool, draws)
+        wrong = [answer for answer in drawn if not task.is_correct(answer, clean)]
+        shares.append(sum(task.is_correct(samples[0], dataclasses.replace(example, answer=answer)) for answer in wrong)
+                      / max(1, len(wrong)))
+    return shares
+
+
 class Evaluator:
     """A run's evaluation: scores on a split, and memorisation of noisy labels, from its rollout engine.
 
@@ -136,9 +166,11 @@ class Evaluator:
         most = -(-len(examples) // parts.data_parallel.size)
         return mine + [(mine or examples)[-1]] * (most - len(mine)), len(mine)
 
-    def memorisation(self, stopped: Callable[[], bool] | None = None) -> float | None:
+    def memorisation(self, stopped: Callable[[], bool] | None = None) -> dict[str, float] | None:
         """Percent of the noisy training prompts (``data.label_noise``) whose corrupted label the model's greedy
-        answer reproduces; None without label noise. ``stopped``: as :func:`sample_outputs` takes it."""
+        answer reproduces (``memorised``), and what those answers would score against labels drawn afresh
+        (``chance``: :func:`chance_memorised`); None without label noise. ``stopped``: as :func:`sample_outputs`
+        takes it."""
         from nemo_jq.data.noise import noisy_examples
 
         parts = self.components
@@ -148,8 +180,10 @@ class Evaluator:
         unused = new_generator(parts.device)  # greedy decoding draws nothing
         mine, count = self._share(noisy)
         outputs = sample_outputs(parts, mine, 1, parts.config.eval.batch_size, unused, greedy=True, stopped=stopped)
-        flags = memorised(parts.task, noisy, parts.data_parallel.gather(outputs[:count]))
-        return 100 * sum(flags) / len(flags)
+        gathered = parts.data_parallel.gather(outputs[:count])
+        flags = memorised(parts.task, noisy, gathered)
+        chance = chance_memorised(parts.task, parts.splits.train, noisy, gathered)
+        return {"memorised": 100 * sum(flags) / len(flags), "chance": 100 * sum(chance) / len(chance)}
 
 
 #: Of each shown prompt's samples, how many :func:`shown_samples` keeps.

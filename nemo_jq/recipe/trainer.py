@@ -274,7 +274,9 @@ class Trainer:
             return None
         if stop.requested():
             return None
-        memorisation = {"final": final_memorisation, "tested": tested} if final_memorisation is not None else None
+        memorisation = ({"final": final_memorisation["memorised"], "tested": tested["memorised"],
+                         "chance": {"final": final_memorisation["chance"], "tested": tested["chance"]}}
+                        if final_memorisation is not None else None)
         logger.log({"kind": "test", "step": self.state.step, "best_step": best, **scores,
                     **({"memorisation": memorisation["tested"]} if memorisation else {})})
         if self.last_q is None:  # resumed only to evaluate the end again: the q its last step trained with, as logged

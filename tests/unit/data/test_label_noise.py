@@ -11,7 +11,7 @@ from nemo_jq.data import SyntheticArithmetic
 from nemo_jq.data.base import Example
 from nemo_jq.data.noise import CLEAN_ANSWER, corrupt_labels, noisy_examples
 from nemo_jq.data.prepare import build_task
-from nemo_jq.recipe.evaluation import memorised
+from nemo_jq.recipe.evaluation import chance_memorised, memorised
 from nemo_jq.recipe.trainer import Trainer
 
 TASK = SyntheticArithmetic(num_operands=3)
@@ -64,13 +64,35 @@ def test_a_noisy_run_reports_the_memorisation_of_its_final_and_tested_models(tmp
     trainer = Trainer(load_config(None, [*TINY_RUN, "data.label_noise=0.25", "train.max_steps=2", f"train.run_dir={tmp_path / 'run'}"]))
     results = trainer.fit()
     assert len(noisy_examples(trainer.components.splits.train)) == 6
-    assert set(results["memorisation"]) == {"final", "tested"}
-    assert all(0 <= value <= 100 and value * 6 / 100 == pytest.approx(round(value * 6 / 100)) for value in results["memorisation"].values())
+    assert set(results["memorisation"]) == {"final", "tested", "chance"}
+    for value in (results["memorisation"]["final"], results["memorisation"]["tested"]):
+        assert 0 <= value <= 100 and value * 6 / 100 == pytest.approx(round(value * 6 / 100))
     assert json.loads((tmp_path / "run" / "results.json").read_text())["memorisation"] == results["memorisation"]
     # the engine's greedy answers are what the metric scores: make them the corrupted labels and it is 100
     noisy = noisy_examples(trainer.components.splits.train)
     trainer.components.engine.generate = _answering(trainer, {tuple(trainer.components.prompt_ids([e])[0]): e.answer for e in noisy})
-    assert trainer.evaluator.memorisation() == 100
+    train = trainer.components.splits.train
+    pool = {e.meta.get(CLEAN_ANSWER, e.answer) for e in train}
+    # by chance: each greedy answer is one of the wrong labels its prompt could have drawn
+    chance = sum(1 / len([a for a in pool if not TASK.is_correct(a, Example("x", "", e.meta[CLEAN_ANSWER]))]) for e in noisy)
+    assert trainer.evaluator.memorisation() == {"memorised": 100, "chance": pytest.approx(100 * chance / len(noisy))}
+
+
+def test_memorisation_by_chance_is_the_share_of_the_wrong_labels_an_output_matches():
+    """The rate at which an output reproduces a wrong label drawn afresh (from the training answers the task counts
+    wrong for the prompt): an output naming many numbers memorises by chance what one naming a single one does not."""
+    rng = random.Random(1)
+    train = [Example(f"t{i}", "", str(answer)) for i, answer in enumerate(rng.sample(range(100), 40))]
+    answers = sorted({e.answer for e in train})
+    for _ in range(200):
+        clean, wrong = rng.sample(answers, 2)
+        example = Example("x", "1+2", wrong, meta={CLEAN_ANSWER: clean})
+        named = rng.sample(answers + ["999"], rng.randint(0, 8))
+        output = " ".join(named) or "no number"
+        (share,) = chance_memorised(TASK, [*train, example], [example], [[output]])
+        expected = 0.0 if clean in named else len([a for a in named if a != clean and a in answers]) / (len(answers) - 1)
+        assert share == pytest.approx(expected)
+        assert chance_memorised(TASK, [*train, example], [example], [[output]], draws=10)[0] <= 1.0
 
 
 def test_eval_of_a_noisy_runs_train_split_says_its_labels_are_the_corrupted_ones(tmp_path, capsys):
