@@ -403,7 +403,7 @@ class Config:
                               f"(model.backend={self.model.backend} trains in one process)")
         if self.model.activation_checkpointing and self.model.backend == "megatron":
             raise ConfigError("model.activation_checkpointing is the hf backend's; with model.backend=megatron set "
-                              "megatron.recompute_activations=true")
+                              "model.activation_checkpointing=false and megatron.recompute_activations=true, its own")
         if self.rollout.tensor_parallel > 1 and self.rollout.placement == "colocated" and (
                 self.rollout.engine != "vllm" or self.model.backend != "megatron"
                 or self.megatron.tensor_parallel % self.rollout.tensor_parallel):

@@ -711,6 +711,10 @@ OPTIMIZER_FLAGS = {"fp32-adamw": "megatron.distributed_optimizer=false",
 OPTIMIZER_LADDER = ("fp32-adamw", "fp32-distopt", "bf16-distopt", "bf16-distopt-offload")
 
 
+#: What turns an hf run's config into a Megatron one: its recomputation is Megatron's own key.
+MEGATRON_SWITCH = "model.backend=megatron model.activation_checkpointing=false megatron.recompute_activations=true"
+
+
 def overrides(layout: LayoutEstimate, work: Workload) -> str:
     """The ``key=value`` overrides that train ``work`` at ``layout``, for ``nemo-jq train`` (under torchrun with
     TP x PP x CP x DP processes)."""
@@ -912,7 +916,7 @@ def format_report(result: dict[str, Any]) -> str:
     if result["workload"]["backend"] == "hf" and result.get("gpus", 1) > 1:
         lines.append(f"model.backend=hf trains a run on one GPU: the other {result['gpus'] - 1} of the {result['gpus']} "
                      f"would idle. Use them for a sweep of runs (nemo-jq sweep --slurm: one GPU a run, "
-                     f"{result['gpus']} at once; docs/sweeps.md), or train this run over them with model.backend=megatron "
-                     "(plan --config ... model.backend=megatron gives its layout)")
+                     f"{result['gpus']} at once; docs/sweeps.md), or train this run over them with {MEGATRON_SWITCH} "
+                     f"(plan --config ... {MEGATRON_SWITCH} gives its layout)")
     lines.append("assumptions: see `nemo-jq plan --help` (estimates from shapes, not measurements)")
     return "\n".join(lines)

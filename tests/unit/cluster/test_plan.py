@@ -426,3 +426,13 @@ def test_a_colocated_vllm_share_that_cannot_hold_its_engines_weights_does_not_fi
     layouts = plan.plan(plan.architecture("Qwen/Qwen3-235B-A22B"), work, gpus_per_node=8, nodes=32, gpu_gb=80)
     assert not any(layout.fits for layout in layouts)
     assert layouts[0].largest == "vllm" and "holds less than its engine's bf16 weights (109.5 GiB" in layouts[0].advice
+
+
+def test_plans_hint_to_train_an_hf_run_over_its_gpus_with_megatron_gives_a_config_that_loads_and_plans(capsys):
+    """An hf paper config (activation checkpointing on) on a node: the hint's `model.backend=megatron` alone was
+    refused ("model.activation_checkpointing is the hf backend's"), and that error's fix was refused again."""
+    config = "configs/qwen3_0p6b/hotpotqa_cold_garl_q0.25.yaml"
+    assert main(["plan", "--config", config]) == 0
+    hint = capsys.readouterr().out.split("(plan --config ... ")[1].split(" gives its layout")[0].split()
+    assert load_config(config, hint).model.backend == "megatron"
+    assert main(["plan", "--config", config, *hint]) == 0 and "recommended" in capsys.readouterr().out
