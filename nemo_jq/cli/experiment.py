@@ -112,10 +112,17 @@ def run(args: argparse.Namespace) -> int:
                  if flags[0] != "--resume" and is_given(args, flags[0])] + ["key=value overrides"] * bool(args.overrides)
         if given:
             raise ConfigError(f"--resume {args.resume} goes on with the experiment as it started: drop {', '.join(given)}")
-        from nemo_jq.experiments.common import Progress
+        import inspect
 
-        options = Progress.read(args.resume, args.name).options
-        experiment_module(args.name).run_experiment(args.resume, **options, resume=True)
+        from nemo_jq.experiments.common import PROGRESS_FILE, Progress
+
+        options, run_experiment = Progress.read(args.resume, args.name).options, experiment_module(args.name).run_experiment
+        try:
+            inspect.signature(run_experiment).bind(args.resume, **options, resume=True)
+        except TypeError as err:  # an edited record
+            raise ConfigError(f"{args.resume / PROGRESS_FILE} is not an experiment's record ({err}): restore it, or "
+                              "start the experiment again with --out NEW_DIR") from None
+        run_experiment(args.resume, **options, resume=True)
         return 0
     try:
         return run_named(args)

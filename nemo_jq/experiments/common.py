@@ -12,10 +12,10 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from nemo_jq.config import Config, ConfigError, current_key
 from nemo_jq.runtime.monitor import read_json_file
-from nemo_jq.runtime.outputs import claim_dir
+from nemo_jq.runtime.outputs import claim_dir, refuse_foreign_files
 from nemo_jq.runtime.preemption import current_series
-from nemo_jq.runtime.runs import holds_this_run
-from nemo_jq.runtime.sweep import refuse_repeats
+from nemo_jq.runtime.runs import RUN_FILES, holds_this_run
+from nemo_jq.runtime.sweep import SWEEP_FILE, refuse_repeats
 from nemo_jq.strict_yaml import parse_yaml
 
 #: An experiment's record in its folder (:class:`Progress`).
@@ -86,9 +86,16 @@ class Progress:
         out_dir = Path(out_dir)
         if resume:
             return cls.read(out_dir, experiment)
-        again = f"continue it with `nemo-jq experiment {experiment} --resume {out_dir}`, " if (out_dir / PROGRESS_FILE).exists() else ""
+        try:
+            held = json.loads((out_dir / PROGRESS_FILE).read_text())["experiment"]
+        except (OSError, ValueError, TypeError, KeyError):
+            held = None
+        again = f"continue it with `nemo-jq experiment {held} --resume {out_dir}`, " if isinstance(held, str) else ""
         claim_dir(out_dir, (PROGRESS_FILE, *markers), overwrite=overwrite, what="an earlier experiment",
                   advice=f"{again}pass --out DIR for a new one, or --overwrite to move it aside first")
+        claim_dir(out_dir, (SWEEP_FILE, *RUN_FILES), overwrite=overwrite, what="a sweep or a run", advice="an "
+                  "experiment's runs go in a folder of their own: choose another, or pass --overwrite to move it aside first")
+        refuse_foreign_files(out_dir, "experiment")
         out_dir.mkdir(parents=True, exist_ok=True)
         progress = cls(out_dir, experiment, options)
         progress.write()

@@ -66,7 +66,7 @@ def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, over
         if "demo" not in sweep.grid:
             raise ValueError(f"{out_dir} holds a sweep, not the demo: `nemo-jq sweep --resume {out_dir}` continues it")
         if overrides:
-            sweep.go_on_with(overrides)
+            sweep.go_on_with(overrides, command="train")
     else:
         sweep = demo_sweep(out_dir, overrides)
         resumable = (out_dir / SWEEP_FILE).exists()  # else an older demo's or an experiment's results alone

@@ -7,6 +7,7 @@ import atexit
 import fcntl
 import json
 import os
+import re
 import shlex
 import socket
 import sys
@@ -28,6 +29,10 @@ def claim_dir(path: Path, markers: tuple[str, ...], *, overwrite: bool, what: st
     if not overwrite:
         raise FileExistsError(f"{path} already holds {what} ({', '.join(found)}): {advice}")
     return move_aside(path)
+
+
+#: The name :func:`move_aside` gives a folder it moves: ``NAME.old-YYYYmmdd-HHMMSS[-N]``.
+MOVED_ASIDE = re.compile(r"\.old-\d{8}-\d{6}(-\d+)?$")
 
 
 def move_aside(path: Path) -> Path:
@@ -113,6 +118,15 @@ def hold_run_dir(run_dir: Path) -> None:
 #: How deep below a folder its runs are looked for (an experiment's runs are at ``OUT/method/seedS``, its warm
 #: policies at ``OUT/warm/setting/policy``): a run in use before it is moved aside, one inside a new run's folder.
 RUN_DEPTH = 4
+
+
+def refuse_foreign_files(path: Path, holds_no: str) -> None:
+    """A folder that holds anything (none of it what the command claims: ``holds_no``, e.g. "sweep") is refused: what
+    the command writes would land among, and over, a user's files."""
+    held = sorted(entry.name for entry in Path(path).iterdir()) if Path(path).is_dir() else []
+    if held:
+        raise FileExistsError(f"{path} is not empty ({', '.join(held[:3])}{', ...' * (len(held) > 3)}) and holds no "
+                              f"{holds_no}: give a new or empty folder (what is there is left as it is)")
 
 
 def held_runs_in(path: Path) -> list[tuple[Path, str]]:

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from nemo_jq.runtime.monitor import read_json_file, read_metrics
+from nemo_jq.runtime.outputs import MOVED_ASIDE
 from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE, has_finished
-from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep
+from nemo_jq.runtime.sweep import FINISHED, SWEEP_FILE, Sweep
 
 
 @dataclass
@@ -109,9 +110,9 @@ def _group(run: RunRecord) -> tuple[str, str, str, frozenset[str]]:
 
 def run_dirs(paths: list[Path]) -> list[Path]:
     """The run folders under ``paths``: a sweep's runs (its ``sweep.json`` order), a run folder itself, or the runs and
-    sweeps anywhere below a folder (an experiment's ``<method>/seed<S>``), in name order; a path with none is an error
-    naming it. A run found twice (a sweep, and one of its runs given too; a link to a folder already searched) is read
-    once."""
+    sweeps anywhere below a folder (an experiment's ``<method>/seed<S>``; not in a folder ``--overwrite`` moved aside,
+    ``NAME.old-<time>``, unless given), in name order; a path with none is an error naming it. A run found twice (a
+    sweep, and one of its runs given too; a link to a folder already searched) is read once."""
     found: dict[Path, Path] = {}
     for path in map(Path, paths):
         below = _runs_in(path, set())
@@ -132,7 +133,8 @@ def _runs_in(path: Path, searched: set[Path]) -> list[Path]:
     if not path.is_dir() or path.resolve() in searched:
         return []
     searched.add(path.resolve())
-    return [run for child in sorted(path.iterdir()) if child.is_dir() for run in _runs_in(child, searched)]
+    return [run for child in sorted(path.iterdir()) if child.is_dir() and not MOVED_ASIDE.search(child.name)
+            for run in _runs_in(child, searched)]
 
 
 def read_run(run_dir: Path) -> RunRecord | None:
@@ -149,10 +151,20 @@ def read_run(run_dir: Path) -> RunRecord | None:
                           "the run, or leave the run out") from None
     results = read_json_file(run_dir / RESULTS_FILE, "a finished run's results", results_problem,
                              f"restore it, or move it aside and `nemo-jq train --resume {run_dir}` writes it again")
-    if not has_finished(run_dir, results):
+    if not has_finished(run_dir, results) or _sweep_goes_on(run_dir):
         return None
     return RunRecord(run_dir, config.data.name, config.data.format, method_label(results), config.train.seed,
                      config.rollout.num_samples, results, read_metrics(run_dir), settings(config))
+
+
+def _sweep_goes_on(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a run of the sweep around it that the sweep has given more steps since its results
+    (``sweep --resume DIR train.max_steps=...`` stopped before this run went on): unfinished, as the sweep decides."""
+    if not (run_dir.parent / SWEEP_FILE).exists():
+        return False
+    sweep = Sweep.load(run_dir.parent)
+    run = next((run for run in sweep.runs if run.name == run_dir.name), None)
+    return run is not None and sweep.status(run) != FINISHED
 
 
 def results_problem(results: dict[str, Any]) -> str | None:

@@ -33,9 +33,11 @@ STARTED_FILES = (*RUN_FILES, LOCK_FILE, "wandb", "mlruns")
 LAYOUT_KEYS = ("megatron.tensor_parallel", "megatron.pipeline_parallel", "megatron.context_parallel",
                "megatron.sequence_parallel")
 #: Keys a resumed run may change: how long it goes on, how it is evaluated and saved, how much memory a step holds
-#: (row chunks and recomputation give the same gradient), and where it runs (:data:`LAYOUT_KEYS`), never what it trains.
+#: (row chunks and recomputation give the same gradient), and where it runs (:data:`LAYOUT_KEYS`), never what it trains
+#: nor what picks its best checkpoint (``eval.num_samples``, the k of its validation m@k: m@8 beside m@4 compares two
+#: metrics; ``nemo-jq eval`` scores a checkpoint at any k).
 RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.tensorboard",
-                  "train.micro_batch_rows", "model.activation_checkpointing", "eval.every", "eval.num_samples", "eval.samples_shown",
+                  "train.micro_batch_rows", "model.activation_checkpointing", "eval.every", "eval.samples_shown",
                   "eval.batch_size", *LAYOUT_KEYS, "megatron.recompute_activations", "megatron.distributed_optimizer",
                   "rollout.placement", "rollout.ranks")
 #: Where a loaded checkpoint runs: the device (a run trained on a GPU, exported on a login node) and the layout, a

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nemo_jq.runtime.monitor import read_json_file, read_metrics
-from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in
+from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in, refuse_foreign_files
 from nemo_jq.runtime.runs import RESUMABLE_KEYS, RUN_FILES, has_finished, last_checkpoint_step, refuse_overrides
 from nemo_jq.typed import ConfigError
 
@@ -115,10 +115,7 @@ class Sweep:
                                               "one elsewhere (--out), or pass --overwrite to move the old one aside first")
         claim_dir(self.directory, RUN_FILES, overwrite=overwrite, what="a run", advice="a sweep's runs go in a folder of "
                   "their own: choose another, or pass --overwrite to move the run aside first")
-        held = sorted(path.name for path in self.directory.iterdir()) if self.directory.is_dir() else []
-        if held:
-            raise FileExistsError(f"{self.directory} is not empty ({', '.join(held[:3])}{', ...' * (len(held) > 3)}) and "
-                                  "holds no sweep: give a new or empty folder (what is there is left as it is)")
+        refuse_foreign_files(self.directory, "sweep")
         self.directory.mkdir(parents=True, exist_ok=True)
         self.save()
 
@@ -126,15 +123,21 @@ class Sweep:
         record = {"grid": self.grid, "here": self.here, "runs": [asdict(run) for run in self.runs]}
         (self.directory / SWEEP_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
-    def go_on_with(self, overrides: Sequence[str]) -> None:
+    def go_on_with(self, overrides: Sequence[str], command: str = "sweep") -> None:
         """``--resume DIR key=value``: every run goes on with ``overrides``, of :data:`~nemo_jq.runtime.runs.RESUMABLE_KEYS`
         only (how long it trains, how it is evaluated and saved, where it runs), each replacing the run's own value;
         ``sweep.json`` records them, for a later resume to keep. A finished run given more steps goes on too
-        (:meth:`status`); one already past the steps they give it is refused."""
+        (:meth:`status`); one already past the steps they give it is refused, as is a key the grid sweeps (its runs'
+        names say their values) and a sweep still running. Nothing is recorded unless every check passes."""
         from nemo_jq.config import current_key
 
+        refuse_running(self, command)
         refuse_overrides(list(overrides), RESUMABLE_KEYS, "--resume", "a resumed sweep's runs keep what they train")
         given = {current_key(word.partition("=")[0]) for word in overrides}
+        swept = sorted(given & {current_key(key) for key in self.grid.get("axes", {})})
+        if swept:
+            raise ConfigError(f"--resume {self.directory} {swept[0]}=...: the sweep's runs differ in {swept[0]} (their "
+                              "names say their values): a new sweep sweeps other values")
         self.runs = [replace(run, overrides=(*(word for word in run.overrides if current_key(word.partition("=")[0])
                                                not in given), *overrides)) for run in self.runs]
         self.check()
@@ -365,10 +368,7 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     from nemo_jq.runtime.preemption import STOP_WITH_ENV, Stopped, release_terminal, signal_name, stop_signals_here
 
     say = say or (lambda line: print(line, flush=True))
-    if held := held_runs_in(sweep.directory):  # a second start of it: its runs would fail one by one
-        folder, holder = held[0]
-        raise RunDirInUse(f"{folder} is in use by another run ({holder}): {sweep.directory} is being run already; wait "
-                          f"for it to end (or stop it) before `nemo-jq {command} --resume {sweep.directory}`")
+    refuse_running(sweep, command)
     threads = threads or max(1, free_cores() // parallel)
     states = {run.name: sweep.status(run) for run in sweep.runs}
     pending = [run for run in sweep.runs if states[run.name] != FINISHED]
@@ -443,6 +443,14 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     if failed:
         raise RunFailed(f"{'; '.join(failed)}; the others are kept: fix it and `nemo-jq {command} "
                         f"--resume {sweep.directory}` goes on")
+
+
+def refuse_running(sweep: Sweep, command: str) -> None:
+    """A sweep another process runs now (a run of it held): a second start's runs would fail one by one."""
+    if held := held_runs_in(sweep.directory):
+        folder, holder = held[0]
+        raise RunDirInUse(f"{folder} is in use by another run ({holder}): {sweep.directory} is being run already; wait "
+                          f"for it to end (or stop it) before `nemo-jq {command} --resume {sweep.directory}`")
 
 
 def _ended(sweep: Sweep, entry: _Running, number: dict[str, int], total: int, say: Callable[[str], None],

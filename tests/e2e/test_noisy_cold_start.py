@@ -160,3 +160,17 @@ def test_an_experiment_stopped_mid_run_resumes_to_the_summary_an_unstopped_one_w
                               f"--resume {tmp_path / 'out'}` continues it")
     code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--resume", tmp_path / "unstopped" / "GRPO")
     one_line_error(code, err, "holds no experiment to resume (experiment.json)")
+    code, _, err = run_cli(capsys, "experiment", "escape-rates", "--quick", "--out", tmp_path / "out")
+    one_line_error(code, err, f"continue it with `nemo-jq experiment noisy-cold-start --resume {tmp_path / 'out'}`")
+    record = json.loads((tmp_path / "out" / "experiment.json").read_text())
+    (tmp_path / "out" / "experiment.json").write_text(json.dumps({**record, "options": {**record["options"], "foo": 1}}))
+    code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--resume", tmp_path / "out")
+    one_line_error(code, err, "experiment.json is not an experiment's record", "'foo'", "restore it")
+    # a folder holding a sweep, a run or anything else is not an experiment's: refused before anything is written
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine")
+    for folder, message in [(tmp_path / "notes", "is not empty (notes.txt) and holds no experiment"),
+                            (tmp_path / "unstopped" / "GRPO" / "seed0", "already holds a sweep or a run")]:
+        code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--quick", "--out", folder)
+        one_line_error(code, err, message)
+        assert not (folder / "experiment.json").exists()

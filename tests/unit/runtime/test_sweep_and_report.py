@@ -11,7 +11,7 @@ import pytest
 from doc_pages import ROOT
 
 from helpers import one_line_error, run_cli
-from nemo_jq.config import load_config, save_config
+from nemo_jq.config import ConfigError, load_config, save_config
 from nemo_jq.runtime import report
 from nemo_jq.runtime.checkpoint import STATE
 from nemo_jq.runtime.sweep import FINISHED, NEW, STOPPED, Sweep, split_words
@@ -63,12 +63,22 @@ def test_a_sweep_folder_records_its_grid_refuses_a_second_sweep_and_knows_each_r
     assert sweep.status(grpo) == FINISHED
     (tmp_path / "s" / grpo.name / "results.json").write_text('{"step": 4')  # cut short: its resume evaluates again
     assert sweep.status(grpo) == STOPPED
-    (tmp_path / "s" / grpo.name / "results.json").write_text(json.dumps({"step": 4}))
+    (tmp_path / "s" / grpo.name / "results.json").write_text(json.dumps({"objective": "grpo", "test": {"p@1": 0.0},
+                                                                          "step": 4}))
+    save_config(load_config(None, list(grpo.overrides)), tmp_path / "s" / grpo.name / "config.yaml")
+    assert report.read_run(tmp_path / "s" / grpo.name) is not None
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--seeds", "1")
     one_line_error(code, err, "--resume continues a sweep as its sweep.json records it: drop --out, --config, --seeds")
     sweep.go_on_with(["train.max_steps=6"])  # given more steps, a finished run trains on
     assert Sweep.load(tmp_path / "s").runs[1].overrides == ("objective.name=grpo", "train.max_steps=6")
     assert sweep.status(grpo) == FINISHED and sweep.status(sweep.runs[1]) == STOPPED
+    assert report.read_run(tmp_path / "s" / grpo.name) is None  # the report: unfinished, as the sweep decides
+    axis = Sweep.from_grid(tmp_path / "axis", [], ["eval.every=2,4"], None)
+    axis.write()
+    record = (tmp_path / "axis" / "sweep.json").read_text()
+    with pytest.raises(ConfigError, match="the sweep's runs differ in eval.every"):  # both would train at 8, named 2 and 4
+        axis.go_on_with(["eval.every=8"])
+    assert (tmp_path / "axis" / "sweep.json").read_text() == record
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "nothing")
     one_line_error(code, err, "holds no sweep")
 
@@ -297,6 +307,13 @@ def test_report_finds_the_runs_anywhere_below_a_folder_as_an_experiment_leaves_t
     finished_run(tmp_path / "exp" / "q=0.5" / "seed1", seed=1, test={"p@1": 3.0, "p@16": 4.0, "m@16": 5.0})
     finished_run(tmp_path / "exp" / "q=1" / "seed0", q=1.0)
     (tmp_path / "exp" / "q=1" / "seed0" / "checkpoints" / "step_1").mkdir(parents=True)  # inside a run: not searched
+    # what --overwrite moved aside is not a seed more (unless given itself)
+    finished_run(tmp_path / "exp" / "q=0.5" / "seed0.old-20261129-101500", test={"p@1": 9.0, "p@16": 9.0, "m@16": 9.0})
+    finished_run(tmp_path / "exp.old-20261129-101500-2" / "q=0.5" / "seed0")
+    assert report.run_dirs([tmp_path / "exp" / "q=0.5" / "seed0.old-20261129-101500"]) == [
+        tmp_path / "exp" / "q=0.5" / "seed0.old-20261129-101500"]
+    assert report.run_dirs([tmp_path]) == [tmp_path / "exp" / "q=0.5" / "seed0", tmp_path / "exp" / "q=0.5" / "seed1",
+                                           tmp_path / "exp" / "q=1" / "seed0"]
     assert report.run_dirs([tmp_path / "exp"]) == [tmp_path / "exp" / "q=0.5" / "seed0",
                                                    tmp_path / "exp" / "q=0.5" / "seed1", tmp_path / "exp" / "q=1" / "seed0"]
     rows = report.report([tmp_path / "exp"])["rows"]
