@@ -273,6 +273,7 @@ def train_config(command: list[str], arguments: Any, launch_config: LaunchConfig
                                                                    and arguments.config.is_file()):
         config = load_config(arguments.config, overrides)
         check_job_paths(launch_config, {key: operator.attrgetter(key)(config) for key in RUN_PATH_KEYS})
+        check_world(config, launch_config)
         return config
     check_overrides(overrides)
     given = dict(override.split("=", 1) for override in overrides)
@@ -282,6 +283,38 @@ def train_config(command: list[str], arguments: Any, launch_config: LaunchConfig
         print(f"nemo-jq launch: {unread} is not readable here: the overrides were checked against the schema, the "
               "whole config is checked when the job starts", file=sys.stderr)
     return load_config(None, [f"{key}={given[key]}" for key in ("rollout.placement", "rollout.ranks") if key in given])
+
+
+def check_world(config: Any, launch_config: LaunchConfig) -> None:
+    """The config trains over the job's processes (a process a GPU: ``nodes`` x ``gpus_per_node``, its rollout ranks
+    aside), as each rank checks at its start: refused here, before the job waits in the queue to fail. The hf backend
+    trains in one process; a Megatron layout divides the processes (and, where this machine knows the model's shape,
+    the model: plan's rule), and its data-parallel replicas split the batch."""
+    from nemo_jq.cluster.plan import architecture
+
+    job = f"nodes={launch_config.nodes} x gpus_per_node={launch_config.gpus_per_node} in the launch YAML"
+    world = launch_config.nodes * launch_config.gpus_per_node - config.rollout.own_ranks
+    if world < 1:
+        return  # roles() says what is wrong with that split
+    if config.model.backend == "hf":
+        if world > 1:
+            raise ConfigError(f"model.backend=hf trains in one process, but the job starts {world} training processes "
+                              f"({job}): give the job one GPU, or train with model.backend=megatron (`nemo-jq plan "
+                              "--config ...` gives its layout)")
+        return
+    try:
+        arch = architecture(str(config.model.path)) if config.model.path else None
+    except ValueError:  # a path inside the container: the ranks check the model's shape
+        arch = None
+    layout = config.megatron
+    layout.validate(arch, world, processes_from=job)
+    if arch is not None:
+        layout.check_trainable(arch)
+    replicas = layout.data_parallel(world)
+    if config.train.batch_size % replicas:
+        raise ConfigError(f"train.batch_size={config.train.batch_size} does not split over the {replicas} data-parallel "
+                          f"replicas of {world} training processes ({job}): make it a multiple of {replicas}, or change "
+                          "the job's GPUs")
 
 
 def check_job_paths(config: LaunchConfig, paths: dict[str, Any]) -> None:

@@ -186,7 +186,8 @@ def test_a_split_world_says_which_gpus_train_and_which_sample_and_refuses_a_spli
     """``rollout.placement=separate`` (from the config, if this host can read it, or the overrides): the script names
     the roles by the same rule the run splits its world by (``role_of``); the last node's GPUs sample here."""
     config = tmp_path / "c.yaml"
-    config.write_text("rollout:\n  placement: separate\n  ranks: 4\ntrain:\n  run_dir: /lustre/me/runs/c\n")
+    config.write_text("model:\n  backend: megatron\nrollout:\n  placement: separate\n  ranks: 4\n"
+                      "train:\n  run_dir: /lustre/me/runs/c\n  batch_size: 48\n")
     for command, roles in ((["train", "--config", config], "rollout.ranks=4): ranks 0-11 (nodes 0-1) train, ranks 12-15 (node 1) sample"),
                            (["train", "--config", "/not/here.yaml", "rollout.placement=separate", "rollout.ranks=8"],
                             "rollout.ranks=8): ranks 0-7 (node 0) train, ranks 8-15 (node 1) sample")):
@@ -221,6 +222,32 @@ def test_a_launched_training_command_is_checked_before_anything_is_written_or_qu
                  "megatron.tensor_parallel=8"]) == 0
     out, err = capsys.readouterr()
     assert "srun" in out and "/lustre/me/c.yaml is not readable here: the overrides were checked" in err
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_a_launched_config_is_checked_against_the_jobs_gpus_as_its_ranks_check_it(tmp_path, capsys):
+    """A config readable here over the job's 16 processes: each of these queued, then failed on every rank at its
+    start (a TP that divides no head count, a PP that divides no layer count, a batch over 6 replicas, hf in 16
+    processes)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  path: Qwen/Qwen3-8B\n  backend: megatron\ntrain:\n  run_dir: /lustre/me/runs/c\n"
+                      "  batch_size: 64\nmegatron:\n  tensor_parallel: 2\n")
+    three_nodes = LAUNCH_YAML.replace("nodes: 2", "nodes: 3")
+    for launch_yaml, words, message in [
+            (LAUNCH_YAML, ["megatron.tensor_parallel=3"], "megatron.tensor_parallel=3 does not divide num_attention_heads"),
+            (LAUNCH_YAML, ["megatron.pipeline_parallel=5"], "megatron.pipeline_parallel=5 does not divide "
+                                                            "num_hidden_layers=36"),
+            (LAUNCH_YAML, ["megatron.pipeline_parallel=3"], "pipeline_parallel=3 x context_parallel=1 does not divide the "
+                                                            "16 processes: use a multiple of 6 (nodes=2 x gpus_per_node=8"),
+            (three_nodes, [], "train.batch_size=64 does not split over the 12 data-parallel replicas of 24 training "
+                              "processes (nodes=3 x gpus_per_node=8 in the launch YAML)"),
+            (LAUNCH_YAML, ["model.backend=hf", "megatron.tensor_parallel=1"],
+             "model.backend=hf trains in one process, but the job starts 16")]:
+        assert main(["launch", str(write_launch(tmp_path, launch_yaml)), "--dryrun", "train", "--config", str(config),
+                     *words]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "train", "--config", str(config)]) == 0
     assert not (tmp_path / "jobs").exists()
 
 
@@ -330,7 +357,8 @@ def test_sbatchs_refusal_is_one_line_and_leaves_no_experiment_folder(tmp_path):
         if kept is not None:
             kept.mkdir(parents=True)
         result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "launch", str(write_launch(tmp_path)), "train",
-                                 "train.max_steps=2", "train.run_dir=/lustre/me/runs/x"], env=env, capture_output=True,
+                                 "train.max_steps=2", "train.run_dir=/lustre/me/runs/x", "model.backend=megatron",
+                                 "train.batch_size=16"], env=env, capture_output=True,
                                 text=True, timeout=300)
         assert result.returncode == 2 and not result.stdout, result.stdout + result.stderr
         assert result.stderr.splitlines()[-1] == (
