@@ -208,6 +208,8 @@ class Workload:
     kv_cache_tokens: int | None = 131072
     vllm_memory_utilization: float = 0.5
     vllm_tensor_parallel: int = 1
+    #: ``rollout.vllm_kv_cache_gb``: vLLM's KV cache sized in GiB (its weights beside it), not by its share.
+    vllm_kv_cache_gb: float | None = None
     #: ``model.backend``: megatron (the layouts), or hf (one process on one GPU; its activations as HF keeps them).
     backend: str = "megatron"
     #: hf: rollouts sampled one step ahead decode an fp32 copy of the model (``rollout.async_steps=1``).
@@ -257,6 +259,7 @@ class Workload:
                    sequence_parallel=layout.sequence_parallel, optimizer=optimizer,
                    context_parallel=layout.context_parallel, rollout_engine=rollout.engine,
                    kv_cache_tokens=rollout.kv_cache_tokens, vllm_memory_utilization=rollout.vllm_memory_utilization,
+                   vllm_kv_cache_gb=rollout.vllm_kv_cache_gb,
                    vllm_tensor_parallel=rollout.tensor_parallel, backend=config.model.backend,
                    async_copy=bool(rollout.async_steps) and rollout.engine != "vllm" and not separate,
                    logprob_chunk=config.model.logprob_chunk_size, answer_tokens=rollout.max_answer_tokens,
@@ -448,12 +451,13 @@ def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int,
     parts = component_bytes(arch, work, tp, pp, dp, gpu_gb)
     total, largest = _peak(parts, work)
     sizes = [*(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2)]
-    engine_weights = 2 * parameter_count(arch) / work.vllm_tensor_parallel  # a colocated vLLM engine's bf16 weights a GPU
-    if 0 < parts["vllm"] < engine_weights:
+    least = vllm_least_bytes(arch, work)
+    if 0 < parts["vllm"] < least:
         return LayoutEstimate(tp, pp, dp, work.expert_parallel, *sizes, False, "vllm",
                               f"a larger rollout.vllm_memory_utilization or rollout.tensor_parallel: vLLM's share holds "
-                              f"less than its engine's bf16 weights ({engine_weights / GiB:.1f} GiB a GPU at "
-                              f"rollout.tensor_parallel={work.vllm_tensor_parallel})")
+                              f"less than its engine's bf16 weights and one sequence's keys and values ("
+                              f"{least / GiB:.1f} GiB a GPU at rollout.tensor_parallel={work.vllm_tensor_parallel}), "
+                              "and vLLM refuses to start")
     return LayoutEstimate(tp, pp, dp, work.expert_parallel, *sizes, total <= gpu_gb * headroom, largest,
                           advice(largest, arch, work, (tp, pp, dp), gpu_gb, total))
 
@@ -511,7 +515,7 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "kv_cache": kv_cache_bytes(arch, work, work.batch_prompts // dp) if samples_here and not vllm else 0.0,
         "decode_cast": 2 * parameter_count(arch) if work.decode_cast and samples_here else 0.0,
         "refit": refit_bytes(arch, work) + (SENT_BUCKETS * work.sync_bucket_mb * 2**20 if work.rollout_ranks else 0.0),
-        "vllm": work.vllm_memory_utilization * gpu_gb * GiB if vllm and samples_here else 0.0,
+        "vllm": vllm_bytes(arch, work, gpu_gb) if vllm and samples_here else 0.0,
     }
     return parts
 
@@ -566,6 +570,22 @@ def decode_shape(arch: Qwen3Architecture, engine_gpus: int) -> dict[str, float]:
             "kv_shards": min(engine_gpus, arch.num_key_value_heads), "kv_bytes_per_token": kv_bytes_per_token(arch)}
 
 
+def vllm_least_bytes(arch: Qwen3Architecture, work: Workload) -> float:
+    """The least a vLLM engine's share of a GPU must hold for vLLM to start: its bf16 weights, split over its
+    ``rollout.tensor_parallel`` GPUs, and the keys and values of one sequence of ``seq_len`` tokens (vLLM refuses a
+    cache that cannot hold one; its own working memory beside them is not counted)."""
+    shape = decode_shape(arch, work.vllm_tensor_parallel)
+    return 2 * parameter_count(arch) / work.vllm_tensor_parallel + work.seq_len * kv_bytes_per_token(arch) / shape["kv_shards"]
+
+
+def vllm_bytes(arch: Qwen3Architecture, work: Workload, gpu_gb: float) -> float:
+    """What a vLLM engine holds on each of its GPUs: its share (``rollout.vllm_memory_utilization``), or, with
+    ``rollout.vllm_kv_cache_gb``, its bf16 weights and that cache."""
+    if work.vllm_kv_cache_gb is not None:
+        return 2 * parameter_count(arch) / work.vllm_tensor_parallel + work.vllm_kv_cache_gb * GiB
+    return work.vllm_memory_utilization * gpu_gb * GiB
+
+
 def kv_bytes_per_token(arch: Qwen3Architecture) -> int:
     """A token's bf16 keys and values over every layer."""
     return 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
@@ -606,7 +626,7 @@ def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: i
     held_buckets = 1 if arch.tie_word_embeddings else 2
     buckets = {"sync_buckets": held_buckets * work.sync_bucket_mb * 2**20 + largest_tensor_bytes(arch, work)}
     if work.rollout_engine == "vllm":
-        return {"vllm": work.vllm_memory_utilization * gpu_gb * GiB, **buckets}
+        return {"vllm": vllm_bytes(arch, work, gpu_gb), **buckets}
     prompts = max(1, work.batch_prompts // data_parallel)
     return {"weights": 2 * parameter_count(arch), "kv_cache": kv_cache_bytes(arch, work, prompts),
             "prefill": prefill_bytes(arch, work, prompts), **buckets}
@@ -846,9 +866,14 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
         sizes = rollout_rank_bytes(arch, work, layouts[0].data_parallel, gpu_gb)
         parts = {name: round(size / GiB, 2) for name, size in sizes.items()}
         total = round(sum(parts.values()), 2)
-        # each engine's share holds its bf16 weights, split over its rollout.tensor_parallel ranks
-        fits = total <= gpu_gb * headroom and sizes.get("vllm", math.inf) > 2 * parameter_count(arch) / work.vllm_tensor_parallel
+        # each engine's share holds its bf16 weights, split over its rollout.tensor_parallel ranks, and a sequence's KV
+        least = vllm_least_bytes(arch, work)
+        fits = total <= gpu_gb * headroom and sizes.get("vllm", math.inf) >= least
         result["rollout_rank"] = {**parts, "total": total, "fits": fits}
+        if "vllm" in sizes:  # the shares that hold the engine and keep the rank (its sync's buckets beside) in the headroom
+            others = (total - parts["vllm"]) * GiB
+            result["rollout_rank"]["vllm_utilization_range"] = [
+                math.ceil(100 * least / (gpu_gb * GiB)) / 100, math.floor(100 * (gpu_gb * headroom * GiB - others) / (gpu_gb * GiB)) / 100]
         result["weight_sync"] = weight_sync(arch, work, sync_gb_s)
         best = best if result["rollout_rank"]["fits"] else None
     shown = best or layouts[0]
@@ -889,8 +914,11 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{sampler['weights']} GiB bf16 weights + {sampler['kv_cache']} KV cache + {sampler['prefill']} "
                 "prefill temporaries")
         keys = result["workload"]["config_keys"]
-        advice = (f"a {setting('--vllm-memory-utilization', keys)} whose share holds the bf16 weights, below the "
-                  f"headroom" if vllm else f"a smaller {setting('--kv-cache-tokens', keys)}")
+        low, high = sampler.get("vllm_utilization_range", (None, None))
+        advice = ((f"a {setting('--vllm-memory-utilization', keys)} from {low:g} (its share holds the bf16 weights and "
+                   f"one sequence's keys and values) to {high:g} (the rank within the headroom)" if low <= high else
+                   f"a larger {setting('--rollout-tensor-parallel', keys)}: no --vllm-memory-utilization holds the "
+                   "weights and one sequence within the headroom") if vllm else f"a smaller {setting('--kv-cache-tokens', keys)}")
         lines.append(f"rollout ranks (the last {result['workload']['rollout_ranks']} GPUs; the layouts above are the "
                      f"others'): each {held} + {sampler['sync_buckets']} sync buckets = {sampler['total']} GiB"
                      + ("" if sampler["fits"] else f": does not fit in {budget:.0f} GiB: try {advice}"))

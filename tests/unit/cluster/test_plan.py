@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -312,7 +313,8 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
                  "rollout.placement=separate", "rollout.ranks=8"])  # the config's own vLLM (docs/cluster.md)
     assert code == 0 and "each 40.0 GiB vLLM share (its weights and KV cache) + 1.66 sync buckets" in capsys.readouterr().out
     vllm = plan.report(arch, replace(separate, rollout_engine="vllm", vllm_memory_utilization=0.85), trainers, 80, 0.9)
-    assert vllm["rollout_rank"] == {"vllm": 68.0, "sync_buckets": 1.28, "total": 69.28, "fits": True}  # 0.85 x 80 GiB
+    assert vllm["rollout_rank"] == {"vllm": 68.0, "sync_buckets": 1.28, "total": 69.28, "fits": True,  # 0.85 x 80 GiB
+                                    "vllm_utilization_range": [0.2, 0.88]}  # weights and a sequence; 72 - 1.28 GiB
     assert vllm["overrides"] is not None
     starved = plan.report(arch, replace(separate, rollout_engine="vllm", vllm_memory_utilization=0.15), trainers, 80, 0.9)
     assert not starved["rollout_rank"]["fits"] and starved["overrides"] is None  # 12 GiB < the 15.26 GiB of bf16 weights
@@ -320,7 +322,7 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
     halved = plan.report(arch, replace(separate, rollout_engine="vllm", vllm_memory_utilization=0.15,
                                        vllm_tensor_parallel=2), trainers, 80, 0.9)
     assert halved["rollout_rank"]["fits"] and halved["overrides"].endswith("rollout.placement=separate rollout.ranks=8")
-    assert "--vllm-memory-utilization (rollout.vllm_memory_utilization) whose share holds the bf16 weights" in \
+    assert "--vllm-memory-utilization (rollout.vllm_memory_utilization) from 0.2 (its share holds the bf16 weights" in \
         plan.format_report(starved)
     config = "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml"
     broken = tmp_path / "config.json"
@@ -425,7 +427,7 @@ def test_a_colocated_vllm_share_that_cannot_hold_its_engines_weights_does_not_fi
                          samples=16, micro_batch=4)
     layouts = plan.plan(plan.architecture("Qwen/Qwen3-235B-A22B"), work, gpus_per_node=8, nodes=32, gpu_gb=80)
     assert not any(layout.fits for layout in layouts)
-    assert layouts[0].largest == "vllm" and "holds less than its engine's bf16 weights (109.5 GiB" in layouts[0].advice
+    assert layouts[0].largest == "vllm" and "holds less than its engine's bf16 weights and one sequence's keys and values (109.7 GiB" in layouts[0].advice
 
 
 def test_plans_hint_to_train_an_hf_run_over_its_gpus_with_megatron_gives_a_config_that_loads_and_plans(capsys):
@@ -436,3 +438,35 @@ def test_plans_hint_to_train_an_hf_run_over_its_gpus_with_megatron_gives_a_confi
     hint = capsys.readouterr().out.split("(plan --config ... ")[1].split(" gives its layout")[0].split()
     assert load_config(config, hint).model.backend == "megatron"
     assert main(["plan", "--config", config, *hint]) == 0 and "recommended" in capsys.readouterr().out
+
+
+def test_a_vllm_share_must_hold_its_weights_and_one_sequence_and_a_sized_cache_counts_as_given():
+    """8B on a 40 GiB GPU at rollout.vllm_memory_utilization=0.382: 15.28 GiB held its 15.26 GiB of weights, and plan
+    said it fit; vLLM refuses a cache that holds no sequence (here 0.72 GiB at 5,249 tokens). rollout.vllm_kv_cache_gb
+    sizes the cache itself: plan ignored it."""
+    arch = plan.architecture("8b")
+    work = plan.Workload(seq_len=5249, rollout_engine="vllm", vllm_memory_utilization=0.382, batch_prompts=16, samples=8,
+                         recompute=True, optimizer="bf16-distopt")
+    least = plan.vllm_least_bytes(arch, work)
+    assert least == 2 * plan.parameter_count(arch) + 5249 * 2 * 2 * 36 * 8 * 128
+    tight = plan.estimate(arch, work, 8, 1, 1, 40.0, 0.9)
+    assert not tight.fits and tight.largest == "vllm" and "one sequence's keys and values" in tight.advice
+    roomy = plan.estimate(arch, replace(work, vllm_memory_utilization=0.45), 8, 1, 1, 40.0, 0.9)
+    assert roomy.vllm_gib == 18.0
+    sized = plan.estimate(arch, replace(work, vllm_kv_cache_gb=100.0), 8, 1, 1, 80.0, 0.9)
+    assert sized.vllm_gib == round(2 * plan.parameter_count(arch) / GiB + 100, 2) and not sized.fits
+
+
+def test_a_rollout_ranks_vllm_advice_gives_the_shares_that_work(capsys):
+    """--rollout-ranks with a share past the headroom said "a share that holds the bf16 weights", which it did."""
+    assert main(["plan", "--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm",
+                 "--rollout-tensor-parallel", "4", "--vllm-memory-utilization", "0.95"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout ranks"))
+    low, high = re.search(r"from ([\d.]+) \(its share holds the bf16 weights and one sequence's keys and values\) to "
+                          r"([\d.]+) \(the rank within the headroom\)", line).groups()
+    assert float(low) < float(high) < 0.9, line
+    for utilization, fits in ((low, True), (high, True), (str(float(high) + 0.02), False)):
+        assert main(["plan", "--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm",
+                     "--rollout-tensor-parallel", "4", "--vllm-memory-utilization", utilization]) == 0
+        line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout ranks"))
+        assert ("does not fit" not in line) == fits, (utilization, line)
