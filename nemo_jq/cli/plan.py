@@ -21,6 +21,18 @@ PLAN_WORKLOAD = {"seq_len": ("seq_len", 4096), "micro_batch": ("micro_batch", 1)
                  "sync_bucket_mb": ("sync_bucket_mb", 256.0)}
 
 
+#: The config keys each workload flag stands for, which ``--config`` reads instead.
+CONFIG_KEYS = {"seq_len": "--prompt-tokens with rollout.max_thinking_tokens and rollout.max_answer_tokens",
+               "micro_batch": "train.micro_batch_rows", "samples": "rollout.num_samples", "batch_prompts": "train.batch_size",
+               "recompute": "megatron.recompute_activations, or hf's model.activation_checkpointing",
+               "sequence_parallel": "megatron.sequence_parallel",
+               "optimizer": "megatron.distributed_optimizer, megatron.bf16_weights, megatron.optimizer_cpu_offload",
+               "context_parallel": "megatron.context_parallel", "rollout_engine": "rollout.engine",
+               "kv_cache_tokens": "rollout.kv_cache_tokens", "vllm_memory_utilization": "rollout.vllm_memory_utilization",
+               "rollout_tensor_parallel": "rollout.tensor_parallel", "rollout_ranks": "rollout.ranks",
+               "sync_bucket_mb": "rollout.sync_bucket_mb"}
+
+
 def add_parser(commands) -> None:
     planner = commands.add_parser(
         "plan", help="estimate per-GPU memory of every TP x PP x DP layout (at a CP size), recommend one, and with --config "
@@ -83,10 +95,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"key=value overrides ({' '.join(args.overrides)}) need --config: give the run config")
         if args.model is None:
             raise ValueError("nemo-jq plan needs --model (a Qwen3 size or an HF config) or --config (a run config)")
-        ignored = [flag for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--gpu", args.gpu)) if value]
-        if ignored:  # without a config, nothing of the run's time is estimated, and --seq-len is the whole row
-            raise ValueError(f"{', '.join(ignored)}: read with --config only (the run's time, its rows); without it, "
-                             "--seq-len gives a row's tokens: drop them or give --config")
+        if args.prompt_tokens:  # without a config, --seq-len is the whole row
+            raise ValueError("--prompt-tokens: read with --config only (a row is its prompt and the config's budgets); "
+                             "without it, --seq-len gives a row's tokens: drop it or give --config")
+        if args.gpu:  # without a config, nothing of the run's time is estimated
+            raise ValueError("--gpu: the GPU whose peaks time the run, which plan estimates with --config only; "
+                             "--gpu-memory gives the memory layouts are sized for: drop --gpu or give --config")
         work = plan.Workload(**{field: given.get(option, default) for option, (field, default) in PLAN_WORKLOAD.items()})
         arch = plan.architecture(args.model)
         plan.check_row(work.seq_len, arch.max_position_embeddings, f"max_position_embeddings of {args.model}",
@@ -95,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         from nemo_jq.config import load_config
 
         if given:
-            flags = ", ".join("--" + option.replace("_", "-") for option in given)
+            flags = ", ".join(f"--{option.replace('_', '-')} ({CONFIG_KEYS[option]})" for option in given)
             raise ValueError(f"{flags}: --config gives the workload; set it in the config or as key=value overrides")
         config = load_config(args.config, args.overrides)
         args.prompt_tokens, args.gpu = args.prompt_tokens or plan.PROMPT_TOKENS, args.gpu or "h100-80gb"

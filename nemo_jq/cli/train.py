@@ -122,7 +122,7 @@ def rows_on_this_gpu(parts) -> int | None:
     prompt = max(map(len, parts.prompt_ids(longest)))
     gpu = torch.cuda.get_device_properties(device).total_memory / 2**30
     rows, fitted = auto_micro_batch_rows(config, prompt, gpu, distributed.world_size())
-    say(f"{rows} rows ({fitted.total_gib:.1f} of the {HEADROOM * gpu:.0f} GiB usable on {torch.cuda.get_device_name(device)} "
+    say(f"{rows} rows ({fitted.total_gib:.1f} of the {HEADROOM * gpu:.4g} GiB usable on {torch.cuda.get_device_name(device)} "
         f"by nemo-jq plan's memory model, prompts of {prompt} tokens)")
     return rows
 

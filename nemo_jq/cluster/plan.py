@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -126,8 +127,11 @@ QWEN3_SIZES.update({
 
 
 def hf_config_dict(model: str) -> dict[str, Any]:
-    """The HF config.json values of a released Qwen3 size (``8b``, ``Qwen3-8B``, ``Qwen/Qwen3-8B``, ``30b-a3b``)."""
+    """The HF config.json values of a released Qwen3 size (``8b``, ``Qwen3-8B``, ``Qwen/Qwen3-8B``, ``30b-a3b``), or of a
+    release of the same shape (``Qwen3-8B-Base``, ``Qwen3-4B-Thinking-2507``, ``Qwen3-30B-A3B-Instruct-2507``: their
+    context is taken as the first release's, which a 2507 release's longer one only widens)."""
     size = model.lower().removeprefix("qwen/").removeprefix("qwen3-").removeprefix("qwen3")
+    size = re.sub(r"-(base|(instruct|thinking)(-\d{4})?)$", "", size)
     if size not in QWEN3_SIZES:
         raise ValueError(f"model {model!r} is neither a Qwen3 size ({', '.join(QWEN3_SIZES)}) nor a local folder: "
                          "give a size or an HF config.json / model folder")
@@ -312,7 +316,7 @@ def auto_micro_batch_rows(config: Any, prompt_tokens: int, gpu_gb: float, world_
         if fitted.fits:
             return rows, fitted
     raise ValueError(f"train.micro_batch_rows=auto: even 1 row needs {fitted.total_gib} GiB of the "
-                     f"{gpu_gb * headroom:.0f} usable, most of it the {fitted.largest.replace('_', ' ')}: try "
+                     f"{gpu_gb * headroom:.4g} usable, most of it the {fitted.largest.replace('_', ' ')}: try "
                      f"{fitted.advice}")
 
 
@@ -677,8 +681,9 @@ def remedies(component: str, work: Workload) -> list[tuple[str, Workload | None]
         return [("model.backend=megatron with megatron.distributed_optimizer=true and more GPUs (hf trains the whole "
                  "model and its AdamW state on one GPU)", None)]
     if component == "rollout_copy" or (component == "kv_cache" and work.rollout_engine != "vllm"):
-        found = [(f"{setting('--rollout-engine', work.config_keys, 'vllm')}: no HF copy of the whole model on the "
-                  "sampling rank", replace(work, rollout_engine="vllm"))]
+        why = ("no HF copy of the whole model on the sampling rank" if component == "rollout_copy" else
+               "its KV cache in its own share of the GPU, which sleeps while the policy trains")
+        found = [(f"{setting('--rollout-engine', work.config_keys, 'vllm')}: {why}", replace(work, rollout_engine="vllm"))]
         if component == "kv_cache" and work.kv_cache_tokens:
             found.insert(0, (f"a smaller {setting('--kv-cache-tokens', work.config_keys)}",
                              replace(work, kv_cache_tokens=work.kv_cache_tokens // 2)))
@@ -921,19 +926,19 @@ def format_report(result: dict[str, Any]) -> str:
                    "weights and one sequence within the headroom") if vllm else f"a smaller {setting('--kv-cache-tokens', keys)}")
         lines.append(f"rollout ranks (the last {result['workload']['rollout_ranks']} GPUs; the layouts above are the "
                      f"others'): each {held} + {sampler['sync_buckets']} sync buckets = {sampler['total']} GiB"
-                     + ("" if sampler["fits"] else f": does not fit in {budget:.0f} GiB: try {advice}"))
+                     + ("" if sampler["fits"] else f": does not fit in {budget:.4g} GiB: try {advice}"))
         lines.append(f"weight sync per step: {sync['bytes'] / 1e9:.2f} GB in {sync['buckets']} buckets, "
                      f"{sync['seconds']:.2f} s at {sync['gb_per_s']:g} GB/s (--sync-bandwidth)")
     if best:
         lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']}{context} "
                      f"DP={best['data_parallel']}" + (f" EP={best['expert_parallel']}" if experts else "")
-                     + f" ({best['total_gib']} of {budget:.0f} GiB)")
+                     + f" ({best['total_gib']} of {budget:.4g} GiB)")
         lines.append(f"overrides: {result['overrides']}")
     elif closest["fits"]:
         lines.append("nothing recommended: a training layout fits, the rollout ranks do not")
     else:
         largest = closest["largest"]
-        lines.append(f"nothing fits in {budget:.0f} GiB: the closest layout, TP={closest['tensor_parallel']} "
+        lines.append(f"nothing fits in {budget:.4g} GiB: the closest layout, TP={closest['tensor_parallel']} "
                      f"PP={closest['pipeline_parallel']}{context} DP={closest['data_parallel']}"
                      + (f" EP={closest['expert_parallel']}" if experts else "") + ", needs "
                      f"{closest['total_gib']} GiB, most of it the {largest.replace('_', ' ')} "

@@ -115,7 +115,7 @@ def format_report(report: dict[str, Any]) -> str:
     simulated = list(report["ranks"].values()) if "ranks" in report else [report]
     world = f"rank(s) of {report['world_size']} GPUs, each simulated apart" if "ranks" in report else report["rank"]
     lines = [f"{report['shape']['parameters'] / 1e9:.3f}B parameters on {report['gpu']['name']} "
-             f"({report['usable_gib']:.0f} GiB usable); {world}; prompts of {report['prompt_tokens']} tokens"
+             f"({report['usable_gib']:.4g} GiB usable); {world}; prompts of {report['prompt_tokens']} tokens"
              + (f"; train.micro_batch_rows=auto: {report['micro_batch_rows'] or 'whole groups'}"
                 if "micro_batch_rows" in report else "")]
     serving = report.get("rollout_rank")

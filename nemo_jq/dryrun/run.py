@@ -229,6 +229,6 @@ def check_fits(report: dict[str, Any], config: Config) -> None:
     phase = where["phases"][where["peak_phase"]]
     kind = max(phase["by_kind_gib"], key=phase["by_kind_gib"].get)
     raise DoesNotFit(f"phase {where['peak_phase']}{' of a rollout rank' if where is serving else ''} needs "
-                     f"{phase['peak_gib']:.1f} GiB of the {report['usable_gib']:.0f} usable on {report['gpu']['name']}, "
+                     f"{phase['peak_gib']:.1f} GiB of the {report['usable_gib']:.4g} usable on {report['gpu']['name']}, "
                      f"{phase['by_kind_gib'][kind]:.1f} GiB of it {kind.replace('_', ' ')}: try "
                      f"{knob(kind, config, rollout_rank=where is serving)}")

@@ -191,7 +191,18 @@ def test_rows_beyond_the_models_context_are_refused_as_train_refuses_them(capsys
                    "beyond the model's context of 512 tokens (model.tiny.max_position_embeddings)")
     # what a plan without a config does not read, and a config's layout this model cannot take, are refused
     one_line_error(main(["plan", "--model", "8b", "--gpu", "foo", "--prompt-tokens", "100"]), capsys.readouterr().err,
-                   "--prompt-tokens, --gpu: read with --config only")
+                   "--prompt-tokens: read with --config only")
+    one_line_error(main(["plan", "--model", "8b", "--gpu", "a100-80gb"]), capsys.readouterr().err,
+                   "--gpu: the GPU whose peaks time the run", "--gpu-memory gives the memory")
+    one_line_error(main(["plan", "--config", "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml", "--optimizer", "fp32-adamw",
+                         "--micro-batch", "2"]), capsys.readouterr().err,
+                   "--micro-batch (train.micro_batch_rows), --optimizer (megatron.distributed_optimizer, "
+                   "megatron.bf16_weights, megatron.optimizer_cpu_offload): --config gives the workload")
+    from nemo_jq.cli.plan import CONFIG_KEYS, PLAN_WORKLOAD
+
+    assert set(CONFIG_KEYS) == set(PLAN_WORKLOAD)  # every workload flag names the keys it stands for
+    assert plan.architecture("Qwen/Qwen3-8B-Base") == plan.architecture("8b")  # a release of a size's shape
+    assert plan.architecture("Qwen/Qwen3-30B-A3B-Instruct-2507") == plan.architecture("30b-a3b")
     one_line_error(main(["plan", "--config", "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml", "megatron.tensor_parallel=3"]),
                    capsys.readouterr().err, "num_attention_heads=32")
     unknown = tmp_path / "nine.yaml"
@@ -368,7 +379,7 @@ def test_auto_micro_batch_rows_is_the_most_rows_the_memory_model_fits():
         work = replace(Workload.from_config(config, 1024), micro_batch=rows + 1)
         assert not estimate(architecture(config.model.path), work, 1, 1, 1, 80.0, 0.9).fits
     assert auto_micro_batch_rows(config, 1024, 40.0)[0] < rows
-    with pytest.raises(ValueError, match="train.micro_batch_rows=auto: even 1 row needs .* GiB of the 4 usable, most of it"):
+    with pytest.raises(ValueError, match="train.micro_batch_rows=auto: even 1 row needs .* GiB of the 4.5 usable, most of it the kv cache: try rollout.engine=vllm: its KV cache in its own share"):
         auto_micro_batch_rows(config, 1024, 5.0)
 
 
