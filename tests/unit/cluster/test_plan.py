@@ -379,7 +379,8 @@ def test_auto_micro_batch_rows_is_the_most_rows_the_memory_model_fits():
         work = replace(Workload.from_config(config, 1024), micro_batch=rows + 1)
         assert not estimate(architecture(config.model.path), work, 1, 1, 1, 80.0, 0.9).fits
     assert auto_micro_batch_rows(config, 1024, 40.0)[0] < rows
-    with pytest.raises(ValueError, match="train.micro_batch_rows=auto: even 1 row needs .* GiB of the 4.5 usable, most of it the kv cache: try rollout.engine=vllm: its KV cache in its own share"):
+    with pytest.raises(ValueError, match="train.micro_batch_rows=auto: even 1 row needs .* GiB of the 4.5 usable, most of "
+                                         "it the kv cache: try rollout.engine=vllm: its KV cache in its own share"):
         auto_micro_batch_rows(config, 1024, 5.0)
 
 
@@ -438,7 +439,8 @@ def test_a_colocated_vllm_share_that_cannot_hold_its_engines_weights_does_not_fi
                          samples=16, micro_batch=4)
     layouts = plan.plan(plan.architecture("Qwen/Qwen3-235B-A22B"), work, gpus_per_node=8, nodes=32, gpu_gb=80)
     assert not any(layout.fits for layout in layouts)
-    assert layouts[0].largest == "vllm" and "holds less than its engine's bf16 weights and one sequence's keys and values (109.7 GiB" in layouts[0].advice
+    assert layouts[0].largest == "vllm" and ("holds less than its engine's bf16 weights and one sequence's keys and "
+                                             "values (109.7 GiB") in layouts[0].advice
 
 
 def test_plans_hint_to_train_an_hf_run_over_its_gpus_with_megatron_gives_a_config_that_loads_and_plans(capsys):
