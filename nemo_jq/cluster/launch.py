@@ -333,11 +333,17 @@ def check_job_paths(config: LaunchConfig, paths: dict[str, Any]) -> None:
             no_path = ((name == "model.path" and is_hub_name(text))
                        or (name in ("data.source", "--source") and not text.endswith(SUFFIXES)
                            and not Path(text).exists()))
+            shown = f"{name}={text}" if name in RUN_PATH_KEYS else f"{name} {text}"
             if text and not no_path and not text.startswith(("/", "~")):
-                shown = f"{name}={text}" if name in RUN_PATH_KEYS else f"{name} {text}"
                 raise ConfigError(f"{shown} is a relative path, but under executor={config.executor} the job runs "
                                   f"in NeMo-Run's code folder ({JOB_WORKDIR}), where it names nothing of yours: give an "
                                   "absolute path under one of container_mounts (docs/cluster.md)")
+            targets = [Path(mount.split(":")[1] if ":" in mount else mount) for mount in config.container_mounts]
+            if text.startswith("/") and not no_path and targets and not any(Path(text).is_relative_to(target)
+                                                                           for target in targets):
+                raise ConfigError(f"{shown} is not under any of container_mounts ({', '.join(map(str, targets))} in "
+                                  "the container): the job would not find it, and what it writes there would go with "
+                                  "the container; give a path under a mount, or mount its folder")
 
 
 def roles(config: LaunchConfig, trained: Any | None) -> str | None:

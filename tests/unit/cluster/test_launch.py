@@ -31,7 +31,9 @@ job_dir: JOB_DIR
 
 def write_launch(tmp_path, text: str = LAUNCH_YAML):
     path = tmp_path / "launch.yaml"
-    path.write_text(text.replace("JOB_DIR", str(tmp_path / "jobs")))
+    # the test's own folder is mounted too: the configs written there are read in the job's container
+    path.write_text(text.replace("JOB_DIR", str(tmp_path / "jobs")).replace(
+        "container_mounts: [/lustre/me:/lustre/me]", f"container_mounts: [/lustre/me:/lustre/me, {tmp_path}:{tmp_path}]"))
     return path
 
 
@@ -189,7 +191,7 @@ def test_a_split_world_says_which_gpus_train_and_which_sample_and_refuses_a_spli
     config.write_text("model:\n  backend: megatron\nrollout:\n  placement: separate\n  ranks: 4\n"
                       "train:\n  run_dir: /lustre/me/runs/c\n  batch_size: 48\n")
     for command, roles in ((["train", "--config", config], "rollout.ranks=4): ranks 0-11 (nodes 0-1) train, ranks 12-15 (node 1) sample"),
-                           (["train", "--config", "/not/here.yaml", "rollout.placement=separate", "rollout.ranks=8"],
+                           (["train", "--config", "/lustre/me/not_here.yaml", "rollout.placement=separate", "rollout.ranks=8"],
                             "rollout.ranks=8): ranks 0-7 (node 0) train, ranks 8-15 (node 1) sample")):
         assert main(["launch", str(write_launch(tmp_path)), "--dryrun", *map(str, command)]) == 0
         lines = capsys.readouterr().out.splitlines()
@@ -309,9 +311,9 @@ def test_the_launched_words_are_read_by_the_commands_own_parser_before_anything_
     (["train"], "--demo-dir runs/cold_start"),  # the demo, in its default folder
     (["eval", "runs/x"], "checkpoint runs/x"),
     # a subcommand's own path options, and an output file of a type of its own, went unchecked
-    (["data", "prepare", "--dataset", "jsonl", "--source", "/d/x.jsonl", "--out", "rel/out", "--sizes", "1,1,1"],
+    (["data", "prepare", "--dataset", "jsonl", "--source", "/lustre/me/x.jsonl", "--out", "rel/out", "--sizes", "1,1,1"],
      "--out rel/out"),
-    (["data", "prepare", "--dataset", "jsonl", "--source", "rel/x.jsonl", "--out", "/d/out", "--sizes", "1,1,1"],
+    (["data", "prepare", "--dataset", "jsonl", "--source", "rel/x.jsonl", "--out", "/lustre/me/out", "--sizes", "1,1,1"],
      "--source rel/x.jsonl"),
     (["dryrun", "--config", "/lustre/me/c.yaml", "--json", "rel.json"], "--json rel.json"),
 ])
