@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         work = plan.Workload.from_config(config, args.prompt_tokens)
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
     result = plan.report(arch, work, layouts, args.gpu_memory, plan.HEADROOM, args.sync_bandwidth,
-                         gpus=args.gpus_per_node * args.nodes)
+                         gpus=args.gpus_per_node * args.nodes, gpus_per_node=args.gpus_per_node)
     lines = []
     if args.config is not None:
         from nemo_jq.cluster import timing

@@ -488,9 +488,7 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     holding the same experts); the rest over TP (and its state over DP x CP)."""
     experts = expert_parameters(arch)
     split = work.expert_parallel * work.expert_tensor_parallel
-    dense_per_rank, experts_per_rank = (parameter_count(arch) - experts) / (tp * pp), experts / (split * pp)
-    params_per_rank = dense_per_rank + experts_per_rank
-    expert_data_parallel = max(1, tp * work.context_parallel * dp // split)
+    params_per_rank = (parameter_count(arch) - experts) / (tp * pp) + experts / (split * pp)
     weight_bytes, gradient_bytes, optimizer_bytes, sharded = OPTIMIZER_MODES[work.optimizer]
     layers = arch.num_layers // pp
     micro_batches = max(1, math.ceil(work.batch_prompts * work.samples / dp / work.micro_batch))
@@ -510,9 +508,7 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
     parts = {
         "weights": weight_bytes * params_per_rank,
         "gradients": gradient_bytes * params_per_rank,
-        "optimizer": optimizer_bytes * (dense_per_rank / (dp * work.context_parallel)
-                                        + experts_per_rank / expert_data_parallel) if sharded
-                     else optimizer_bytes * params_per_rank,
+        "optimizer": optimizer_bytes * (shard_parameters(arch, work, tp, pp, dp) if sharded else params_per_rank),
         "activations": hf_activation_bytes(arch, work) if hf else activations,
         "logprob_head": logprob_head_bytes(arch, work, 1 if hf else tp),
         "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else 2) * parameter_count(arch),
@@ -522,6 +518,28 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "vllm": vllm_bytes(arch, work, gpu_gb) if vllm and samples_here else 0.0,
     }
     return parts
+
+
+def shard_parameters(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int) -> float:
+    """The parameters of a rank's distributed-optimizer shard: its TP x PP share of the dense ones over DP x CP, and
+    its EP x ETP share of a Qwen3-MoE's experts over the ranks holding the same experts (TP x CP x DP / EP x ETP)."""
+    experts = expert_parameters(arch)
+    split = work.expert_parallel * work.expert_tensor_parallel
+    expert_data_parallel = max(1, tp * work.context_parallel * dp // split)
+    return ((parameter_count(arch) - experts) / (tp * pp * dp * work.context_parallel)
+            + experts / (split * pp * expert_data_parallel))
+
+
+#: What ``megatron.optimizer_cpu_offload`` keeps in host memory a parameter of the rank's shard: fp32 master weights,
+#: AdamW's two moments and the gradient copied over (the dry run: 56.9 GiB a process at the Qwen3-30B-A3B one-node
+#: example, its shard's 3.8B parameters).
+HOST_STATE_BYTES = 16
+
+
+def host_state_gib(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int) -> float:
+    """With ``megatron.optimizer_cpu_offload``, the optimizer state each process holds in host memory between steps
+    (GiB; its AdamW step on the host holds more: the dry run measures it)."""
+    return round(HOST_STATE_BYTES * shard_parameters(arch, work, tp, pp, dp) / GiB, 2)
 
 
 #: The weight sync's buckets its sending rank holds at once (``rollouts/sync.py``: one in flight, the next filling),
@@ -721,7 +739,9 @@ def advice(component: str, arch: Qwen3Architecture, work: Workload, layout: tupl
     raise it, as the bf16 distributed optimizer does at DP=1, is never advised), else more GPUs."""
     for text, changed in remedies(component, work):
         if changed is None or _peak(component_bytes(arch, changed, *layout, gpu_gb), changed)[0] < 0.99 * now:
-            return text
+            offloads = changed is not None and changed.optimizer.endswith("-offload") and not work.optimizer.endswith("-offload")
+            return text + (f" (each process's host then holds its {host_state_gib(arch, changed, *layout)} GiB of "
+                           "optimizer state, and more in its AdamW step)" if offloads else "")
     return "more GPUs (--nodes): more tensor, pipeline or data parallelism"
 
 
@@ -860,13 +880,13 @@ def expert_parallel_sizes(arch: Qwen3Architecture) -> list[int]:
 
 
 def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate], gpu_gb: float,
-           headroom: float, sync_gb_s: float = 25.0, gpus: int = 1) -> dict[str, Any]:
+           headroom: float, sync_gb_s: float = 25.0, gpus: int = 1, gpus_per_node: int = 1) -> dict[str, Any]:
     """The layouts, the recommendation and its overrides; with rollout ranks, also a rollout rank's memory (GiB) at
     the first layout's DP and the weight sync (``sync_gb_s``: GB/s); a rollout rank that does not fit leaves no
     recommendation."""
     best = layouts[0] if layouts[0].fits else None
-    result = {"parameters": parameter_count(arch), "workload": asdict(work), "gpus": gpus, "gpu_memory_gib": gpu_gb,
-              "headroom": headroom}
+    result = {"parameters": parameter_count(arch), "workload": asdict(work), "gpus": gpus, "gpus_per_node": gpus_per_node,
+              "gpu_memory_gib": gpu_gb, "headroom": headroom}
     if work.rollout_ranks:
         sizes = rollout_rank_bytes(arch, work, layouts[0].data_parallel, gpu_gb)
         parts = {name: round(size / GiB, 2) for name, size in sizes.items()}
@@ -883,6 +903,9 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
         best = best if result["rollout_rank"]["fits"] else None
     shown = best or layouts[0]
     result["decode"] = decode_work(work, shown.tensor_parallel, shown.pipeline_parallel, shown.data_parallel)
+    if work.optimizer.endswith("-offload"):
+        result["host_state_gib"] = host_state_gib(arch, work, shown.tensor_parallel, shown.pipeline_parallel,
+                                                  shown.data_parallel)
     return {**result, "recommended": asdict(best) if best else None, "overrides": overrides(best, work) if best else None,
             "layouts": [asdict(layout) for layout in layouts]}
 
@@ -943,6 +966,12 @@ def format_report(result: dict[str, Any]) -> str:
                      + (f" EP={closest['expert_parallel']}" if experts else "") + ", needs "
                      f"{closest['total_gib']} GiB, most of it the {largest.replace('_', ' ')} "
                      f"({closest[largest + '_gib']} GiB): try {closest['advice']}")
+    if result.get("host_state_gib") is not None:
+        per_node = result.get("gpus_per_node", 1)
+        lines.append(f"host memory: each process holds its {result['host_state_gib']} GiB of optimizer state "
+                     f"(megatron.optimizer_cpu_offload) between steps, a node of {per_node} GPUs "
+                     f"{result['host_state_gib'] * per_node:.1f} GiB; its AdamW step on the host holds more (`nemo-jq "
+                     "dryrun --config ...` measures it: host GiB a node)" + ("" if best else " (at the closest layout)"))
     if result.get("decode"):
         lines.append(format_decode(result["decode"], result["workload"]["rollout_engine"], result["workload"]["config_keys"])
                      + ("" if best else " (at the closest layout)"))
