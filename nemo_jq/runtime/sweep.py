@@ -134,6 +134,7 @@ class Sweep:
         refuse_running(self, command)
         refuse_overrides(list(overrides), RESUMABLE_KEYS, "--resume", "a resumed sweep's runs keep what they train")
         given = {current_key(word.partition("=")[0]) for word in overrides}
+        finished = {run.name for run in self.runs if self.status(run) == FINISHED}
         swept = sorted(given & {current_key(key) for key in self.grid.get("axes", {})})
         if swept:
             raise ConfigError(f"--resume {self.directory} {swept[0]}=...: the sweep's runs differ in {swept[0]} (their "
@@ -146,6 +147,11 @@ class Sweep:
             if step is not None and steps is not None and step > steps:
                 raise ConfigError(f"run {run.name} of the sweep is at step {step}, beyond the {steps} steps "
                                   f"{' '.join(overrides)} gives it: give it at least {step}")
+        ended = [run.name for run in self.runs if run.name in finished and self.status(run) == FINISHED]
+        if ended and given & {"train.epochs", "train.max_steps"}:  # the other of the two ends them where they are
+            print(f"nemo-jq: warning: {' '.join(overrides)} gives {len(ended)} finished run(s) no more steps ({ended[0]} "
+                  "included): a run ends at train.epochs or train.max_steps, whichever comes first; raise the other "
+                  "to train them on", file=sys.stderr)
         self.save()
 
     def check(self) -> None:

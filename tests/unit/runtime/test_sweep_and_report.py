@@ -69,8 +69,10 @@ def test_a_sweep_folder_records_its_grid_refuses_a_second_sweep_and_knows_each_r
     assert report.read_run(tmp_path / "s" / grpo.name) is not None
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--seeds", "1")
     one_line_error(code, err, "--resume continues a sweep as its sweep.json records it: drop --out, --config, --seeds")
+    sweep.go_on_with(["train.epochs=1"])  # the epochs' end is past step 4, and train.max_steps=4 still ends it there
+    assert "gives 2 finished run(s) no more steps" in capsys.readouterr().err and sweep.status(sweep.runs[1]) == FINISHED
     sweep.go_on_with(["train.max_steps=6"])  # given more steps, a finished run trains on
-    assert Sweep.load(tmp_path / "s").runs[1].overrides == ("objective.name=grpo", "train.max_steps=6")
+    assert Sweep.load(tmp_path / "s").runs[1].overrides == ("objective.name=grpo", "train.epochs=1", "train.max_steps=6")
     assert sweep.status(grpo) == FINISHED and sweep.status(sweep.runs[1]) == STOPPED
     assert report.read_run(tmp_path / "s" / grpo.name) is None  # the report: unfinished, as the sweep decides
     axis = Sweep.from_grid(tmp_path / "axis", [], ["eval.every=2,4"], None)
