@@ -63,8 +63,9 @@ def train(args: argparse.Namespace) -> int:
         raise ValueError("--resume continues a run with its own config.yaml: drop --config/--overwrite/--requeue "
                          "(key=value overrides of how long it runs and how it is evaluated are allowed)")
     if args.resume is not None and (args.resume / SWEEP_FILE).exists():  # the demo, stopped: its runs go on
-        if args.quick:
-            raise ValueError(f"--resume {args.resume} continues the demo as it started: drop --quick")
+        if args.quick or args.demo_dir:  # its folder is --resume's
+            given = " and ".join(["--quick"] * args.quick + ["--demo-dir"] * bool(args.demo_dir))
+            raise ValueError(f"--resume {args.resume} continues the demo as it started: drop {given}")
         run_demo(args.resume, args.overrides, resume=True)
         return 0
     if asks_for_demo(args):
