@@ -13,10 +13,12 @@ what `nemo-jq train --help` prints and what every layer reads; the checks across
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import operator
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -451,24 +453,42 @@ class Config:
 
 
 def import_plugins(plugins: list[str]) -> None:
-    """Import each plugin (a module name, or a path to a .py file) once, so that its registrations run."""
+    """Import each plugin (a module name, or a path to a .py file) once, so that its registrations run. A plugin that
+    fails to import (a syntax error, a name registered twice, its own error) is one line naming it and where."""
     for plugin in plugins:
-        path = Path(plugin)
-        if plugin.endswith(".py"):
-            name = f"nemo_jq_plugin_{path.resolve().stem}"
-            if name in sys.modules:
-                continue
-            if not path.is_file():
-                raise ConfigError(f"plugins: {plugin} does not exist (a plugin is a module name or a .py file)")
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-            continue
         try:
-            importlib.import_module(plugin)
-        except ModuleNotFoundError as err:
-            raise ConfigError(f"plugins: cannot import {plugin!r} ({err}); install it or add its folder to PYTHONPATH") from None
+            _import_plugin(plugin)
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the plugin's code, whatever it raises
+            where = (f"{err.filename}:{err.lineno}" if isinstance(err, SyntaxError) else
+                     "{}:{}".format(*traceback.extract_tb(err.__traceback__)[-1][:2]) if err.__traceback__ else "")
+            raise ConfigError(f"plugins: {plugin} failed to import: {type(err).__name__}: {err} ({where}); fix it, or "
+                              "drop it from plugins") from err
+
+
+def _import_plugin(plugin: str) -> None:
+    path = Path(plugin)
+    if plugin.endswith(".py"):
+        # named by the file's full path: two plugins of one file name in two folders are two modules
+        name = f"nemo_jq_plugin_{path.resolve().stem}_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
+        if name in sys.modules:
+            return
+        if not path.is_file():
+            raise ConfigError(f"plugins: {plugin} does not exist (a plugin is a module name or a .py file)")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]  # fixed, it imports again in this process (a notebook)
+            raise
+        return
+    try:
+        importlib.import_module(plugin)
+    except ModuleNotFoundError as err:
+        raise ConfigError(f"plugins: cannot import {plugin!r} ({err}); install it or add its folder to PYTHONPATH") from None
 
 
 def describe_keys() -> str:

@@ -10,16 +10,17 @@ T = TypeVar("T")
 
 
 class Registry(dict):
-    """A name -> object mapping; ``register(name)`` decorates the object, and a second one under a name is refused."""
+    """A name -> object mapping; ``register(name)`` decorates the object, and a second one under a name is refused, as
+    is a ``reserved`` name (one the code handles itself, outside the registry)."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, reserved: tuple[str, ...] = ()):
         super().__init__()
-        self.what = what
+        self.what, self.reserved = what, reserved
 
     def register(self, name: str) -> Callable[[T], T]:
         def decorate(obj: T) -> T:
-            if name in self:
-                raise ValueError(f"{self.what} {name!r} is already registered")
+            if name in self or name in self.reserved:
+                raise ValueError(f"{self.what} {name!r} is already registered (built in): register it under another name")
             self[name] = obj
             return obj
 

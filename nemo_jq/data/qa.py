@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import string
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from nemo_jq.data.answers import (
     extract_final_answer,
@@ -42,8 +42,19 @@ class BadRow(ValueError):
 
 #: The QA datasets by name (``data.name``, ``nemo-jq data prepare --dataset``): ``@register_dataset(name)`` on a
 #: :class:`QATask` subclass adds one (docs/extending.md).
-DATASETS = Registry("dataset")
-register_dataset = DATASETS.register
+DATASETS = Registry("dataset", reserved=("synthetic",))
+
+
+def register_dataset(name: str) -> Callable[[type[QATask]], type[QATask]]:
+    """``@register_dataset(name)``: the class's ``name`` must be ``name``, which a prepared folder's manifest records
+    and training looks the dataset up by."""
+    def decorate(cls: type[QATask]) -> type[QATask]:
+        if getattr(cls, "name", name) != name:
+            raise ValueError(f"dataset class {cls.__name__}, registered as {name!r}, has name {cls.name!r}: give it "
+                             f"`name: str = {name!r}` (a prepared folder's manifest records it)")
+        return DATASETS.register(name)(cls)
+
+    return decorate
 
 
 def required_field(record: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:

@@ -50,6 +50,7 @@ def estimator_gradient(parts: Components, estimator: ObjectiveSpec, options: Any
                                  behavior_token_logprob=batch.engine_logprobs if correction else None,
                                  correction=correction)
         out = estimator(inputs, options)
+        check_output(estimator.name, out, inputs)
         metrics = {"loss": float(out.per_example.detach().mean()), **out.metrics,
                    **mismatch_metrics(logprobs.detach(), batch)}
         return out.per_example.sum() / batch_prompts, metrics
@@ -57,6 +58,29 @@ def estimator_gradient(parts: Components, estimator: ObjectiveSpec, options: Any
     train = parts.config.train
     return learn(parts.policy, experience, estimate, prompts_per_micro_batch=train.micro_batch_size,
                  rows_per_chunk=train.micro_batch_rows)
+
+
+#: What a step's record holds besides an estimator's metrics (the trainer's, the optimizer's): an estimator's metric
+#: of one of these names would overwrite it, and a run's ``step`` or ``kind`` so written loses its history on resume.
+RECORD_KEYS = frozenset({"kind", "step", "epoch", "q", "loss", "train_reward", "step_time", "gpu_peak_gib", "grad_norm",
+                         "lr"})
+
+
+def check_output(name: str, out: Any, inputs: EstimatorInputs) -> None:
+    """An estimator's output as the trainer takes it, else one line naming the estimator: a loss a prompt
+    (``per_example`` of shape [B]: a [B, M] one trained with M times the gradient), and metrics that are numbers
+    under names of their own."""
+    shape = list(out.per_example.shape)
+    if shape != [inputs.num_prompts]:
+        raise ValueError(f"objective {name!r} returned per_example of shape {shape}: it must hold one loss a prompt, "
+                         f"shape [{inputs.num_prompts}] (average a prompt's M samples: .mean(-1))")
+    for key, value in out.metrics.items():
+        if key in RECORD_KEYS:
+            raise ValueError(f"objective {name!r} reports a metric {key!r}, a name a step's record holds itself: "
+                             "rename it")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"objective {name!r} reports its metric {key!r} as {type(value).__name__}: report a "
+                             "number (float(...))")
 
 
 def learn(policy: Policy, experience: Experience, estimate: Estimate, *, prompts_per_micro_batch: int,

@@ -135,6 +135,61 @@ def test_a_plugin_that_does_not_import_is_one_line(tmp_path, capsys):
     assert code == 2 and "plugins: cannot import 'no_such_plugin_module'" in err and not (tmp_path / "run").exists()
 
 
+def test_a_plugin_that_fails_to_import_is_one_line_naming_it_and_imports_once_fixed(tmp_path, capsys):
+    """A syntax error was a traceback, and a .py plugin that failed once was skipped for the rest of the process (a
+    notebook's fixed cell said "unknown objective"); two plugins of one file name in two folders: the second was
+    skipped without a word."""
+    plugin = tmp_path / "flaky.py"
+    plugin.write_text("def broken(:\n")
+    code = main(["train", *TINY_RUN, f"plugins=[{plugin}]", f"train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"plugins: {plugin} failed to import: SyntaxError" in err and "Traceback" not in err, err
+    assert f"({plugin}:1)" in err and not (tmp_path / "run").exists()
+    plugin.write_text(ESTIMATOR.format(name="fixed_one"))
+    assert load_config(None, [f"plugins=[{plugin}]", "objective.name=fixed_one"]).objective.name == "fixed_one"
+    for folder, name in (("a", "from_a"), ("b", "from_b")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "plug.py").write_text(ESTIMATOR.format(name=name))
+    plugins = f"plugins=[{tmp_path / 'a' / 'plug.py'},{tmp_path / 'b' / 'plug.py'}]"
+    assert load_config(None, [plugins, "objective.name=from_b"]).objective.name == "from_b"
+    taken = tmp_path / "taken.py"
+    taken.write_text("from nemo_jq.data.qa import QATask, register_dataset\n\n"
+                     "@register_dataset('synthetic')\nclass Mine(QATask):\n    name: str = 'synthetic'\n")
+    code = main(["train", *TINY_RUN, f"plugins=[{taken}]", f"train.run_dir={tmp_path / 'run'}"])
+    assert code == 2 and "dataset 'synthetic' is already registered (built in)" in capsys.readouterr().err
+
+
+#: A one-file estimator, its name to fill in: each prompt's loss, as the trainer takes it.
+ESTIMATOR = """\
+from nemo_jq.objectives import ObjectiveOutput, register_objective, Need
+
+
+@register_objective("{name}", needs={{Need.REFERENCE_ANSWER_LOGPROB}}, uses_q=False)
+def estimator(inputs, options):
+    loss = -inputs.answer_logprob.mean()
+    return ObjectiveOutput(loss=loss, per_example=-inputs.answer_logprob.mean(-1), metrics={{}})
+"""
+
+
+@pytest.mark.parametrize("returned, message", [
+    ("per_example=-inputs.answer_logprob, metrics={}", "returned per_example of shape [2, 4]: it must hold one loss a "
+                                                        "prompt, shape [2] (average a prompt's M samples: .mean(-1))"),
+    ("per_example=-inputs.answer_logprob.mean(-1), metrics={'step': 999.0}", "reports a metric 'step', a name a step's "
+                                                                              "record holds itself: rename it"),
+    ("per_example=-inputs.answer_logprob.mean(-1), metrics={'w': inputs.answer_logprob.mean()}",
+     "reports its metric 'w' as Tensor: report a number")])
+def test_an_estimators_output_the_trainer_cannot_take_is_one_line_naming_it(tmp_path, capsys, returned, message):
+    """A [B, M] per_example trained with M times the gradient, and a metric named ``step`` overwrote the record's
+    (its resume then dropped the run's training history), without a word."""
+    plugin = tmp_path / "mine.py"
+    plugin.write_text(ESTIMATOR.format(name="mine").replace("per_example=-inputs.answer_logprob.mean(-1), metrics={}",
+                                                            returned))
+    code = main(["train", *TINY_RUN, f"plugins=[{plugin}]", "objective.name=mine", "train.max_steps=1",
+                 f"train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"objective 'mine' {message}" in err and "Traceback" not in err, err
+
+
 def test_an_input_passed_as_an_option_is_refused_at_load_with_no_run_directory(tmp_path, capsys):
     """The exact command that used to fail at step 1 with a TypeError traceback."""
     code = main(["train", "objective.name=grpo", "objective.options.rewards=1", "train.max_steps=1",
