@@ -65,11 +65,20 @@ _REGISTRY: Registry = Registry("objective")
 
 def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples: int = 1, options: type = NoOptions,
                        corrects_off_policy: bool = False):
-    """Decorator adding ``fn(inputs, options)`` to the registry under ``name``."""
+    """Decorator adding ``fn(inputs, options)`` to the registry under ``name``: what a trainer needs to produce for it
+    (``needs``: one :class:`Need`), and the least samples a prompt it takes, checked here, where a plugin registers
+    it (a wrong one trained on inputs of another kind, or failed at its first step)."""
 
     def decorate(fn: Callable[[EstimatorInputs, Any], ObjectiveOutput]) -> Callable[[EstimatorInputs, Any], ObjectiveOutput]:
         if not dataclasses.is_dataclass(options):
             raise TypeError(f"objective {name!r}: options must be a dataclass; got {options!r}")
+        if len(needs) != 1 or not all(isinstance(need, Need) for need in needs):
+            raise TypeError(f"objective {name!r}: needs must be one of {', '.join(f'Need.{need.name}' for need in Need)} "
+                            f"(what the trainer produces for it), in a set; got {needs!r}")
+        if not isinstance(min_samples, int) or min_samples < 1:
+            raise TypeError(f"objective {name!r}: min_samples must be a whole number >= 1; got {min_samples!r}")
+        if not name.isidentifier():
+            raise TypeError(f"objective {name!r}: its name is a config value (objective.name): letters, digits and _")
         _REGISTRY.register(name)(ObjectiveSpec(name, fn, frozenset(needs), uses_q, min_samples, options, corrects_off_policy))
         return fn
 

@@ -77,7 +77,19 @@ def test_unknown_objective_suggests_the_closest_name():
 
 def test_duplicate_registration_is_rejected():
     with pytest.raises(ValueError, match="already registered"):
-        register_objective("garl", needs=set(), uses_q=False)(lambda: None)
+        register_objective("garl", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=False)(lambda: None)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(needs=set()), "needs must be one of Need.REFERENCE_ANSWER_LOGPROB"),
+    (dict(needs={"sampled_answer_reward"}), "needs must be one of"),  # a string: the trainer fell back to teacher-forcing
+    (dict(needs={Need.REFERENCE_ANSWER_LOGPROB, Need.SAMPLED_ANSWER_REWARD}), "needs must be one of"),
+    (dict(needs={Need.SAMPLED_ANSWER_REWARD}, min_samples=0), "min_samples must be a whole number >= 1; got 0")])
+def test_a_registration_the_trainer_cannot_serve_is_refused_where_it_is_made(settings, message):
+    with pytest.raises(TypeError, match=message):
+        register_objective("mine_unserved", uses_q=False, **settings)(lambda inputs, options: None)
+    with pytest.raises(TypeError, match="letters, digits and _"):
+        register_objective("has space", needs={Need.GIVEN_TARGET}, uses_q=False)(lambda inputs, options: None)
 
 
 @pytest.mark.parametrize("bad_q", [-0.1, 1.5, math.nan])
