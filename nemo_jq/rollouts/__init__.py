@@ -117,8 +117,11 @@ def _vllm(request: SamplerRequest) -> Sampler:
 
 def build_rollouts(request: SamplerRequest, chat: Any) -> BudgetedRollouts:
     """The run's rollout engine: its sampler under the thinking and answer budgets."""
+    from nemo_jq.models.interfaces import require
+
     rollout = request.config.rollout
-    return BudgetedRollouts(SAMPLERS[rollout.engine](request), think_end_id=chat.think_end_id,
+    sampler = require(SAMPLERS[rollout.engine](request), Sampler, f"rollout.engine={rollout.engine}'s sampler")
+    return BudgetedRollouts(sampler, think_end_id=chat.think_end_id,
                             end_of_turn_id=chat.end_of_turn_id, max_thinking_tokens=rollout.max_thinking_tokens,
                             max_answer_tokens=rollout.max_answer_tokens)
 

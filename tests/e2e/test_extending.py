@@ -45,6 +45,7 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
 
         from nemo_jq.runtime.distributed import DataParallel
         from nemo_jq.backends import register_backend
+        from nemo_jq.rollouts import register_sampler
         from nemo_jq.rollouts.refit import RefittedRolloutEngine
 
 
@@ -74,6 +75,15 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
             return TrainsOnly(), RefittedRolloutEngine(None, TrainsOnly())
 
 
+        class SamplesOnly:  # a sampler its engine could not refit
+            def sample(self, prompts, num_samples, *, stop_ids, max_new_tokens, generator, greedy=False): ...
+
+
+        @register_sampler("no_load_weights")
+        def no_load_weights(request):
+            return SamplesOnly()
+
+
         @register_backend("no_export")
         def no_export(request):
             members = ("data_parallel", "token_logprobs", "forward_backward", "optimizer_step",
@@ -84,13 +94,16 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
 
     from nemo_jq.recipe.components import build_components
 
-    for backend, message in [("no_refit", "does not implement RefittablePolicy: it lacks gathers_over_replicas, iter_hf, "
+    for backend, message in [("hf rollout.engine=no_load_weights", "rollout.engine=no_load_weights.s sampler "
+                                                                   "\\(SamplesOnly\\) does not implement Sampler: it lacks "
+                                                                   "load_weights, tensor_parallel$"),
+                             ("no_refit", "does not implement RefittablePolicy: it lacks gathers_over_replicas, iter_hf, "
                                           "model_parallel_group, weights_version$"),
                              ("no_export", "backend 'no_export'.s policy \\(SimpleNamespace\\) does not implement Policy: "
                                            "it lacks export$"),
                              ("takes_no_routes", "backend 'takes_no_routes'.s engine \\(Engine\\) does not implement "
                                                  "RolloutEngine: it lacks generate\\(\\.\\.\\., routes=\\.\\.\\.\\)$")]:
-        config = load_config(None, [*TINY_RUN, f"plugins=[{plugin}]", f"model.backend={backend}"])
+        config = load_config(None, [*TINY_RUN, f"plugins=[{plugin}]", *f"model.backend={backend}".split()])
         with pytest.raises(TypeError, match=message):
             build_components(config, torch.device("cpu"))
 
