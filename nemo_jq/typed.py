@@ -79,6 +79,10 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
             values[name] = build(hint, value, f"{prefix}{name}.")
         else:
             values[name] = check_range(check_type(value, hint, f"{prefix}{name}"), fields[name].metadata, f"{prefix}{name}")
+    required = [name for name, f in fields.items() if name not in values and f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    if required:  # a field without a default (a plugin's options): its key must be given
+        raise ConfigError(f"{prefix}{required[0]} is required (it has no default): set {prefix}{required[0]}=...")
     return cls(**values)
 
 

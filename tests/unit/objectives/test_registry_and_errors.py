@@ -147,3 +147,21 @@ def test_every_registry_is_one_class_with_one_message_for_an_unknown_name():
             registry.lookup(close + "x", "some.key")
         assert str(caught.value) == (f"some.key: unknown {registry.what} '{close}x' (did you mean '{close}'?); "
                                      f"known: {', '.join(sorted(registry))}")
+
+
+def test_an_option_without_a_default_is_named_when_it_is_not_given():
+    """A plugin's options dataclass with a required field: its run failed at load with a TypeError traceback."""
+    import dataclasses
+
+    from nemo_jq.typed import ConfigError
+
+    @dataclasses.dataclass
+    class Needs:
+        alpha: float
+
+    register_objective("needs_alpha", needs={Need.GIVEN_TARGET}, uses_q=False, options=Needs)(lambda inputs, options: None)
+    spec = get_objective("needs_alpha")
+    with pytest.raises(ConfigError, match=r"objective.options.alpha is required \(it has no default\): set "
+                                          r"objective.options.alpha=\.\.\."):
+        spec.parse_options({})
+    assert spec.parse_options({"alpha": 2}).alpha == 2.0
