@@ -24,7 +24,8 @@ def add_parser(commands) -> None:
     train.add_argument("--config", type=Path, help="YAML config (defaults: the embedded CPU demo settings)")
     train.add_argument("--resume", type=Path, metavar="RUN_DIR",
                        help="continue a run from its latest checkpoint; overrides may change only how long it runs, "
-                            "how it is evaluated and saved (train.epochs, train.max_steps, eval.*, ...) and the megatron "
+                            "how it is evaluated and saved (train.epochs, train.max_steps, eval.every, eval.batch_size, ...; "
+                            "not eval.num_samples, the k that picks its best checkpoint) and the megatron "
                             "layout (megatron.tensor_parallel, pipeline_parallel, context_parallel, ...)")
     train.add_argument("--overwrite", action="store_true",
                        help="if the run directory (or --demo-dir) holds a run, move it aside to NAME.old-<time> first")

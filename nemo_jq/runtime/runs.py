@@ -288,7 +288,9 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
         raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}")
     if _writes_here():
         hold_run_dir(run_dir)
-    refuse_overrides(overrides, RESUMABLE_KEYS, "--resume", "a resumed run keeps what it trains")
+    refuse_overrides(overrides, RESUMABLE_KEYS, "--resume", "a resumed run keeps what it trains and the k of the "
+                     "validation m@k that picks its best checkpoint (`nemo-jq eval RUN eval.num_samples=K` scores it at "
+                     "another k)")
     checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
     if checkpoint is None and not failed_start(run_dir):
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from, and holds what a run does not write "

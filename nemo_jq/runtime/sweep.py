@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 from nemo_jq.runtime.monitor import read_json_file, read_metrics
 from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in, refuse_foreign_files
-from nemo_jq.runtime.runs import RESUMABLE_KEYS, RUN_FILES, has_finished, last_checkpoint_step, refuse_overrides
+from nemo_jq.runtime.runs import RESUMABLE_KEYS, RUN_FILES, has_finished, last_checkpoint_step, refuse_overrides, refuse_shared_run_dir
 from nemo_jq.typed import ConfigError
 
 SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
@@ -109,13 +109,18 @@ class Sweep:
         anything else is refused: the sweep's runs, logs and figures would land among, and over, a user's files) and
         record the grid. Each run's config is loaded first, as its run will load it, so a bad key or value is refused
         in one line naming the run before anything is written."""
-        self.check()
+        configs = self.check()
         claim_dir(self.directory, (SWEEP_FILE, *markers, *(run.name for run in self.runs)), overwrite=overwrite,
                   what=what, advice=advice or f"continue it with `nemo-jq sweep --resume {self.directory}`, write the new "
                                               "one elsewhere (--out), or pass --overwrite to move the old one aside first")
         claim_dir(self.directory, RUN_FILES, overwrite=overwrite, what="a run", advice="a sweep's runs go in a folder of "
                   "their own: choose another, or pass --overwrite to move the run aside first")
         refuse_foreign_files(self.directory, "sweep")
+        for run, config in zip(self.runs, configs):  # a folder its run's start would refuse: inside another run's...
+            try:
+                refuse_shared_run_dir(self.directory / run.name, config)
+            except ValueError as err:
+                raise ConfigError(f"run {run.name} of the sweep: {err}") from None
         self.directory.mkdir(parents=True, exist_ok=True)
         self.save()
 
@@ -154,19 +159,23 @@ class Sweep:
                   "to train them on", file=sys.stderr)
         self.save()
 
-    def check(self) -> None:
+    def check(self) -> list[Any]:
         """Load every run's config (a key its run will not use is said once a config file, not once a run), and its
-        data where this machine's files hold it (:func:`check_data`)."""
+        data where this machine's files hold it (:func:`check_data`); the configs, in the runs' order."""
         from nemo_jq.config import load_config
 
         seen: set[str | None] = set()
         data_seen: set[str] = set()
+        configs: list[Any] = []
         for run in self.runs:
             try:
-                check_data(load_config(run.config, list(run.overrides), saved=run.config in seen).data, data_seen)
+                config = load_config(run.config, list(run.overrides), saved=run.config in seen)
+                configs.append(config)
+                check_data(config.data, data_seen)
             except (ValueError, OSError) as err:
                 raise ConfigError(f"run {run.name} of the sweep: {err}") from None
             seen.add(run.config)
+        return configs
 
     def status(self, run: SweepRun) -> str:
         """FINISHED where the run wrote its results at its last checkpoint's step (older results name no step) and its

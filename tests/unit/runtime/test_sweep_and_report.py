@@ -527,3 +527,14 @@ def test_a_run_config_that_is_no_runs_is_named_in_one_line(tmp_path, capsys):
     (run / "config.yaml").write_text("a: 1\n")
     code, _, err = run_cli(capsys, "report", run)
     one_line_error(code, err, f"{run / 'config.yaml'} is not the run's saved config (unknown config key 'a'")
+
+
+def test_a_sweep_inside_a_runs_folder_is_refused_before_it_writes_anything(tmp_path):
+    """Its sweep.json and logs/ were written into the run's folder, then each run failed ("train.run_dir=... is inside
+    the run") and the sweep's advice, `--resume`, could never go on."""
+    finished_run(tmp_path / "run")
+    sweep = Sweep.from_grid(tmp_path / "run" / "sw", [], ["objective.q=0.5,1"], None)
+    with pytest.raises(ConfigError, match=f"run q=0.5 of the sweep: train.run_dir={tmp_path / 'run' / 'sw' / 'q=0.5'} is "
+                                          f"inside the run {tmp_path / 'run'}"):
+        sweep.write()
+    assert not (tmp_path / "run" / "sw").exists()
