@@ -34,7 +34,8 @@ def add_parser(commands) -> None:
                             "this run; after SIGUSR1 (SLURM's signal before the time limit) write a checkpoint and exit "
                             "with 75, on which the launchers' batch scripts requeue the job from the host (docs/cluster.md: "
                             "the lines for a batch script of your own); SIGTERM (scancel) checkpoints and ends the run")
-    train.add_argument("--demo-dir", type=Path, help="the folder of the no-argument demo (default runs/cold_start); "
+    train.add_argument("--demo-dir", type=Path, help="the folder of the no-argument demo (default runs/cold_start; "
+                       "--quick: runs/cold_start_quick); "
                        "key=value overrides given with it apply to each of the demo's runs")
     train.add_argument("--quick", action="store_true", help="the demo in about a minute (one epoch, 32 "
                        "validation and 64 test prompts): a smoke test, not the README's table")
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> int:
     from nemo_jq.config import ConfigError, load_config
-    from nemo_jq.recipe.demo import DEMO_DIR, QUICK, asks_for_demo, run_demo
+    from nemo_jq.recipe.demo import DEMO_DIR, QUICK, QUICK_DIR, asks_for_demo, run_demo
     from nemo_jq.recipe.trainer import Trainer
     from nemo_jq.runtime import distributed
     from nemo_jq.runtime.preemption import StopSignals, end_stopped_run
@@ -70,7 +71,7 @@ def train(args: argparse.Namespace) -> int:
         run_demo(args.resume, args.overrides, resume=True)
         return 0
     if asks_for_demo(args):
-        run_demo(args.demo_dir or DEMO_DIR, [*(QUICK if args.quick else ()), *args.overrides],
+        run_demo(args.demo_dir or (QUICK_DIR if args.quick else DEMO_DIR), [*(QUICK if args.quick else ()), *args.overrides],
                  overwrite=args.overwrite)
         return 0
     if args.quick or args.demo_dir:

@@ -261,13 +261,13 @@ def train_config(command: list[str], arguments: Any, launch_config: LaunchConfig
     overrides of the rollout split's keys. The demo (``train`` with no config and no overrides): its folder. None for
     the demo and for another command."""
     from nemo_jq.config import check_overrides, load_config
-    from nemo_jq.recipe.demo import DEMO_DIR, asks_for_demo
+    from nemo_jq.recipe.demo import DEMO_DIR, QUICK_DIR, asks_for_demo
 
     if command[0] != "train":
         return None
     overrides = arguments.overrides
     if asks_for_demo(arguments):
-        check_job_paths(launch_config, {"--demo-dir": arguments.demo_dir or DEMO_DIR})
+        check_job_paths(launch_config, {"--demo-dir": arguments.demo_dir or (QUICK_DIR if arguments.quick else DEMO_DIR)})
         return None
     if (arguments.config is None and arguments.resume is None) or (arguments.config is not None
                                                                    and arguments.config.is_file()):

@@ -27,8 +27,9 @@ DEMO_RUNS = (
     ("GARL q=0.75", "garl_q0.75", ["objective.name=garl", "objective.q=0.75"]),
     ("GARL q=1", "garl_q1", ["objective.name=garl", "objective.q=1.0"]),
 )
-#: Where ``nemo-jq train`` with no config writes the demo unless ``--demo-dir`` says.
-DEMO_DIR = Path("runs/cold_start")
+#: Where ``nemo-jq train`` with no config writes the demo unless ``--demo-dir`` says (``--quick``: a folder of its own,
+#: so the full demo after it starts rather than finding the quick one to continue).
+DEMO_DIR, QUICK_DIR = Path("runs/cold_start"), Path("runs/cold_start_quick")
 #: ``--quick``: a comparison of about a minute (not the README's table): one epoch (96 steps), 32 validation prompts
 #: every 32 steps, 64 test prompts.
 QUICK = ("train.epochs=1", "eval.every=32", "data.validation_size=32", "data.test_size=64")

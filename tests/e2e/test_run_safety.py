@@ -582,3 +582,14 @@ def test_a_lost_or_dangling_latest_names_the_complete_checkpoints_and_never_move
     code, _, err = run_cli(capsys, "train", *QUICK, "train.run_dir=.", "--overwrite")
     one_line_error(code, err, f"{run_dir} holds the folder this command runs in", f"cd {tmp_path}")
     assert (run_dir / "results.json").exists() and not list(tmp_path.glob("run.old-*"))
+
+
+def test_the_quick_demo_has_a_folder_of_its_own(monkeypatch, capsys):
+    """`train --quick` then `train` found the quick demo in runs/cold_start and advised continuing it, which reprinted
+    the one-epoch table."""
+    from nemo_jq.recipe import demo
+
+    folders = []
+    monkeypatch.setattr(demo, "run_demo", lambda out_dir, overrides=(), overwrite=False: folders.append(out_dir))
+    assert run_cli(capsys, "train", "--quick")[0] == 0 and run_cli(capsys, "train")[0] == 0
+    assert folders == [Path("runs/cold_start_quick"), Path("runs/cold_start")]
