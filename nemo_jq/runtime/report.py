@@ -218,7 +218,9 @@ def table(runs: list[RunRecord]) -> list[dict[str, Any]]:
             print(f"nemo-jq: warning: {alike} ({method}, {dataset}) share train.seed={seed}: each is counted as a seed "
                   "of its own", file=sys.stderr)
         row = {"dataset": dataset, "format": fmt, "method": method, "n": len(members), "seeds": seeds,
-               "collapsed_after_peak": sum(run.collapsed_after_peak for run in members)}
+               "collapsed_after_peak": sum(run.collapsed_after_peak for run in members),
+               # runs whose validation never rose above 0 test their latest checkpoint (results.json's "tested")
+               "tested_latest": sum(run.results.get("best_step") is None for run in members)}
         for key in _metrics(members[0].results["test"]):
             spread = seed_stats([run.results["test"][key] for run in members])
             row[key], row[f"{key} ±"] = (None if spread[part] is None else round(spread[part], 2) for part in ("mean", "ci95"))
@@ -237,7 +239,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     out = []
     for (dataset, fmt, _), members in _by_setting(rows).items():
         metrics = _metrics(members[0])
-        out += [f"### {dataset}, {fmt} start (test, best-validation checkpoint; mean ± 95% t-interval over n seeds)", "",
+        latest = sum(row.get("tested_latest", 0) for row in members)
+        tested = ("best-validation checkpoint" if not latest else "latest checkpoint: no validation rose above 0"
+                  if latest == sum(row["n"] for row in members) else
+                  "best-validation checkpoint, or the latest where no validation rose above 0")
+        out += [f"### {dataset}, {fmt} start (test, {tested}; mean ± 95% t-interval over n seeds)", "",
                 "| method | n | " + " | ".join(metrics) + " |", "| --- " * (len(metrics) + 2) + "|"]
         for row in members:
             cells = ["—" if row[key] is None else f"{row[key]:.1f}" + (

@@ -295,7 +295,7 @@ def test_the_table_is_the_mean_and_a_t_interval_over_seeds_flags_a_peak_before_c
     text = report.markdown(result["rows"])
     assert "| GARL q=0.5 † (1/3) | 3 | 20.0 ± 24.8 | 50.0 ± 0.0 | 5.0 ± 0.0 |" in text and "| GRPO | 1 | 1.0 | 4.0 | 0.5 |" in text
     assert "† peak before collapse" in text
-    assert report.csv_text(result["rows"]).splitlines()[1].startswith("synthetic,cold,GARL q=0.5,3,0 1 2,1,20.0,24.84")
+    assert report.csv_text(result["rows"]).splitlines()[1].startswith("synthetic,cold,GARL q=0.5,3,0 1 2,1,0,20.0,24.84")
     (figure,) = result["figures"]
     assert figure.endswith("curves_synthetic.png") and (tmp_path / "figures" / "curves_synthetic.png").stat().st_size > 10_000
     code, out, _ = run_cli(capsys, "report", tmp_path / "runs", "--json", tmp_path / "t.json")
@@ -379,8 +379,17 @@ def test_runs_evaluated_at_another_k_are_rows_and_tables_of_their_own(tmp_path, 
     assert code == 0, out
     assert "| method | n | p@1 | p@16 | m@16 |\n| --- | --- | --- | --- | --- |\n| GARL q=0.5 | 1 | 1.0 | 2.0 | 3.0 |" in out
     assert "| method | n | p@1 | p@4 | m@4 |\n| --- | --- | --- | --- | --- |\n| GRPO | 1 | 7.0 | 8.0 | 9.0 |\n| GARL q=0.5 " in out
-    assert (tmp_path / "t.csv").read_text().splitlines()[2:] == ["synthetic,cold,GARL q=0.5,1,0,0,1.0,,,,,,2.0,,3.0,",
-                                                                 "synthetic,cold,GARL q=0.5,1,1,0,4.0,,5.0,,6.0,,,,,"]
+    assert (tmp_path / "t.csv").read_text().splitlines()[2:] == ["synthetic,cold,GARL q=0.5,1,0,0,0,1.0,,,,,,2.0,,3.0,",
+                                                                 "synthetic,cold,GARL q=0.5,1,1,0,0,4.0,,5.0,,6.0,,,,,"]
+
+
+def test_the_reports_heading_says_which_checkpoint_its_runs_tested():
+    """Every run's validation stayed at 0, so each tested its latest checkpoint: the heading said best-validation."""
+    rows = [{"dataset": "synthetic", "format": "cold", "method": "GARL", "n": 2, "seeds": [0, 1], "collapsed_after_peak": 0,
+             "tested_latest": latest, "p@1": 1.0, "p@1 ±": None} for latest in (2, 1)]
+    assert "(test, latest checkpoint: no validation rose above 0;" in report.markdown(rows[:1])
+    assert "(test, best-validation checkpoint, or the latest where no validation rose above 0;" in report.markdown(rows)
+    assert "(test, best-validation checkpoint;" in report.markdown([{**rows[0], "tested_latest": 0}])
 
 
 def test_a_run_given_twice_is_read_once_and_two_runs_of_one_seed_are_said(tmp_path, capsys):
