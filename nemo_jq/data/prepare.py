@@ -97,15 +97,17 @@ def _read_source_split(task: QATask, source: str, hub_config: str | None, names:
 
 
 def source_names(source: str, target: str, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The source split that split ``target`` is drawn from: ``("all",)`` for a single file; a folder's file, by its
-    name (:func:`~nemo_jq.data.sources.folder_split_names`), so that splits read from one file share its rows'
-    pool (drawn apart, not twice); the task's ``names`` for the hub."""
+    """The names split ``target`` is read by, the first naming it in the manifest: ``("all",)`` for a single file; in
+    a folder, the file it resolves to (:func:`~nemo_jq.data.sources.folder_split_names`): the split's own file by its
+    name, else the task's names up to the one found, so that splits of one file share one pool of its rows (drawn
+    apart, not twice); the task's ``names`` for the hub."""
     path = Path(source)
     if path.is_file():
         return ("all",)
-    if path.is_dir():
-        return (find_split_file(path, folder_split_names(target, names)).stem,)
-    return names
+    if not path.is_dir():
+        return names
+    found = find_split_file(path, folder_split_names(target, names)).stem
+    return names[:names.index(found) + 1] if found in names else (found,)
 
 
 def prepare(
