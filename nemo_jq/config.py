@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import importlib.util
 import operator
+import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -336,7 +337,12 @@ class Config:
 
     def _anchor_paths(self) -> None:
         """Make the keys that name a local file or folder absolute, so that the run's config.yaml resumes and
-        evaluates from any directory (hub names, which name nothing here, stay as they are)."""
+        evaluates from any directory (hub names, which name nothing here, stay as they are); a leading ``~`` is the
+        home folder, as a shell reads it (a config file's or a quoted word's: a folder named ``~`` was made)."""
+        for section, key in (*PATH_KEYS, ("train", "run_dir")):
+            owner = getattr(self, section)
+            if isinstance(getattr(owner, key), str) and getattr(owner, key).startswith("~"):
+                setattr(owner, key, os.path.expanduser(getattr(owner, key)))
         for section, key in PATH_KEYS:
             owner = getattr(self, section)
             value = getattr(owner, key)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +21,7 @@ from typing import Any, Callable
 from nemo_jq.config import Config, ConfigError
 from nemo_jq.data import Example
 from nemo_jq.models.common import peak_memory_gib, reset_peak_memory
+from nemo_jq.objectives.schedules import AdaptiveQ
 from nemo_jq.recipe.components import Components, this_ranks_part
 from nemo_jq.recipe.evaluation import EvaluationStopped, Evaluator
 from nemo_jq.recipe.experience import Experience, MismatchWatch, RolloutsAhead, RolloutsAheadOnRanks, make_experience
@@ -77,6 +79,8 @@ class Trainer:
         self.resumed_with: list[str] = []
         #: The q of the latest step trained in this process (None before the first).
         self.last_q: float | None = None
+        #: Whether an adaptive q schedule was said to read a log P̂ the estimator does not report.
+        self.said_unobserved = False
         #: The step whose checkpoint this run wrote last or resumed from: saved again, it is only pointed at.
         self.saved_step: int | None = None
 
@@ -198,8 +202,15 @@ class Trainer:
         if peak is not None:  # the fullest rank's, over the step's rollouts and training
             record["gpu_peak_gib"] = distributed.largest(peak)
         result = StepResult.from_record(step, record)
-        if self.objective.schedule is not None and result.log_p_hat is not None:
-            self.objective.schedule.observe(result.log_p_hat)
+        schedule = self.objective.schedule
+        if schedule is not None and result.log_p_hat is not None:
+            schedule.observe(result.log_p_hat)
+        elif isinstance(schedule, AdaptiveQ) and not self.said_unobserved:  # once: q would stay at q_max unsaid
+            self.said_unobserved = True
+            distributed.on_writer(lambda: print(
+                f"nemo-jq: warning: objective.q_schedule adaptive reads log P̂, which objective.name="
+                f"{self.config.objective.name} does not report (no log_p_hat metric): q stays at its q_max",
+                file=sys.stderr, flush=True))
         self.mismatch(result)
         return result
 

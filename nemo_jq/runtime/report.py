@@ -116,6 +116,8 @@ def run_dirs(paths: list[Path]) -> list[Path]:
     found: dict[Path, Path] = {}
     for path in map(Path, paths):
         below = _runs_in(path, set())
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist: give run folders, sweep folders or a folder of runs")
         if not below:
             raise FileNotFoundError(f"{path} holds no run ({CONFIG_FILE}) or sweep ({SWEEP_FILE}): give run folders, "
                                     "sweep folders or a folder of runs")

@@ -282,10 +282,24 @@ def write_results(run_dir: Path, results: dict[str, Any]) -> None:
     release_run_dir(run_dir)
 
 
+def nearest_run(folder: Path) -> str:
+    """Where a folder that is no run's is (``--resume``'s advice): missing, inside a run (its checkpoints), or above
+    runs (a sweep's or an experiment's), with the run to give instead."""
+    if not folder.exists():
+        return ": the folder does not exist; give the run's folder (its train.run_dir)"
+    outer = next((parent for parent in folder.resolve().parents if is_run_config(parent / CONFIG_FILE)), None)
+    if outer is not None:
+        return f"; it is inside the run {outer}: give that"
+    inner = [path for path in folders_below(folder) if is_run_config(path / CONFIG_FILE)]
+    if inner:
+        return f"; it holds runs ({', '.join(map(str, inner[:3]))}{', ...' * (len(inner) > 3)}): give one of them"
+    return ""
+
+
 def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tuple[Config, Path]:
     """A run's saved config (with ``overrides`` of :data:`RESUMABLE_KEYS` only) and its latest checkpoint."""
     if not (run_dir / CONFIG_FILE).exists():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}")
+        raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}{nearest_run(Path(run_dir))}")
     if _writes_here():
         hold_run_dir(run_dir)
     refuse_overrides(overrides, RESUMABLE_KEYS, "--resume", "a resumed run keeps what it trains and the k of the "

@@ -228,3 +228,15 @@ def test_the_documented_dataset_prepares_through_a_plugin(tmp_path):
     assert "1 bad" in done.stdout
     assert json.loads((out / "manifest.json").read_text())["dataset"] == "trivia"
     assert len((out / "train.jsonl").read_text().splitlines()) == 5
+
+
+def test_an_adaptive_q_over_an_estimator_that_reports_no_log_p_hat_is_said(tmp_path, capsys):
+    """The adaptive rule reads log P̂ from the step's metrics: over a plugin estimator that reports none, q stayed at
+    q_max for the whole run without a word."""
+    plugin = tmp_path / "no_log_p.py"
+    plugin.write_text(ESTIMATOR.format(name="no_log_p").replace("uses_q=False", "uses_q=True"))
+    code = main(["train", *TINY_RUN, f"plugins=[{plugin}]", "objective.name=no_log_p", "train.max_steps=2",
+                 "objective.q_schedule={name: adaptive}", f"train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 0 and err.count("objective.q_schedule adaptive reads log P̂, which objective.name=no_log_p does not "
+                                   "report (no log_p_hat metric): q stays at its q_max") == 1, err

@@ -593,3 +593,21 @@ def test_the_quick_demo_has_a_folder_of_its_own(monkeypatch, capsys):
     monkeypatch.setattr(demo, "run_demo", lambda out_dir, overrides=(), overwrite=False: folders.append(out_dir))
     assert run_cli(capsys, "train", "--quick")[0] == 0 and run_cli(capsys, "train")[0] == 0
     assert folders == [Path("runs/cold_start_quick"), Path("runs/cold_start")]
+
+
+def test_a_home_folder_is_read_as_a_shell_reads_it_and_a_folder_that_is_no_run_is_placed(tmp_path, capsys, monkeypatch):
+    """`train.run_dir=~/x` (quoted, or in a YAML file) trained into a folder named `~`; `--resume` of a missing folder,
+    of a run's checkpoints or of a folder of runs said only "not a run directory"; `report` of a missing folder, "holds
+    no run"."""
+    from nemo_jq.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert load_config(None, ["train.run_dir=~/runs/x"]).train.run_dir == str(tmp_path / "home" / "runs" / "x")
+    run = tmp_path / "sweep" / "run"
+    assert run_cli(capsys, "train", *TINY_RUN, "train.max_steps=1", f"train.run_dir={run}")[0] == 0
+    for folder, said in [(tmp_path / "missing", "the folder does not exist; give the run's folder"),
+                         (run / "checkpoints", f"it is inside the run {run}: give that"),
+                         (tmp_path / "sweep", f"it holds runs ({run}): give one of them")]:
+        code, _, err = run_cli(capsys, "train", "--resume", folder)
+        one_line_error(code, err, f"{folder} is not a run directory: no config.yaml", said)
+    one_line_error(*run_cli(capsys, "report", tmp_path / "missing")[::2], "missing does not exist: give run folders")
