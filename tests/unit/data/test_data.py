@@ -390,7 +390,9 @@ def test_a_prepared_folder_edited_to_other_sizes_a_missing_one_or_a_run_are_name
     one_line_error(code, err, f"{prepared / 'train.jsonl'} holds 3 rows where manifest.json says 4",
                    f"--source {tmp_path / 'mine.jsonl'} --sizes 4,4,4", "set manifest.json's sizes.train to 3")
     (tmp_path / "a_run").mkdir()
-    (tmp_path / "a_run" / "config.yaml").write_text("{}")
+    from nemo_jq.config import load_config, save_config
+
+    save_config(load_config(None), tmp_path / "a_run" / "config.yaml")  # a run's saved config
     for folder, said in ((tmp_path / "none", f"{tmp_path / 'none'} does not exist"),
                          (tmp_path / "a_run", f"{tmp_path / 'a_run'} is a run's folder, not prepared data")):
         code, _, err = run_cli(capsys, "train", f"data.prepared_dir={folder}", f"train.run_dir={tmp_path / 'run'}")
@@ -399,11 +401,13 @@ def test_a_prepared_folder_edited_to_other_sizes_a_missing_one_or_a_run_are_name
     (tmp_path / "splits").mkdir()
     (tmp_path / "splits" / "train.jsonl").write_text((tmp_path / "mine.jsonl").read_text())
     for out, source, said in ((tmp_path / "a_run", tmp_path / "mine.jsonl", "already holds a run (config.yaml)"),
-                              (tmp_path / "splits", tmp_path / "splits", "holds --source")):
+                              (tmp_path / "splits", tmp_path / "splits", "holds --source"),
+                              (tmp_path / "a_run" / "prepared", tmp_path / "mine.jsonl", f"is inside the run {tmp_path / 'a_run'}")):
         code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", source, "--sizes", "4,4,4",
                                "--out", out, "--overwrite")
         one_line_error(code, err, said)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a_run", "mine.jsonl", "prepared", "splits"]
+    assert not (tmp_path / "a_run" / "prepared").exists()
 
 
 def test_a_run_from_a_source_with_bad_rows_says_which_it_dropped(tmp_path, capsys):
