@@ -78,6 +78,8 @@ def garl(
     surrogate = -scale * (score * finite_logprob(score_logprob) + pathwise * finite_logprob(answer_logprob)).sum(-1)
     per_example = with_value(surrogate, jq_loss(stats.log_mean, q))
     metrics = stats.metrics() if behavior_logprob is None else {**stats.metrics(), **sample.ratios.metrics()}
+    if samples >= 2:  # of the score coefficients applied, under this baseline and normalisation (the pool's: rloo's, /M^q)
+        metrics["max_amplified_advantage"] = (score.detach().abs() * (samples ** -q if normalize else 1.0)).max().item()
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
 
 

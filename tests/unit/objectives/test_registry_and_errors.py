@@ -165,3 +165,15 @@ def test_an_option_without_a_default_is_named_when_it_is_not_given():
                                           r"objective.options.alpha=\.\.\."):
         spec.parse_options({})
     assert spec.parse_options({"alpha": 2}).alpha == 2.0
+
+
+@pytest.mark.parametrize("options", [{}, {"baseline": "none"}, {"normalize": False}])
+def test_the_largest_amplified_advantage_is_of_the_coefficients_applied(options):
+    """It was the pool's rloo coefficient over M^q whatever the baseline and normalisation: 0.32 for all three."""
+    torch.manual_seed(0)
+    rationale, answer, q = torch.randn(3, 4), torch.log(torch.rand(3, 4)), 0.5
+    w = answer.exp()
+    loo = ((w.sum(-1, keepdim=True) - w) / 3) ** (1 - q) if options.get("baseline", "rloo") == "rloo" else 0.0
+    coefficient = (w / w.mean(-1, keepdim=True) ** q - loo) / (4 ** q if options.get("normalize", True) else 1.0)
+    got = garl(rationale, answer, q, **options).metrics["max_amplified_advantage"]
+    assert got == pytest.approx(coefficient.abs().max().item(), rel=1e-5)
