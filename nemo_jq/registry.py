@@ -11,7 +11,8 @@ T = TypeVar("T")
 
 class Registry(dict):
     """A name -> object mapping; ``register(name)`` decorates the object, and a second one under a name is refused, as
-    is a ``reserved`` name (one the code handles itself, outside the registry)."""
+    is a ``reserved`` name (one the code handles itself, outside the registry). The same definition run again (a
+    notebook's cell, a reloaded module: the same module and qualified name) replaces the first."""
 
     def __init__(self, what: str, reserved: tuple[str, ...] = ()):
         super().__init__()
@@ -19,7 +20,7 @@ class Registry(dict):
 
     def register(self, name: str) -> Callable[[T], T]:
         def decorate(obj: T) -> T:
-            if name in self or name in self.reserved:
+            if name in self.reserved or (name in self and not _same_definition(self[name], obj)):
                 raise ValueError(f"{self.what} {name!r} is already registered (built in): register it under another name")
             self[name] = obj
             return obj
@@ -38,3 +39,13 @@ class Registry(dict):
         """The one-line message for a name nobody registered: the known ones, and the closest."""
         close = difflib.get_close_matches(str(name), list(self), n=1)
         return f"unknown {self.what} {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + f"; known: {', '.join(sorted(self))}"
+
+
+def _same_definition(registered: object, obj: object) -> bool:
+    """Whether ``obj`` is ``registered`` defined again: the same module and qualified name (of the function a spec
+    wraps, its ``fn``, where it has one)."""
+    def place(thing: object) -> tuple:
+        target = getattr(thing, "fn", thing)
+        return getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+
+    return place(registered)[1] is not None and place(registered) == place(obj)

@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A bad key or value in a config file, an override or an estimator's options."""
 
 
+def first_few(items: typing.Sequence, describe: typing.Callable[[Any], str] = str, shown: int = 3) -> str:
+    """The first ``shown`` of ``items`` described, with ", ..." where there are more: a one-line error's list."""
+    return ", ".join(map(describe, items[:shown])) + (", ..." if len(items) > shown else "")
+
+
 def utf8_text(path: Any, data: bytes, *, error: type[ValueError] = ValueError, encoding: str = "utf-8") -> str:
     """``data``, the bytes of the file at ``path``, as text; bytes that are not UTF-8 are one ``error`` naming the
     file, the line and the byte (``encoding="utf-8-sig"``: a byte-order mark first is skipped)."""

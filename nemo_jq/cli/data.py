@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jq.config import import_plugins
     from nemo_jq.data.prepare import PAPER_SIZES, PREPARE_FLAGS, PREPARED_FILES, describe_rejects, make_task, prepare, write_prepared
     from nemo_jq.runtime.outputs import claim_dir
-    from nemo_jq.runtime.runs import CONFIG_FILE, RUN_FILES, is_run_config
+    from nemo_jq.runtime.runs import RUN_FILES, run_above
 
     import_plugins(args.plugin)
     task = make_task(args.dataset, template=args.template, system=args.system, options=PREPARE_FLAGS)
@@ -58,10 +58,9 @@ def run(args: argparse.Namespace) -> int:
                          "(moved aside with --overwrite, the source would go with it)")
     claim_dir(args.out, RUN_FILES, overwrite=False, what="a run", advice="prepared data goes in a folder of its own: "
               "choose another --out")
-    outer = next((parent for parent in Path(args.out).resolve().parents if is_run_config(parent / CONFIG_FILE)), None)
-    if outer is not None:  # the run's --overwrite would move the data with it, and its runs' folders hold runs
-        raise ValueError(f"--out {args.out} is inside the run {outer}: prepared data goes in a folder of its own "
-                         f"(e.g. {outer.parent / Path(args.out).name})")
+    if (above := run_above(Path(args.out))) is not None:  # the run's --overwrite would move the data with it
+        raise ValueError(f"--out {args.out} is inside the run {above[0]} ({above[1]}): prepared data goes in a folder "
+                         f"of its own (e.g. {above[0].parent / Path(args.out).name})")
     splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row,
                                options=PREPARE_FLAGS)
     claim_dir(args.out, PREPARED_FILES, overwrite=args.overwrite, what="prepared data",

@@ -455,13 +455,8 @@ def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int,
     parts = component_bytes(arch, work, tp, pp, dp, gpu_gb)
     total, largest = _peak(parts, work)
     sizes = [*(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2)]
-    least = vllm_least_bytes(arch, work)
-    if 0 < parts["vllm"] < least:
-        return LayoutEstimate(tp, pp, dp, work.expert_parallel, *sizes, False, "vllm",
-                              f"a larger rollout.vllm_memory_utilization or rollout.tensor_parallel: vLLM's share holds "
-                              f"less than its engine's bf16 weights and one sequence's keys and values ("
-                              f"{least / GiB:.1f} GiB a GPU at rollout.tensor_parallel={work.vllm_tensor_parallel}), "
-                              "and vLLM refuses to start")
+    if parts["vllm"] > 0 and (short := vllm_share_short(arch, work, parts["vllm"])):
+        return LayoutEstimate(tp, pp, dp, work.expert_parallel, *sizes, False, "vllm", short)
     return LayoutEstimate(tp, pp, dp, work.expert_parallel, *sizes, total <= gpu_gb * headroom, largest,
                           advice(largest, arch, work, (tp, pp, dp), gpu_gb, total))
 
@@ -598,6 +593,16 @@ def vllm_least_bytes(arch: Qwen3Architecture, work: Workload) -> float:
     cache that cannot hold one; its own working memory beside them is not counted)."""
     shape = decode_shape(arch, work.vllm_tensor_parallel)
     return 2 * parameter_count(arch) / work.vllm_tensor_parallel + work.seq_len * kv_bytes_per_token(arch) / shape["kv_shards"]
+
+
+def vllm_share_short(arch: Qwen3Architecture, work: Workload, share: float) -> str | None:
+    """Why vLLM refuses to start in ``share`` bytes a GPU (the advice), or None where it starts."""
+    least = vllm_least_bytes(arch, work)
+    if share >= least:
+        return None
+    return (f"a larger rollout.vllm_memory_utilization or rollout.tensor_parallel: vLLM's share holds less than its "
+            f"engine's bf16 weights and one sequence's keys and values ({least / GiB:.1f} GiB a GPU at "
+            f"rollout.tensor_parallel={work.vllm_tensor_parallel}), and vLLM refuses to start")
 
 
 def vllm_bytes(arch: Qwen3Architecture, work: Workload, gpu_gb: float) -> float:

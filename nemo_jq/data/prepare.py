@@ -18,14 +18,14 @@ import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from nemo_jq.data.base import Example, Splits, Task
 from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
 from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, folder_split_names, read_hub, read_rows, sha256
 from nemo_jq.data.synthetic import SyntheticArithmetic
-from nemo_jq.typed import ConfigError
+from nemo_jq.typed import ConfigError, first_few
 
 SPLITS = ("train", "validation", "test")
 #: The paper's subset sizes (Appendix F): train / validation / test.
@@ -272,11 +272,6 @@ def describe_over_cap(task: QATask, entry: dict[str, Any]) -> str:
     if over:
         text += " (" + first_few(over, lambda row: f"row {row.get('row', '?')}: id {row['id']}, {row['chars']} characters") + ")"
     return text
-
-
-def first_few(rows: list[dict[str, Any]], describe: Callable[[dict[str, Any]], str], shown: int = 3) -> str:
-    """The first ``shown`` of ``rows`` described, with ", ..." where there are more."""
-    return ", ".join(map(describe, rows[:shown])) + (", ..." if len(rows) > shown else "")
 
 
 def warn_duplicate_ids(source: str, rows_of: dict[str, list[int]]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from torch.utils.flop_counter import FlopCounterMode
 
 from nemo_jq.config import Config
+from nemo_jq.dryrun.memory import GiB
 
 
 @dataclass(frozen=True)
@@ -20,12 +21,15 @@ class GpuProfile:
     memory_gib: float
     bf16_flops: float  # dense bf16 FLOP/s
     bandwidth: float  # memory bytes/s
+    #: The most sequences vLLM runs at once on it by default (its ``max_num_seqs`` for the ``LLM`` class: 1024 on
+    #: GPUs of 70 GiB or more but the A100, 256 on others; vllm/engine/arg_utils.py, 0.32).
+    vllm_max_sequences: int = 256
 
 
 #: The GPUs the shipped configs are checked against (dense bf16, no sparsity; SXM parts).
 GPUS = {
-    "a100-80gb": GpuProfile("A100 80GB", 80.0, 312e12, 2.0e12),
-    "h100-80gb": GpuProfile("H100 80GB", 80.0, 989e12, 3.35e12),
+    "a100-80gb": GpuProfile("A100 80GB", 80.0, 312e12, 2.0e12, vllm_max_sequences=256),
+    "h100-80gb": GpuProfile("H100 80GB", 80.0, 989e12, 3.35e12, vllm_max_sequences=1024),
 }
 
 
@@ -60,10 +64,11 @@ def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Co
 def sampling_seconds(shape: dict[str, Any], config: Config, gpu: GpuProfile, prompts: int, samples: int, *,
                      answers: bool) -> float:
     """The bound of :func:`seconds_at_least` for one sampling call of ``prompts`` x ``samples`` rows: the thinking
-    phase in chunks of whole groups, then (``answers``) the answer phase in chunks of rows, as the samplers chunk; on
-    each of the engine's GPUs (``plan.decode_shape``): its share of the weights a decode step reads (a Qwen3-MoE's
-    experts that the step's rows route to, routing balanced), of the keys and values, and of the FLOPs."""
-    rollout, kv_budget = config.rollout, config.rollout.kv_cache_tokens
+    phase, then (``answers``) the answer phase, each in chunks of the rows the engine runs at once
+    (:func:`rows_at_once`); on each of the engine's GPUs (``plan.decode_shape``): its share of the weights a decode
+    step reads (a Qwen3-MoE's experts that the step's rows route to, routing balanced), of the keys and values, and
+    of the FLOPs."""
+    rollout = config.rollout
     gpus, weights = shape["engine_gpus"], shape["sampler_weight_bytes"]
     per_token = shape["kv_bytes_per_token"] / shape["kv_shards"]
     experts = weights * shape["expert_parameters"] / shape["parameters"]
@@ -79,14 +84,31 @@ def sampling_seconds(shape: dict[str, Any], config: Config, gpu: GpuProfile, pro
         return total
 
     prompt, thinking = shape["prompt_tokens"], rollout.max_thinking_tokens
-    group = samples * (prompt + thinking)
-    prompts_per_chunk = prompts if kv_budget is None else max(1, kv_budget // group)
-    seconds = phase(prompts * samples, prompt, thinking, prompts_per_chunk * samples)
+    rows = prompts * samples
+    seconds = phase(rows, prompt, thinking, rows_at_once(shape, config, gpu, rows, samples, prompt + thinking))
     if answers:
         context = prompt + thinking + 1
-        rows = prompts * samples if kv_budget is None else max(1, kv_budget // (context + rollout.max_answer_tokens))
-        seconds += phase(prompts * samples, context, rollout.max_answer_tokens, rows)
+        seconds += phase(rows, context, rollout.max_answer_tokens,
+                         rows_at_once(shape, config, gpu, rows, 1, context + rollout.max_answer_tokens))
     return seconds
+
+
+def rows_at_once(shape: dict[str, Any], config: Config, gpu: GpuProfile, rows: int, group: int, tokens: int) -> int:
+    """How many of ``rows`` rows of up to ``tokens`` tokens an engine decodes at once. native and hf: as many whole
+    groups of ``group`` rows as ``rollout.kv_cache_tokens`` holds (at least one). vLLM (which never reads that key):
+    as many rows as its KV cache holds whole (its share of the GPU, or ``rollout.vllm_kv_cache_gb``, less its
+    weights; its working memory not counted, so a bound), at most its ``max_num_seqs``
+    (:attr:`GpuProfile.vllm_max_sequences`); its cache pages fill as rows grow, so early steps may run more."""
+    rollout = config.rollout
+    if rollout.engine == "vllm":
+        weights = shape["sampler_weight_bytes"] / shape["engine_gpus"]
+        cache = (rollout.vllm_kv_cache_gb * GiB if rollout.vllm_kv_cache_gb is not None
+                 else rollout.vllm_memory_utilization * gpu.memory_gib * GiB - weights)
+        held = int(cache * shape["kv_shards"] / shape["kv_bytes_per_token"]) // tokens
+        return max(1, min(rows, gpu.vllm_max_sequences, held))
+    if rollout.kv_cache_tokens is None:
+        return rows
+    return min(rows, group * max(1, rollout.kv_cache_tokens // (group * tokens)))
 
 
 #: The share of a phase's bound this project measured on a real GPU (bench/results/real_gpu.json, run 9: an H200), by

@@ -23,13 +23,24 @@ from typing import Any, Callable
 
 import torch
 
-from nemo_jq.cluster.plan import HEADROOM, PROMPT_TOKENS, auto_micro_batch_rows, check_context, model_context
+from nemo_jq.cluster.plan import (
+    HEADROOM,
+    PROMPT_TOKENS,
+    Workload,
+    architecture,
+    auto_micro_batch_rows,
+    check_context,
+    model_context,
+    vllm_bytes,
+    vllm_share_short,
+)
 from nemo_jq.config import Config
 from nemo_jq.dryrun.bounds import GpuProfile, run_time, seconds_at_least
 from nemo_jq.dryrun.memory import MemoryTracker, gib
 from nemo_jq.dryrun.phases import DryRun
 from nemo_jq.dryrun.report import decode_work, host_sum
 from nemo_jq.dryrun.world import GPU, FakeWorld
+from nemo_jq.typed import ConfigError
 
 
 def knob(kind: str, config: Config, *, rollout_rank: bool = False) -> str:
@@ -74,6 +85,17 @@ def knob(kind: str, config: Config, *, rollout_rank: bool = False) -> str:
             "sync_buckets": f"a smaller rollout.sync_bucket_mb ({rollout.sync_bucket_mb:g} now)"}[kind]
 
 
+def check_vllm_share(config: Config, prompt_tokens: int, gpu: GpuProfile) -> None:
+    """vLLM starts in its share of ``gpu`` (its bf16 weights and one sequence's keys and values: ``plan``'s check);
+    else one line, as vLLM would fail at its first sampling call (the stand-in only holds the share)."""
+    if config.rollout.engine != "vllm" or config.model.path is None:
+        return
+    arch, work = architecture(str(config.model.path), "model.path"), Workload.from_config(config, prompt_tokens)
+    short = vllm_share_short(arch, work, vllm_bytes(arch, work, gpu.memory_gib))
+    if short:
+        raise ConfigError(f"rollout.engine=vllm does not start on the {gpu.name}: try {short}")
+
+
 class DoesNotFit(ValueError):
     """One line: the phase, the GPU, the kind that takes the most, and the knob that shrinks it."""
 
@@ -93,6 +115,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int | None = None
         rollout = config.rollout
         prompt_tokens = max(1, min(PROMPT_TOKENS, context - rollout.max_thinking_tokens - 1 - rollout.max_answer_tokens))
     check_context(config, prompt_tokens, context, where)
+    check_vllm_share(config, prompt_tokens, gpu)
     separate = config.rollout.placement == "separate"
     config = copy.deepcopy(config)
     if separate:  # a training rank holds the same with rollouts sampled a step ahead: token ids, sent by the rollout ranks

@@ -11,6 +11,7 @@ import torch
 
 from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.common import WEIGHTS_FILE, quiet_weight_files
+from nemo_jq.typed import first_few
 
 #: Marks a folder as written by ``HFPolicy.export`` and lists its files, so a later export may replace them.
 EXPORT_MARKER = "nemo_jq_export.json"
@@ -35,8 +36,8 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
     earlier = [EXPORT_MARKER, *json.loads(marker.read_text())["files"]] if marker.is_file() else []
     if not present <= set(earlier):
         foreign = sorted(present - set(earlier))
-        raise ValueError(f"export target {out_dir} holds files that are not from an earlier export ({', '.join(foreign[:3])}"
-                         f"{', ...' * (len(foreign) > 3)}): choose another --out or remove them")
+        raise ValueError(f"export target {out_dir} holds files that are not from an earlier export ({first_few(foreign)}): "
+                         "choose another --out or remove them")
     return earlier
 
 

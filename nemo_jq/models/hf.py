@@ -23,6 +23,7 @@ from nemo_jq.models.logprobs import chunked_token_logprobs
 from nemo_jq.precision import recompute_contexts
 from nemo_jq.runtime.checkpoint import damaged, load_torch_file, require_files
 from nemo_jq.runtime.distributed import DataParallel
+from nemo_jq.typed import first_few
 
 
 def tiny_qwen3(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -69,10 +70,10 @@ def load_causal_lm(folder: Path) -> Any:
     missing, unused = info["missing_keys"], info["unexpected_keys"]
     if unused and not missing:
         print(f"nemo-jq: warning: model folder {folder}: {len(unused)} of its weights are not used by its config.json "
-              f"({', '.join(sorted(unused)[:3])}{', ...' * (len(unused) > 3)})", file=sys.stderr)
+              f"({first_few(sorted(unused))})", file=sys.stderr)
     if missing:
         raise ValueError(f"model folder {folder}: its config.json builds {len(missing)} weight{'s' * (len(missing) > 1)} "
-                         f"its weight files lack ({', '.join(sorted(missing)[:3])}{', ...' * (len(missing) > 3)}), which "
+                         f"its weight files lack ({first_few(sorted(missing))}), which "
                          f"would start random: {fix}")
     return model
 

@@ -14,7 +14,7 @@ from nemo_jq.objectives.paft import paft, resample_indices
 from nemo_jq.objectives.qlog import jq_loss, log_q
 from nemo_jq.objectives.registry import NoOptions, ObjectiveSpec, get_objective, list_objectives, register_objective
 from nemo_jq.objectives.rloo import rloo
-from nemo_jq.objectives.schedules import QSchedule, build_schedule
+from nemo_jq.objectives.schedules import QSchedule, StepOnlyQ, build_schedule, register_q_schedule
 from nemo_jq.objectives.sft import sft
 from nemo_jq.objectives.verifier_free import garl_length_normalized, rlpr
 
@@ -25,6 +25,7 @@ __all__ = [
     "ObjectiveOutput",
     "ObjectiveSpec",
     "QSchedule",
+    "StepOnlyQ",
     "build_schedule",
     "garl",
     "garl_length_normalized",
@@ -38,6 +39,7 @@ __all__ = [
     "maxrl",
     "paft",
     "rb_rloo",
+    "register_q_schedule",
     "register_objective",
     "resample_indices",
     "rloo",

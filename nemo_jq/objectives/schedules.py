@@ -4,16 +4,41 @@ A schedule is called with the step to get q, and may be told the running success
 estimate log P̂ after each step (only the adaptive schedule listens). All carry a
 ``state_dict`` so a resumed run continues with the same q.
 
-SFT-then-RLVR is ``StepQ(q_before=1, q_after=0, switch_step=N)``.
+SFT-then-RLVR is ``StepQ(q_before=1, q_after=0, switch_step=N)``. A schedule of one's own is a dataclass registered
+with :func:`register_q_schedule` (its fields the config's keys; :class:`StepOnlyQ` gives it nothing to observe and no
+state); the trainer checks each q it returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from nemo_jq.objectives.checks import check_q
+from nemo_jq.registry import Registry
+
+SCHEDULES: Registry = Registry("q schedule")
+
+
+def register_q_schedule(name: str):
+    """Decorator adding a schedule class to :data:`SCHEDULES` under ``name`` (``objective.q_schedule: {name: ...}``):
+    a dataclass whose fields are its keys (annotated ``float``, ``int`` or ``bool`` to have their values checked),
+    called with the step (from 0) for q, with ``observe``, ``state_dict`` and ``load_state_dict`` (:class:`StepOnlyQ`
+    for a schedule of the step alone)."""
+
+    def decorate(cls: type) -> type:
+        if not dataclasses.is_dataclass(cls) or not isinstance(cls, type):
+            raise TypeError(f"q schedule {name!r}: register a dataclass (its fields are the schedule's keys); got {cls!r}")
+        defined = {name for klass in cls.__mro__[:-1] for name in vars(klass)}  # object's own __call__ aside
+        lacking = [method for method in ("__call__", "observe", "state_dict", "load_state_dict") if method not in defined]
+        if lacking:
+            raise TypeError(f"q schedule {name!r}: {cls.__name__} lacks {', '.join(lacking)} (subclass StepOnlyQ for a "
+                            "schedule of the step alone)")
+        return SCHEDULES.register(name)(cls)
+
+    return decorate
 
 
 class QSchedule(Protocol):
@@ -26,7 +51,7 @@ class QSchedule(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class _StepOnly:
+class StepOnlyQ:
     """Schedules that depend on the step alone: nothing to observe, no state."""
 
     def observe(self, log_p_hat: float) -> None:
@@ -39,8 +64,9 @@ class _StepOnly:
         del state
 
 
+@register_q_schedule("constant")
 @dataclass
-class ConstantQ(_StepOnly):
+class ConstantQ(StepOnlyQ):
     q: float
 
     def __post_init__(self) -> None:
@@ -50,8 +76,9 @@ class ConstantQ(_StepOnly):
         return self.q
 
 
+@register_q_schedule("step")
 @dataclass
-class StepQ(_StepOnly):
+class StepQ(StepOnlyQ):
     """``q_before`` until ``switch_step`` (exclusive), then ``q_after``."""
 
     switch_step: int
@@ -66,7 +93,7 @@ class StepQ(_StepOnly):
 
 
 @dataclass
-class _Anneal(_StepOnly):
+class _Anneal(StepOnlyQ):
     """From ``q_start`` at the first step (0) to ``q_end`` at the last of ``num_steps`` (``num_steps - 1``; the only
     one, when ``num_steps`` is 1), then flat; subclasses shape the path."""
 
@@ -85,6 +112,7 @@ class _Anneal(_StepOnly):
         return 1.0 if last == 0 else min(max(step / last, 0.0), 1.0)
 
 
+@register_q_schedule("linear")
 @dataclass
 class LinearQ(_Anneal):
     """Straight line from ``q_start`` to ``q_end``."""
@@ -93,6 +121,7 @@ class LinearQ(_Anneal):
         return self.q_start + (self.q_end - self.q_start) * self.progress(step)
 
 
+@register_q_schedule("cosine")
 @dataclass
 class CosineQ(_Anneal):
     """Half-cosine from ``q_start`` to ``q_end``: stays near ``q_start`` longer than linear."""
@@ -101,6 +130,7 @@ class CosineQ(_Anneal):
         return self.q_end + (self.q_start - self.q_end) * 0.5 * (1.0 + math.cos(math.pi * self.progress(step)))
 
 
+@register_q_schedule("adaptive")
 @dataclass
 class AdaptiveQ:
     """q driven by a running estimate of P̂ (the paper leaves the rule open; this is ours).
@@ -154,15 +184,6 @@ class AdaptiveQ:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._log_p_hat, self._q = state["log_p_hat"], state["q"]
-
-
-SCHEDULES: dict[str, type] = {
-    "constant": ConstantQ,
-    "step": StepQ,
-    "linear": LinearQ,
-    "cosine": CosineQ,
-    "adaptive": AdaptiveQ,
-}
 
 
 def build_schedule(spec: dict[str, Any] | float) -> QSchedule:

@@ -60,10 +60,13 @@ def estimator_gradient(parts: Components, estimator: ObjectiveSpec, options: Any
                  rows_per_chunk=train.micro_batch_rows)
 
 
-#: What a step's record holds besides an estimator's metrics (the trainer's, the optimizer's): an estimator's metric
-#: of one of these names would overwrite it, and a run's ``step`` or ``kind`` so written loses its history on resume.
+#: What a step's record holds besides an estimator's metrics (the trainer's, the optimizer's, the engine's
+#: mismatch metrics, ``step.rollout_record``'s, a rollout rank's syncs): an estimator's metric of one of these names
+#: would overwrite it or be overwritten, and a run's ``step`` or ``kind`` so written loses its history on resume
+#: (tests/e2e/test_extending.py holds it to a trained step's record).
 RECORD_KEYS = frozenset({"kind", "step", "epoch", "q", "loss", "train_reward", "step_time", "gpu_peak_gib", "grad_norm",
-                         "lr"})
+                         "lr", "logprob_gap", "max_logprob_gap", "kl_k3", "rollout_lag", "rollout_tokens",
+                         "rollout_tokens_per_s", "sync_bytes", "sync_buckets", "sync_seconds"})
 
 
 def check_output(name: str, out: Any, inputs: EstimatorInputs) -> None:

@@ -60,7 +60,13 @@ class ObjectiveInUse:
 
     def q(self, step: int, course: Course) -> float | None:
         """The step's q: the schedule's, scaled by the course's ``q_scale``; None for estimators without one."""
-        return self.schedule(step) * course.q_scale if self.schedule is not None else None
+        if self.schedule is None:
+            return None
+        q = self.schedule(step)
+        if not isinstance(q, (int, float)) or isinstance(q, bool) or not 0.0 <= q <= 1.0:  # a registered one's, too
+            raise ValueError(f"objective.q_schedule {type(self.schedule).__name__} gave q={q!r} at step {step}: a q "
+                             "schedule gives a number in [0, 1]")
+        return q * course.q_scale
 
     def follow(self, course: Course, q: Any) -> None:
         """Switch to the course's estimator, if it is another (with its own options; a q schedule built from the

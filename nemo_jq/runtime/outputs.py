@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from nemo_jq.typed import first_few
+
 
 def claim_dir(path: Path, markers: tuple[str, ...], *, overwrite: bool, what: str, advice: str) -> Path | None:
     """Refuse ``path`` if it holds any of ``markers`` (an earlier run, demo or prepared data), saying ``advice``;
@@ -125,7 +127,7 @@ def refuse_foreign_files(path: Path, holds_no: str) -> None:
     the command writes would land among, and over, a user's files."""
     held = sorted(entry.name for entry in Path(path).iterdir()) if Path(path).is_dir() else []
     if held:
-        raise FileExistsError(f"{path} is not empty ({', '.join(held[:3])}{', ...' * (len(held) > 3)}) and holds no "
+        raise FileExistsError(f"{path} is not empty ({first_few(held)}) and holds no "
                               f"{holds_no}: give a new or empty folder (what is there is left as it is)")
 
 

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
@@ -16,6 +16,7 @@ from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, plot_runs, read_
 from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE
 from nemo_jq.strict_yaml import read_yaml_file
+from nemo_jq.typed import first_few
 
 CONFIG_FILE, TOKENIZER_DIR, CHECKPOINT_DIR, RESULTS_FILE = "config.yaml", "tokenizer", "checkpoints", "results.json"
 #: Where ``nemo-jq eval`` writes its reports in a run's directory.
@@ -121,14 +122,13 @@ def refuse_shared_run_dir(run_dir: Path, config: Config) -> None:
     one does so to it; and a run's directory is never the prepared data's, which ``--overwrite`` would move away."""
     folder = Path(run_dir).resolve()
     owns = "it rebuilds its tensorboard/, prunes its checkpoints/, and --overwrite moves all of it"
-    for outer in folder.parents:
-        if (why := _run_there(outer)) is not None:
-            raise ConfigError(f"train.run_dir={run_dir} is inside the run {outer} ({why}), whose folder is its own "
-                              f"({owns}): choose a train.run_dir outside it (e.g. {outer.parent / folder.name})")
-    for inner in folders_below(folder):
-        if (why := _run_there(inner)) is not None:
-            raise ConfigError(f"train.run_dir={run_dir} holds the run {inner} ({why}), which this run's folder would "
-                              f"share ({owns}): choose a train.run_dir that holds no run (a new folder, beside {inner})")
+    if (above := run_above(folder)) is not None:
+        outer, why = above
+        raise ConfigError(f"train.run_dir={run_dir} is inside the run {outer} ({why}), whose folder is its own "
+                          f"({owns}): choose a train.run_dir outside it (e.g. {outer.parent / folder.name})")
+    for inner, why in runs_below(folder):
+        raise ConfigError(f"train.run_dir={run_dir} holds the run {inner} ({why}), which this run's folder would "
+                          f"share ({owns}): choose a train.run_dir that holds no run (a new folder, beside {inner})")
     prepared = config.data.prepared_dir
     if prepared is not None:
         data = Path(prepared).resolve()
@@ -138,6 +138,16 @@ def refuse_shared_run_dir(run_dir: Path, config: Config) -> None:
             raise ConfigError(f"train.run_dir={run_dir} {where} data.prepared_dir={prepared}: a run writes (and "
                               "--overwrite moves) its folder, the data with it: choose a train.run_dir outside the "
                               "prepared data's folder")
+
+
+def run_above(folder: Path) -> tuple[Path, str] | None:
+    """The nearest run whose folder holds ``folder``, and what shows it (:func:`_run_there`); None if none does."""
+    return next(((outer, why) for outer in Path(folder).resolve().parents if (why := _run_there(outer)) is not None), None)
+
+
+def runs_below(folder: Path) -> Iterator[tuple[Path, str]]:
+    """The runs in the folders below ``folder`` (:func:`~.outputs.folders_below`), each with what shows it."""
+    return ((inner, why) for inner in folders_below(folder) if (why := _run_there(inner)) is not None)
 
 
 def _run_there(folder: Path) -> str | None:
@@ -287,13 +297,10 @@ def nearest_run(folder: Path) -> str:
     runs (a sweep's or an experiment's), with the run to give instead."""
     if not folder.exists():
         return ": the folder does not exist; give the run's folder (its train.run_dir)"
-    outer = next((parent for parent in folder.resolve().parents if is_run_config(parent / CONFIG_FILE)), None)
-    if outer is not None:
-        return f"; it is inside the run {outer}: give that"
-    inner = [path for path in folders_below(folder) if is_run_config(path / CONFIG_FILE)]
-    if inner:
-        return f"; it holds runs ({', '.join(map(str, inner[:3]))}{', ...' * (len(inner) > 3)}): give one of them"
-    return ""
+    if (above := run_above(folder)) is not None:
+        return f"; it is inside the run {above[0]}: give that"
+    inner = [str(path) for path, _ in runs_below(folder)]
+    return f"; it holds runs ({first_few(inner)}): give one of them" if inner else ""
 
 
 def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tuple[Config, Path]:
@@ -379,7 +386,7 @@ def holds_this_run(config: Config) -> tuple[str, list[str]]:
     differing = [key for key in _differences(dataclasses.asdict(saved), new) if key != "train.run_dir"]
     kept = [key for key in differing if key not in RESUMABLE_KEYS]
     if kept:
-        raise FileExistsError(f"{run_dir} holds another run (its config.yaml differs in {', '.join(kept[:3])}, which a "
+        raise FileExistsError(f"{run_dir} holds another run (its config.yaml differs in {first_few(kept)}, which a "
                               "resumed run keeps): choose another train.run_dir, or give the run's own values")
     if latest_checkpoint(run_dir / CHECKPOINT_DIR) is None:
         return "restart", []

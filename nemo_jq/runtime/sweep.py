@@ -146,13 +146,14 @@ class Sweep:
                               "names say their values): a new sweep sweeps other values")
         self.runs = [replace(run, overrides=(*(word for word in run.overrides if current_key(word.partition("=")[0])
                                                not in given), *overrides)) for run in self.runs]
-        self.check()
-        for run in self.runs:
-            step, steps = last_checkpoint_step(self.directory / run.name), total_steps(run)
+        ended = []
+        for run, config in zip(self.runs, self.check()):
+            step, steps = last_checkpoint_step(self.directory / run.name), steps_of(config)
             if step is not None and steps is not None and step > steps:
                 raise ConfigError(f"run {run.name} of the sweep is at step {step}, beyond the {steps} steps "
                                   f"{' '.join(overrides)} gives it: give it at least {step}")
-        ended = [run.name for run in self.runs if run.name in finished and self.status(run) == FINISHED]
+            if run.name in finished and (step is None or (steps or 0) <= step):  # as status() says FINISHED
+                ended.append(run.name)
         if ended and given & {"train.epochs", "train.max_steps"}:  # the other of the two ends them where they are
             print(f"nemo-jq: warning: {' '.join(overrides)} gives {len(ended)} finished run(s) no more steps ({ended[0]} "
                   "included): a run ends at train.epochs or train.max_steps, whichever comes first; raise the other "

@@ -33,6 +33,7 @@ RUN_BY = {
         "test_each_doc_command_trains_two_steps",  # on the tiny run, two steps
     ("docs/extending.md", "class ScaledOptions:"): "test_a_one_file_estimator_in_a_package_trains_through_nemo_jq_train",
     ("docs/extending.md", "class Trivia(QATask):"): "test_the_documented_dataset_prepares_through_a_plugin",
+    ("docs/extending.md", "class Halving(StepOnlyQ):"): "test_a_q_schedule_of_ones_own_registered_in_a_plugin_sets_each_steps_q",
     ("docs/extending.md", "class UniformSampler:"): "test_the_documented_rollout_engine_trains_and_is_refitted_after_every_step",
     ("docs/sweeps.md", "nemo-jq sweep --resume runs/q_sweep"):
         "test_the_documented_sweep_stopped_resumes_to_an_unstopped_ones_metrics_and_its_report_reads_each_runs_results",

@@ -108,9 +108,10 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
             build_components(config, torch.device("cpu"))
 
 
-def doc_example(index: int) -> str:
-    """The ``index``-th Python block of docs/extending.md: the tests run the documented code itself."""
-    return re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "extending.md").read_text(), flags=re.S)[index]
+def doc_example(holding: str) -> str:
+    """The Python block of docs/extending.md that holds ``holding``: the tests run the documented code itself."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "extending.md").read_text(), flags=re.S)
+    return next(block for block in blocks if holding in block)
 
 
 def _cli(*args, env_path: Path):
@@ -124,7 +125,7 @@ def test_a_one_file_estimator_in_a_package_trains_through_nemo_jq_train(tmp_path
     package = tmp_path / "site" / "my_estimators"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    (package / "scaled.py").write_text(doc_example(0))
+    (package / "scaled.py").write_text(doc_example("class ScaledOptions:"))
     run_dir = tmp_path / "run"
     common = [*TINY_RUN, "plugins=[my_estimators.scaled]", "objective.name=scaled_reinforce"]
     bad = _cli("train", *common, "objective.options.scal=2", f"train.run_dir={run_dir}", env_path=tmp_path / "site")
@@ -203,6 +204,20 @@ def test_an_estimators_output_the_trainer_cannot_take_is_one_line_naming_it(tmp_
     assert code == 2 and f"objective 'mine' {message}" in err and "Traceback" not in err, err
 
 
+def test_the_names_an_estimators_metric_may_not_take_are_those_a_steps_record_holds_without_it(tmp_path):
+    """``learn.RECORD_KEYS`` (what ``check_output`` refuses as a metric's name) is every key a step's record holds
+    when the estimator reports none: a name it lacks is overwritten without a word."""
+    from nemo_jq.recipe.learn import RECORD_KEYS
+
+    plugin = tmp_path / "mine.py"
+    plugin.write_text(ESTIMATOR.format(name="mine"))
+    assert main(["train", *TINY_RUN, f"plugins=[{plugin}]", "objective.name=mine", "train.max_steps=1",
+                 f"train.run_dir={tmp_path / 'run'}"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = next(record for record in records if record["kind"] == "train")
+    assert set(step) <= RECORD_KEYS, sorted(set(step) - RECORD_KEYS)
+
+
 def test_an_input_passed_as_an_option_is_refused_at_load_with_no_run_directory(tmp_path, capsys):
     """The exact command that used to fail at step 1 with a TypeError traceback."""
     code = main(["train", "objective.name=grpo", "objective.options.rewards=1", "train.max_steps=1",
@@ -217,7 +232,7 @@ def test_an_input_passed_as_an_option_is_refused_at_load_with_no_run_directory(t
 @pytest.mark.slow
 def test_the_documented_dataset_prepares_through_a_plugin(tmp_path):
     plugin = tmp_path / "trivia.py"
-    plugin.write_text(doc_example(1))
+    plugin.write_text(doc_example("class Trivia(QATask):"))
     rows = [{"id": i, "q": f"What is {i} plus one?", "a": str(i + 1)} for i in range(9)] + [{"id": 99, "q": "no answer"}]
     source = tmp_path / "trivia.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -240,3 +255,20 @@ def test_an_adaptive_q_over_an_estimator_that_reports_no_log_p_hat_is_said(tmp_p
     err = capsys.readouterr().err
     assert code == 0 and err.count("objective.q_schedule adaptive reads log P̂, which objective.name=no_log_p does not "
                                    "report (no log_p_hat metric): q stays at its q_max") == 1, err
+
+
+def test_a_q_schedule_of_ones_own_registered_in_a_plugin_sets_each_steps_q(tmp_path, capsys):
+    """docs/extending.md's ``register_q_schedule`` block, as written: a dataclass of the step, its fields the config's
+    keys (checked as the built-ins' are); the q it gives is each step's; a q outside [0, 1] stops the run in one line
+    naming it and the step."""
+    plugin = tmp_path / "halving.py"
+    plugin.write_text(doc_example("class Halving(StepOnlyQ):"))
+    run = ["train", *TINY_RUN, f"plugins=[{plugin}]", "objective.name=garl", "train.max_steps=3"]
+    assert main([*run, "objective.q_schedule={name: halving, start: 0.8}", f"train.run_dir={tmp_path / 'a'}"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [record["q"] for record in records if record["kind"] == "train"] == [0.8, 0.4, 0.2]
+    code = main([*run, "objective.q_schedule={name: halving, stop: 1}", f"train.run_dir={tmp_path / 'b'}"])
+    assert code == 2 and "unknown key(s) ['stop'] for q schedule 'halving'; allowed: ['start']" in capsys.readouterr().err
+    code = main([*run, "objective.q_schedule={name: halving, start: 2.0}", f"train.run_dir={tmp_path / 'c'}"])
+    assert code == 2 and "objective.q_schedule Halving gave q=2.0 at step 0: a q schedule gives a number in [0, 1]" \
+        in capsys.readouterr().err

@@ -24,6 +24,7 @@ from nemo_jq.models.megatron import transformer_engine_usable
 from nemo_jq.models.megatron.provider import Qwen3Architecture, read_qwen3_config
 from nemo_jq.models.megatron.zero import DenseAndExpertAdamW, DistributedAdamW
 from nemo_jq.runtime.checkpoint import damaged
+from nemo_jq.typed import first_few
 
 transformer_engine_usable()  # before importing megatron.core
 from megatron.core import dist_checkpointing  # noqa: E402
@@ -96,7 +97,7 @@ def load_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer |
                      - saved)
     if missing:
         raise ValueError(f"checkpoint {source} lacks {len(missing)} weight(s) this model needs: "
-                         f"{', '.join(repr(name) for name in missing[:3])}{', ...' if len(missing) > 3 else ''}")
+                         f"{first_few(missing, repr)}")
     request = {_MODEL: model_state}
     with_master = any(key.startswith(f"{_OPTIMIZER}.state.master.") for key in saved)
     # a distributed optimizer's parts (a Qwen3-MoE's: the dense weights' and the experts'), each reading its shard

@@ -73,7 +73,7 @@ def test_a_decode_bound_splits_over_an_engines_gpus_and_reads_the_experts_its_ro
         shape = {"parameters": parameters, "prompt_tokens": 0, "sampler_weight_bytes": 2 * parameters,
                  **plan.decode_shape(arch, engine_gpus)}
         one_step = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, max_thinking_tokens=1,
-                                                                           kv_cache_tokens=None))
+                                                                           vllm_kv_cache_gb=20.0))  # every row at once
         return sampling_seconds(shape, one_step, gpu, rows, 1, answers=False)
 
     experts = plan.expert_parameters(arch)
@@ -115,7 +115,7 @@ def test_plan_prints_each_layouts_hours_the_phases_and_the_run_across_node_count
     assert "a step's rollouts >= " in time_line and "(expected: not measured)" in time_line
     nodes = next(line for line in lines if line.startswith("across nodes (at least"))
     one, two = (float(part.split(": ")[1].split(" h")[0]) for part in nodes.split(": ", 1)[1].split(", "))
-    assert "1 node: " in nodes and "2 nodes: " in nodes and one / 2 <= two < one  # twice the GPUs, about half the time
+    assert "1 node: " in nodes and "2 nodes: " in nodes and 0.45 * one <= two < 0.55 * one  # twice the GPUs, about half the time
     assert lines[-1].startswith("assumptions:")
     code, out, _ = run_cli(capsys, "plan", "--config", ROOT / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.25.yaml",
                            "--gpu", "a100-80gb")
@@ -125,3 +125,28 @@ def test_plan_prints_each_layouts_hours_the_phases_and_the_run_across_node_count
     code, _, err = run_cli(capsys, "plan", "--config", ROOT / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.25.yaml",
                            "--gpu", "b200")
     one_line_error(code, err, "--gpu 'b200': choose one of a100-80gb, h100-80gb")
+
+
+def test_vllms_decode_runs_the_rows_its_cache_holds_and_never_reads_kv_cache_tokens():
+    """vLLM sizes its batch by its own cache (its share less its weights, or rollout.vllm_kv_cache_gb) and its
+    max_num_seqs (A100 256, H100 1024), not by rollout.kv_cache_tokens, which bounds the native and hf samplers'
+    chunks of whole groups."""
+    from nemo_jq.dryrun.bounds import rows_at_once
+
+    config = load_config(ROOT / "configs" / "qwen3_8b" / "finqa_cold_grpo.yaml")
+    arch, h100, a100 = plan.architecture(config.model.path), GPUS["h100-80gb"], GPUS["a100-80gb"]
+    parameters = plan.parameter_count(arch)
+    shape = {"parameters": parameters, "sampler_weight_bytes": 2 * parameters, **plan.decode_shape(arch, 1)}
+
+    def rows(gpu=h100, tokens=5120, **rollout):
+        changed = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, **rollout))
+        return rows_at_once(shape, changed, gpu, 4096, 16, tokens)
+
+    held = int((0.5 * 80 * 2**30 - 2 * parameters) / plan.kv_bytes_per_token(arch)) // 5120
+    assert config.rollout.engine == "vllm" and 16 < held < 256
+    assert rows() == rows(kv_cache_tokens=5120) == rows(kv_cache_tokens=None) == held
+    assert rows(tokens=64) == 1024 and rows(a100, tokens=64) == 256  # vLLM's max_num_seqs
+    assert rows(vllm_memory_utilization=0.15) == 1  # no room beside its weights: a row at a time (plan refuses it)
+    assert rows(vllm_kv_cache_gb=1.0) == 2**30 // plan.kv_bytes_per_token(arch) // 5120
+    assert rows(engine="native") == 16 * (131072 // (16 * 5120)) and rows(engine="native", kv_cache_tokens=1) == 16
+    assert rows(engine="native", kv_cache_tokens=None) == 4096

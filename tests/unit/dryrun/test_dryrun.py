@@ -301,6 +301,20 @@ def test_vllm_holds_its_configured_share_while_it_samples_and_no_copy_beside_the
     assert "sampler_copy" not in phases["build"]["most_by_kind_gib"] and "refit" in phases
 
 
+def test_a_vllm_share_without_room_for_its_weights_and_a_sequence_is_refused_as_plan_refuses_it(capsys):
+    """vLLM refuses to start in a share that holds less than its bf16 weights and one sequence's keys and values; the
+    stand-in only holds the share, so the dry run says so in one line before it simulates, with plan's advice."""
+    from helpers import one_line_error
+    from nemo_jq.cli import main
+
+    paper = str(Path(__file__).resolve().parents[3] / "configs" / "qwen3_8b" / "finqa_cold_grpo.yaml")
+    one_line_error(main(["dryrun", "--config", paper, "rollout.vllm_memory_utilization=0.15"]), capsys.readouterr().err,
+                   "rollout.engine=vllm does not start on the H100 80GB", "a larger rollout.vllm_memory_utilization",
+                   "16.0 GiB a GPU at rollout.tensor_parallel=1")
+    assert main(["plan", "--config", paper, "rollout.vllm_memory_utilization=0.15"]) == 0
+    assert "nothing fits" in capsys.readouterr().out.split("16.0 GiB a GPU at rollout.tensor_parallel=1")[0]
+
+
 def without_timings(report: dict) -> dict:
     """``report`` less what differs between two simulations of one run (seconds spent) or two GPUs (time bounds)."""
     kept = {key: value for key, value in report.items() if key not in ("gpu", "run_time")}

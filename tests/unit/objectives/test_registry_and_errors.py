@@ -80,6 +80,24 @@ def test_duplicate_registration_is_rejected():
         register_objective("garl", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=False)(lambda: None)
 
 
+def test_a_definition_run_again_replaces_its_first_as_a_notebooks_cell_does():
+    """A notebook's cell run again registers the same function anew (same module, same name): the second replaces
+    the first; another function under that name is still refused."""
+    from nemo_jq.objectives import registry
+
+    cell = ("from nemo_jq.objectives import Need, register_objective\n"
+            "@register_objective('mine_in_a_notebook', needs={{Need.GIVEN_TARGET}}, uses_q=False)\n"
+            "def mine(inputs, options):\n    return {version}\n")
+    try:
+        for version in (1, 2):
+            exec(cell.format(version=version), {"__name__": "__main__"})  # noqa: S102 - a notebook's cell, run twice
+            assert get_objective("mine_in_a_notebook")(None) == version
+        with pytest.raises(ValueError, match="'mine_in_a_notebook' is already registered"):
+            register_objective("mine_in_a_notebook", needs={Need.GIVEN_TARGET}, uses_q=False)(lambda inputs, options: 3)
+    finally:
+        registry._REGISTRY.pop("mine_in_a_notebook", None)
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(needs=set()), "needs must be one of Need.REFERENCE_ANSWER_LOGPROB"),
     (dict(needs={"sampled_answer_reward"}), "needs must be one of"),  # a string: the trainer fell back to teacher-forcing

@@ -107,3 +107,18 @@ def test_build_schedule_rejects_unknown_names_and_keys():
 def test_build_schedule_names_a_value_of_the_wrong_kind(spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         build_schedule(spec)
+
+
+def test_a_schedule_registered_must_be_a_dataclass_with_a_schedules_methods():
+    from dataclasses import dataclass
+
+    from nemo_jq.objectives.schedules import StepOnlyQ, register_q_schedule
+
+    with pytest.raises(TypeError, match="register a dataclass"):
+        register_q_schedule("not_a_dataclass")(type("Plain", (StepOnlyQ,), {"__call__": lambda self, step: 0.5}))
+    with pytest.raises(TypeError, match="lacks __call__ .subclass StepOnlyQ"):
+        register_q_schedule("no_call")(dataclass(type("NoCall", (StepOnlyQ,), {})))
+    with pytest.raises(TypeError, match="lacks observe, state_dict, load_state_dict"):
+        register_q_schedule("no_state")(dataclass(type("NoState", (), {"__call__": lambda self, step: 0.5})))
+    with pytest.raises(ValueError, match="q schedule 'linear' is already registered"):
+        register_q_schedule("linear")(dataclass(type("Mine", (StepOnlyQ,), {"__call__": lambda self, step: 0.5})))
