@@ -77,9 +77,11 @@ def world_size(path: str) -> int | None:
 
 
 def dry_run_workload(path: str, prompt_tokens: int) -> dict[str, dict[str, Any]]:
-    """The config's dry run on every GPU profile (simulated once, on :data:`SIMULATED_ON`)."""
+    """The config's dry run on every GPU profile (simulated once, on :data:`SIMULATED_ON`); the tiny demo model's
+    prompts as long as its context leaves beside the budgets (the dry run's choice), where ``prompt_tokens`` are more."""
     config = load_config(ROOT / path)
-    report = dry_run(config, GPUS[SIMULATED_ON], prompt_tokens=prompt_tokens, world_size=world_size(path))
+    report = dry_run(config, GPUS[SIMULATED_ON], prompt_tokens=prompt_tokens if config.model.path else None,
+                     world_size=world_size(path))
     return {name: report if name == SIMULATED_ON else on_gpu(report, config, gpu) for name, gpu in GPUS.items()}
 
 

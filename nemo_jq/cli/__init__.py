@@ -106,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """A GPU's (``torch.OutOfMemoryError``) or the host's (the CPU allocator's ``RuntimeError``) memory ran out."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(err)
+
+
 def user_error_message(err: BaseException) -> str | None:
     """One line for an error that ordinary bad input causes (None for a bug: its traceback is shown).
 
@@ -130,6 +138,11 @@ def user_error_message(err: BaseException) -> str | None:
         }
         reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err)).lower()
         return f"{reason}: {err.filename}" + (f"; {hints[err.errno]}" if err.errno in hints else "")
+    if out_of_memory(err):
+        said = str(err).strip().splitlines()[0][:240]
+        return (f"out of memory ({said}): lower what a step holds at once (rollout.kv_cache_tokens, "
+                "train.micro_batch_rows, eval.batch_size, eval.num_samples or rollout.num_samples); `nemo-jq dryrun "
+                "--config C.yaml` finds a run's peak, and the setting that shrinks it, before it starts")
     if isinstance(err, KeyError) and not (err.args and " " in str(err.args[0])):
         return None  # a bare key looked up and missing is a bug (the registries' KeyErrors are sentences)
     if isinstance(err, (ValueError, OSError, KeyError, distributed.OtherRankFailed)):

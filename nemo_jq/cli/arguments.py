@@ -17,6 +17,14 @@ def with_escapes(text: str) -> str:
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
+def path(text: str) -> Path:
+    """A path, a leading ``~`` the home folder: a shell leaves ``--out=~/x`` as it is (a folder named ``~`` was made)."""
+    return Path(text).expanduser()
+
+
+path.names_a_path = True  # a launch checks where it points from where its job runs (cluster.launch.check_job_paths)
+
+
 def positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")

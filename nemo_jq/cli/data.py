@@ -22,7 +22,7 @@ def add_parser(commands) -> None:
     prep.add_argument("--dataset", required=True, help="finqa, hotpotqa, musique or jsonl")
     prep.add_argument("--source", help="local file, folder of split files, or hub name (default: the paper's hub name)")
     prep.add_argument("--hub-config", help="hub dataset config (hotpotqa: distractor)")
-    prep.add_argument("--out", type=Path, required=True, help="a new folder (one that holds prepared data is refused)")
+    prep.add_argument("--out", type=arguments.path, required=True, help="a new folder (one that holds prepared data is refused)")
     prep.add_argument("--overwrite", action="store_true", help="if --out holds prepared data, move it aside to NAME.old-<time> first")
     prep.add_argument("--sizes", help="train,validation,test sizes (default: the paper's for its datasets)")
     prep.add_argument("--seed", type=arguments.seed, default=0)

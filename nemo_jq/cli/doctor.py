@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+
+from nemo_jq.cli import arguments
 
 
 def add_parser(commands) -> None:
@@ -13,7 +14,7 @@ def add_parser(commands) -> None:
     doctor.add_argument("--json", action="store_true")
     doctor.add_argument("--model", help="a Qwen3 size or HF config whose head size vLLM's CPU attention is asked about "
                         "(default: the demo's tiny model)")
-    doctor.add_argument("--config", type=Path, help="a run config: with rollout.placement=separate, say this rank's role")
+    doctor.add_argument("--config", type=arguments.path, help="a run config: with rollout.placement=separate, say this rank's role")
     doctor.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides of --config (e.g. "
                         "rollout.placement=separate rollout.ranks=8)")
     doctor.set_defaults(run=run)

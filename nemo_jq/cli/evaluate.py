@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from nemo_jq.cli import arguments
 
 
 def add_parser(commands) -> None:
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on a split")
-    evaluate.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
+    evaluate.add_argument("checkpoint", type=arguments.path, help="a checkpoint directory, or a run directory (its best checkpoint)")
     evaluate.add_argument("--split", default="test", choices=("train", "validation", "test"))
     evaluate.add_argument("--step", default="best", help=arguments.STEP_HELP)
     evaluate.add_argument("overrides", nargs="*", default=[],
@@ -31,15 +30,18 @@ def load(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.recipe.evaluation import Evaluator
     from nemo_jq.runtime import distributed
-    from nemo_jq.runtime.runs import write_evaluation
+    from nemo_jq.runtime.runs import evals_folder, sampled_with, write_evaluation
 
     loaded = load(args)
     selected = loaded.selected
+    evals_folder(selected.run_dir)  # before the evaluation, not after it
     noise = loaded.components.config.data.label_noise
     if args.split == "train" and noise and distributed.is_writer():
         print(f"nemo-jq: warning: the train split is scored against its labels as the run trained on them: "
               f"data.label_noise={noise:g} of them made wrong", file=sys.stderr)
-    report = {"split": args.split, **selected.describe(), **Evaluator(loaded.components).evaluate(args.split)}
+    config = loaded.components.config
+    report = {"split": args.split, **selected.describe(), **Evaluator(loaded.components).evaluate(args.split),
+              "sampled_with": sampled_with(config)}
     if distributed.is_writer():
         print(json.dumps(report, indent=2))
         written = write_evaluation(selected.run_dir, args.split, selected.step, report)

@@ -12,12 +12,12 @@ from nemo_jq.cli import arguments
 
 #: The options every experiment takes: (flags, argparse keywords).
 SHARED = [
-    (("--out",), dict(type=Path, help="a new folder for the runs (default: runs/noisy_cold_start, runs/escape_rates, "
+    (("--out",), dict(type=arguments.path, help="a new folder for the runs (default: runs/noisy_cold_start, runs/escape_rates, "
                       "runs/warm_start)")),
     (("--seeds",), dict(type=arguments.seed, nargs="+", help="default 0 1 2")),
     (("--quick",), dict(action="store_true", help="a few-second smoke size (not a result)")),
     (("--overwrite",), dict(action="store_true", help="if --out holds an experiment, move it aside first")),
-    (("--resume",), dict(type=Path, metavar="OUT", help="go on with the experiment a stop left in OUT, with the options "
+    (("--resume",), dict(type=arguments.path, metavar="OUT", help="go on with the experiment a stop left in OUT, with the options "
                          "it started with: its finished runs are kept, the stopped one continues from its checkpoint")),
 ]
 #: The seeds an experiment runs unless ``--seeds`` says.

@@ -11,8 +11,8 @@ from nemo_jq.cli.evaluate import load
 
 def add_parser(commands) -> None:
     export = commands.add_parser("export", help="export a checkpoint to an HF folder")
-    export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its best checkpoint)")
-    export.add_argument("--out", type=Path, required=True)
+    export.add_argument("checkpoint", type=arguments.path, help="a checkpoint directory, or a run directory (its best checkpoint)")
+    export.add_argument("--out", type=arguments.path, required=True)
     export.add_argument("--step", default="best", help=arguments.STEP_HELP)
     export.add_argument("overrides", nargs="*", default=[], help="where it runs, e.g. train.device=cpu (a run trained on a GPU)")
     export.set_defaults(run=run)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from nemo_jq.cli import arguments
 
@@ -17,7 +16,7 @@ def add_parser(commands) -> None:
                     "rollout.max_thinking_tokens and max_answer_tokens (overrides change them); --answer gives the\n"
                     "reference answer, so each sample is scored by the task's rule, as training rewards it.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    generate.add_argument("checkpoint", type=Path, help="a run directory (its best checkpoint) or a checkpoint directory")
+    generate.add_argument("checkpoint", type=arguments.path, help="a run directory (its best checkpoint) or a checkpoint directory")
     generate.add_argument("question", help="the question, as the run's task states its questions")
     generate.add_argument("--context", default="", help="the passage a question is asked about (HotPotQA, MuSiQue, FinQA)")
     generate.add_argument("--answer", help="the reference answer: each sample is then marked correct or not")
@@ -34,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jq.cli.evaluate import load
     from nemo_jq.data import Example
     from nemo_jq.models.common import new_generator
+    from nemo_jq.recipe.components import check_prompt_lengths, resolve_model_dir
     from nemo_jq.recipe.evaluation import shown_samples
 
     if not args.question.strip():
@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if args.context and parts.prompt_ids([example]) == parts.prompt_ids([Example("generate", args.question, answer)]):
         raise ValueError(f"--context: this run's task (data.name={parts.config.data.name}) puts no passage in its "
                          "prompts, so the model would never see it: drop --context")
+    check_prompt_lengths(parts.config, resolve_model_dir(parts.config.model.path), parts.task, parts.chat,
+                         [("the question", example)],
+                         "shorten the question (or --context), or lower rollout.max_thinking_tokens")
     generator = new_generator(parts.device).manual_seed(args.seed)
     [group] = parts.engine.generate(parts.prompt_ids([example]), args.samples, sample_answers=True, generator=generator,
                                     greedy=args.greedy, routes=False)

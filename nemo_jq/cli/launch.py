@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from pathlib import Path
 from typing import Any
+
+from nemo_jq.cli import arguments
 
 
 def add_parser(commands) -> None:
@@ -17,7 +18,7 @@ def add_parser(commands) -> None:
         "job_dir, signal, master_port, exclusive, mem, cpus_per_task. The command's words are read by its own\n"
         "parser here, before anything is queued. Needs the launch extra.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    launcher.add_argument("launch_config", type=Path, help="launch YAML")
+    launcher.add_argument("launch_config", type=arguments.path, help="launch YAML")
     launcher.add_argument("--dryrun", action="store_true",
                           help="show what would be submitted (SLURM: the sbatch script) and write nothing; before the command")
     launcher.add_argument("launched", nargs=argparse.REMAINDER, help="a nemo-jq command and its arguments")
@@ -33,7 +34,7 @@ def path_options(parser: argparse.ArgumentParser, arguments: argparse.Namespace)
         if isinstance(action, argparse._SubParsersAction):
             chosen = action.choices.get(getattr(arguments, action.dest, None))
             paths.update(path_options(chosen, arguments) if chosen is not None else {})
-        elif action.type is Path or getattr(action.type, "names_a_path", False):
+        elif getattr(action.type, "names_a_path", False):
             paths[action.option_strings[0] if action.option_strings else action.dest] = getattr(arguments, action.dest)
         elif action.option_strings == ["--source"]:
             paths["--source"] = getattr(arguments, action.dest)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from nemo_jq.cli import arguments
 
@@ -39,7 +38,7 @@ def add_parser(commands) -> None:
         "give the run's time and GPU-hours",
         description="nemo-jq plan --model 8b --gpus-per-node 8 --nodes 2 --gpu-memory 80",
         epilog=assumptions(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    planner.add_argument("--config", type=Path, help="read the workload from a run config (model, micro-batch in the "
+    planner.add_argument("--config", type=arguments.path, help="read the workload from a run config (model, micro-batch in the "
                          "trainer's units, M, budgets, backend, engine, optimizer mode); key=value overrides as train takes")
     planner.add_argument("--prompt-tokens", type=arguments.positive,
                          help="with --config: the longest prompt the data holds, in tokens (default 1024)")

@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from nemo_jq.cli import arguments
+
 
 def add_parser(commands) -> None:
     report = commands.add_parser(
         "report", help="tables (mean and 95%% t-interval over seeds) and curves from finished runs or sweeps",
         description="nemo-jq report runs/q_sweep [runs/other_run ...] --csv table.csv --json table.json --figures figs/")
-    report.add_argument("paths", nargs="+", type=Path, help="run folders, sweep folders, or folders of runs")
-    report.add_argument("--csv", type=Path, help="also write the table as CSV here")
-    report.add_argument("--json", type=Path, help="also write the table, the runs read and those unfinished as JSON here")
-    report.add_argument("--figures", type=Path, help="write the curves here, one figure per dataset")
+    report.add_argument("paths", nargs="+", type=arguments.path, help="run folders, sweep folders, or folders of runs")
+    report.add_argument("--csv", type=arguments.path, help="also write the table as CSV here")
+    report.add_argument("--json", type=arguments.path, help="also write the table, the runs read and those unfinished as JSON here")
+    report.add_argument("--figures", type=arguments.path, help="write the curves here, one figure per dataset")
     report.set_defaults(run=run)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from nemo_jq.cli import arguments
 
@@ -33,11 +32,11 @@ def add_parser(commands) -> None:
                     "a task unless --sbatch says otherwise), each task `nemo-jq sweep --task DIR`: its run, requeued\n"
                     "after the time-limit signal; `nemo-jq report DIR` once they have finished.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    sweep.add_argument("--out", type=Path, help="a new folder for the sweep")
+    sweep.add_argument("--out", type=arguments.path, help="a new folder for the sweep")
     sweep.add_argument("--config", nargs="+", default=[], help="run configs (YAML), each a point of the grid "
                        "(default: the embedded defaults)")
     sweep.add_argument("--seeds", type=seeds, help="train.seed values, e.g. 0,1,2 (default: each config's own)")
-    sweep.add_argument("--resume", type=Path, metavar="SWEEP_DIR", help="continue a sweep: its finished runs are kept, "
+    sweep.add_argument("--resume", type=arguments.path, metavar="SWEEP_DIR", help="continue a sweep: its finished runs are kept, "
                        "stopped ones continue from their checkpoints, the others start")
     sweep.add_argument("--parallel", type=arguments.positive, help="runs at once on this machine (default 1; with "
                        "--resume, what the sweep was started with)")
@@ -48,7 +47,7 @@ def add_parser(commands) -> None:
                        "of running them here")
     sweep.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="an sbatch option for --slurm "
                        "(repeatable; e.g. --sbatch=--time=08:00:00 --sbatch=--partition=gpu)")
-    sweep.add_argument("--task", type=Path, metavar="SWEEP_DIR", help="run one run of the sweep here, in this process: "
+    sweep.add_argument("--task", type=arguments.path, metavar="SWEEP_DIR", help="run one run of the sweep here, in this process: "
                        "the one --index names, else $SLURM_ARRAY_TASK_ID's (what each array task of --slurm runs)")
     sweep.add_argument("--index", type=int, help="with --task: the run's place in sweep.json's runs, from 0")
     sweep.add_argument("overrides", nargs="*", default=[], help="section.key=value (the same for every run) or section.key=a,b,c "

@@ -10,7 +10,7 @@ from nemo_jq.cli import arguments
 
 def add_parser(commands) -> None:
     theory = commands.add_parser("theory", help="print the paper's stylised results and plot escape times")
-    theory.add_argument("--out", type=Path, default=Path("runs/theory"), help="directory for theory.json and escape_time.png")
+    theory.add_argument("--out", type=arguments.path, default=Path("runs/theory"), help="directory for theory.json and escape_time.png")
     theory.set_defaults(run=run)
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+
+from nemo_jq.cli import arguments
 
 
 def add_parser(commands) -> None:
@@ -21,8 +22,8 @@ def add_parser(commands) -> None:
         epilog="config keys (section.key = default; allowed values; meaning):\n" + describe_keys(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("--config", type=Path, help="YAML config (defaults: the embedded CPU demo settings)")
-    train.add_argument("--resume", type=Path, metavar="RUN_DIR",
+    train.add_argument("--config", type=arguments.path, help="YAML config (defaults: the embedded CPU demo settings)")
+    train.add_argument("--resume", type=arguments.path, metavar="RUN_DIR",
                        help="continue a run from its latest checkpoint; overrides may change only how long it runs, "
                             "how it is evaluated and saved (train.epochs, train.max_steps, eval.every, eval.batch_size, ...; "
                             "not eval.num_samples, the k that picks its best checkpoint) and the megatron "
@@ -34,7 +35,7 @@ def add_parser(commands) -> None:
                             "this run; after SIGUSR1 (SLURM's signal before the time limit) write a checkpoint and exit "
                             "with 75, on which the launchers' batch scripts requeue the job from the host (docs/cluster.md: "
                             "the lines for a batch script of your own); SIGTERM (scancel) checkpoints and ends the run")
-    train.add_argument("--demo-dir", type=Path, help="the folder of the no-argument demo (default runs/cold_start; "
+    train.add_argument("--demo-dir", type=arguments.path, help="the folder of the no-argument demo (default runs/cold_start; "
                        "--quick: runs/cold_start_quick); "
                        "key=value overrides given with it apply to each of the demo's runs")
     train.add_argument("--quick", action="store_true", help="the demo in about a minute (one epoch, 32 "

@@ -11,6 +11,7 @@ import torch
 
 from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.common import WEIGHTS_FILE, quiet_weight_files
+from nemo_jq.runtime.monitor import read_json_file
 from nemo_jq.typed import first_few
 
 #: Marks a folder as written by ``HFPolicy.export`` and lists its files, so a later export may replace them.
@@ -33,7 +34,7 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
     if not present:
         return []
     marker = out_dir / EXPORT_MARKER
-    earlier = [EXPORT_MARKER, *json.loads(marker.read_text())["files"]] if marker.is_file() else []
+    earlier = [EXPORT_MARKER, *read_marker(marker)["files"]] if marker.is_file() else []
     if not present <= set(earlier):
         foreign = sorted(present - set(earlier))
         raise ValueError(f"export target {out_dir} holds files that are not from an earlier export ({first_few(foreign)}): "
@@ -41,11 +42,18 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
     return earlier
 
 
+def read_marker(marker: Path) -> dict[str, Any]:
+    """An export's marker file; one edited or cut short is one line naming it (the export's files are not known)."""
+    return read_json_file(marker, "an export's record", lambda value: None if isinstance(value.get("files"), list) and all(
+        isinstance(name, str) for name in value["files"]) else "no list of its files", "remove the folder's files by hand "
+        "(what it holds is no longer known to be an export's), or choose another --out")
+
+
 def record_source(out_dir: Path, source: dict[str, Any], written: list[str] = ()) -> None:
     """Add where an export's weights come from (run, checkpoint, step, why that one) to its marker file, and the files
     ``written`` into the export after it (its model card), so that the next export over it replaces them too."""
     marker = Path(out_dir) / EXPORT_MARKER
-    recorded = json.loads(marker.read_text())
+    recorded = read_marker(marker)
     recorded["files"] = sorted({*recorded["files"], *written})
     marker.write_text(json.dumps({**recorded, "source": source}, indent=2) + "\n")
     make_readable(Path(out_dir))

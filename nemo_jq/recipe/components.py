@@ -44,6 +44,7 @@ from nemo_jq.runtime.runs import (
     Selected,
     at_home,
     check_splits,
+    check_trained_with,
     claim_run_dir,
     refuse_overrides,
     select_checkpoint,
@@ -153,7 +154,10 @@ def _prepare(config: Config, tokenizer_dir: Path | None) -> tuple[Task, Splits, 
     model_dir = resolve_model_dir(config.model.path)
     tokenizer = load_tokenizer(config, model_dir, task, splits, tokenizer_dir)
     chat = ChatFormat(tokenizer)
-    check_prompt_lengths(config, model_dir, task, splits, chat)
+    check_prompt_lengths(config, model_dir, task, chat, [(f"{name} example {e.id!r}", e) for name in ("train", "validation", "test")
+                                                      for e in splits.get(name)],
+                         "shorten or drop that row (`nemo-jq data prepare` drops rows over its character cap), lower "
+                         "rollout.max_thinking_tokens" + (", or raise model.tiny.max_position_embeddings" if model_dir is None else ""))
     return task, splits, model_dir, chat
 
 
@@ -243,16 +247,17 @@ def load_tokenizer(config: Config, model_dir: Path | None, task: Task, splits: S
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_prompt_lengths(config: Config, model_dir: Path | None, task: Task, splits: Splits, chat: ChatFormat) -> None:
-    """Every prompt, with the thinking budget and its answer, fits the model's context (``max_position_embeddings``):
-    one that does not is a ``ValueError`` naming its example, before any model is built. A prompt short enough in
-    UTF-8 bytes (a token is at least one) is passed without tokenizing it."""
+def check_prompt_lengths(config: Config, model_dir: Path | None, task: Task, chat: ChatFormat,
+                         examples: list[tuple[str, Example]], fix: str) -> None:
+    """Every prompt of ``examples`` (each with its label: "train example 'x'"), with the thinking budget and its
+    answer, fits the model's context (``max_position_embeddings``): one that does not is a ``ValueError`` naming it
+    and ``fix``, before any model is built (or samples). A prompt short enough in UTF-8 bytes
+    (a token is at least one) is passed without tokenizing it."""
     if model_dir is None:
         context, where = config.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
     else:
         context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
         where = f"max_position_embeddings in {model_dir / 'config.json'}"
-    examples = [(name, e) for name in ("train", "validation", "test") for e in splits.get(name)]
     if not context or not examples:
         return
     rollout, form = config.rollout, config.data.format
@@ -263,7 +268,7 @@ def check_prompt_lengths(config: Config, model_dir: Path | None, task: Task, spl
                          f"model's context of {context} tokens ({where}): lower rollout.max_thinking_tokens")
     blank = [{**m, "content": ""} if m["role"] == "user" else m for m in task.messages(examples[0][1], form)]
     overhead = len(chat.prompt_ids(blank)) + 8  # the template's tokens, and a few where the text meets them
-    for split, example in examples:
+    for label, example in examples:
         messages = task.messages(example, form)
         user = sum(len(m["content"].encode()) for m in messages if m["role"] == "user")
         if overhead + user + max(rollout.max_answer_tokens, len(example.answer.encode()) + 4) <= room:
@@ -271,11 +276,9 @@ def check_prompt_lengths(config: Config, model_dir: Path | None, task: Task, spl
         prompt = len(chat.prompt_ids(messages))
         answer = max(rollout.max_answer_tokens, len(chat.answer_ids(example.answer)))
         if prompt + answer > room:
-            raise ValueError(f"{split} example {example.id!r}: its prompt is {prompt} tokens, which with its answer "
+            raise ValueError(f"{label}: its prompt is {prompt} tokens, which with its answer "
                              f"({answer}) and rollout.max_thinking_tokens={rollout.max_thinking_tokens} is beyond the "
-                             f"model's context of {context} tokens ({where}): shorten or drop that row (`nemo-jq data "
-                             "prepare` drops rows over its character cap), lower rollout.max_thinking_tokens"
-                             + (", or raise model.tiny.max_position_embeddings" if model_dir is None else ""))
+                             f"model's context of {context} tokens ({where}): {fix}")
 
 
 def load_model(config: Config, model_dir: Path | None, vocab_size: int) -> Any:
@@ -340,6 +343,7 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), 
     selected = select_checkpoint(path, which)
     run_dir = selected.run_dir
     config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir)
+    check_trained_with(config, selected.checkpoint, INFERENCE_KEYS[command])
     device = distributed.init_from_env(resolve_device(config.train.device),
                                       timedelta(minutes=config.train.collective_timeout_minutes))
     components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)

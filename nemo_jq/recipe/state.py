@@ -164,6 +164,7 @@ def restore_loop(saved: dict[str, Any], rng: dict[str, Any], course: Course, obj
     """Restore what :func:`loop_checkpoint` saved into the loop's parts; the run's :class:`TrainState`."""
     saved = dict(saved)
     schedule_state, guard_state = saved.pop("schedule"), saved.pop("guard", None)
+    saved.pop("config", None)  # what the run trained with: runs.check_trained_with reads it
     state = TrainState.from_json(saved, course)
     if best_step_of(saved) is None:  # saved before the rule: a best validation of 0 is no best
         state.best_step = state.best_metric = None

@@ -37,6 +37,11 @@ from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, open_for_resume, run
 from nemo_jq.runtime.tracking import open_trackers
 
 
+def _keys(words: list[str]) -> str:
+    """The keys of ``key=value`` words, joined by "and"."""
+    return " and ".join(word.partition("=")[0] for word in words)
+
+
 class Trainer:
     """One run in one directory. A new run refuses a directory that already holds one (see
     :func:`~nemo_jq.runtime.runs.claim_run_dir`); :meth:`resume` reopens its own with ``existing=True``."""
@@ -95,9 +100,9 @@ class Trainer:
         trainer = cls(config, run_dir=run_dir, existing=True, rows_for=rows_for)
         step = read_state(checkpoint)["step"]  # checked before the weights and optimizer state load
         if trainer.server is None and step > trainer.total_steps:  # it would end where it is, past them
-            limit, key, raised = trainer._limit(step)
-            raise ConfigError(f"{trainer.run_dir}: the run is at step {step}, beyond {limit}: raise {key} to go past "
-                              f"step {step} (e.g. --resume {trainer.run_dir} {key}={raised})")
+            limits, raised = trainer._limits(step)
+            raise ConfigError(f"{trainer.run_dir}: the run is at step {step}, at or past {limits}: raise "
+                              f"{_keys(raised)} to go past step {step} (e.g. --resume {trainer.run_dir} {' '.join(raised)})")
         trainer.restore(checkpoint)
         trainer.resumed_with = list(overrides)
         return trainer
@@ -117,18 +122,22 @@ class Trainer:
         left, or its end's evaluation is not written for this step, which resuming then does)."""
         if self.state.step < self.total_steps or not runs.results_current(self.run_dir, self.state.step):
             return None
-        limit, key, raised = self._limit(self.state.step)
-        return (f"{self.run_dir}: the run finished {limit} and has nothing left to train; raise {key} (e.g. --resume "
-                f"{self.run_dir} {key}={raised})")
+        limits, raised = self._limits(self.state.step)
+        return (f"{self.run_dir}: the run finished {limits} and has nothing left to train; raise {_keys(raised)} (e.g. "
+                f"--resume {self.run_dir} {' '.join(raised)})")
 
-    def _limit(self, step: int) -> tuple[str, str, int]:
-        """The limit ``step`` has reached, in words; its key; and a value of it that leaves steps to train."""
+    def _limits(self, step: int) -> tuple[str, list[str]]:
+        """The limits ``step`` has reached (``train.max_steps``, the epochs' steps, or both), in words; and the
+        ``key=value`` words that raise them past it."""
         train, epochs_steps = self.config.train, self.epochs_steps
-        if step >= epochs_steps:
-            per_epoch = epochs_steps // train.epochs
-            return (f"its {train.epochs} epoch{'s' * (train.epochs != 1)} ({epochs_steps} steps)", "train.epochs",
-                    2 * math.ceil(step / per_epoch))
-        return f"its train.max_steps={train.max_steps} steps", "train.max_steps", min(epochs_steps, 2 * step)
+        limits, raised = [], []
+        if train.max_steps is not None and train.max_steps <= step:
+            limits.append(f"its train.max_steps={train.max_steps} steps")
+            raised.append(f"train.max_steps={min(epochs_steps, 2 * step) if epochs_steps > step else 2 * step}")
+        if epochs_steps <= step:
+            limits.append(f"its {train.epochs} epoch{'s' * (train.epochs != 1)} ({epochs_steps} steps)")
+            raised.append(f"train.epochs={2 * math.ceil(step / (epochs_steps // train.epochs))}")
+        return " and ".join(limits), raised
 
     # ----------------------------------------------------------------- train
     def fit(self, max_steps: int | None = None, stop: StopSignals | None = None,
@@ -307,6 +316,7 @@ class Trainer:
     def save(self) -> Path:
         """A checkpoint of the run; one step off, it carries the next step's experience (waited for)."""
         state, rng = loop_checkpoint(self.state, self.objective, self.guard, self.random, self.ahead)
+        state["config"] = runs.config_record(self.config)  # what a resume or an evaluation holds config.yaml to
         root = self.run_dir / CHECKPOINT_DIR
         distributed.everywhere(lambda: self._stop_if_diverged(self.state.step, *runs.nonfinite_weights(self.policy)))
         path = save_checkpoint(root, self.state.step, self.policy, state, rng, written=self.saved_step == self.state.step)

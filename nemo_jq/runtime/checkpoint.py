@@ -62,10 +62,14 @@ def other_checkpoints(root: Path, but: str | None = None) -> str | None:
 
 
 def require_files(directory: Path, names: Sequence[str]) -> None:
-    """Raise ``FileNotFoundError`` naming every file of ``names`` that ``directory`` lacks."""
-    missing = [name for name in names if not (Path(directory) / name).exists()]
+    """Raise ``FileNotFoundError`` naming every file of ``names`` that ``directory`` lacks (all of them: the folder is
+    gone), and the run's other checkpoints to take instead."""
+    directory = Path(directory)
+    missing = [name for name in names if not (directory / name).exists()]
     if missing:
-        raise FileNotFoundError(f"checkpoint {directory} is missing {', '.join(missing)}")
+        what = "is gone" if not directory.exists() else f"is missing {', '.join(missing)}"
+        fix = other_checkpoints(directory.parent, but=directory.name) or "the run holds no other: restore it from a copy"
+        raise FileNotFoundError(f"checkpoint {directory} {what}: {fix}")
 
 
 def save_checkpoint(root: Path, step: int, policy: Checkpointed, state: dict[str, Any], rng: dict[str, Any], *,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from nemo_jq.config import Config, ConfigError, current_key, load_config, save_config
+from nemo_jq.config import PATH_KEYS, Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
 from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, plot_runs, read_metrics
@@ -320,7 +320,42 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (its start failed before the first): "
                                 f"start it again with its command (train.run_dir={run_dir}, no --resume); this start is "
                                 "moved aside")
-    return at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir), checkpoint
+    state = read_state(checkpoint)
+    if (best := best_step_of(state)) is not None:  # the run's end tests it: gone, the whole resume trains in vain
+        require_best(run_dir / CHECKPOINT_DIR, best, f"validation {state['best_metric']:g}, which the run's end tests",
+                     f"evaluate the checkpoints still there (`nemo-jq eval {run_dir} --step N`)")
+    config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir)
+    check_trained_with(config, checkpoint, ())
+    return config, checkpoint
+
+
+#: Keys whose value may differ from the one a checkpoint recorded without the run being another: where it and what it
+#: reads are (a run or its data moved; the splits' digests, ``splits.json``, hold the data to what it trained on).
+MOVABLE_KEYS = ("train.run_dir", *(f"{section}.{key}" for section, key in PATH_KEYS), "plugins")
+
+
+def config_record(config: Config) -> dict[str, Any]:
+    """What a checkpoint records of the config it was trained with (:func:`check_trained_with`): all of it, as JSON."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def check_trained_with(config: Config, checkpoint: Path, allowed: tuple[str, ...]) -> None:
+    """``config`` (the run's ``config.yaml``, with a command's overrides) holds what the checkpoint's run trained with,
+    but for the ``allowed`` keys, :data:`MOVABLE_KEYS` and :data:`RESUMABLE_KEYS` (a resume since rewrote them); else
+    one line naming the first key that differs (an edited config.yaml resumed another q without a word, and another
+    model's shape failed in a traceback). A checkpoint saved before checkpoints recorded it is not checked."""
+    recorded = read_state(checkpoint).get("config")
+    if not isinstance(recorded, dict):
+        return
+    now = config_record(config)
+    differing = [key for key in _differences(recorded, now) if key not in {*allowed, *RESUMABLE_KEYS, *MOVABLE_KEYS}]
+    if differing:
+        key, more = differing[0], len(differing) - 1
+        run_dir = Path(config.train.run_dir)
+        raise ConfigError(f"{run_dir / CONFIG_FILE} says {key}={_shown(_value_at(now, key))}, but its checkpoint "
+                          f"{checkpoint.name} was trained with {key}={_shown(_value_at(recorded, key))}"
+                          f"{f' (and {more} more key' + 's' * (more > 1) + ')' if more else ''}: a run's config.yaml "
+                          "holds what it trained with; put it back (a run of other settings is a new run)")
 
 
 def refuse_overrides(overrides: list[str] | tuple[str, ...], allowed: tuple[str, ...], command: str, why: str) -> None:
@@ -369,6 +404,11 @@ def moved_with(path: Path, saved: Path, now: Path) -> Path | None:
         return None
     base = Path(*now.parts[:-len(inner)])
     return None if base == common.absolute() else base / path.relative_to(common)
+
+
+def _shown(value: Any) -> str:
+    """A config value as a ``key=value`` word spells it."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def holds_this_run(config: Config) -> tuple[str, list[str]]:
@@ -443,20 +483,21 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
         raise FileNotFoundError(f"{path} does not exist (neither a checkpoint nor a run directory is there): give the "
                                 f"run's directory (its train.run_dir) or a checkpoint in it (RUN/{CHECKPOINT_DIR}/step_N)")
     if not (path / CONFIG_FILE).exists():
-        raise FileNotFoundError(f"{path} is neither a checkpoint (no {STATE}) nor a run directory (no {CONFIG_FILE})")
+        what = "a file" if path.is_file() else f"neither a checkpoint (no {STATE}) nor a run directory (no {CONFIG_FILE})"
+        raise FileNotFoundError(f"{path} is {what}{nearest_run(path)}")
     root = path / CHECKPOINT_DIR
-    latest = latest_checkpoint(root)
-    if latest is None:
-        raise FileNotFoundError(f"run {path} has no checkpoint yet (a run saves one every train.save_every steps, and "
-                                "when it stops): let it train until it saves one, or, if its start failed, start it "
-                                f"again with its command (train.run_dir={path}; the failed start is moved aside)")
     saved = saved_steps(root)
-    if which not in ("best", "latest"):
+    if which not in ("best", "latest") and saved:  # a step asked for: whatever ``latest`` says
         step = int(which) if which.isdigit() else None
         if step not in saved:
             raise ValueError(f"--step {which}: {path} has checkpoints at steps {', '.join(map(str, saved))} (or use best, "
                              "latest)")
         return Selected(path, root / step_dir_name(step), step, f"step {step}, as asked")
+    latest = latest_checkpoint(root)
+    if latest is None:
+        raise FileNotFoundError(f"run {path} has no checkpoint yet (a run saves one every train.save_every steps, and "
+                                "when it stops): let it train until it saves one, or, if its start failed, start it "
+                                f"again with its command (train.run_dir={path}; the failed start is moved aside)")
     state = read_state(latest)
     if which == "latest":
         return Selected(path, latest, state["step"], "the latest")
@@ -466,6 +507,7 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
         validated = any(record["kind"] == "validation" for record in read_metrics(path))
         return Selected(path, latest, state["step"], f"the latest (no validation {key} rose above 0)" if validated
                         else "the latest (the run has no validation yet)")
+    require_best(root, best, f"validation {key} {state['best_metric']:g}", "give --step latest or --step N")
     tied = [r["step"] for r in read_metrics(path) if r["kind"] == "validation" and r["step"] != best
             and r.get(key) == state["best_metric"] and r["step"] in saved]
     why = f"the best validation {key} ({state['best_metric']:g})"
@@ -475,10 +517,36 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
     return Selected(path, root / step_dir_name(best), best, why)
 
 
+def require_best(root: Path, best: int, metric: str, fix: str) -> None:
+    """The best checkpoint (step ``best``, its ``metric`` in words) is complete under ``root``; else one line with
+    ``fix`` and the run's other checkpoints."""
+    folder = root / step_dir_name(best)
+    if not (folder / STATE).exists():
+        others = f" (its checkpoints: steps {', '.join(map(str, saved_steps(root)))})" if saved_steps(root) else ""
+        raise FileNotFoundError(f"the run's best checkpoint, step {best} ({metric}), is {'incomplete' if folder.exists() else 'gone'}"
+                                f" ({folder}): restore it from a copy of the run, or {fix}{others}")
+
+
+def sampled_with(config: Config) -> dict[str, Any]:
+    """How an evaluation sampled (``eval.num_samples`` and :data:`SAMPLING_KEYS`, overrides included): two reports of
+    one checkpoint at other settings are told apart."""
+    tree = dataclasses.asdict(config)
+    return {key: _value_at(tree, key) for key in ("eval.num_samples", *SAMPLING_KEYS)}
+
+
+def evals_folder(run_dir: Path) -> Path:
+    """``RUN_DIR/evals``, made if missing; a file in its place is one line."""
+    folder = Path(run_dir) / EVALS_DIR
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"{folder} is a file: `nemo-jq eval` writes its reports into that folder; move the file "
+                              "away")
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 def write_evaluation(run_dir: Path, split: str, step: int, report: dict[str, Any]) -> Path:
     """``RUN_DIR/evals/<split>-step_N.json`` (``-2``, ``-3``, ... beside an earlier one, which is kept)."""
-    folder = run_dir / EVALS_DIR
-    folder.mkdir(exist_ok=True)
+    folder = evals_folder(run_dir)
     name, index = f"{split}-{step_dir_name(step)}", 1
     while (path := folder / (f"{name}.json" if index == 1 else f"{name}-{index}.json")).exists():
         index += 1

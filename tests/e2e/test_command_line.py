@@ -100,6 +100,10 @@ def test_a_misspelt_key_a_closed_pipe_a_file_as_run_directory_and_a_failed_start
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=42")
     one_line_error(code, err, "the run finished its 1 epoch (6 steps) and has nothing left to train; raise train.epochs")
     assert (run_dir / "results.json").read_text() == results
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")  # both limits: both named
+    one_line_error(code, err, "the run is at step 6, at or past its train.max_steps=3 steps and its 1 epoch (6 steps): "
+                   f"raise train.max_steps and train.epochs to go past step 6 (e.g. --resume {run_dir} "
+                   "train.max_steps=12 train.epochs=2)")
 
     plan = subprocess.Popen(f"{sys.executable} -m nemo_jq.cli plan --model 8b --gpus-per-node 8 --nodes 2 | head -1",
                             shell=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -452,11 +452,16 @@ def test_a_resume_never_ends_a_run_below_its_step_nor_trains_another_objective_t
     run_dir = tmp_path / "run"
     Trainer(load_config(None, [*QUICK, "train.max_steps=4", f"train.run_dir={run_dir}"])).fit(max_steps=2)
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=1")
-    one_line_error(code, err, "the run is at step 2, beyond its train.max_steps=1 steps: raise train.max_steps to go "
+    one_line_error(code, err, "the run is at step 2, at or past its train.max_steps=1 steps: raise train.max_steps to go "
                    f"past step 2 (e.g. --resume {run_dir} train.max_steps=4)")
     config = run_dir / "config.yaml"
     saved = config.read_text()
     config.write_text(saved.replace("name: garl", "name: paft"))
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir)
+    one_line_error(code, err, f"{config} says objective.name=paft, but its checkpoint step_00000002 was trained with "
+                              "objective.name=garl: a run's config.yaml holds what it trained with; put it back")
+    state = run_dir / "checkpoints" / "step_00000002" / "state.json"  # a checkpoint from before they recorded their config
+    state.write_text(json.dumps({key: value for key, value in json.loads(state.read_text()).items() if key != "config"}))
     code, _, err = run_cli(capsys, "train", "--resume", run_dir)
     one_line_error(code, err, f"{config} says objective.name=paft, but its checkpoint", "trains garl",
                    "put objective.name=garl back")

@@ -2,6 +2,7 @@
 
 import errno
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -304,6 +305,12 @@ def test_export_onto_an_existing_file_is_one_line(tmp_path, capsys):
     code, _, err = run_cli(capsys, "export", run_dir, "--out", target)
     one_line_error(code, err, str(target), "choose another --out")
     assert target.read_text() == "mine"
+    out = tmp_path / "exported"
+    assert run_cli(capsys, "export", run_dir, "--out", out)[0] == 0
+    (out / "nemo_jq_export.json").write_text("{bad")  # an edit, a copy cut short: which files are the export's?
+    code, _, err = run_cli(capsys, "export", run_dir, "--out", out)
+    one_line_error(code, err, f"{out / 'nemo_jq_export.json'} is not an export's record (not JSON", "choose another --out")
+    assert (out / "model.safetensors").exists()
 
 
 def test_eval_generate_and_export_take_only_overrides_of_how_they_sample_and_where_they_run(tmp_path, capsys):
@@ -338,6 +345,10 @@ def test_generate_refuses_a_question_or_answer_no_sample_could_be_scored_against
     assert code == 0 and json.loads(out)["reference"] == "12"
     code, _, err = run_cli(capsys, "generate", run_dir, "3+4+5", "--context", "a passage")  # the synthetic task's
     one_line_error(code, err, "data.name=synthetic) puts no passage in its prompts", "drop --context")
+    code, _, err = run_cli(capsys, "generate", run_dir, "1+" * 400 + "1")  # it sampled past the context, unsaid
+    one_line_error(code, err, "the question: its prompt is", "beyond the model's context of 512 tokens "
+                   "(model.tiny.max_position_embeddings): shorten the question (or --context), or lower "
+                   "rollout.max_thinking_tokens")
 
 
 def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp_path, capsys):
@@ -572,6 +583,8 @@ def test_a_lost_or_dangling_latest_names_the_complete_checkpoints_and_never_move
     code, _, err = run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")
     one_line_error(code, err, f"{run_dir} already holds a run", "--resume")
     assert not list(tmp_path.glob("run.old-*"))
+    code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "1")  # as the line advises
+    assert code == 0 and json.loads(out)["step"] == 1
     shutil.rmtree(root / "step_00000002")
     (root / "latest").write_text("step_00000002")
     code, _, err = run_cli(capsys, "eval", run_dir)
@@ -611,3 +624,75 @@ def test_a_home_folder_is_read_as_a_shell_reads_it_and_a_folder_that_is_no_run_i
         code, _, err = run_cli(capsys, "train", "--resume", folder)
         one_line_error(code, err, f"{folder} is not a run directory: no config.yaml", said)
     one_line_error(*run_cli(capsys, "report", tmp_path / "missing")[::2], "missing does not exist: give run folders")
+    for command in (["eval", tmp_path / "sweep"], ["export", run / "config.yaml", "--out", tmp_path / "x"]):
+        code, _, err = run_cli(capsys, *command)  # as --resume places them
+        one_line_error(code, err, f"it holds runs ({run}): give one of them" if command[0] == "eval" else
+                       f"config.yaml is a file; it is inside the run {run}: give that")
+    monkeypatch.chdir(tmp_path)  # `--out=~/x`, one word: a shell leaves its ~ as it is
+    assert run_cli(capsys, "export", run, "--out=~/exported")[0] == 0
+    assert (tmp_path / "home" / "exported" / "model.safetensors").exists() and not (tmp_path / "~").exists()
+
+
+def test_a_config_yaml_edited_since_its_checkpoints_or_a_lost_best_checkpoint_is_refused_before_anything_runs(tmp_path, capsys):
+    """A checkpoint records the config it was trained with: an edited config.yaml resumed another q without a word,
+    and evaluated another model's shape into a traceback. A best checkpoint deleted by hand (its end tests it) let a
+    resume train every step before failing, and again on every resume."""
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")[0] == 0
+    config = run_dir / "config.yaml"
+    saved = config.read_text()
+    config.write_text(saved.replace("  q: 0.75\n", "  q: 0.1\n"))
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")
+    one_line_error(code, err, f"{config} says objective.q=0.1, but its checkpoint step_00000002 was trained with "
+                              "objective.q=0.75: a run's config.yaml holds what it trained with; put it back")
+    config.write_text(saved.replace("hidden_size: 32", "hidden_size: 64"))
+    code, _, err = run_cli(capsys, "eval", run_dir)
+    one_line_error(code, err, "says model.tiny.hidden_size=64, but its checkpoint step_00000002 was trained with "
+                              "model.tiny.hidden_size=32")
+    config.write_text(saved.replace("max_steps: 2", "max_steps: 3"))  # a key a resume may change, changed by hand
+    code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation", "rollout.temperature=0.5")
+    assert code == 0 and json.loads(out)["step"] == 2
+    sampled = json.loads(out)["sampled_with"]  # how it sampled: two reports of a checkpoint told apart
+    assert (sampled["rollout.temperature"], sampled["eval.num_samples"], sampled["rollout.max_thinking_tokens"]) == (0.5, 4, 3)
+    config.write_text(saved)
+    latest = run_dir / "checkpoints" / "step_00000002" / "state.json"
+    latest.write_text(json.dumps({**json.loads(latest.read_text()), "best_metric": 0.5, "best_step": 1}))
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000001")
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=4")
+    one_line_error(code, err, "the run's best checkpoint, step 1 (validation 0.5, which the run's end tests), is gone",
+                   f"`nemo-jq eval {run_dir} --step N`) (its checkpoints: steps 2)")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_00000002"]  # nothing trained
+    code, _, err = run_cli(capsys, "eval", run_dir)
+    one_line_error(code, err, "best checkpoint, step 1 (validation m@4 0.5), is gone", "give --step latest or --step N")
+    code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "latest")
+    assert code == 0 and json.loads(out)["step"] == 2
+    shutil.rmtree(run_dir / "evals")
+    (run_dir / "evals").write_text("mine")  # said before the evaluation, not after it
+    code, _, err = run_cli(capsys, "eval", run_dir, "--step", "latest")
+    one_line_error(code, err, f"{run_dir / 'evals'} is a file: `nemo-jq eval` writes its reports into that folder")
+    (run_dir / "checkpoints" / "step_00000002" / "model.safetensors").unlink()
+    code, _, err = run_cli(capsys, "eval", run_dir, "--step", "2")
+    one_line_error(code, err, f"checkpoint {run_dir / 'checkpoints' / 'step_00000002'} is missing model.safetensors: the run "
+                              "holds no other")
+
+
+def test_memory_that_runs_out_is_one_line_naming_the_settings_that_shrink_a_step(tmp_path, capsys):
+    """The host's memory really running out (an address-space limit of 6 GB on the process; eval.num_samples of a
+    billion asks 24 GB at once) was a traceback; a GPU's ``torch.OutOfMemoryError`` takes the same line."""
+    import resource
+
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (6 * 10**9, 6 * 10**9))  # noqa: E731 - a preexec hook
+    done = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "eval", str(run_dir), "eval.num_samples=1000000000"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=limit, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    one_line_error(done.returncode, done.stderr, "nemo-jq eval: error: out of memory (", "can't allocate memory",
+                   "lower what a step holds at once (rollout.kv_cache_tokens, train.micro_batch_rows, eval.batch_size, "
+                   "eval.num_samples or rollout.num_samples); `nemo-jq dryrun --config C.yaml` finds a run's peak")
+    import torch
+
+    from nemo_jq.cli import user_error_message
+
+    assert user_error_message(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore")) \
+        .startswith("out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.): lower what a step holds")
