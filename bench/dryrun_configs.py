@@ -139,6 +139,9 @@ def markdown(results: list[dict], prompt_tokens: int) -> str:
     """The table docs/results/dryrun_configs.md holds: per workload, each phase's peak GiB and what dominates it."""
     lines = [f"# The shipped configs at their real size (`python bench/dryrun_configs.py`, prompts of {prompt_tokens} "
              "tokens, 80 GB GPUs: 72 GiB usable)", "",
+             "The tiny demo model's configs (examples/synthetic_*) have prompts as long as its context leaves beside the "
+             "budgets. vLLM's decode runs the rows its KV cache holds (its share less its weights), at most its "
+             "max_num_seqs (nemo_jq/dryrun/bounds.py `rows_at_once`).", "",
              "Peak GiB per phase (megatron: the fullest simulated rank's, at the config's documented world); the "
              "largest kind at the peak in brackets; –: not run for that config. plan/dry: `nemo-jq plan --config`'s "
              "per-component ratio to the dry run, least and most. Least seconds per step: rollout + train on A100 / "
