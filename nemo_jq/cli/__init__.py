@@ -11,7 +11,14 @@ import re
 import sys
 from typing import Callable
 
-from nemo_jq.runtime.preemption import Stopped, guard_terminal_streams, stop_with_parent
+from nemo_jq.runtime.preemption import (
+    Stopped,
+    Terminated,
+    ended_by_signals,
+    guard_terminal_streams,
+    signal_name,
+    stop_with_parent,
+)
 
 #: Set to 1 (or pass --debug) to see the traceback behind an error message.
 DEBUG_ENV = "NEMO_JQ_DEBUG"
@@ -67,6 +74,14 @@ def pulled_overrides(words: list[str], parser: argparse.ArgumentParser,
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the command began (its imports, its arguments): nothing written, nothing to say
+        print("nemo-jq: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     stop_with_parent()
     guard_terminal_streams()
     parser = OneLineErrors(prog="nemo-jq", description="Post-train reasoning LLMs on the J_Q loss continuum.")
@@ -77,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_words(parser, argv, lambda args: commands.choices[args.command], commands.choices)
     try:
-        code = args.run(args)
+        with ended_by_signals():
+            code = args.run(args)
         if not code:  # every rank got here: end the process groups together (a failed rank's peers are stopped)
             from nemo_jq.runtime import distributed
 
@@ -89,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"nemo-jq {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated as stop:
+        print(f"nemo-jq {args.command}: stopped by {signal_name(stop.signum)}", file=sys.stderr, flush=True)
+        return 128 + stop.signum
     except Stopped as stopped:  # a signal ended a command of several runs: it says what finished, how to go on
         print(stopped, file=sys.stderr, flush=True)
         return stopped.exit_code

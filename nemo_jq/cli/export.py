@@ -19,8 +19,9 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nemo_jq.models.export import record_source
+    from nemo_jq.models.export import EXPORT_MARKER, files_of_earlier_export, make_readable, record_source
     from nemo_jq.runtime import distributed
+    from nemo_jq.runtime.outputs import staged
     from nemo_jq.runtime.runs import MODEL_CARD, model_card
 
     loaded = load(args)
@@ -29,10 +30,14 @@ def run(args: argparse.Namespace) -> int:
     if earlier and Path(earlier.get("run_dir", "")) != Path(selected.run_dir):  # a run may start from it (model.path)
         raise FileExistsError(f"--out {args.out} holds the export of another run ({earlier.get('run_dir')}, step "
                               f"{earlier.get('step')}): choose another --out, or move that export away first")
-    loaded.components.policy.export(args.out, loaded.components.tokenizer)
-    if distributed.is_writer():
-        (args.out / MODEL_CARD).write_text(model_card(selected))
-        record_source(args.out, selected.describe(), written=[MODEL_CARD])
+    writes = distributed.is_writer()
+    with staged(args.out, last=EXPORT_MARKER, replaces=files_of_earlier_export(args.out), writes=writes) as staging:
+        loaded.components.policy.export(staging, loaded.components.tokenizer)
+        if writes:
+            (staging / MODEL_CARD).write_text(model_card(selected))
+            record_source(staging, selected.describe(), written=[MODEL_CARD])
+    if writes:
+        make_readable(args.out)
         print(f"exported step {selected.step} of {selected.run_dir} ({selected.why}) to {args.out}"
               + (f", replacing its export of step {earlier.get('step')}" if earlier else ""))
     return 0

@@ -314,11 +314,15 @@ def prompt_options(task: QATask) -> dict[str, str | None]:
 
 
 def write_prepared(splits: Splits, manifest: dict[str, Any], out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in SPLITS:
-        lines = [json.dumps(dataclasses.asdict(e)) for e in splits.get(name)]
-        (out_dir / f"{name}.jsonl").write_text("".join(line + "\n" for line in lines))
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    """The splits and their manifest in ``out_dir``, put there once all are written (``outputs.staged``: a stop
+    part-way left a train.jsonl without a manifest, which blocked the command run again)."""
+    from nemo_jq.runtime.outputs import staged
+
+    with staged(Path(out_dir), last="manifest.json") as staging:
+        for name in SPLITS:
+            lines = [json.dumps(dataclasses.asdict(e)) for e in splits.get(name)]
+            (staging / f"{name}.jsonl").write_text("".join(line + "\n" for line in lines))
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
 def prepare_again(folder: Path, manifest: dict[str, Any] | None = None) -> str:

@@ -4,11 +4,13 @@ folder has one writer at a time (light to import: a process that only holds a fo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import sys
 import time
@@ -31,6 +33,33 @@ def claim_dir(path: Path, markers: tuple[str, ...], *, overwrite: bool, what: st
     if not overwrite:
         raise FileExistsError(f"{path} already holds {what} ({', '.join(found)}): {advice}")
     return move_aside(path)
+
+
+@contextlib.contextmanager
+def staged(folder: Path, *, last: str, replaces: tuple[str, ...] | list[str] = (), writes: bool = True) -> Iterator[Path]:
+    """A folder to write ``folder``'s files in (``.NAME.partial`` beside it), moved into ``folder`` once all are
+    written, ``last`` (the file that marks it whole) the last; ``replaces``: an earlier write's files, deleted just
+    before. A stop part-way leaves ``folder`` as it was: a half-written export or prepared folder blocked the same
+    command next time, and an interrupted export had deleted the earlier one first. ``writes``: this process writes
+    (a collective export's other ranks do not)."""
+    folder = Path(folder)
+    staging = folder.parent / f".{folder.name}.partial"
+    if writes:
+        shutil.rmtree(staging, ignore_errors=True)  # a killed write's
+        staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        if writes:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if writes:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in replaces:
+            (folder / name).unlink(missing_ok=True)
+        for name in sorted((path.name for path in staging.iterdir()), key=lambda name: name == last):
+            os.replace(staging / name, folder / name)
+        staging.rmdir()
 
 
 #: The name :func:`move_aside` gives a folder it moves: ``NAME.old-YYYYmmdd-HHMMSS[-N]``.

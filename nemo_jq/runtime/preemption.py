@@ -69,6 +69,39 @@ class StopSignals:
         return self.received is not None
 
 
+class Terminated(BaseException):
+    """A stop signal other than Ctrl-C ended a command that takes none itself (:func:`ended_by_signals`); as
+    ``KeyboardInterrupt``, no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def ended_by_signals() -> Any:
+    """While a command of one process runs: SIGTERM, SIGUSR1 and SIGHUP (where not ignored) end it as Ctrl-C does,
+    raising :class:`Terminated`, so it says so in one line and what it writes is left whole (their default ended eval,
+    generate, export and data prepare without a word); a training's :class:`StopSignals` take them over for its
+    steps. Under torchrun the defaults stay: a rank blocked in a collective could not run a Python handler, and the
+    agent's SIGTERM would wait for its SIGKILL."""
+    if threading.current_thread() is not threading.main_thread() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        yield
+        return
+
+    def end(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            release_terminal()
+        raise Terminated(signum)
+
+    previous = {signum: signal.signal(signum, end) for signum in stop_signals_here() if signum != signal.SIGINT}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def stop_signals_here() -> tuple[int, ...]:
     """:data:`STOP_SIGNALS` less SIGHUP where this process was started to ignore it (``nohup``: a closed terminal
     must not stop the run then)."""
@@ -187,11 +220,16 @@ class Series(contextlib.ContextDecorator):
             with self:
                 self.out_dir = Path(out_dir)
                 try:
-                    return function(out_dir, *args, **kwargs)
+                    result = function(out_dir, *args, **kwargs)
                 except KeyboardInterrupt:
                     raise Stopped(signal.SIGINT, f"nemo-jq {self.command}: interrupted by a second Ctrl-C (no checkpoint "
                                                  f"of the step it stopped); finished runs: {self._finished()}; "
                                                  f"{self._again()}") from None
+                if self.stop.received:  # after the last run, while the command wrote what it sums up: it ends there
+                    raise Stopped(self.stop.received, f"nemo-jq {self.command}: {signal_name(self.stop.received)} came "
+                                                      f"after its last run; every run and what sums them up are written "
+                                                      f"in {out_dir}")
+                return result
         return run
 
     def __enter__(self) -> Series:

@@ -359,7 +359,10 @@ class _Running:
     process: subprocess.Popen
     started: float
     total_steps: int | None
-    #: (seconds, step) when a step was first seen: the step rate is measured from there, past the run's start-up.
+    #: The step its log held when first read: a resumed run's earlier life, which its rate does not count.
+    logged_before: int | None = None
+    #: (seconds, step) when a step of its own was first seen: the step rate is measured from there, past the run's
+    #: start-up (a resumed run's old steps, seen at once, took its start-up into the rate: 3 steps/s for 30).
     first_seen: tuple[float, int] | None = None
     #: Steps a second at the last reading (None until the run has moved past its first seen step).
     rate: float | None = None
@@ -542,7 +545,9 @@ def _measure(sweep: Sweep, entry: _Running, now: float) -> tuple[int, float | No
     rate is kept on the entry."""
     records = [record for record in read_metrics(sweep.directory / entry.run.name) if record.get("kind") == "train"]
     step = records[-1]["step"] if records else 0
-    if step and entry.first_seen is None:
+    if entry.logged_before is None:
+        entry.logged_before = step
+    if step > entry.logged_before and entry.first_seen is None:
         entry.first_seen = (now, step)
     if entry.first_seen is not None and step > entry.first_seen[1]:
         entry.rate = (step - entry.first_seen[1]) / (now - entry.first_seen[0])

@@ -427,6 +427,41 @@ def test_data_prepare_never_writes_over_prepared_data(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["sizes"]["train"] == 2
 
 
+def test_a_stop_part_way_through_an_export_or_a_data_prepare_leaves_its_folder_as_it_was(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C mid-write deleted the earlier export (its files went first) or left a train.jsonl without a manifest,
+    which blocked the same command next time. The stop is raised where a file is written (a real signal's moment
+    cannot be chosen in a test): what the folder held is kept, nothing half-written is left beside it, and the same
+    command then runs."""
+    run_dir, out = tmp_path / "run", tmp_path / "exported"
+    assert run_cli(capsys, "train", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")[0] == 0
+    assert run_cli(capsys, "export", run_dir, "--out", out, "--step", "1")[0] == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    write_text = Path.write_text
+
+    def stopped_at(name):
+        def write(path, *args, **kwargs):
+            if path.name == name:
+                raise KeyboardInterrupt
+            return write_text(path, *args, **kwargs)
+        return write
+
+    monkeypatch.setattr(Path, "write_text", stopped_at("README.md"))  # the model card: the weights are written
+    assert run_cli(capsys, "export", run_dir, "--out", out, "--step", "2")[0] == 130
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["exported", "run"]  # no .exported.partial
+    monkeypatch.setattr(Path, "write_text", write_text)
+    code, out_text, _ = run_cli(capsys, "export", run_dir, "--out", out, "--step", "2")
+    assert code == 0 and "replacing its export of step 1" in out_text
+    prepared = tmp_path / "prepared"
+    args = ["data", "prepare", "--dataset", "hotpotqa", "--source", FIXTURES / "hotpotqa_hf", "--sizes", "3,1,1",
+            "--out", prepared]
+    monkeypatch.setattr(Path, "write_text", stopped_at("validation.jsonl"))
+    assert run_cli(capsys, *args)[0] == 130
+    assert not prepared.exists() and not (tmp_path / ".prepared.partial").exists()
+    monkeypatch.setattr(Path, "write_text", write_text)
+    assert run_cli(capsys, *args)[0] == 0 and (prepared / "manifest.json").exists()
+
+
 def test_prompt_options_typed_in_a_shell_keep_their_new_lines(tmp_path, capsys):
     source = tmp_path / "mine.jsonl"
     source.write_text("".join(json.dumps({"question": f"q{i}?", "answer": str(i), "context": "c"}) + "\n" for i in range(4)))
@@ -696,3 +731,27 @@ def test_memory_that_runs_out_is_one_line_naming_the_settings_that_shrink_a_step
 
     assert user_error_message(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore")) \
         .startswith("out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.): lower what a step holds")
+
+
+def test_sigterm_or_sighup_ends_a_command_in_one_line_and_a_ctrl_c_while_it_starts_leaves_no_traceback(tmp_path, capsys,
+                                                                                                     monkeypatch):
+    """SIGTERM and SIGHUP ended eval, generate, export and data prepare without a word (their default action); Ctrl-C
+    while the command was still importing its parts printed a traceback. The signals here are real, sent by the
+    process to itself where the command evaluates (a moment a test cannot choose from outside)."""
+    import signal
+
+    from nemo_jq.recipe import evaluation
+
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        monkeypatch.setattr(evaluation.Evaluator, "evaluate", lambda self, *a, **k: os.kill(os.getpid(), signum))
+        code, out, err = run_cli(capsys, "eval", run_dir)
+        assert code == 128 + signum and out == "", (code, out)
+        assert err.strip().splitlines()[-1] == f"nemo-jq eval: stopped by {signal.Signals(signum).name}", err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler lives as long as the command
+    import nemo_jq.cli.plan
+
+    monkeypatch.setattr(nemo_jq.cli.plan, "add_parser", lambda commands: (_ for _ in ()).throw(KeyboardInterrupt))
+    code, _, err = run_cli(capsys, "plan", "--model", "8b")
+    assert code == 130 and err == "nemo-jq: interrupted\n"

@@ -88,3 +88,20 @@ def test_a_run_whose_sweep_had_already_ended_stops_at_once():
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_signal_after_a_series_last_run_ends_the_command_with_its_line(tmp_path):
+    """A Ctrl-C (or SIGTERM) while an experiment wrote its summary, after its last run, was said as "finishing this
+    step and writing a checkpoint", then the command ended 0 without a word."""
+    from nemo_jq.runtime.preemption import Series, Stopped
+
+    @Series("experiment mine", again="`--resume {out_dir}` goes on")
+    def experiment(out_dir):
+        os.kill(os.getpid(), signal.SIGTERM)  # while it sums up its runs (a real signal, taken by the series' handler)
+        return "summary"
+
+    with pytest.raises(Stopped) as stopped:
+        experiment(tmp_path)
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert str(stopped.value) == (f"nemo-jq experiment mine: SIGTERM came after its last run; every run and what sums "
+                                  f"them up are written in {tmp_path}")

@@ -260,6 +260,18 @@ def test_the_first_progress_line_comes_once_each_running_runs_step_rate_is_measu
     progress = [index for index, line in enumerate(lines) if line.startswith("sweep: run step ")]
     assert progress and progress[0] < next(i for i, line in enumerate(lines) if "finished in" in line), lines
     assert "/24 (" in lines[progress[0]] and " s left)" in lines[progress[0]], lines
+    # resumed: its log holds 12 steps of an earlier life when it starts, and it takes 1.5 s to start up; the rate is
+    # its own steps' (~3.3/s), not the earlier life's last step to its first new one across the start-up (0.7/s)
+    resumed = Sweep.from_grid(tmp_path / "r", [], ["train.max_steps=24"], None)
+    resumed.write()
+    (tmp_path / "r" / resumed.runs[0].name).mkdir()
+    (tmp_path / "r" / resumed.runs[0].name / "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "train", "step": step}) + "\n" for step in range(1, 13)))
+    lines = []
+    run_here(resumed, threads=1, say=lines.append, report_every=600,
+             python=(sys.executable, "-c", "import time; time.sleep(1.5)\n" + script.replace("range(1, 25)", "range(13, 25)")))
+    rate = float(next(line for line in lines if line.startswith("sweep: run step ")).split(" (")[1].split(" steps/s")[0])
+    assert 2.0 < rate < 4.5, lines
 
 
 def finished_run(folder, *, name="garl", q=0.5, seed=0, dataset="synthetic", test=None, validation=(10.0, 20.0),
