@@ -97,7 +97,7 @@ def test_a_signal_after_a_series_last_run_ends_the_command_with_its_line(tmp_pat
 
     @Series("experiment mine", again="`--resume {out_dir}` goes on")
     def experiment(out_dir):
-        os.kill(os.getpid(), signal.SIGTERM)  # while it sums up its runs (a real signal, taken by the series' handler)
+        signal.raise_signal(signal.SIGTERM)  # while it sums up its runs (a real signal, taken by the series' handler)
         return "summary"
 
     with pytest.raises(Stopped) as stopped:
