@@ -745,11 +745,15 @@ def test_sigterm_or_sighup_ends_a_command_in_one_line_and_a_ctrl_c_while_it_star
     run_dir = tmp_path / "run"
     assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # one process: the command takes the signals
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # raise_signal: delivered, and its handler run, before it returns
-        monkeypatch.setattr(evaluation.Evaluator, "evaluate", lambda self, *a, **k: signal.raise_signal(signum))
-        code, out, err = run_cli(capsys, "eval", run_dir)
-        assert code == 128 + signum and out == "", (code, out)
-        assert err.strip().splitlines()[-1] == f"nemo-jq eval: stopped by {signal.Signals(signum).name}", err
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a terminal's shell starts it (under nohup: ignored)
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP):  # raise_signal: delivered, and its handler run, before it returns
+            monkeypatch.setattr(evaluation.Evaluator, "evaluate", lambda self, *a, **k: signal.raise_signal(signum))
+            code, out, err = run_cli(capsys, "eval", run_dir)
+            assert code == 128 + signum and out == "", (signum, code, out)
+            assert err.strip().splitlines()[-1] == f"nemo-jq eval: stopped by {signal.Signals(signum).name}", err
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler lives as long as the command
     import nemo_jq.cli.plan
 
