@@ -522,7 +522,8 @@ def require_best(root: Path, best: int, metric: str, fix: str) -> None:
     ``fix`` and the run's other checkpoints."""
     folder = root / step_dir_name(best)
     if not (folder / STATE).exists():
-        others = f" (its checkpoints: steps {', '.join(map(str, saved_steps(root)))})" if saved_steps(root) else ""
+        steps = saved_steps(root)
+        others = f" (its checkpoints: steps {', '.join(map(str, steps))})" if steps else ""
         raise FileNotFoundError(f"the run's best checkpoint, step {best} ({metric}), is {'incomplete' if folder.exists() else 'gone'}"
                                 f" ({folder}): restore it from a copy of the run, or {fix}{others}")
 
