@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 from nemo_jq.config import Config, ConfigError, current_key
-from nemo_jq.runtime.monitor import read_json_file
+from nemo_jq.runtime.monitor import nonfinite_back, read_json_file, valid_json
 from nemo_jq.runtime.outputs import claim_dir, refuse_foreign_files
 from nemo_jq.runtime.preemption import current_series
 from nemo_jq.runtime.runs import RUN_FILES, holds_this_run
@@ -109,7 +109,7 @@ class Progress:
             raise FileNotFoundError(f"{out_dir} holds no experiment to resume ({PROGRESS_FILE}): give the --out folder "
                                     "of an experiment that was stopped")
         saved = read_json_file(path, "an experiment's record", _record_problem, "restore it, or start the experiment "
-                               "again with --out NEW_DIR")
+                               "again with --out NEW_DIR", object_hook=nonfinite_back)
         if saved["experiment"] != experiment:
             raise ConfigError(f"{out_dir} holds experiment {saved['experiment']}, not {experiment}: `nemo-jq experiment "
                               f"{saved['experiment']} --resume {out_dir}` continues it")
@@ -120,7 +120,7 @@ class Progress:
         it back, so an experiment resumed sums up what an unstopped one would."""
         key = Path(run_dir).relative_to(self.out_dir).as_posix()
         if key not in self.runs:
-            self.runs[key] = json.loads(json.dumps(train()))
+            self.runs[key] = nonfinite_back(json.loads(valid_json(train())))
             self.write()
             if (series := current_series()) is not None:
                 series.finished.append(Path(run_dir))
@@ -129,7 +129,7 @@ class Progress:
     def write(self) -> None:
         path = self.out_dir / PROGRESS_FILE
         partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(json.dumps({"experiment": self.experiment, "options": self.options, "runs": self.runs},
+        partial.write_text(valid_json({"experiment": self.experiment, "options": self.options, "runs": self.runs},
                                       indent=1) + "\n")
         os.replace(partial, path)  # a stop while it is written leaves the record before it
 

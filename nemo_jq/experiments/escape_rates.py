@@ -21,7 +21,6 @@ time) fitted to that optimizer's q = 1 runs. Writes ``summary.json``, ``table.md
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
-from nemo_jq.runtime.monitor import read_metrics
+from nemo_jq.runtime.monitor import read_metrics, valid_json
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import mean_sd, seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
@@ -214,7 +213,7 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, widths: Sequence[int]
                           f"{'censored at' if result['censored'] else 'escaped at'} step {result['steps']}", flush=True)
     summary = {"settings": base, "optimizer_settings": OPTIMIZERS, "methods": plan, "seeds": list(seeds),
                **summarise(runs, widths, cap)}
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / SUMMARY_FILE).write_text(valid_json(summary, indent=2) + "\n")
     (out_dir / TABLE_FILE).write_text(markdown_table(summary) + "\n")
     plot(summary, out_dir / FIGURE_FILE)
     curves = plot_curves(out_dir, plan, widths[len(widths) // 2], seeds[0])

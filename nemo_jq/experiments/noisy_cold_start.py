@@ -14,7 +14,6 @@ those answers score against wrong labels drawn afresh: memorisation by chance). 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -24,7 +23,7 @@ import yaml
 
 from nemo_jq.config import load_config
 from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
-from nemo_jq.runtime.monitor import plot_runs, read_metrics
+from nemo_jq.runtime.monitor import plot_runs, read_metrics, valid_json
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import mean_sd, seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
@@ -120,7 +119,7 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
                "num_samples": probe.rollout.num_samples, "k": k, "runs": runs,
                "aggregate": {name: aggregate(per_seed, k) for name, per_seed in runs.items()},
                "theory": theory(probe.rollout.num_samples, label_noise)}
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / SUMMARY_FILE).write_text(valid_json(summary, indent=2) + "\n")
     (out_dir / TABLE_FILE).write_text(markdown_table(summary) + "\n")
     plot_tradeoff(runs, k, out_dir / TRADEOFF_FILE)
     plot_runs(curves, out_dir / f"figure3_seed{seeds[0]}.png")

@@ -23,7 +23,6 @@ rationales, before training and at every validation. Writes ``summary.json``, ``
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES
 from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
-from nemo_jq.runtime.monitor import read_metrics
+from nemo_jq.runtime.monitor import read_metrics, valid_json
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import mean_sd, seed_stats
 from nemo_jq.runtime.sweep import refuse_repeats
@@ -231,7 +230,7 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], *, dependences: Sequence
                                 "to the end", "warm": warm, "runs": runs,
                "aggregate": {d: {name: aggregate(per_seed) for name, per_seed in per_method.items()}
                              for d, per_method in runs.items()}}
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / SUMMARY_FILE).write_text(valid_json(summary, indent=2) + "\n")
     (out_dir / TABLE_FILE).write_text(markdown_table(summary) + "\n")
     figures = [plot_curves(runs[d], k, d, out_dir / f"curves_{d}.png") for d in dependences]
     print(markdown_table(summary))

@@ -11,12 +11,11 @@ the Figure-3 style plot.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from nemo_jq.runtime.monitor import plot_runs
+from nemo_jq.runtime.monitor import plot_runs, valid_json
 from nemo_jq.runtime.report import read_run
 from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep, SweepRun, free_cores, run_here
 
@@ -93,7 +92,7 @@ def summarise(out_dir: Path) -> dict[str, dict]:
         results[label] = {**run.results, "initial_log_p_hat": first.get("log_p_hat")}
     print(format_table(results, run.samples))
     plot_runs(curves, out_dir / FIGURE_FILE)
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(results, indent=2))
+    (out_dir / SUMMARY_FILE).write_text(valid_json(results, indent=2))
     print(f"wrote {out_dir / FIGURE_FILE} and {out_dir / SUMMARY_FILE}")
     return results
 

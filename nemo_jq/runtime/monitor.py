@@ -188,7 +188,7 @@ def progress(total: int, desc: str, *, initial: int = 0, shows: bool = True, tra
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """A run's ``metrics.jsonl`` records (none where it has logged none yet); see :func:`read_records`."""
-    return read_records(Path(run_dir) / METRICS_FILE, ("kind", "step"), object_hook=_nonfinite_back)
+    return read_records(Path(run_dir) / METRICS_FILE, ("kind", "step"), object_hook=nonfinite_back)
 
 
 def read_records(path: Path, keys: tuple[str, ...], object_hook: Callable[[dict], Any] | None = None) -> list[dict[str, Any]]:
@@ -217,12 +217,14 @@ def read_records(path: Path, keys: tuple[str, ...], object_hook: Callable[[dict]
     return records
 
 
-def read_json_file(path: Path, what: str, problem: Callable[[dict[str, Any]], str | None], fix: str) -> dict[str, Any]:
-    """``path``'s JSON object, in which ``problem`` finds nothing wrong (else it says what is). A file edited, or cut
+def read_json_file(path: Path, what: str, problem: Callable[[dict[str, Any]], str | None], fix: str,
+                   object_hook: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+    """``path``'s JSON object (each object in it through ``object_hook``: :func:`nonfinite_back` for a file
+    :func:`valid_json` wrote), in which ``problem`` finds nothing wrong (else it says what is). A file edited, or cut
     short by a kill or a full disk, is one line: ``PATH is not WHAT (what is wrong): FIX``."""
     text = path.read_text(errors="replace")
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_hook=object_hook)
     except json.JSONDecodeError as err:
         wrong = "it is empty" if not text.strip() else f"not JSON: {err.msg}, line {err.lineno} column {err.colno}"
     else:
@@ -233,8 +235,14 @@ def read_json_file(path: Path, what: str, problem: Callable[[dict[str, Any]], st
 
 
 def metrics_line(record: dict[str, Any]) -> str:
-    """``record`` as one line of valid JSON: a NaN or infinite number as its :data:`NONFINITE` string."""
-    return json.dumps(_finite_json(record), allow_nan=False) + "\n"
+    """``record`` as one line of valid JSON (:func:`valid_json`)."""
+    return valid_json(record) + "\n"
+
+
+def valid_json(value: Any, indent: int | None = None) -> str:
+    """``value`` as JSON that every reader takes (``jq``, a browser, not only Python): a NaN or infinite number as its
+    :data:`NONFINITE` string, which :func:`nonfinite_back` reads back."""
+    return json.dumps(_finite_json(value), allow_nan=False, indent=indent)
 
 
 def _finite_json(value: Any) -> Any:
@@ -247,8 +255,15 @@ def _finite_json(value: Any) -> Any:
     return value
 
 
-def _nonfinite_back(record: dict[str, Any]) -> dict[str, Any]:
-    return {key: NONFINITE.get(value, value) if isinstance(value, str) else value for key, value in record.items()}
+def nonfinite_back(value: Any) -> Any:
+    """``value`` (read from :func:`valid_json`'s text) with its :data:`NONFINITE` strings numbers again."""
+    if isinstance(value, str):
+        return NONFINITE.get(value, value)
+    if isinstance(value, dict):
+        return {key: nonfinite_back(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [nonfinite_back(item) for item in value]
+    return value
 
 
 def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_jq.runtime.monitor import read_json_file, read_metrics
+from nemo_jq.runtime.monitor import nonfinite_back, read_json_file, read_metrics, valid_json
 from nemo_jq.runtime.outputs import MOVED_ASIDE
 from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE, has_finished
 from nemo_jq.runtime.sweep import FINISHED, SWEEP_FILE, Sweep
@@ -152,7 +152,8 @@ def read_run(run_dir: Path) -> RunRecord | None:
         raise ConfigError(f"{run_dir / CONFIG_FILE} is not the run's saved config ({err}): restore it from a copy of "
                           "the run, or leave the run out") from None
     results = read_json_file(run_dir / RESULTS_FILE, "a finished run's results", results_problem,
-                             f"restore it, or move it aside and `nemo-jq train --resume {run_dir}` writes it again")
+                             f"restore it, or move it aside and `nemo-jq train --resume {run_dir}` writes it again",
+                             object_hook=nonfinite_back)
     if not has_finished(run_dir, results) or _sweep_goes_on(run_dir):
         return None
     return RunRecord(run_dir, config.data.name, config.data.format, method_label(results), config.train.seed,
@@ -264,7 +265,7 @@ CSV_START, JSON_START = "dataset,format,method,n,seeds,", '{\n "rows": ['
 
 
 def json_text(result: dict[str, Any]) -> str:
-    return json.dumps(result, indent=1) + "\n"
+    return valid_json(result, indent=1) + "\n"
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 from nemo_jq.config import PATH_KEYS, Config, ConfigError, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
-from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, plot_runs, read_metrics
+from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, nonfinite_back, plot_runs, read_metrics, valid_json
 from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE
 from nemo_jq.strict_yaml import read_yaml_file
@@ -287,7 +287,7 @@ def last_checkpoint_step(run_dir: Path) -> int | None:
 def write_results(run_dir: Path, results: dict[str, Any]) -> None:
     """What a finished run writes: its test results and the Figure-3 panels of its metrics; then it lets go of its
     directory (a process that goes on to other runs holds only the one it writes)."""
-    (run_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    (run_dir / RESULTS_FILE).write_text(valid_json(results, indent=2))
     plot_runs({run_dir.name: read_metrics(run_dir)}, run_dir / PLOT_FILE)
     release_run_dir(run_dir)
 
@@ -570,7 +570,7 @@ def model_card(selected: Selected) -> str:
     records = read_metrics(selected.run_dir)
     validation = [record for record in records if record["kind"] == "validation" and record["step"] == selected.step]
     results_path = selected.run_dir / RESULTS_FILE
-    results = json.loads(results_path.read_text()) if results_path.exists() else None
+    results = nonfinite_back(json.loads(results_path.read_text())) if results_path.exists() else None
     test = [record for record in records if record["kind"] == "test"]  # the best step, or the last where none was
     tested = results is not None and bool(test) and (test[-1].get("best_step") or test[-1]["step"]) == selected.step
     lines = ["---", "library_name: transformers", f"base_model: {config.model.path or 'none (a tiny Qwen3 from scratch)'}",

@@ -12,6 +12,7 @@ from helpers import TINY_RUN, one_line_error, run_cli
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data import SyntheticArithmetic
 from nemo_jq.experiments import escape_rates
+from nemo_jq.experiments.common import Progress
 from nemo_jq.experiments.escape_rates import escape, fit_line, growth, run_experiment, step_log_p, theory_time, time_scale
 from nemo_jq.recipe.trainer import Trainer
 from nemo_jq.runtime.monitor import read_metrics
@@ -87,6 +88,11 @@ def test_the_experiment_places_runs_at_the_measured_p0_fits_and_censors(tmp_path
     assert "| SGD | GRPO | >100 [" in table and "W=3: log p0 -18.1" in table
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["cap"] == 100
     assert (tmp_path / "out" / "escape_rates.png").stat().st_size > 0
+    # GRPO's log p0 (log of no reward) is JSON every reader takes, and the record read back for a resume holds -inf
+    for name in ("summary.json", "experiment.json"):
+        json.loads((tmp_path / "out" / name).read_text(), parse_constant=lambda word: pytest.fail(f"{name}: {word}"))
+    recorded = Progress.read(tmp_path / "out", "escape-rates").runs
+    assert [run["log_p0"] for key, run in recorded.items() if "/GRPO/" in key] == [-math.inf] * 9
 
 
 #: Per experiment: options that keep it small, then bad input and what its one-line error must say.
