@@ -4,7 +4,8 @@ Each phase's least time on one GPU is the dry run's bound (:mod:`nemo_jq.dryrun.
 replaced by formulas: a step's rollouts and an evaluation call decode the prompts a rank's engine gets (its replica's
 share of the batch, over the replica's engines; a rollout rank of its own serves its replicas in turn) in
 :func:`~nemo_jq.dryrun.bounds.sampling_seconds`, the same function the dry run calls, with the same shape; training
-is :func:`train_flops` of the replica's micro-batches on its busiest rank at the bf16 peak (no pipeline bubble).
+is :func:`train_flops` of the replica's micro-batches on its busiest rank at the bf16 peak, stretched by the pipeline's
+fill and drain (:func:`~nemo_jq.dryrun.bounds.pipeline_stretch`).
 The expected time divides each bound by the share of it the project measured on a real GPU for that phase and engine
 (:data:`~nemo_jq.dryrun.bounds.MEASURED`), through :func:`~nemo_jq.dryrun.bounds.run_time`, the dry run's own sum:
 steps x (rollouts + training) + validations and the test split's evaluation, in hours and GPU-hours.
@@ -17,7 +18,7 @@ from typing import Any
 
 from nemo_jq.cluster import plan
 from nemo_jq.config import Config
-from nemo_jq.dryrun.bounds import GpuProfile, run_time, sampling_seconds
+from nemo_jq.dryrun.bounds import GpuProfile, pipeline_stretch, run_time, sampling_seconds
 from nemo_jq.models.megatron.provider import Qwen3Architecture
 
 
@@ -71,11 +72,12 @@ def phase_bounds(arch: Qwen3Architecture, work: plan.Workload, config: Config, g
     group_rows = train.micro_batch_size * rollout.num_samples
     micro_batches = math.ceil(replica_prompts / train.micro_batch_size)
     flops = train_flops(arch, work, group_rows, work.micro_batch < group_rows, tp, pp) * micro_batches
+    stretch = pipeline_stretch(pp, replica_prompts, train.micro_batch_size, rollout.num_samples, work.micro_batch)
     calls = math.ceil(validation / config.eval.batch_size)
     return {
         "rollout": {"seconds_at_least": sampling_seconds(shape, config, gpu, decoded["rollout"], rollout.num_samples,
                                                          answers=answers)},
-        "train": {"seconds_at_least": flops / gpu.bf16_flops},
+        "train": {"seconds_at_least": flops * stretch / gpu.bf16_flops},
         "evaluate": {"seconds_at_least": calls * sampling_seconds(shape, config, gpu, decoded["evaluate"],
                                                                   config.eval.num_samples, answers=True)},
     }

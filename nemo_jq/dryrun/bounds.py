@@ -42,7 +42,8 @@ def gpu_profile(name: str) -> GpuProfile:
 
 def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Config, gpu: GpuProfile) -> float:
     """A lower bound on the phase's time in the run on ``gpu``. Training: the FLOPs counted on one micro-batch, times
-    the replica's micro-batches (its share of the batch), at the bf16 peak. Sampling (the step's rollouts; an evaluation of the validation
+    the replica's micro-batches (its share of the batch), at the bf16 peak, stretched by the pipeline's fill and
+    drain (:func:`pipeline_stretch`). Sampling (the step's rollouts; an evaluation of the validation
     split): every decode step of every chunk reads the sampler's weights as it holds them and the keys and values so
     far, at the memory bandwidth (or its 2 FLOPs a parameter a token at the peak, where that is more), each GPU of an
     engine its share (:func:`sampling_seconds`); the dry run
@@ -51,7 +52,11 @@ def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Co
     the peak."""
     seconds = flops / gpu.bf16_flops
     if phase == "train":
-        return seconds * math.ceil(shape["replica_prompts"] / shape["micro_batch_prompts"])
+        train = config.train
+        stages = config.megatron.pipeline_parallel if config.model.backend == "megatron" else 1
+        stretch = pipeline_stretch(stages, shape["replica_prompts"], train.micro_batch_size, config.rollout.num_samples,
+                                   train.micro_batch_rows)
+        return seconds * math.ceil(shape["replica_prompts"] / shape["micro_batch_prompts"]) * stretch
     if phase == "rollout":
         return sampling_seconds(shape, config, gpu, shape["rollout_prompts"], config.rollout.num_samples,
                                 answers=shape["sampled_answers"])
@@ -59,6 +64,20 @@ def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Co
         return shape["evaluate_calls"] * sampling_seconds(shape, config, gpu, shape["evaluate_prompts"],
                                                           config.eval.num_samples, answers=True)
     return seconds
+
+
+def pipeline_stretch(stages: int, replica_prompts: int, prompts_per_micro_batch: int, samples: int,
+                     rows_per_chunk: int | None) -> float:
+    """How much longer a training pass takes than its busiest stage's work under megatron-core's 1F1B schedule
+    (no interleaving): (m + P - 1) / m for m micro-batches through P stages, as the pipeline fills and drains. m is
+    a step's row chunks (``train.micro_batch_rows``: both passes, each one run of the schedule) or else its
+    micro-batches of whole groups."""
+    group_rows = prompts_per_micro_batch * samples
+    if rows_per_chunk is not None and rows_per_chunk < group_rows:
+        runs = math.ceil(replica_prompts * samples / rows_per_chunk)
+    else:
+        runs = math.ceil(replica_prompts / prompts_per_micro_batch)
+    return (runs + stages - 1) / runs
 
 
 def sampling_seconds(shape: dict[str, Any], config: Config, gpu: GpuProfile, prompts: int, samples: int, *,

@@ -101,6 +101,7 @@ class DryRun:
                 checkpoint = trainer.save()
             with self._phase("guard_restore"):
                 trainer.policy.load(checkpoint, with_optimizer=True)
+                self._optimizer_state_as_such(trainer.policy)
             with self._phase("evaluate"):
                 trainer.evaluator.evaluate("validation")
             watching.close()
@@ -109,6 +110,16 @@ class DryRun:
             with self._phase("resume"):
                 resumed = Trainer(self.config, run_dir=self.scratch / "run", components=self._components())
                 resumed.restore(checkpoint)
+                self._optimizer_state_as_such(resumed.policy)
+
+    def _optimizer_state_as_such(self, policy) -> None:
+        """The state a ``torch.optim`` optimizer's ``load_state_dict`` read back is counted as the optimizer's from
+        then on, as the step's was (it allocates it anew, unlabelled: the evaluation that follows a guard's restore
+        counted AdamW's moments as temporaries). ``DistributedAdamW`` reads into the buffers it holds already."""
+        optimizer = getattr(policy, "optimizer", None)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.tracker.relabel([value for state in optimizer.state.values() for value in state.values()
+                                  if isinstance(value, torch.Tensor)], "optimizer")
 
     def _trained_prompts(self, replicas: int) -> int:
         """The prompts of the trained batch: one micro-batch (``train.micro_batch_size`` prompts) for each replica,

@@ -103,6 +103,15 @@ def backward_each(policy: "Policy", micro_batches: Sequence[TokenBatch], loss_fn
     return metrics
 
 
+def token_logprobs_each(policy: "Policy", batches: Sequence[TokenBatch]) -> list[torch.Tensor]:
+    """No-grad ``token_logprobs`` of each batch, in order. A policy whose stages would idle while one batch at a time
+    passes through them (pipeline parallelism) scores them together with a ``token_logprobs_each`` method of its own;
+    any other, one batch at a time."""
+    together = getattr(policy, "token_logprobs_each", None)
+    with torch.no_grad():
+        return together(batches) if together is not None else [policy.token_logprobs(batch) for batch in batches]
+
+
 class Policy(Protocol):
     #: This rank's share of the data (``DataParallel()``: all of it, in one process).
     data_parallel: DataParallel

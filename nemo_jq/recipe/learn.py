@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from nemo_jq.models.interfaces import Policy, TokenBatch
+from nemo_jq.models.interfaces import Policy, TokenBatch, token_logprobs_each
 from nemo_jq.objectives import EstimatorInputs, ObjectiveSpec
 from nemo_jq.recipe.components import Components
 from nemo_jq.recipe.experience import Experience, MicroBatch, mismatch_metrics
@@ -111,12 +111,10 @@ def _in_row_chunks(policy: Policy, experience: Experience, micro_batches: list[M
     chunks = chunks_by_length(experience.batch.attention_mask.sum(1), rows_per_chunk)
     batches = [experience.batch.rows(chunk) for chunk in chunks]
     scored: torch.Tensor | None = None
-    with torch.no_grad():
-        for chunk, batch in zip(chunks, batches):
-            logprobs = policy.token_logprobs(batch)
-            if scored is None:
-                scored = logprobs.new_zeros(experience.batch.target_mask.shape)
-            scored[chunk.to(scored.device), :_width(batch)] = logprobs
+    for chunk, batch, logprobs in zip(chunks, batches, token_logprobs_each(policy, batches), strict=True):
+        if scored is None:
+            scored = logprobs.new_zeros(experience.batch.target_mask.shape)
+        scored[chunk.to(scored.device), :_width(batch)] = logprobs
     coefficients = torch.zeros_like(scored)
     collected: list[tuple[int, dict]] = []
     first = 0

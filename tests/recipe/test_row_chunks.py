@@ -127,14 +127,23 @@ def test_activation_checkpointing_keeps_less_and_gives_the_same_gradient():
         torch.testing.assert_close(checkpointed, plain, atol=1e-6, rtol=1e-5)
 
 
-def megatron_steps(run_dir: str, overrides: list[str]) -> list[dict]:
-    """Three steps of the tiny run on the megatron backend (one rank of :func:`megatron_cpu.run_in_processes`)."""
+def megatron_steps(run_dir: str, overrides: list[str]) -> tuple[list[dict], list[int]]:
+    """Three steps of the tiny run on the megatron backend (one rank of :func:`megatron_cpu.run_in_processes`), and
+    the micro-batches of each pass of the pipeline schedule it ran."""
+    from nemo_jq.models.megatron.policy import MegatronPolicy
     from nemo_jq.runtime.monitor import read_metrics
 
+    schedules, run_pipeline = [], MegatronPolicy._run_pipeline
+
+    def counted(self, micro_batches, *args, **kwargs):
+        schedules.append(len(micro_batches))
+        return run_pipeline(self, micro_batches, *args, **kwargs)
+
+    MegatronPolicy._run_pipeline = counted
     Trainer(load_config(None, [*TINY_RUN, "train.max_steps=3", "eval.every=1000", f"train.run_dir={run_dir}",
                                "objective.name=garl", "model.backend=megatron", *overrides])).fit()
     return [{key: r[key] for key in ("loss", "grad_norm", "rollout_tokens")} for r in read_metrics(run_dir)
-            if r["kind"] == "train"]
+            if r["kind"] == "train"], schedules
 
 
 @pytest.mark.slow
@@ -143,7 +152,8 @@ def megatron_steps(run_dir: str, overrides: list[str]) -> list[dict]:
 def test_row_chunks_train_alike_on_two_megatron_pipeline_stages(tmp_path):
     """The two passes on the megatron backend: the no-grad scoring pass's log-probs reach both stages (PP=2, where
     only the last computes them), and three GARL steps in chunks of 3 rows equal the stored whole-group steps of the
-    same run on the hf backend (tests/fixtures/three_step_metrics.json)."""
+    same run on the hf backend (tests/fixtures/three_step_metrics.json). Each pass goes through the stages in one
+    run of the schedule over all its chunks (a chunk at a time would leave a stage idle while the other works)."""
     pytest.importorskip("megatron.core")
     import json
     from pathlib import Path
@@ -152,8 +162,11 @@ def test_row_chunks_train_alike_on_two_megatron_pipeline_stages(tmp_path):
 
     stored = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "three_step_metrics.json").read_text())["garl"]
     ranks = run_in_processes(megatron_steps, 2, str(tmp_path / "run"), ["megatron.pipeline_parallel=2", "train.micro_batch_rows=3"])
-    assert ranks[0] == ranks[1]
-    assert [r["rollout_tokens"] for r in ranks[0]] == [r["rollout_tokens"] for r in stored]
-    for ours, theirs in zip(ranks[0], stored, strict=True):
+    (metrics, schedules), (other_metrics, other_schedules) = ranks
+    assert metrics == other_metrics and schedules == other_schedules
+    chunks = -(-16 // 3)  # the tiny run's 4 prompts x M=4 rows a step, in chunks of 3
+    assert schedules == [chunks, chunks] * 3, schedules  # per step: the scoring pass, then the gradient's
+    assert [r["rollout_tokens"] for r in metrics] == [r["rollout_tokens"] for r in stored]
+    for ours, theirs in zip(metrics, stored, strict=True):
         for key in ("loss", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), (key, ours, theirs)

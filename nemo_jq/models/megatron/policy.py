@@ -257,6 +257,24 @@ class MegatronPolicy:
         routes = padded_routes(batch.routes, *input_ids.shape)
         return self._logprobs(self._forward(input_ids, real, routes), batch)
 
+    def token_logprobs_each(self, batches: Sequence[TokenBatch]) -> list[torch.Tensor]:
+        """No-grad :meth:`token_logprobs` of each batch (``models.interfaces.token_logprobs_each``): under pipeline
+        parallelism all of them in one pass of the schedule, padded alike as the training pass pads its micro-batches,
+        so the stages work at once (one batch at a time through P stages leaves P - 1 of them idle: P times as long)."""
+        if self.pp_size == 1:
+            with torch.no_grad():
+                return [self.token_logprobs(batch) for batch in batches]
+        batches = [batch.to(self.device) for batch in batches]
+        with torch.no_grad():
+            scored = self._run_pipeline(batches)  # on the last stage only
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        out = [scored[index].contiguous() if self.model.post_process else
+               torch.empty(batch.target_mask.shape, dtype=torch.float32, device=self.device)
+               for index, batch in enumerate(batches)]
+        for logprobs in out:
+            dist.broadcast(logprobs, last, group=self.pp_group)
+        return out
+
     def _token_logprobs_alike_over_ep(self, batch: TokenBatch) -> torch.Tensor:
         """``token_logprobs`` where the expert-parallel ranks each run their own rows: megatron-core's all-gather
         dispatcher exchanges equal token counts, so every EP rank pads its rows to the group's most rows and longest

@@ -13,7 +13,7 @@ from helpers import one_line_error, run_cli, small_qwen3
 from nemo_jq.cluster import plan, timing
 from nemo_jq.config import load_config
 from nemo_jq.dryrun import GPUS, dry_run
-from nemo_jq.dryrun.bounds import MEASURED, GpuProfile
+from nemo_jq.dryrun.bounds import MEASURED, GpuProfile, pipeline_stretch
 
 ROOT = Path(__file__).resolve().parents[3]
 #: How far plan's counted training FLOPs may stray from the dry run's (1-3% at the shipped configs' shapes).
@@ -150,3 +150,22 @@ def test_vllms_decode_runs_the_rows_its_cache_holds_and_never_reads_kv_cache_tok
     assert rows(vllm_kv_cache_gb=1.0) == 2**30 // plan.kv_bytes_per_token(arch) // 5120
     assert rows(engine="native") == 16 * (131072 // (16 * 5120)) and rows(engine="native", kv_cache_tokens=1) == 16
     assert rows(engine="native", kv_cache_tokens=None) == 4096
+
+
+def test_a_pipelines_fill_and_drain_take_its_stages_less_one_more_micro_batch_times():
+    """megatron-core's 1F1B schedule: m micro-batches through P stages take m + P - 1 of a stage's micro-batch
+    times. One micro-batch a step passes the 4 stages in turn (4 times); 8 take 11, not 32; at PP=1 there is nothing
+    to fill. In chunks of rows (two passes) each pass is one run of the schedule over the step's chunks."""
+    config = load_config(ROOT / "configs" / "qwen3_8b" / "finqa_cold_garl_q0.75.yaml", ["train.micro_batch_rows=null"])
+    arch = plan.architecture(str(config.model.path))
+
+    def train(layout, prompts, rows=None):
+        changed = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=prompts,
+                                                                         micro_batch_rows=rows))
+        work = plan.Workload.from_config(changed, 1024)
+        return timing.phase_bounds(arch, work, changed, GPUS["h100-80gb"], layout)["train"]["seconds_at_least"]
+
+    assert train((1, 4, 2), 16) == pytest.approx(train((1, 4, 2), 2) * 11 / 4)
+    assert train((1, 1, 8), 64) == pytest.approx(train((1, 1, 8), 8) * 8)
+    assert train((2, 2, 2), 64, 4) == pytest.approx(train((2, 2, 2), 2, 4) * 32 * (128 + 1) / 128 / ((4 + 1) / 4))
+    assert pipeline_stretch(2, 32, 1, 16, 4) == (128 + 1) / 128 and pipeline_stretch(4, 8, 1, 16, None) == 11 / 8

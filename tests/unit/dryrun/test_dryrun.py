@@ -199,6 +199,8 @@ def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path)
     phases = report["phases"]
     assert list(phases) == ["build", "rollout", "train", "optimizer_step", "save", "guard_restore", "evaluate", "resume"]
     assert phases["optimizer_step"]["most_by_kind_gib"]["optimizer"] >= 2 * phases["build"]["by_kind_gib"]["weights"]
+    # the AdamW state a guard's restore reads back is the optimizer's at the evaluation after it, not temporaries
+    assert phases["evaluate"]["by_kind_gib"]["optimizer"] == phases["save"]["most_by_kind_gib"]["optimizer"] > 0
     assert phases["rollout"]["most_by_kind_gib"]["kv_cache"] > 0
     assert phases["train"]["most_by_kind_gib"]["activations"] > 0 and phases["train"]["flops"] > 0
     # the host: the save's safetensors serialises every weight at once there (fp32 on the hf backend: the GPU's)
