@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from nemo_jq.runtime.tracking import first_line
+
 METRICS_FILE = "metrics.jsonl"
 #: What each validation's first prompts were answered with (``eval.samples_shown``): a line a prompt, with its step.
 SAMPLES_FILE = "samples.jsonl"
@@ -105,8 +107,7 @@ class RunLogger:
         if self.writer is not None:
             self._add_scalars(record)
             self.writer.flush()
-        for tracker in self.trackers:
-            tracker.log(record)
+        self._to_trackers(f"step {record['step']}'s {record['kind']} record", lambda tracker: tracker.log(record))
 
     def log_samples(self, step: int, shown: list[dict[str, Any]]) -> None:
         """A validation's shown prompts (``Evaluator.shown``): a line each in ``samples.jsonl``, and a table of their
@@ -118,14 +119,24 @@ class RunLogger:
         rows = [[step, prompt["id"], prompt["question"], prompt["reference"], index, sample["rationale"],
                  sample["think_end_forced"], sample["answer"], sample["correct"]]
                 for prompt in shown for index, sample in enumerate(prompt["samples"])]
-        for tracker in self.trackers:
-            tracker.table("samples", step, list(SAMPLE_COLUMNS), rows)
+        self._to_trackers(f"step {step}'s samples", lambda tracker: tracker.table("samples", step, list(SAMPLE_COLUMNS), rows))
 
     def attach(self, path: Path) -> None:
         """Hand a file the run wrote (its Figure-3 plot) to the trackers."""
         if self.writes:
-            for tracker in self.trackers:
-                tracker.attach(path)
+            self._to_trackers(path.name, lambda tracker: tracker.attach(path))
+
+    def _to_trackers(self, what: str, send: Callable[[Any], None]) -> None:
+        """``send(tracker)`` for each tracker. One that fails (its server gone, its store deleted, a full disk) is
+        dropped with a line on stderr, and the run trains on: metrics.jsonl holds every record, and a resume
+        continues the tracker's run."""
+        for tracker in list(self.trackers):
+            try:
+                send(tracker)
+            except Exception as err:  # a tracker's failure is its library's, of any kind: it must not end the run
+                self.trackers.remove(tracker)
+                print(f"nemo-jq: {tracker.name} failed on {what} ({first_line(err)}): the run goes on without it (metrics.jsonl keeps "
+                      f"every record; --resume once it is back continues its {tracker.name} run)", file=sys.stderr)
 
     def _add_scalars(self, record: dict[str, Any]) -> None:
         for key, value in record.items():
@@ -135,8 +146,7 @@ class RunLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-        for tracker in self.trackers:
-            tracker.close()
+        self._to_trackers("closing its run", lambda tracker: tracker.close())
         self.trackers = []
 
 

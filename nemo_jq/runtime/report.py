@@ -25,7 +25,7 @@ from typing import Any
 
 from nemo_jq.runtime.monitor import nonfinite_back, read_json_file, read_metrics, valid_json
 from nemo_jq.runtime.outputs import MOVED_ASIDE
-from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE, has_finished
+from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE, UNSEEN_KEYS, has_finished
 from nemo_jq.runtime.sweep import FINISHED, SWEEP_FILE, Sweep
 
 
@@ -71,8 +71,8 @@ def method_label(results: dict[str, Any]) -> str:
 
 
 #: Keys runs of one row differ in: their seeds (the training's, and the data split's, which the experiments draw with
-#: it), and each run's own folder.
-NOT_SETTINGS = ("train.seed", "data.seed", "train.run_dir")
+#: it), each run's own folder, and what changes nothing a run computes (where it is saved, its layout, its trackers).
+NOT_SETTINGS = ("train.seed", "data.seed", "train.run_dir", *UNSEEN_KEYS)
 
 
 def settings(config: Any) -> dict[str, str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from nemo_jq.config import PATH_KEYS, Config, ConfigError, current_key, load_config, save_config
+from nemo_jq.config import PATH_KEYS, Config, ConfigError, TrackingConfig, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
 from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, nonfinite_back, plot_runs, read_metrics, valid_json
@@ -33,14 +33,18 @@ STARTED_FILES = (*RUN_FILES, LOCK_FILE, "wandb", "mlruns")
 #: How the megatron backend lays the model out over the processes: its checkpoints load at any TP, PP, CP and DP size.
 LAYOUT_KEYS = ("megatron.tensor_parallel", "megatron.pipeline_parallel", "megatron.context_parallel",
                "megatron.sequence_parallel")
-#: Keys a resumed run may change: how long it goes on, how it is evaluated and saved, how much memory a step holds
-#: (row chunks and recomputation give the same gradient), and where it runs (:data:`LAYOUT_KEYS`), never what it trains
-#: nor what picks its best checkpoint (``eval.num_samples``, the k of its validation m@k: m@8 beside m@4 compares two
-#: metrics; ``nemo-jq eval`` scores a checkpoint at any k).
-RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.tensorboard",
-                  "train.micro_batch_rows", "model.activation_checkpointing", "eval.every", "eval.samples_shown",
-                  "eval.batch_size", *LAYOUT_KEYS, "megatron.recompute_activations", "megatron.distributed_optimizer",
-                  "rollout.placement", "rollout.ranks")
+#: The experiment trackers' keys: where a run's records are sent, not what it trains.
+TRACKING_KEYS = tuple(f"tracking.{field.name}" for field in dataclasses.fields(TrackingConfig))
+#: Keys that change nothing a run computes: how it is saved and shown, how much memory a step holds (row chunks and
+#: recomputation give the same gradient), where it runs (:data:`LAYOUT_KEYS`), and where its records go.
+UNSEEN_KEYS = ("train.save_every", "train.keep_checkpoints", "train.tensorboard", "train.micro_batch_rows",
+               "model.activation_checkpointing", "eval.samples_shown", "eval.batch_size", *LAYOUT_KEYS,
+               "megatron.recompute_activations", "megatron.distributed_optimizer", "rollout.placement", "rollout.ranks",
+               *TRACKING_KEYS)
+#: Keys a resumed run may change: how long it goes on and how often it is evaluated, and :data:`UNSEEN_KEYS`; never what
+#: it trains nor what picks its best checkpoint (``eval.num_samples``, the k of its validation m@k: m@8 beside m@4
+#: compares two metrics; ``nemo-jq eval`` scores a checkpoint at any k).
+RESUMABLE_KEYS = ("train.epochs", "train.max_steps", "eval.every", *UNSEEN_KEYS)
 #: Where a loaded checkpoint runs: the device (a run trained on a GPU, exported on a login node) and the layout, a
 #: Qwen3-MoE's experts' too (a checkpoint's weights load at any EP: docs/moe.md; its AdamW state is resumed at its own).
 PLACEMENT_KEYS = ("train.device", *LAYOUT_KEYS, "megatron.expert_parallel", "megatron.expert_tensor_parallel")

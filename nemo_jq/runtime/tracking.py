@@ -2,8 +2,9 @@
 
 Each receives what a run logs: its config once, every record of metrics.jsonl (``kind/key`` at the
 record's step: train, validation, test and the collapse guard's events), and the Figure-3 plot when
-the run finishes. A resumed run continues the same tracker run (the ids are kept in
-``RUN_DIR/tracking.json``).
+the run finishes. A resumed run continues the same tracker run (the ids, and the MLflow store the run is in, are
+kept in ``RUN_DIR/tracking.json``). A tracker that fails during a run is dropped with a line on stderr: the run
+trains on (``metrics.jsonl`` holds every record), :class:`~nemo_jq.runtime.monitor.RunLogger` sees to it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ TRACKING_FILE = "tracking.json"
 
 
 class Tracker(Protocol):
+    #: How a line on stderr names it (``W&B``, ``MLflow``).
+    name: str
+
     def log(self, record: dict[str, Any]) -> None: ...
 
     def attach(self, path: Path) -> None: ...
@@ -61,6 +65,8 @@ class TrackerDidNotStart(ValueError):
 
 class WandbTracker:
     """A Weights & Biases run named after the run directory (offline mode writes under ``RUN_DIR/wandb``)."""
+
+    name = "W&B"
 
     def __init__(self, run_dir: Path, config: Any, ids: dict[str, str]):
         import wandb
@@ -119,22 +125,34 @@ def mlflow_name(key: str) -> str:
 
 class MlflowTracker:
     """An MLflow run named after the run directory, in ``tracking.mlflow_experiment`` (metric names as
-    :func:`mlflow_name` says); words go in as tags ``kind/key.step_N``."""
+    :func:`mlflow_name` says); words go in as tags ``kind/key.step_N``. A resumed run's store is the one it was started
+    in (recorded in ``tracking.json``), unless ``tracking.mlflow_tracking_uri`` names another."""
+
+    name = "MLflow"
 
     def __init__(self, run_dir: Path, config: Any, ids: dict[str, str]):
         from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         tracking = config.tracking
-        uri = tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+        uri = (tracking.mlflow_tracking_uri or ids.get("mlflow_tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+               or (run_dir / "mlruns").resolve().as_uri())
         if uri.startswith("file:"):  # MLflow 3 wants a database; a file store needs no server and no SQLAlchemy
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         if uri.startswith(("http://", "https://")):
             reachable(uri)
         self.client = MlflowClient(tracking_uri=uri)
+        ids["mlflow_tracking_uri"] = uri
         if "mlflow" in ids:
             self.run_id = ids["mlflow"]
-            self.client.update_run(self.run_id, status="RUNNING")
+            try:
+                self.client.update_run(self.run_id, status="RUNNING")
+            except MlflowException as err:
+                raise TrackerDidNotStart(
+                    f"{run_dir / TRACKING_FILE}: MLflow run {self.run_id} is not in the store at {uri} "
+                    f"({first_line(err)}): set tracking.mlflow_tracking_uri to the store that holds it, or delete its "
+                    "\"mlflow\" entry there to log to a new MLflow run from here on") from None
             return
         experiment = self.client.get_experiment_by_name(tracking.mlflow_experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(tracking.mlflow_experiment)
@@ -167,12 +185,20 @@ class MlflowTracker:
 
 def open_trackers(run_dir: Path, config: Any) -> list[Tracker]:
     """The trackers ``config.tracking`` turns on, continuing this run's earlier tracker runs if it has any."""
+    from nemo_jq.runtime.monitor import read_json_file
+
     tracking = config.tracking
     wanted = [cls for on, cls in ((tracking.wandb, WandbTracker), (tracking.mlflow, MlflowTracker)) if on]
     if not wanted:
         return []
     path = run_dir / TRACKING_FILE
-    ids = json.loads(path.read_text()) if path.exists() else {}
+    ids = read_json_file(path, "the run's tracker ids", _ids_problem, "restore it, or delete it to log to new tracker "
+                         "runs from here on") if path.exists() else {}
     trackers = [cls(run_dir, config, ids) for cls in wanted]
     path.write_text(json.dumps(ids, indent=2) + "\n")
     return trackers
+
+
+def _ids_problem(ids: dict[str, Any]) -> str | None:
+    wrong = [key for key, value in ids.items() if not isinstance(value, str)]
+    return f"its {wrong[0]} is not a string" if wrong else None

@@ -71,3 +71,45 @@ def test_a_tracker_that_cannot_start_is_one_line_at_once(tmp_path, capsys, monke
     code, _, err = run_cli(capsys, "train", *QUICK, "tracking.wandb=true", f"train.run_dir={tmp_path / 'wandb'}")
     one_line_error(code, err, "tracking.wandb=true (wandb_mode=online) could not start W&B", "tracking.wandb_mode=offline")
     assert read_metrics(tmp_path / "wandb") == []
+
+
+@pytest.mark.slow
+def test_a_tracker_failing_mid_run_is_dropped_and_a_resume_finds_its_store_or_says_why_not(tmp_path, capsys, monkeypatch):
+    """MLflow's file store named by MLFLOW_TRACKING_URI at the start: a resume without it continues the run in that
+    store (tracking.json records it). A failure during a run (here a store that stops taking metrics at step 4: a
+    stand-in for a server gone away) drops the tracker with a line and the run finishes; the tracking keys change
+    on --resume; a run the store does not hold is one line naming tracking.json."""
+    from mlflow.tracking import MlflowClient
+
+    from nemo_jq.runtime import tracking
+
+    store, run_dir = (tmp_path / "store").as_uri(), tmp_path / "run"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert run_cli(capsys, "train", *QUICK, "tracking.mlflow=true", f"train.run_dir={run_dir}")[0] == 0
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    real_log = tracking.MlflowTracker.log
+
+    def failing_from_step_4(self, record):
+        if record["step"] >= 4:
+            raise OSError(28, "No space left on device")
+        real_log(self, record)
+
+    monkeypatch.setattr(tracking.MlflowTracker, "log", failing_from_step_4)
+    code, out, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=5")
+    assert code == 0, err
+    assert err.count("nemo-jq: MLflow failed on step 4's train record (OSError: [Errno 28] No space left on device): the "
+                     "run goes on without it") == 1, err
+    ids = json.loads((run_dir / "tracking.json").read_text())
+    assert ids["mlflow_tracking_uri"] == store
+    client = MlflowClient(tracking_uri=store)
+    assert [m.step for m in client.get_metric_history(ids["mlflow"], "train/loss")] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    monkeypatch.undo()
+    assert run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=6", "tracking.mlflow=false")[0] == 0
+    (run_dir / "tracking.json").write_text(json.dumps({**ids, "mlflow": "0" * 32}))
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.epochs=2", "train.max_steps=7", "tracking.mlflow=true")
+    one_line_error(code, err, f"{run_dir / 'tracking.json'}: MLflow run {'0' * 32} is not in the store at {store}",
+                   "delete its \"mlflow\" entry")
+    (run_dir / "tracking.json").write_text('{"mlflow": ')
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.epochs=2", "train.max_steps=7", "tracking.mlflow=true")
+    one_line_error(code, err, f"{run_dir / 'tracking.json'} is not the run's tracker ids", "delete it")
