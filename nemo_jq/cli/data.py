@@ -61,10 +61,12 @@ def run(args: argparse.Namespace) -> int:
     if (above := run_above(Path(args.out))) is not None:  # the run's --overwrite would move the data with it
         raise ValueError(f"--out {args.out} is inside the run {above[0]} ({above[1]}): prepared data goes in a folder "
                          f"of its own (e.g. {above[0].parent / Path(args.out).name})")
+    claimed = {"what": "prepared data", "advice": "choose another --out, or pass --overwrite to move it aside first"}
+    if not args.overwrite:  # said before the source is read (a download, a large file), not after
+        claim_dir(args.out, PREPARED_FILES, overwrite=False, **claimed)
     splits, manifest = prepare(task, args.source, sizes, args.seed, hub_config=args.hub_config, on_bad_row=args.on_bad_row,
                                options=PREPARE_FLAGS)
-    claim_dir(args.out, PREPARED_FILES, overwrite=args.overwrite, what="prepared data",
-              advice="choose another --out, or pass --overwrite to move it aside first")
+    claim_dir(args.out, PREPARED_FILES, overwrite=args.overwrite, **claimed)  # moved aside only once the data is ready
     write_prepared(splits, manifest, args.out)
     for name, entry in manifest["sources"].items():
         derived = {k: v for k, v in entry["reference_sources"].items() if k != "answer"}

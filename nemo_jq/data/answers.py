@@ -33,9 +33,10 @@ _YES_NO = ("yes", "no")
 
 
 def squad_normalize(text: str) -> str:
-    """Lower case, drop punctuation and the articles a/an/the, collapse white space (SQuAD v1.1)."""
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
-    return " ".join(_ARTICLES.sub(" ", text).split())
+    """Lower case, drop punctuation and the articles a/an/the, collapse white space (SQuAD v1.1); an answer that is
+    nothing but articles keeps them (a multiple-choice ``A``, which SQuAD's rule makes empty: no output matched it)."""
+    text = " ".join("".join(ch for ch in text.lower() if ch not in _PUNCTUATION).split())
+    return " ".join(_ARTICLES.sub(" ", text).split()) or text
 
 
 def extract_final_answer(output: str) -> str:

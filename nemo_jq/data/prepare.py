@@ -11,6 +11,7 @@ For every source split the manifest satisfies ``rows = bad + over_cap + selected
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import json
 import random
@@ -150,10 +151,14 @@ def prepare(
         rows, origin = _read_source_split(task, source, hub_config, names, options)
         entry = {**origin, "rows": len(rows), "bad": [], "over_cap": []}
         where = source_label(source, names[0], entry)
-        pool, sources, rows_of, empty = [], Counter(), defaultdict(list), defaultdict(list)
+        pool, sources, rows_of, empty, unread = [], Counter(), defaultdict(list), defaultdict(list), defaultdict(list)
+        read_keys = getattr(task, "read_keys", None)
         for number, record in rows:
             row_id = record_id(record, f"{names[0]}:{number}")
             rows_of[row_id].append(number)
+            if read_keys is not None and isinstance(record, dict):
+                for key in record.keys() - set(read_keys):
+                    unread[key].append(number)
             try:
                 if isinstance(record, UnreadableRow):
                     raise BadRow(record.reason)
@@ -176,6 +181,7 @@ def prepare(
             pool.append(example)
         warn_duplicate_ids(where, rows_of)
         warn_empty_fields(where, task, empty, options)
+        warn_unread_keys(where, read_keys, unread)
         ids_of[where] = rows_of
         random.Random(f"{seed}:{names[0]}").shuffle(pool)
         pools[names] = pool
@@ -301,6 +307,16 @@ def warn_empty_fields(source: str, task: QATask, empty: dict[str, list[int]], op
         print(f"nemo-jq: warning: {source}: {len(rows)} row(s) have no {name!r} (rows {shown}), which the prompt "
               f"template {getattr(task, 'template', '')!r} uses: their prompts hold it blank; fill the field, or "
               f"pass a {options.template} without {{{name}}}", file=sys.stderr)
+
+
+def warn_unread_keys(source: str, read_keys: tuple[str, ...] | None, unread: dict[str, list[int]]) -> None:
+    """Say which keys of ``source``'s rows the dataset does not read (and the one each may have meant)."""
+    for key, rows in sorted(unread.items()):
+        shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+        meant = difflib.get_close_matches(key.lower(), read_keys, n=1, cutoff=0.6)
+        print(f"nemo-jq: warning: {source}: {len(rows)} row(s) hold the key {key!r} (rows {shown}), which is not read"
+              f"{f': did you mean {meant[0]!r}?' if meant else ''} (a row is read for {', '.join(read_keys)})",
+              file=sys.stderr)
 
 
 def reference_source(example: Example) -> str:

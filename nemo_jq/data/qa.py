@@ -85,7 +85,7 @@ def required_answer(record: dict[str, Any], key: str = "answer") -> str:
     if not answer:
         raise BadRow(f"empty {key!r}")
     if not squad_normalize(answer):
-        raise BadRow(f"{key!r} {answer!r} is empty once normalised (only punctuation or articles): no output could match it")
+        raise BadRow(f"{key!r} {answer!r} is empty once normalised (only punctuation): no output could match it")
     return answer
 
 
@@ -314,6 +314,9 @@ class CustomQA(QATask):
     max_input_chars: int | None = 32000
     #: Your own data is local: a missing file is said at once, not looked up on the hub.
     from_hub: ClassVar[bool] = False
+    #: The keys a row's object is read for (``data prepare`` names any other: a misspelt ``Context`` left every prompt
+    #: without its passage, silently).
+    read_keys: ClassVar[tuple[str, ...]] = ("question", "answer", "context", "id", "_id")
     template: str = DEFAULT_TEMPLATE
     system: str = "Answer the question. Think step by step, then reply with only the final answer."
 

@@ -19,6 +19,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,17 +290,32 @@ def smoothed(values: list[float], window: int = 10) -> list[float]:
     return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
+def curve_lines(runs: list[RunRecord]) -> dict[str, list[RunRecord]]:
+    """One dataset's runs by line of its figure: a line per table row (:func:`table`), labelled by its method (as
+    :func:`told_apart` labels it), and by its prompt format and its k where the dataset's rows differ in them."""
+    rows: dict[tuple[str, str, str, frozenset[str]], list[RunRecord]] = {}
+    for run in runs:
+        rows.setdefault(_group(run), []).append(run)
+    formats, metric_sets = {key[1] for key in rows}, {key[3] for key in rows}
+
+    def label(key: tuple[str, str, str, frozenset[str]]) -> str:
+        ks = sorted({int(name.split("@")[1]) for name in key[3] if "@" in name and name.split("@")[1].isdigit()})
+        return " ".join([key[2], *([key[1]] if len(formats) > 1 else []),
+                         *([f"k={ks[-1]}"] if len(metric_sets) > 1 and ks else [])])
+
+    return {label(key): members for key, members in rows.items()}
+
+
 def plot_dataset(runs: list[RunRecord], path: Path) -> None:
-    """One dataset's curves, a colour per method, each line the mean over its seeds and the band their range: log P̂
-    (log(1/M) dashed), validation m@k, the train reward smoothed (P̂ for GARL/PAFT, the sampled reward otherwise), q."""
+    """One dataset's curves, a colour per line (:func:`curve_lines`: a table row each), each the mean over its seeds
+    and the band their range: log P̂ (log(1/M) dashed), validation m@k, the train reward smoothed (P̂ for GARL/PAFT,
+    the sampled reward otherwise), q. The legend stands beside the panels, whatever the labels' length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods: dict[str, list[RunRecord]] = {}
-    for run in runs:
-        methods.setdefault(run.method, []).append(run)
+    methods = curve_lines(runs)
     key = validation_key([record for run in runs for record in run.records])
     panels = [("log P̂", "train", "log_p_hat", False), (f"validation {key}", "validation", key, False),
               ("train reward (smoothed)", "train", None, True), ("q", "train", "q", False)]
@@ -324,12 +340,13 @@ def plot_dataset(runs: list[RunRecord], path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], color=f"C{color}", label=method) for color, method in enumerate(methods)]
+    handles = [plt.Line2D([], [], color=f"C{color}", label=textwrap.fill(method, 48))
+               for color, method in enumerate(methods)]
     handles.append(plt.Line2D([], [], color="grey", linestyle="--", linewidth=1, label="log(1/M)"))
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8)
     fig.suptitle(f"{runs[0].dataset}: mean over seeds, band: their range", fontsize=10)
-    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
-    fig.savefig(path, dpi=110, metadata={"Software": FIGURE_MARK})
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": FIGURE_MARK})
     plt.close(fig)
 
 

@@ -206,7 +206,8 @@ def test_a_quota_is_one_line_naming_it(tmp_path, capsys, monkeypatch, failure):
 # ----------------------------------------------------------------------------- item 5: long prompts, failed starts
 def test_a_long_prompt_is_dropped_and_named_at_prepare_time_and_a_bom_and_repeated_ids_are_handled(tmp_path, capsys):
     rows = [{"id": "a", "question": "1+1?", "answer": "2"}, {"id": "b", "question": "x" * 100_000, "answer": "3"},
-            {"id": "c", "question": "2+2?", "answer": "4"}, {"id": "a", "question": "3+3?", "answer": "6"}]
+            {"id": "c", "question": "2+2?", "answer": "4", "Context": "a passage"},
+            {"id": "a", "question": "3+3?", "answer": "6", "source": "book"}]
     source = tmp_path / "mine.jsonl"
     source.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())  # as Notepad saves it
     code, out, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", source, "--sizes", "1,1,1",
@@ -215,7 +216,15 @@ def test_a_long_prompt_is_dropped_and_named_at_prepare_time_and_a_bom_and_repeat
     assert "0 bad, 1 over the 32000-character cap (row 2: id b, 100010 characters)" in out  # the BOM row is kept
     assert [line for line in err.splitlines() if "warning" in line] == [
         f"nemo-jq: warning: {source}: 1 example id(s) on more than one row: a (rows 1, 4): reports name examples by "
-        "id, so make the ids unique"]
+        "id, so make the ids unique",
+        f"nemo-jq: warning: {source}: 1 row(s) hold the key 'Context' (rows 3), which is not read: did you mean "
+        "'context'? (a row is read for question, answer, context, id, _id)",
+        f"nemo-jq: warning: {source}: 1 row(s) hold the key 'source' (rows 4), which is not read (a row is read for "
+        "question, answer, context, id, _id)"]
+    # a folder of prepared data is refused before the source is read (a download, a large file), not after
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", tmp_path / "absent.jsonl",
+                           "--sizes", "1,1,1", "--out", tmp_path / "p")
+    one_line_error(code, err, f"{tmp_path / 'p'} already holds prepared data", "pass --overwrite")
 
 
 def test_a_prompt_beyond_the_models_context_is_one_line_before_anything_is_written(tmp_path, capsys):

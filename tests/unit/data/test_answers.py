@@ -273,6 +273,17 @@ def test_property_text_reward_is_exact_match_of_the_extracted_answer():
         assert text_exact_match(gold, references) is bool(squad_normalize(gold))
 
 
+def test_a_multiple_choice_letter_earns_the_reward_only_as_itself():
+    """SQuAD's rule makes the gold ``A`` empty (an article), so no output matched it: it stays ``a``, and only the
+    letter itself earns it, not another letter, another article, or prose around it."""
+    task, example = MuSiQue(), Example("m", "q", "A")
+    for output, reward in (("Answer: A", 1.0), ("Answer: (a).", 1.0), ("\\boxed{A}", 1.0), ("Answer: B", 0.0),
+                           ("Answer: the", 0.0), ("Answer: an", 0.0), ("Answer: A or B", 0.0), ("A is right", 0.0),
+                           ("Answer:", 0.0)):
+        assert task.reward(output, example) == reward, output
+    assert MuSiQue().reward("Answer: B", Example("m", "q", "B")) == 1.0 and text_exact_match("a B", ("B",))
+
+
 def test_property_token_substring_matches_only_whole_token_runs():
     rng = random.Random(5)
     for _ in range(3000):

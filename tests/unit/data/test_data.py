@@ -86,7 +86,7 @@ def test_finqa_keeps_the_executed_answer():
 @pytest.mark.parametrize(
     "text, normalized",
     [("The Beatles", "beatles"), ("an apple, a pear.", "apple pear"), ("Yes.", "yes"), ("  New   York!! ", "new york"),
-     ("Theatre", "theatre")],
+     ("Theatre", "theatre"), ("A", "a"), ("(B)", "b"), ("The.", "the"), ("?!", "")],
 )
 def test_squad_normalisation(text, normalized):
     assert squad_normalize(text) == normalized

@@ -485,6 +485,23 @@ def test_runs_that_differ_in_more_than_their_seeds_are_rows_of_their_own_labelle
     assert [line.split(",")[2] for line in (tmp_path / "t.csv").read_text().splitlines()[1:]] == labels
 
 
+def test_a_figure_draws_a_line_per_table_row_labelled_by_what_tells_it_apart(tmp_path):
+    """Cold and warm starts, and runs evaluated at another k, are rows of their own: their curves too (they were one
+    line, averaged together); the format and k join a label only where the dataset's rows differ in them."""
+    runs = tmp_path / "runs"
+    for seed in (0, 1):
+        finished_run(runs / f"cold_{seed}", seed=seed)
+    finished_run(runs / "warm", overrides=["data.format=warm"])
+    finished_run(runs / "k4", test={"p@1": 1.0, "p@4": 2.0, "m@4": 3.0})
+    result = report.report([runs], figures=tmp_path / "figures")
+    lines = report.curve_lines(report.told_apart([report.read_run(run) for run in sorted(runs.iterdir())]))
+    assert {label: len(members) for label, members in lines.items()} == {
+        "GARL q=0.5 cold k=16": 2, "GARL q=0.5 cold k=4": 1, "GARL q=0.5 warm k=16": 1}
+    assert len(result["rows"]) == 3 and (tmp_path / "figures" / "curves_synthetic.png").stat().st_size > 10_000
+    same = report.curve_lines(report.told_apart([report.read_run(runs / f"cold_{seed}") for seed in (0, 1)]))
+    assert list(same) == ["GARL q=0.5"]
+
+
 def test_a_sweep_refuses_the_keys_it_sets_itself_and_options_that_would_do_nothing(tmp_path, capsys):
     for words, fragments in (
             (["train.seed=5", "--seeds", "0,1"], ["train.seed: --seeds sets train.seed for each run"]),
