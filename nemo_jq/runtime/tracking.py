@@ -59,12 +59,21 @@ def flat_config(config: Any) -> dict[str, Any]:
     return flat
 
 
+def sweep_of(run_dir: Path) -> Path | None:
+    """The sweep ``run_dir`` is a run of (its folder holds the sweep's ``sweep.json``), else None."""
+    from nemo_jq.runtime.sweep import SWEEP_FILE
+
+    parent = Path(run_dir).resolve().parent
+    return parent if (parent / SWEEP_FILE).exists() else None
+
+
 class TrackerDidNotStart(ValueError):
     """A tracker the config turns on could not start (its service, its login): one line, the run not begun."""
 
 
 class WandbTracker:
-    """A Weights & Biases run named after the run directory (offline mode writes under ``RUN_DIR/wandb``)."""
+    """A Weights & Biases run named after the run directory, a sweep's runs grouped under the sweep's folder name
+    (offline mode writes under ``RUN_DIR/wandb``)."""
 
     name = "W&B"
 
@@ -74,7 +83,9 @@ class WandbTracker:
         tracking = config.tracking
         self.wandb = wandb
         try:
+            sweep = sweep_of(run_dir)
             self.run = wandb.init(project=tracking.wandb_project, entity=tracking.wandb_entity, name=run_dir.name,
+                                  group=sweep.name if sweep else None,
                                   dir=str(run_dir), mode=tracking.wandb_mode, config=flat_config(config),
                                   id=ids.get("wandb"), resume="allow", settings=wandb.Settings(silent=True, console="off"))
         except (wandb.Error, OSError) as err:  # no login, no network: the tracker's, said before any step
@@ -125,8 +136,9 @@ def mlflow_name(key: str) -> str:
 
 class MlflowTracker:
     """An MLflow run named after the run directory, in ``tracking.mlflow_experiment`` (metric names as
-    :func:`mlflow_name` says); words go in as tags ``kind/key.step_N``. A resumed run's store is the one it was started
-    in (recorded in ``tracking.json``), unless ``tracking.mlflow_tracking_uri`` names another."""
+    :func:`mlflow_name` says); words go in as tags ``kind/key.step_N``. Its store: ``tracking.mlflow_tracking_uri``,
+    else the one a resumed run was started in (recorded in ``tracking.json``), else ``$MLFLOW_TRACKING_URI``, else a
+    file store in the run's folder, or in its sweep's (one store for all of a sweep's runs, each tagged ``sweep``)."""
 
     name = "MLflow"
 
@@ -136,8 +148,9 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         tracking = config.tracking
+        sweep = sweep_of(run_dir)
         uri = (tracking.mlflow_tracking_uri or ids.get("mlflow_tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
-               or (run_dir / "mlruns").resolve().as_uri())
+               or ((sweep or run_dir) / "mlruns").resolve().as_uri())
         if uri.startswith("file:"):  # MLflow 3 wants a database; a file store needs no server and no SQLAlchemy
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         if uri.startswith(("http://", "https://")):
@@ -154,12 +167,27 @@ class MlflowTracker:
                     f"({first_line(err)}): set tracking.mlflow_tracking_uri to the store that holds it, or delete its "
                     "\"mlflow\" entry there to log to a new MLflow run from here on") from None
             return
-        experiment = self.client.get_experiment_by_name(tracking.mlflow_experiment)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(tracking.mlflow_experiment)
-        self.run_id = ids["mlflow"] = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
+        experiment_id = self._experiment_id(tracking.mlflow_experiment)
+        tags = {"sweep": sweep.name} if sweep else {}
+        self.run_id = ids["mlflow"] = self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags).info.run_id
         params = [Param(key, str(value)[:6000]) for key, value in flat_config(config).items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[start:start + 100])
+
+    def _experiment_id(self, name: str) -> str:
+        """The experiment called ``name``, made if the store has none (a sweep's runs starting at once may both make
+        it: the second finds the first's)."""
+        from mlflow.exceptions import MlflowException
+
+        for _ in range(2):
+            experiment = self.client.get_experiment_by_name(name)
+            if experiment is not None:
+                return experiment.experiment_id
+            try:
+                return self.client.create_experiment(name)
+            except MlflowException:  # made by another run meanwhile
+                continue
+        raise TrackerDidNotStart(f"tracking.mlflow_experiment={name}: MLflow could neither find nor make it")
 
     def log(self, record: dict[str, Any]) -> None:
         from mlflow.entities import Metric

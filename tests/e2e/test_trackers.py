@@ -113,3 +113,28 @@ def test_a_tracker_failing_mid_run_is_dropped_and_a_resume_finds_its_store_or_sa
     (run_dir / "tracking.json").write_text('{"mlflow": ')
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.epochs=2", "train.max_steps=7", "tracking.mlflow=true")
     one_line_error(code, err, f"{run_dir / 'tracking.json'} is not the run's tracker ids", "delete it")
+
+
+@pytest.mark.slow
+def test_a_sweeps_runs_share_one_mlflow_store_and_are_grouped_by_the_sweep(tmp_path, capsys, monkeypatch):
+    """Two runs started at once: one file store in the sweep's folder (each made sure of the experiment; the second
+    finds the first's), each MLflow run tagged with the sweep, each W&B run in the sweep's group."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this test's client, as the tracker allows it
+    sweep = tmp_path / "q_sweep"
+    code, out, err = run_cli(capsys, "sweep", "--out", sweep, "--parallel", "2", "objective.q=0.5,1", *TINY_RUN,
+                             "train.max_steps=2", "tracking.mlflow=true", "tracking.wandb=true", "tracking.wandb_mode=offline")
+    assert code == 0, out + err
+    runs = [json.loads((sweep / name / "tracking.json").read_text()) for name in ("q=0.5", "q=1")]
+    assert {ids["mlflow_tracking_uri"] for ids in runs} == {(sweep / "mlruns").as_uri()}
+    assert not any((sweep / name / "mlruns").exists() for name in ("q=0.5", "q=1"))
+    client = MlflowClient(tracking_uri=(sweep / "mlruns").as_uri())
+    for name, ids in zip(("q=0.5", "q=1"), runs):
+        run = client.get_run(ids["mlflow"])
+        assert run.info.run_name == name and run.data.tags["sweep"] == "q_sweep"
+        assert [m.step for m in client.get_metric_history(ids["mlflow"], "train/loss")] == [1, 2]
+        session = next((sweep / name / "wandb").glob(f"offline-run-*-{ids['wandb']}"))
+        assert b"q_sweep" in (session / f"run-{ids['wandb']}.wandb").read_bytes()  # the group, in W&B's run record
