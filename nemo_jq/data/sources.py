@@ -68,9 +68,14 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
             raise ValueError(f"{path} must hold a list of records (or {{'data': [...]}})")
         return list(enumerate(data, 1))
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return list(enumerate(pq.read_table(path).to_pylist(), 1))
+        try:
+            return list(enumerate(pq.read_table(path).to_pylist(), 1))
+        except (pa.ArrowInvalid, OSError) as err:  # not Parquet, or cut short
+            raise ValueError(f"{path} is not a readable Parquet file ({str(err).splitlines()[0]}): write it again, or "
+                             "give the rows as .jsonl") from None
     raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use one of {list(SUFFIXES)}")
 
 

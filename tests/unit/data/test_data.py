@@ -206,6 +206,9 @@ def test_parquet_source_in_the_hf_schema(tmp_path):
     from_parquet, _ = prepare(HotPotQA(), str(tmp_path), (3, 2, 2), seed=1)
     from_jsonl, _ = prepare(HotPotQA(), str(FIXTURES / "hotpotqa_hf"), (3, 2, 2), seed=1)
     assert from_parquet == from_jsonl
+    (tmp_path / "train.parquet").write_bytes((tmp_path / "train.parquet").read_bytes()[:-20])  # cut short
+    with pytest.raises(ValueError, match=r"train.parquet is not a readable Parquet file \(.*\): write it again, or give"):
+        prepare(HotPotQA(), str(tmp_path), (3, 2, 2), seed=1)
 
 
 def test_hub_sources_are_the_papers(monkeypatch, tmp_path, capsys):
