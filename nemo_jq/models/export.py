@@ -12,6 +12,7 @@ import torch
 from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.common import WEIGHTS_FILE, quiet_weight_files
 from nemo_jq.runtime.monitor import read_json_file
+from nemo_jq.runtime.outputs import STAGED_INSIDE
 from nemo_jq.typed import first_few
 
 #: Marks a folder as written by ``HFPolicy.export`` and lists its files, so a later export may replace them.
@@ -30,7 +31,7 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
     """
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"export target {out_dir} is a file: choose another --out or remove it")
-    present = {path.name for path in out_dir.iterdir()} if out_dir.exists() else set()
+    present = {path.name for path in out_dir.iterdir()} - {STAGED_INSIDE} if out_dir.exists() else set()
     if not present:
         return []
     marker = out_dir / EXPORT_MARKER

@@ -35,15 +35,21 @@ def claim_dir(path: Path, markers: tuple[str, ...], *, overwrite: bool, what: st
     return move_aside(path)
 
 
+#: Where :func:`staged` writes inside the folder it fills when it cannot write beside it.
+STAGED_INSIDE = ".partial"
+
+
 @contextlib.contextmanager
 def staged(folder: Path, *, last: str, replaces: tuple[str, ...] | list[str] = (), writes: bool = True) -> Iterator[Path]:
-    """A folder to write ``folder``'s files in (``.NAME.partial`` beside it), moved into ``folder`` once all are
-    written, ``last`` (the file that marks it whole) the last; ``replaces``: an earlier write's files, deleted just
-    before. A stop part-way leaves ``folder`` as it was: a half-written export or prepared folder blocked the same
-    command next time, and an interrupted export had deleted the earlier one first. ``writes``: this process writes
-    (a collective export's other ranks do not)."""
+    """A folder to write ``folder``'s files in (``.NAME.partial`` beside it, or inside it, ``.partial``, where only
+    ``folder`` may be written: a user's folder in a shared project's), moved into ``folder`` once all are written,
+    ``last`` (the file that marks it whole) the last; ``replaces``: an earlier write's files, deleted just before. A
+    stop part-way leaves ``folder`` as it was: a half-written export or prepared folder blocked the same command next
+    time, and an interrupted export had deleted the earlier one first. ``writes``: this process writes (a collective
+    export's other ranks do not)."""
     folder = Path(folder)
-    staging = folder.parent / f".{folder.name}.partial"
+    beside = not folder.is_dir() or os.access(folder.parent, os.W_OK)
+    staging = folder.parent / f".{folder.name}.partial" if beside else folder / STAGED_INSIDE
     if writes:
         shutil.rmtree(staging, ignore_errors=True)  # a killed write's
         staging.mkdir(parents=True)

@@ -462,6 +462,24 @@ def test_a_stop_part_way_through_an_export_or_a_data_prepare_leaves_its_folder_a
     assert run_cli(capsys, *args)[0] == 0 and (prepared / "manifest.json").exists()
 
 
+def test_an_out_folder_of_ones_own_in_a_folder_one_cannot_write_is_written_from_inside_it(tmp_path, capsys, monkeypatch):
+    """A shared project folder the user cannot write, holding their own --out: the export stages in --out itself
+    (the root user of this test cannot be refused a folder: os.access stands in for the permission), and a killed
+    export's leftover there is neither a foreign file nor kept."""
+    import os
+
+    run_dir, project = tmp_path / "run", tmp_path / "project"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    (project / "mine" / ".partial").mkdir(parents=True)
+    (project / "mine" / ".partial" / "model.safetensors").write_bytes(b"cut short")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != project and access(path, mode, **kw))
+    assert run_cli(capsys, "export", run_dir, "--out", project / "mine")[0] == 0
+    assert sorted(path.name for path in project.iterdir()) == ["mine"]  # nothing written beside it
+    assert ".partial" not in {path.name for path in (project / "mine").iterdir()}
+    assert (project / "mine" / "config.json").exists()
+
+
 def test_prompt_options_typed_in_a_shell_keep_their_new_lines(tmp_path, capsys):
     source = tmp_path / "mine.jsonl"
     source.write_text("".join(json.dumps({"question": f"q{i}?", "answer": str(i), "context": "c"}) + "\n" for i in range(4)))
