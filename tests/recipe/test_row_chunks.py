@@ -129,17 +129,21 @@ def test_activation_checkpointing_keeps_less_and_gives_the_same_gradient():
 
 def megatron_steps(run_dir: str, overrides: list[str]) -> tuple[list[dict], list[int]]:
     """Three steps of the tiny run on the megatron backend (one rank of :func:`megatron_cpu.run_in_processes`), and
-    the micro-batches of each pass of the pipeline schedule it ran."""
-    from nemo_jq.models.megatron.policy import MegatronPolicy
+    each pass of the pipeline schedule it ran: its micro-batches' lengths, and the lengths the stages computed them at."""
+    from nemo_jq.models.megatron import policy
     from nemo_jq.runtime.monitor import read_metrics
 
-    schedules, run_pipeline = [], MegatronPolicy._run_pipeline
+    schedules, run_pipeline, right_padded = [], policy.MegatronPolicy._run_pipeline, policy._right_padded
 
     def counted(self, micro_batches, *args, **kwargs):
-        schedules.append(len(micro_batches))
+        schedules.append(([micro.input_ids.shape[1] for micro in micro_batches], []))
         return run_pipeline(self, micro_batches, *args, **kwargs)
 
-    MegatronPolicy._run_pipeline = counted
+    def padded(micro, rows, length):
+        schedules[-1][1].append(length)
+        return right_padded(micro, rows, length)
+
+    policy.MegatronPolicy._run_pipeline, policy._right_padded = counted, padded
     Trainer(load_config(None, [*TINY_RUN, "train.max_steps=3", "eval.every=1000", f"train.run_dir={run_dir}",
                                "objective.name=garl", "model.backend=megatron", *overrides])).fit()
     return [{key: r[key] for key in ("loss", "grad_norm", "rollout_tokens")} for r in read_metrics(run_dir)
@@ -153,7 +157,8 @@ def test_row_chunks_train_alike_on_two_megatron_pipeline_stages(tmp_path):
     """The two passes on the megatron backend: the no-grad scoring pass's log-probs reach both stages (PP=2, where
     only the last computes them), and three GARL steps in chunks of 3 rows equal the stored whole-group steps of the
     same run on the hf backend (tests/fixtures/three_step_metrics.json). Each pass goes through the stages in one
-    run of the schedule over all its chunks (a chunk at a time would leave a stage idle while the other works)."""
+    run of the schedule over all its chunks (a chunk at a time would leave a stage idle while the other works), each
+    chunk at its own length (padded to the longest, a short chunk cost the longest one's compute on every stage)."""
     pytest.importorskip("megatron.core")
     import json
     from pathlib import Path
@@ -165,7 +170,9 @@ def test_row_chunks_train_alike_on_two_megatron_pipeline_stages(tmp_path):
     (metrics, schedules), (other_metrics, other_schedules) = ranks
     assert metrics == other_metrics and schedules == other_schedules
     chunks = -(-16 // 3)  # the tiny run's 4 prompts x M=4 rows a step, in chunks of 3
-    assert schedules == [chunks, chunks] * 3, schedules  # per step: the scoring pass, then the gradient's
+    assert [len(lengths) for lengths, _ in schedules] == [chunks, chunks] * 3, schedules  # per step: scoring, gradient
+    computed = [length for _, lengths in schedules for length in lengths]
+    assert all(lengths == computed_at for lengths, computed_at in schedules) and len(set(computed)) > 1, schedules
     assert [r["rollout_tokens"] for r in metrics] == [r["rollout_tokens"] for r in stored]
     for ours, theirs in zip(metrics, stored, strict=True):
         for key in ("loss", "grad_norm"):

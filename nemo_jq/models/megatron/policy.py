@@ -76,7 +76,7 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
+from megatron.core.utils import get_attr_wrapped_model, get_model_config  # noqa: E402
 
 
 class MegatronPolicy:
@@ -381,16 +381,20 @@ class MegatronPolicy:
         returning its metrics, or with ``loss_fn=None`` forward only, returning the log-probs (on the last stage;
         ``[]`` elsewhere).
 
-        Stages exchange activations of one fixed shape, so every micro-batch is right-padded to the
-        most rows and the longest sequence (to a multiple of ``sequence_multiple``); a Qwen3-MoE's EP ranks pad alike
-        (the dispatcher exchanges equal token counts). A micro-batch's backward runs after later ones' forwards: as it
-        begins, ``log`` enters it again and its routes are loaded again, for its recomputed layers to replay.
+        Every micro-batch is right-padded to the most rows and to its own length (a multiple of
+        ``sequence_multiple``): where the lengths differ (row chunks of like length, :func:`~nemo_jq.recipe.learn.
+        chunks_by_length`), the stages send each activation's shape before it (megatron-core's
+        ``variable_seq_lengths``), so a short chunk is not computed at the longest one's length on every stage; a
+        Qwen3-MoE's EP ranks pad each micro-batch alike (the dispatcher exchanges equal token counts). A micro-batch's
+        backward runs after later ones' forwards: as it begins, ``log`` enters it again and its routes are loaded
+        again, for its recomputed layers to replay.
         """
         rows = max(micro.num_rows for micro in micro_batches)
-        length = max(micro.input_ids.shape[1] for micro in micro_batches)
+        lengths = [micro.input_ids.shape[1] for micro in micro_batches]
         if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
-            rows, length = moe.reduced([rows, length], self.ep_group, dist.ReduceOp.MAX, self.device)
-        length += -length % self.sequence_multiple
+            rows, *lengths = moe.reduced([rows, *lengths], self.ep_group, dist.ReduceOp.MAX, self.device)
+        lengths = [length + -length % self.sequence_multiple for length in lengths]
+        get_model_config(self.model).variable_seq_lengths = len(set(lengths)) > 1  # read by each run of the schedule
 
         def backward_begins(index: int, routes: torch.Tensor | None) -> None:
             log.enter(index)
@@ -398,7 +402,7 @@ class MegatronPolicy:
 
         def forward_step(data: Iterator[tuple[int, TokenBatch]], model: Any) -> tuple[torch.Tensor, Any]:
             index, micro = next(data)
-            padded = _right_padded(micro, rows, length)
+            padded = _right_padded(micro, rows, lengths[index])
             if log is not None:
                 log.enter(index)
             real = padded.attention_mask.bool() if self.arch.is_moe else None
@@ -420,7 +424,7 @@ class MegatronPolicy:
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(enumerate(micro_batches)), model=self.model,
-                num_microbatches=len(micro_batches), seq_length=length, micro_batch_size=rows,
+                num_microbatches=len(micro_batches), seq_length=max(lengths), micro_batch_size=rows,
                 forward_only=loss_fn is None,
             )
         finally:  # the schedule leaves the last received activation (and its gradient) set on the model
