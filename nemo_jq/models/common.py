@@ -92,11 +92,16 @@ def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
 
 
 def autocast_context(device: torch.device, precision: str):
-    """bf16 autocast over fp32 master weights on GPU ("auto" or "bf16"); plain fp32 otherwise."""
+    """bf16 autocast over fp32 master weights on GPU ("auto" or "bf16"); plain fp32 otherwise. Without grad (sampling,
+    a scoring pass) autocast keeps no weight casts: its cache, which holds the bf16 cast of every weight that requires
+    grad until the context ends, saves nothing where each weight is used once, and held a bf16 copy of the whole
+    model at a sampler's prefill beside its KV cache (the dry run's meta autocast never cached)."""
     dtype = autocast_dtype(device, precision)
     if dtype is None:
         return contextlib.nullcontext()
-    return MetaAutocast(dtype) if device.type == "meta" else torch.autocast(device_type=device.type, dtype=dtype)
+    if device.type == "meta":
+        return MetaAutocast(dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=torch.is_grad_enabled())
 
 
 #: What a run reads of a hub model: its config, tokenizer, weights and generation settings.

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import tiny_setup
 from nemo_jq.data import Example, SyntheticArithmetic
+from nemo_jq.models.common import autocast_context
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.models.logprobs import chunked_token_logprobs
 from nemo_jq.recipe.evaluation import majority_answer, pass_at_k, score_outputs
@@ -112,7 +113,17 @@ def test_bf16_autocast_path_runs_on_cpu():
     assert logprobs.dtype == torch.float32
     fp32 = HFPolicy(tiny_setup()[3], device=torch.device("cpu"), precision="fp32").token_logprobs(batch)
     torch.testing.assert_close(logprobs, fp32, atol=0.1, rtol=0.05)  # bf16 rounding only
+    # autocast caches its weight casts only where a backward follows: without grad (a scoring pass, a sampler's
+    # prefill) the cache held a bf16 copy of every weight until the forward ended, beside the KV cache
+    cached = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *_: cached.append(torch.is_autocast_cache_enabled()))
+    with torch.no_grad():
+        policy.token_logprobs(batch)
+    with torch.inference_mode(), autocast_context(torch.device("cpu"), "bf16"):
+        model(batch.input_ids)
     policy.forward_backward([batch], lambda lp, _i: (-lp.sum(), {}))
+    hook.remove()
+    assert cached == [False, False, True]
     assert all(p.grad is None or (p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()) for p in model.parameters())
     assert policy.optimizer_step()["grad_norm"] > 0
     with pytest.raises(ValueError, match="precision"):
