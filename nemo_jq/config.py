@@ -20,6 +20,7 @@ import operator
 import os
 import sys
 import traceback
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -550,16 +551,51 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
 
 
 def _override(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> None:
-    """``overrides`` written into ``raw`` (values parsed as YAML; renamed keys under their current names)."""
+    """``overrides`` written into ``raw`` (values parsed as YAML; renamed keys under their current names). A mapping
+    given for a section (``train={seed: 3, epochs: 2}``, ``model.tiny={hidden_size: 16}``) sets each of its keys, as
+    ``train.seed=3 train.epochs=2`` would: it replaced the section, and the file's other keys of it were dropped
+    without a word. An empty value (``train.max_steps=``, an unset shell variable) is refused: it read as null."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        if current_key(key) != key:
-            _deprecated(key, current_key(key))
+        if not value.strip():
+            raise ConfigError(f"override {item!r} gives {key} no value (an unset shell variable?): give one, or "
+                              f"{key}=null for none")
         fix = f"fix the syntax there, or quote a text value: {key}='\"...\"'"
-        _set_path(raw, current_key(key).split("."), parse_yaml(value, f"override {item!r}", fix))
+        _set_override(raw, key, parse_yaml(value, f"override {item!r}", fix))
     _migrate(raw)
+
+
+def _set_override(raw: dict[str, Any], key: str, value: Any) -> None:
+    """``key=value`` into ``raw``: a mapping for a section, key by key (:func:`_override`); else the value as it is."""
+    if current_key(key) != key:
+        _deprecated(key, current_key(key))
+    keys = current_key(key).split(".")
+    if isinstance(value, dict) and _is_section(keys):
+        _set_path(raw, keys, _node(raw, keys))
+        for name, inner in value.items():
+            _set_override(raw, f"{'.'.join(keys)}.{name}", inner)
+        return
+    _set_path(raw, keys, value)
+
+
+def _is_section(keys: list[str]) -> bool:
+    """Whether ``keys`` name a section of the config (a dataclass of keys), not a value (an objective's options)."""
+    cls: Any = Config
+    for key in keys:
+        hints = typing.get_type_hints(cls)
+        if key not in hints or not dataclasses.is_dataclass(hints[key]):
+            return False
+        cls = hints[key]
+    return True
+
+
+def _node(raw: dict[str, Any], keys: list[str]) -> Any:
+    """What ``raw`` holds at ``keys`` (a mapping to set keys in: an empty one where it holds none, or null)."""
+    for key in keys:
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    return raw if isinstance(raw, dict) else {}
 
 
 def _warn_unused(raw: dict[str, Any], config: Config) -> None:

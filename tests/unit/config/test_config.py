@@ -20,6 +20,27 @@ def test_defaults_yaml_and_overrides(tmp_path):
     assert isinstance(load_config(), Config)
 
 
+def test_a_mapping_given_for_a_section_sets_its_keys_and_an_empty_value_is_refused(tmp_path):
+    """``objective={q: 0.5}`` replaced the file's whole section: its name and options were dropped without a word (a
+    misspelt key with them); now it sets each key, as ``objective.q=0.5`` does. A mapping for a value (an objective's
+    options, a q schedule) still replaces it. ``key=`` (an unset shell variable) read as null: a run of 768 steps."""
+    path = tmp_path / "x.yaml"
+    path.write_text(yaml.safe_dump({"objective": {"name": "paft", "q": 0.25, "options": {"num_resamples": 8}},
+                                    "train": {"run_dir": "mine", "epochs": 3}, "model": {"tiny": {"num_layers": 3}}}))
+    config = load_config(path, ["objective={q: 0.5}", "train={seed: 3}", "model.tiny={hidden_size: 16}",
+                                "objective.options={num_resamples: 2}"])
+    assert (config.objective.name, config.objective.q, config.objective.options) == ("paft", 0.5, {"num_resamples": 2})
+    assert (config.train.run_dir, config.train.epochs, config.train.seed) == ("mine", 3, 3)
+    assert (config.model.tiny.num_layers, config.model.tiny.hidden_size) == (3, 16)
+    path.write_text(yaml.safe_dump({"train": {"epoch": 3}}))
+    with pytest.raises(ConfigError, match="unknown config key 'train.epoch'"):  # not wiped out by train={...}
+        load_config(path, ["train={seed: 3}"])
+    for empty in ("train.max_steps=", "train.max_steps= "):
+        with pytest.raises(ConfigError, match=f"override '{empty}' gives train.max_steps no value .*train.max_steps=null"):
+            load_config(None, [empty])
+    assert load_config(None, ["train.max_steps=null"]).train.max_steps is None
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

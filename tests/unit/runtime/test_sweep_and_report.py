@@ -102,7 +102,7 @@ def test_a_resumed_sweep_runs_as_many_at_once_with_as_many_threads_as_it_was_sta
 
 def test_a_bad_key_or_value_in_a_sweep_is_refused_naming_the_run_before_its_folder_is_written(tmp_path, capsys):
     for words, fragments in ((["objective.qq=0,1"], ["run qq=0", "objective.qq", "did you mean 'objective.q'"]),
-                             (["objective.q=", "train.seed=1,2"], ["run seed=1", "objective.q must be float"]),
+                             (["objective.q=", "train.seed=1,2"], ["run seed=1", "'objective.q=' gives objective.q no value"]),
                              (["objective.q=0,x"], ["run q=x", "objective.q must be float; got 'x'"])):
         code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", *words)
         line = one_line_error(code, err, *fragments)
