@@ -120,6 +120,8 @@ class Progress:
         it back, so an experiment resumed sums up what an unstopped one would."""
         key = Path(run_dir).relative_to(self.out_dir).as_posix()
         if key not in self.runs:
+            if (series := current_series()) is not None and series.stop.received:  # came as the last run ended
+                raise series.stopped_before(run_dir)
             self.runs[key] = nonfinite_back(json.loads(valid_json(train())))
             self.write()
             if (series := current_series()) is not None:

@@ -245,10 +245,17 @@ class Series(contextlib.ContextDecorator):
         self.stop.__exit__(*exc)
 
     def stopped(self, run_dir: Path, step: int) -> Stopped:
+        return self._stopped(f"{run_dir} stopped at step {step} with a checkpoint; no further run started")
+
+    def stopped_before(self, run_dir: Path) -> Stopped:
+        """A stop that came between two runs: the next one, ``run_dir``, is not started (it was, to checkpoint an
+        untrained step 0 inside the signal's grace period)."""
+        return self._stopped(f"{run_dir} not started")
+
+    def _stopped(self, where: str) -> Stopped:
         signum = self.stop.received or signal.SIGTERM
         return Stopped(signum, f"nemo-jq {self.command}: stopped by {signal_name(signum)}; finished runs: "
-                               f"{self._finished()}; {run_dir} stopped at step {step} with a checkpoint; no further run "
-                               f"started; {self._again()}")
+                               f"{self._finished()}; {where}; {self._again()}")
 
     def _finished(self) -> str:
         return ", ".join(str(path) for path in self.finished) or "none"

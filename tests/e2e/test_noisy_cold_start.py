@@ -174,3 +174,30 @@ def test_an_experiment_stopped_mid_run_resumes_to_the_summary_an_unstopped_one_w
         code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--quick", "--out", folder)
         one_line_error(code, err, message)
         assert not (folder / "experiment.json").exists()
+
+
+@pytest.mark.slow
+def test_a_stop_as_a_run_ends_starts_no_further_run(tmp_path, monkeypatch):
+    """A signal during a run's last evaluation: the run ends and is recorded, and the next is not started (it was:
+    it built its model and wrote an untrained step-0 checkpoint, inside the signal's grace period)."""
+    import os
+    import signal
+
+    from nemo_jq.experiments.noisy_cold_start import run_experiment
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime.preemption import Stopped
+
+    fit = Trainer.fit
+
+    def signalled_as_it_ends(self, *args, **kwargs):
+        result = fit(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # as a Ctrl-C in its last moments: the run has finished
+        return result
+
+    monkeypatch.setattr(Trainer, "fit", signalled_as_it_ends)
+    with pytest.raises(Stopped) as stop:
+        run_experiment(tmp_path / "out", seeds=[0], label_noise=0.2, quick=True, only=["GRPO", "q=1"])
+    assert f"finished runs: {tmp_path / 'out' / 'GRPO' / 'seed0'}; {tmp_path / 'out' / 'q=1' / 'seed0'} not started" \
+        in str(stop.value), str(stop.value)
+    assert not (tmp_path / "out" / "q=1").exists()
+    assert list(json.loads((tmp_path / "out" / "experiment.json").read_text())["runs"]) == ["GRPO/seed0"]
