@@ -72,6 +72,9 @@ def train(args: argparse.Namespace) -> int:
         run_demo(args.resume, args.overrides, resume=True)
         return 0
     if asks_for_demo(args):
+        if args.requeue:
+            raise ValueError("--requeue resumes one run of --config where a batch job requeued it: the demo (no "
+                             "--config) continues with `nemo-jq train --resume DEMO_DIR`; drop --requeue")
         run_demo(args.demo_dir or (QUICK_DIR if args.quick else DEMO_DIR), [*(QUICK if args.quick else ()), *args.overrides],
                  overwrite=args.overwrite)
         return 0

@@ -520,6 +520,10 @@ def test_the_demo_over_an_experiments_results_and_a_demos_resume_with_words_say_
     assert one_line_error(code, err, f"--resume {demo} continues the demo as it started: drop --quick").endswith("--quick")
     code, _, err = run_cli(capsys, "train", "--resume", demo, "--demo-dir", tmp_path / "elsewhere")
     one_line_error(code, err, "continues the demo as it started: drop --demo-dir")
+    for words in (["--requeue"], ["--demo-dir", tmp_path / "other", "--requeue"]):  # it ran the whole demo, silently
+        code, _, err = run_cli(capsys, "train", *words)
+        one_line_error(code, err, "the demo (no --config) continues with `nemo-jq train --resume DEMO_DIR`; drop --requeue")
+    assert not (tmp_path / "other").exists()
     code, _, err = run_cli(capsys, "train", "--resume", demo, "objective.q=1")
     one_line_error(code, err, "objective.q=1 cannot change with --resume", "train.epochs, train.max_steps")
     assert (demo / "sweep.json").read_text() == record
