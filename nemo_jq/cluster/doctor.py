@@ -161,10 +161,11 @@ def role(rollout_ranks: int) -> str:
     return f"{name} rank {within} of {size} (global rank {rank} of {world})"
 
 
-def rollout_ranks(config: Path | None, overrides: list[str]) -> int:
-    """``rollout.ranks`` when the run's config (``config`` under ``overrides``, loaded as ``train`` loads it) sets
-    ``rollout.placement=separate``, else 0. A bad override is an error naming it (with a did-you-mean), a bad config an
-    error naming the file, and saying so where the file is a launch YAML (``nemo-jq launch``'s) instead."""
+def run_config(config: Path | None, overrides: list[str]) -> Any:
+    """The run's config (``config`` under ``overrides``, loaded as ``train`` loads it): its model, and its
+    ``rollout.own_ranks`` (``rollout.ranks`` where it sets ``rollout.placement=separate``, else 0). A bad override is an
+    error naming it (with a did-you-mean), a bad config an error naming the file, and saying so where the file is a
+    launch YAML (``nemo-jq launch``'s) instead."""
     import dataclasses
 
     from nemo_jq.cluster.launch import LaunchConfig
@@ -173,7 +174,7 @@ def rollout_ranks(config: Path | None, overrides: list[str]) -> int:
 
     check_overrides(overrides)
     try:
-        return load_config(config, overrides).rollout.own_ranks
+        return load_config(config, overrides)
     except ConfigError as err:
         if config is None or str(config) in str(err):
             raise

@@ -72,6 +72,12 @@ def test_doctor_says_whether_vllms_cpu_attention_takes_the_models_head_size(tmp_
 
     for head_dim, model in [(32, "the demo's tiny model"), (128, "0.6b")]:  # the same probe, in this process
         assert _vllm(False, head_dim, model)[f"vllm CPU attention takes head_dim {head_dim} ({model})"] is True
+    # --config's model is the one asked about (it was the demo's tiny model whatever the config)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {narrow}\n")
+    result = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "doctor", "--json", "--config", str(config)],
+                            capture_output=True, text=True, timeout=120)
+    assert json.loads(result.stdout)[f"vllm CPU attention takes head_dim 16 ({narrow})"] is False, result.stderr[-2000:]
 
 
 def test_doctor_says_this_ranks_role_in_a_split_world(tmp_path, monkeypatch):
@@ -81,9 +87,10 @@ def test_doctor_says_this_ranks_role_in_a_split_world(tmp_path, monkeypatch):
 
     config = tmp_path / "c.yaml"
     config.write_text("rollout:\n  placement: separate\n  ranks: 2\n")
-    assert doctor.rollout_ranks(config, []) == 2 and doctor.rollout_ranks(config, ["rollout.ranks=3"]) == 3
-    assert doctor.rollout_ranks(config, ["rollout.placement=colocated"]) == 0
-    assert doctor.rollout_ranks(None, ["rollout.placement=separate"]) == 1  # rollout.ranks' default
+    ranks = lambda path, words: doctor.run_config(path, words).rollout.own_ranks  # noqa: E731
+    assert ranks(config, []) == 2 and ranks(config, ["rollout.ranks=3"]) == 3
+    assert ranks(config, ["rollout.placement=colocated"]) == 0
+    assert ranks(None, ["rollout.placement=separate"]) == 1  # rollout.ranks' default
     monkeypatch.setenv("WORLD_SIZE", "4")
     for rank, role in ((1, "training rank 1 of 2 (global rank 1 of 4)"), (3, "rollout rank 1 of 2 (global rank 3 of 4)")):
         monkeypatch.setenv("RANK", str(rank))
