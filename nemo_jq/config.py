@@ -666,7 +666,7 @@ def read_schedule_file(path: Path) -> dict[str, Any]:
     schedule = read_yaml_file(path)
     if not isinstance(schedule, dict) or "name" not in schedule:
         raise ConfigError(f"objective.q_schedule: {path} must hold a schedule mapping with a name, e.g. {{name: linear, "
-                          "num_steps: 200}}")
+                          "num_steps: 200}")
     return schedule
 
 

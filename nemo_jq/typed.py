@@ -63,25 +63,29 @@ def bounds_text(metadata: Any) -> str:
     return "one of " + ", ".join(words) if words else numbers
 
 
-def build(cls: type, raw: Any, prefix: str) -> Any:
+def build(cls: type, raw: Any, prefix: str, root: type | None = None) -> Any:
     """``cls`` from the mapping ``raw``; nested dataclass fields are built from nested mappings.
 
-    ``prefix`` is the dotted path keys are named by in errors (``"objective.options."``).
+    ``prefix`` is the dotted path keys are named by in errors (``"objective.options."``); ``root``, the whole config's
+    class (``cls`` itself where ``prefix`` is empty): a key unknown in its section but known in another is said so.
     """
+    root = root or (cls if not prefix else None)
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping; got {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {sorted(fields)}"
+            elsewhere = [f"{name}.{key}" for name, section in typing.get_type_hints(root).items() if root is not None
+                         and dataclasses.is_dataclass(section) and key in {f.name for f in dataclasses.fields(section)}]
+            close = elsewhere or [f"{prefix}{match}" for match in difflib.get_close_matches(str(key), fields, n=1)]
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f"; valid keys: {sorted(fields)}"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
     values = {}
     for name, value in raw.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            values[name] = build(hint, value, f"{prefix}{name}.")
+            values[name] = build(hint, value, f"{prefix}{name}.", root)
         else:
             values[name] = check_range(check_type(value, hint, f"{prefix}{name}"), fields[name].metadata, f"{prefix}{name}")
     required = [name for name, f in fields.items() if name not in values and f.default is dataclasses.MISSING

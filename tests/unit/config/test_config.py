@@ -47,6 +47,8 @@ def test_a_mapping_given_for_a_section_sets_its_keys_and_an_empty_value_is_refus
         (["objective.nmae=garl"], "unknown config key 'objective.nmae'; did you mean 'objective.name'"),
         (["rollout.num_sample=4"], "did you mean 'rollout.num_samples'"),
         (["optimm.lr=1"], "unknown config key 'optimm'; did you mean 'optim'"),
+        (["optim.epochs=3"], "unknown config key 'optim.epochs'; did you mean 'train.epochs'"),  # not optim.eps
+        (["optim.batch_size=3"], "did you mean 'eval.batch_size' or 'train.batch_size'\\?"),
         (["objective.q=1.5"], r"objective.q must be >= 0.0 and <= 1.0; got 1.5"),
         (["objective.name=gerl"], "objective.name: unknown objective 'gerl' \\(did you mean 'garl'\\?\\); known: garl, "),
         (["rollout.num_samples=1"], "rollout.num_samples=1 but 'garl' needs at least 2"),
