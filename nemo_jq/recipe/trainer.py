@@ -140,6 +140,14 @@ class Trainer:
         return " and ".join(limits), raised
 
     # ----------------------------------------------------------------- train
+    def _label(self, series: Any) -> str:
+        """How progress names the run: its folder, below an experiment's (``GRPO/seed0``: each method's runs are
+        ``seed0``, ``seed1``, ... alike) where it is one of a series of runs in this process."""
+        out_dir = getattr(series, "out_dir", None)
+        if out_dir is not None and Path(out_dir).resolve() in Path(self.run_dir).resolve().parents:
+            return Path(self.run_dir).resolve().relative_to(Path(out_dir).resolve()).as_posix()
+        return self.run_dir.name
+
     def fit(self, max_steps: int | None = None, stop: StopSignals | None = None,
             until: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
         """Train until the configured end (or ``max_steps``, or the first step whose record ``until`` accepts, or
@@ -159,7 +167,7 @@ class Trainer:
                            writes=writes, trackers=open_trackers(self.run_dir, self.config) if writes else ())
         if self.resumed_with:
             logger.log({"kind": "resume", "step": self.state.step, "overrides": self.resumed_with})
-        bar = progress(self.total_steps, f"train {self.run_dir.name}", initial=self.state.step, shows=distributed.is_writer())
+        bar = progress(self.total_steps, f"train {self._label(series)}", initial=self.state.step, shows=distributed.is_writer())
         with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
             try:
                 while self.state.step < end and not stop.requested():

@@ -177,9 +177,10 @@ def test_an_experiment_stopped_mid_run_resumes_to_the_summary_an_unstopped_one_w
 
 
 @pytest.mark.slow
-def test_a_stop_as_a_run_ends_starts_no_further_run(tmp_path, monkeypatch):
+def test_a_stop_as_a_run_ends_starts_no_further_run(tmp_path, monkeypatch, capsys):
     """A signal during a run's last evaluation: the run ends and is recorded, and the next is not started (it was:
-    it built its model and wrote an untrained step-0 checkpoint, inside the signal's grace period)."""
+    it built its model and wrote an untrained step-0 checkpoint, inside the signal's grace period). Its progress
+    names it below the experiment's folder (every method's runs are seed0, seed1, ...)."""
     import os
     import signal
 
@@ -201,3 +202,5 @@ def test_a_stop_as_a_run_ends_starts_no_further_run(tmp_path, monkeypatch):
         in str(stop.value), str(stop.value)
     assert not (tmp_path / "out" / "q=1").exists()
     assert list(json.loads((tmp_path / "out" / "experiment.json").read_text())["runs"]) == ["GRPO/seed0"]
+    shown = capsys.readouterr()
+    assert "train GRPO/seed0" in shown.out + shown.err
