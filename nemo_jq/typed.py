@@ -70,6 +70,9 @@ def build(cls: type, raw: Any, prefix: str, root: type | None = None) -> Any:
     class (``cls`` itself where ``prefix`` is empty): a key unknown in its section but known in another is said so.
     """
     root = root or (cls if not prefix else None)
+    if raw is None and prefix:  # ``train:`` with nothing under it
+        raise ConfigError(f"{prefix.rstrip('.')} is empty (a `{prefix.rstrip('.').split('.')[-1]}:` line with nothing "
+                          "under it): give its keys under it, or remove the line")
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping; got {raw!r}")
     hints = typing.get_type_hints(cls)

@@ -35,6 +35,8 @@ def slug(name: str) -> str:
 
 def chosen_methods(plan: dict[str, list[str]], only: Sequence[str]) -> dict[str, list[str]]:
     """The methods of ``plan`` that ``only`` (``--methods``) names, in the plan's order; all of them if it names none."""
+    if any(not name.strip() for name in only):
+        raise ConfigError(f"--methods: an empty name (a comma too many?); choose from {', '.join(map(repr, plan))}")
     refuse_repeats("--methods", only)
     unknown = sorted(set(only) - set(plan))
     if unknown:

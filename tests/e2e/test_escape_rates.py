@@ -111,6 +111,7 @@ REFUSED = {
         (["--widths", "1"], ["--widths (data.answer_width of its runs): data.answer_width=1 cannot hold"])]),
     "noisy-cold-start": (["--methods", "q=1"], [
         (["--seeds", "1", "0", "1", "1"], ["--seeds: 1 is given 3 times, which would train one run 3 times: drop all but one"]),
+        (["--methods", ","], ["--methods: an empty name (a comma too many?); choose from 'GRPO'"]),
         (["data.label_noise=0.3"], ["sets data.label_noise from --label-noise", "use --label-noise"]),
         (["data.seed=4"], ["sets data.seed per seed", "use --seeds"]),
         (["objective.q_schedule={name: linear, num_steps: 4}"], ["sets objective.q_schedule per method"]),

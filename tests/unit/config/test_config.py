@@ -39,6 +39,9 @@ def test_a_mapping_given_for_a_section_sets_its_keys_and_an_empty_value_is_refus
         with pytest.raises(ConfigError, match=f"override '{empty}' gives train.max_steps no value .*train.max_steps=null"):
             load_config(None, [empty])
     assert load_config(None, ["train.max_steps=null"]).train.max_steps is None
+    path.write_text("train:\noptim:\n  lr: 0.1\n")  # a section's line left with nothing under it
+    with pytest.raises(ConfigError, match=r"train is empty \(a `train:` line with nothing under it\): give its keys"):
+        load_config(path)
 
 
 @pytest.mark.parametrize(
