@@ -79,9 +79,7 @@ def build(cls: type, raw: Any, prefix: str, root: type | None = None) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            elsewhere = [f"{name}.{key}" for name, section in typing.get_type_hints(root).items() if root is not None
-                         and dataclasses.is_dataclass(section) and key in {f.name for f in dataclasses.fields(section)}]
-            close = elsewhere or [f"{prefix}{match}" for match in difflib.get_close_matches(str(key), fields, n=1)]
+            close = _sections_holding(root, key) or [f"{prefix}{match}" for match in difflib.get_close_matches(str(key), fields, n=1)]
             hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f"; valid keys: {sorted(fields)}"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
     values = {}
@@ -96,6 +94,14 @@ def build(cls: type, raw: Any, prefix: str, root: type | None = None) -> Any:
     if required:  # a field without a default (a plugin's options): its key must be given
         raise ConfigError(f"{prefix}{required[0]} is required (it has no default): set {prefix}{required[0]}=...")
     return cls(**values)
+
+
+def _sections_holding(root: type | None, key: Any) -> list[str]:
+    """``section.key`` for each section of ``root`` (the whole config's class; None: not known) that has ``key``."""
+    if root is None:
+        return []
+    return [f"{name}.{key}" for name, section in typing.get_type_hints(root).items()
+            if dataclasses.is_dataclass(section) and key in {field.name for field in dataclasses.fields(section)}]
 
 
 def check_range(value: Any, metadata: Any, key: str) -> Any:

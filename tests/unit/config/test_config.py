@@ -20,6 +20,21 @@ def test_defaults_yaml_and_overrides(tmp_path):
     assert isinstance(load_config(), Config)
 
 
+def test_an_unknown_key_of_options_built_apart_from_the_config_is_a_config_error():
+    """An objective's options are built on their own (no whole config to look for the key in): still one line."""
+    from nemo_jq.typed import build
+
+    @dataclasses.dataclass
+    class Options:
+        baseline: str = "rloo"
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'objective.options.baselin'; did you mean "
+                                          r"'objective.options.baseline'\?"):
+        build(Options, {"baselin": "none"}, "objective.options.")
+    with pytest.raises(ConfigError, match=r"unknown config key 'objective.options.zzz'; valid keys: \['baseline'\]"):
+        build(Options, {"zzz": 1}, "objective.options.")
+
+
 def test_a_mapping_given_for_a_section_sets_its_keys_and_an_empty_value_is_refused(tmp_path):
     """``objective={q: 0.5}`` replaced the file's whole section: its name and options were dropped without a word (a
     misspelt key with them); now it sets each key, as ``objective.q=0.5`` does. A mapping for a value (an objective's
