@@ -152,7 +152,7 @@ def prepare(
         entry = {**origin, "rows": len(rows), "bad": [], "over_cap": []}
         where = source_label(source, names[0], entry)
         pool, sources, rows_of, empty, unread = [], Counter(), defaultdict(list), defaultdict(list), defaultdict(list)
-        read_keys = getattr(task, "read_keys", None)
+        read_keys = task.read_keys
         for number, record in rows:
             row_id = record_id(record, f"{names[0]}:{number}")
             rows_of[row_id].append(number)

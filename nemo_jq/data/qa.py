@@ -106,6 +106,9 @@ class QATask:
     max_input_chars: int | None = None
     #: Whether a source that is no local file or folder names a Hugging Face hub dataset.
     from_hub: ClassVar[bool] = True
+    #: The keys a row's object is read for, which ``data prepare`` names any other key beside (a misspelt ``Context``
+    #: left every prompt without its passage, silently); None: rows carry fields of their own (a hub dataset's).
+    read_keys: ClassVar[tuple[str, ...] | None] = None
     warm_system: str = "Answer the question. Think step by step, then reply with only the final answer."
     #: Which source split each of our splits is drawn from (validation and test draws are disjoint).
     source_splits: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -314,9 +317,7 @@ class CustomQA(QATask):
     max_input_chars: int | None = 32000
     #: Your own data is local: a missing file is said at once, not looked up on the hub.
     from_hub: ClassVar[bool] = False
-    #: The keys a row's object is read for (``data prepare`` names any other: a misspelt ``Context`` left every prompt
-    #: without its passage, silently).
-    read_keys: ClassVar[tuple[str, ...]] = ("question", "answer", "context", "id", "_id")
+    read_keys: ClassVar[tuple[str, ...] | None] = ("question", "answer", "context", "id", "_id")
     template: str = DEFAULT_TEMPLATE
     system: str = "Answer the question. Think step by step, then reply with only the final answer."
 

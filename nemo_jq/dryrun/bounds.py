@@ -52,10 +52,9 @@ def seconds_at_least(phase: str, flops: float, shape: dict[str, Any], config: Co
     the peak."""
     seconds = flops / gpu.bf16_flops
     if phase == "train":
-        train = config.train
         stages = config.megatron.pipeline_parallel if config.model.backend == "megatron" else 1
-        stretch = pipeline_stretch(stages, shape["replica_prompts"], train.micro_batch_size, config.rollout.num_samples,
-                                   train.micro_batch_rows)
+        stretch = pipeline_stretch(stages, shape["replica_prompts"], shape["micro_batch_prompts"],
+                                   config.rollout.num_samples, config.train.micro_batch_rows)
         return seconds * math.ceil(shape["replica_prompts"] / shape["micro_batch_prompts"]) * stretch
     if phase == "rollout":
         return sampling_seconds(shape, config, gpu, shape["rollout_prompts"], config.rollout.num_samples,

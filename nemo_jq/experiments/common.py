@@ -120,13 +120,13 @@ class Progress:
     def run(self, run_dir: Path, train: Callable[[], Entry]) -> Entry:
         """The entry of the run in ``run_dir``: the recorded one, or ``train()``'s, recorded. Either way as JSON reads
         it back, so an experiment resumed sums up what an unstopped one would."""
-        key = Path(run_dir).relative_to(self.out_dir).as_posix()
+        key, series = Path(run_dir).relative_to(self.out_dir).as_posix(), current_series()
         if key not in self.runs:
-            if (series := current_series()) is not None and series.stop.received:  # came as the last run ended
+            if series is not None and series.stop.received:  # came as the last run ended
                 raise series.stopped_before(run_dir)
             self.runs[key] = nonfinite_back(json.loads(valid_json(train())))
             self.write()
-            if (series := current_series()) is not None:
+            if series is not None:
                 series.finished.append(Path(run_dir))
         return self.runs[key]
 

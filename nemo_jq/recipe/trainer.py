@@ -143,9 +143,9 @@ class Trainer:
     def _label(self, series: Any) -> str:
         """How progress names the run: its folder, below an experiment's (``GRPO/seed0``: each method's runs are
         ``seed0``, ``seed1``, ... alike) where it is one of a series of runs in this process."""
-        out_dir = getattr(series, "out_dir", None)
-        if out_dir is not None and Path(out_dir).resolve() in Path(self.run_dir).resolve().parents:
-            return Path(self.run_dir).resolve().relative_to(Path(out_dir).resolve()).as_posix()
+        out_dir, run_dir = getattr(series, "out_dir", None), Path(self.run_dir).resolve()
+        if out_dir is not None and Path(out_dir).resolve() in run_dir.parents:
+            return run_dir.relative_to(Path(out_dir).resolve()).as_posix()
         return self.run_dir.name
 
     def fit(self, max_steps: int | None = None, stop: StopSignals | None = None,

@@ -259,13 +259,13 @@ class MegatronPolicy:
 
     def token_logprobs_each(self, batches: Sequence[TokenBatch]) -> list[torch.Tensor]:
         """No-grad :meth:`token_logprobs` of each batch (``models.interfaces.token_logprobs_each``): under pipeline
-        parallelism all of them in one pass of the schedule, padded alike as the training pass pads its micro-batches,
-        so the stages work at once (one batch at a time through P stages leaves P - 1 of them idle: P times as long)."""
-        if self.pp_size == 1:
-            with torch.no_grad():
-                return [self.token_logprobs(batch) for batch in batches]
-        batches = [batch.to(self.device) for batch in batches]
+        parallelism all of them in one run of the schedule (:meth:`_run_pipeline`, which pads them as the training
+        pass pads its micro-batches), so the stages work at once (one batch at a time through P stages leaves P - 1 of
+        them idle: P times as long)."""
         with torch.no_grad():
+            if self.pp_size == 1:
+                return [self.token_logprobs(batch) for batch in batches]
+            batches = [batch.to(self.device) for batch in batches]
             scored = self._run_pipeline(batches)  # on the last stage only
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         out = [scored[index].contiguous() if self.model.post_process else
