@@ -111,7 +111,7 @@ class Progress:
             raise FileNotFoundError(f"{out_dir} holds no experiment to resume ({PROGRESS_FILE}): give the --out folder "
                                     "of an experiment that was stopped")
         saved = read_json_file(path, "an experiment's record", _record_problem, "restore it, or start the experiment "
-                               "again with --out NEW_DIR", object_hook=nonfinite_back)
+                               "again with --out NEW_DIR", decode=nonfinite_back)
         if saved["experiment"] != experiment:
             raise ConfigError(f"{out_dir} holds experiment {saved['experiment']}, not {experiment}: `nemo-jq experiment "
                               f"{saved['experiment']} --resume {out_dir}` continues it")

@@ -198,13 +198,13 @@ def progress(total: int, desc: str, *, initial: int = 0, shows: bool = True, tra
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """A run's ``metrics.jsonl`` records (none where it has logged none yet); see :func:`read_records`."""
-    return read_records(Path(run_dir) / METRICS_FILE, ("kind", "step"), object_hook=nonfinite_back)
+    return read_records(Path(run_dir) / METRICS_FILE, ("kind", "step"), decode=nonfinite_back)
 
 
-def read_records(path: Path, keys: tuple[str, ...], object_hook: Callable[[dict], Any] | None = None) -> list[dict[str, Any]]:
-    """The records of a JSONL file a run appends to, each holding ``keys``. A last line cut short (no newline: a write
-    caught in progress, or one a kill stopped) is left out, as a resumed run's rewrite of the file drops it; any other
-    line that is not such a record is an error naming the file, the line and the fix."""
+def read_records(path: Path, keys: tuple[str, ...], decode: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
+    """The records of a JSONL file a run appends to, each holding ``keys`` (each through ``decode``). A last line cut
+    short (no newline: a write caught in progress, or one a kill stopped) is left out, as a resumed run's rewrite of
+    the file drops it; any other line that is not such a record is an error naming the file, the line and the fix."""
     if not path.exists():
         return []
     lines = path.read_text(errors="replace").split("\n")  # a byte that is not UTF-8 fails its line, named
@@ -213,7 +213,8 @@ def read_records(path: Path, keys: tuple[str, ...], object_hook: Callable[[dict]
         if not line.strip():
             continue
         try:
-            record = json.loads(line, object_hook=object_hook)
+            record = json.loads(line)
+            record = decode(record) if decode is not None else record
             wrong = None if isinstance(record, dict) else "not a JSON object"
         except json.JSONDecodeError as err:
             wrong = f"not JSON: {err.msg}, column {err.colno}"
@@ -228,13 +229,14 @@ def read_records(path: Path, keys: tuple[str, ...], object_hook: Callable[[dict]
 
 
 def read_json_file(path: Path, what: str, problem: Callable[[dict[str, Any]], str | None], fix: str,
-                   object_hook: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
-    """``path``'s JSON object (each object in it through ``object_hook``: :func:`nonfinite_back` for a file
-    :func:`valid_json` wrote), in which ``problem`` finds nothing wrong (else it says what is). A file edited, or cut
-    short by a kill or a full disk, is one line: ``PATH is not WHAT (what is wrong): FIX``."""
+                   decode: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """``path``'s JSON object (through ``decode``: :func:`nonfinite_back` for a file :func:`valid_json` wrote), in
+    which ``problem`` finds nothing wrong (else it says what is). A file edited, or cut short by a kill or a full disk,
+    is one line: ``PATH is not WHAT (what is wrong): FIX``."""
     text = path.read_text(errors="replace")
     try:
-        value = json.loads(text, object_hook=object_hook)
+        value = json.loads(text)
+        value = decode(value) if decode is not None else value
     except json.JSONDecodeError as err:
         wrong = "it is empty" if not text.strip() else f"not JSON: {err.msg}, line {err.lineno} column {err.colno}"
     else:

@@ -154,7 +154,7 @@ def read_run(run_dir: Path) -> RunRecord | None:
                           "the run, or leave the run out") from None
     results = read_json_file(run_dir / RESULTS_FILE, "a finished run's results", results_problem,
                              f"restore it, or move it aside and `nemo-jq train --resume {run_dir}` writes it again",
-                             object_hook=nonfinite_back)
+                             decode=nonfinite_back)
     if not has_finished(run_dir, results) or _sweep_goes_on(run_dir):
         return None
     return RunRecord(run_dir, config.data.name, config.data.format, method_label(results), config.train.seed,
