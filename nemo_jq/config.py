@@ -12,6 +12,7 @@ what `nemo-jq train --help` prints and what every layer reads; the checks across
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import importlib
@@ -534,12 +535,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         if "name" in raw and not isinstance(raw["name"], dict):
             raise ConfigError(f"{path} holds a q schedule, not a run's config: pass it as objective.q_schedule={path}")
+        _check_sections(raw, path)
     _migrate(raw)
+    given = copy.deepcopy(raw)
     _override(raw, overrides)
-    config = build(Config, raw, prefix="").validate()
+    try:
+        config = build(Config, raw, prefix="").validate()
+    except ConfigError as error:
+        raise _named_in(path, given, error) from None
     if not saved:
         _warn_unused(raw, config)
     return config
+
+
+def _check_sections(raw: dict[str, Any], path: Path, keys: tuple[str, ...] = ()) -> None:
+    """Each section the file gives is a mapping (or empty), before an override sets a key in it."""
+    for key, value in raw.items():
+        if not _is_section([*keys, key]) or value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: {'.'.join((*keys, key))} must be a mapping of its keys; got {value!r}")
+        _check_sections(value, path, (*keys, key))
+
+
+def _named_in(path: Path | None, given: dict[str, Any], error: ConfigError) -> ConfigError:
+    """``error`` naming the config file where the file alone makes it (a wrong type or key there, not an override's)."""
+    if path is None:
+        return error
+    try:
+        build(Config, given, prefix="").validate()
+    except ConfigError as alone:
+        if str(alone) == str(error):
+            return ConfigError(f"{path}: {error}")
+    return error
 
 
 def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
@@ -701,9 +729,11 @@ def save_config(config: Config, path: Path) -> None:
 
 
 def _set_path(tree: dict[str, Any], keys: list[str], value: Any) -> None:
-    for key in keys[:-1]:
-        node = tree.setdefault(key, {})
+    for depth, key in enumerate(keys[:-1]):
+        node = tree.get(key)
+        if node is None:  # absent, or a section's line with nothing under it (``train:``), which this key fills
+            node = tree[key] = {}
         if not isinstance(node, dict):
-            raise ConfigError(f"cannot set {'.'.join(keys)}: {key} is not a section")
+            raise ConfigError(f"cannot set {'.'.join(keys)}: {'.'.join(keys[:depth + 1])} is {node!r}, not a section")
         tree = node
     tree[keys[-1]] = value

@@ -57,6 +57,7 @@ def test_a_mapping_given_for_a_section_sets_its_keys_and_an_empty_value_is_refus
     path.write_text("train:\noptim:\n  lr: 0.1\n")  # a section's line left with nothing under it
     with pytest.raises(ConfigError, match=r"train is empty \(a `train:` line with nothing under it\): give its keys"):
         load_config(path)
+    assert load_config(path, ["train.seed=3"]).train.seed == 3  # an override fills the empty section: it was refused
 
 
 @pytest.mark.parametrize(
@@ -148,12 +149,20 @@ def test_missing_config_file_is_named(tmp_path):
     (b"train:\n  max_steps: 1\n  max_steps: 2\n", "bad.yaml:3: key 'train.max_steps' is given twice \\(first on line 2\\)"),
     (b"", "bad.yaml sets nothing \\(it is empty or only comments\\): add keys to it, or pass no --config"),
     (b"# train:\n#   max_steps: 1\n", "bad.yaml sets nothing"),
+    (b"train:\n  seed: abc\n", "bad.yaml: train.seed must be int; got 'abc'"),  # the file named, not an override
+    (b"train:\n  sed: 3\n", "bad.yaml: unknown config key 'train.sed'; did you mean 'train.seed'"),
+    (b"train: 3\n", "bad.yaml: train must be a mapping of its keys; got 3"),  # before an override sets a key in it
+    (b"model:\n  tiny: [1]\n", "bad.yaml: model.tiny must be a mapping of its keys; got \\[1\\]"),
 ])
 def test_a_config_file_that_cannot_be_read_as_written_is_named_with_the_fix(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_bytes(text)
     with pytest.raises(ConfigError, match=message):
-        load_config(path)
+        load_config(path, ["train.max_steps=2"])
+    with pytest.raises(ConfigError) as raised:  # an override's own error names no file
+        path.write_text("train:\n  seed: 1\n")
+        load_config(path, ["train.seed=abc"])
+    assert str(raised.value) == "train.seed must be int; got 'abc'"
 
 
 def test_a_config_path_that_is_a_directory_is_named(tmp_path):
