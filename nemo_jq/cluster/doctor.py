@@ -176,14 +176,17 @@ def run_config(config: Path | None, overrides: list[str]) -> Any:
     try:
         return load_config(config, overrides)
     except ConfigError as err:
-        if config is None or str(config) in str(err):
+        if config is None:
             raise
-        keys = read_yaml_file(config)
+        try:
+            keys = read_yaml_file(config)
+        except ConfigError:  # not YAML: the error names the file
+            raise err from None
         launch_keys = sorted(set(keys) & {f.name for f in dataclasses.fields(LaunchConfig)}) if isinstance(keys, dict) else []
         if launch_keys:
             raise ConfigError(f"--config {config} looks like a launch file (it sets {', '.join(launch_keys)}, which nemo-jq "
                               "launch reads), not a run's config: give --config the config train takes") from None
-        raise ConfigError(f"--config {config}: {err}") from None
+        raise err if str(config) in str(err) else ConfigError(f"--config {config}: {err}") from None
 
 
 def _vllm(cuda: bool, head_dim: int, model: str) -> dict[str, Any]:
@@ -194,6 +197,7 @@ def _vllm(cuda: bool, head_dim: int, model: str) -> dict[str, Any]:
     flavour = engine.installed_vllm()
     if flavour is None:
         return {"vllm": "not installed", "rollout.engine=vllm usable": usable("vLLM is not installed (docs/vllm.md)")}
+    engine.engine_environment()
     imports = _imports("vllm")
     floor = ".".join(map(str, engine.VLLM_FLOOR))
     route = engine.installed_refit_route() if imports == "yes" else None

@@ -232,6 +232,9 @@ class Workload:
     autocast: bool = True
     #: The answer budget within ``seq_len`` (the thinking phase's rows end before it).
     answer_tokens: int = 0
+    #: The rollouts sample answers (GRPO, RLOO): their answer phase prefills each chunk's whole contexts at once, as an
+    #: evaluation's does.
+    sampled_answers: bool = False
     #: An evaluation call's prompts and samples of each (``eval.batch_size``, ``eval.num_samples``).
     eval_call: tuple[int, int] = (32, 16)
     #: ``rollout.ranks`` under ``rollout.placement=separate`` (the world's last GPUs only sample); 0: colocated.
@@ -256,6 +259,7 @@ class Workload:
         group_rows = config.train.micro_batch_size * rollout.num_samples
         hf = config.model.backend == "hf"
         separate = rollout.placement == "separate"
+        from nemo_jq.objectives import Need, get_objective
         return cls(seq_len=prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens,
                    micro_batch=min(group_rows, rows if isinstance(rows := config.train.micro_batch_rows, int) else group_rows),
                    samples=rollout.num_samples, batch_prompts=config.train.batch_size,
@@ -267,6 +271,7 @@ class Workload:
                    vllm_tensor_parallel=rollout.tensor_parallel, backend=config.model.backend,
                    async_copy=bool(rollout.async_steps) and rollout.engine != "vllm" and not separate,
                    logprob_chunk=config.model.logprob_chunk_size, answer_tokens=rollout.max_answer_tokens,
+                   sampled_answers=Need.SAMPLED_ANSWER_REWARD in get_objective(config.objective.name).needs,
                    graph_decode=rollout.engine == "native" and rollout.cuda_graphs,
                    decode_cast=hf and rollout.engine == "native" and rollout.cuda_graphs and not separate,
                    autocast=config.model.precision != "fp32",
@@ -291,8 +296,8 @@ class Workload:
 
 
 #: The components of a layout's estimate, in the report's order (each in GiB).
-COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logprob_head", "rollout_copy", "kv_cache", "decode_cast",
-              "refit", "vllm")
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logprob_head", "rollout_copy", "kv_cache", "prefill",
+              "decode_cast", "refit", "vllm")
 
 
 #: The share of a GPU's memory a layout may fill (the rest: the allocator's fragmentation, CUDA's context, NCCL).
@@ -334,6 +339,7 @@ class LayoutEstimate:
     logprob_head_gib: float
     rollout_copy_gib: float
     kv_cache_gib: float
+    prefill_gib: float
     decode_cast_gib: float
     refit_gib: float
     vllm_gib: float
@@ -401,15 +407,18 @@ EXPERT_LAYER_BACKWARD = 0.08
 KV_COPIES = 3
 
 
-def sampler_kv_tokens(work: Workload, prompts: int, samples: int) -> int:
-    """The most tokens of keys and values a sampling call over ``prompts`` x ``samples`` holds: the thinking phase's
-    largest chunk of whole groups (prompt + thinking budget each), or the answer phase's chunk of rows (the whole
-    sequence each; evaluation samples answers, as GRPO and RLOO do), as ``rollout.kv_cache_tokens`` bounds them."""
-    context = work.seq_len - 1 - work.answer_tokens
-    group, rows, budget = samples * context, prompts * samples, work.kv_cache_tokens
-    thinking = group * (prompts if budget is None else min(prompts, max(1, budget // group)))
-    answering = work.seq_len * (rows if budget is None else min(rows, max(1, budget // work.seq_len)))
-    return max(thinking, answering)
+def answer_rows(work: Workload, prompts: int, samples: int) -> int:
+    """The rows of the answer phase's chunk in a call over ``prompts`` x ``samples``: the whole sequence each, as
+    ``rollout.kv_cache_tokens`` bounds them."""
+    rows, budget = prompts * samples, work.kv_cache_tokens
+    return rows if budget is None else min(rows, max(1, budget // work.seq_len))
+
+
+def thinking_kv_tokens(work: Workload, prompts: int, samples: int) -> int:
+    """The keys and values the thinking phase's largest chunk of whole groups holds (prompt + thinking budget each), as
+    ``rollout.kv_cache_tokens`` bounds it."""
+    group, budget = samples * (work.seq_len - 1 - work.answer_tokens), work.kv_cache_tokens
+    return group * (prompts if budget is None else min(prompts, max(1, budget // group)))
 
 
 def hf_activation_bytes(arch: Qwen3Architecture, work: Workload) -> float:
@@ -467,14 +476,15 @@ def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
     # What stays all run, and the two phases' working sets, which do not coexist.
     staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
     training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
-    rollout = ["kv_cache", "decode_cast", "vllm"]
+    rollout = ["sampling", "decode_cast", "vllm"]  # the sampling call whose KV cache and prefill hold the most
     refitting = ["refit", "vllm"]  # a vLLM engine is awake while it loads the weights; a KV cache is not yet held
     # torch's foreach AdamW holds sqrt(v) for every parameter it steps at once: half the replicated state, a third of
     # the distributed optimizer's shard (master weights and moments); measured on an H100: docs/results/real_gpu.md
     stepping = ([], parts["optimizer"] / 3) if sharded else (["gradients"], parts["gradients"] + parts["optimizer"] / 2)
     phase, phase_bytes = max([(names, sum(parts[name] for name in names)) for names in (training, rollout, refitting)] + [stepping],
                              key=lambda working: working[1])
-    return (sum(parts[name] for name in staying) + phase_bytes) / GiB, max(staying + phase, key=lambda name: parts[name])
+    named = [name for name in staying + phase if name != "sampling"] + (["kv_cache", "prefill"] if "sampling" in phase else [])
+    return (sum(parts[name] for name in staying) + phase_bytes) / GiB, max(named, key=lambda name: parts[name])
 
 
 def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float) -> dict[str, float]:
@@ -507,7 +517,8 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "activations": hf_activation_bytes(arch, work) if hf else activations,
         "logprob_head": logprob_head_bytes(arch, work, 1 if hf else tp),
         "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else 2) * parameter_count(arch),
-        "kv_cache": kv_cache_bytes(arch, work, work.batch_prompts // dp) if samples_here and not vllm else 0.0,
+        **(sampler_bytes(arch, work, work.batch_prompts // dp, policy=hf) if samples_here and not vllm else
+           dict.fromkeys(("kv_cache", "prefill", "sampling"), 0.0)),
         "decode_cast": 2 * parameter_count(arch) if work.decode_cast and samples_here else 0.0,
         "refit": refit_bytes(arch, work) + (SENT_BUCKETS * work.sync_bucket_mb * 2**20 if work.rollout_ranks else 0.0),
         "vllm": vllm_bytes(arch, work, gpu_gb) if vllm and samples_here else 0.0,
@@ -618,26 +629,44 @@ def kv_bytes_per_token(arch: Qwen3Architecture) -> int:
     return 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
 
 
-def kv_cache_bytes(arch: Qwen3Architecture, work: Workload, prompts: int) -> float:
-    """The native/hf samplers' bf16 KV cache at its high-water mark: a call of ``prompts`` x M rows (or an evaluation
-    call, if larger) under ``kv_cache_tokens``, plus a decode step's copies of one layer's keys and values."""
-    kv_per_token = kv_bytes_per_token(arch)
-    held_tokens = max(sampler_kv_tokens(work, prompts, work.samples),
-                      sampler_kv_tokens(work, *work.eval_call)) * (1 + KV_COPIES * (not work.graph_decode) / (2 * arch.num_layers))
-    return kv_per_token * held_tokens
+def sampler_bytes(arch: Qwen3Architecture, work: Workload, prompts: int, *, policy: bool) -> dict[str, float]:
+    """The native/hf samplers' working set over a step's sampling calls (its rollouts of ``prompts`` x M rows, an
+    evaluation call): the most KV cache any phase of them holds (``kv_cache``), the most prefill temporaries (an
+    answer phase prefills its chunk's whole contexts at once; a thinking phase only its prompts, left uncounted), and
+    ``sampling``, the most the two take together in one phase (an answer phase's chunk prefills beside a smaller cache
+    than the thinking phase's). Evaluation samples answers; the rollouts where ``sampled_answers``. ``policy``: the hf
+    policy samples from its own weights (:func:`prefill_bytes`)."""
+    copies = 1 + KV_COPIES * (not work.graph_decode) / (2 * arch.num_layers)
+    per_token = kv_bytes_per_token(arch) * copies
+    held = []  # each phase's KV cache and prefill temporaries
+    for call, answers in (((prompts, work.samples), work.sampled_answers), (work.eval_call, True)):
+        held.append((per_token * thinking_kv_tokens(work, *call), 0.0))
+        if answers:
+            rows = answer_rows(work, *call)
+            held.append((per_token * rows * work.seq_len, prefill_bytes(arch, work, rows, policy=policy)))
+    return {"kv_cache": max(kv for kv, _ in held), "prefill": max(prefill for _, prefill in held),
+            "sampling": max(kv + prefill for kv, prefill in held)}
 
 
-def prefill_bytes(arch: Qwen3Architecture, work: Workload, prompts: int) -> float:
-    """The native/hf samplers' largest prefill's temporaries: the answer phase's forward over a chunk of rows at once
-    (prompt, thinking budget and ``</think>`` each; an evaluation call samples answers, as GRPO's rollouts do) as
-    ``rollout.kv_cache_tokens`` bounds the chunk. Three MLP widths and five query widths of bf16 a position (a
-    Qwen3-MoE's MLP width: its k experts'), fitted to the dry run's rollout ranks of the 0.6B and 8B FinQA configs
-    (4.45 and 13.13 GiB, measured 4.40 and 12.84)."""
-    rows = max(prompts * work.samples, work.eval_call[0] * work.eval_call[1])
-    if work.kv_cache_tokens is not None:
-        rows = min(rows, max(1, work.kv_cache_tokens // work.seq_len))
+def prefill_bytes(arch: Qwen3Architecture, work: Workload, rows: int, *, policy: bool) -> float:
+    """The temporaries of an answer phase's prefill of ``rows`` (:func:`answer_rows`): one forward over the chunk's
+    contexts (prompt, thinking budget and ``</think>`` each). A bf16 model (a rollout rank's, Megatron's sampler
+    copy): three MLP widths and five query widths of bf16 a position (a Qwen3-MoE's MLP width: its k experts'), fitted
+    to the dry run's rollout ranks of the 0.6B and 8B FinQA configs (4.45 and 13.13 GiB, measured 4.40 and 12.84).
+    The hf ``policy``'s fp32 weights under bf16 autocast: HF's rotary embedding makes four fp32 query-width tensors
+    beside three fp32 hidden states and a key's fp32 and bf16, or the MLP three bf16 widths beside four fp32 hidden
+    states, whichever is more; and the boolean causal mask (a byte a position of the row) and the fp32 rotary tables
+    (the dry run of the 0.6B, 1.7B, 4B and 8B at the 0.6B FinQA config: 6.57, 8.68, 12.43 and 16.65 GiB, each within
+    0.1%); without autocast every tensor in fp32."""
+    context = work.seq_len - work.answer_tokens
     mlp = arch.num_experts_per_tok * arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
-    return 2 * rows * (work.seq_len - work.answer_tokens) * (3 * mlp + 5 * arch.num_attention_heads * arch.head_dim)
+    h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    bf16 = 2 * (3 * mlp + 5 * q)
+    if not policy:
+        return rows * context * bf16
+    if not work.autocast:
+        return rows * context * 2 * bf16
+    return rows * context * (max(16 * q + 12 * h + 6 * kv, 6 * mlp + 16 * h) + context + 8 * arch.head_dim)
 
 
 def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: int, gpu_gb: float) -> dict[str, float]:
@@ -655,8 +684,7 @@ def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: i
     if work.rollout_engine == "vllm":
         return {"vllm": vllm_bytes(arch, work, gpu_gb), **buckets}
     prompts = max(1, work.batch_prompts // data_parallel)
-    return {"weights": 2 * parameter_count(arch), "kv_cache": kv_cache_bytes(arch, work, prompts),
-            "prefill": prefill_bytes(arch, work, prompts), **buckets}
+    return {"weights": 2 * parameter_count(arch), **sampler_bytes(arch, work, prompts, policy=False), **buckets}
 
 
 def sent_bytes_per_parameter(work: Workload) -> int:
@@ -703,11 +731,12 @@ def remedies(component: str, work: Workload) -> list[tuple[str, Workload | None]
     if work.backend == "hf" and component in ("weights", "gradients", "optimizer"):
         return [("model.backend=megatron with megatron.distributed_optimizer=true and more GPUs (hf trains the whole "
                  "model and its AdamW state on one GPU)", None)]
-    if component == "rollout_copy" or (component == "kv_cache" and work.rollout_engine != "vllm"):
+    if component == "rollout_copy" or (component in ("kv_cache", "prefill") and work.rollout_engine != "vllm"):
         why = ("no HF copy of the whole model on the sampling rank" if component == "rollout_copy" else
-               "its KV cache in its own share of the GPU, which sleeps while the policy trains")
+               f"its {'KV cache' if component == 'kv_cache' else 'prefill'} in its own share of the GPU, which sleeps "
+               "while the policy trains")
         found = [(f"{setting('--rollout-engine', work.config_keys, 'vllm')}: {why}", replace(work, rollout_engine="vllm"))]
-        if component == "kv_cache" and work.kv_cache_tokens:
+        if component != "rollout_copy" and work.kv_cache_tokens:  # it bounds the answer phase's chunk too
             found.insert(0, (f"a smaller {setting('--kv-cache-tokens', work.config_keys)}",
                              replace(work, kv_cache_tokens=work.kv_cache_tokens // 2)))
         return found
@@ -895,7 +924,7 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
     if work.rollout_ranks:
         sizes = rollout_rank_bytes(arch, work, layouts[0].data_parallel, gpu_gb)
         parts = {name: round(size / GiB, 2) for name, size in sizes.items()}
-        total = round(sum(parts.values()), 2)
+        total = round(sum(size for name, size in parts.items() if name not in ("kv_cache", "prefill")), 2)  # in sampling
         # each engine's share holds its bf16 weights, split over its rollout.tensor_parallel ranks, and a sequence's KV
         least = vllm_least_bytes(arch, work)
         fits = total <= gpu_gb * headroom and sizes.get("vllm", math.inf) >= least
@@ -944,8 +973,8 @@ def format_report(result: dict[str, Any]) -> str:
         sync = result["weight_sync"]
         vllm = "vllm" in sampler
         held = (f"{sampler['vllm']} GiB vLLM share (its weights and KV cache)" if vllm else
-                f"{sampler['weights']} GiB bf16 weights + {sampler['kv_cache']} KV cache + {sampler['prefill']} "
-                "prefill temporaries")
+                f"{sampler['weights']} GiB bf16 weights + {sampler['sampling']} of a sampling call's KV cache and prefill "
+                f"temporaries (each at most {sampler['kv_cache']} and {sampler['prefill']})")
         keys = result["workload"]["config_keys"]
         low, high = sampler.get("vllm_utilization_range", (None, None))
         advice = ((f"a {setting('--vllm-memory-utilization', keys)} from {low:g} (its share holds the bf16 weights and "

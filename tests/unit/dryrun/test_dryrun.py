@@ -253,7 +253,7 @@ def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_seque
     report = dry_run(config, GPUS["a100-80gb"], prompt_tokens=32)
     rows = against_plan(report, config)
     compared = {name: row["plan_over_dry_run"] for name, row in rows.items() if row["plan_over_dry_run"] is not None}
-    assert {"weights", "gradients", "optimizer", "activations", "logprob_head", "kv_cache"} <= set(compared)
+    assert {"weights", "gradients", "optimizer", "activations", "logprob_head", "kv_cache", "prefill", "sampling"} <= set(compared)
     assert all(0.9 <= ratio <= 1.1 for ratio in compared.values()), compared
     work = plan.Workload.from_config(config, 32)
     # in sequences, or whole groups where the trainer takes row chunks
@@ -284,7 +284,7 @@ def test_plan_agrees_with_the_dry_run_of_a_rollout_rank_and_catches_a_receiver_c
     every_row = against_plan(report, config)
     assert 0.9 <= every_row["refit"]["plan_over_dry_run"] <= 1.1, every_row["refit"]
     rows = {name: row for name, row in every_row.items() if name.startswith("rollout_rank.")}
-    expected = {"vllm", "sync_buckets"} if engine == "vllm" else {"weights", "kv_cache", "prefill", "sync_buckets"}
+    expected = {"vllm", "sync_buckets"} if engine == "vllm" else {"weights", "kv_cache", "prefill", "sampling", "sync_buckets"}
     assert {name.removeprefix("rollout_rank.") for name in rows} == expected
     assert all(0.9 <= row["plan_over_dry_run"] <= 1.1 for row in rows.values()), rows
     two_buckets = 2 * config.rollout.bucket_bytes() / 2**30
