@@ -32,8 +32,9 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
   model, or an fp32 copy one step ahead) with a bf16 KV cache of at most ``kv_cache_tokens`` tokens
   (``rollout.kv_cache_tokens``: the thinking phase samples chunks of whole groups, at least one prompt's M rows;
   the answer phase chunks of rows; an evaluation call's too), or of all of the replica's rows when that is fewer,
-  plus a decode step's copies of one layer's keys and values (``KV_COPIES``), and, with the hf backend's CUDA-graph
-  decode, a bf16 cast of the fp32 policy's weights while it samples; ``vllm`` keeps no HF copy and takes
+  plus a decode step's copies of one layer's keys and values (``KV_COPIES``), and an answer phase's prefill of its
+  chunk of whole contexts at once (``prefill_bytes``: an evaluation's, and the rollouts' of GRPO and RLOO), and,
+  with the hf backend's CUDA-graph decode, a bf16 cast of the fp32 policy's weights while it samples; ``vllm`` keeps no HF copy and takes
   ``vllm_memory_utilization`` of the GPU (its weights, shared over
   ``vllm_tensor_parallel`` ranks, and its KV cache) while it samples, and sleeps (holds ~nothing) while the
   policy trains, and a share that cannot hold its engine's bf16 weights does not fit;
@@ -50,7 +51,8 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
   (``rollout_ranks``) holds two of the sync's buckets beside it (``SENT_BUCKETS``), whatever the backend;
 * the peak is what stays (weights, optimizer state, the distributed optimizer's gradient buffer, the rollout
   copy) plus the largest of the training working set (gradients without the distributed optimizer,
-  activations, log-prob head), the rollout working set (KV cache, or vLLM's share), the refit's (with vLLM's
+  activations, log-prob head), the rollout working set (the fuller phase of a sampling call: the thinking phase's KV
+  cache, or an answer phase's cache and prefill; or vLLM's share), the refit's (with vLLM's
   share) and the optimizer step's
   (the square root of AdamW's second moment, which torch's foreach kernels hold for every parameter they step at
   once on a GPU, plus the gradients without the distributed optimizer: measured on an H100 for both backends and

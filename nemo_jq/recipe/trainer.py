@@ -119,7 +119,10 @@ class Trainer:
 
     def finished(self) -> str | None:
         """For a resumed run: why it has no step left to train, in one line with the key to raise (None: it has steps
-        left, or its end's evaluation is not written for this step, which resuming then does)."""
+        left, or its end's evaluation is not written for this step, which resuming then does; a rollout rank holds no
+        step: the training ranks say it)."""
+        if self.server is not None:
+            return None
         if self.state.step < self.total_steps or not runs.results_current(self.run_dir, self.state.step):
             return None
         limits, raised = self._limits(self.state.step)

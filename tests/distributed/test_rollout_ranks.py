@@ -278,3 +278,10 @@ def test_the_documented_torchrun_command_trains_one_step_off_on_a_rollout_rank(t
     steps = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
     assert [r["rollout_lag"] for r in steps] == [0, 1]
     assert steps[0]["sync_bytes"] > 0 and "sync_bytes" not in steps[1]  # the last step sends no request ahead
+    # resumed by the same command with --resume (the rollout rank asked a step of a run it holds none of: a traceback)
+    launcher = words[:words.index("nemo_jq.cli") + 1]
+    launcher[launcher.index("--master-port") + 1] = str(free_port())
+    result = subprocess.run([*launcher, "train", "--resume", str(run_dir), "train.max_steps=3"], cwd=root,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == [1, 2, 3]
