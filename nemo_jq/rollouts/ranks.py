@@ -171,24 +171,36 @@ class RolloutServer:
                     pass
                 self.synced += 1
                 continue
-            for lead in arguments[0]:
-                self._answer(lead)
+            self._answer(arguments[0])
 
-    def _answer(self, lead: int) -> None:
-        """Sample one replica's request with its generator's state (an empty message after each chunk, when the replica
-        waits for it); send back the rollouts, the tokens sampled, the generator's state after them and the seconds."""
+    def _answer(self, leads: list[int]) -> None:
+        """Take every replica's request (``leads``: their first ranks), then sample each with its generator's state and
+        send back the rollouts, the tokens sampled, the generator's state after them and the seconds: at once where
+        the replica waits for them (an empty message after each chunk), else once all are sampled. A request sent
+        ahead (one step off) is taken before any is answered: a replica whose request waited while another's answer
+        waited for that replica's next step held up the step's collectives, every rank waiting on another."""
         bridge, device = self.roles.bridge, self.roles.device
-        prompts, num_samples, sample_answers, greedy, routes, state, waited_for = receive_object(bridge, lead, device)
-        generator = generator_from(state, engine_device(self.engine))
-        started, before = time.perf_counter(), self.engine.tokens_generated
-        with reporting_chunks(self.engine, lambda: send_object(bridge, None, lead, device)) \
-                if waited_for and self.answers else nullcontext():
-            rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers, generator=generator,
-                                            greedy=greedy, routes=routes)
-        if self.answers:
-            send_object(bridge, (rollouts, self.engine.tokens_generated - before, generator.get_state(),
-                                 time.perf_counter() - started), lead, device)
-        self.served += 1
+        requests = [(lead, receive_object(bridge, lead, device)) for lead in leads]
+        ahead = []
+        for lead, (prompts, num_samples, sample_answers, greedy, routes, state, waited_for) in requests:
+            generator = generator_from(state, engine_device(self.engine))
+            started, before = time.perf_counter(), self.engine.tokens_generated
+            with reporting_chunks(self.engine, lambda lead=lead: send_object(bridge, None, lead, device)) \
+                    if waited_for and self.answers else nullcontext():
+                rollouts = self.engine.generate(prompts, num_samples, sample_answers=sample_answers,
+                                                generator=generator, greedy=greedy, routes=routes)
+            answer = (rollouts, self.engine.tokens_generated - before, generator.get_state(), time.perf_counter() - started)
+            if waited_for:
+                self._send(lead, answer)
+            else:
+                ahead.append((lead, answer))
+            self.served += 1
+        for lead, answer in ahead:
+            self._send(lead, answer)
+
+    def _send(self, lead: int, answer: tuple) -> None:
+        if self.answers:  # the engine's other ranks sampled in step, silent
+            send_object(self.roles.bridge, answer, lead, self.roles.device)
 
 
 def generator_state(generator: torch.Generator) -> tuple[str, torch.Tensor]:

@@ -102,6 +102,28 @@ def test_two_megatron_trainers_and_rollout_ranks_train_as_colocated(layout, roll
     assert sum(served) == replicas * 4 and len(set(served)) == 1  # each replica's 2 steps, validation and test
 
 
+@pytest.mark.slow  # 25 s
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_two_megatron_replicas_train_one_step_off_on_one_rollout_rank(tmp_path):
+    """DP=2 and one rollout rank, one step off (docs/rollout_ranks.md's command at three processes): both replicas'
+    requests for the next step are taken before either is answered. The rollout rank answered the first replica's
+    as soon as it was sampled, and that answer waited for the first replica's next step while the second replica's
+    request waited for the rollout rank, and the first replica for the second in the step's collectives: no step
+    ever ended."""
+    import signal
+
+    signal.alarm(300)  # a deadlock fails the test rather than the suite's time
+    try:
+        separate = run_in_processes(train_run, 3, tmp_path / "separate",
+                                    ["model.backend=megatron", "objective.name=garl", *ONE_STEP_OFF,
+                                     "rollout.placement=separate"], 3, process_group=False)
+    finally:
+        signal.alarm(0)
+    assert [r["rollout_lag"] for r in separate[0]["train"]] == [0, 1, 1]
+    assert separate[2]["result"]["served"] == 2 * (3 + 2)  # each replica's steps, validation and test
+
+
 @pytest.mark.slow
 @pytest.mark.megatron
 @pytest.mark.distributed
