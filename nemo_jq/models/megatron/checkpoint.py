@@ -59,18 +59,29 @@ def save_sharded(directory: Path, model: Any, optimizer: torch.optim.Optimizer, 
     dist_checkpointing.save(state, str(target))
 
 
+#: The signals that stop a run with a checkpoint and reach every process of a job step, or of a torchrun worker's
+#: process group (SLURM's time limit, ``scancel``, torchrun's own SIGTERM, a closed terminal): megatron-core's writer
+#: helpers never act on them (Ctrl-C's SIGINT its manager ignores itself).
+STOP_SIGNALS = {signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP}
+
+
 def _start_writer_helpers() -> None:
     """Start megatron-core's long-lived checkpoint-writer helpers (a multiprocessing manager for the write results,
-    and multiprocessing's resource tracker) with SIGUSR1 blocked, so that they never act on it: SLURM sends its
-    time-limit signal to every process of the job step, and a helper killed by it breaks the save that signal asks
-    for (rank 0's BrokenPipeError while the others wait at a barrier, until the hard kill). Only SIGUSR1: SIGTERM
-    still ends them with the job. A SIGUSR1 to this process meanwhile stays pending, and is handled once unblocked."""
+    and multiprocessing's resource tracker) with :data:`STOP_SIGNALS` blocked, so that they never act on them: a
+    helper killed by the signal that asks for the stop's checkpoint breaks that save (rank 0's BrokenPipeError while
+    the others wait at a barrier, until the hard kill: under torchrun a SIGTERM left ``.tmp-step_...`` and no
+    checkpoint). They end as the process does (multiprocessing shuts its manager down at exit), or by SIGKILL with
+    the job. A stop signal to this process meanwhile stays pending, and is handled once unblocked."""
+    from multiprocessing import resource_tracker
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", True) is not None:  # started already (or another megatron-core)
         return
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        resource_tracker.ensure_running()  # first: starting it unblocks SIGINT and SIGTERM here (CPython's own)
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         filesystem_async._get_write_results_queue()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

@@ -307,3 +307,28 @@ def test_bf16_weights_train_on_fp32_masters_and_resume_them_bit_exact(tmp_path):
         assert 5e-7 < out["small_step_master_moved"] < 2e-5, out
         assert out["weights_are_rounded_masters"] == 0
         assert out["resumed_masters"] == 0 and out["resumed_step"] == 0, out
+
+
+
+def test_megatron_cores_checkpoint_writer_helpers_never_act_on_a_stop_signal():
+    """The signal that stops a run with a checkpoint reaches the writer's helpers too (torchrun sends SIGTERM to a
+    worker's process group, SLURM its time-limit SIGUSR1 and scancel's SIGTERM to every process of the step): a helper
+    killed by it broke that very save (under torchrun, SIGTERM: ``.tmp-step_...`` left and no checkpoint). Each helper
+    the writer starts blocks the stop signals; this process's mask is as it was."""
+    import signal
+    import subprocess
+    import sys
+
+    probe = ("import json, multiprocessing, signal\n"
+             "from nemo_jq.models.megatron.checkpoint import _start_writer_helpers\n"
+             "_start_writer_helpers()\n"
+             "helpers = [p.pid for p in multiprocessing.active_children()]\n"
+             "print(json.dumps({'own': sorted(signal.pthread_sigmask(signal.SIG_BLOCK, set())), 'blocked': [next(\n"
+             "    int(line.split()[1], 16) for line in open(f'/proc/{pid}/status') if line.startswith('SigBlk:'))\n"
+             "    for pid in helpers]}))\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout)
+    assert seen["own"] == [] and seen["blocked"]  # this process blocks nothing; the manager is its child
+    for blocked in seen["blocked"]:
+        assert all(blocked >> (sig - 1) & 1 for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP)), bin(blocked)
