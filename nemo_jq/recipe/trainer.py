@@ -158,10 +158,12 @@ class Trainer:
         returns ``{"preempted": signum}`` (inside a :class:`~nemo_jq.runtime.preemption.Series` it raises ``Stopped``: no further
         run of the command starts). ``stop``: signals already being caught (the CLI catches them from its start; a
         series' own), else caught while this runs."""
-        if self.server is not None:  # a rollout rank samples until the training ranks are done
-            return self.server.serve()
         series = current_series() if stop is None else None
         stop = series.stop if series is not None else stop
+        if self.server is not None:  # a rollout rank samples until the training ranks are done
+            served = self.server.serve()  # a stop signal this rank caught ends it as it ends them (a requeue's exit)
+            stopped = series is None and stop is not None and stop.requested()
+            return {**served, "preempted": stop.received, "step": None} if stopped else served
         end = min(self.total_steps, max_steps or self.total_steps)
         distributed.on_writer(lambda: write_run_files(self.run_dir, self.config, self.components.tokenizer,
                                                       self.components.splits))

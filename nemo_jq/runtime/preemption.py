@@ -293,10 +293,11 @@ def end_stopped_run(signum: int, step: int, run_dir: Path, *, requeue: bool) -> 
 
 def _exit_for_requeue(linger: float = 3.0) -> int:
     """Under srun with ``--kill-on-bad-exit``, the first task that exits non-zero has the others killed, which turns
-    srun's status into 143 and loses the request. So every rank waits for the others, the other ranks end at once
-    with 0, and rank 0 returns :data:`REQUEUE_EXIT_CODE` a moment later, when nothing is left to kill. Before it ends,
-    a rank shuts down its multiprocessing helpers (megatron-core's checkpoint writer's), as a normal exit would: left
-    running, they would outlive the job step and hold its output open."""
+    srun's status into 143 and loses the request. So every rank waits for the others (the whole world's: a split
+    one's rollout ranks end their process groups too, :func:`~nemo_jq.runtime.distributed.close`), the other ranks
+    end at once with 0, and rank 0 returns :data:`REQUEUE_EXIT_CODE` a moment later, when nothing is left to kill.
+    Before it ends, a rank shuts down its multiprocessing helpers (megatron-core's checkpoint writer's), as a normal
+    exit would: left running, they would outlive the job step and hold its output open."""
     import multiprocessing.util
     import os
     import sys
@@ -304,9 +305,11 @@ def _exit_for_requeue(linger: float = 3.0) -> int:
 
     from nemo_jq.runtime import distributed
 
-    if distributed.world_size() > 1:
-        distributed.barrier()
-        if not distributed.is_writer():
+    if distributed.world_size() > 1 or distributed.roles() is not None:
+        writer = distributed.is_writer()
+        distributed.close()
+        distributed.barrier()  # process groups a caller started, close() leaves: their ranks wait here
+        if not writer:
             multiprocessing.util._exit_function()
             sys.stdout.flush()
             sys.stderr.flush()

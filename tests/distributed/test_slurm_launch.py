@@ -150,6 +150,21 @@ def test_the_time_limit_signal_checkpoints_both_nodes_requeues_from_the_host_and
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)
 
 
+def test_the_time_limit_signal_requeues_a_run_whose_rollouts_are_on_a_rank_of_their_own(slurm, tmp_path):
+    """One training rank and one rollout rank (``rollout.placement=separate``), one per node: the time-limit signal
+    reaches both; the rollout rank ends with the trainers (it ended first, and rank 0's exit 75 then lost the
+    world's last collective: a traceback, srun's 143, FAILED, no requeue). The job requeues and resumes to its end."""
+    run_dir = tmp_path / "separate"
+    job_id = multinode(slurm, tmp_path, run_dir, "rollout.placement=separate", "rollout.ranks=1")
+    wait_until(lambda: train_steps(run_dir) >= 2, 180, "two steps")
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm, check=True, timeout=30)
+    state = wait_for_end(slurm, job_id)
+    text = log(tmp_path, job_id)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text[-3000:]
+    assert "checkpoint written; exit 75 asks the batch script to requeue" in text and "Traceback" not in text, text[-3000:]
+    assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3, 4, 5] and (run_dir / "results.json").exists()
+
+
 def single(env: dict[str, str], tmp_path: Path, run_dir: Path, *overrides: str) -> str:
     """launchers/slurm_train.sbatch, one node, the HF backend, a long run."""
     config = tmp_path / "tiny.yaml"
