@@ -112,7 +112,8 @@ def megatron_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     if request.device.type != "cuda" and os.environ.get(MEGATRON_ON_CPU) != "1":
         raise ValueError(
             "model.backend=megatron needs a CUDA device (train.device): megatron-core 0.16.1 calls CUDA in its "
-            "rotary embeddings and RNG tracker; on CPU it runs only under the test suite's patches"
+            "rotary embeddings and RNG tracker; on CPU it runs only under the test suite's patches (eval, generate "
+            "and export of a Megatron run load it with megatron-core too: run them on a GPU node)"
         )
     if not dist.is_initialized():  # one process, not started by torchrun: NCCL on a GPU, as torchrun's ranks use
         store = tempfile.NamedTemporaryFile(prefix="nemo_jq_pg_", delete=False).name

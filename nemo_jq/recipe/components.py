@@ -49,6 +49,7 @@ from nemo_jq.runtime.runs import (
     refuse_overrides,
     select_checkpoint,
 )
+from nemo_jq.typed import ConfigError
 
 
 @dataclass
@@ -333,6 +334,20 @@ class LoadedRun:
     components: Components
 
 
+def _layout_runs_here(config: Config, command: str) -> None:
+    """A Megatron checkpoint's layout over this command's processes, or one line naming the keys that place it here:
+    a checkpoint loads at any layout (eval, generate and export take them), which a run at TP, PP or EP > 1 on a
+    GPU node, evaluated in one process, needs."""
+    try:
+        config.megatron.validate(world_size=distributed.world_size())
+    except ValueError as err:
+        layout = " ".join(f"megatron.{key}=1" for key in ("tensor_parallel", "pipeline_parallel", "context_parallel",
+                                                           "expert_parallel", "expert_tensor_parallel")
+                          if getattr(config.megatron, key) > 1)
+        raise ConfigError(f"{err}; or place the checkpoint here: {command} loads it at any layout ({layout} for one "
+                          "process)") from None
+
+
 def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), which: str = "best", *,
                        command: str) -> LoadedRun:
     """The components of the run at ``path`` (a run directory: its ``which`` checkpoint, see
@@ -346,6 +361,8 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), 
     check_trained_with(config, selected.checkpoint, INFERENCE_KEYS[command])
     device = distributed.init_from_env(resolve_device(config.train.device),
                                       timedelta(minutes=config.train.collective_timeout_minutes))
+    if config.model.backend == "megatron":  # the layout it trained at may not fit the processes it runs in here
+        _layout_runs_here(config, command)
     components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)
     if command == "eval":  # it scores the run's own splits (generate and export read none)
         check_splits(run_dir, components.splits, config.data)

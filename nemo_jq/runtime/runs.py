@@ -313,9 +313,12 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
         raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}{nearest_run(Path(run_dir))}")
     if _writes_here():
         hold_run_dir(run_dir)
-    refuse_overrides(overrides, RESUMABLE_KEYS, "--resume", "a resumed run keeps what it trains and the k of the "
-                     "validation m@k that picks its best checkpoint (`nemo-jq eval RUN eval.num_samples=K` scores it at "
-                     "another k)")
+    keys = {current_key(item.partition("=")[0]) for item in overrides}
+    refuse_overrides(overrides, RESUMABLE_KEYS, "--resume", "a resumed run keeps what it trains" + (
+        " and the k of the validation m@k that picks its best checkpoint (`nemo-jq eval RUN eval.num_samples=K` scores "
+        "it at another k)" if "eval.num_samples" in keys else "") + (
+        " and the expert layout its AdamW state was saved at (`nemo-jq eval` and `export` load its weights at any)"
+        if keys & {"megatron.expert_parallel", "megatron.expert_tensor_parallel"} else ""))
     checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
     if checkpoint is None and not failed_start(run_dir):
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from, and holds what a run does not write "

@@ -111,7 +111,11 @@ def test_resume_applies_safe_overrides_and_refuses_the_rest(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "optim.lr=1e-2")
-    one_line_error(code, err, "optim.lr=1e-2", "train.epochs", "eval.every")
+    line = one_line_error(code, err, "a resumed run keeps what it trains; optim.lr=1e-2 cannot change", "train.epochs",
+                          "eval.every")
+    assert "m@k" not in line  # said only of the key it is about
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "eval.num_samples=8")
+    one_line_error(code, err, "and the k of the validation m@k that picks its best checkpoint")
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "--config", ROOT / "configs/examples" / "synthetic_cold_paft_q0.75.yaml")
     one_line_error(code, err, "--resume", "--config")
     # a layout key may change (megatron checkpoints reshard), but only on the backend that has layouts

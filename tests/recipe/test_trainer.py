@@ -458,3 +458,17 @@ def test_each_step_logs_its_own_gpu_peak_and_a_cpu_step_none(tmp_path, monkeypat
     trainer.fit()
     assert [r["gpu_peak_gib"] for r in read_metrics(trainer.run_dir) if r["kind"] == "train"] == [1.5, 2.5]
     assert counter["resets"] == 3  # once at each step's start
+
+
+def test_a_megatron_checkpoint_whose_layout_its_processes_cannot_hold_is_told_the_keys_that_place_it():
+    """eval, generate and export load a checkpoint at any layout; one trained at PP=2 or EP=2, exported in one
+    process, was told only to use more processes."""
+    from nemo_jq.recipe.components import _layout_runs_here
+    from nemo_jq.typed import ConfigError
+
+    for key, command in (("pipeline_parallel", "export"), ("expert_parallel", "eval")):
+        config = load_config(None, ["model.backend=megatron", f"megatron.{key}=2"])
+        with pytest.raises(ConfigError, match=f"; or place the checkpoint here: {command} loads it at any layout "
+                                              f"\\(megatron.{key}=1 for one process\\)"):
+            _layout_runs_here(config, command)
+    _layout_runs_here(load_config(None, ["model.backend=megatron"]), "generate")
