@@ -55,7 +55,7 @@ class StopSignals:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if signum == signal.SIGINT and self.received is not None:
             raise KeyboardInterrupt
-        if signum == signal.SIGINT:
+        if signum == signal.SIGINT and _writes():  # one line, not one a rank
             print("\nCtrl-C: finishing this step and writing a checkpoint (press again to stop at once)", flush=True)
         if signum == signal.SIGHUP:
             release_terminal()
@@ -267,6 +267,13 @@ class Series(contextlib.ContextDecorator):
 def current_series() -> Series | None:
     """The series this process is running (None: a single training)."""
     return _series
+
+
+def _writes() -> bool:
+    """Whether this process speaks for the command: rank 0 of a world (or no world yet: torchrun's ``RANK`` says)."""
+    from nemo_jq.runtime import distributed
+
+    return distributed.is_writer() and os.environ.get("RANK", "0") == "0"
 
 
 def end_stopped_run(signum: int, step: int, run_dir: Path, *, requeue: bool) -> int:
