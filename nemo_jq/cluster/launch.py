@@ -133,10 +133,31 @@ def load_launch_config(path: Path) -> LaunchConfig:
     if config.executor != "local" and not config.container_image:
         raise ConfigError(f"{path}: executor={config.executor} needs container_image: REGISTRY#IMAGE:TAG for pyxis "
                           "(nvcr.io#nvidia/pytorch:25.04-py3), or a squashfs path every node sees (/shared/nemo-jq.sqsh)")
+    # sbatch --signal without @SECONDS sends it 60 s before the limit
+    limit, lead = slurm_seconds(config.time), int(config.signal.partition("@")[2] or 60) if config.signal else None
+    if config.executor == "slurm" and limit is not None and lead is not None and limit <= lead:
+        raise ConfigError(f"{path}: time={config.time!r} is no longer than the time-limit signal's lead "
+                          f"(signal={config.signal!r}: {lead} s before the limit): it would arrive before the run's first "
+                          "step, and each requeue would start it again: give a longer time, or a shorter lead")
     if config.executor != "slurm" and config.nodes > 1:  # NeMo-Run's local and docker executors use this host alone
         raise ConfigError(f"{path}: nodes={config.nodes} but executor={config.executor} starts every process on this "
                           "machine: set nodes: 1 (gpus_per_node processes), or use executor: slurm for several nodes")
     return config
+
+
+def slurm_seconds(limit: str) -> int | None:
+    """A SLURM time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds; None where it has none."""
+    if limit.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, clock = limit.rpartition("-")
+    parts = [int(part) for part in clock.split(":")]
+    if days:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = [*parts, 0, 0][:3]
+    elif len(parts) == 3:  # HH:MM:SS
+        hours, minutes, seconds = parts
+    else:  # MM[:SS]
+        hours, minutes, seconds = 0, parts[0], parts[1] if len(parts) == 2 else 0
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def check_signal(path: Path, value: str) -> None:

@@ -113,6 +113,10 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("account: a\ncontainer_image: x.sqsh\nsignal: KILL@300\n", "KILL is not a signal the trainer checkpoints on"),
     ("account: a\ncontainer_image: x.sqsh\nsignal: 'B:USR1@300'\n", "signal='B:USR1@300': B: sends it to the batch "
      "shell alone, which does not pass it to the run's processes"),
+    # a limit the signal's lead eats: the signal before the first step, and a requeue after requeue (5 in 2.5 min)
+    ("account: a\ncontainer_image: x.sqsh\ntime: '00:04:00'\n", "time='00:04:00' is no longer than the time-limit "
+     "signal's lead (signal='USR1@300': 300 s before the limit): it would arrive before the run's first step"),
+    ("account: a\ncontainer_image: x.sqsh\ntime: '1'\nsignal: USR1\n", "(signal='USR1': 60 s before the limit)"),
     ("account: a\ncontainer_image: x.sqsh\nmaster_port: hello\n", "master_port must be int; got 'hello'"),
     ("account: a\ncontainer_image: x.sqsh\nmaster_port: 70000\n", "master_port must be >= 1 and <= 65535; got 70000"),
     ("account: a\ncontainer_image: x.sqsh\npartition: [a, b]\n", "partition=['a', 'b'] is not a SLURM partition: one name, or"),
