@@ -75,7 +75,7 @@ def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     while the policy trains), vLLM its own copy, refitted likewise."""
     if distributed.world_size() > 1:
         raise ValueError(f"model.backend=hf trains in one process, but this run has {distributed.world_size()}: "
-                         "use model.backend=megatron under torchrun")
+                         "use model.backend=megatron to train over several processes")
     policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config),
                       activation_checkpointing=request.config.model.activation_checkpointing,
                       compiled=request.config.model.compile and request.device.type == "cuda")

@@ -1,4 +1,4 @@
-"""``nemo-jq launch``: a nemo-jq command through NeMo-Run (SLURM, Docker or local), under torchrun."""
+"""``nemo-jq launch``: a nemo-jq command through NeMo-Run: on SLURM (srun starts a process per GPU), Docker or here."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from nemo_jq.cli import arguments
 
 def add_parser(commands) -> None:
     launcher = commands.add_parser(
-        "launch", help="run a nemo-jq command through NeMo-Run (SLURM, Docker or local), under torchrun",
+        "launch", help="run a nemo-jq command through NeMo-Run: on SLURM (srun starts a process per GPU), Docker or here",
         description="nemo-jq launch launch.yaml [--dryrun] train --config /abs/config.yaml model.backend=megatron ...\n\n"
         "launch.yaml keys: executor (slurm, docker, local), account, partition, nodes, gpus_per_node, time,\n"
         "container_image, container_mounts (host:container), env, network_interface (gloo's and NCCL's sockets),\n"

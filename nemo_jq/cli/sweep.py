@@ -39,7 +39,7 @@ def add_parser(commands) -> None:
     sweep.add_argument("--resume", type=arguments.path, metavar="SWEEP_DIR", help="continue a sweep: its finished runs are kept, "
                        "stopped ones continue from their checkpoints, the others start")
     sweep.add_argument("--parallel", type=arguments.positive, help="runs at once on this machine (default 1; with "
-                       "--resume, what the sweep was started with)")
+                       "--resume, what the sweep was started with); with --slurm, the most array tasks running at once")
     sweep.add_argument("--threads", type=arguments.positive, help="torch threads a run (default: this machine's free "
                        "cores, shared out over --parallel; with --resume, what the sweep was started with)")
     sweep.add_argument("--overwrite", action="store_true", help="if --out holds a sweep, move it aside first")
@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--index {args.index} picks the run of --task SWEEP_DIR: add --task, or drop --index")
     if args.sbatch and not args.slurm:
         raise ValueError(f"--sbatch={args.sbatch[0]} is an option of --slurm's job array: add --slurm, or drop --sbatch")
+    if args.slurm and args.threads:
+        raise ValueError("--threads shares this machine's cores out over its runs; each task of --slurm's array runs on "
+                         "a node of its own: drop --threads (--sbatch=--cpus-per-task=N sizes a task)")
     if args.task is not None:
         return run_task(Sweep.load(args.task), args.index)
     if args.resume is not None:
@@ -83,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
     if args.slurm:
         from nemo_jq.cluster.launch import submit_sweep
 
-        submit_sweep(sweep, args.sbatch)
+        try:
+            submit_sweep(sweep, args.sbatch, parallel=args.parallel)
+        except BaseException:
+            if args.resume is None:  # a sweep SLURM never took leaves no folder to be refused by the next try
+                sweep.withdraw()
+            raise
         return 0
     run_here(sweep, parallel=args.parallel or sweep.here.get("parallel") or 1,
              threads=args.threads or sweep.here.get("threads"))

@@ -451,10 +451,12 @@ def sbatch_refusal(output: str) -> str:
 SWEEP_LAUNCHER = Path(__file__).resolve().parents[2] / "launchers" / "slurm.sbatch"
 
 
-def submit_sweep(sweep: Any, options: list[str], launcher: Path = SWEEP_LAUNCHER) -> str:
+def submit_sweep(sweep: Any, options: list[str], launcher: Path = SWEEP_LAUNCHER, parallel: int | None = None) -> str:
     """Submit ``sweep``'s unfinished runs as one SLURM job array (task K: run K of its ``sweep.json``), each task
     ``nemo-jq sweep --task DIR`` through ``launcher`` (its run, requeued after the time-limit signal), one GPU a task
-    unless ``options`` (sbatch's) say otherwise, its output ``DIR/logs/task-K.out``; says so and returns the job id."""
+    unless ``options`` (sbatch's) say otherwise, at most ``parallel`` running at once (sbatch's ``--array=...%N``), its
+    output ``DIR/logs/task-K.out``; says so and returns the job id."""
+    import shutil
     import subprocess
 
     from nemo_jq.runtime.sweep import FINISHED, LOGS_DIR
@@ -466,10 +468,14 @@ def submit_sweep(sweep: Any, options: list[str], launcher: Path = SWEEP_LAUNCHER
     if not launcher.exists():
         raise FileNotFoundError(f"{launcher} is missing: --slurm submits this project's launchers/slurm.sbatch, from a "
                                 "checkout (pip install -e .)")
+    if shutil.which("sbatch") is None:
+        raise ValueError("--slurm submits a job array with sbatch, which is not on this machine's PATH: run it on the "
+                         "cluster's login node, or drop --slurm to run the sweep here")
     directory = sweep.directory.absolute()
     (directory / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     gpus = [] if any(option.startswith(("--gpus", "--gres", "-G")) for option in options) else ["--gpus-per-node=1"]
-    command = ["sbatch", "--parsable", f"--array={','.join(map(str, unfinished))}", "--job-name=nemo-jq-sweep",
+    throttle = f"%{parallel}" if parallel else ""
+    command = ["sbatch", "--parsable", f"--array={','.join(map(str, unfinished))}{throttle}", "--job-name=nemo-jq-sweep",
                f"--output={directory / LOGS_DIR}/task-%a.out", *gpus, *options, str(launcher), "sweep", "--task",
                str(directory)]
     submitted = subprocess.run(command, capture_output=True, text=True)

@@ -5,7 +5,7 @@ x seed (``train.seed``; the data split stays ``data.seed``'s), each ``DIR/<name>
 ``DIR/sweep.json``. Each run is ``nemo-jq train --requeue ... train.run_dir=DIR/<name>`` in a process of its own (a
 finished run is left alone; one stopped with a checkpoint continues from it; one never started, or started without a
 checkpoint, starts), so ``nemo-jq sweep --resume DIR`` continues a sweep whatever stopped it, and a SLURM array task
-runs the same command (``launchers/slurm_sweep.sbatch``). Here, ``parallel`` runs at once, each with ``threads`` torch
+runs the same command (``launchers/slurm.sbatch``: ``nemo-jq sweep --task DIR``). Here, ``parallel`` runs at once, each with ``threads`` torch
 threads (default: the free cores shared out: two processes with all the cores each run several times slower), its
 output in ``DIR/logs/<name>.log``; a first line with the runs and their steps, one line a run as it starts and ends,
 and the running runs' steps and the time left at the step rate measured so far: once every running run's rate is
@@ -123,6 +123,14 @@ class Sweep:
                 raise ConfigError(f"run {run.name} of the sweep: {err}") from None
         self.directory.mkdir(parents=True, exist_ok=True)
         self.save()
+
+    def withdraw(self) -> None:
+        """Undo :meth:`write` of a sweep none of whose runs started (SLURM refused its array): its record, its empty
+        logs folder, and its folder if that is left empty."""
+        (self.directory / SWEEP_FILE).unlink(missing_ok=True)
+        for folder in (self.directory / LOGS_DIR, self.directory):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
     def save(self) -> None:
         record = {"grid": self.grid, "here": self.here, "runs": [asdict(run) for run in self.runs]}

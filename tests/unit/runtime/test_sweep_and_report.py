@@ -510,7 +510,8 @@ def test_a_sweep_refuses_the_keys_it_sets_itself_and_options_that_would_do_nothi
             (["train.run_dir=foo,bar", "objective.q=0,1"], ["train.run_dir: the sweep sets train.run_dir"]),
             (["objective.q=0,1", "--sbatch=--time=1:00:00"], ["--sbatch=--time=1:00:00 is an option of --slurm's",
                                                               "add --slurm"]),
-            (["objective.q=0,1", "--index", "0"], ["--index 0 picks the run of --task SWEEP_DIR", "drop --index"])):
+            (["objective.q=0,1", "--index", "0"], ["--index 0 picks the run of --task SWEEP_DIR", "drop --index"]),
+            (["objective.q=0,1", "--slurm", "--threads", "2"], ["--threads shares this machine's cores", "drop --threads"])):
         code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", *words)
         one_line_error(code, err, *fragments)
         assert not (tmp_path / "s").exists() and not (tmp_path / "x").exists()
@@ -519,6 +520,31 @@ def test_a_sweep_refuses_the_keys_it_sets_itself_and_options_that_would_do_nothi
     one_line_error(code, err, "--index 0 picks the run of --task SWEEP_DIR")
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--sbatch=--partition=gpu")
     one_line_error(code, err, "add --slurm, or drop --sbatch")
+
+
+def test_a_sweep_slurm_refuses_leaves_no_folder_and_parallel_caps_the_array(tmp_path, capsys, monkeypatch):
+    """A stand-in ``sbatch`` (the real one runs in tests/distributed/test_slurm_launch.py): a refused array left
+    DIR/sweep.json, so the same command, fixed, was refused as "already holds a sweep"; without sbatch the line blamed
+    a path; ``--parallel`` with ``--slurm`` did nothing (now the array's ``%N``)."""
+    import os
+    import stat
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    sbatch = tools / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: gpu' >&2\nexit 1\n")
+    sbatch.chmod(sbatch.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", "objective.q=0,1", "--slurm", "--sbatch=--partition=gpu")
+    one_line_error(code, err, "sbatch refused the sweep's array (sbatch: error: invalid partition specified: gpu)")
+    assert not (tmp_path / "s").exists()
+    sbatch.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\necho 41\n")
+    assert run_cli(capsys, "sweep", "--out", tmp_path / "s", "objective.q=0,1", "--slurm", "--parallel", "1")[0] == 0
+    assert "--array=0,1%1 " in (tmp_path / "args").read_text() and (tmp_path / "s" / "sweep.json").exists()
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--slurm")
+    one_line_error(code, err, "sbatch, which is not on this machine's PATH: run it on the cluster's login node")
+    assert (tmp_path / "s" / "sweep.json").exists()  # a resumed sweep's record stays
 
 
 def test_sweep_out_and_report_figures_write_over_no_file_of_a_users(tmp_path, capsys):
