@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from nemo_jq.cli import arguments
 
@@ -66,20 +67,23 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--threads shares this machine's cores out over its runs; each task of --slurm's array runs on "
                          "a node of its own: drop --threads (--sbatch=--cpus-per-task=N sizes a task)")
     if args.task is not None:
-        return run_task(Sweep.load(args.task), args.index)
+        sweep = Sweep.load(args.task)
+        sweep.work_from_start()
+        return run_task(sweep, args.index)
     if args.resume is not None:
         if args.out or args.config or args.seeds or args.overwrite:
             raise ValueError("--resume continues a sweep as its sweep.json records it: drop --out, --config, --seeds "
                              "and --overwrite (key=value words of how long its runs train, how they are evaluated and "
                              "saved, are allowed)")
         sweep = Sweep.load(args.resume)
+        sweep.work_from_start()
         if args.overrides:
             sweep.go_on_with(args.overrides)
     else:
         if args.out is None:
             raise ValueError("nemo-jq sweep needs --out DIR (a new folder for the sweep) or --resume SWEEP_DIR")
         sweep = Sweep.from_grid(args.out, [str(path) for path in args.config], args.overrides, args.seeds)
-        sweep.here = {"parallel": args.parallel or 1, "threads": args.threads}
+        sweep.here = {"parallel": args.parallel or 1, "threads": args.threads, "started_in": str(Path.cwd())}
         sweep.write(overwrite=args.overwrite)
     from nemo_jq.cli.report import print_report
 

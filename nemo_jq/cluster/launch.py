@@ -473,11 +473,16 @@ def submit_sweep(sweep: Any, options: list[str], launcher: Path = SWEEP_LAUNCHER
                          "cluster's login node, or drop --slurm to run the sweep here")
     directory = sweep.directory.absolute()
     (directory / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    # each task works from the folder the sweep was started in (a container's mount of it, launchers/slurm.sbatch's
+    # default), and finds the sweep inside it by a relative path: a host's absolute path is no path in the container
+    started = Path(sweep.here.get("started_in") or Path.cwd())
+    task_dir = directory.relative_to(started) if directory.is_relative_to(started) else directory
+    chdir = [] if any(option.startswith(("--chdir", "-D")) for option in options) else [f"--chdir={started}"]
     gpus = [] if any(option.startswith(("--gpus", "--gres", "-G")) for option in options) else ["--gpus-per-node=1"]
     throttle = f"%{parallel}" if parallel else ""
     command = ["sbatch", "--parsable", f"--array={','.join(map(str, unfinished))}{throttle}", "--job-name=nemo-jq-sweep",
-               f"--output={directory / LOGS_DIR}/task-%a.out", *gpus, *options, str(launcher), "sweep", "--task",
-               str(directory)]
+               f"--output={directory / LOGS_DIR}/task-%a.out", *chdir, *gpus, *options, str(launcher.absolute()), "sweep",
+               "--task", str(task_dir)]
     submitted = subprocess.run(command, capture_output=True, text=True)
     if submitted.returncode != 0:
         raise ValueError(f"sbatch refused the sweep's array ({sbatch_refusal(submitted.stderr)}): {' '.join(command)}")

@@ -5,10 +5,10 @@ x seed (``train.seed``; the data split stays ``data.seed``'s), each ``DIR/<name>
 ``DIR/sweep.json``. Each run is ``nemo-jq train --requeue ... train.run_dir=DIR/<name>`` in a process of its own (a
 finished run is left alone; one stopped with a checkpoint continues from it; one never started, or started without a
 checkpoint, starts), so ``nemo-jq sweep --resume DIR`` continues a sweep whatever stopped it, and a SLURM array task
-runs the same command (``launchers/slurm.sbatch``: ``nemo-jq sweep --task DIR``). Here, ``parallel`` runs at once, each with ``threads`` torch
-threads (default: the free cores shared out: two processes with all the cores each run several times slower), its
-output in ``DIR/logs/<name>.log``; a first line with the runs and their steps, one line a run as it starts and ends,
-and the running runs' steps and the time left at the step rate measured so far: once every running run's rate is
+runs the same command (``launchers/slurm.sbatch``: ``nemo-jq sweep --task DIR``). Here, ``parallel`` runs at once,
+each with ``threads`` torch threads (default: the free cores shared out: two processes with all the cores each run
+several times slower), its output in ``DIR/logs/<name>.log``; a first line with the runs and their steps, one line a
+run as it starts and ends, and the running runs' steps and the time left at the step rate measured so far: once every running run's rate is
 measured (a few seconds past its first step), then every ``report_every`` seconds. A stop signal reaches every
 running run once (each writes its checkpoint and stops), no further run starts, and the line says how to continue.
 """
@@ -123,6 +123,18 @@ class Sweep:
                 raise ConfigError(f"run {run.name} of the sweep: {err}") from None
         self.directory.mkdir(parents=True, exist_ok=True)
         self.save()
+
+    def work_from_start(self) -> None:
+        """Work from the folder the sweep was started in (``here["started_in"]``), where its runs' relative paths (a
+        ``--config``, a config's ``data.source``) are read, saying so: a ``--resume`` from another folder found none of
+        them, and every run failed. Left as it is where that folder is not here (a SLURM task in a container, whose
+        working folder is that folder's mount)."""
+        started = self.here.get("started_in")
+        if started and Path(started).is_dir() and Path(started).resolve() != Path.cwd().resolve():
+            self.directory = self.directory.absolute()
+            os.chdir(started)
+            print(f"nemo-jq sweep: working from {started}, where the sweep was started (its runs' paths are read from "
+                  "there)", flush=True)
 
     def withdraw(self) -> None:
         """Undo :meth:`write` of a sweep none of whose runs started (SLURM refused its array): its record, its empty

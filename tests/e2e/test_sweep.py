@@ -214,3 +214,21 @@ def test_the_demo_stopped_continues_to_the_table_of_one_never_stopped_and_takes_
     for slug in ("grpo", "garl_q0", "garl_q0.5", "garl_q0.75", "garl_q1"):  # --quick and the overrides reached each
         config = (tmp_path / "whole" / slug / "config.yaml").read_text()
         assert "max_steps: 24" in config and "test_size: 16" in config and "validation_size: 32" in config, slug
+
+
+def test_a_sweep_resumed_from_another_folder_reads_its_runs_paths_from_where_it_was_started(tmp_path, monkeypatch):
+    """A sweep records the folder it was started in: its runs' relative paths (``--config syn.yaml``) are read from
+    there. ``--resume`` from another folder failed every run ("config file syn.yaml does not exist")."""
+    from nemo_jq.runtime.sweep import Sweep
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "syn.yaml").write_text("train:\n  max_steps: 2\n  save_every: 2\neval:\n  every: 1000\n"
+                                      "data:\n  validation_size: 4\n  test_size: 4\n")
+    monkeypatch.chdir(project)
+    sweep = Sweep.from_grid(Path("s"), ["syn.yaml"], [], None)
+    sweep.here = {"parallel": 1, "threads": 1, "started_in": str(project)}
+    sweep.write()
+    code, out = finish(nemo_jq("sweep", "--resume", project / "s"))  # from the repository's folder
+    assert code == 0 and f"working from {project}, where the sweep was started" in out, out
+    assert [r["step"] for r in read_metrics(project / "s" / "run") if r["kind"] == "train"] == [1, 2]

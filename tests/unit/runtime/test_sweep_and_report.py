@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from doc_pages import ROOT
@@ -541,6 +542,16 @@ def test_a_sweep_slurm_refuses_leaves_no_folder_and_parallel_caps_the_array(tmp_
     sbatch.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\necho 41\n")
     assert run_cli(capsys, "sweep", "--out", tmp_path / "s", "objective.q=0,1", "--slurm", "--parallel", "1")[0] == 0
     assert "--array=0,1%1 " in (tmp_path / "args").read_text() and (tmp_path / "s" / "sweep.json").exists()
+    # from another folder: each task works from the one the sweep was started in, and finds it there by its
+    # relative path (a host's absolute path is none in the task's container, whose working folder is that one's mount)
+    started = Path.cwd()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--slurm")[0] == 0
+    words = (tmp_path / "args").read_text().split()
+    task = (tmp_path / "s").relative_to(started) if (tmp_path / "s").is_relative_to(started) else tmp_path / "s"
+    assert f"--chdir={started}" in words and words[-3:] == ["sweep", "--task", str(task)], words
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--slurm")
     one_line_error(code, err, "sbatch, which is not on this machine's PATH: run it on the cluster's login node")
