@@ -306,6 +306,21 @@ def train_config(command: list[str], arguments: Any, launch_config: LaunchConfig
     return load_config(None, [f"{key}={given[key]}" for key in ("rollout.placement", "rollout.ranks") if key in given])
 
 
+#: The commands that run over a job's processes (a process a GPU); every other runs in one.
+OVER_PROCESSES = ("train", "eval", "generate", "export", "doctor")
+
+
+def check_processes(config: LaunchConfig, command: str) -> None:
+    """A command that runs in one process gets a job of one: the job starts one a GPU, and each ran the whole command
+    (two copies of a sweep, one refused as the other's folder, and the job FAILED)."""
+    processes = config.nodes * config.gpus_per_node
+    if command not in OVER_PROCESSES and processes > 1:
+        raise ConfigError(f"nemo-jq {command} runs in one process, but the job starts {processes} (nodes={config.nodes} "
+                          f"x gpus_per_node={config.gpus_per_node} in the launch YAML), each running it whole: give it "
+                          "nodes: 1 and gpus_per_node: 1" + ("; or submit the sweep's runs as a job array, one GPU each "
+                                                              "(nemo-jq sweep --slurm)" if command == "sweep" else ""))
+
+
 def check_world(config: Any, launch_config: LaunchConfig) -> None:
     """The config trains over the job's processes (a process a GPU: ``nodes`` x ``gpus_per_node``, its rollout ranks
     aside), as each rank checks at its start: refused here, before the job waits in the queue to fail. The hf backend
@@ -404,6 +419,7 @@ def launch(config: LaunchConfig, command: list[str], arguments: Any, paths: dict
     from invoke.exceptions import UnexpectedExit
 
     check_job_paths(config, paths)
+    check_processes(config, command[0])
     split = roles(config, train_config(command, arguments, config))
     if dryrun and config.executor == "slurm":
         first, rest = sbatch_script(config, command).split("\n", 1)

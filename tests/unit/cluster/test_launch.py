@@ -399,3 +399,19 @@ def test_a_local_dry_run_writes_nothing(tmp_path, capsys, monkeypatch):
                      f"train.run_dir={tmp_path}/runs/x"]) == 0
         capsys.readouterr()
         assert sorted(path.name for path in tmp_path.iterdir()) == ["launch.yaml"]
+
+
+def test_a_command_that_runs_in_one_process_is_refused_a_job_of_several(tmp_path, capsys):
+    """The job starts a process a GPU and each ran the command whole: two copies of a sweep (one refused as the
+    other's folder, the job FAILED). eval, generate and export run over a Megatron checkpoint's layout; a job of one
+    GPU runs any command."""
+    code = main(["launch", str(write_launch(tmp_path)), "--dryrun", "sweep", "--out", "/lustre/me/s", "objective.q=0,1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("nemo-jq sweep runs in one process, but the job starts 16 (nodes=2 x gpus_per_node=8 in the launch YAML), "
+            "each running it whole: give it nodes: 1 and gpus_per_node: 1; or submit the sweep's runs as a job array, "
+            "one GPU each (nemo-jq sweep --slurm)") in err
+    assert main(["launch", str(write_launch(tmp_path)), "--dryrun", "report", "/lustre/me/s"]) == 2
+    one = LAUNCH_YAML.replace("nodes: 2", "nodes: 1").replace("gpus_per_node: 8", "gpus_per_node: 1")
+    assert main(["launch", str(write_launch(tmp_path, one)), "--dryrun", "report", "/lustre/me/s"]) == 0
+    capsys.readouterr()
