@@ -991,7 +991,10 @@ def format_report(result: dict[str, Any]) -> str:
     if best:
         lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']}{context} "
                      f"DP={best['data_parallel']}" + (f" EP={best['expert_parallel']}" if experts else "")
-                     + f" ({best['total_gib']} of {budget:.4g} GiB)")
+                     + f" ({best['total_gib']} of {budget:.4g} GiB)" + (
+                         ": of the layouts that fit, the most data parallelism, then the least tensor parallelism (the "
+                         "time column leaves its all-reduces out)" if sum(layout["fits"] for layout in result["layouts"]) > 1
+                         else ""))
         lines.append(f"overrides: {result['overrides']}")
     elif closest["fits"]:
         lines.append("nothing recommended: a training layout fits, the rollout ranks do not")

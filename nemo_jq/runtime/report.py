@@ -149,9 +149,10 @@ def read_run(run_dir: Path) -> RunRecord | None:
         return None
     try:
         config = load_config(run_dir / CONFIG_FILE, saved=True)
-    except ConfigError as err:
-        raise ConfigError(f"{run_dir / CONFIG_FILE} is not the run's saved config ({err}): restore it from a copy of "
-                          "the run, or leave the run out") from None
+    except ConfigError as err:  # its own error names the file
+        raise ConfigError(f"{run_dir / CONFIG_FILE} is not the run's saved config "
+                          f"({str(err).removeprefix(f'{run_dir / CONFIG_FILE}: ')}): restore it from a copy of the run, "
+                          "or leave the run out") from None
     results = read_json_file(run_dir / RESULTS_FILE, "a finished run's results", results_problem,
                              f"restore it, or move it aside and `nemo-jq train --resume {run_dir}` writes it again",
                              decode=nonfinite_back)

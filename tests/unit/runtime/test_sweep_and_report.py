@@ -98,7 +98,8 @@ def test_a_resumed_sweep_runs_as_many_at_once_with_as_many_threads_as_it_was_sta
     assert run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--parallel", "1")[0] == 0  # said again: as said
     assert asked == [{"parallel": 2, "threads": 3}] * 2 + [{"parallel": 1, "threads": 3}]
     assert run_cli(capsys, "sweep", "--out", tmp_path / "t", "objective.q=0,1")[0] == 0
-    assert Sweep.load(tmp_path / "t").here == {"parallel": 1, "threads": None}  # threads: the free cores, when it runs
+    # threads: the free cores, when it runs; started_in: where its runs' relative paths are read
+    assert Sweep.load(tmp_path / "t").here == {"parallel": 1, "threads": None, "started_in": str(Path.cwd())}
 
 
 def test_a_bad_key_or_value_in_a_sweep_is_refused_naming_the_run_before_its_folder_is_written(tmp_path, capsys):
