@@ -92,6 +92,8 @@ def train(args: argparse.Namespace) -> int:
                 held, changed = holds_this_run(config) if args.requeue else ("new", [])
                 trainer = (Trainer.resume(config.train.run_dir, changed, rows_for=rows_on_this_gpu) if held == "resume"
                            else Trainer(config, overwrite=args.overwrite or held == "restart", rows_for=rows_on_this_gpu))
+                if held == "resume" and (finished := trainer.finished()) is not None and distributed.is_writer():
+                    print(f"nemo-jq train: {finished}", flush=True)  # a job launched again: its results follow
             result = trainer.fit(stop=stop)
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step; say which one the run goes on from
         if distributed.is_writer():

@@ -325,8 +325,8 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
                                 f"({'; '.join(not_written_by_a_run(run_dir))}): give the run's own directory")
     if checkpoint is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from (its start failed before the first): "
-                                f"start it again with its command (train.run_dir={run_dir}, no --resume); this start is "
-                                "moved aside")
+                                f"start it again with its command (train.run_dir={run_dir}, no --resume), which moves "
+                                "this start aside")
     state = read_state(checkpoint)
     if (best := best_step_of(state)) is not None:  # the run's end tests it: gone, the whole resume trains in vain
         require_best(run_dir / CHECKPOINT_DIR, best, f"validation {state['best_metric']:g}, which the run's end tests",

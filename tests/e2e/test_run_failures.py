@@ -451,6 +451,10 @@ def test_a_requeued_command_applies_its_changed_limits_however_it_spells_the_run
     records = read_metrics(run_dir)
     assert {"kind": "resume", "step": 2, "overrides": ["eval.every=3", "train.max_steps=3"]} in records
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    # the job launched again once the run has finished: its results, after a line saying so (only the JSON was shown)
+    code, out, err = run_cli(capsys, "train", "--requeue", *QUICK, "train.max_steps=3", "eval.every=3", "train.run_dir=run")
+    assert code == 0 and out.startswith("nemo-jq train: run: the run finished its train.max_steps=3 steps and has "
+                                        "nothing left to train"), out
     code, _, err = run_cli(capsys, "train", "--requeue", *QUICK, "train.max_steps=3", "optim.lr=0.1", "train.run_dir=run")
     one_line_error(code, err, "run holds another run (its config.yaml differs in optim.lr, which a resumed run keeps)")
 
