@@ -70,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         sweep = Sweep.load(args.task)
         sweep.work_from_start()
         return run_task(sweep, args.index)
+    if args.resume is not None or (args.overwrite and args.out is not None):
+        from nemo_jq.cluster.launch import refuse_queued_array
+
+        refuse_queued_array(args.resume or args.out)
     if args.resume is not None:
         if args.out or args.config or args.seeds or args.overwrite:
             raise ValueError("--resume continues a sweep as its sweep.json records it: drop --out, --config, --seeds "

@@ -467,6 +467,26 @@ def sbatch_refusal(output: str) -> str:
 SWEEP_LAUNCHER = Path(__file__).resolve().parents[2] / "launchers" / "slurm.sbatch"
 
 
+def refuse_queued_array(directory: Path) -> None:
+    """Refuse to run, resubmit or move aside the sweep in ``directory`` while the job array ``--slurm`` last submitted
+    for it is still queued or running (``squeue``; where this machine has none, nothing is checked): a second array
+    ran the same runs beside the first, and one left queued behind ``--overwrite`` ran the new sweep's runs."""
+    import shutil
+    import subprocess
+
+    from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep
+
+    if not (Path(directory) / SWEEP_FILE).exists() or shutil.which("squeue") is None:
+        return
+    job = Sweep.load(directory).here.get("slurm_array")
+    if not job:
+        return
+    shown = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%i"], capture_output=True, text=True)
+    if shown.returncode == 0 and shown.stdout.strip():
+        raise ValueError(f"{directory}'s job array {job} is still queued or running (squeue -j {job}): wait for it to "
+                         f"end, or `scancel {job}` first")
+
+
 def submit_sweep(sweep: Any, options: list[str], launcher: Path = SWEEP_LAUNCHER, parallel: int | None = None) -> str:
     """Submit ``sweep``'s unfinished runs as one SLURM job array (task K: run K of its ``sweep.json``), each task
     ``nemo-jq sweep --task DIR`` through ``launcher`` (its run, requeued after the time-limit signal), one GPU a task
@@ -503,6 +523,8 @@ def submit_sweep(sweep: Any, options: list[str], launcher: Path = SWEEP_LAUNCHER
     if submitted.returncode != 0:
         raise ValueError(f"sbatch refused the sweep's array ({sbatch_refusal(submitted.stderr)}): {' '.join(command)}")
     job = submitted.stdout.strip().split(";")[0]
+    sweep.here["slurm_array"] = job  # refuse_queued_array: no second array while this one is queued
+    sweep.save()
     print(f"nemo-jq sweep: submitted job array {job}: {len(unfinished)} of {len(sweep.runs)} runs of {directory} "
           f"(tasks {','.join(map(str, unfinished))}: their place in sweep.json), output in "
           f"{directory / LOGS_DIR}/task-K.out; `nemo-jq report {directory}` once they have finished")

@@ -543,6 +543,17 @@ def test_a_sweep_slurm_refuses_leaves_no_folder_and_parallel_caps_the_array(tmp_
     sbatch.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\necho 41\n")
     assert run_cli(capsys, "sweep", "--out", tmp_path / "s", "objective.q=0,1", "--slurm", "--parallel", "1")[0] == 0
     assert "--array=0,1%1 " in (tmp_path / "args").read_text() and (tmp_path / "s" / "sweep.json").exists()
+    # while that array is queued (a stand-in squeue shows it) no second one, no run here, no --overwrite: a second
+    # array ran the same runs beside the first; one left behind --overwrite ran the new sweep's
+    squeue = tools / "squeue"
+    squeue.write_text("#!/bin/sh\necho 41\n")
+    squeue.chmod(squeue.stat().st_mode | stat.S_IEXEC)
+    for words in (["--resume", tmp_path / "s", "--slurm"], ["--resume", tmp_path / "s"],
+                  ["--out", tmp_path / "s", "--overwrite", "objective.q=0,2", "--slurm"]):
+        code, _, err = run_cli(capsys, "sweep", *words)
+        one_line_error(code, err, f"{tmp_path / 's'}'s job array 41 is still queued or running (squeue -j 41): wait for "
+                                  "it to end, or `scancel 41` first")
+    squeue.write_text("#!/bin/sh\n")  # it has ended
     # from another folder: each task works from the one the sweep was started in, and finds it there by its
     # relative path (a host's absolute path is none in the task's container, whose working folder is that one's mount)
     started = Path.cwd()
