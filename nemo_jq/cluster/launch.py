@@ -295,6 +295,7 @@ def train_config(command: list[str], arguments: Any, launch_config: LaunchConfig
         config = load_config(arguments.config, overrides)
         check_job_paths(launch_config, {key: operator.attrgetter(key)(config) for key in RUN_PATH_KEYS})
         check_world(config, launch_config)
+        check_run_dir(config, launch_config)
         return config
     check_overrides(overrides)
     given = dict(override.split("=", 1) for override in overrides)
@@ -351,6 +352,42 @@ def check_world(config: Any, launch_config: LaunchConfig) -> None:
         raise ConfigError(f"train.batch_size={config.train.batch_size} does not split over the {replicas} data-parallel "
                           f"replicas of {world} training processes ({job}): make it a multiple of {replicas}, or change "
                           "the job's GPUs")
+
+
+def host_side(config: LaunchConfig, path: str) -> tuple[Path, str] | None:
+    """Where the job's ``path`` is on this machine, and its mount's options (``ro``...): the path itself under the
+    local executor, else through the ``container_mounts`` (``host:container[:options]``) it is under; None where it
+    is under none, or relative (the job's code folder)."""
+    if config.executor == "local":
+        return Path(path).expanduser(), ""
+    for mount in config.container_mounts:
+        host, _, rest = mount.partition(":")
+        target, _, options = (rest or host).partition(":")
+        if path.startswith("/") and Path(path).is_relative_to(target):
+            return Path(host) / Path(path).relative_to(target), options
+    return None
+
+
+def check_run_dir(config: Any, launch_config: LaunchConfig) -> None:
+    """``train.run_dir`` as the job will find it, where this machine sees it, checked as the job's ``train --requeue``
+    would at its start, before the job waits in the queue to fail: a read-only mount, or a folder holding another run
+    (other settings), is refused; one a run holds now is said (the job fails at its start if it still holds it then)."""
+    from nemo_jq.runtime.outputs import holder_of
+    from nemo_jq.runtime.runs import holds_this_run
+
+    found = host_side(launch_config, str(config.train.run_dir))
+    if found is None:
+        return
+    here, options = found
+    if "ro" in options.split(","):
+        raise ConfigError(f"train.run_dir={config.train.run_dir} is under a read-only mount ({options} in "
+                          "container_mounts): the run could not write there; mount its folder read-write")
+    if not here.is_dir():
+        return
+    holds_this_run(dataclasses.replace(config, train=dataclasses.replace(config.train, run_dir=str(here))))
+    if (holder := holder_of(here)) is not None:
+        print(f"nemo-jq launch: warning: {here} is in use by another run now ({holder}): the job fails at its start "
+              "if that run still holds it then", file=sys.stderr)
 
 
 def check_job_paths(config: LaunchConfig, paths: dict[str, Any]) -> None:

@@ -415,3 +415,26 @@ def test_a_command_that_runs_in_one_process_is_refused_a_job_of_several(tmp_path
     one = LAUNCH_YAML.replace("nodes: 2", "nodes: 1").replace("gpus_per_node: 8", "gpus_per_node: 1")
     assert main(["launch", str(write_launch(tmp_path, one)), "--dryrun", "report", "/lustre/me/s"]) == 0
     capsys.readouterr()
+
+
+def test_a_train_job_into_a_run_folder_it_cannot_use_is_refused_before_it_queues(tmp_path, capsys):
+    """The job's run folder, where this machine sees it (a mount's host side), is checked as the job's own start
+    would: one holding another run (other settings), or under a read-only mount, failed the job after its wait in the
+    queue (exit 2). A folder of this run is resumed by the job: accepted."""
+    from nemo_jq.config import load_config, save_config
+
+    one = LAUNCH_YAML.replace("nodes: 2", "nodes: 1").replace("gpus_per_node: 8", "gpus_per_node: 1")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_config(load_config(None, [f"train.run_dir={run_dir}", "optim.lr=0.01"]), run_dir / "config.yaml")
+    launch = write_launch(tmp_path, one)
+    code = main(["launch", str(launch), "--dryrun", "train", f"train.run_dir={run_dir}", "optim.lr=0.02"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{run_dir} holds another run (its config.yaml differs in optim.lr" in err, err
+    assert main(["launch", str(launch), "--dryrun", "train", f"train.run_dir={run_dir}", "optim.lr=0.01"]) == 0
+    capsys.readouterr()
+    read_only = write_launch(tmp_path, one.replace("container_mounts: [/lustre/me:/lustre/me]",
+                                                   f"container_mounts: [{tmp_path}:/data:ro]"))
+    code = main(["launch", str(read_only), "--dryrun", "train", "train.run_dir=/data/run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "train.run_dir=/data/run is under a read-only mount (ro in container_mounts)" in err, err
