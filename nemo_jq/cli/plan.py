@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     layouts = plan.plan(arch, work, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_gb=args.gpu_memory)
     result = plan.report(arch, work, layouts, args.gpu_memory, plan.HEADROOM, args.sync_bandwidth,
                          gpus=args.gpus_per_node * args.nodes, gpus_per_node=args.gpus_per_node)
+    if not layouts[0].fits and work.backend == "megatron":  # the other way out: more nodes, as many as it takes
+        result["fits_at_nodes"] = plan.fewest_nodes(arch, work, args.gpus_per_node, args.nodes, args.gpu_memory)
     lines = []
     if args.config is not None:
         from nemo_jq.cluster import timing

@@ -909,6 +909,22 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
     return fitting + sorted((e for e in layouts if not e.fits), key=lambda e: e.total_gib)
 
 
+def fewest_nodes(arch: Qwen3Architecture, work: Workload, gpus_per_node: int, nodes: int, gpu_gb: float,
+                 most: int = 128) -> tuple[int, dict[str, Any]] | None:
+    """The fewest nodes past ``nodes`` (doubling, up to ``most``) at which a layout fits, and the one plan recommends
+    there; None where none does (or no layout divides the model and batch there)."""
+    more = nodes * 2
+    while more <= most:
+        try:
+            layouts = plan(arch, work, gpus_per_node=gpus_per_node, nodes=more, gpu_gb=gpu_gb)
+        except ValueError:  # no layout of that many GPUs divides the model and the batch
+            layouts = []
+        if layouts and layouts[0].fits:
+            return more, asdict(layouts[0])
+        more *= 2
+    return None
+
+
 def expert_parallel_sizes(arch: Qwen3Architecture) -> list[int]:
     """The ``expert_parallel`` sizes to try: those dividing a Qwen3-MoE's experts (``[1]`` for a dense Qwen3); which of
     them a layout takes, and at which TP, PP and CP experts train, :meth:`MegatronLayout.divides` says."""
@@ -1005,6 +1021,11 @@ def format_report(result: dict[str, Any]) -> str:
                      + (f" EP={closest['expert_parallel']}" if experts else "") + ", needs "
                      f"{closest['total_gib']} GiB, most of it the {largest.replace('_', ' ')} "
                      f"({closest[largest + '_gib']} GiB): try {closest['advice']}")
+        if (more := result.get("fits_at_nodes")) is not None:
+            nodes, layout = more
+            lines.append(f"or more GPUs: --nodes {nodes} fits TP={layout['tensor_parallel']} PP={layout['pipeline_parallel']}"
+                         f"{context} DP={layout['data_parallel']}" + (f" EP={layout['expert_parallel']}" if experts else "")
+                         + f" ({layout['total_gib']} of {budget:.4g} GiB)")
     if result.get("host_state_gib") is not None:
         per_node = result.get("gpus_per_node", 1)
         lines.append(f"host memory: each process holds its {result['host_state_gib']} GiB of optimizer state "

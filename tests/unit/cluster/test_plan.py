@@ -492,3 +492,16 @@ def test_a_rollout_ranks_vllm_advice_gives_the_shares_that_work(capsys):
                      "--rollout-tensor-parallel", "4", "--vllm-memory-utilization", utilization]) == 0
         line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout ranks"))
         assert ("does not fit" not in line) == fits, (utilization, line)
+
+
+def test_where_nothing_fits_plan_also_names_the_fewest_nodes_that_fit(capsys):
+    """The 32B example on one node: nothing fits; the advice was the optimizer's offload alone, though its own run
+    fits on four nodes."""
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[3] / "configs" / "examples" / "qwen3_32b_hotpotqa_cold_garl_q0.75.yaml")
+    assert main(["plan", "--config", config, "--nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing fits in 72 GiB" in out and "\nor more GPUs: --nodes 4 fits TP=8 PP=2 DP=2 (65.78 of 72 GiB)\n" in out
+    assert main(["plan", "--config", config, "--nodes", "4"]) == 0
+    assert "or more GPUs" not in capsys.readouterr().out  # it fits: nothing to add
