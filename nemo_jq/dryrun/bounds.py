@@ -170,7 +170,8 @@ def run_time(phases: dict[str, dict[str, Any]], config: Config, gpus: int) -> di
     if steps is None:
         return None
     every, data = config.eval.every, config.data
-    evaluations = steps // every + (steps % every != 0) + data.test_size / data.validation_size
+    validations = steps // every + (steps % every != 0)
+    evaluations = validations + data.test_size / data.validation_size  # in validations' worth
     counts = {"rollout": steps, "train": steps, "optimizer_step": steps, "evaluate": evaluations}
     least = {phase: phases[phase]["seconds_at_least"] * count for phase, count in counts.items() if phase in phases}
     fractions = {phase: measured_fraction(phase, config) for phase in least}
@@ -181,7 +182,7 @@ def run_time(phases: dict[str, dict[str, Any]], config: Config, gpus: int) -> di
             missing.append(phase)
         expected[phase] = seconds / fraction[0] if fraction else seconds
     hours = sum(least.values()) / 3600
-    result = {"steps": steps, "evaluations": round(evaluations, 2), "gpus": gpus, "hours_at_least": round(hours, 1),
+    result = {"steps": steps, "validations": validations, "evaluations": round(evaluations, 2), "gpus": gpus, "hours_at_least": round(hours, 1),
               "gpu_hours_at_least": round(hours * gpus, 1),
               "fractions": fractions, "not_measured": missing}
     if not missing:

@@ -429,7 +429,9 @@ def test_a_whole_runs_time_is_its_steps_and_evaluations_at_the_bounds_and_at_the
     expected = 10 * (bound["rollout"] / decode + bound["train"] / train + bound["optimizer_step"]) + 3.5 * bound["evaluate"] / decode
     assert timed["hours_at_least"] == round(least / 3600, 1) > 0 and timed["hours_expected"] == round(expected / 3600, 1)
     line = format_report(report).splitlines()
-    assert any(text.startswith("the run: 10 steps and 3.5 evaluations (validations and the test split) take at least")
+    assert timed["validations"] == 3
+    assert any(text.startswith("the run: 10 steps, 3 validations and the test split (3.5 validations' worth of "
+                               "evaluating) take at least")
                and "rollout and evaluate at 0.42 of the bound" in text for text in line)
     vllm = dry_run(load_config(None, ["train.batch_size=4", "train.micro_batch_size=2", "eval.batch_size=4",
                                       "train.max_steps=10", "rollout.engine=vllm"]), slow, prompt_tokens=24)
