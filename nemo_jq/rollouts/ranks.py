@@ -160,7 +160,11 @@ class RolloutServer:
     def serve(self) -> dict[str, Any]:
         bridge, device = self.roles.bridge, self.roles.device
         while True:
-            command, *arguments = receive_object(bridge, LEAD, device)
+            try:
+                command, *arguments = receive_object(bridge, LEAD, device)
+            except RuntimeError as err:  # the training ranks are gone: one failed, and says why (--debug: this one)
+                raise distributed.OtherRankFailed("the training ranks ended before they stopped the rollout ranks "
+                                                  "(their own messages say why)") from err
             if command == "stop":
                 return {"served": self.served, "synced": self.synced}
             if command == "sync":

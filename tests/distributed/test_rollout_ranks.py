@@ -274,6 +274,31 @@ def test_a_plugin_backend_that_builds_its_own_engine_on_a_training_rank_is_refus
 
 
 @pytest.mark.distributed
+def trainer_gone(run_dir: Path) -> str | None:
+    """The training rank starts its run and ends without a word to the rollout rank (as one that failed does); the
+    rollout rank's serve, what it raised."""
+    from helpers import TINY_RUN
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime import distributed
+
+    trainer = Trainer(load_config(None, [*TINY_RUN, f"train.run_dir={run_dir}", "rollout.placement=separate"]))
+    if not distributed.roles().samples:
+        return None
+    try:
+        trainer.fit()
+    except Exception as err:  # noqa: BLE001 - what the CLI is shown
+        return type(err).__name__
+    return "served"
+
+
+@pytest.mark.slow  # 12 s
+@pytest.mark.distributed
+def test_a_rollout_rank_whose_trainers_fail_says_nothing_of_its_own(tmp_path):
+    """The trainers' own line says why they failed; the rollout rank printed a gloo traceback beside it. Its serve
+    raises ``OtherRankFailed``, which the CLI leaves to the failing rank's message (exit 2)."""
+    assert run_in_processes(trainer_gone, 2, tmp_path / "run", process_group=False) == [None, "OtherRankFailed"]
+
+
 def test_a_split_that_leaves_no_trainer_is_named(tmp_path):
     with pytest.raises(Exception, match="rollout.ranks=1 leaves no training process among the 1"):
         run_in_processes(train_run, 1, tmp_path / "run", ["rollout.placement=separate"], 1, process_group=False)

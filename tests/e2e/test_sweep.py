@@ -21,7 +21,7 @@ from nemo_jq.runtime.monitor import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Tiny runs: a few seconds of training each, a checkpoint every 4 steps.
-SMALL = ["train.max_steps=16", "train.save_every=4", "eval.every=8", "data.validation_size=16", "data.test_size=16"]
+SMALL = ["train.max_steps=12", "train.save_every=4", "eval.every=6", "data.validation_size=16", "data.test_size=16"]
 #: What differs between two runs of the same seed: timings, and the float noise between the sampler's and the
 #: trainer's log-probs (it depends on the threads; the samples and the weights do not).
 NOISE = ("step_time", "rollout_tokens_per_s", "logprob_gap", "max_logprob_gap", "kl_k3")
@@ -97,7 +97,7 @@ def test_the_documented_sweep_stopped_resumes_to_an_unstopped_ones_metrics_and_i
     assert code == 0 and out.count("--- sample") == 4 and out.count("answer: ") == 4, out
     # --resume with words of how long the runs train: every run, finished ones too, trains on; sweep.json keeps them
     for words, message in [(["objective.q=1"], "objective.q=1 cannot change with --resume"),
-                           (["train.max_steps=10"], "is at step 16, beyond the 10 steps train.max_steps=10 gives it")]:
+                           (["train.max_steps=10"], "is at step 12, beyond the 10 steps train.max_steps=10 gives it")]:
         code, out = finish(nemo_jq(*resume, *words))
         assert code == 2 and message in out and "Traceback" not in out, out
     code, out = finish(nemo_jq(*resume, "train.max_steps=20"))
@@ -113,7 +113,7 @@ def test_a_sweep_whose_terminal_closed_or_that_was_killed_stops_its_runs_with_ch
     which can pass nothing on, reaches its runs as SIGTERM (each a session of its own, no terminal's signal reaches
     it): they stop with their checkpoints instead of going on unseen; ``--resume`` then finishes them all."""
     out_dir = tmp_path / "sweep"
-    words = ["sweep", "--out", out_dir, "--parallel", "2", "objective.q=0.5,1", "train.max_steps=120", "train.save_every=4",
+    words = ["sweep", "--out", out_dir, "--parallel", "2", "objective.q=0.5,1", "train.max_steps=60", "train.save_every=4",
              "eval.every=1000", "data.validation_size=8", "data.test_size=8"]
     runs = [out_dir / "q=0.5", out_dir / "q=1"]
     logs = [out_dir / "logs" / f"{run.name}.log" for run in runs]
