@@ -182,7 +182,8 @@ def run_time(phases: dict[str, dict[str, Any]], config: Config, gpus: int) -> di
             missing.append(phase)
         expected[phase] = seconds / fraction[0] if fraction else seconds
     hours = sum(least.values()) / 3600
-    result = {"steps": steps, "validations": validations, "evaluations": round(evaluations, 2), "gpus": gpus, "hours_at_least": round(hours, 1),
+    result = {"steps": steps, "validations": validations, "evaluations": round(evaluations, 2), "gpus": gpus,
+              "hours_at_least": round(hours, 1),
               "gpu_hours_at_least": round(hours * gpus, 1),
               "fractions": fractions, "not_measured": missing}
     if not missing:

@@ -106,7 +106,8 @@ def format_decode(decode: dict[str, Any]) -> str:
 def format_run_time(timed: dict[str, Any], gpu: str) -> str:
     """The whole run's time in one line: at least, and expected at the measured fractions (or what is not measured)."""
     line = (f"the run: {timed['steps']} steps, {timed['validations']} validations and the test split "
-            f"({timed['evaluations']:g} validations' worth of evaluating) take at least {timed['hours_at_least']:.1f} h on {timed['gpus']} {gpu} "
+            f"({timed['evaluations']:g} validations' worth of evaluating) take at least {timed['hours_at_least']:.1f} h on "
+            f"{timed['gpus']} {gpu} "
             f"({timed['gpu_hours_at_least']:.1f} GPU-hours)")
     if timed["not_measured"]:
         return line + (f"; expected: not measured ({', '.join(timed['not_measured'])}: no lent GPU has measured this "
