@@ -57,7 +57,8 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nemo_jq.runtime.sweep import Sweep, run_here
+    from nemo_jq.cluster.launch import refuse_queued_array
+    from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep, run_here
 
     if args.index is not None and args.task is None:
         raise ValueError(f"--index {args.index} picks the run of --task SWEEP_DIR: add --task, or drop --index")
@@ -70,16 +71,15 @@ def run(args: argparse.Namespace) -> int:
         sweep = Sweep.load(args.task)
         sweep.work_from_start()
         return run_task(sweep, args.index)
-    if args.resume is not None or (args.overwrite and args.out is not None):
-        from nemo_jq.cluster.launch import refuse_queued_array
-
-        refuse_queued_array(args.resume or args.out)
+    if args.resume is None and args.overwrite and args.out is not None and (args.out / SWEEP_FILE).exists():
+        refuse_queued_array(Sweep.load(args.out))  # the sweep --overwrite would move aside
     if args.resume is not None:
         if args.out or args.config or args.seeds or args.overwrite:
             raise ValueError("--resume continues a sweep as its sweep.json records it: drop --out, --config, --seeds "
                              "and --overwrite (key=value words of how long its runs train, how they are evaluated and "
                              "saved, are allowed)")
         sweep = Sweep.load(args.resume)
+        refuse_queued_array(sweep)
         sweep.work_from_start()
         if args.overrides:
             sweep.go_on_with(args.overrides)

@@ -360,12 +360,18 @@ def host_side(config: LaunchConfig, path: str) -> tuple[Path, str] | None:
     is under none, or relative (the job's code folder)."""
     if config.executor == "local":
         return Path(path).expanduser(), ""
-    for mount in config.container_mounts:
-        host, _, rest = mount.partition(":")
-        target, _, options = (rest or host).partition(":")
+    for host, target, options in map(mount_sides, config.container_mounts):
         if path.startswith("/") and Path(path).is_relative_to(target):
-            return Path(host) / Path(path).relative_to(target), options
+            return host / Path(path).relative_to(target), options
     return None
+
+
+def mount_sides(mount: str) -> tuple[Path, Path, str]:
+    """A ``container_mounts`` entry's host side, container side and options (``host:container[:options]``, or one path
+    mounted at itself)."""
+    host, _, rest = mount.partition(":")
+    target, _, options = (rest or host).partition(":")
+    return Path(host), Path(target), options
 
 
 def check_run_dir(config: Any, launch_config: LaunchConfig) -> None:
@@ -411,7 +417,7 @@ def check_job_paths(config: LaunchConfig, paths: dict[str, Any]) -> None:
                 raise ConfigError(f"{shown} is a relative path, but under executor={config.executor} the job runs "
                                   f"in NeMo-Run's code folder ({JOB_WORKDIR}), where it names nothing of yours: give an "
                                   "absolute path under one of container_mounts (docs/cluster.md)")
-            targets = [Path(mount.split(":")[1] if ":" in mount else mount) for mount in config.container_mounts]
+            targets = [target for _, target, _ in map(mount_sides, config.container_mounts)]
             if text.startswith("/") and not no_path and targets and not any(Path(text).is_relative_to(target)
                                                                            for target in targets):
                 raise ConfigError(f"{shown} is not under any of container_mounts ({', '.join(map(str, targets))} in "
@@ -504,24 +510,20 @@ def sbatch_refusal(output: str) -> str:
 SWEEP_LAUNCHER = Path(__file__).resolve().parents[2] / "launchers" / "slurm.sbatch"
 
 
-def refuse_queued_array(directory: Path) -> None:
-    """Refuse to run, resubmit or move aside the sweep in ``directory`` while the job array ``--slurm`` last submitted
-    for it is still queued or running (``squeue``; where this machine has none, nothing is checked): a second array
-    ran the same runs beside the first, and one left queued behind ``--overwrite`` ran the new sweep's runs."""
+def refuse_queued_array(sweep: Any) -> None:
+    """Refuse to run, resubmit or move aside ``sweep`` while the job array ``--slurm`` last submitted for it is still
+    queued or running (``squeue``; where this machine has none, nothing is checked): a second array ran the same runs
+    beside the first, and one left queued behind ``--overwrite`` ran the new sweep's runs."""
     import shutil
     import subprocess
 
-    from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep
-
-    if not (Path(directory) / SWEEP_FILE).exists() or shutil.which("squeue") is None:
-        return
-    job = Sweep.load(directory).here.get("slurm_array")
-    if not job:
+    job = sweep.here.get("slurm_array")
+    if not job or shutil.which("squeue") is None:
         return
     shown = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%i"], capture_output=True, text=True)
     if shown.returncode == 0 and shown.stdout.strip():
-        raise ValueError(f"{directory}'s job array {job} is still queued or running (squeue -j {job}): wait for it to "
-                         f"end, or `scancel {job}` first")
+        raise ValueError(f"{sweep.directory}'s job array {job} is still queued or running (squeue -j {job}): wait for "
+                         f"it to end, or `scancel {job}` first")
 
 
 def submit_sweep(sweep: Any, options: list[str], launcher: Path = SWEEP_LAUNCHER, parallel: int | None = None) -> str:
