@@ -255,13 +255,14 @@ class Workload:
         """The workload a run config trains, in the trainer's units: a micro-batch is ``train.micro_batch_size``
         prompts x M rollouts (or ``train.micro_batch_rows`` of them, when fewer), each ``prompt_tokens`` + thinking
         budget + ``</think>`` + answer budget long; recomputation is the backend's (hf: model.activation_checkpointing)."""
+        from nemo_jq.objectives import Need, get_objective
+
         layout, rollout = config.megatron, config.rollout
         optimizer = ("bf16-distopt" if layout.bf16_weights else "fp32-distopt" if layout.distributed_optimizer
                      else "fp32-adamw") + ("-offload" if layout.optimizer_cpu_offload else "")
         group_rows = config.train.micro_batch_size * rollout.num_samples
         hf = config.model.backend == "hf"
         separate = rollout.placement == "separate"
-        from nemo_jq.objectives import Need, get_objective
         return cls(seq_len=prompt_tokens + rollout.max_thinking_tokens + 1 + rollout.max_answer_tokens,
                    micro_batch=min(group_rows, rows if isinstance(rows := config.train.micro_batch_rows, int) else group_rows),
                    samples=rollout.num_samples, batch_prompts=config.train.batch_size,
@@ -962,6 +963,13 @@ def report(arch: Qwen3Architecture, work: Workload, layouts: list[LayoutEstimate
             "layouts": [asdict(layout) for layout in layouts]}
 
 
+def layout_words(layout: dict[str, Any], context: str, experts: bool) -> str:
+    """A layout as the report names it: ``TP=2 PP=1 DP=4`` (`` CP=...`` after PP where ``context`` gives it, ``EP=``
+    last where a Qwen3-MoE's ``experts`` split)."""
+    return (f"TP={layout['tensor_parallel']} PP={layout['pipeline_parallel']}{context} DP={layout['data_parallel']}"
+            + (f" EP={layout['expert_parallel']}" if experts else ""))
+
+
 def run_hours_column(timed: list[dict[str, Any]]) -> str:
     """The table's time column: the run's expected hours where every phase's fraction is measured, else its least."""
     return "expected h" if all(row["run"] and "hours_expected" in row["run"] for row in timed) else "least h"
@@ -1005,9 +1013,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"weight sync per step: {sync['bytes'] / 1e9:.2f} GB in {sync['buckets']} buckets, "
                      f"{sync['seconds']:.2f} s at {sync['gb_per_s']:g} GB/s (--sync-bandwidth)")
     if best:
-        lines.append(f"recommended: TP={best['tensor_parallel']} PP={best['pipeline_parallel']}{context} "
-                     f"DP={best['data_parallel']}" + (f" EP={best['expert_parallel']}" if experts else "")
-                     + f" ({best['total_gib']} of {budget:.4g} GiB)" + (
+        lines.append(f"recommended: {layout_words(best, context, experts)} ({best['total_gib']} of {budget:.4g} GiB)" + (
                          ": of the layouts that fit, the most data parallelism, then the least tensor parallelism (the "
                          "time column leaves its all-reduces out)" if sum(layout["fits"] for layout in result["layouts"]) > 1
                          else ""))
@@ -1016,16 +1022,13 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append("nothing recommended: a training layout fits, the rollout ranks do not")
     else:
         largest = closest["largest"]
-        lines.append(f"nothing fits in {budget:.4g} GiB: the closest layout, TP={closest['tensor_parallel']} "
-                     f"PP={closest['pipeline_parallel']}{context} DP={closest['data_parallel']}"
-                     + (f" EP={closest['expert_parallel']}" if experts else "") + ", needs "
-                     f"{closest['total_gib']} GiB, most of it the {largest.replace('_', ' ')} "
+        lines.append(f"nothing fits in {budget:.4g} GiB: the closest layout, {layout_words(closest, context, experts)}, "
+                     f"needs {closest['total_gib']} GiB, most of it the {largest.replace('_', ' ')} "
                      f"({closest[largest + '_gib']} GiB): try {closest['advice']}")
         if (more := result.get("fits_at_nodes")) is not None:
             nodes, layout = more
-            lines.append(f"or more GPUs: --nodes {nodes} fits TP={layout['tensor_parallel']} PP={layout['pipeline_parallel']}"
-                         f"{context} DP={layout['data_parallel']}" + (f" EP={layout['expert_parallel']}" if experts else "")
-                         + f" ({layout['total_gib']} of {budget:.4g} GiB)")
+            lines.append(f"or more GPUs: --nodes {nodes} fits {layout_words(layout, context, experts)} "
+                         f"({layout['total_gib']} of {budget:.4g} GiB)")
     if result.get("host_state_gib") is not None:
         per_node = result.get("gpus_per_node", 1)
         lines.append(f"host memory: each process holds its {result['host_state_gib']} GiB of optimizer state "
