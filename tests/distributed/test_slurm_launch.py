@@ -155,7 +155,7 @@ def test_the_time_limit_signal_requeues_a_run_whose_rollouts_are_on_a_rank_of_th
     reaches both; the rollout rank ends with the trainers (it ended first, and rank 0's exit 75 then lost the
     world's last collective: a traceback, srun's 143, FAILED, no requeue). The job requeues and resumes to its end."""
     run_dir = tmp_path / "separate"
-    job_id = multinode(slurm, tmp_path, run_dir, "model.backend=hf", "rollout.placement=separate", "rollout.ranks=1")
+    job_id = multinode(slurm, tmp_path, run_dir, "rollout.placement=separate", "rollout.ranks=1")
     wait_until(lambda: train_steps(run_dir) >= 2, 180, "two steps")
     subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm, check=True, timeout=30)
     state = wait_for_end(slurm, job_id)
