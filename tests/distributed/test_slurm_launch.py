@@ -39,6 +39,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "tests" / "slurm" / "setup.sh"
 SLURM_DIR = Path(os.environ.get("NEMO_JQ_SLURM_DIR", "/tmp/nemo-jq-slurm"))
 TINY = [*TINY_RUN, "train.max_steps=5", "eval.every=1000"]
+#: A run the time-limit signal always lands in: its steps take ~0.05 s here (checkpoints ~1 s), so five steps could
+#: end before `scancel --signal=USR1` reached them (a requeue test once failed with Restarts 0); the signal is sent
+#: at step 2 (or as the trainer starts) and SIGNALLED_STEPS steps with no checkpoint of their own take ~3 s more.
+SIGNALLED_STEPS = 60
+SIGNALLED = [*TINY_RUN, f"train.max_steps={SIGNALLED_STEPS}", "train.epochs=10", "train.save_every=1000",
+             "eval.every=1000"]
 CPU_MEGATRON = f"{sys.executable} tests/megatron_cpu.py"
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
@@ -100,12 +106,13 @@ def log(tmp_path: Path, job_id: str) -> str:
     return (tmp_path / f"job-{job_id}.out").read_text()
 
 
-def multinode(env: dict[str, str], tmp_path: Path, run_dir: Path, *overrides: str, image: str = "") -> str:
+def multinode(env: dict[str, str], tmp_path: Path, run_dir: Path, *overrides: str, image: str = "",
+              run: list[str] = TINY) -> str:
     """The two-node sbatch job, its container flags mapped by the test pyxis: the repository at /workspace."""
     config = tmp_path / "tiny.yaml"
     config.write_text("model:\n  backend: megatron\n")
     return sbatch(env, tmp_path, "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1",
-                  "launchers/slurm_multinode.sbatch", str(config), *TINY, *overrides,
+                  "launchers/slurm_multinode.sbatch", str(config), *run, *overrides,
                   NEMO_JQ_IMAGE=image or str(tmp_path / "test.sqsh"), NEMO_JQ_MOUNTS=f"{ROOT}:/workspace,{tmp_path}:{tmp_path}",
                   NEMO_JQ_RUN_DIR=str(run_dir), NEMO_JQ_COMMAND=CPU_MEGATRON, MASTER_PORT=str(free_port()))
 
@@ -123,19 +130,19 @@ def test_the_test_container_has_no_slurm_client_on_its_path(slurm, tmp_path):
 
 @pytest.fixture(scope="module")
 def uninterrupted(slurm, tmp_path_factory) -> list[dict]:
-    """Five steps of the two-node job with no signal, with no container (NEMO_JQ_IMAGE=none)."""
+    """The signalled run of the two-node job with no signal, with no container (NEMO_JQ_IMAGE=none)."""
     tmp_path = tmp_path_factory.mktemp("whole")
-    job_id = multinode(slurm, tmp_path, tmp_path / "whole", image="none")
+    job_id = multinode(slurm, tmp_path, tmp_path / "whole", image="none", run=SIGNALLED)
     state = wait_for_end(slurm, job_id)
     assert state["JobState"] == "COMPLETED", log(tmp_path, job_id)[-3000:]
     assert "NEMO_JQ_TEST_CONTAINER_IMAGE" not in log(tmp_path, job_id)
-    assert [r["step"] for r in train_records(tmp_path / "whole")] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in train_records(tmp_path / "whole")] == list(range(1, SIGNALLED_STEPS + 1))
     return train_records(tmp_path / "whole")
 
 
 def test_the_time_limit_signal_checkpoints_both_nodes_requeues_from_the_host_and_resumes(slurm, tmp_path, uninterrupted):
     run_dir = tmp_path / "interrupted"
-    job_id = multinode(slurm, tmp_path, run_dir)
+    job_id = multinode(slurm, tmp_path, run_dir, run=SIGNALLED)
     wait_until(lambda: train_steps(run_dir) >= 2, 180, "two steps")
     subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm, check=True, timeout=30)
     state = wait_for_end(slurm, job_id)
@@ -145,7 +152,7 @@ def test_the_time_limit_signal_checkpoints_both_nodes_requeues_from_the_host_and
     assert f"nemo-jq: requeueing job {job_id}" in text and "Traceback" not in text
     assert (run_dir / "results.json").exists()
     resumed = train_records(run_dir)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in resumed] == list(range(1, SIGNALLED_STEPS + 1))
     for got, expected in zip(resumed, uninterrupted, strict=True):
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)
 
@@ -155,14 +162,15 @@ def test_the_time_limit_signal_requeues_a_run_whose_rollouts_are_on_a_rank_of_th
     reaches both; the rollout rank ends with the trainers (it ended first, and rank 0's exit 75 then lost the
     world's last collective: a traceback, srun's 143, FAILED, no requeue). The job requeues and resumes to its end."""
     run_dir = tmp_path / "separate"
-    job_id = multinode(slurm, tmp_path, run_dir, "rollout.placement=separate", "rollout.ranks=1")
+    job_id = multinode(slurm, tmp_path, run_dir, "rollout.placement=separate", "rollout.ranks=1", run=SIGNALLED)
     wait_until(lambda: train_steps(run_dir) >= 2, 180, "two steps")
     subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm, check=True, timeout=30)
     state = wait_for_end(slurm, job_id)
     text = log(tmp_path, job_id)
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text[-3000:]
     assert "checkpoint written; exit 75 asks the batch script to requeue" in text and "Traceback" not in text, text[-3000:]
-    assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3, 4, 5] and (run_dir / "results.json").exists()
+    assert [r["step"] for r in train_records(run_dir)] == list(range(1, SIGNALLED_STEPS + 1))
+    assert (run_dir / "results.json").exists()
 
 
 def single(env: dict[str, str], tmp_path: Path, run_dir: Path, *overrides: str) -> str:
@@ -226,7 +234,7 @@ def test_nemo_jq_launch_submits_with_the_readme_settings_and_its_script_requeues
         f"env: {{OMP_NUM_THREADS: '1'}}\njob_dir: {tmp_path}/jobs\nmaster_port: {free_port()}\n")
     run_dir = tmp_path / "launched"
     submitted = subprocess.run([sys.executable, "-m", "nemo_jq.cli", "launch", str(tmp_path / "launch.yaml"), "train",
-                                "--config", str(tmp_path / "tiny.yaml"), *TINY, f"train.run_dir={run_dir}"],
+                                "--config", str(tmp_path / "tiny.yaml"), *SIGNALLED, f"train.run_dir={run_dir}"],
                                cwd=tmp_path, env={**slurm, "NEMORUN_HOME": str(tmp_path / "nemo_run_home")},
                                capture_output=True, text=True, timeout=120)
     assert submitted.returncode == 0, submitted.stderr[-3000:]
@@ -240,7 +248,7 @@ def test_nemo_jq_launch_submits_with_the_readme_settings_and_its_script_requeues
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", logs[-3000:]
     assert "checkpoint written; exit 75 asks the batch script to requeue" in logs
     assert f"nemo-jq: requeueing job {job_id.group(1)}" in logs and "Traceback" not in logs
-    assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in train_records(run_dir)] == list(range(1, SIGNALLED_STEPS + 1))
     assert not (tmp_path / "nemo_run_home" / "experiments").exists()  # all under job_dir
 
 
