@@ -32,11 +32,17 @@ CONFIG_KEYS = {"seq_len": "--prompt-tokens with rollout.max_thinking_tokens and 
                "sync_bucket_mb": "rollout.sync_bucket_mb"}
 
 
+#: The exit status where no layout is recommended (the report says what would fit), so that a script stops there
+#: (``nemo-jq plan --config C && sbatch ...``); bad input is 2, as in every command.
+NOTHING_FITS = 1
+
+
 def add_parser(commands) -> None:
     planner = commands.add_parser(
         "plan", help="estimate per-GPU memory of every TP x PP x DP layout (at a CP size), recommend one, and with --config "
         "give the run's time and GPU-hours",
-        description="nemo-jq plan --model 8b --gpus-per-node 8 --nodes 2 --gpu-memory 80",
+        description="nemo-jq plan --model 8b --gpus-per-node 8 --nodes 2 --gpu-memory 80\n\nExits 0 with a "
+        "recommended layout, 1 where nothing fits (the report says what would), 2 on bad input.",
         epilog=assumptions(), formatter_class=argparse.RawDescriptionHelpFormatter)
     planner.add_argument("--config", type=arguments.path, help="read the workload from a run config (model, micro-batch in the "
                          "trainer's units, M, budgets, backend, engine, optimizer mode); key=value overrides as train takes")
@@ -146,4 +152,4 @@ def run(args: argparse.Namespace) -> int:
         lines = ["time: give --config (a run's steps, budgets and estimator fix how long it takes)"]
     table, last = plan.format_report(result).rsplit("\n", 1)  # the time before the assumptions' line
     print(json.dumps(result, indent=2) if args.json else "\n".join([table, *lines, last]))
-    return 0
+    return 0 if result["recommended"] else NOTHING_FITS

@@ -158,7 +158,7 @@ def test_cli_prints_a_table_or_json_and_names_bad_input(capsys):
     first = out.splitlines()[0]  # the workload in words, not a Python dict
     assert "{" not in first and "seq len 4096, micro batch 1, samples 32" in first
     assert main(["plan", "--model", "32b", "--nodes", "16", "--seq-len", "4608", "--samples", "16", "--optimizer",
-                 "bf16-distopt", "--recompute"]) == 0  # the new user's command
+                 "bf16-distopt", "--recompute"]) == 1  # the new user's command: nothing fits, so a script stops
     assert ("nothing fits in 72 GiB: the closest layout" in (out := capsys.readouterr().out)
             and "most of it the rollout copy" in out and "try --rollout-engine vllm" in out)
     assert "total GiB" in out and " GB" not in out
@@ -188,7 +188,8 @@ def test_rows_beyond_the_models_context_are_refused_as_train_refuses_them(capsys
     one_line_error(main(["plan", "--config", paper, "--gpus-per-node", "1", "rollout.max_thinking_tokens=60000"]),
                    capsys.readouterr().err, "rows of 61153 tokens, beyond the model's context of 40960 tokens "
                    "(max_position_embeddings of Qwen/Qwen3-0.6B)", "lower rollout.max_thinking_tokens")
-    assert main(["plan", "--config", paper, "--gpus-per-node", "1", "--prompt-tokens", "35000"]) == 0  # 40,225: fits
+    assert main(["plan", "--config", paper, "--gpus-per-node", "1", "--prompt-tokens", "35000"]) == 1  # 40,225: in the context
+    # (not refused), but past one GPU's memory
     capsys.readouterr()
     one_line_error(main(["plan", "--model", "8b", "--seq-len", "50000"]), capsys.readouterr().err,
                    "--seq-len is 50000 tokens, beyond the model's context of 40960 tokens (max_position_embeddings of 8b): "
@@ -419,10 +420,10 @@ def test_plan_advice_under_a_config_names_its_keys_not_the_flags_refused_beside_
     config has already set); without a config, each flag with its key beside it."""
     config = "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml"
     assert main(["plan", "--config", config, "--gpu-memory", "40", "--nodes", "2", "rollout.placement=separate",
-                 "rollout.ranks=8", "rollout.engine=native"]) == 0
+                 "rollout.ranks=8", "rollout.engine=native"]) == 1  # the rollout ranks do not fit: nothing recommended
     out = capsys.readouterr().out
     assert "does not fit in 36 GiB: try a smaller rollout.kv_cache_tokens\n" in out and " --kv-cache" not in out
-    assert main(["plan", "--model", "8b", "--gpu-memory", "40", "--nodes", "2", "--rollout-ranks", "8"]) == 0
+    assert main(["plan", "--model", "8b", "--gpu-memory", "40", "--nodes", "2", "--rollout-ranks", "8"]) == 1
     assert "try a smaller --kv-cache-tokens (rollout.kv_cache_tokens)\n" in capsys.readouterr().out
     work = plan.Workload.from_config(load_config(config, []), 1024)
     assert work.config_keys and not plan.Workload().config_keys
@@ -482,14 +483,14 @@ def test_a_vllm_share_must_hold_its_weights_and_one_sequence_and_a_sized_cache_c
 def test_a_rollout_ranks_vllm_advice_gives_the_shares_that_work(capsys):
     """--rollout-ranks with a share past the headroom said "a share that holds the bf16 weights", which it did."""
     assert main(["plan", "--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm",
-                 "--rollout-tensor-parallel", "4", "--vllm-memory-utilization", "0.95"]) == 0
+                 "--rollout-tensor-parallel", "4", "--vllm-memory-utilization", "0.95"]) == 1  # the share: past the headroom
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout ranks"))
     low, high = re.search(r"from ([\d.]+) \(its share holds the bf16 weights and one sequence's keys and values\) to "
                           r"([\d.]+) \(the rank within the headroom\)", line).groups()
     assert float(low) < float(high) < 0.9, line
     for utilization, fits in ((low, True), (high, True), (str(float(high) + 0.02), False)):
         assert main(["plan", "--model", "8b", "--nodes", "2", "--rollout-ranks", "8", "--rollout-engine", "vllm",
-                     "--rollout-tensor-parallel", "4", "--vllm-memory-utilization", utilization]) == 0
+                     "--rollout-tensor-parallel", "4", "--vllm-memory-utilization", utilization]) == (0 if fits else 1)
         line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout ranks"))
         assert ("does not fit" not in line) == fits, (utilization, line)
 
@@ -500,7 +501,7 @@ def test_where_nothing_fits_plan_also_names_the_fewest_nodes_that_fit(capsys):
     from pathlib import Path
 
     config = str(Path(__file__).resolve().parents[3] / "configs" / "examples" / "qwen3_32b_hotpotqa_cold_garl_q0.75.yaml")
-    assert main(["plan", "--config", config, "--nodes", "1"]) == 0
+    assert main(["plan", "--config", config, "--nodes", "1"]) == 1
     out = capsys.readouterr().out
     assert "nothing fits in 72 GiB" in out and "\nor more GPUs: --nodes 4 fits TP=8 PP=2 DP=2 (65.78 of 72 GiB)\n" in out
     assert main(["plan", "--config", config, "--nodes", "4"]) == 0
