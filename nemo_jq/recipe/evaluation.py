@@ -149,7 +149,7 @@ class Evaluator:
         generator = new_generator(parts.device).manual_seed(seed)
         kept: dict[int, list[Rollout]] = {}
         keep = (lambda index, group: kept.setdefault(index, group) if index < shown else None) if shown else None
-        with progress(len(mine), f"eval {split}", shows=distributed.is_writer(), transient=True) as bar:
+        with progress(len(mine), f"eval {split}", unit="prompt", shows=distributed.is_writer(), transient=True) as bar:
             outputs = sample_outputs(parts, mine, settings.num_samples, settings.batch_size, generator, bar,
                                      on_group=keep, stopped=stopped)
         self.shown = shown_samples(parts, mine[:min(shown, count)], [kept[i] for i in range(min(shown, count))])

@@ -172,7 +172,8 @@ class Trainer:
                            writes=writes, trackers=open_trackers(self.run_dir, self.config) if writes else ())
         if self.resumed_with:
             logger.log({"kind": "resume", "step": self.state.step, "overrides": self.resumed_with})
-        bar = progress(self.total_steps, f"train {self._label(series)}", initial=self.state.step, shows=distributed.is_writer())
+        bar = progress(self.total_steps, f"train {self._label(series)}", unit="step", initial=self.state.step,
+                       shows=distributed.is_writer())
         with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
             try:
                 while self.state.step < end and not stop.requested():

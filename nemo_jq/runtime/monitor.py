@@ -150,13 +150,30 @@ class RunLogger:
         self.trackers = []
 
 
+def duration(seconds: float) -> str:
+    """``40 s``, ``12 min``, ``3.4 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def pace(count: int, seconds: float, left: int, unit: str) -> str:
+    """``2.5 steps/s, 40 s left`` or, slower than one a second (a real run's steps), ``28.4 s/step, 3.1 h left``
+    (``count`` > 0 done in ``seconds``, ``left`` to do)."""
+    per_second = count / max(seconds, 1e-9)
+    each = seconds / count
+    rate = f"{per_second:.3g} {unit}s/s" if per_second >= 1 else f"{each:.3g} s/{unit}" if each < 90 else f"{duration(each)}/{unit}"
+    return f"{rate}, {duration(left / per_second)} left" if left else rate
+
+
 class ProgressLines:
     """Progress for a log without a terminal (a batch job's): one plain line every tenth of the way and at the end,
-    with the bar's latest figures, instead of a bar redrawn with carriage returns."""
+    with the pace so far, the time left at it and the bar's latest figures, instead of a bar redrawn with carriage
+    returns."""
 
-    def __init__(self, total: int, initial: int, desc: str):
+    def __init__(self, total: int, initial: int, desc: str, unit: str = "step"):
         self.total, self.count, self.desc, self.started, self.figures = total, initial, desc, time.perf_counter(), ""
-        self.every, self.start, self.due = max(1, total // 10), initial, False
+        self.every, self.start, self.due, self.unit = max(1, total // 10), initial, False, unit
 
     def update(self, n: int = 1) -> None:
         """Count ``n`` more; a line that falls due waits for the figures of the step it counts (``set_postfix``)."""
@@ -171,8 +188,8 @@ class ProgressLines:
     def _print_due(self) -> None:
         if self.due:
             self.due = False
-            rate = (self.count - self.start) / max(time.perf_counter() - self.started, 1e-9)
-            print(f"{self.desc}: {self.count}/{self.total} ({rate:.3g}/s){self.figures}", file=sys.stderr, flush=True)
+            rate = pace(self.count - self.start, time.perf_counter() - self.started, self.total - self.count, self.unit)
+            print(f"{self.desc}: {self.count}/{self.total} ({rate}){self.figures}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self._print_due()
@@ -184,15 +201,15 @@ class ProgressLines:
         self.close()
 
 
-def progress(total: int, desc: str, *, initial: int = 0, shows: bool = True, transient: bool = False) -> Any:
-    """A tqdm bar on a terminal; without one, :class:`ProgressLines` (none at all for a ``transient`` bar, such as an
-    evaluation's, or where ``shows`` is False: another rank's)."""
+def progress(total: int, desc: str, *, unit: str, initial: int = 0, shows: bool = True, transient: bool = False) -> Any:
+    """A tqdm bar counting ``unit`` on a terminal; without one, :class:`ProgressLines` (none at all for a
+    ``transient`` bar, such as an evaluation's, or where ``shows`` is False: another rank's)."""
     from tqdm import tqdm
 
     if shows and sys.stderr.isatty():
-        return tqdm(total=total, initial=initial, desc=desc, leave=not transient, dynamic_ncols=True)
+        return tqdm(total=total, initial=initial, desc=desc, unit=f" {unit}", leave=not transient, dynamic_ncols=True)
     if shows and not transient:
-        return ProgressLines(total, initial, desc)
+        return ProgressLines(total, initial, desc, unit)
     return tqdm(total=total, disable=True)
 
 

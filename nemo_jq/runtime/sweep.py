@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from nemo_jq.runtime.monitor import read_json_file, read_metrics
+from nemo_jq.runtime.monitor import duration, read_json_file, read_metrics
 from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in, refuse_foreign_files
 from nemo_jq.runtime.runs import RESUMABLE_KEYS, RUN_FILES, has_finished, last_checkpoint_step, refuse_overrides, refuse_shared_run_dir
 from nemo_jq.typed import ConfigError
@@ -572,10 +572,3 @@ def _measure(sweep: Sweep, entry: _Running, now: float) -> tuple[int, float | No
     if entry.first_seen is not None and step > entry.first_seen[1]:
         entry.rate = (step - entry.first_seen[1]) / (now - entry.first_seen[0])
     return step, entry.rate
-
-
-def duration(seconds: float) -> str:
-    """``40 s``, ``12 min``, ``3.4 h``."""
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"

@@ -431,7 +431,7 @@ def test_checkpoints_follow_the_umask_and_the_progress_line_shows_its_own_step(t
     losses = {r["step"]: f"{r['loss']:.4g}" for r in read_metrics(run_dir) if r["kind"] == "train"}
     lines = [line for line in err.splitlines() if line.startswith(f"train {run_dir.name}: ")]
     assert len(lines) == 10
-    for line in lines:  # "train run: 3/10 (1.2/s), loss=..., ...": the figures of step 3
+    for line in lines:  # "train run: 3/10 (1.2 steps/s, 6 s left), loss=...": step 3's figures
         step = int(line.split(": ")[1].split("/")[0])
         assert f"loss={losses[step]}," in line, (line, losses)
 

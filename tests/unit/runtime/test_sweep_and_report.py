@@ -242,7 +242,8 @@ def test_a_run_that_fails_stops_the_sweep_in_one_line_naming_its_log(tmp_path):
 def test_the_first_progress_line_comes_once_each_running_runs_step_rate_is_measured(tmp_path):
     import sys
 
-    from nemo_jq.runtime.sweep import duration, run_here, steps_words
+    from nemo_jq.runtime.monitor import duration
+    from nemo_jq.runtime.sweep import run_here, steps_words
 
     assert (duration(40), duration(600), duration(4 * 3600)) == ("40 s", "10 min", "4.0 h")
     assert (steps_words({"a": 96, "b": 96}), steps_words({"a": 96, "b": 768}), steps_words({"a": None})) == (
