@@ -528,11 +528,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
         raw = read_yaml_file(path)
+        restore = "a run's own config.yaml holds every key its run was trained with: restore it from a copy of the run"
         if raw is None or raw == {}:  # almost surely a mistake: the wrong file, or one not saved yet
-            raise ConfigError(f"config file {path} sets nothing (it is empty or only comments): add keys to it, or pass "
-                              "no --config to run the defaults")
+            raise ConfigError(f"config file {path} sets nothing (it is empty or only comments): "
+                              + (restore if saved else "add keys to it, or pass no --config to run the defaults"))
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+            raise ConfigError(f"config file {path} must hold a mapping at the top level" + (f"; {restore}" if saved else ""))
         if "name" in raw and not isinstance(raw["name"], dict):
             raise ConfigError(f"{path} holds a q schedule, not a run's config: pass it as objective.q_schedule={path}")
         _check_sections(raw, path)

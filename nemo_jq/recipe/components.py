@@ -49,6 +49,7 @@ from nemo_jq.runtime.runs import (
     refuse_overrides,
     select_checkpoint,
 )
+from nemo_jq.runtime.tracking import first_line
 from nemo_jq.typed import ConfigError
 
 
@@ -227,7 +228,11 @@ def load_tokenizer(config: Config, model_dir: Path | None, task: Task, splits: S
                                     f"tokenizer's, and no other may stand in; restore it from a copy of the run{from_model}")
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(saved)
+        try:
+            return AutoTokenizer.from_pretrained(saved)
+        except Exception as err:  # noqa: BLE001 - a damaged file fails in the tokenizers library, any kind of error
+            raise ValueError(f"the run's tokenizer folder {saved} does not load ({first_line(err)}): a file in it is "
+                             "damaged; restore the folder from a copy of the run") from None
     if model_dir is not None:
         from transformers import AutoTokenizer
 

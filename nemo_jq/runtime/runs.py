@@ -14,7 +14,7 @@ from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
 from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, nonfinite_back, plot_runs, read_metrics, valid_json
 from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir
-from nemo_jq.runtime.tracking import TRACKING_FILE
+from nemo_jq.runtime.tracking import TRACKING_FILE, first_line
 from nemo_jq.strict_yaml import read_yaml_file
 from nemo_jq.typed import first_few
 
@@ -212,12 +212,19 @@ def check_splits(run_dir: Path, splits: Any, data: Any) -> None:
     """The splits a reopened run (a resume, an evaluation) built from its config's ``data`` are the ones it recorded
     at its start: a source edited since (or a prepared folder rewritten) would train on other data, or score a test
     split that holds training examples. Refused in one line naming the splits; a run that recorded none is not
-    checked."""
-    try:
-        recorded = json.loads((Path(run_dir) / SPLITS_FILE).read_text())
-    except (OSError, ValueError):
+    checked; one whose record is not its digests (an edit, a cut write) is refused, naming the file."""
+    path = Path(run_dir) / SPLITS_FILE
+    if not path.exists():
         return
-    changed = [name for name, digest in splits.digests().items() if isinstance(recorded, dict) and recorded.get(name) != digest]
+    try:
+        recorded = json.loads(path.read_text())
+        fault = None if isinstance(recorded, dict) else f"it holds a JSON {type(recorded).__name__}, not split: digest"
+    except (OSError, ValueError) as err:
+        fault = f"not JSON: {err}" if isinstance(err, ValueError) else first_line(err)
+    if fault:
+        raise ConfigError(f"{path} is not the splits' digests the run wrote at its start ({fault}): restore it from a "
+                          f"copy of the run, or delete it to reopen the run without checking its data")
+    changed = [name for name, digest in splits.digests().items() if recorded.get(name) != digest]
     if changed:
         where = data.prepared_dir or data.source or f"the {data.name} task"
         raise ConfigError(f"{run_dir}: its {' and '.join(changed)} split{'s' * (len(changed) > 1)} as built now from {where} "
@@ -471,6 +478,10 @@ class Selected:
         return {"run_dir": str(self.run_dir), "checkpoint": str(self.checkpoint), "step": self.step, "selected": self.why}
 
 
+#: What eval, generate and export take, said where the path given is neither.
+NOT_A_RUN_ADVICE = f": give the run's directory (its train.run_dir) or a checkpoint in it (RUN/{CHECKPOINT_DIR}/step_N)"
+
+
 def select_checkpoint(path: Path, which: str = "best") -> Selected:
     """The checkpoint at ``path`` (a checkpoint directory), or, for a run directory, its ``which``: ``best`` (by
     :func:`beats_best`, as training keeps it; the reason names a tie, and says when the latest stands in), ``latest``,
@@ -487,11 +498,10 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
                                     f"{CHECKPOINT_DIR}/")
         return Selected(run_dir, path, read_state(path)["step"], "the one given")
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist (neither a checkpoint nor a run directory is there): give the "
-                                f"run's directory (its train.run_dir) or a checkpoint in it (RUN/{CHECKPOINT_DIR}/step_N)")
+        raise FileNotFoundError(f"{path} does not exist (neither a checkpoint nor a run directory is there){NOT_A_RUN_ADVICE}")
     if not (path / CONFIG_FILE).exists():
         what = "a file" if path.is_file() else f"neither a checkpoint (no {STATE}) nor a run directory (no {CONFIG_FILE})"
-        raise FileNotFoundError(f"{path} is {what}{nearest_run(path)}")
+        raise FileNotFoundError(f"{path} is {what}{nearest_run(path) or NOT_A_RUN_ADVICE}")
     root = path / CHECKPOINT_DIR
     saved = saved_steps(root)
     if which not in ("best", "latest") and saved:  # a step asked for: whatever ``latest`` says

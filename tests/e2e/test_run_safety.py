@@ -386,12 +386,34 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp
 
 
 def test_eval_says_what_is_missing_where_no_run_holds_a_checkpoint(tmp_path, capsys):
-    """A path that is not there, a checkpoint copied out of its run, a run with no checkpoint yet, a run without the
-    tokenizer its checkpoints' token ids are of (one trained anew would stand in silently)."""
+    """A path that is not there, or neither a run nor a checkpoint, a checkpoint copied out of its run, a run with no
+    checkpoint yet, a run whose own files are damaged (its config, its splits' record: a garbled one turned the
+    data-changed check off, its tokenizer: a raw JSON error or a traceback), a run without the tokenizer its
+    checkpoints' token ids are of (one trained anew would stand in silently)."""
     run_dir = tmp_path / "run"
     assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
     code, _, err = run_cli(capsys, "eval", tmp_path / "nowhere")
     one_line_error(code, err, f"{tmp_path / 'nowhere'} does not exist")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a.txt").write_text("hi\n")
+    for path, what in (("empty", "is neither a checkpoint (no state.json) nor a run directory"), ("a.txt", "is a file")):
+        code, _, err = run_cli(capsys, "eval", tmp_path / path)
+        one_line_error(code, err, f"{tmp_path / path} {what}", "give the run's directory (its train.run_dir) or a checkpoint")
+    damaged = tmp_path / "damaged"
+    for name, text, said in (
+            ("config.yaml", "", "config.yaml sets nothing"),
+            ("splits.json", "garbage", "splits.json is not the splits' digests the run wrote at its start (not JSON"),
+            ("splits.json", "[1]", "splits.json is not the splits' digests the run wrote at its start (it holds a JSON list"),
+            ("tokenizer/tokenizer.json", "garbage", "tokenizer does not load (JSONDecodeError"),
+            ("tokenizer/tokenizer.json", "{}", "tokenizer does not load (KeyError: 'added_tokens')")):
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.copytree(run_dir, damaged)
+        (damaged / name).write_text(text)
+        generate = [] if name == "splits.json" else [["generate", damaged, "What is 2 + 3?"]]  # it reads no split
+        for command in (["eval", damaged], *generate):
+            code, _, err = run_cli(capsys, *command)
+            one_line_error(code, err, f"{damaged / name.split('/')[0]}", said, "restore it" if "tokenizer" not in name
+                           else "restore the folder from a copy of the run")
     copied = tmp_path / "copies" / "step_00000002"
     shutil.copytree(run_dir / "checkpoints" / "step_00000002", copied)
     for command in (["eval", copied], ["export", copied, "--out", tmp_path / "hf"]):
