@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--resume {args.resume} goes on with the experiment as it started: drop {', '.join(given)}")
         import inspect
 
-        from nemo_jq.experiments.common import PROGRESS_FILE, Progress
+        from nemo_jq.experiments.common import PROGRESS_FILE, Progress, recorded_options
 
         options, run_experiment = Progress.read(args.resume, args.name).options, experiment_module(args.name).run_experiment
         try:
@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         except TypeError as err:  # an edited record
             raise ConfigError(f"{args.resume / PROGRESS_FILE} is not an experiment's record ({err}): restore it, or "
                               "start the experiment again with --out NEW_DIR") from None
-        run_experiment(args.resume, **options, resume=True)
+        with recorded_options(args.resume / PROGRESS_FILE):
+            run_experiment(args.resume, **options, resume=True)
         return 0
     try:
         return run_named(args)

@@ -15,6 +15,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nemo_jq.runtime.outputs import staged
     from nemo_jq.theory.report import REPORT_KEYS
     from nemo_jq.theory.report import run as write_report
 
@@ -25,5 +26,7 @@ def run(args: argparse.Namespace) -> int:
     if not earlier and (report.exists() or plot.exists()):
         raise FileExistsError(f"--out {args.out} holds {'theory.json' if report.exists() else 'escape_time.png'}, which "
                               "is no earlier report of nemo-jq theory: give another folder (nothing was written)")
-    write_report(args.out)
+    with staged(args.out, last="theory.json") as staging:  # a stop part-way leaves --out as it was
+        write_report(staging)
+    print(f"wrote {args.out / 'theory.json'} and {args.out / 'escape_time.png'}")
     return 0

@@ -4,17 +4,19 @@ before anything is written or trained (a run that fails halfway leaves a half-bu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from nemo_jq.config import Config, ConfigError, current_key
 from nemo_jq.runtime.monitor import nonfinite_back, read_json_file, valid_json
 from nemo_jq.runtime.outputs import claim_dir, refuse_foreign_files
 from nemo_jq.runtime.preemption import current_series
-from nemo_jq.runtime.runs import RUN_FILES, holds_this_run
+from nemo_jq.runtime.runs import RUN_FILES, holds_this_run, run_above
 from nemo_jq.runtime.sweep import SWEEP_FILE, refuse_repeats
 from nemo_jq.strict_yaml import parse_yaml
 
@@ -68,6 +70,27 @@ def keys_set(key: str, value: Any) -> list[str]:
     return [key]
 
 
+#: Whether this command's experiment has begun its record (:meth:`Progress.begin`): an error before it is in the
+#: options, which each experiment checks first.
+_BEGUN: ContextVar[bool] = ContextVar("experiment_begun", default=False)
+
+
+@contextlib.contextmanager
+def recorded_options(record: Path) -> Iterator[None]:
+    """A resumed experiment's options come from its ``record``: one they refuse (a hand-edited record) is said naming
+    it and the fix, not as if given on the command line; an error once its runs go on is theirs, as it is."""
+    token = _BEGUN.set(False)
+    try:
+        yield
+    except ValueError as err:  # ConfigError is one
+        if _BEGUN.get():
+            raise
+        raise ConfigError(f"{record} records options that are refused ({err}): restore it, or start the experiment "
+                          "again with --out NEW_DIR") from None
+    finally:
+        _BEGUN.reset(token)
+
+
 @dataclass
 class Progress:
     """An experiment's record (``OUT/experiment.json``): the options it started with, and each finished run's entry
@@ -86,8 +109,12 @@ class Progress:
         """The record of an experiment starting in ``out_dir`` (an earlier one there, or any of ``markers``, is
         refused, or moved aside with ``overwrite``), or with ``resume`` the record there."""
         out_dir = Path(out_dir)
+        _BEGUN.set(True)
         if resume:
             return cls.read(out_dir, experiment)
+        if (above := run_above(out_dir)) is not None:  # before anything is written: nothing lands in that run
+            raise ConfigError(f"--out {out_dir} is inside the run {above[0]} ({above[1]}), whose folder is its own: "
+                              f"choose an --out outside it (e.g. {above[0].parent / out_dir.name})")
         try:
             held = json.loads((out_dir / PROGRESS_FILE).read_text())["experiment"]
         except (OSError, ValueError, TypeError, KeyError):
@@ -142,6 +169,9 @@ def _record_problem(saved: dict[str, Any]) -> str | None:
     for key, kind in (("experiment", str), ("options", dict), ("runs", dict)):
         if not isinstance(saved.get(key), kind):
             return f"no {key} {kind.__name__}"
+    seeds = saved["options"].get("seeds")  # every experiment's; each run's seed, used once its runs go on
+    if not isinstance(seeds, list) or not all(isinstance(seed, int) and not isinstance(seed, bool) for seed in seeds):
+        return f"options.seeds is {seeds!r}, not a list of whole numbers"
     return None
 
 

@@ -98,8 +98,10 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
     steps = probe.train.epochs * math.ceil(probe.data.train_size / probe.train.batch_size)
     if probe.train.max_steps:
         steps = min(steps, probe.train.max_steps)
-    plan = chosen_methods(methods(steps, adaptive), only)
-    for method in plan.values():  # every run's config is checked before anything is written or trained
+    every = methods(steps, adaptive)
+    plan = chosen_methods(every, only)
+    checked = [*plan.values(), *([every["adaptive"]] if adaptive and "adaptive" not in plan else [])]  # its knobs too
+    for method in checked:  # every run's config is checked before anything is written or trained
         load_config(None, [*base, *method])
     progress = Progress.begin(out_dir, "noisy-cold-start", dict(seeds=list(seeds), label_noise=label_noise, quick=quick,
                               overrides=list(overrides), only=list(only), adaptive=adaptive),

@@ -164,7 +164,7 @@ def test_overrides_after_an_option_of_several_values_are_overrides(monkeypatch):
     assert seen[-1] == (["a.yaml", "b.yaml"], ["objective.q=0,1"])
 
 
-def test_a_path_that_is_not_what_a_command_wants_is_named_with_the_fix(tmp_path, capsys):
+def test_a_path_that_is_not_what_a_command_wants_is_named_with_the_fix(tmp_path, capsys, monkeypatch):
     a_file = tmp_path / "figures.txt"
     a_file.write_text("mine")
     code, _, err = run_cli(capsys, "theory", "--out", a_file)
@@ -178,6 +178,12 @@ def test_a_path_that_is_not_what_a_command_wants_is_named_with_the_fix(tmp_path,
     assert (notes / "theory.json").read_text() == '{"mine": 1}' and not (notes / "escape_time.png").exists()
     for _ in range(2):  # its own earlier report is written over
         assert run_cli(capsys, "theory", "--out", tmp_path / "theory")[0] == 0
+    # a stop while it writes (here Ctrl-C in the plot) leaves --out as it was: it held theory.json without the plot
+    import nemo_jq.theory.report
+
+    monkeypatch.setattr(nemo_jq.theory.report, "plot_escape_times", lambda path: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert run_cli(capsys, "theory", "--out", tmp_path / "stopped")[0] == 130
+    assert not (tmp_path / "stopped").exists() and not (tmp_path / ".stopped.partial").exists()
     # dryrun --json never replaces a user's file (here the config itself), nor waits for the dry run to find a
     # missing folder (tests/unit/dryrun/test_dryrun.py writes over its own earlier report)
     config = tmp_path / "run.yaml"

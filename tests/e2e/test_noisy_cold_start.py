@@ -89,6 +89,10 @@ def test_unknown_methods_and_malformed_knobs_are_one_line_errors(tmp_path):
         assert hostile.returncode == 2 and message in hostile.stderr and "Traceback" not in hostile.stderr
     misspelt = subprocess.run([*base, "--adaptive", "cold=0.1"], capture_output=True, text=True, timeout=120)
     assert misspelt.returncode == 2 and "unknown key(s) ['cold'] for q schedule 'adaptive'" in misspelt.stderr
+    # with the adaptive method left out, its knobs are checked all the same (they were recorded and trained past)
+    unchosen = subprocess.run([*base, "--methods", "q=1", "--adaptive", "cold=0.1"], capture_output=True, text=True,
+                              timeout=120)
+    assert unchosen.returncode == 2 and "unknown key(s) ['cold'] for q schedule 'adaptive'" in unchosen.stderr
     assert not (tmp_path / "x").exists()  # nothing was started
 
 
@@ -166,6 +170,20 @@ def test_an_experiment_stopped_mid_run_resumes_to_the_summary_an_unstopped_one_w
     (tmp_path / "out" / "experiment.json").write_text(json.dumps({**record, "options": {**record["options"], "foo": 1}}))
     code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--resume", tmp_path / "out")
     one_line_error(code, err, "experiment.json is not an experiment's record", "'foo'", "restore it")
+    # options edited in the record are said as the record's (they read as if given on the command line, unnamed)
+    for edit, said in [({"label_noise": 5}, "data.label_noise must be >= 0.0 and < 1.0; got 5"),
+                       ({"overrides": ["foo.bar=1"]}, "unknown config key 'foo'"),
+                       ({"seeds": ["x"]}, "options.seeds is ['x'], not a list of whole numbers")]:
+        (tmp_path / "out" / "experiment.json").write_text(json.dumps({**record, "options": {**record["options"], **edit}}))
+        code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--resume", tmp_path / "out")
+        one_line_error(code, err, f"{tmp_path / 'out' / 'experiment.json'} ", said, "restore it, or start the experiment "
+                       "again with --out NEW_DIR")
+    # --out inside a run is refused before anything is written into that run
+    inside = tmp_path / "unstopped" / "GRPO" / "seed0" / "more"
+    code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--quick", "--out", inside)
+    one_line_error(code, err, f"--out {inside} is inside the run {tmp_path / 'unstopped' / 'GRPO' / 'seed0'}",
+                   "choose an --out outside it")
+    assert not inside.exists()
     # a folder holding a sweep, a run or anything else is not an experiment's: refused before anything is written
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "notes.txt").write_text("mine")
