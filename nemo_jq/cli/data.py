@@ -38,7 +38,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.config import import_plugins
     from nemo_jq.data.prepare import PAPER_SIZES, PREPARE_FLAGS, PREPARED_FILES, describe_rejects, make_task, prepare, write_prepared
-    from nemo_jq.runtime.outputs import claim_dir
+    from nemo_jq.runtime.outputs import claim_dir, refuse_foreign_files
     from nemo_jq.runtime.runs import RUN_FILES, run_above
 
     import_plugins(args.plugin)
@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     if (above := run_above(Path(args.out))) is not None:  # the run's --overwrite would move the data with it
         raise ValueError(f"--out {args.out} is inside the run {above[0]} ({above[1]}): prepared data goes in a folder "
                          f"of its own (e.g. {above[0].parent / Path(args.out).name})")
+    if not any((Path(args.out) / name).exists() for name in PREPARED_FILES):  # a folder of the user's own files
+        refuse_foreign_files(args.out, "prepared data")
     claimed = {"what": "prepared data", "advice": "choose another --out, or pass --overwrite to move it aside first"}
     if not args.overwrite:  # said before the source is read (a download, a large file), not after
         claim_dir(args.out, PREPARED_FILES, overwrite=False, **claimed)

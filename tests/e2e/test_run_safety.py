@@ -451,6 +451,12 @@ def test_data_prepare_never_writes_over_prepared_data(tmp_path, capsys):
     (aside,) = tmp_path.glob("out.old-*")
     assert (aside / "manifest.json").read_text() == before
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["sizes"]["train"] == 2
+    mine = tmp_path / "mine"  # a folder of the user's own: the data would land among (and --overwrite move) its files
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    code, _, err = run_cli(capsys, *args[:-1], mine)
+    one_line_error(code, err, f"{mine} is not empty (notes.txt) and holds no prepared data", "give a new or empty folder")
+    assert sorted(path.name for path in mine.iterdir()) == ["notes.txt"]
 
 
 def test_a_stop_part_way_through_an_export_or_a_data_prepare_leaves_its_folder_as_it_was(tmp_path, capsys, monkeypatch):
