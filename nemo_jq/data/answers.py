@@ -32,11 +32,37 @@ _NUMBER = re.compile(
 _YES_NO = ("yes", "no")
 
 
+#: Number punctuation SQuAD's rule deletes, which changes the number (``3.14`` -> ``314``, ``-5`` -> ``5``, ``1/2``
+#: -> ``12``, ``1,2`` -> ``12``): kept as these stand-ins while the rest is dropped.
+_POINT, _SLASH, _MINUS = "\x00", "\x01", "\x02"
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_BETWEEN_DIGITS = re.compile(rf"(?<=\d)[{re.escape(string.punctuation)}](?=\d)")
+_LEADING_POINT = re.compile(r"(?<!\w)\.(?=\d)")
+_SIGN = re.compile(r"(?<![\w\x00\x01])-(?=\d)")
+_DECIMAL = re.compile(r"^(-?\d+)\x00(\d+)$")
+
+
 def squad_normalize(text: str) -> str:
-    """Lower case, drop punctuation and the articles a/an/the, collapse white space (SQuAD v1.1); an answer that is
-    nothing but articles keeps them (a multiple-choice ``A``, which SQuAD's rule makes empty: no output matched it)."""
-    text = " ".join("".join(ch for ch in text.lower() if ch not in _PUNCTUATION).split())
+    """Lower case, drop punctuation and the articles a/an/the, collapse white space (SQuAD v1.1), except within
+    numbers: a sign, a decimal point and a fraction's slash stay (``3.14`` is not ``314``, ``-5`` not ``5``),
+    thousands separators go (``1,000`` is ``1000``), other marks between digits part them (``1,2`` is ``1 2``), and a
+    decimal's trailing zeros go (``5.0`` is ``5``, ``.5`` is ``0.5``). An answer that is nothing but articles keeps them
+    (a multiple-choice ``A``, which SQuAD's rule makes empty: no output matched it)."""
+    text = _THOUSANDS.sub("", text.lower().replace("\u2212", "-"))
+    text = _BETWEEN_DIGITS.sub(lambda mark: {".": _POINT, "/": _SLASH}.get(mark.group(), " "), text)
+    text = _SIGN.sub(_MINUS, _LEADING_POINT.sub("0" + _POINT, text))
+    words = "".join(ch for ch in text if ch not in _PUNCTUATION).split()
+    text = " ".join(_number_word(word).replace(_POINT, ".").replace(_SLASH, "/").replace(_MINUS, "-") for word in words)
     return " ".join(_ARTICLES.sub(" ", text).split()) or text
+
+
+def _number_word(word: str) -> str:
+    """A decimal without its trailing zeros (``2.50`` -> ``2.5``, ``5.0`` -> ``5``); any other word as it is."""
+    decimal = _DECIMAL.match(word.replace(_MINUS, "-"))
+    if decimal is None:
+        return word
+    fraction = decimal.group(2).rstrip("0")
+    return decimal.group(1) + (_POINT + fraction if fraction else "")
 
 
 def extract_final_answer(output: str) -> str:

@@ -273,6 +273,38 @@ def test_property_text_reward_is_exact_match_of_the_extracted_answer():
         assert text_exact_match(gold, references) is bool(squad_normalize(gold))
 
 
+def written(value: Decimal, rng: random.Random) -> str:
+    """``value`` as a person may write it: thousands separators or not, trailing zeros, a Unicode minus, ``.5``."""
+    sign, digits = ("-" if value < 0 else ""), f"{abs(value):f}"
+    whole, _, fraction = digits.partition(".")
+    if rng.random() < 0.5 and len(whole) > 3:
+        whole = f"{int(whole):,}"
+    fraction += "0" * rng.randint(0, 2)
+    text = (whole if whole != "0" or not fraction or rng.random() < 0.5 else "") + ("." + fraction if fraction else "")
+    return (rng.choice(["-", "\u2212"]) if sign else "") + text
+
+
+def test_property_a_text_answers_number_earns_the_reward_only_at_the_golds_value():
+    """SQuAD's rule deletes a number's sign, point and slash: `-5`, `314` and `12` earned the golds `5`, `3.14` and
+    `1/2` (HotPotQA, MuSiQue, your data). Any way of writing the gold's value earns it; no other value does."""
+    rng = random.Random(7)
+    values = [Decimal(text) for text in ("5", "-5", "3.14", "314", "0.5", "5.5", "1234.5", "-1234.5", "12345", "1.2345")]
+    task = MuSiQue()
+    for _ in range(3000):
+        gold, guess = rng.choice(values), rng.choice(values)
+        example = Example("m", "q", written(gold, rng))
+        answer = written(guess, rng)
+        assert task.reward(f"Answer: {answer}", example) == float(gold == guess), (answer, example.answer)
+        assert task.reward(f"Answer: {answer} million", Example("m", "q", f"{example.answer} million")) == float(gold == guess)
+    for guess, gold in (("-5", "5"), ("314", "3.14"), ("12", "1/2"), ("1.5", "15"), ("15 million", "1.5 million"),
+                        ("12", "1,2"), ("0.5", "1/2")):
+        assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 0.0, (guess, gold)
+        assert not task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)
+    for guess, gold in (("1,000", "1000"), ("5.0", "5"), (".5", "0.5"), ("\u22123", "-3"), ("$5", "5"), ("3.14.", "3.14")):
+        assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 1.0, (guess, gold)
+        assert task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)
+
+
 def test_a_multiple_choice_letter_earns_the_reward_only_as_itself():
     """SQuAD's rule makes the gold ``A`` empty (an article), so no output matched it: it stays ``a``, and only the
     letter itself earns it, not another letter, another article, or prose around it."""
