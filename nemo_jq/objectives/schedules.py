@@ -206,8 +206,9 @@ def build_schedule(spec: dict[str, Any] | float) -> QSchedule:
                          if not f.name.startswith("_"))
         raise ValueError(f"q schedule {name!r} needs {', '.join(missing)} (its keys: {keys})")
     for f in fields(cls):
-        if f.name in params and not _is_a(params[f.name], f.type):
-            raise ValueError(f"q schedule {name!r}: {f.name} must be {_KINDS[f.type][1]}; got {params[f.name]!r}")
+        kind = _kind(f.type)
+        if f.name in params and kind in _KINDS and not _KINDS[kind][0](params[f.name]):
+            raise ValueError(f"q schedule {name!r}: {f.name} must be {_KINDS[kind][1]}; got {params[f.name]!r}")
     return cls(**params)
 
 
@@ -217,8 +218,10 @@ _KINDS = {"float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, 
           "bool": (lambda v: isinstance(v, bool), "true or false")}
 
 
-def _is_a(value: Any, annotation: str) -> bool:
-    return annotation not in _KINDS or _KINDS[annotation][0](value)
+def _kind(annotation: Any) -> str | None:
+    """A field's annotation by name: a string where its module postpones annotations (ours), else the type itself (a
+    plugin's schedule without ``from __future__ import annotations``, whose values went unchecked)."""
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None)
 
 
 def describe(schedule: QSchedule) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_RUN
+from helpers import TINY_RUN, one_line_error
 from nemo_jq.cli import main
 from nemo_jq.config import load_config
 from nemo_jq.runtime.monitor import read_metrics
@@ -269,6 +269,10 @@ def test_a_q_schedule_of_ones_own_registered_in_a_plugin_sets_each_steps_q(tmp_p
     assert [record["q"] for record in records if record["kind"] == "train"] == [0.8, 0.4, 0.2]
     code = main([*run, "objective.q_schedule={name: halving, stop: 1}", f"train.run_dir={tmp_path / 'b'}"])
     assert code == 2 and "unknown key(s) ['stop'] for q schedule 'halving'; allowed: ['start']" in capsys.readouterr().err
+    # the doc's file has no `from __future__ import annotations`: its fields' types are types, checked all the same
+    code = main([*run, "objective.q_schedule={name: halving, start: oops}", f"train.run_dir={tmp_path / 'typed'}"])
+    one_line_error(code, capsys.readouterr().err, "q schedule 'halving': start must be a finite number; got 'oops'")
+    assert not (tmp_path / "typed").exists()
     code = main([*run, "objective.q_schedule={name: halving, start: 2.0}", f"train.run_dir={tmp_path / 'c'}"])
     assert code == 2 and "objective.q_schedule Halving gave q=2.0 at step 0: a q schedule gives a number in [0, 1]" \
         in capsys.readouterr().err
