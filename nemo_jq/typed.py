@@ -118,6 +118,10 @@ def check_range(value: Any, metadata: Any, key: str) -> Any:
     return value
 
 
+#: The largest whole number a config key takes (torch's sizes and seeds are 64-bit).
+INT64_MAX = 2**63 - 1
+
+
 def check_type(value: Any, hint: Any, key: str) -> Any:
     """The value as the annotation ``hint`` wants it (an int where a float is wanted becomes a float)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -139,6 +143,9 @@ def check_type(value: Any, hint: Any, key: str) -> Any:
         return number
     if expected is list and isinstance(value, list) and args:  # each item, so no later check meets a stray type
         return [check_type(item, args[0], f"{key}[{index}]") for index, item in enumerate(value)]
+    if expected is int and isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+        # past every range check's upper end only where it has one: torch's sizes and seeds take 64-bit integers
+        raise ConfigError(f"{key} must be a whole number within ±{INT64_MAX} (64 bits); got {value}")
     if expected is Any or (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
         return value
     raise ConfigError(f"{key} must be {getattr(expected, '__name__', expected)}; got {value!r}{_quoting_hint(expected, value, key)}")

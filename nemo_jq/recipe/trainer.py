@@ -32,6 +32,7 @@ from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.runtime import distributed, runs
 from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, read_state, save_checkpoint, step_dir_name
 from nemo_jq.runtime.monitor import RunLogger, merge_metrics, progress, read_metrics
+from nemo_jq.runtime.outputs import hold_run_dir
 from nemo_jq.runtime.preemption import StopSignals, current_series
 from nemo_jq.runtime.runs import CHECKPOINT_DIR, PLOT_FILE, open_for_resume, run_results, write_results, write_run_files
 from nemo_jq.runtime.tracking import open_trackers
@@ -165,11 +166,14 @@ class Trainer:
             stopped = series is None and stop is not None and stop.requested()
             return {**served, "preempted": stop.received, "step": None} if stopped else served
         end = min(self.total_steps, max_steps or self.total_steps)
+        writes = distributed.is_writer()
+        if writes:  # the trackers first: one that does not start (a wrong URI, no login) leaves no run's start behind
+            hold_run_dir(self.run_dir)
+            trackers = open_trackers(self.run_dir, self.config)
         distributed.on_writer(lambda: write_run_files(self.run_dir, self.config, self.components.tokenizer,
                                                       self.components.splits))
-        writes = distributed.is_writer()
         logger = RunLogger(self.run_dir, tensorboard=self.config.train.tensorboard, resume_step=self.state.step,
-                           writes=writes, trackers=open_trackers(self.run_dir, self.config) if writes else ())
+                           writes=writes, trackers=trackers if writes else ())
         if self.resumed_with:
             logger.log({"kind": "resume", "step": self.state.step, "overrides": self.resumed_with})
         bar = progress(self.total_steps, f"train {self._label(series)}", unit="step", initial=self.state.step,

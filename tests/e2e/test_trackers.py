@@ -54,7 +54,8 @@ def test_tracking_without_its_package_is_one_line(tmp_path, capsys, monkeypatch)
 
 def test_a_tracker_that_cannot_start_is_one_line_at_once(tmp_path, capsys, monkeypatch):
     """An MLflow URI no server answers at (its client retried for minutes) and W&B online with no login: one line each,
-    before any step, with the fix; a later start moves the run directory aside as a failed start's."""
+    before any step, with the fix, and no run directory left (it held the run's config, splits and tokenizer, which
+    the next start moved aside as a failed start's)."""
     import socket
 
     with socket.socket() as closed:  # a port nothing listens on
@@ -64,13 +65,14 @@ def test_a_tracker_that_cannot_start_is_one_line_at_once(tmp_path, capsys, monke
                            f"train.run_dir={tmp_path / 'mlflow'}")
     one_line_error(code, err, f"tracking.mlflow_tracking_uri=http://127.0.0.1:{port}: no MLflow server answers there",
                    "correct the URI")
+    assert not (tmp_path / "mlflow").exists()
     for name in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))  # no login this test could find
     monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
     code, _, err = run_cli(capsys, "train", *QUICK, "tracking.wandb=true", f"train.run_dir={tmp_path / 'wandb'}")
     one_line_error(code, err, "tracking.wandb=true (wandb_mode=online) could not start W&B", "tracking.wandb_mode=offline")
-    assert read_metrics(tmp_path / "wandb") == []
+    assert not (tmp_path / "wandb").exists()
 
 
 @pytest.mark.slow

@@ -123,6 +123,8 @@ def test_a_mapping_given_for_a_section_sets_its_keys_and_an_empty_value_is_refus
         (["objective.importance_bounds=[0.5, .inf]"], r"objective.importance_bounds\[1\] must be a finite number"),
         (["train.collective_timeout_minutes=1e300"], r"train.collective_timeout_minutes must be > 0.0 and <= 10080.0; got 1e\+300"),
         (["train.seed=4294967296"], r"train.seed must be >= 0 and <= 4294967295; got 4294967296"),
+        (["eval.num_samples=99999999999999999999999"],  # no upper bound of its own: torch's sizes are 64-bit (an overflow
+         r"eval.num_samples must be a whole number within ±9223372036854775807 \(64 bits\)"),  # at the first validation)
         (["data.template={question}"], r"data.template must be str; got \{'question': None\} \(YAML reads \{...\} as a mapping: "
          r"quote the value, e.g. data.template='\"\{...\}\"'\)"),
         (["data.template={question} Answer:"], r"invalid YAML .*; fix the syntax there, or quote a text value: data.template="),
