@@ -468,6 +468,9 @@ def import_plugins(plugins: list[str]) -> None:
             _import_plugin(plugin)
         except ConfigError:
             raise
+        except SystemExit as err:  # a script's code run at import (its argument parsing, sys.exit): not a plugin's
+            raise ConfigError(f"plugins: {plugin} exited as it was imported (SystemExit: {err.code}): a plugin only "
+                              "defines and registers; put its script's code under `if __name__ == \"__main__\":`") from None
         except Exception as err:  # noqa: BLE001 - the plugin's code, whatever it raises
             where = (f"{err.filename}:{err.lineno}" if isinstance(err, SyntaxError) else
                      "{}:{}".format(*traceback.extract_tb(err.__traceback__)[-1][:2]) if err.__traceback__ else "")

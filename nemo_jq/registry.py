@@ -21,7 +21,8 @@ class Registry(dict):
     def register(self, name: str) -> Callable[[T], T]:
         def decorate(obj: T) -> T:
             if name in self.reserved or (name in self and not _same_definition(self[name], obj)):
-                raise ValueError(f"{self.what} {name!r} is already registered (built in): register it under another name")
+                first = "built in" if name in self.reserved else _defined_in(self[name])
+                raise ValueError(f"{self.what} {name!r} is already registered ({first}): register it under another name")
             self[name] = obj
             return obj
 
@@ -39,6 +40,16 @@ class Registry(dict):
         """The one-line message for a name nobody registered: the known ones, and the closest."""
         close = difflib.get_close_matches(str(name), list(self), n=1)
         return f"unknown {self.what} {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + f"; known: {', '.join(sorted(self))}"
+
+
+def _defined_in(thing: object) -> str:
+    """Where a registered object was defined, in words: ``built in`` (nemo_jq's own), else ``by FILE`` (a plugin's)."""
+    import sys
+
+    module = getattr(getattr(thing, "fn", thing), "__module__", None) or ""
+    if module == "nemo_jq" or module.startswith("nemo_jq."):
+        return "built in"
+    return f"by {getattr(sys.modules.get(module), '__file__', None) or module or 'an earlier definition'}"
 
 
 def _same_definition(registered: object, obj: object) -> bool:

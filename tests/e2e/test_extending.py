@@ -171,6 +171,15 @@ def test_a_plugin_that_fails_to_import_is_one_line_naming_it_and_imports_once_fi
                      "@register_dataset('synthetic')\nclass Mine(QATask):\n    name: str = 'synthetic'\n")
     code = main(["train", *TINY_RUN, f"plugins=[{taken}]", f"train.run_dir={tmp_path / 'run'}"])
     assert code == 2 and "dataset 'synthetic' is already registered (built in)" in capsys.readouterr().err
+    (tmp_path / "twice.py").write_text(ESTIMATOR.format(name="from_a"))  # a name another plugin took: that plugin named
+    code = main(["train", *TINY_RUN, f"plugins=[{tmp_path / 'twice.py'}]", f"train.run_dir={tmp_path / 'run'}"])
+    one_line_error(code, capsys.readouterr().err, f"objective 'from_a' is already registered (by {tmp_path / 'a' / 'plug.py'})")
+    script = tmp_path / "script.py"  # a script's code at import: its argument parsing exits (it ended the command, silent)
+    script.write_text("import sys\nsys.exit(3)\n")
+    code = main(["train", *TINY_RUN, f"plugins=[{script}]", f"train.run_dir={tmp_path / 'run'}"])
+    one_line_error(code, capsys.readouterr().err, f"plugins: {script} exited as it was imported (SystemExit: 3)",
+                   'if __name__ == "__main__":')
+    assert not (tmp_path / "run").exists()
 
 
 #: A one-file estimator, its name to fill in: each prompt's loss, as the trainer takes it.
