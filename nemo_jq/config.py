@@ -35,6 +35,7 @@ from nemo_jq.models import OPTIMIZERS, PRECISIONS
 from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
 from nemo_jq.objectives.importance import CORRECTIONS
 from nemo_jq.recipe.guard import GUARD_ACTIONS
+from nemo_jq.registry import PLUGIN_MODULE_PREFIX
 from nemo_jq.strict_yaml import parse_yaml, read_yaml_file
 from nemo_jq.typed import LARGEST_SEED, ConfigError, build, describe_fields, option
 
@@ -457,7 +458,10 @@ class Config:
         if data.name == "synthetic" and given:  # as make_task refuses them for a dataset that builds its own prompts
             refuse_prompt_options("the synthetic task", given)
         if data.name != "synthetic" and data.name not in DATASETS:
-            raise ConfigError(f"data.name: {DATASETS.unknown(data.name)} (and 'synthetic', built in)")
+            plugin = manifest.get("plugin") if data.prepared_dir else None
+            raise ConfigError(f"data.name: {DATASETS.unknown(data.name)} (and 'synthetic', built in)" + (
+                f"; data.prepared_dir={data.prepared_dir} was prepared with the plugin that registers it (its "
+                f"manifest.json): add plugins=[{plugin}]" if isinstance(plugin, str) else ""))
 
 
 def import_plugins(plugins: list[str]) -> None:
@@ -482,7 +486,7 @@ def _import_plugin(plugin: str) -> None:
     path = Path(plugin)
     if plugin.endswith(".py"):
         # named by the file's full path: two plugins of one file name in two folders are two modules
-        name = f"nemo_jq_plugin_{path.resolve().stem}_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
+        name = f"{PLUGIN_MODULE_PREFIX}{path.resolve().stem}_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
         if name in sys.modules:
             return
         if not path.is_file():

@@ -8,6 +8,9 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
+#: The module name a plugin given as a .py file is imported under (``nemo_jq.config.import_plugins``), its file's.
+PLUGIN_MODULE_PREFIX = "nemo_jq_plugin_"
+
 
 class Registry(dict):
     """A name -> object mapping; ``register(name)`` decorates the object, and a second one under a name is refused, as

@@ -26,6 +26,7 @@ from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
 from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, folder_split_names, read_hub, read_rows, sha256
 from nemo_jq.data.synthetic import SyntheticArithmetic
+from nemo_jq.registry import PLUGIN_MODULE_PREFIX
 from nemo_jq.typed import ConfigError, first_few
 
 SPLITS = ("train", "validation", "test")
@@ -142,8 +143,8 @@ def prepare(
     pools: dict[tuple[str, ...], list[Example]] = {}
     manifest: dict[str, Any] = {
         # a local source by its absolute path: the manifest's "prepare it again" command runs from anywhere
-        "dataset": task.name, **prompt_options(task), "source": str(Path(source).absolute()) if Path(source).exists()
-        else source, "seed": seed,
+        "dataset": task.name, **({"plugin": plugin} if (plugin := plugin_of(task)) else {}), **prompt_options(task),
+        "source": str(Path(source).absolute()) if Path(source).exists() else source, "seed": seed,
         "max_input_chars": task.max_input_chars, "on_bad_row": on_bad_row, "sizes": plan, "sources": {},
     }
     ids_of: dict[str, dict[str, list[int]]] = {}
@@ -341,6 +342,16 @@ def write_prepared(splits: Splits, manifest: dict[str, Any], out_dir: Path) -> N
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
+def plugin_of(task: QATask) -> str | None:
+    """The plugin that registered ``task``'s dataset (a .py file by its absolute path, else its module), None for a
+    built-in one: a prepared folder's manifest records it, so that its fixes can say ``--plugin`` / ``plugins=``."""
+    module = type(task).__module__
+    if module == "nemo_jq" or module.startswith("nemo_jq."):
+        return None
+    file = getattr(sys.modules.get(module), "__file__", None)
+    return str(Path(file).absolute()) if module.startswith(PLUGIN_MODULE_PREFIX) and file else module
+
+
 def prepare_again(folder: Path, manifest: dict[str, Any] | None = None) -> str:
     """The fix for a prepared folder that is broken or incomplete: write it afresh from its source; the command in
     full where its manifest says how it was made (placeholders where it cannot: no manifest, or prompt options of
@@ -356,8 +367,9 @@ def prepare_again(folder: Path, manifest: dict[str, Any] | None = None) -> str:
              and isinstance(made.get("seed"), int) and not own_prompts)
     source, sizes_text, seed = ((shlex.quote(made["source"]), ",".join(str(sizes[split]) for split in SPLITS),
                                  f" --seed {made['seed']}") if known else ("SOURCE", "N,N,N", ""))
-    return (f"prepare the data again (nemo-jq data prepare --dataset {dataset} --source {source} --sizes {sizes_text}"
-            f"{seed} --out {shlex.quote(str(folder))} --overwrite)")
+    plugin = f" --plugin {shlex.quote(made['plugin'])}" if isinstance(made.get("plugin"), str) else ""
+    return (f"prepare the data again (nemo-jq data prepare --dataset {dataset}{plugin} --source {source} --sizes "
+            f"{sizes_text}{seed} --out {shlex.quote(str(folder))} --overwrite)")
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

@@ -250,8 +250,20 @@ def test_the_documented_dataset_prepares_through_a_plugin(tmp_path):
                 "--out", out, env_path=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "1 bad" in done.stdout
-    assert json.loads((out / "manifest.json").read_text())["dataset"] == "trivia"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dataset"] == "trivia" and manifest["plugin"] == str(plugin)
     assert len((out / "train.jsonl").read_text().splitlines()) == 5
+    # its fixes name the plugin: "prepare it again" without --plugin could not run; a run without it, only "unknown"
+    done = _cli("train", *TINY_RUN, f"data.prepared_dir={out}", f"train.run_dir={tmp_path / 'run'}", env_path=tmp_path)
+    assert done.returncode == 2 and f"was prepared with the plugin that registers it (its manifest.json): add plugins=" \
+        f"[{plugin}]" in done.stderr, done.stderr[-2000:]
+    (out / "train.jsonl").write_text((out / "train.jsonl").read_text().replace('"answer": "', '"answer": 5, "x": "', 1))
+    done = _cli("train", *TINY_RUN, f"plugins=[{plugin}]", f"data.prepared_dir={out}", f"train.run_dir={tmp_path / 'run'}",
+                env_path=tmp_path)
+    again = re.search(r"prepare the data again \((nemo-jq data prepare [^)]*)\)", done.stderr)
+    assert done.returncode == 2 and again and f"--dataset trivia --plugin {plugin} " in again.group(1), done.stderr[-2000:]
+    redone = _cli(*again.group(1).split()[1:], env_path=tmp_path)
+    assert redone.returncode == 0 and "moved the earlier" in redone.stdout, redone.stderr[-2000:]
 
 
 def test_an_adaptive_q_over_an_estimator_that_reports_no_log_p_hat_is_said(tmp_path, capsys):
