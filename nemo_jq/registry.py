@@ -3,8 +3,11 @@ one class, so that every unknown name gets the same one-line message."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from typing import Callable, TypeVar
+import sys
+import traceback
+from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -45,14 +48,44 @@ class Registry(dict):
         return f"unknown {self.what} {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + f"; known: {', '.join(sorted(self))}"
 
 
+def _module_of(thing: object) -> str:
+    """The module that defined ``thing`` (an instance: its class's; a spec: the function it wraps)."""
+    target = getattr(thing, "fn", thing)
+    return getattr(target, "__module__", None) or getattr(type(target), "__module__", None) or ""
+
+
+def _built_in(thing: object) -> bool:
+    module = _module_of(thing)
+    return module == "nemo_jq" or module.startswith("nemo_jq.")
+
+
 def _defined_in(thing: object) -> str:
     """Where a registered object was defined, in words: ``built in`` (nemo_jq's own), else ``by FILE`` (a plugin's)."""
-    import sys
+    module = _module_of(thing)
+    file = getattr(sys.modules.get(module), "__file__", None)
+    return "built in" if _built_in(thing) else f"by {file or module or 'an earlier definition'}"
 
-    module = getattr(getattr(thing, "fn", thing), "__module__", None) or ""
-    if module == "nemo_jq" or module.startswith("nemo_jq."):
-        return "built in"
-    return f"by {getattr(sys.modules.get(module), '__file__', None) or module or 'an earlier definition'}"
+
+class PluginFailed(ValueError):
+    """A plugin's own code failed as it ran: one line naming what failed and its line (``--debug``: the traceback)."""
+
+
+@contextlib.contextmanager
+def blamed_on_plugin(thing: object, what: str, passes: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """An error a plugin's ``thing`` raises here (not one of ``passes``, its own way of saying a row is bad) is a
+    :class:`PluginFailed` naming ``what`` and the plugin's line it came from: it was a traceback, or a line naming
+    neither. nemo_jq's own objects' errors, and running out of memory, are left as they are."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, (PluginFailed, *passes)) or _built_in(thing) or type(err).__name__ == "OutOfMemoryError":
+            raise
+        file = getattr(sys.modules.get(_module_of(thing)), "__file__", None)
+        frames = traceback.extract_tb(err.__traceback__)
+        frame = next((f for f in reversed(frames) if f.filename == file), frames[-1] if frames else None)
+        where = f" ({frame.filename}:{frame.lineno})" if frame else ""
+        raise PluginFailed(f"{what}{where} raised {type(err).__name__}: {err}; fix it there (--debug shows the "
+                           "traceback)") from err
 
 
 def _same_definition(registered: object, obj: object) -> bool:

@@ -26,7 +26,7 @@ from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
 from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, folder_split_names, read_hub, read_rows, sha256
 from nemo_jq.data.synthetic import SyntheticArithmetic
-from nemo_jq.registry import PLUGIN_MODULE_PREFIX
+from nemo_jq.registry import PLUGIN_MODULE_PREFIX, blamed_on_plugin
 from nemo_jq.typed import ConfigError, first_few
 
 SPLITS = ("train", "validation", "test")
@@ -163,7 +163,9 @@ def prepare(
             try:
                 if isinstance(record, UnreadableRow):
                     raise BadRow(record.reason)
-                example = dataclasses.replace(task.parse(record), id=row_id)
+                with blamed_on_plugin(task, f"{where}: row {number} (id {row_id}): the build of dataset {task.name!r}",
+                                      passes=(BadRow,)):
+                    example = dataclasses.replace(task.parse(record), id=row_id)
             except BadRow as err:
                 if on_bad_row == "fail":
                     raise ValueError(

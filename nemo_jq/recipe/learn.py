@@ -17,9 +17,10 @@ from typing import Any, Callable
 import torch
 
 from nemo_jq.models.interfaces import Policy, TokenBatch, token_logprobs_each
-from nemo_jq.objectives import EstimatorInputs, ObjectiveSpec
+from nemo_jq.objectives import EstimatorInputs, ObjectiveOutput, ObjectiveSpec
 from nemo_jq.recipe.components import Components
 from nemo_jq.recipe.experience import Experience, MicroBatch, mismatch_metrics
+from nemo_jq.registry import blamed_on_plugin
 
 #: ``estimate(token_logprobs, micro_batch) -> (loss to backpropagate, metrics)``: the estimator on one micro-batch.
 Estimate = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
@@ -49,7 +50,8 @@ def estimator_gradient(parts: Components, estimator: ObjectiveSpec, options: Any
                                  batch_rewards=batch_rewards, generator=generator,
                                  behavior_token_logprob=batch.engine_logprobs if correction else None,
                                  correction=correction)
-        out = estimator(inputs, options)
+        with blamed_on_plugin(estimator, f"objective {estimator.name!r}"):
+            out = estimator(inputs, options)
         check_output(estimator.name, out, inputs)
         metrics = {"loss": float(out.per_example.detach().mean()), **out.metrics,
                    **mismatch_metrics(logprobs.detach(), batch)}
@@ -73,6 +75,12 @@ def check_output(name: str, out: Any, inputs: EstimatorInputs) -> None:
     """An estimator's output as the trainer takes it, else one line naming the estimator: a loss a prompt
     (``per_example`` of shape [B]: a [B, M] one trained with M times the gradient), and metrics that are numbers
     under names of their own."""
+    if not isinstance(out, ObjectiveOutput):
+        raise ValueError(f"objective {name!r} returned {type(out).__name__}: an estimator returns "
+                         "ObjectiveOutput(loss, per_example, metrics)")
+    if torch.is_grad_enabled() and inputs.token_logprob.requires_grad and not out.per_example.requires_grad:
+        raise ValueError(f"objective {name!r} returned a per_example loss with no gradient: compute it from the inputs' "
+                         "log-probs without .detach() (weights made of them may be detached)")
     shape = list(out.per_example.shape)
     if shape != [inputs.num_prompts]:
         raise ValueError(f"objective {name!r} returned per_example of shape {shape}: it must hold one loss a prompt, "

@@ -266,6 +266,39 @@ def test_the_documented_dataset_prepares_through_a_plugin(tmp_path):
     assert redone.returncode == 0 and "moved the earlier" in redone.stdout, redone.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_a_plugins_mistakes_as_it_runs_are_one_line_naming_it_and_its_line(tmp_path, capsys):
+    """An estimator that returns a tuple (an AttributeError traceback), a detached loss (torch's "does not require
+    grad" traceback), or raises (a line naming neither the estimator nor its file); a dataset whose build fails on a
+    row (a KeyError traceback)."""
+    plugin = tmp_path / "mistakes.py"
+    plugin.write_text(ESTIMATOR.format(name="as_tuple").replace("return ObjectiveOutput(loss=loss, per_example=", "return (loss, ")
+                      .replace(", metrics={})", ")")
+                      + ESTIMATOR.format(name="detached").replace("loss = -inputs.answer_logprob.mean()",
+                                                                 "inputs = inputs.__class__(**{**inputs.__dict__, "
+                                                                 "'token_logprob': inputs.token_logprob.detach()})\n"
+                                                                 "    loss = -inputs.answer_logprob.mean()")
+                      + ESTIMATOR.format(name="raising").replace("    loss = -inputs", "    raise ValueError('my estimator "
+                                                                 "broke')\n    loss = -inputs"))
+    for name, said in (("as_tuple", "objective 'as_tuple' returned tuple: an estimator returns ObjectiveOutput("),
+                       ("detached", "objective 'detached' returned a per_example loss with no gradient"),
+                       ("raising", f"objective 'raising' ({plugin}:")):
+        code = main(["train", *TINY_RUN, f"plugins=[{plugin}]", f"objective.name={name}", f"train.run_dir={tmp_path / name}"])
+        line = one_line_error(code, capsys.readouterr().err, said)
+        assert name != "raising" or "raised ValueError: my estimator broke; fix it there" in line
+    dataset = tmp_path / "keyed.py"
+    dataset.write_text("from dataclasses import dataclass\nfrom nemo_jq.data.base import Example\n"
+                       "from nemo_jq.data.qa import QATask, register_dataset\n\n\n@register_dataset('keyed')\n@dataclass\n"
+                       "class Keyed(QATask):\n    name: str = 'keyed'\n\n    def build(self, record):\n"
+                       "        return Example(id=str(record['id']), question=record['qq'], answer=record['a'])\n")
+    source = tmp_path / "keyed.jsonl"
+    source.write_text('{"id": 1, "q": "x", "a": "y"}\n')
+    code = main(["data", "prepare", "--dataset", "keyed", "--plugin", str(dataset), "--source", str(source), "--sizes",
+                 "1,1,1", "--out", str(tmp_path / "prepared")])
+    one_line_error(code, capsys.readouterr().err, f"{source}: row 1 (id 1): the build of dataset 'keyed' ({dataset}:12) "
+                   "raised KeyError: 'qq'; fix it there")
+
+
 def test_an_adaptive_q_over_an_estimator_that_reports_no_log_p_hat_is_said(tmp_path, capsys):
     """The adaptive rule reads log P̂ from the step's metrics: over a plugin estimator that reports none, q stayed at
     q_max for the whole run without a word."""
