@@ -20,9 +20,11 @@ def read_yaml_file(path: Path) -> Any:
 
 
 def parse_yaml(text: str, where: str, fix: str = "fix the syntax there") -> Any:
-    """``text`` (from ``where``) as YAML; a syntax error or a key given twice is one line saying where, and ``fix``."""
+    """``text`` (from ``where``) as YAML; a syntax error or a key given twice is one line saying where, and ``fix``.
+    An alias (``eval: *r``) is a copy of its anchor's value, not the same object: an override of one section edited
+    the other too."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        return _unshared(yaml.load(text, Loader=_UniqueKeyLoader), where)
     except _DuplicateKey as err:
         key, line, first_line = err.args
         raise ConfigError(f"{where}:{line}: key '{key}' is given twice (first on line {first_line}): keep one (YAML "
@@ -32,6 +34,26 @@ def parse_yaml(text: str, where: str, fix: str = "fix the syntax there") -> Any:
         place = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"{place}: invalid YAML ({problem}); {fix}") from None
+
+
+#: The most values a YAML file may expand to through its aliases (nested aliases multiply: "a billion laughs").
+MOST_VALUES = 1_000_000
+
+
+def _unshared(value: Any, where: str) -> Any:
+    """``value`` with every mapping and list its own (``copy.deepcopy`` keeps the objects aliases share shared)."""
+    count = 0
+
+    def copy(item: Any) -> Any:
+        nonlocal count
+        count += 1
+        if count > MOST_VALUES:
+            raise ConfigError(f"{where}: its aliases expand to more than {MOST_VALUES:,} values: write the values out")
+        if isinstance(item, dict):
+            return {key: copy(inner) for key, inner in item.items()}
+        return [copy(inner) for inner in item] if isinstance(item, list) else item
+
+    return copy(value)
 
 
 class _DuplicateKey(yaml.YAMLError):

@@ -167,6 +167,20 @@ def test_a_config_file_that_cannot_be_read_as_written_is_named_with_the_fix(tmp_
     assert str(raised.value) == "train.seed must be int; got 'abc'"
 
 
+def test_a_yaml_alias_is_a_copy_of_its_anchor(tmp_path):
+    """``eval: *r`` shared the mapping of ``rollout: &r``: an override of eval.every edited rollout too, and was
+    refused as 'rollout.every'. Aliases that expand past a million values ("a billion laughs") are one line."""
+    path = tmp_path / "anchored.yaml"
+    path.write_text("rollout: &r\n  num_samples: 4\neval: *r\n")
+    config = load_config(path, ["eval.every=3", "eval.num_samples=8"])
+    assert (config.eval.every, config.eval.num_samples, config.rollout.num_samples) == (3, 8, 4)
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(6))
+    path.write_text(laughs)
+    with pytest.raises(ConfigError, match="anchored.yaml: its aliases expand to more than 1,000,000 values"):
+        load_config(path)
+
+
 def test_a_config_path_that_is_a_directory_is_named(tmp_path):
     (tmp_path / "adir.yaml").mkdir()
     with pytest.raises(ConfigError, match="adir.yaml is a directory: it must be a YAML file"):
