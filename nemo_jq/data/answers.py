@@ -33,36 +33,39 @@ _YES_NO = ("yes", "no")
 
 
 #: Number punctuation SQuAD's rule deletes, which changes the number (``3.14`` -> ``314``, ``-5`` -> ``5``, ``1/2``
-#: -> ``12``, ``1,2`` -> ``12``): kept as these stand-ins while the rest is dropped.
-_POINT, _SLASH, _MINUS = "\x00", "\x01", "\x02"
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-_BETWEEN_DIGITS = re.compile(rf"(?<=\d)[{re.escape(string.punctuation)}](?=\d)")
+#: -> ``12``, ``3,5`` -> ``35``): kept as these stand-ins while the rest is dropped.
+_POINT, _SLASH, _COMMA, _MINUS = "\x00", "\x01", "\x02", "\x03"
+_KEPT = {".": _POINT, "/": _SLASH, ",": _COMMA}
+_MARK = rf"[{re.escape(string.punctuation)}]"
+_NUMBER_RUN = re.compile(rf"\d+(?:{_MARK}\d+)+")
+_GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _LEADING_POINT = re.compile(r"(?<!\w)\.(?=\d)")
-_SIGN = re.compile(r"(?<![\w\x00\x01])-(?=\d)")
-_DECIMAL = re.compile(r"^(-?\d+)\x00(\d+)$")
+_SIGN = re.compile(r"(?<!\w)-(?=\d)")
 
 
 def squad_normalize(text: str) -> str:
     """Lower case, drop punctuation and the articles a/an/the, collapse white space (SQuAD v1.1), except within
-    numbers: a sign, a decimal point and a fraction's slash stay (``3.14`` is not ``314``, ``-5`` not ``5``),
-    thousands separators go (``1,000`` is ``1000``), other marks between digits part them (``1,2`` is ``1 2``), and a
-    decimal's trailing zeros go (``5.0`` is ``5``, ``.5`` is ``0.5``). An answer that is nothing but articles keeps them
-    (a multiple-choice ``A``, which SQuAD's rule makes empty: no output matched it)."""
-    text = _THOUSANDS.sub("", text.lower().replace("\u2212", "-"))
-    text = _BETWEEN_DIGITS.sub(lambda mark: {".": _POINT, "/": _SLASH}.get(mark.group(), " "), text)
+    numbers: one decimal point, fraction slash or comma between digits stays (``3.14`` is not ``314``, ``1/2`` not
+    ``12``, ``3,5`` not ``35``), as does a sign (``-5`` is not ``5``); thousands separators go (``1,234.5`` is
+    ``1234.5``); digits joined by several marks (a date, a time, an ID) lose them all, as SQuAD's rule has them;
+    ``.5`` is ``0.5``. An answer that is nothing but articles keeps them (a multiple-choice ``A``, which SQuAD's rule
+    makes empty: no output matched it)."""
+    text = text.lower().replace("\u2212", "-").translate(dict.fromkeys(map(ord, _KEPT.values()), None))
+    text = _NUMBER_RUN.sub(lambda run: _number_run(run.group()), text.replace(_MINUS, ""))
     text = _SIGN.sub(_MINUS, _LEADING_POINT.sub("0" + _POINT, text))
-    words = "".join(ch for ch in text if ch not in _PUNCTUATION).split()
-    text = " ".join(_number_word(word).replace(_POINT, ".").replace(_SLASH, "/").replace(_MINUS, "-") for word in words)
+    text = " ".join("".join(ch for ch in text if ch not in _PUNCTUATION).split())
+    text = text.replace(_POINT, ".").replace(_SLASH, "/").replace(_COMMA, ",").replace(_MINUS, "-")
     return " ".join(_ARTICLES.sub(" ", text).split()) or text
 
 
-def _number_word(word: str) -> str:
-    """A decimal without its trailing zeros (``2.50`` -> ``2.5``, ``5.0`` -> ``5``); any other word as it is."""
-    decimal = _DECIMAL.match(word.replace(_MINUS, "-"))
-    if decimal is None:
-        return word
-    fraction = decimal.group(2).rstrip("0")
-    return decimal.group(1) + (_POINT + fraction if fraction else "")
+def _number_run(run: str) -> str:
+    """Digits with marks between them, as :func:`squad_normalize` keeps them."""
+    if _GROUPED.fullmatch(run):
+        return run.replace(",", "").replace(".", _POINT)
+    marks = re.findall(_MARK, run)
+    if len(marks) == 1 and marks[0] in _KEPT:
+        return run.replace(marks[0], _KEPT[marks[0]])
+    return re.sub(_MARK, "", run)
 
 
 def extract_final_answer(output: str) -> str:

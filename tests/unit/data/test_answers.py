@@ -274,12 +274,12 @@ def test_property_text_reward_is_exact_match_of_the_extracted_answer():
 
 
 def written(value: Decimal, rng: random.Random) -> str:
-    """``value`` as a person may write it: thousands separators or not, trailing zeros, a Unicode minus, ``.5``."""
+    """``value`` as a person may write it: thousands separators or not, a Unicode minus, ``.5`` (trailing zeros are
+    a precision, or a version's or a time's digits: ``3.10`` is not ``3.1``, and neither earns the other)."""
     sign, digits = ("-" if value < 0 else ""), f"{abs(value):f}"
     whole, _, fraction = digits.partition(".")
     if rng.random() < 0.5 and len(whole) > 3:
         whole = f"{int(whole):,}"
-    fraction += "0" * rng.randint(0, 2)
     text = (whole if whole != "0" or not fraction or rng.random() < 0.5 else "") + ("." + fraction if fraction else "")
     return (rng.choice(["-", "\u2212"]) if sign else "") + text
 
@@ -297,12 +297,17 @@ def test_property_a_text_answers_number_earns_the_reward_only_at_the_golds_value
         assert task.reward(f"Answer: {answer}", example) == float(gold == guess), (answer, example.answer)
         assert task.reward(f"Answer: {answer} million", Example("m", "q", f"{example.answer} million")) == float(gold == guess)
     for guess, gold in (("-5", "5"), ("314", "3.14"), ("12", "1/2"), ("1.5", "15"), ("15 million", "1.5 million"),
-                        ("12", "1,2"), ("0.5", "1/2")):
+                        ("12", "1,2"), ("0.5", "1/2"), ("3,5", "3.5"), ("1.000", "1"), ("1.000", "1000"), ("3.10", "3.1"),
+                        ("5.30 pm", "5.3 pm"), ("10:30", "10.30")):
         assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 0.0, (guess, gold)
         assert not task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)
-    for guess, gold in (("1,000", "1000"), ("5.0", "5"), (".5", "0.5"), ("\u22123", "-3"), ("$5", "5"), ("3.14.", "3.14")):
-        assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 1.0, (guess, gold)
-        assert task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)
+    for guess, gold in (("1,000", "1000"), ("1,234.5", "1234.5"), (".5", "0.5"), ("\u22123", "-3"), ("$5", "5"),
+                        ("3.14.", "3.14"), ("2010-03-05", "2010/03/05"), ("10:30", "1030"), ("555-1234", "5551234")):
+        assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 1.0, (guess, gold)  # the last three: as SQuAD's
+        assert task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)  # rule has a date, time, ID
+    # a piece of a date, a score or a list is not the gold (splitting it into words made each piece a hit)
+    for output, gold in (("from 2009-2010", "2010"), ("It ended 3-2.", "2"), ("1,2,3", "2"), ("call 555-1234", "1234")):
+        assert not task.is_correct(output, Example("m", "q", gold)), (output, gold)
 
 
 def test_a_multiple_choice_letter_earns_the_reward_only_as_itself():
