@@ -66,6 +66,14 @@ def _defined_in(thing: object) -> str:
     return "built in" if _built_in(thing) else f"by {file or module or 'an earlier definition'}"
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """A GPU's (``torch.OutOfMemoryError``) or the host's (the CPU allocator's ``RuntimeError``) memory ran out."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(err)
+
+
 class PluginFailed(ValueError):
     """A plugin's own code failed as it ran: one line naming what failed and its line (``--debug``: the traceback)."""
 
@@ -74,11 +82,11 @@ class PluginFailed(ValueError):
 def blamed_on_plugin(thing: object, what: str, passes: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """An error a plugin's ``thing`` raises here (not one of ``passes``, its own way of saying a row is bad) is a
     :class:`PluginFailed` naming ``what`` and the plugin's line it came from: it was a traceback, or a line naming
-    neither. nemo_jq's own objects' errors, and running out of memory, are left as they are."""
+    neither. nemo_jq's own objects' errors, and running out of memory (its advice is the run's), are left as they are."""
     try:
         yield
     except Exception as err:
-        if isinstance(err, (PluginFailed, *passes)) or _built_in(thing) or type(err).__name__ == "OutOfMemoryError":
+        if isinstance(err, (PluginFailed, MemoryError, *passes)) or _built_in(thing) or out_of_memory(err):
             raise
         file = getattr(sys.modules.get(_module_of(thing)), "__file__", None)
         frames = traceback.extract_tb(err.__traceback__)

@@ -42,16 +42,21 @@ MOST_VALUES = 1_000_000
 
 def _unshared(value: Any, where: str) -> Any:
     """``value`` with every mapping and list its own (``copy.deepcopy`` keeps the objects aliases share shared)."""
-    count = 0
+    count, inside = 0, set()
 
     def copy(item: Any) -> Any:
         nonlocal count
         count += 1
         if count > MOST_VALUES:
             raise ConfigError(f"{where}: its aliases expand to more than {MOST_VALUES:,} values: write the values out")
-        if isinstance(item, dict):
-            return {key: copy(inner) for key, inner in item.items()}
-        return [copy(inner) for inner in item] if isinstance(item, list) else item
+        if not isinstance(item, (dict, list)):
+            return item
+        if id(item) in inside:  # `a: &x {b: *x}`
+            raise ConfigError(f"{where}: an alias refers to the value that holds it: write the values out")
+        inside.add(id(item))
+        copied = {key: copy(inner) for key, inner in item.items()} if isinstance(item, dict) else [copy(inner) for inner in item]
+        inside.discard(id(item))
+        return copied
 
     return copy(value)
 

@@ -11,6 +11,7 @@ import re
 import sys
 from typing import Callable
 
+from nemo_jq.registry import out_of_memory
 from nemo_jq.runtime.preemption import (
     Stopped,
     Terminated,
@@ -123,14 +124,6 @@ def _main(argv: list[str] | None) -> int:
             print(f"nemo-jq {args.command}{where}: error: {message}", file=sys.stderr, flush=True)
         distributed.await_failing_ranks()
         return 2
-
-
-def out_of_memory(err: BaseException) -> bool:
-    """A GPU's (``torch.OutOfMemoryError``) or the host's (the CPU allocator's ``RuntimeError``) memory ran out."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(err, torch.OutOfMemoryError):
-        return True
-    return isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(err)
 
 
 def user_error_message(err: BaseException) -> str | None:

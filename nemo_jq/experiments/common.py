@@ -77,16 +77,18 @@ _BEGUN: ContextVar[bool] = ContextVar("experiment_begun", default=False)
 
 @contextlib.contextmanager
 def recorded_options(record: Path) -> Iterator[None]:
-    """A resumed experiment's options come from its ``record``: one they refuse (a hand-edited record) is said naming
-    it and the fix, not as if given on the command line; an error once its runs go on is theirs, as it is."""
+    """A resumed experiment's options come from its ``record``: an error in loading them (the record edited, or a
+    plugin, package or data folder they name changed since) is said naming it, not as if given on the command line;
+    an error once its runs go on is theirs, as it is."""
     token = _BEGUN.set(False)
     try:
         yield
     except ValueError as err:  # ConfigError is one
         if _BEGUN.get():
             raise
-        raise ConfigError(f"{record} records options that are refused ({err}): restore it, or start the experiment "
-                          "again with --out NEW_DIR") from None
+        raise ConfigError(f"the options {record} records no longer load ({err}): fix what changed since the "
+                          "experiment started (the record itself, or a plugin, package or data folder they name), or "
+                          "start the experiment again with --out NEW_DIR") from None
     finally:
         _BEGUN.reset(token)
 

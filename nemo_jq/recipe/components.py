@@ -230,9 +230,12 @@ def load_tokenizer(config: Config, model_dir: Path | None, task: Task, splits: S
 
         try:
             return AutoTokenizer.from_pretrained(saved)
+        except (OSError, ImportError):  # unreadable (its own hint), or a library missing: not the folder's fault
+            raise
         except Exception as err:  # noqa: BLE001 - a damaged file fails in the tokenizers library, any kind of error
             raise ValueError(f"the run's tokenizer folder {saved} does not load ({first_line(err)}): a file in it is "
-                             "damaged; restore the folder from a copy of the run") from None
+                             "damaged (restore the folder from a copy of the run), or a newer tokenizers library "
+                             "wrote it (upgrade tokenizers)") from None
     if model_dir is not None:
         from transformers import AutoTokenizer
 

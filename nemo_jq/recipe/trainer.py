@@ -166,14 +166,22 @@ class Trainer:
             stopped = series is None and stop is not None and stop.requested()
             return {**served, "preempted": stop.received, "step": None} if stopped else served
         end = min(self.total_steps, max_steps or self.total_steps)
-        writes = distributed.is_writer()
-        if writes:  # the trackers first: one that does not start (a wrong URI, no login) leaves no run's start behind
+        trackers: list[Any] = []
+
+        def start() -> None:  # the trackers first: one that does not start (a wrong URI, no login) leaves no run behind
             hold_run_dir(self.run_dir)
-            trackers = open_trackers(self.run_dir, self.config)
-        distributed.on_writer(lambda: write_run_files(self.run_dir, self.config, self.components.tokenizer,
-                                                      self.components.splits))
+            trackers.extend(open_trackers(self.run_dir, self.config))
+            try:
+                write_run_files(self.run_dir, self.config, self.components.tokenizer, self.components.splits)
+            except BaseException:  # a full disk, a signal: the trackers' runs end, not left running
+                for tracker in trackers:
+                    tracker.close()
+                raise
+
+        distributed.on_writer(start)  # if it fails, every rank raises
+        writes = distributed.is_writer()
         logger = RunLogger(self.run_dir, tensorboard=self.config.train.tensorboard, resume_step=self.state.step,
-                           writes=writes, trackers=trackers if writes else ())
+                           writes=writes, trackers=trackers)
         if self.resumed_with:
             logger.log({"kind": "resume", "step": self.state.step, "overrides": self.resumed_with})
         bar = progress(self.total_steps, f"train {self._label(series)}", unit="step", initial=self.state.step,

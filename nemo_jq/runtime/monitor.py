@@ -207,7 +207,7 @@ def progress(total: int, desc: str, *, unit: str, initial: int = 0, shows: bool 
     from tqdm import tqdm
 
     if shows and sys.stderr.isatty():
-        return tqdm(total=total, initial=initial, desc=desc, unit=f" {unit}", leave=not transient, dynamic_ncols=True)
+        return tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=not transient, dynamic_ncols=True)
     if shows and not transient:
         return ProgressLines(total, initial, desc, unit)
     return tqdm(total=total, disable=True)

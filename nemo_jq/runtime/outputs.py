@@ -160,7 +160,7 @@ RUN_DEPTH = 4
 def refuse_foreign_files(path: Path, holds_no: str) -> None:
     """A folder that holds anything (none of it what the command claims: ``holds_no``, e.g. "sweep") is refused: what
     the command writes would land among, and over, a user's files."""
-    held = sorted(entry.name for entry in Path(path).iterdir()) if Path(path).is_dir() else []
+    held = sorted(entry.name for entry in Path(path).iterdir() if entry.name != STAGED_INSIDE) if Path(path).is_dir() else []
     if held:
         raise FileExistsError(f"{path} is not empty ({first_few(held)}) and holds no "
                               f"{holds_no}: give a new or empty folder (what is there is left as it is)")

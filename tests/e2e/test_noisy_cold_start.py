@@ -176,8 +176,8 @@ def test_an_experiment_stopped_mid_run_resumes_to_the_summary_an_unstopped_one_w
                        ({"seeds": ["x"]}, "options.seeds is ['x'], not a list of whole numbers")]:
         (tmp_path / "out" / "experiment.json").write_text(json.dumps({**record, "options": {**record["options"], **edit}}))
         code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--resume", tmp_path / "out")
-        one_line_error(code, err, f"{tmp_path / 'out' / 'experiment.json'} ", said, "restore it, or start the experiment "
-                       "again with --out NEW_DIR")
+        one_line_error(code, err, f"{tmp_path / 'out' / 'experiment.json'} ", said, "start the experiment again with "
+                       "--out NEW_DIR")
     # --out inside a run is refused before anything is written into that run
     inside = tmp_path / "unstopped" / "GRPO" / "seed0" / "more"
     code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--quick", "--out", inside)

@@ -75,6 +75,27 @@ def test_a_tracker_that_cannot_start_is_one_line_at_once(tmp_path, capsys, monke
     assert not (tmp_path / "wandb").exists()
 
 
+def test_a_start_that_fails_after_its_trackers_started_ends_their_runs(tmp_path, capsys, monkeypatch):
+    """The trackers start before the run writes its files (so one that cannot start leaves nothing): a failure in
+    that write (here a full disk) ends their runs, which would otherwise stay RUNNING in MLflow."""
+    import errno
+
+    from mlflow.tracking import MlflowClient
+
+    import nemo_jq.recipe.trainer
+
+    def full_disk(run_dir, *_):
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "config.yaml"))
+
+    monkeypatch.setattr(nemo_jq.recipe.trainer, "write_run_files", full_disk)
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", *QUICK, "tracking.mlflow=true", f"train.run_dir={run_dir}")
+    one_line_error(code, err, f"no space left on device: {run_dir / 'config.yaml'}")
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+
+
 @pytest.mark.slow
 def test_a_tracker_failing_mid_run_is_dropped_and_a_resume_finds_its_store_or_says_why_not(tmp_path, capsys, monkeypatch):
     """MLflow's file store named by MLFLOW_TRACKING_URI at the start: a resume without it continues the run in that

@@ -179,6 +179,9 @@ def test_a_yaml_alias_is_a_copy_of_its_anchor(tmp_path):
     path.write_text(laughs)
     with pytest.raises(ConfigError, match="anchored.yaml: its aliases expand to more than 1,000,000 values"):
         load_config(path)
+    path.write_text("train: &x {max_steps: 3, a: *x}\n")  # a RecursionError's traceback
+    with pytest.raises(ConfigError, match="anchored.yaml: an alias refers to the value that holds it"):
+        load_config(path)
 
 
 def test_a_config_path_that_is_a_directory_is_named(tmp_path):
