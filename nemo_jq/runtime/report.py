@@ -67,7 +67,7 @@ def method_label(results: dict[str, Any]) -> str:
     if results.get("q_schedule"):
         schedule = dict(results["q_schedule"])
         kind = schedule.pop("name", "schedule")
-        return f"{name} q {kind}({', '.join(f'{key}={value}' for key, value in schedule.items())})"
+        return f"{name} q {kind}({', '.join(f'{key}={_whole_numbers(value)}' for key, value in schedule.items())})"
     return f"{name} q={results['q']:g}" if results.get("q") is not None else name
 
 
@@ -84,8 +84,18 @@ def settings(config: Any) -> dict[str, str]:
     from nemo_jq.runtime.tracking import flat_config
 
     unread = {key for key, _ in unread_keys(config)}
-    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in flat_config(config).items()
-            if key not in NOT_SETTINGS and key not in unread}
+    return {key: value if isinstance(value, str) else json.dumps(_whole_numbers(value))
+            for key, value in flat_config(config).items() if key not in NOT_SETTINGS and key not in unread}
+
+
+def _whole_numbers(value: Any) -> Any:
+    """A mapping's or list's whole floats as ints (a q schedule's ``q_start: 1.0`` is its ``q_start: 1``: the typed
+    config makes a float key's value a float, but a schedule's mapping is kept as written)."""
+    if isinstance(value, dict):
+        return {key: _whole_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(item) for item in value]
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def told_apart(runs: list[RunRecord]) -> list[RunRecord]:
@@ -317,13 +327,15 @@ def plot_dataset(runs: list[RunRecord], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     methods = curve_lines(runs)
-    key = validation_key([record for run in runs for record in run.records])
-    panels = [("log P̂", "train", "log_p_hat", False), (f"validation {key}", "validation", key, False),
+    keys = {validation_key(run.records) for run in runs}  # each line its own runs' m@k (a row holds one k)
+    title = f"validation {keys.pop()}" if len(keys) == 1 else "validation m@k (each line's k)"
+    panels = [("log P̂", "train", "log_p_hat", False), (title, "validation", None, False),
               ("train reward (smoothed)", "train", None, True), ("q", "train", "q", False)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6))
     for color, (method, members) in enumerate(methods.items()):
         for ax, (title, kind, field, smooth) in zip(axes, panels):
-            curves = [_curve(run.records, kind, field, smooth) for run in members]
+            curves = [_curve(run.records, kind, validation_key(run.records) if kind == "validation" else field, smooth)
+                      for run in members]
             curves = [curve for curve in curves if curve[0]]
             if not curves:
                 continue
@@ -336,7 +348,10 @@ def plot_dataset(runs: list[RunRecord], path: Path) -> None:
                     marker="o" if kind == "validation" else None, ms=3)
             if len(curves) > 1:
                 ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{color}", alpha=0.2)
-    axes[0].axhline(math.log(1 / runs[0].samples), color="grey", linestyle="--", linewidth=1)
+    for samples in sorted({run.samples for run in runs}):  # log(1/M) of each M the runs sampled
+        axes[0].axhline(math.log(1 / samples), color="grey", linestyle="--", linewidth=1)
+        axes[0].annotate(f"log(1/{samples})", (1, math.log(1 / samples)), xycoords=("axes fraction", "data"),
+                         ha="right", va="bottom", fontsize=7, color="grey")
     for ax, (title, *_rest) in zip(axes, panels):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")

@@ -31,7 +31,15 @@ from typing import Any, Callable, Sequence
 
 from nemo_jq.runtime.monitor import duration, read_json_file, read_metrics
 from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in, refuse_foreign_files
-from nemo_jq.runtime.runs import RESUMABLE_KEYS, RUN_FILES, has_finished, last_checkpoint_step, refuse_overrides, refuse_shared_run_dir
+from nemo_jq.runtime.runs import (
+    RESUMABLE_KEYS,
+    RUN_FILES,
+    failed_start,
+    has_finished,
+    last_checkpoint_step,
+    refuse_overrides,
+    refuse_shared_run_dir,
+)
 from nemo_jq.typed import ConfigError
 
 SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
@@ -411,6 +419,8 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     threads = threads or max(1, free_cores() // parallel)
     states = {run.name: sweep.status(run) for run in sweep.runs}
     pending = [run for run in sweep.runs if states[run.name] != FINISHED]
+    # a run that failed before it saved a checkpoint goes last: one whose own settings fail would block the others
+    pending.sort(key=lambda run: failed_start(sweep.directory / run.name))
     counts = {state: list(states.values()).count(state) for state in (FINISHED, STOPPED, NEW)}
     logs = sweep.directory / LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
@@ -481,7 +491,8 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
                                    f"where it had one; `nemo-jq {command} --resume {sweep.directory}` continues them")
     if failed:
         raise RunFailed(f"{'; '.join(failed)}; the others are kept: fix it and `nemo-jq {command} "
-                        f"--resume {sweep.directory}` goes on")
+                        f"--resume {sweep.directory}` goes on, the runs that have not failed first (a run whose own "
+                        "swept value fails every time is left out by a new sweep without that value)")
 
 
 def refuse_running(sweep: Sweep, command: str) -> None:

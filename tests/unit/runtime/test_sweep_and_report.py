@@ -236,6 +236,17 @@ def test_a_run_that_fails_stops_the_sweep_in_one_line_naming_its_log(tmp_path):
     assert "nemo-jq" not in message.split("`")[0] and f"nemo-jq sweep --resume {tmp_path / 's'}" in message
     assert any("FAILED (exit 3)" in line for line in lines)
     assert "grpo" not in message  # no further run started after the failure
+    # a start that failed before its first checkpoint goes last on --resume: its own value may fail every time
+    from nemo_jq.runtime.runs import failed_start
+
+    failed_run = tmp_path / "s" / "name=garl"
+    failed_run.mkdir(exist_ok=True)
+    save_config(load_config(None, ["objective.name=garl"]), failed_run / "config.yaml")
+    assert failed_start(failed_run)
+    with pytest.raises(RunFailed) as failed:
+        run_here(sweep, threads=1, say=lines.append, python=(sys.executable, "-c", "import sys; sys.exit(3)"))
+    assert str(failed.value).startswith("run name=grpo failed (exit 3)") and "the runs that have not failed first" in \
+        str(failed.value)
 
 
 @pytest.mark.slow  # 7 s: two runs' progress
@@ -275,6 +286,21 @@ def test_the_first_progress_line_comes_once_each_running_runs_step_rate_is_measu
              python=(sys.executable, "-c", "import time; time.sleep(1.5)\n" + script.replace("range(1, 25)", "range(13, 25)")))
     rate = float(next(line for line in lines if line.startswith("sweep: run step ")).split(" (")[1].split(" steps/s")[0])
     assert 2.0 < rate < 4.5, lines
+
+
+def test_one_q_schedule_spelt_two_ways_is_one_row(tmp_path, capsys):
+    """``q_start: 1`` and ``q_start: 1.0`` are one schedule (a sweep refuses them as one run twice): two rows, each
+    n=1, where the seeds were of one setting."""
+    runs = tmp_path / "runs"
+    for seed, start in ((0, "1"), (1, "1.0")):
+        schedule = f"{{name: linear, num_steps: 6, q_start: {start}, q_end: 0}}"
+        run = finished_run(runs / f"seed{seed}", seed=seed, overrides=[f"objective.q_schedule={schedule}"],
+                           test={"p@1": 10.0 * (seed + 1)})
+        results = json.loads((run / "results.json").read_text())
+        results["q_schedule"] = {"name": "linear", "num_steps": 6, "q_start": float(start), "q_end": 0}
+        (run / "results.json").write_text(json.dumps(results))
+    code, out, _ = run_cli(capsys, "report", runs)
+    assert code == 0 and "| GARL q linear(num_steps=6, q_start=1, q_end=0) | 2 | 15.0 ± " in out, out
 
 
 def finished_run(folder, *, name="garl", q=0.5, seed=0, dataset="synthetic", test=None, validation=(10.0, 20.0),
