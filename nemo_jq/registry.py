@@ -7,6 +7,7 @@ import contextlib
 import difflib
 import sys
 import traceback
+from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -59,11 +60,23 @@ def _built_in(thing: object) -> bool:
     return module == "nemo_jq" or module.startswith("nemo_jq.")
 
 
+def _file_of(thing: object) -> str | None:
+    """The file of the module that defined ``thing`` (None where it has none)."""
+    return getattr(sys.modules.get(_module_of(thing)), "__file__", None)
+
+
 def _defined_in(thing: object) -> str:
     """Where a registered object was defined, in words: ``built in`` (nemo_jq's own), else ``by FILE`` (a plugin's)."""
-    module = _module_of(thing)
-    file = getattr(sys.modules.get(module), "__file__", None)
-    return "built in" if _built_in(thing) else f"by {file or module or 'an earlier definition'}"
+    return "built in" if _built_in(thing) else f"by {_file_of(thing) or _module_of(thing) or 'an earlier definition'}"
+
+
+def plugin_of(thing: object) -> str | None:
+    """The plugin that defined ``thing`` as ``--plugin`` / ``plugins=`` take it (a .py file by its absolute path, else
+    its module), None for nemo_jq's own."""
+    if _built_in(thing):
+        return None
+    module, file = _module_of(thing), _file_of(thing)
+    return str(Path(file).absolute()) if module.startswith(PLUGIN_MODULE_PREFIX) and file else module
 
 
 def out_of_memory(err: BaseException) -> bool:
@@ -88,7 +101,7 @@ def blamed_on_plugin(thing: object, what: str, passes: tuple[type[BaseException]
     except Exception as err:
         if isinstance(err, (PluginFailed, MemoryError, *passes)) or _built_in(thing) or out_of_memory(err):
             raise
-        file = getattr(sys.modules.get(_module_of(thing)), "__file__", None)
+        file = _file_of(thing)
         frames = traceback.extract_tb(err.__traceback__)
         frame = next((f for f in reversed(frames) if f.filename == file), frames[-1] if frames else None)
         where = f" ({frame.filename}:{frame.lineno})" if frame else ""

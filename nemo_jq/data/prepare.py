@@ -26,7 +26,7 @@ from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
 from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, folder_split_names, read_hub, read_rows, sha256
 from nemo_jq.data.synthetic import SyntheticArithmetic
-from nemo_jq.registry import PLUGIN_MODULE_PREFIX, blamed_on_plugin
+from nemo_jq.registry import blamed_on_plugin, plugin_of
 from nemo_jq.typed import ConfigError, first_few
 
 SPLITS = ("train", "validation", "test")
@@ -342,16 +342,6 @@ def write_prepared(splits: Splits, manifest: dict[str, Any], out_dir: Path) -> N
             lines = [json.dumps(dataclasses.asdict(e)) for e in splits.get(name)]
             (staging / f"{name}.jsonl").write_text("".join(line + "\n" for line in lines))
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
-
-
-def plugin_of(task: QATask) -> str | None:
-    """The plugin that registered ``task``'s dataset (a .py file by its absolute path, else its module), None for a
-    built-in one: a prepared folder's manifest records it, so that its fixes can say ``--plugin`` / ``plugins=``."""
-    module = type(task).__module__
-    if module == "nemo_jq" or module.startswith("nemo_jq."):
-        return None
-    file = getattr(sys.modules.get(module), "__file__", None)
-    return str(Path(file).absolute()) if module.startswith(PLUGIN_MODULE_PREFIX) and file else module
 
 
 def prepare_again(folder: Path, manifest: dict[str, Any] | None = None) -> str:
