@@ -39,8 +39,8 @@ _KEPT = {".": _POINT, "/": _SLASH, ",": _COMMA}
 _MARK = rf"[{re.escape(string.punctuation)}]"
 _NUMBER_RUN = re.compile(rf"\d+(?:{_MARK}\d+)+")
 _GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-_LEADING_POINT = re.compile(r"(?<!\w)\.(?=\d)")
-_SIGN = re.compile(r"(?<!\w)-(?=\d)")
+_LEADING_POINT = re.compile(r"(?<![\w.])\.(?=\d)")  # not a second point (``1..2`` read as ``10.2``)
+_SIGN = re.compile(r"(?<![\w-])-(?=\d)")  # not a second minus (``--5`` read as ``-5``)
 
 
 def squad_normalize(text: str) -> str:

@@ -298,7 +298,8 @@ def test_property_a_text_answers_number_earns_the_reward_only_at_the_golds_value
         assert task.reward(f"Answer: {answer} million", Example("m", "q", f"{example.answer} million")) == float(gold == guess)
     for guess, gold in (("-5", "5"), ("314", "3.14"), ("12", "1/2"), ("1.5", "15"), ("15 million", "1.5 million"),
                         ("12", "1,2"), ("0.5", "1/2"), ("3,5", "3.5"), ("1.000", "1"), ("1.000", "1000"), ("3.10", "3.1"),
-                        ("5.30 pm", "5.3 pm"), ("10:30", "10.30")):
+                        ("5.30 pm", "5.3 pm"), ("10:30", "10.30"), ("1..2", "10.2"), ("--5", "-5"), ("-", "-5"),
+                        (".", "0.5"), ("", "5")):
         assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 0.0, (guess, gold)
         assert not task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)
     for guess, gold in (("1,000", "1000"), ("1,234.5", "1234.5"), (".5", "0.5"), ("\u22123", "-3"), ("$5", "5"),
