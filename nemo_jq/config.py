@@ -675,6 +675,8 @@ def unread_keys(config: Config) -> list[tuple[str, str]]:
         unread += [(f"model.tiny.{field.name}", "model.path gives the model") for field in dataclasses.fields(model.tiny)]
     if config.train.device == "cpu":
         unread.append(("model.compile", "train.device=cpu (it compiles on a GPU)"))
+    elif model.backend != "hf":
+        unread.append(("model.compile", f"model.backend={model.backend} (the hf backend's)"))
     if data.name == "synthetic":
         unread += [(f"data.{key}", "the synthetic task reads no source") for key in ("source", "hub_config", "on_bad_row")]
     else:

@@ -133,17 +133,14 @@ def launched_world() -> tuple[int, int]:
     """``WORLD_SIZE`` and ``RANK`` as the launcher set them, or as a run takes them from a plain ``srun`` step of
     several tasks (1 and 0 where neither is); one that is not a process count, or a rank outside that world, raises
     ``ValueError`` naming it."""
-    from nemo_jq.runtime.distributed import slurm_step_world
+    from nemo_jq.runtime.distributed import launched_world_size, slurm_step_world
 
     launched = {**os.environ, **(slurm_step_world() or {})}
-    world, rank = launched.get("WORLD_SIZE", "1"), launched.get("RANK", "0")
-    if not world.isdigit() or int(world) < 1:
-        raise ValueError(f"WORLD_SIZE={world!r} is not a process count (a whole number >= 1): unset it, or start under "
-                         "torchrun/srun")
-    if not rank.isdigit() or int(rank) >= int(world):
-        raise ValueError(f"RANK={rank!r} is not a rank of a world of WORLD_SIZE={world} (0 to {int(world) - 1}): unset "
+    world, rank = launched_world_size(launched), launched.get("RANK", "0")
+    if not rank.isdigit() or int(rank) >= world:
+        raise ValueError(f"RANK={rank!r} is not a rank of a world of WORLD_SIZE={world} (0 to {world - 1}): unset "
                          "both, or start under torchrun/srun, which set them together")
-    return int(world), int(rank)
+    return world, int(rank)
 
 
 def role(rollout_ranks: int) -> str:

@@ -352,6 +352,7 @@ def _layout_runs_here(config: Config, command: str) -> None:
         layout = " ".join(f"megatron.{key}=1" for key in ("tensor_parallel", "pipeline_parallel", "context_parallel",
                                                            "expert_parallel", "expert_tensor_parallel")
                           if getattr(config.megatron, key) > 1)
+        layout += " megatron.sequence_parallel=false" if config.megatron.sequence_parallel else ""
         raise ConfigError(f"{err}; or place the checkpoint here: {command} loads it at any layout ({layout} for one "
                           "process)") from None
 

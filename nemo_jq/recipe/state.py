@@ -100,10 +100,13 @@ class TrainState:
 
 class PromptStream:
     """The training prompts, a batch at a time: each epoch a permutation fixed by the seed and the epoch, so that a
-    run resumed at a :class:`TrainState`'s epoch and position takes the batches an uninterrupted one would."""
+    run resumed at a :class:`TrainState`'s epoch and position takes the batches an uninterrupted one would. An epoch's
+    short last batch is cut to a multiple of the ``replicas`` (data-parallel), each of which takes an equal share: a
+    replica with fewer prompts would make fewer forward passes than the others, and the collectives of every pass
+    (expert parallelism's, a lockstep engine's) would wait for it forever; one with none left is skipped."""
 
-    def __init__(self, examples: Sequence[Example], batch_size: int, seed: int):
-        self.examples, self.batch_size, self.seed = examples, batch_size, seed
+    def __init__(self, examples: Sequence[Example], batch_size: int, seed: int, replicas: int = 1):
+        self.examples, self.batch_size, self.seed, self.replicas = examples, batch_size, seed, replicas
 
     def next(self, state: TrainState) -> list[Example]:
         """The next batch of ``state``'s epoch (the next epoch's first, at its end); ``state`` moves past it."""
@@ -118,7 +121,18 @@ class PromptStream:
         if position >= len(self.examples):
             epoch, position = epoch + 1, 0
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
-        return [self.examples[i] for i in order[position : position + self.batch_size]], epoch, position + self.batch_size
+        taken = order[position : position + self.batch_size]
+        taken = taken[: len(taken) - len(taken) % self.replicas]
+        if not len(taken):
+            return self._batch_at(epoch + 1, 0)
+        return [self.examples[i] for i in taken], epoch, position + self.batch_size
+
+
+def batches_per_epoch(prompts: int, batch_size: int, replicas: int = 1) -> int:
+    """The batches :class:`PromptStream` makes of ``prompts`` in an epoch: a short last one with fewer prompts than
+    ``replicas`` is skipped."""
+    whole, left = divmod(prompts, batch_size)
+    return whole + (left >= replicas)
 
 
 class RandomStreams:

@@ -26,7 +26,16 @@ from nemo_jq.recipe.components import Components, this_ranks_part
 from nemo_jq.recipe.evaluation import EvaluationStopped, Evaluator
 from nemo_jq.recipe.experience import Experience, MismatchWatch, RolloutsAhead, RolloutsAheadOnRanks, make_experience
 from nemo_jq.recipe.learn import estimator_gradient
-from nemo_jq.recipe.state import Course, ObjectiveInUse, PromptStream, RandomStreams, TrainState, loop_checkpoint, restore_loop
+from nemo_jq.recipe.state import (
+    Course,
+    ObjectiveInUse,
+    PromptStream,
+    RandomStreams,
+    TrainState,
+    batches_per_epoch,
+    loop_checkpoint,
+    restore_loop,
+)
 from nemo_jq.recipe.step import StepResult, rollout_record
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.runtime import distributed, runs
@@ -81,7 +90,7 @@ class Trainer:
         if config.rollout.async_steps:  # on rollout ranks of their own, or beside this process's training
             self.ahead = RolloutsAheadOnRanks(parts) if isinstance(parts.engine, RemoteRollouts) else RolloutsAhead(parts)
         self.state = TrainState(Course(config.objective.name))
-        self.prompts = PromptStream(parts.splits.train, config.train.batch_size, config.train.seed)
+        self.prompts = PromptStream(parts.splits.train, config.train.batch_size, config.train.seed, self.data_parallel.size)
         self.resumed_with: list[str] = []
         #: The q of the latest step trained in this process (None before the first).
         self.last_q: float | None = None
@@ -116,7 +125,7 @@ class Trainer:
     def epochs_steps(self) -> int:
         """The steps of ``train.epochs`` passes over the training split."""
         train = self.config.train
-        return train.epochs * math.ceil(len(self.components.splits.train) / train.batch_size)
+        return train.epochs * batches_per_epoch(len(self.components.splits.train), train.batch_size, self.data_parallel.size)
 
     def finished(self) -> str | None:
         """For a resumed run: why it has no step left to train, in one line with the key to raise (None: it has steps

@@ -32,6 +32,7 @@ import torch
 
 from nemo_jq.models.routes import empty_routes, has_experts, routing_replay
 from nemo_jq.rollouts.sampling import Sample, SamplingSettings, check_request, seed_from
+from nemo_jq.runtime.distributed import launched_world_size
 from nemo_jq.typed import ConfigError
 
 #: The distributions vLLM comes in: the GPU build, and the CPU build this project's CI installs.
@@ -143,7 +144,7 @@ def require_vllm(config: Any = None) -> None:
     GPU than the run's (``rollout.engine=vllm``'s check, run before any model is built:
     :func:`nemo_jq.rollouts.check_sampler`)."""
     if config is not None and str(config.train.device).startswith("cuda:"):
-        launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or config.rollout.placement == "separate"
+        launched = launched_world_size() > 1 or config.rollout.placement == "separate"
         check_engine_device(torch.device(config.train.device), launched=launched)
     engine_environment()
     try:

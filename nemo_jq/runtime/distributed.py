@@ -27,6 +27,16 @@ class OtherRankFailed(RuntimeError):
     """Raised on the ranks that did not fail themselves; the message says which rank failed and how."""
 
 
+def launched_world_size(environ: Any = None) -> int:
+    """The process count a launcher gave in ``WORLD_SIZE`` (1 where none did); one that is not a process count (a
+    batch script's empty or misspelt variable) raises ``ValueError`` naming it."""
+    world = (os.environ if environ is None else environ).get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        raise ValueError(f"WORLD_SIZE={world!r} is not a process count (a whole number >= 1): unset it, or start under "
+                         "torchrun/srun")
+    return int(world)
+
+
 def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rollout_ranks: int = 0,
                   engine_ranks: int = 1) -> torch.device:
     """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment), once,
@@ -42,7 +52,7 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rol
     global _TIMEOUT
     _TIMEOUT = timeout or _TIMEOUT
     adopt_slurm_step()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world_size()
     if rollout_ranks and world <= rollout_ranks:
         raise ValueError(f"rollout.placement=separate with rollout.ranks={rollout_ranks} leaves no training process "
                          f"among the {world} of this run: start rollout.ranks + the training processes under torchrun "

@@ -45,10 +45,15 @@ def staged(folder: Path, *, last: str, replaces: tuple[str, ...] | list[str] = (
     ``folder`` may be written: a user's folder in a shared project's), moved into ``folder`` once all are written,
     ``last`` (the file that marks it whole) the last; ``replaces``: an earlier write's files, deleted just before. A
     stop part-way leaves ``folder`` as it was: a half-written export or prepared folder blocked the same command next
-    time, and an interrupted export had deleted the earlier one first. ``writes``: this process writes (a collective
-    export's other ranks do not)."""
+    time, and an interrupted export had deleted the earlier one first; the move itself holds the stop signals until
+    it is done. Staged only on ``folder``'s own file system (a mount point, a bind-mounted scratch: a rename from
+    beside it fails) and where it is writable, which a read-only one is told at once, not after the work.
+    ``writes``: this process writes (a collective export's other ranks do not)."""
+    from nemo_jq.runtime.preemption import signals_held
+
     folder = Path(folder)
-    beside = not folder.is_dir() or os.access(folder.parent, os.W_OK)
+    beside = not folder.is_dir() or (os.access(folder.parent, os.W_OK) and os.access(folder, os.W_OK)
+                                     and folder.stat().st_dev == folder.parent.stat().st_dev)
     staging = folder.parent / f".{folder.name}.partial" if beside else folder / STAGED_INSIDE
     if writes:
         shutil.rmtree(staging, ignore_errors=True)  # a killed write's
@@ -60,12 +65,13 @@ def staged(folder: Path, *, last: str, replaces: tuple[str, ...] | list[str] = (
             shutil.rmtree(staging, ignore_errors=True)
         raise
     if writes:
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in replaces:
-            (folder / name).unlink(missing_ok=True)
-        for name in sorted((path.name for path in staging.iterdir()), key=lambda name: name == last):
-            os.replace(staging / name, folder / name)
-        staging.rmdir()
+        with signals_held():
+            folder.mkdir(parents=True, exist_ok=True)
+            for name in replaces:
+                (folder / name).unlink(missing_ok=True)
+            for name in sorted((path.name for path in staging.iterdir()), key=lambda name: name == last):
+                os.replace(staging / name, folder / name)
+            staging.rmdir()
 
 
 #: The name :func:`move_aside` gives a folder it moves: ``NAME.old-YYYYmmdd-HHMMSS[-N]``.

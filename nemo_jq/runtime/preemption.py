@@ -85,7 +85,8 @@ def ended_by_signals() -> Any:
     generate, export and data prepare without a word); a training's :class:`StopSignals` take them over for its
     steps. Under torchrun the defaults stay: a rank blocked in a collective could not run a Python handler, and the
     agent's SIGTERM would wait for its SIGKILL."""
-    if threading.current_thread() is not threading.main_thread() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    world = os.environ.get("WORLD_SIZE", "1")  # one that is no number is not torchrun's: what reads it says so
+    if threading.current_thread() is not threading.main_thread() or (world.isdigit() and int(world) > 1):
         yield
         return
 
@@ -100,6 +101,25 @@ def ended_by_signals() -> Any:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def signals_held() -> Any:
+    """The stop signals that arrive in the block take effect as it ends, each as its handler then takes it: a few
+    renames that must all happen (an export moved into its folder), which a stop part-way would leave half done. On
+    the main thread, where Python's handlers run; elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, _frame: arrived.append(signum)) for signum in stop_signals_here()}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(arrived):
+            signal.raise_signal(signum)
 
 
 def stop_signals_here() -> tuple[int, ...]:

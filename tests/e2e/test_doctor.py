@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from helpers import TINY_RUN, one_line_error, run_cli
+
 
 @pytest.mark.slow
 def test_doctor_reports_versions_devices_spec_and_launch(tmp_path):
@@ -114,6 +116,15 @@ def test_doctor_names_a_launcher_variable_that_is_not_a_world_or_a_rank_of_it(mo
     assert doctor.role(1).startswith(f"none: {said}")
     with pytest.raises(ValueError, match="^" + said.replace("(", r"\(").replace(")", r"\)")):
         doctor.launched_world()
+
+
+def test_an_empty_world_size_is_said_by_doctor_and_refused_by_a_run_in_one_line(tmp_path, capsys, monkeypatch):
+    """A batch script's ``export WORLD_SIZE=$UNSET``: every command failed on a bare int() error before it began."""
+    monkeypatch.setenv("WORLD_SIZE", "")
+    code, out, _ = run_cli(capsys, "doctor")
+    assert code == 0 and "unusable: WORLD_SIZE='' is not a process count" in out
+    code, _, err = run_cli(capsys, "train", *TINY_RUN, f"train.run_dir={tmp_path / 'run'}")
+    one_line_error(code, err, "WORLD_SIZE='' is not a process count (a whole number >= 1): unset it")
 
 
 def test_doctor_under_a_plain_srun_step_sees_the_world_the_run_takes_from_it(monkeypatch):

@@ -413,6 +413,9 @@ def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys):
         "nemo-jq: warning: optim.momentum=0.9 is ignored: optim.name=adamw (SGD's)",
         "nemo-jq: warning: model.compile=True is ignored: train.device=cpu (it compiles on a GPU)",
         "nemo-jq: warning: data.on_bad_row=fail is ignored: the synthetic task reads no source"]
+    load_config(None, ["model.backend=megatron", "train.device=cuda", "model.compile=true"])
+    assert capsys.readouterr().err.splitlines() == [
+        "nemo-jq: warning: model.compile=True is ignored: model.backend=megatron (the hf backend's)"]
     with pytest.raises(ConfigError, match=r"data.template is for a dataset whose prompts it shapes \(jsonl\): the synthetic task builds"):
         load_config(None, ['data.template="Q: {question}"'])
 

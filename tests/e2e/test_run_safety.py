@@ -478,7 +478,8 @@ def test_a_stop_part_way_through_an_export_or_a_data_prepare_leaves_its_folder_a
         return write
 
     monkeypatch.setattr(Path, "write_text", stopped_at("README.md"))  # the model card: the weights are written
-    assert run_cli(capsys, "export", run_dir, "--out", out, "--step", "2")[0] == 130
+    code, _, err = run_cli(capsys, "export", run_dir, "--out", out, "--step", "2")
+    assert code == 130, err
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["exported", "run"]  # no .exported.partial
     monkeypatch.setattr(Path, "write_text", write_text)
@@ -492,6 +493,41 @@ def test_a_stop_part_way_through_an_export_or_a_data_prepare_leaves_its_folder_a
     assert not prepared.exists() and not (tmp_path / ".prepared.partial").exists()
     monkeypatch.setattr(Path, "write_text", write_text)
     assert run_cli(capsys, *args)[0] == 0 and (prepared / "manifest.json").exists()
+
+
+def test_an_export_into_a_mount_point_stages_inside_it_and_a_stop_as_it_moves_in_waits_for_the_move(
+        tmp_path, capsys, monkeypatch):
+    """--out a mount point (a bind-mounted scratch; here its device number stands in, and a rename into it from
+    beside fails as the kernel's does): the export stages inside it (the rename failed, after the earlier export's
+    files were deleted, leaving a full copy beside). A Ctrl-C while the files are moved in (a real signal) takes effect
+    once all are in (it left the earlier export deleted and the new one half there)."""
+    import signal
+
+    run_dir, out = tmp_path / "run", tmp_path / "mounted"
+    assert run_cli(capsys, "train", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")[0] == 0
+    assert run_cli(capsys, "export", run_dir, "--out", out, "--step", "1")[0] == 0
+    stat, replace, moves = Path.stat, os.replace, []
+
+    def mounted(path, *args, **kwargs):
+        found = stat(path, *args, **kwargs)
+        return os.stat_result((found[:2] + (found.st_dev + 1,) + found[3:])) if Path(path) == out else found
+
+    def rename(source, target):
+        if out in Path(target).parents and out not in Path(source).parents:  # into the mount point from outside it
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(source))
+        moves.append(Path(target).name)
+        if len(moves) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return replace(source, target)
+
+    monkeypatch.setattr(Path, "stat", mounted)
+    monkeypatch.setattr(os, "replace", rename)
+    code, _, err = run_cli(capsys, "export", run_dir, "--out", out, "--step", "2")
+    assert code == 130, err
+    assert len(moves) > 2 and moves[-1] == "nemo_jq_export.json"  # every file moved in, the marker last
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mounted", "run"]
+    assert ".partial" not in {path.name for path in out.iterdir()}
+    assert json.loads((out / "nemo_jq_export.json").read_text())["source"]["step"] == 2
 
 
 def test_an_out_folder_of_ones_own_in_a_folder_one_cannot_write_is_written_from_inside_it(tmp_path, capsys, monkeypatch):

@@ -466,9 +466,14 @@ def test_a_megatron_checkpoint_whose_layout_its_processes_cannot_hold_is_told_th
     from nemo_jq.recipe.components import _layout_runs_here
     from nemo_jq.typed import ConfigError
 
-    for key, command in (("pipeline_parallel", "export"), ("expert_parallel", "eval")):
-        config = load_config(None, ["model.backend=megatron", f"megatron.{key}=2"])
+    for layout, command, placing in (
+            (["megatron.pipeline_parallel=2"], "export", ["megatron.pipeline_parallel=1"]),
+            (["megatron.expert_parallel=2"], "eval", ["megatron.expert_parallel=1"]),
+            (["megatron.tensor_parallel=2", "megatron.sequence_parallel=true"], "eval",
+             ["megatron.tensor_parallel=1", "megatron.sequence_parallel=false"])):
+        config = load_config(None, ["model.backend=megatron", *layout])
         with pytest.raises(ConfigError, match=f"; or place the checkpoint here: {command} loads it at any layout "
-                                              f"\\(megatron.{key}=1 for one process\\)"):
+                                              f"\\({' '.join(placing)} for one process\\)"):
             _layout_runs_here(config, command)
+        _layout_runs_here(load_config(None, ["model.backend=megatron", *layout, *placing]), command)  # the keys place it
     _layout_runs_here(load_config(None, ["model.backend=megatron"]), "generate")

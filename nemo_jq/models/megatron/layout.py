@@ -99,6 +99,9 @@ class MegatronLayout:
             raise ValueError(f"megatron.expert_parallel={self.expert_parallel} and expert_tensor_parallel="
                              f"{self.expert_tensor_parallel} split a Qwen3-MoE's experts; this model is dense: set both "
                              "to 1")
+        if not moe and self.moe_aux_loss_coef is not None:
+            raise ValueError(f"megatron.moe_aux_loss_coef={self.moe_aux_loss_coef} weighs a Qwen3-MoE's load-balancing "
+                             "loss; this model is dense: drop it")
         if moe and arch.num_experts % self.expert_parallel:
             raise ValueError(f"megatron.expert_parallel={self.expert_parallel} does not divide num_experts="
                              f"{arch.num_experts}: each rank holds an equal share of every layer's experts")

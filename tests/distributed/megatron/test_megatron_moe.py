@@ -42,6 +42,8 @@ def test_the_architecture_is_read_and_a_layout_that_cannot_split_the_experts_is_
     dense = read_qwen3_config({**config, "model_type": "qwen3", "decoder_sparse_step": 1})
     with pytest.raises(ValueError, match="this model is dense"):
         MegatronLayout(expert_parallel=2).validate(dense)
+    with pytest.raises(ValueError, match="moe_aux_loss_coef=0.01 weighs a Qwen3-MoE's load-balancing loss; this model is dense"):
+        MegatronLayout(moe_aux_loss_coef=0.01).validate(dense)
 
 
 def test_what_is_not_built_yet_is_refused_in_one_line(tmp_path):
@@ -371,6 +373,21 @@ def test_the_recipe_trains_a_qwen3_moe_at_expert_parallel_2_as_the_hf_backend_an
     assert_same_training(split[0], whole[0])
     # both replayed the routes their fp32 samplers recorded, which route as the trainer does
     assert [record["routing_disagreement"] for record in split[0]] == [0.0] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_epochs_short_last_batch_is_shared_equally_at_expert_parallel_2(tmp_path):
+    """7 prompts in batches of 4 over 2 replicas: each epoch's last batch of 3 is cut to 2, one a replica. Shared
+    2 and 1, the replica with one prompt made fewer forward passes than the other, whose expert all-reduce then waited
+    for it until the collective timeout (the 0.6B-30B MoE configs' 9,067 prompts in batches of 64 hung at step 142)."""
+    from megatron_tiny import train_steps
+
+    folder = moe_run_folder(tmp_path)
+    ranks = run_in_processes(train_steps, 2, tmp_path / "run", [
+        "objective.name=sft", f"model.path={folder}", "model.backend=megatron", "megatron.expert_parallel=2",
+        "data.train_size=7", "train.micro_batch_size=1", "train.epochs=2", "train.collective_timeout_minutes=1"], 10)
+    assert len(ranks[0]) == 4  # two epochs of two batches
 
 
 @pytest.mark.slow
