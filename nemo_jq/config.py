@@ -296,11 +296,12 @@ class Config:
     plugins: list[str] = option(help="modules or .py files imported before the config is checked: they register "
                                 "estimators, backends, rollout engines or datasets (docs/extending.md)", factory=list)
 
-    def validate(self) -> "Config":
+    def validate(self, saved: bool = False) -> "Config":
         """Cross-field checks that need the registries or the prepared data (done before any model is built).
 
         Imports ``plugins`` first. Resolves ``data.name``, ``data.template`` and ``data.system_prompt`` from
-        a prepared folder's manifest, so the saved config says what the run trained on.
+        a prepared folder's manifest, so the saved config says what the run trained on (``saved``: a run's own
+        config, which holds them already: its data may be gone, which only what reads the data says).
         """
         self._anchor_paths()
         import_plugins(self.plugins)
@@ -335,7 +336,7 @@ class Config:
             SyntheticArithmetic(self.data.num_operands, self.data.answer_width, self.data.rationale_dependence)
         except ValueError as err:
             raise ConfigError(f"data.{err}") from None
-        self._resolve_data()
+        self._resolve_data(saved)
         return self
 
     def _anchor_paths(self) -> None:
@@ -423,12 +424,12 @@ class Config:
                               f"megatron.tensor_parallel it divides (got {self.rollout.engine}, {self.model.backend}, "
                               f"{self.megatron.tensor_parallel})")
 
-    def _resolve_data(self) -> None:
+    def _resolve_data(self, saved: bool) -> None:
         from nemo_jq.data.prepare import read_manifest
         from nemo_jq.data.qa import DATASETS
 
         data = self.data
-        if data.prepared_dir:
+        if data.prepared_dir and not (saved and not Path(data.prepared_dir).exists()):
             manifest = read_manifest(Path(data.prepared_dir))
             recorded = {"name": manifest["dataset"], "template": manifest.get("template"),
                         "system_prompt": manifest.get("system")}
@@ -548,7 +549,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     given = copy.deepcopy(raw)
     _override(raw, overrides)
     try:
-        config = build(Config, raw, prefix="").validate()
+        config = build(Config, raw, prefix="").validate(saved)
     except ConfigError as error:
         raise _named_in(path, given, error) from None
     if not saved:

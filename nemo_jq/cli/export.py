@@ -22,16 +22,18 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jq.models.export import EXPORT_MARKER, files_of_earlier_export, make_readable, record_source
     from nemo_jq.runtime import distributed
     from nemo_jq.runtime.outputs import staged
-    from nemo_jq.runtime.runs import MODEL_CARD, model_card
+    from nemo_jq.runtime.runs import MODEL_CARD, model_card, select_checkpoint
 
-    loaded = load(args)
-    selected = loaded.selected
+    run_dir = select_checkpoint(args.checkpoint, args.step).run_dir  # --out checked before minutes of loading
     earlier = earlier_source(args.out)
-    if earlier and Path(earlier.get("run_dir", "")) != Path(selected.run_dir):  # a run may start from it (model.path)
+    if earlier and Path(earlier.get("run_dir", "")) != Path(run_dir):  # a run may start from it (model.path)
         raise FileExistsError(f"--out {args.out} holds the export of another run ({earlier.get('run_dir')}, step "
                               f"{earlier.get('step')}): choose another --out, or move that export away first")
+    replaces = files_of_earlier_export(args.out)
+    loaded = load(args)
+    selected = loaded.selected
     writes = distributed.is_writer()
-    with staged(args.out, last=EXPORT_MARKER, replaces=files_of_earlier_export(args.out), writes=writes) as staging:
+    with staged(args.out, last=EXPORT_MARKER, replaces=replaces, writes=writes) as staging:
         loaded.components.policy.export(staging, loaded.components.tokenizer)
         if writes:
             (staging / MODEL_CARD).write_text(model_card(selected))

@@ -220,13 +220,20 @@ def build_task(data: Any) -> tuple[Task, Splits]:
     return task, splits
 
 
+def task_of(data: Any) -> Task:
+    """The task of a config's ``data`` section, without its splits (what generating from or exporting a run needs:
+    its prompts' format and answers, none of its data, which may be gone from where it trained)."""
+    if data.name == "synthetic":
+        return SyntheticArithmetic(num_operands=data.num_operands, answer_width=data.answer_width,
+                                   rationale_dependence=data.rationale_dependence)
+    return make_task(data.name, template=data.template, system=data.system_prompt)
+
+
 def _clean_task(data: Any) -> tuple[Task, Splits]:
     sizes = (data.train_size, data.validation_size, data.test_size)
-    if data.name == "synthetic":
-        task = SyntheticArithmetic(num_operands=data.num_operands, answer_width=data.answer_width,
-                                   rationale_dependence=data.rationale_dependence)
+    task = task_of(data)
+    if isinstance(task, SyntheticArithmetic):
         return task, task.splits(*sizes, data.seed)
-    task = make_task(data.name, template=data.template, system=data.system_prompt)
     if data.prepared_dir:
         return task, load_prepared(Path(data.prepared_dir))
     splits, manifest = prepare(task, data.source, sizes, data.seed, hub_config=data.hub_config, on_bad_row=data.on_bad_row)

@@ -23,7 +23,7 @@ from nemo_jq.backends import BackendRequest, build_backend
 from nemo_jq.config import Config, load_config
 from nemo_jq.data import Example, Splits, Task
 from nemo_jq.data.chat import ChatFormat, build_tokenizer
-from nemo_jq.data.prepare import build_task
+from nemo_jq.data.prepare import build_task, task_of
 from nemo_jq.models.common import SafetensorsFolder, autocast_dtype, resolve_device, resolve_pretrained
 from nemo_jq.models.export import export_hf_model
 from nemo_jq.models.hf import load_causal_lm, tiny_qwen3
@@ -100,10 +100,12 @@ def this_ranks_part(config: Config, run_dir: Path, *, existing: bool, overwrite:
     return build_components(config, device, tokenizer_dir=tokenizer_dir)
 
 
-def build_components(config: Config, device: torch.device, *, tokenizer_dir: Path | None = None) -> Components:
-    """The run's components on ``device``; ``tokenizer_dir``: a run's saved tokenizer, when reopening it. On a training
+def build_components(config: Config, device: torch.device, *, tokenizer_dir: Path | None = None,
+                     reads_splits: bool = True) -> Components:
+    """The run's components on ``device``; ``tokenizer_dir``: a run's saved tokenizer, when reopening it;
+    ``reads_splits=False``: empty splits, the data not read (generating from a run, exporting it). On a training
     rank of a split world (``rollout.placement=separate``) the engine asks the rollout ranks (:class:`RemoteRollouts`)."""
-    task, splits, model_dir, chat = _prepare(config, tokenizer_dir)
+    task, splits, model_dir, chat = _prepare(config, tokenizer_dir, reads_splits)
     components = assemble_components(config, device, task, splits, chat, BackendRequest(
         load_model=lambda: load_model(config, model_dir, len(chat.tokenizer)), model_dir=model_dir, config=config,
         chat=chat, device=device))
@@ -145,14 +147,15 @@ def rollout_rank_engine(config: Config, device: torch.device, chat: ChatFormat, 
     return build_rollouts(SamplerRequest(None, model_dir, config, chat.pad_id, device), chat)
 
 
-def _prepare(config: Config, tokenizer_dir: Path | None) -> tuple[Task, Splits, Path | None, ChatFormat]:
-    """Seed the run, then the task and its splits, the model folder and the chat format (prompt lengths checked)."""
+def _prepare(config: Config, tokenizer_dir: Path | None, reads_splits: bool = True) -> tuple[Task, Splits, Path | None, ChatFormat]:
+    """Seed the run, then the task and its splits (empty unless ``reads_splits``), the model folder and the chat format
+    (prompt lengths checked)."""
     check_sampler(config)  # a rollout engine that cannot be had is said before any model is built
     seed = config.train.seed
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    task, splits = build_task(config.data)
+    task, splits = build_task(config.data) if reads_splits else (task_of(config.data), Splits([], [], []))
     model_dir = resolve_model_dir(config.model.path)
     tokenizer = load_tokenizer(config, model_dir, task, splits, tokenizer_dir)
     chat = ChatFormat(tokenizer)
@@ -372,8 +375,9 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), 
                                       timedelta(minutes=config.train.collective_timeout_minutes))
     if config.model.backend == "megatron":  # the layout it trained at may not fit the processes it runs in here
         _layout_runs_here(config, command)
-    components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR)
-    if command == "eval":  # it scores the run's own splits (generate and export read none)
+    scores = command == "eval"  # the run's own splits (generate and export read none: the data may be gone)
+    components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR, reads_splits=scores)
+    if scores:
         check_splits(run_dir, components.splits, config.data)
     load_checkpoint(selected.checkpoint, components.policy, with_optimizer=False)
     return LoadedRun(selected, components)

@@ -126,7 +126,7 @@ def _complete(tmp: Path, final: Path, state: dict[str, Any]) -> None:
 
 
 def _point_latest(root: Path, final: Path) -> None:
-    _write_atomic(root / "latest", final.name)
+    write_atomic(root / "latest", final.name)
     _fsync(root)
 
 
@@ -246,7 +246,8 @@ def _umask() -> int:
         return umask
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` in ``path``, whole or not at all (a kill or a full disk part-way leaves the earlier file)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     _fsync(tmp)

@@ -26,7 +26,7 @@ from typing import Any
 
 from nemo_jq.runtime.monitor import nonfinite_back, read_json_file, read_metrics, valid_json
 from nemo_jq.runtime.outputs import MOVED_ASIDE
-from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE, UNSEEN_KEYS, has_finished
+from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE, UNSEEN_KEYS, has_finished, metric_keys, results_problem
 from nemo_jq.runtime.sweep import FINISHED, SWEEP_FILE, Sweep
 
 
@@ -116,7 +116,7 @@ def told_apart(runs: list[RunRecord]) -> list[RunRecord]:
 
 def _group(run: RunRecord) -> tuple[str, str, str, frozenset[str]]:
     """What a table row of runs shares, besides their settings: dataset, prompt format, method and test metrics."""
-    return run.dataset, run.format, run.method, frozenset(_metrics(run.results["test"]))
+    return run.dataset, run.format, run.method, frozenset(metric_keys(run.results["test"]))
 
 
 def run_dirs(paths: list[Path]) -> list[Path]:
@@ -182,20 +182,6 @@ def _sweep_goes_on(run_dir: Path) -> bool:
     return run is not None and sweep.status(run) != FINISHED
 
 
-def results_problem(results: dict[str, Any]) -> str | None:
-    """What keeps ``results`` from being what a finished run writes, as far as the report reads it (None: nothing)."""
-    if not isinstance(results.get("objective"), str):
-        return "no objective"
-    if not isinstance(results.get("test"), dict):
-        return "no test scores"
-    if results.get("q_schedule") is not None and not isinstance(results["q_schedule"], dict):
-        return "its q_schedule is not an object"
-    named = {"q": results.get("q"), **{f"test {key}": results["test"][key] for key in _metrics(results["test"])}}
-    wrong = [f"{name} is {value!r}" for name, value in named.items()
-             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))]
-    return f"{wrong[0]}, not a number" if wrong else None
-
-
 def seed_stats(values: list[float | None]) -> dict[str, float | int | None]:
     """Over the seeds' values (a None left out: a seed that never got there): the mean, the sample sd, n, and ``ci95``,
     the half-width of the 95% Student-t interval (sd and ci95 None for one value: one seed shows no spread). The
@@ -236,16 +222,11 @@ def table(runs: list[RunRecord]) -> list[dict[str, Any]]:
                "collapsed_after_peak": sum(run.collapsed_after_peak for run in members),
                # runs whose validation never rose above 0 test their latest checkpoint (results.json's "tested")
                "tested_latest": sum(run.results.get("best_step") is None for run in members)}
-        for key in _metrics(members[0].results["test"]):
+        for key in metric_keys(members[0].results["test"]):
             spread = seed_stats([run.results["test"][key] for run in members])
             row[key], row[f"{key} ±"] = (None if spread[part] is None else round(spread[part], 2) for part in ("mean", "ci95"))
         rows.append(row)
     return rows
-
-
-def _metrics(scores: dict[str, Any]) -> list[str]:
-    """The metric keys (``p@k``, ``m@k``) of a run's test scores or a row, in their order."""
-    return [key for key in scores if key.startswith(("p@", "m@")) and not key.endswith("±")]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -253,7 +234,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     over n seeds; a dash where no seed has it); a dagger where runs collapsed after their peak."""
     out = []
     for (dataset, fmt, _), members in _by_setting(rows).items():
-        metrics = _metrics(members[0])
+        metrics = metric_keys(members[0])
         latest = sum(row.get("tested_latest", 0) for row in members)
         tested = ("best-validation checkpoint" if not latest else "latest checkpoint: no validation rose above 0"
                   if latest == sum(row["n"] for row in members) else
@@ -292,7 +273,7 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
 def _by_setting(rows: list[dict[str, Any]]) -> dict[tuple[str, str, frozenset[str]], list[dict[str, Any]]]:
     grouped: dict[tuple[str, str, frozenset[str]], list[dict[str, Any]]] = {}
     for row in rows:
-        grouped.setdefault((row["dataset"], row["format"], frozenset(_metrics(row))), []).append(row)
+        grouped.setdefault((row["dataset"], row["format"], frozenset(metric_keys(row))), []).append(row)
     return grouped
 
 

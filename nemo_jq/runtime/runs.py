@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from nemo_jq.config import PATH_KEYS, Config, ConfigError, TrackingConfig, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
-from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
-from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, nonfinite_back, plot_runs, read_metrics, valid_json
+from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name, write_atomic
+from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, nonfinite_back, plot_runs, read_json_file, read_metrics, valid_json
 from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE, first_line
 from nemo_jq.strict_yaml import read_yaml_file
@@ -298,7 +299,7 @@ def last_checkpoint_step(run_dir: Path) -> int | None:
 def write_results(run_dir: Path, results: dict[str, Any]) -> None:
     """What a finished run writes: its test results and the Figure-3 panels of its metrics; then it lets go of its
     directory (a process that goes on to other runs holds only the one it writes)."""
-    (run_dir / RESULTS_FILE).write_text(valid_json(results, indent=2))
+    write_atomic(run_dir / RESULTS_FILE, valid_json(results, indent=2))
     plot_runs({run_dir.name: read_metrics(run_dir)}, run_dir / PLOT_FILE)
     release_run_dir(run_dir)
 
@@ -576,6 +577,39 @@ def write_evaluation(run_dir: Path, split: str, step: int, report: dict[str, Any
 MODEL_CARD = "README.md"
 
 
+def metric_keys(scores: dict[str, Any]) -> list[str]:
+    """The metric keys (``p@k``, ``m@k``) of a run's test scores or a row, in their order."""
+    return [key for key in scores if key.startswith(("p@", "m@")) and not key.endswith("±")]
+
+
+def results_problem(results: dict[str, Any]) -> str | None:
+    """What keeps ``results`` from being what a finished run writes, as far as the report reads it (None: nothing)."""
+    if not isinstance(results.get("objective"), str):
+        return "no objective"
+    if not isinstance(results.get("test"), dict):
+        return "no test scores"
+    if results.get("q_schedule") is not None and not isinstance(results["q_schedule"], dict):
+        return "its q_schedule is not an object"
+    named = {"q": results.get("q"), **{f"test {key}": results["test"][key] for key in metric_keys(results["test"])}}
+    wrong = [f"{name} is {value!r}" for name, value in named.items()
+             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))]
+    return f"{wrong[0]}, not a number" if wrong else None
+
+
+def card_results(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``results.json`` for its model card; None where it has none, or (said in a line: the card leaves the
+    test scores out, the export goes on) one that is damaged."""
+    path = run_dir / RESULTS_FILE
+    if not path.exists():
+        return None
+    try:
+        return read_json_file(path, "a finished run's results", results_problem, "", decode=nonfinite_back)
+    except ValueError as err:
+        print(f"nemo-jq: warning: {str(err).removesuffix(': ')}: the model card leaves the run's test scores out "
+              f"(`nemo-jq train --resume {run_dir}` writes it again, once it is moved aside)", file=sys.stderr)
+        return None
+
+
 def model_card(selected: Selected) -> str:
     """The export's model card: what trained it (estimator and q, or its schedule; the data and prompt format), the
     checkpoint it came from and why, its validation metrics (and the run's test scores, where it finished and this is
@@ -586,8 +620,7 @@ def model_card(selected: Selected) -> str:
     q = f"q schedule {objective.q_schedule}" if objective.q_schedule else f"q = {objective.q:g}"
     records = read_metrics(selected.run_dir)
     validation = [record for record in records if record["kind"] == "validation" and record["step"] == selected.step]
-    results_path = selected.run_dir / RESULTS_FILE
-    results = nonfinite_back(json.loads(results_path.read_text())) if results_path.exists() else None
+    results = card_results(selected.run_dir)
     test = [record for record in records if record["kind"] == "test"]  # the best step, or the last where none was
     tested = results is not None and bool(test) and (test[-1].get("best_step") or test[-1]["step"]) == selected.step
     lines = ["---", "library_name: transformers", f"base_model: {config.model.path or 'none (a tiny Qwen3 from scratch)'}",

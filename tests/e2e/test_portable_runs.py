@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_RUN, run_cli
+from helpers import TINY_RUN, one_line_error, run_cli
 from nemo_jq.config import load_config
 from nemo_jq.runtime.monitor import read_metrics
 
@@ -33,3 +33,13 @@ def test_a_run_resumes_and_evaluates_from_another_directory_and_after_a_move(tmp
     assert code == 0, err
     assert load_config(Path(moved) / "config.yaml").train.run_dir == str(moved)
     assert [r["step"] for r in read_metrics(moved) if r["kind"] == "train"] == [1, 2, 3, 4]
+
+    shutil.move(work / "data", tmp_path / "archived")  # the data purged from scratch: only eval reads it
+    code, _, err = run_cli(capsys, "eval", moved)
+    one_line_error(code, err, f"{work / 'data' / 'mine'} does not exist")
+    code, out, err = run_cli(capsys, "generate", moved, "Which city is the capital of France?")
+    assert code == 0 and "Traceback" not in err, err
+    (Path(moved) / "results.json").write_text('{"objective": "garl", "te')  # cut short: only its card's test line
+    code, _, err = run_cli(capsys, "export", moved, "--out", tmp_path / "exported")
+    assert code == 0 and err.count("\n") == 1 and f"warning: {moved}/results.json is not a finished run's results" in err, err
+    assert (tmp_path / "exported" / "model.safetensors").exists()
