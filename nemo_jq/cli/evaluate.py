@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 
@@ -30,11 +31,19 @@ def load(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.recipe.evaluation import Evaluator
     from nemo_jq.runtime import distributed
-    from nemo_jq.runtime.runs import evals_folder, sampled_with, write_evaluation
+    from nemo_jq.runtime.runs import EVALS_DIR, evals_folder, sampled_with, write_evaluation
 
     loaded = load(args)
     selected = loaded.selected
-    evals_folder(selected.run_dir)  # before the evaluation, not after it
+    try:
+        kept = evals_folder(selected.run_dir)  # before the evaluation, not after it
+    except OSError as err:
+        if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        kept = None  # another user's run, a read-only mount: evaluated all the same
+        if distributed.is_writer():
+            print(f"nemo-jq: warning: {selected.run_dir} cannot be written ({(err.strerror or str(err)).lower()}): the "
+                  f"evaluation is printed, not kept in its {EVALS_DIR}/", file=sys.stderr)
     noise = loaded.components.config.data.label_noise
     if args.split == "train" and noise and distributed.is_writer():
         print(f"nemo-jq: warning: the train split is scored against its labels as the run trained on them: "
@@ -44,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
               "sampled_with": sampled_with(config)}
     if distributed.is_writer():
         print(json.dumps(report, indent=2))
-        written = write_evaluation(selected.run_dir, args.split, selected.step, report)
-        print(f"nemo-jq: evaluated step {selected.step} of {selected.run_dir} ({selected.why}); wrote {written}",
-              file=sys.stderr)
+        written = write_evaluation(selected.run_dir, args.split, selected.step, report) if kept else None
+        print(f"nemo-jq: evaluated step {selected.step} of {selected.run_dir} ({selected.why})"
+              + (f"; wrote {written}" if written else ""), file=sys.stderr)
     return 0

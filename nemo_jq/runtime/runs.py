@@ -219,7 +219,9 @@ def check_splits(run_dir: Path, splits: Any, data: Any) -> None:
         return
     try:
         recorded = json.loads(path.read_text())
-        fault = None if isinstance(recorded, dict) else f"it holds a JSON {type(recorded).__name__}, not split: digest"
+        fault = (f"it holds a JSON {type(recorded).__name__}, not split: digest" if not isinstance(recorded, dict) else
+                 next((f"its {name} is {json.dumps(digest)[:30]}, not a digest" for name, digest in recorded.items()
+                       if not (isinstance(digest, str) and len(digest) == 64)), None))
     except (OSError, ValueError) as err:
         fault = f"not JSON: {err}" if isinstance(err, ValueError) else first_line(err)
     if fault:
@@ -523,7 +525,9 @@ def select_checkpoint(path: Path, which: str = "best") -> Selected:
     key = f"m@{load_config(path / CONFIG_FILE, saved=True).eval.num_samples}"
     if best is None:
         validated = any(record["kind"] == "validation" for record in read_metrics(path))
+        unknown = not (path / METRICS_FILE).exists()  # deleted: its validations are not known, not absent
         return Selected(path, latest, state["step"], f"the latest (no validation {key} rose above 0)" if validated
+                        else f"the latest (no {METRICS_FILE} says how its validations went)" if unknown
                         else "the latest (the run has no validation yet)")
     require_best(root, best, f"validation {key} {state['best_metric']:g}", "give --step latest or --step N")
     tied = [r["step"] for r in read_metrics(path) if r["kind"] == "validation" and r["step"] != best

@@ -377,6 +377,20 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp
     code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "1")
     assert code == 0 and json.loads(out)["step"] == 1
     (step_2 / "state.json").write_text(state)
+    shutil.rmtree(run_dir / "evals")
+    mkdir = Path.mkdir  # a run on a read-only mount (another user's): root cannot be refused a write, mkdir's error stands in
+
+    def read_only(path, *args, **kwargs):
+        if path.parent == run_dir:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return mkdir(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "mkdir", read_only)
+        code, out, err = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "1")
+    assert code == 0 and json.loads(out)["step"] == 1 and not (run_dir / "evals").exists()
+    assert f"warning: {run_dir} cannot be written (read-only file system): the evaluation is printed, not kept in its evals/" in err
+    assert "wrote" not in err
     (step_2 / "optimizer.pt").write_bytes((step_2 / "optimizer.pt").read_bytes()[:100])  # read by a resume only
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")
     one_line_error(code, err, f"{step_2 / 'optimizer.pt'} is damaged (truncated or corrupt",
@@ -404,6 +418,8 @@ def test_eval_says_what_is_missing_where_no_run_holds_a_checkpoint(tmp_path, cap
             ("config.yaml", "", "config.yaml sets nothing"),
             ("splits.json", "garbage", "splits.json is not the splits' digests the run wrote at its start (not JSON"),
             ("splits.json", "[1]", "splits.json is not the splits' digests the run wrote at its start (it holds a JSON list"),
+            ("splits.json", '{"train": 5}', "splits.json is not the splits' digests the run wrote at its start (its train is 5, "
+                                           "not a digest)"),
             ("tokenizer/tokenizer.json", "garbage", "tokenizer does not load (JSONDecodeError"),
             ("tokenizer/tokenizer.json", "{}", "tokenizer does not load (KeyError: 'added_tokens')")):
         shutil.rmtree(damaged, ignore_errors=True)
@@ -414,6 +430,13 @@ def test_eval_says_what_is_missing_where_no_run_holds_a_checkpoint(tmp_path, cap
             code, _, err = run_cli(capsys, *command)
             one_line_error(code, err, f"{damaged / name.split('/')[0]}", said, "restore it" if "tokenizer" not in name
                            else "restore the folder from a copy of the run")
+    shutil.rmtree(damaged)
+    shutil.copytree(run_dir, damaged)
+    code, _, err = run_cli(capsys, "eval", damaged, "--split", "validation")
+    assert code == 0 and "(the latest (no validation m@4 rose above 0))" in err, err
+    (damaged / "metrics.jsonl").unlink()  # which told whether it had validations
+    code, _, err = run_cli(capsys, "eval", damaged, "--split", "validation")
+    assert code == 0 and "(the latest (no metrics.jsonl says how its validations went))" in err, err
     copied = tmp_path / "copies" / "step_00000002"
     shutil.copytree(run_dir / "checkpoints" / "step_00000002", copied)
     for command in (["eval", copied], ["export", copied, "--out", tmp_path / "hf"]):
