@@ -545,7 +545,11 @@ def test_an_export_into_a_mount_point_stages_inside_it_and_a_stop_as_it_moves_in
 
     monkeypatch.setattr(Path, "stat", mounted)
     monkeypatch.setattr(os, "replace", rename)
-    code, _, err = run_cli(capsys, "export", run_dir, "--out", out, "--step", "2")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's Ctrl-C (xdist's workers ignore it)
+    try:
+        code, _, err = run_cli(capsys, "export", run_dir, "--out", out, "--step", "2")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert code == 130, err
     assert len(moves) > 2 and moves[-1] == "nemo_jq_export.json"  # every file moved in, the marker last
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mounted", "run"]
