@@ -39,11 +39,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "tests" / "slurm" / "setup.sh"
 SLURM_DIR = Path(os.environ.get("NEMO_JQ_SLURM_DIR", "/tmp/nemo-jq-slurm"))
 TINY = [*TINY_RUN, "train.max_steps=5", "eval.every=1000"]
-#: A run the time-limit signal always lands in: its steps take ~0.05 s here (checkpoints ~1 s), so five steps could
-#: end before `scancel --signal=USR1` reached them (a requeue test once failed with Restarts 0); the signal is sent
-#: at step 2 (or as the trainer starts) and SIGNALLED_STEPS steps with no checkpoint of their own take ~3 s more.
-SIGNALLED_STEPS = 60
-SIGNALLED = [*TINY_RUN, f"train.max_steps={SIGNALLED_STEPS}", "train.epochs=10", "train.save_every=1000",
+#: A run the time-limit signal always lands in: its steps take ~0.05-0.1 s here (checkpoints ~1 s), so five steps
+#: could end before `scancel --signal=USR1` reached them (a requeue test once failed with Restarts 0), and on a
+#: loaded 2-core host sixty did too (at 9 steps/s); the signal is sent at step 2 (or as the trainer starts) and
+#: SIGNALLED_STEPS steps with no checkpoint of their own take ~10-20 s more.
+SIGNALLED_STEPS = 200
+SIGNALLED = [*TINY_RUN, f"train.max_steps={SIGNALLED_STEPS}", "train.epochs=40", "train.save_every=1000",
              "eval.every=1000"]
 CPU_MEGATRON = f"{sys.executable} tests/megatron_cpu.py"
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
