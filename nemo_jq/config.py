@@ -429,7 +429,7 @@ class Config:
         from nemo_jq.data.qa import DATASETS
 
         data = self.data
-        if data.prepared_dir and not (saved and not Path(data.prepared_dir).exists()):
+        if data.prepared_dir and (not saved or Path(data.prepared_dir).exists()):
             manifest = read_manifest(Path(data.prepared_dir))
             recorded = {"name": manifest["dataset"], "template": manifest.get("template"),
                         "system_prompt": manifest.get("system")}

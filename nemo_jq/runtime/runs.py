@@ -607,10 +607,11 @@ def card_results(run_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        return read_json_file(path, "a finished run's results", results_problem, "", decode=nonfinite_back)
+        return read_json_file(path, "a finished run's results", results_problem, "the model card leaves the run's test "
+                              f"scores out (`nemo-jq train --resume {run_dir}` writes it again, once it is moved aside)",
+                              decode=nonfinite_back)
     except ValueError as err:
-        print(f"nemo-jq: warning: {str(err).removesuffix(': ')}: the model card leaves the run's test scores out "
-              f"(`nemo-jq train --resume {run_dir}` writes it again, once it is moved aside)", file=sys.stderr)
+        print(f"nemo-jq: warning: {err}", file=sys.stderr)
         return None
 
 
