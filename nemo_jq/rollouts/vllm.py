@@ -98,13 +98,19 @@ def installed_refit_route() -> str | None:
     return refit_route(getattr(GPUModelRunner, "reload_weights", None))
 
 
-def check_installed_vllm(installed: str | None, route: str | None, *, on_gpu: bool, data_parallel: int) -> None:
-    """Refuse, in one line, an installed vLLM (``"vllm 0.15.1"``, its refit ``route``) that cannot serve this run:
-    on CPU one without :data:`RELOAD` (its CPU kernels drop the weight a load in place would write), and under
-    torchrun with ``data_parallel`` engines one before 0.11 (its external launcher has no data-parallel lockstep:
-    each engine would build its own data-parallel group as rank 0)."""
+def check_installed_vllm(installed: str | None, route: str | None, *, on_gpu: bool, data_parallel: int,
+                         record_routes: bool = False, engine_fields: Iterable[str] = ()) -> None:
+    """Refuse, in one line, an installed vLLM (``"vllm 0.15.1"``, its refit ``route``, its ``EngineArgs`` fields) that
+    cannot serve this run: on CPU one without :data:`RELOAD` (its CPU kernels drop the weight a load in place would
+    write), under torchrun with ``data_parallel`` engines one before 0.11 (its external launcher has no data-parallel
+    lockstep: each engine would build its own data-parallel group as rank 0), and under routing replay
+    (``record_routes``) one that cannot return the experts it routed (it would fail at the first rollout)."""
     if installed is None:
         return
+    if record_routes and "enable_return_routed_experts" not in set(engine_fields):
+        raise ConfigError(f"rollout.routing_replay: {installed} cannot return the experts it routes each token to (its "
+                          "EngineArgs have no enable_return_routed_experts): install a vLLM that has it (docs/moe.md), "
+                          "or set rollout.routing_replay=false to train without replaying them")
     floor = ".".join(map(str, VLLM_FLOOR))
     if route == IN_PLACE and not on_gpu:
         raise ConfigError(f"rollout.engine=vllm on CPU: {installed} cannot take a refit there (its reload_weights() takes "
@@ -397,8 +403,10 @@ class VLLMSampler:
 
         self.settings, self.tensor_parallel, self.record_routes = settings, tensor_parallel, record_routes
         on_gpu = device.type == "cuda"
+        engine_fields = set(EngineArgs.__dataclass_fields__)
         check_installed_vllm(installed_vllm(), installed_refit_route(), on_gpu=on_gpu,
-                             data_parallel=distributed.world_size() // tensor_parallel)
+                             data_parallel=distributed.world_size() // tensor_parallel, record_routes=record_routes,
+                             engine_fields=engine_fields)
         self.lockstep = distributed.world_size() > 1
         self.tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
         kv_cache_bytes = int(kv_cache_gb * 1024**3) if kv_cache_gb else (None if on_gpu else 1024**3)
@@ -407,7 +415,7 @@ class VLLMSampler:
         kwargs = llm_kwargs(str(model_dir), tensor_parallel=tensor_parallel, world_size=distributed.world_size(),
                             on_gpu=on_gpu, dtype="bfloat16" if on_gpu and precision != "fp32" else "float32",
                             memory_utilization=memory_utilization, kv_cache_bytes=kv_cache_bytes, seed=seed,
-                            engine_fields={field for field in EngineArgs.__dataclass_fields__},
+                            engine_fields=engine_fields,
                             rollout_rank=rollout_rank, record_routes=record_routes)
         self.sleeps = bool(kwargs.get("enable_sleep_mode"))
         quiet_expected_noise()

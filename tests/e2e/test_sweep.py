@@ -191,7 +191,7 @@ def documented_generate() -> list[str]:
 
 
 def test_the_demo_stopped_continues_to_the_table_of_one_never_stopped_and_takes_overrides_to_every_run(tmp_path):
-    small = ["--quick", "train.max_steps=24", "data.test_size=16"]
+    small = ["--quick", "train.max_steps=12", "data.test_size=16"]
     code, whole = finish(nemo_jq("train", "--demo-dir", tmp_path / "whole", *small))
     assert code == 0, whole
     assert whole.splitlines()[0].startswith("nemo-jq train: the cold-start comparison, GRPO, GARL q=0 (RB-RLOO), GARL "
@@ -213,7 +213,7 @@ def test_the_demo_stopped_continues_to_the_table_of_one_never_stopped_and_takes_
         assert row["n"] == 1 and all(row[key] == round(value, 2) for key, value in result["test"].items()), label
     for slug in ("grpo", "garl_q0", "garl_q0.5", "garl_q0.75", "garl_q1"):  # --quick and the overrides reached each
         config = (tmp_path / "whole" / slug / "config.yaml").read_text()
-        assert "max_steps: 24" in config and "test_size: 16" in config and "validation_size: 32" in config, slug
+        assert "max_steps: 12" in config and "test_size: 16" in config and "validation_size: 32" in config, slug
 
 
 def test_a_sweep_resumed_from_another_folder_reads_its_runs_paths_from_where_it_was_started(tmp_path, monkeypatch):

@@ -127,6 +127,20 @@ def test_an_engine_refuses_a_vllm_that_cannot_refit_on_cpu_or_step_data_parallel
     assert engine.version_tuple("0.11.0rc1") == (0, 11)
 
 
+def test_routing_replay_refuses_a_vllm_that_cannot_return_its_routes_before_the_engine_is_built():
+    """A Qwen3-MoE under routing replay needs ``enable_return_routed_experts``; an engine without it would drop the
+    argument and fail at the first rollout: refused in one line, before it is built. Without replay it serves."""
+    EngineArgs = pytest.importorskip("vllm.engine.arg_utils", reason="vllm is not installed").EngineArgs
+    fields = set(EngineArgs.__dataclass_fields__) - {"enable_return_routed_experts"}
+    with pytest.raises(ConfigError, match=r"^rollout\.routing_replay: vllm 0\.11\.0 cannot return the experts .*"
+                                          r"or set rollout\.routing_replay=false"):
+        engine.check_installed_vllm("vllm 0.11.0", RELOAD, on_gpu=True, data_parallel=1, record_routes=True,
+                                    engine_fields=fields)
+    engine.check_installed_vllm("vllm 0.11.0", RELOAD, on_gpu=True, data_parallel=1, engine_fields=fields)
+    engine.check_installed_vllm(engine.installed_vllm(), RELOAD, on_gpu=True, data_parallel=1, record_routes=True,
+                                engine_fields=EngineArgs.__dataclass_fields__)  # the installed one returns them
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_installed_vllm_takes_the_reload_route():
