@@ -17,7 +17,7 @@ from typing import Any
 
 from nemo_jq.runtime.monitor import plot_runs, valid_json
 from nemo_jq.runtime.report import read_run
-from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep, SweepRun, free_cores, run_here
+from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep, SweepRun, free_cores, refuse_running, run_here
 
 DEMO_RUNS = (
     ("GRPO", "grpo", ["objective.name=grpo"]),
@@ -65,6 +65,7 @@ def run_demo(out_dir: Path, overrides: list[str] | tuple[str, ...] = (), *, over
         sweep = Sweep.load(out_dir)
         if "demo" not in sweep.grid:
             raise ValueError(f"{out_dir} holds a sweep, not the demo: `nemo-jq sweep --resume {out_dir}` continues it")
+        refuse_running(sweep, command="train")  # before the table's heading
         if overrides:
             sweep.go_on_with(overrides, command="train")
     else:

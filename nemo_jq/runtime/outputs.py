@@ -22,8 +22,9 @@ from nemo_jq.typed import first_few
 
 
 def claim_dir(path: Path, markers: tuple[str, ...], *, overwrite: bool, what: str, advice: str) -> Path | None:
-    """Refuse ``path`` if it holds any of ``markers`` (an earlier run, demo or prepared data), saying ``advice``;
-    with ``overwrite``, move it aside first (nothing is deleted). Returns where it was moved, if it was."""
+    """Refuse ``path`` if it holds any of ``markers`` (an earlier run, demo or prepared data), saying ``advice`` (or,
+    where another process runs a run in it now, naming that process); with ``overwrite``, move it aside first (nothing
+    is deleted). Returns where it was moved, if it was."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} is a file, not a folder: choose a folder that does not hold one")
@@ -31,6 +32,10 @@ def claim_dir(path: Path, markers: tuple[str, ...], *, overwrite: bool, what: st
     if not found:
         return None
     if not overwrite:
+        if held := held_runs_in(path):  # not to continue nor to move aside: it is running (a shared machine's)
+            folder, holder = held[0]
+            raise RunDirInUse(f"{path} already holds {what} ({', '.join(found)}), running now: {folder} is in use by "
+                              f"another run ({holder}); wait for it to end (or stop it), or choose another folder")
         raise FileExistsError(f"{path} already holds {what} ({', '.join(found)}): {advice}")
     return move_aside(path)
 

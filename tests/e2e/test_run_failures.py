@@ -64,7 +64,8 @@ def test_a_second_writer_of_a_held_run_directory_is_one_line_naming_the_holder(t
 def test_a_folder_whose_runs_are_in_use_is_not_moved_aside_nor_run_a_second_time(tmp_path, capsys):
     """A demo or experiment folder moved aside by --overwrite while its runs trained: the running one went on writing
     into the moved folder and its next run into the new one (a table mixing two demos). A second start of a running
-    sweep (or demo) failed run by run, blaming each run. Both are refused up front, naming the holder; nothing moves."""
+    sweep (or demo) failed run by run, blaming each run, and a new one in its folder was told to continue it. All are
+    refused up front, naming the holder; nothing moves."""
     from nemo_jq.runtime.outputs import claim_dir
     from nemo_jq.runtime.sweep import Sweep, run_here
 
@@ -78,11 +79,14 @@ def test_a_folder_whose_runs_are_in_use_is_not_moved_aside_nor_run_a_second_time
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        for attempt in (lambda: claim_dir(demo, ("sweep.json",), overwrite=True, what="a sweep", advice=""),
-                        lambda: run_here(sweep)):
+        for overwrite in (True, False):  # a second start is not told to continue the demo, which is running
             with pytest.raises(FileExistsError, match=f"{demo / sweep.runs[1].name}.* in use by another run \\(pid "
-                                                      f"{holder.pid} on host"):
-                attempt()
+                                                      f"{holder.pid} on host") as refused:
+                claim_dir(demo, ("sweep.json",), overwrite=overwrite, what="a sweep", advice="continue it with --resume")
+            assert "--resume" not in str(refused.value)
+        with pytest.raises(FileExistsError, match=f"{demo / sweep.runs[1].name}.* in use by another run \\(pid "
+                                                  f"{holder.pid} on host"):
+            run_here(sweep)
         assert sorted(path.name for path in tmp_path.iterdir()) == ["demo", "holder.py"]
         assert not (demo / "logs").exists()  # the second start wrote nothing
     finally:
