@@ -115,7 +115,7 @@ def _main(argv: list[str] | None) -> int:
     except Exception as err:
         from nemo_jq.runtime import distributed
 
-        message = user_error_message(err)
+        message = user_error_message(err, args.command)
         if message is None or args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         # rank 0 names the failed rank; that rank prints its own message
@@ -126,23 +126,26 @@ def _main(argv: list[str] | None) -> int:
         return 2
 
 
-def user_error_message(err: BaseException) -> str | None:
-    """One line for an error that ordinary bad input causes (None for a bug: its traceback is shown).
+def user_error_message(err: BaseException, command: str = "train") -> str | None:
+    """One line for an error that ordinary bad input causes (None for a bug: its traceback is shown); a path the
+    ``command`` cannot write is the one its fix names (a report's, not a run's ``train.run_dir``).
 
     Under torchrun, rank 0 also names any other rank that failed, and each failed rank prints its own.
     """
     from nemo_jq.runtime import distributed
 
     if isinstance(err, OSError) and err.errno is not None and err.filename is not None:
+        written = {"train": "train.run_dir (or --demo-dir)", "report": "--csv, --json or --figures path", "eval": "path",
+                   "generate": "path", "plan": "path", "dryrun": "path", "doctor": "path"}.get(command, "--out")
         hints = {
             errno.ENOSPC: "free some space or choose another train.run_dir / --out; the last good checkpoint "
                           "(checkpoints/latest) is still loadable, so `nemo-jq train --resume RUN_DIR` continues",
             errno.EDQUOT: "free some of your quota (`lfs quota -u $USER PATH` on Lustre, `quota -s` elsewhere) or choose "
                           "another train.run_dir / --out; the last good checkpoint (checkpoints/latest) is still "
                           "loadable, so `nemo-jq train --resume RUN_DIR` continues",
-            errno.EACCES: "make it writable or choose another train.run_dir / --out",
-            errno.EROFS: "choose a writable train.run_dir / --out",
-            errno.EPERM: "make it writable or choose another train.run_dir / --out",
+            errno.EACCES: f"make it writable or choose another {written}",
+            errno.EROFS: f"choose a writable {written}",
+            errno.EPERM: f"make it writable or choose another {written}",
             errno.EISDIR: "it is a folder: give a file's path",
             errno.ENOTDIR: "a part of that path is a file, not a folder: give another path",
             errno.EEXIST: "a file is there where a folder is wanted: give another path",

@@ -18,8 +18,16 @@ def with_escapes(text: str) -> str:
 
 
 def path(text: str) -> Path:
-    """A path, a leading ``~`` the home folder: a shell leaves ``--out=~/x`` as it is (a folder named ``~`` was made)."""
-    return Path(text).expanduser()
+    """A path, a leading ``~`` the home folder: a shell leaves ``--out=~/x`` as it is (a folder named ``~`` was made);
+    an empty one is refused (``Path("")`` is the current folder)."""
+    return Path(given(text)).expanduser()
+
+
+def given(text: str) -> str:
+    """A value that is not empty: ``--source "$DATA"`` with ``DATA`` unset read the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset shell variable?): give a value")
+    return text
 
 
 path.names_a_path = True  # a launch checks where it points from where its job runs (cluster.launch.check_job_paths)

@@ -20,7 +20,8 @@ def add_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prep.add_argument("--dataset", required=True, help="finqa, hotpotqa, musique or jsonl")
-    prep.add_argument("--source", help="local file, folder of split files, or hub name (default: the paper's hub name)")
+    prep.add_argument("--source", type=arguments.given,
+                      help="local file, folder of split files, or hub name (default: the paper's hub name)")
     prep.add_argument("--hub-config", help="hub dataset config (hotpotqa: distractor)")
     prep.add_argument("--out", type=arguments.path, required=True, help="a new folder (one that holds prepared data is refused)")
     prep.add_argument("--overwrite", action="store_true", help="if --out holds prepared data, move it aside to NAME.old-<time> first")

@@ -33,39 +33,43 @@ _YES_NO = ("yes", "no")
 
 
 #: Number punctuation SQuAD's rule deletes, which changes the number (``3.14`` -> ``314``, ``-5`` -> ``5``, ``1/2``
-#: -> ``12``, ``3,5`` -> ``35``): kept as these stand-ins while the rest is dropped.
-_POINT, _SLASH, _COMMA, _MINUS = "\x00", "\x01", "\x02", "\x03"
-_KEPT = {".": _POINT, "/": _SLASH, ",": _COMMA}
+#: -> ``12``, ``12:30`` -> ``1230``, ``1-2-3`` -> ``123``): kept as private-use stand-ins while the rest is dropped
+#: (each mark its own; the joiner: the marks of digits joined by several, which may differ: a date's ``-`` or ``/``).
+_STAND_IN = {mark: chr(0xE000 + index) for index, mark in enumerate(string.punctuation)}
+_JOINER = chr(0xE000 + len(string.punctuation))
+_RESTORE = {ord(stand_in): mark for mark, stand_in in _STAND_IN.items()} | {ord(_JOINER): "-"}
+_PRIVATE_USE = re.compile("[\ue000-\uf8ff]")
 _MARK = rf"[{re.escape(string.punctuation)}]"
-_NUMBER_RUN = re.compile(rf"\d+(?:{_MARK}\d+)+")
+_NUMBER_RUN = re.compile(rf"\d+(?:{_MARK}+\d+)+")
 _GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _LEADING_POINT = re.compile(r"(?<![\w.])\.(?=\d)")  # not a second point (``1..2`` read as ``10.2``)
 _SIGN = re.compile(r"(?<![\w-])-(?=\d)")  # not a second minus (``--5`` read as ``-5``)
+_PERCENT = re.compile(r"(?<=\d)\s*%")
 
 
 def squad_normalize(text: str) -> str:
     """Lower case, drop punctuation and the articles a/an/the, collapse white space (SQuAD v1.1), except within
-    numbers: one decimal point, fraction slash or comma between digits stays (``3.14`` is not ``314``, ``1/2`` not
-    ``12``, ``3,5`` not ``35``), as does a sign (``-5`` is not ``5``); thousands separators go (``1,234.5`` is
-    ``1234.5``); digits joined by several marks (a date, a time, an ID) lose them all, as SQuAD's rule has them;
-    ``.5`` is ``0.5``. An answer that is nothing but articles keeps them (a multiple-choice ``A``, which SQuAD's rule
-    makes empty: no output matched it)."""
-    text = text.lower().replace("\u2212", "-").translate(dict.fromkeys(map(ord, _KEPT.values()), None))
-    text = _NUMBER_RUN.sub(lambda run: _number_run(run.group()), text.replace(_MINUS, ""))
-    text = _SIGN.sub(_MINUS, _LEADING_POINT.sub("0" + _POINT, text))
-    text = " ".join("".join(ch for ch in text if ch not in _PUNCTUATION).split())
-    text = text.replace(_POINT, ".").replace(_SLASH, "/").replace(_COMMA, ",").replace(_MINUS, "-")
+    numbers, where a deleted mark would change the answer: a mark between digits stays (``3.14`` is not ``314``,
+    ``1/2`` not ``12``, ``12:30`` not ``1230``, ``1-2`` not ``12``), as does a sign (``-5`` is not ``5``); digits
+    joined by several marks keep where they are joined, whatever the marks (``2010-03-05`` is ``2010/03/05``, not
+    ``20100305``); thousands separators go (``1,234.5`` is ``1234.5``); ``.5`` is ``0.5``; a percent sign is the word
+    (``12%`` is ``12 percent``, not ``12``). An answer that is nothing but articles keeps them (a multiple-choice
+    ``A``, which SQuAD's rule makes empty: no output matched it)."""
+    text = _PRIVATE_USE.sub("", text.lower().replace("\u2212", "-"))
+    text = _NUMBER_RUN.sub(lambda run: _number_run(run.group()), _PERCENT.sub(" percent", text))
+    text = _SIGN.sub(_STAND_IN["-"], _LEADING_POINT.sub("0" + _STAND_IN["."], text))
+    text = " ".join("".join(ch for ch in text if ch not in _PUNCTUATION).split()).translate(_RESTORE)
     return " ".join(_ARTICLES.sub(" ", text).split()) or text
 
 
 def _number_run(run: str) -> str:
     """Digits with marks between them, as :func:`squad_normalize` keeps them."""
     if _GROUPED.fullmatch(run):
-        return run.replace(",", "").replace(".", _POINT)
-    marks = re.findall(_MARK, run)
-    if len(marks) == 1 and marks[0] in _KEPT:
-        return run.replace(marks[0], _KEPT[marks[0]])
-    return re.sub(_MARK, "", run)
+        return run.replace(",", "").replace(".", _STAND_IN["."])
+    marks = re.findall(rf"{_MARK}+", run)
+    if len(marks) == 1 and len(marks[0]) == 1:
+        return run.replace(marks[0], _STAND_IN[marks[0]])
+    return re.sub(rf"{_MARK}+", _JOINER, run)
 
 
 def extract_final_answer(output: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from nemo_jq.data.base import Example, Splits, Task
 from nemo_jq.data.noise import corrupt_labels
-from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id
+from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id, required_answer, required_text
 from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, folder_split_names, read_hub, read_rows, sha256
 from nemo_jq.data.synthetic import SyntheticArithmetic
 from nemo_jq.registry import blamed_on_plugin, plugin_of
@@ -89,6 +89,9 @@ def _read_source_split(task: QATask, source: str, hub_config: str | None, names:
     if path.is_dir():
         found = find_split_file(path, names)
         return read_rows(found), {"file": str(found), "sha256": sha256(found)}
+    if path.exists():  # a device, a pipe
+        raise ValueError(f"{options.source} {source} is neither a file nor a folder: give a .jsonl, .json or .parquet "
+                         "file, or a folder of split files")
     if not task.from_hub:
         raise FileNotFoundError(f"{options.source} {source} does not exist: {task.name} reads a local file or a folder "
                                 "of split files, and has no hub source")
@@ -153,6 +156,7 @@ def prepare(
         entry = {**origin, "rows": len(rows), "bad": [], "over_cap": []}
         where = source_label(source, names[0], entry)
         pool, sources, rows_of, empty, unread = [], Counter(), defaultdict(list), defaultdict(list), defaultdict(list)
+        rows_asking: dict[tuple[str, str | None], list[tuple[int, str]]] = defaultdict(list)
         read_keys = task.read_keys
         for number, record in rows:
             row_id = record_id(record, f"{names[0]}:{number}")
@@ -175,6 +179,7 @@ def prepare(
                 entry["bad"].append({"id": row_id, "row": number, "reason": str(err)})
                 continue
             sources[reference_source(example)] += 1
+            rows_asking[(example.question, example.context)].append((number, row_id))
             for name in task.empty_fields(example):
                 empty[name].append(number)
             length = len(task.linearize(example))
@@ -183,6 +188,7 @@ def prepare(
                 continue
             pool.append(example)
         warn_duplicate_ids(where, rows_of)
+        warn_repeated_questions(where, rows_asking)
         warn_empty_fields(where, task, empty, options)
         warn_unread_keys(where, read_keys, unread)
         ids_of[where] = rows_of
@@ -300,6 +306,17 @@ def warn_duplicate_ids(source: str, rows_of: dict[str, list[int]]) -> None:
               file=sys.stderr)
 
 
+def warn_repeated_questions(source: str, rows_asking: dict[Any, list[tuple[int, str]]]) -> None:
+    """Say which rows of ``source`` ask what another row asks (the same question and context) under another id: the
+    copies can be drawn into train and test (leakage) where no id says they are one example."""
+    repeated = [rows for rows in rows_asking.values() if len({row_id for _, row_id in rows}) > 1]
+    if repeated:
+        named = "; ".join(f"rows {', '.join(str(number) for number, _ in rows)}" for rows in repeated[:5])
+        print(f"nemo-jq: warning: {source}: {len(repeated)} question(s) on more than one row: {named}"
+              f"{'; ...' if len(repeated) > 5 else ''}: copies can be drawn into train and test (leakage); remove them",
+              file=sys.stderr)
+
+
 def warn_shared_ids(ids_of: dict[str, dict[str, list[int]]]) -> None:
     """Say which example ids two source split files both carry: such a row can be drawn into train and into test."""
     for (first, first_ids), (second, second_ids) in itertools.combinations(ids_of.items(), 2):
@@ -374,6 +391,10 @@ def prepare_again(folder: Path, manifest: dict[str, Any] | None = None) -> str:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """A prepared folder's manifest; says which dataset it holds and with which prompt options."""
     path = Path(folder) / "manifest.json"
+    if Path(folder).is_file():
+        raise ValueError(f"{folder} is a file, not a prepared folder: train on it as it is with data.name=jsonl "
+                         f"data.source={folder}, or prepare it (`nemo-jq data prepare --dataset jsonl --source {folder} "
+                         "--out DIR`) and give DIR")
     if not Path(folder).is_dir():
         raise FileNotFoundError(f"{folder} does not exist: give the folder `nemo-jq data prepare --out` wrote")
     if (Path(folder) / "config.yaml").exists() and not path.exists():
@@ -387,6 +408,9 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not valid JSON ({err}); {prepare_again(folder)}") from None
     if not isinstance(manifest, dict) or "dataset" not in manifest:
         raise ValueError(f"{path} does not say which dataset it holds (no 'dataset' key): {prepare_again(folder)}")
+    if not isinstance(manifest["dataset"], str) or manifest["dataset"] == "synthetic":  # prepare writes neither
+        raise ValueError(f"{path}: 'dataset' {manifest['dataset']!r} is not a prepared dataset's name (the synthetic "
+                         f"task is generated, not prepared): {prepare_again(folder)}")
     return manifest
 
 
@@ -437,9 +461,11 @@ def prepared_row_problem(row: Any) -> str | None:
             return f"key {key!r} must be {names}, got {json_type_name(type(row[key]))}"
     if not all(isinstance(alias, str) for alias in row["aliases"]):
         return "key 'aliases' must be a list of str"
-    for key in ("question", "answer"):
-        if not row[key].strip():
-            return f"empty {key!r}"
+    try:  # as prepare checked them: an answer no output can match (``!!!``) is no gold
+        required_text(row, "question")
+        required_answer(row)
+    except BadRow as err:
+        return str(err)
     return None
 
 

@@ -8,7 +8,7 @@ the reason for a malformed one), linearises the input x*, and scores answers:
   :func:`~nemo_jq.data.answers.finqa_number_match` for FinQA's numbers);
 * evaluation: the paper's substring match, by token: the normalised y* (or, for MuSiQue, any
   alias) is a contiguous run of the normalised output's tokens; for FinQA, any number in the
-  output passes the number rule.
+  output passes the number rule; an output the training reward pays is correct too.
 
 Formats: **cold** is the linearised x* alone (no task description, no formatting hint);
 **warm** adds a system message with the task and the answer format. Both go through the
@@ -69,18 +69,24 @@ def required_field(record: dict[str, Any], key: str, kind: type | tuple[type, ..
 
 
 def required_text(record: dict[str, Any], key: str) -> str:
-    """A string field, stripped; an empty one is a bad row (a prompt without its question asks nothing)."""
+    """A string field, stripped; an empty one, or one without a letter or digit (``???``, a zero-width space), is a
+    bad row (a prompt without its question asks nothing)."""
     text = required_field(record, key, str).strip()
     if not text:
         raise BadRow(f"empty {key!r}")
+    if not any(character.isalnum() for character in text):
+        raise BadRow(f"{key!r} {text!r} has no letter or digit: it asks nothing")
     return text
 
 
 def required_answer(record: dict[str, Any], key: str = "answer") -> str:
     answer = required_field(record, key, (str, int, float))
-    if isinstance(answer, float) and (not math.isfinite(answer) or "e" in repr(answer)):
-        # NaN and Infinity are no JSON; 1e20 reads back as "1e+20", which no written-out answer matches
-        raise BadRow(f"{key!r} is the number {answer!r}, which no answer is written as: give it as a string")
+    if isinstance(answer, float):  # as the JSON wrote it (3.10, not 3.1); a typed column's whole number as one
+        written = getattr(answer, "written", None) or (str(int(answer)) if answer.is_integer() else repr(answer))
+        if not math.isfinite(answer) or "e" in written.lower():
+            # NaN and Infinity are no JSON; 1e20 is not how an answer is written out
+            raise BadRow(f"{key!r} is the number {written}, which no answer is written as: give it as a string")
+        answer = written
     answer = str(answer).strip()
     if not answer:
         raise BadRow(f"empty {key!r}")
@@ -90,10 +96,13 @@ def required_answer(record: dict[str, Any], key: str = "answer") -> str:
 
 
 def record_id(record: Any, fallback: str) -> str:
+    """The row's ``id`` (or ``_id``): a non-empty string or a whole number; else ``fallback`` (an empty id, or
+    ``true``, named no row in a warning or a report)."""
     if isinstance(record, dict):
         for key in ("id", "_id"):
-            if isinstance(record.get(key), (str, int)):
-                return str(record[key])
+            value = record.get(key)
+            if (isinstance(value, str) and value.strip()) or (isinstance(value, int) and not isinstance(value, bool)):
+                return str(value)
     return fallback
 
 
@@ -157,7 +166,9 @@ class QATask:
         return float(text_exact_match(self.extract_answer(output), self.references(example)))
 
     def is_correct(self, output: str, example: Example) -> bool:
-        return token_substring_match(output, self.references(example))
+        """The paper's substring match, or the reward's: an answer the reward pays (``\\boxed{Paris}``, whose
+        normalisation is the one word ``boxedparis``) counts as correct too."""
+        return token_substring_match(output, self.references(example)) or self.reward(output, example) == 1.0
 
 
 @register_dataset("hotpotqa")
@@ -294,7 +305,9 @@ class FinQA(QATask):
         return float(finqa_answer_match(self.extract_answer(output), example.answer, example.meta.get("exe_ans")))
 
     def is_correct(self, output: str, example: Example) -> bool:
-        return finqa_output_match(output, example.answer, example.meta.get("exe_ans"))
+        """Any number written in the output, or the answer the reward pays (a ``\\boxed{}`` one)."""
+        return (finqa_output_match(output, example.answer, example.meta.get("exe_ans"))
+                or self.reward(output, example) == 1.0)
 
 
 #: The custom dataset's user turn: the context (when the row has one), then the question.

@@ -21,13 +21,18 @@ def folder_split_names(target: str, names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def find_split_file(folder: Path, names: tuple[str, ...]) -> Path:
-    """The first ``{name}{suffix}`` present in ``folder`` (e.g. FinQA's dev.json for validation)."""
+    """The first ``{name}{suffix}`` present in ``folder`` (e.g. FinQA's dev.json for validation); two files of one
+    name (``train.jsonl`` and ``train.parquet``) are refused: one of them would be left unread without a word."""
     for name in names:
-        for suffix in SUFFIXES:
-            path = folder / f"{name}{suffix}"
-            if path.exists():
-                return path
-    raise FileNotFoundError(f"no file named {list(names)} with suffix {list(SUFFIXES)} in {folder}")
+        found = [folder / f"{name}{suffix}" for suffix in SUFFIXES if (folder / f"{name}{suffix}").exists()]
+        if len(found) > 1:
+            raise ValueError(f"{folder} holds {' and '.join(path.name for path in found)}: which one is the {name} split "
+                             "is not clear; keep one of them there")
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"{folder} holds no {' or '.join(names)} split file (one of {', '.join(SUFFIXES)}): add "
+                            f"one (e.g. {folder / (names[0] + SUFFIXES[0])}), or give a single file as the source, which "
+                            "gives every split")
 
 
 class UnreadableRow:
@@ -35,6 +40,16 @@ class UnreadableRow:
 
     def __init__(self, reason: str):
         self.reason = reason
+
+
+class WrittenFloat(float):
+    """A JSON number with a fraction or an exponent that keeps how it was written (``written``): an answer ``3.10``
+    is the text ``3.10``, which the float alone would make ``3.1``."""
+
+    def __new__(cls, text: str) -> WrittenFloat:
+        number = super().__new__(cls, text)
+        number.written = text
+        return number
 
 
 def read_rows(path: Path) -> list[tuple[int, Any]]:
@@ -56,7 +71,7 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
                 continue
             if line.strip():
                 try:
-                    rows.append((number, json.loads(line)))
+                    rows.append((number, json.loads(line, parse_float=WrittenFloat)))
                 except json.JSONDecodeError as err:
                     rows.append((number, UnreadableRow(f"not valid JSON ({err.msg} at column {err.colno})")))
         return rows
@@ -106,7 +121,7 @@ def _load_json(path: Path) -> Any:
     check_not_wide_text(path, data)
     text = utf8_text(path, data, encoding="utf-8-sig")  # a byte-order mark some editors write first is not JSON
     try:
-        return json.loads(text)
+        return json.loads(text, parse_float=WrittenFloat)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); fix the file there") from None
 

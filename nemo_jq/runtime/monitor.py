@@ -215,13 +215,32 @@ def progress(total: int, desc: str, *, unit: str, initial: int = 0, shows: bool 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """A run's ``metrics.jsonl`` records (none where it has logged none yet); see :func:`read_records`."""
-    return read_records(Path(run_dir) / METRICS_FILE, ("kind", "step"), decode=nonfinite_back)
+    return read_records(Path(run_dir) / METRICS_FILE, ("kind", "step"), decode=nonfinite_back, problem=metrics_problem)
 
 
-def read_records(path: Path, keys: tuple[str, ...], decode: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
-    """The records of a JSONL file a run appends to, each holding ``keys`` (each through ``decode``). A last line cut
-    short (no newline: a write caught in progress, or one a kill stopped) is left out, as a resumed run's rewrite of
-    the file drops it; any other line that is not such a record is an error naming the file, the line and the fix."""
+#: What figures and reports read of each kind of record besides its scores (``p@k``, ``m@k``): numbers where logged.
+PLOTTED = {"train": ("reward", "log_p_hat", "max_amplified_advantage", "kl_k3", "q")}
+
+
+def metrics_problem(record: dict[str, Any]) -> str | None:
+    """What in a ``metrics.jsonl`` record is not as a run logs it, of what is read back (None: nothing): a
+    hand-edited ``"m@16": "x"`` failed the report in a traceback."""
+    step = record["step"]
+    if isinstance(step, bool) or not isinstance(step, int):
+        return f"its step is {step!r}"
+    read = [key for key in record
+            if key in PLOTTED.get(record["kind"], ()) or (key.startswith(("p@", "m@")) and not key.endswith("±"))]
+    wrong = [key for key in read if record[key] is not None
+             and (isinstance(record[key], bool) or not isinstance(record[key], (int, float)))]
+    return f"{wrong[0]} is {record[wrong[0]]!r}, not a number" if wrong else None
+
+
+def read_records(path: Path, keys: tuple[str, ...], decode: Callable[[Any], Any] | None = None,
+                 problem: Callable[[dict[str, Any]], str | None] | None = None) -> list[dict[str, Any]]:
+    """The records of a JSONL file a run appends to, each holding ``keys`` (each through ``decode``), in which
+    ``problem`` finds nothing wrong. A last line cut short (no newline: a write caught in progress, or one a kill
+    stopped) is left out, as a resumed run's rewrite of the file drops it; any other line that is not such a record
+    is an error naming the file, the line and the fix."""
     if not path.exists():
         return []
     lines = path.read_text(errors="replace").split("\n")  # a byte that is not UTF-8 fails its line, named
@@ -237,6 +256,8 @@ def read_records(path: Path, keys: tuple[str, ...], decode: Callable[[Any], Any]
             wrong = f"not JSON: {err.msg}, column {err.colno}"
         if wrong is None and (missing := [key for key in keys if key not in record]):
             wrong = f"no {', '.join(map(repr, missing))}"
+        if wrong is None and problem is not None:
+            wrong = problem(record)
         if wrong is None:
             records.append(record)
         elif number < len(lines):  # a whole line, not the unfinished last one

@@ -380,7 +380,8 @@ def report(paths: list[Path], *, figures: Path | None = None) -> dict[str, Any]:
         (finished.append(record) if record else unfinished.append(str(run_dir)))
     if not finished:
         raise ValueError(f"none of the {len(unfinished)} runs under {', '.join(map(str, paths))} has finished "
-                         f"({RESULTS_FILE}): report reads what finished runs recorded")
+                         f"({RESULTS_FILE} at its last checkpoint's step; a run given more steps by a resume has not "
+                         "until it ends): report reads what finished runs recorded")
     finished = told_apart(finished)
     datasets = list(dict.fromkeys(run.dataset for run in finished))
     written = [] if figures is None else [figures / f"curves_{dataset}.png" for dataset in datasets]

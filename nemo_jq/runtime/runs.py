@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -124,7 +125,8 @@ def is_run_config(path: Path) -> bool:
 def refuse_shared_run_dir(run_dir: Path, config: Config) -> None:
     """Before a new run writes anything: its directory is its own. Inside another run's (or a held folder), that run
     prunes its checkpoints/, rebuilds its tensorboard/ and moves all it holds on ``--overwrite``; holding a run, this
-    one does so to it; and a run's directory is never the prepared data's, which ``--overwrite`` would move away."""
+    one does so to it; and a run's directory is never its data's (prepared, or a local source), which ``--overwrite``
+    would move away."""
     folder = Path(run_dir).resolve()
     owns = "it rebuilds its tensorboard/, prunes its checkpoints/, and --overwrite moves all of it"
     if (above := run_above(folder)) is not None:
@@ -134,15 +136,16 @@ def refuse_shared_run_dir(run_dir: Path, config: Config) -> None:
     for inner, why in runs_below(folder):
         raise ConfigError(f"train.run_dir={run_dir} holds the run {inner} ({why}), which this run's folder would "
                           f"share ({owns}): choose a train.run_dir that holds no run (a new folder, beside {inner})")
-    prepared = config.data.prepared_dir
-    if prepared is not None:
-        data = Path(prepared).resolve()
+    local_source = config.data.source if config.data.source and Path(config.data.source).exists() else None
+    for key, given in (("data.prepared_dir", config.data.prepared_dir), ("data.source", local_source)):
+        if given is None:
+            continue
+        data = Path(given).resolve()
         where = ("is" if folder == data else "is inside" if data in folder.parents else
                  "holds" if folder in data.parents else None)
         if where is not None:
-            raise ConfigError(f"train.run_dir={run_dir} {where} data.prepared_dir={prepared}: a run writes (and "
-                              "--overwrite moves) its folder, the data with it: choose a train.run_dir outside the "
-                              "prepared data's folder")
+            raise ConfigError(f"train.run_dir={run_dir} {where} {key}={given}: a run writes (and --overwrite moves) "
+                              "its folder, the data with it: choose a train.run_dir outside the data's folder")
 
 
 def run_above(folder: Path) -> tuple[Path, str] | None:
@@ -343,6 +346,10 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
                      f"evaluate the checkpoints still there (`nemo-jq eval {run_dir} --step N`)")
     config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir)
     check_trained_with(config, checkpoint, ())
+    if config.data.prepared_dir and not Path(config.data.prepared_dir).exists():  # --resume cannot name another
+        raise FileNotFoundError(f"{run_dir} trains on data.prepared_dir={config.data.prepared_dir}, which is gone: move "
+                                f"the prepared folder back there, or set data.prepared_dir in {run_dir / CONFIG_FILE} to "
+                                "where it is now (the run checks that it holds the data it trained on)")
     return config, checkpoint
 
 
@@ -594,10 +601,18 @@ def results_problem(results: dict[str, Any]) -> str | None:
         return "no test scores"
     if results.get("q_schedule") is not None and not isinstance(results["q_schedule"], dict):
         return "its q_schedule is not an object"
-    named = {"q": results.get("q"), **{f"test {key}": results["test"][key] for key in metric_keys(results["test"])}}
-    wrong = [f"{name} is {value!r}" for name, value in named.items()
-             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))]
-    return f"{wrong[0]}, not a number" if wrong else None
+    test, keys = results["test"], metric_keys(results["test"])
+    named = {"q": results.get("q"), **{f"test {key}": test[key] for key in keys}}
+    wrong = [f"{name} is {value!r}" for name, value in named.items() if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value))]
+    if wrong:  # a run writes no NaN score (a diverged one stops before its test), and the report's statistics fail on it
+        return f"{wrong[0]}, not a number"
+    if not keys:
+        return "no test scores"
+    unpaired = [key for key in keys if key.startswith("m@") and f"p@{key[2:]}" not in test]  # as a run writes them
+    if unpaired:  # a score lost made the run a row of its own
+        return f"test {unpaired[0]} without p@{unpaired[0][2:]}"
+    return None if "p@1" in test else "no test p@1"
 
 
 def card_results(run_dir: Path) -> dict[str, Any] | None:

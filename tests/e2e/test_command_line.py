@@ -127,7 +127,11 @@ def test_a_misspelt_key_a_closed_pipe_a_file_as_run_directory_and_a_failed_start
     (["bogus"], "nemo-jq: error: argument command: invalid choice: 'bogus'"),
     # the overrides, optional, were named as required beside what is
     (["experiment"], "nemo-jq experiment: error: the following arguments are required: name (see"),
-    (["eval"], "nemo-jq eval: error: the following arguments are required: checkpoint (see")])
+    (["eval"], "nemo-jq eval: error: the following arguments are required: checkpoint (see"),
+    # Path("") is the current folder: --source "$DATA" with DATA unset read it
+    (["data", "prepare", "--dataset", "jsonl", "--source", "", "--sizes", "5,2,2", "--out", "x"],
+     "nemo-jq data prepare: error: argument --source: is empty (an unset shell variable?)"),
+    (["export", "run", "--out", " "], "nemo-jq export: error: argument --out: is empty (an unset shell variable?)")])
 def test_a_bad_argument_is_one_line_without_the_usage_block(capsys, args, said):
     with pytest.raises(SystemExit) as exited:
         main(args)

@@ -37,6 +37,13 @@ def test_a_run_resumes_and_evaluates_from_another_directory_and_after_a_move(tmp
     shutil.move(work / "data", tmp_path / "archived")  # the data purged from scratch: only eval reads it
     code, _, err = run_cli(capsys, "eval", moved)
     one_line_error(code, err, f"{work / 'data' / 'mine'} does not exist")
+    code, _, err = run_cli(capsys, "train", "--resume", moved, "train.max_steps=5")  # a fix that --resume can take
+    one_line_error(code, err, f"data.prepared_dir={work / 'data' / 'mine'}, which is gone", "move the prepared folder "
+                   f"back there, or set data.prepared_dir in {Path(moved) / 'config.yaml'} to where it is now")
+    config = (Path(moved) / "config.yaml").read_text()
+    (Path(moved) / "config.yaml").write_text(config.replace(str(work / "data" / "mine"), str(tmp_path / "archived" / "mine")))
+    code, _, err = run_cli(capsys, "train", "--resume", moved, "train.max_steps=5")
+    assert code == 0, err
     code, out, err = run_cli(capsys, "generate", moved, "Which city is the capital of France?")
     assert code == 0 and "Traceback" not in err, err
     (Path(moved) / "results.json").write_text('{"objective": "garl", "te')  # cut short: only its card's test line

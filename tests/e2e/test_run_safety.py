@@ -717,6 +717,15 @@ def test_a_run_directory_inside_or_holding_a_run_or_the_prepared_data_is_refused
         one_line_error(code, err, f"train.run_dir={run_dir} {where} data.prepared_dir={prepared}", "outside")
     assert {p.name: p.read_bytes() for p in prepared.iterdir()} == before
     assert sorted(p.name for p in prepared.parent.iterdir()) == [prepared.name]
+    # a local source likewise: --overwrite moved the user's folder, their data file in it, aside
+    source = tmp_path / "mine" / "mine.jsonl"
+    source.parent.mkdir()
+    source.write_text("".join(json.dumps({"question": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n" for i in range(12)))
+    for run_dir, where in ((source.parent, "holds"), (source, "is")):
+        code, _, err = run_cli(capsys, "train", *QUICK, "data.name=jsonl", f"data.source={source}", "data.train_size=4",
+                               "data.validation_size=2", "data.test_size=2", f"train.run_dir={run_dir}", "--overwrite")
+        one_line_error(code, err, f"train.run_dir={run_dir} {where} data.source={source}", "outside")
+    assert sorted(p.name for p in source.parent.iterdir()) == ["mine.jsonl"]
 
 
 def test_a_lost_or_dangling_latest_names_the_complete_checkpoints_and_never_moves_the_run(tmp_path, capsys, monkeypatch):
@@ -848,6 +857,12 @@ def test_memory_that_runs_out_is_one_line_naming_the_settings_that_shrink_a_step
 
     assert user_error_message(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore")) \
         .startswith("out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.): lower what a step holds")
+    # a path the command cannot write: its own option names the fix (report's said "choose another train.run_dir")
+    denied = PermissionError(errno.EACCES, "Permission denied", "/sys/t.json")
+    for command, fix in (("report", "another --csv, --json or --figures path"), ("train", "another train.run_dir"),
+                         ("export", "another --out")):
+        assert user_error_message(denied, command) == f"permission denied: /sys/t.json; make it writable or choose {fix}" \
+            + " (or --demo-dir)" * (command == "train")
 
 
 def test_sigterm_or_sighup_ends_a_command_in_one_line_and_a_ctrl_c_while_it_starts_leaves_no_traceback(tmp_path, capsys,

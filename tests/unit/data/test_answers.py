@@ -299,16 +299,58 @@ def test_property_a_text_answers_number_earns_the_reward_only_at_the_golds_value
     for guess, gold in (("-5", "5"), ("314", "3.14"), ("12", "1/2"), ("1.5", "15"), ("15 million", "1.5 million"),
                         ("12", "1,2"), ("0.5", "1/2"), ("3,5", "3.5"), ("1.000", "1"), ("1.000", "1000"), ("3.10", "3.1"),
                         ("5.30 pm", "5.3 pm"), ("10:30", "10.30"), ("1..2", "10.2"), ("--5", "-5"), ("-", "-5"),
-                        (".", "0.5"), ("", "5")):
+                        (".", "0.5"), ("", "5"), ("10:30", "1030"), ("555-1234", "5551234"), ("1-2", "12"),
+                        ("1+2", "12"), ("3-1", "31"), ("20-24", "2024"), ("1,2,3", "123"), ("1.2.3", "123"),
+                        ("1,0,0,0", "1000"), ("1-000", "1000"), ("50", "50%"), ("20100305", "2010-03-05"),
+                        ("2010-0305", "2010-03-05")):
         assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 0.0, (guess, gold)
         assert not task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)
+    for guess, gold in (("12%", "12"), ("1000%", "1000")):  # evaluation's substring match finds the number's token
+        assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 0.0, (guess, gold)
     for guess, gold in (("1,000", "1000"), ("1,234.5", "1234.5"), (".5", "0.5"), ("\u22123", "-3"), ("$5", "5"),
-                        ("3.14.", "3.14"), ("2010-03-05", "2010/03/05"), ("10:30", "1030"), ("555-1234", "5551234")):
-        assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 1.0, (guess, gold)  # the last three: as SQuAD's
-        assert task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)  # rule has a date, time, ID
+                        ("3.14.", "3.14"), ("2010-03-05", "2010/03/05"), ("5/3/2010", "5-3-2010"), ("10:30", "10:30"),
+                        ("12%", "12 percent"), ("12 %", "12%")):
+        assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 1.0, (guess, gold)  # a date's marks may differ
+        assert task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)
     # a piece of a date, a score or a list is not the gold (splitting it into words made each piece a hit)
     for output, gold in (("from 2009-2010", "2010"), ("It ended 3-2.", "2"), ("1,2,3", "2"), ("call 555-1234", "1234")):
         assert not task.is_correct(output, Example("m", "q", gold)), (output, gold)
+
+
+def test_property_digits_earn_a_gold_only_joined_where_it_joins_them():
+    """SQuAD's rule deleted the marks between digits: ``1-2``, ``1+2``, ``12:30`` and ``1,2,3`` earned ``12``,
+    ``1230`` and ``123``. Digits split by marks anywhere else than the gold's, or not split where it is, earn
+    nothing; the gold's own marks do, and where several join it (a date) others at the same places do too."""
+    rng, task, marks = random.Random(11), MuSiQue(), "-:+/.,'_"
+    for _ in range(3000):
+        digits = "".join(rng.choices("0123456789", k=rng.randint(2, 8)))
+        cuts = sorted(rng.sample(range(1, len(digits)), rng.randint(0, min(3, len(digits) - 1))))
+        other = sorted(rng.sample(range(1, len(digits)), rng.randint(0, min(3, len(digits) - 1))))
+
+        def joined(at, choose):
+            pieces = [digits[i:j] for i, j in zip([0, *at], [*at, len(digits)])]
+            return "".join(piece + (choose() if k < len(pieces) - 1 else "") for k, piece in enumerate(pieces))
+
+        gold = joined(cuts, lambda: rng.choice(marks))
+        example = Example("m", "q", gold)
+        if not any(mark in gold for mark in ",."):  # a thousands separator or a point: their own rules, above
+            assert task.reward(f"Answer: {gold}", example) == 1.0, gold
+        guess = joined(other, lambda: rng.choice(marks))
+        if other != cuts and not any(mark in gold + guess for mark in ",."):
+            assert task.reward(f"Answer: {guess}", example) == 0.0, (guess, gold)
+        if len(cuts) >= 2 and not any(mark in gold for mark in ",."):  # a date's marks may be any others
+            assert task.reward(f"Answer: {joined(cuts, lambda: rng.choice('-/:'))}", example) == 1.0, gold
+
+
+def test_an_answer_the_reward_pays_counts_as_correct():
+    """The substring match normalised ``\\boxed{Paris}`` to the one token ``boxedparis``: p@k counted the answers the
+    reward paid as wrong."""
+    paris, number = Example("h", "q", "Paris"), Example("f", "q", "12.5", meta={"exe_ans": 12.5})
+    for output in ("\\boxed{Paris}", "The answer is \\boxed{Paris}.", "Answer:Paris", "**Answer:**Paris"):
+        assert HotPotQA().reward(output, paris) == 1.0 and HotPotQA().is_correct(output, paris), output
+    assert not HotPotQA().is_correct("\\boxed{London}", paris)
+    assert FinQA().reward("\\boxed{12.5}", number) == 1.0 and FinQA().is_correct("\\boxed{12.5}", number)
+    assert not FinQA().is_correct("\\boxed{13}", number)
 
 
 def test_a_multiple_choice_letter_earns_the_reward_only_as_itself():

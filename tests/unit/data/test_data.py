@@ -346,6 +346,7 @@ def _edit_first_row(path, edit):
     (lambda row: json.dumps({**row, "answer": None}), "key 'answer' must be str, got null"),
     (lambda row: json.dumps({**row, "aliases": [1]}), "key 'aliases' must be a list of str"),
     (lambda row: json.dumps({**row, "question": " "}), "empty 'question'"),
+    (lambda row: json.dumps({**row, "answer": "!!!"}), "'answer' '!!!' is empty once normalised"),
     (lambda row: '{"id": ', "not valid JSON"),
 ])
 def test_a_hand_edited_prepared_row_is_one_line_naming_file_row_and_fix(tmp_path, capsys, edit, problem):
@@ -473,6 +474,35 @@ def test_an_empty_source_is_named_as_empty_with_the_fix(tmp_path, capsys):
         prepare(make_task("jsonl"), str(source), (3, 2, 2), seed=0)
 
 
+def test_a_source_or_prepared_folder_of_the_wrong_kind_is_named_with_the_fix(tmp_path, capsys):
+    """A folder without split files named no fix; with train.jsonl and train.parquet, one was left unread without a
+    word; /dev/null "did not exist"; a file as data.prepared_dir "did not exist"; a manifest hand-edited to say
+    synthetic trained on generated sums instead of the prepared rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match=f"{folder} holds no train split file .*add one \\(e.g. "
+                                                f"{folder / 'train.jsonl'}\\), or give a single file"):
+        prepare(make_task("jsonl"), str(folder), (3, 2, 2), seed=0)
+    source = _write_jsonl(folder / "train.jsonl", _questions(7))
+    pq.write_table(pa.Table.from_pylist(_questions(7)), folder / "train.parquet")
+    with pytest.raises(ValueError, match=f"{folder} holds train.jsonl and train.parquet: .*keep one of them there"):
+        prepare(make_task("jsonl"), str(folder), (3, 2, 2), seed=0)
+    with pytest.raises(ValueError, match="data.source /dev/null is neither a file nor a folder"):
+        prepare(make_task("jsonl"), "/dev/null", (3, 2, 2), seed=0)
+    code, _, err = run_cli(capsys, "train", f"data.prepared_dir={source}", f"train.run_dir={tmp_path / 'run'}")
+    one_line_error(code, err, f"{source} is a file, not a prepared folder", f"data.name=jsonl data.source={source}")
+    prepared = tmp_path / "prepared"
+    write_prepared(*prepare(make_task("jsonl"), str(source), (3, 2, 2), seed=0), prepared)
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    (prepared / "manifest.json").write_text(json.dumps({**manifest, "dataset": "synthetic", "template": None}))
+    code, _, err = run_cli(capsys, "train", f"data.prepared_dir={prepared}", f"train.run_dir={tmp_path / 'run'}")
+    one_line_error(code, err, f"{prepared / 'manifest.json'}: 'dataset' 'synthetic' is not a prepared dataset's name")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16"), ("utf-32", "UTF-32"), ("utf-16-le", "UTF-16 or UTF-32")])
 def test_a_utf16_or_utf32_source_is_named_with_the_fix(tmp_path, encoding, name):
     """Every line of a UTF-16 file used to be a bad row, with a hint that the schema was wrong."""
@@ -506,6 +536,8 @@ def test_the_prompt_options_of_jsonl_are_refused_for_other_datasets(tmp_path, ca
 
 def test_empty_questions_and_true_or_false_answers_are_bad_rows(tmp_path):
     rows = [*_questions(6), {"id": "blank", "question": "", "answer": "1"}, {"id": "spaces", "question": " \t", "answer": "1"},
+            {"id": "marks", "question": "???", "answer": "1"}, {"id": "invisible", "question": "\u200b", "answer": "1"},
+            {"id": "kanji", "question": "\u4f55?", "answer": "1"},
             {"id": "yes", "question": "Is it?", "answer": True}, {"id": "number", "question": "How many?", "answer": 7},
             # numbers no answer is written as (NaN and Infinity, which Python's JSON reads, became "nan" and "inf");
             # a null context, as a data frame writes a missing one, is none (it was a bad row)
@@ -515,11 +547,57 @@ def test_empty_questions_and_true_or_false_answers_are_bad_rows(tmp_path):
     assert manifest["sources"]["all"]["bad"] == [
         {"id": "blank", "row": 7, "reason": "empty 'question'"},
         {"id": "spaces", "row": 8, "reason": "empty 'question'"},
-        {"id": "yes", "row": 9, "reason": "field 'answer' must be str/int/float, got bool"},
-        {"id": "nan", "row": 11, "reason": "'answer' is the number nan, which no answer is written as: give it as a string"},
-        {"id": "big", "row": 12, "reason": "'answer' is the number 1e+20, which no answer is written as: give it as a string"},
+        {"id": "marks", "row": 9, "reason": "'question' '???' has no letter or digit: it asks nothing"},
+        {"id": "invisible", "row": 10, "reason": "'question' '\\u200b' has no letter or digit: it asks nothing"},
+        {"id": "yes", "row": 12, "reason": "field 'answer' must be str/int/float, got bool"},
+        {"id": "nan", "row": 14, "reason": "'answer' is the number nan, which no answer is written as: give it as a string"},
+        {"id": "big", "row": 15, "reason": "'answer' is the number 1e20, which no answer is written as: give it as a string"},
     ]
-    assert manifest["sources"]["all"]["eligible"] == 8
+    assert manifest["sources"]["all"]["eligible"] == 9
+
+
+def test_a_number_answer_is_the_text_it_was_written_as(tmp_path):
+    """JSON's ``3.10`` read as the float 3.1 made the gold ``3.1``, which ``Answer: 3.10`` did not earn; a Parquet
+    column of whole numbers with one missing (floats, as a data frame writes it) made the golds ``12.0``, which
+    ``Answer: 12`` did not earn."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    task = make_task("jsonl")
+    lines = [json.dumps({"id": f"q{i}", "question": f"How much is {i}?", "answer": "x"}).replace('"x"', text)
+             for i, text in enumerate(["3.10", "2.50", "12", "-0.5", "1.0", "7", "8"])]
+    (tmp_path / "written.jsonl").write_text("\n".join(lines) + "\n")
+    splits, _ = prepare(task, str(tmp_path / "written.jsonl"), (5, 1, 1), seed=0)
+    golds = sorted(example.answer for split in (splits.train, splits.validation, splits.test) for example in split)
+    assert golds == sorted(["3.10", "2.50", "12", "-0.5", "1.0", "7", "8"])
+    answers = [12.0, None, 4.0, 2.5, 16.0, 20.0, 24.0, 28.0]
+    pq.write_table(pa.table({"question": [f"Q{i}?" for i in range(8)], "answer": answers}), tmp_path / "typed.parquet")
+    splits, manifest = prepare(task, str(tmp_path / "typed.parquet"), (5, 1, 1), seed=0)
+    golds = {example.question: example.answer for split in (splits.train, splits.validation, splits.test) for example in split}
+    assert sorted(golds.values()) == sorted(["12", "4", "2.5", "16", "20", "24", "28"])
+    example = next(example for split in (splits.train, splits.validation, splits.test) for example in split if example.answer == "12")
+    assert task.reward("Answer: 12", example) == 1.0 and manifest["sources"]["all"]["bad"][0]["row"] == 2
+
+
+def test_rows_asking_the_same_under_other_ids_are_named(tmp_path, capsys):
+    """A file written twice without ids: each copy took its row's id, and 8 of 12 validation and test questions were
+    also in train, with no word; one id on two rows is the duplicate-id warning's alone."""
+    rows = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(12)]
+    prepare(make_task("jsonl"), str(_write_jsonl(tmp_path / "twice.jsonl", rows + rows)), (12, 6, 6), seed=0)
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"nemo-jq: warning: {tmp_path / 'twice.jsonl'}: 12 question(s) on more than one row: "
+                              "rows 1, 13; rows 2, 14;") and warning.endswith("(leakage); remove them")
+    prepare(make_task("jsonl"), str(_write_jsonl(tmp_path / "ids.jsonl", [*_questions(6), _questions(1)[0]])), (3, 2, 2),
+            seed=0)
+    assert "question(s) on more than one row" not in capsys.readouterr().err
+
+
+def test_an_empty_or_true_id_is_no_id(tmp_path, capsys):
+    """``"id": ""`` on six rows was warned of as one id shared by them, named as a blank; ``true`` became ``True``."""
+    rows = [{**row, "id": ["", True, " "][i % 3]} for i, row in enumerate(_questions(7))]
+    splits, _ = prepare(make_task("jsonl"), str(_write_jsonl(tmp_path / "ids.jsonl", rows)), (3, 2, 2), seed=0)
+    ids = sorted(example.id for split in (splits.train, splits.validation, splits.test) for example in split)
+    assert ids == sorted(f"all:{row}" for row in range(1, 8)) and "warning" not in capsys.readouterr().err
 
 
 def test_ids_shared_between_source_split_files_are_named(tmp_path, capsys):

@@ -390,7 +390,11 @@ def test_a_metrics_line_cut_short_at_the_end_is_left_out_as_a_resumed_run_drops_
     assert (run / "samples.jsonl").read_text() == json.dumps({"step": 2, "question": "Infinity"}) + "\n"
     lines = whole.splitlines(keepends=True)
     for bad, wrong in (('{"kind": "train", "st\n', "not JSON: Unterminated string starting at, column 19"),
-                       ('{"step": 1}\n', "no 'kind'"), ("[1]\n", "not a JSON object")):
+                       ('{"step": 1}\n', "no 'kind'"), ("[1]\n", "not a JSON object"),
+                       # what the report reads, edited: a traceback in its statistics or its figures
+                       ('{"kind": "validation", "step": 2, "m@16": "x"}\n', "m@16 is 'x', not a number"),
+                       ('{"kind": "train", "step": 1, "log_p_hat": "x"}\n', "log_p_hat is 'x', not a number"),
+                       ('{"kind": "train", "step": "a"}\n', "its step is 'a'")):
         (run / "metrics.jsonl").write_text("".join([lines[0], bad, *lines[1:]]))
         code, _, err = run_cli(capsys, "report", run)
         one_line_error(code, err, f"{run / 'metrics.jsonl'} line 2 is not a record the run logged ({wrong}): repair "
@@ -402,14 +406,21 @@ def test_a_results_file_cut_short_or_edited_is_named_in_one_line_and_a_score_no_
     for text, wrong in (('{"objective": "garl", "te', "not JSON: Unterminated string"), ("", "it is empty"),
                         ('{"test": {}}', "no objective"), ('{"objective": "garl", "test": [1, 2]}', "no test scores"),
                         ('{"objective": "garl", "q": "x", "test": {}}', "q is 'x', not a number"),
-                        ('{"objective": "garl", "test": {"p@1": [1]}}', "test p@1 is [1], not a number")):
+                        ('{"objective": "garl", "test": {"p@1": [1]}}', "test p@1 is [1], not a number"),
+                        # a traceback from the report's statistics; a table of no scores; a row of its own, unnamed
+                        ('{"objective": "garl", "test": {"p@1": NaN, "p@4": 1.0, "m@4": 1.0}}', "test p@1 is nan, not"),
+                        ('{"objective": "garl", "test": {"p@1": "Infinity", "p@4": 1, "m@4": 1}}', "test p@1 is inf"),
+                        ('{"objective": "garl", "test": {}}', "no test scores"),
+                        ('{"objective": "garl", "test": {"p@1": 1.0, "m@16": 1.0}}', "test m@16 without p@16"),
+                        ('{"objective": "garl", "test": {"p@16": 1.0, "m@16": 1.0}}', "no test p@1")):
         (run / "results.json").write_text(text)
         code, _, err = run_cli(capsys, "report", run)
         one_line_error(code, err, f"{run / 'results.json'} is not a finished run's results ({wrong}",
                        f"restore it, or move it aside and `nemo-jq train --resume {run}` writes it again")
-    (run / "results.json").write_text(json.dumps({"objective": "garl", "q": 0.5, "test": {"p@1": None, "m@16": 3.0}}))
+    (run / "results.json").write_text(json.dumps({"objective": "garl", "q": 0.5, "test": {"p@1": None, "p@16": None,
+                                                                                          "m@16": 3.0}}))
     code, out, _ = run_cli(capsys, "report", run)
-    assert code == 0 and "| GARL q=0.5 | 1 | — | 3.0 |" in out, out
+    assert code == 0 and "| GARL q=0.5 | 1 | — | — | 3.0 |" in out, out
 
 
 def test_runs_evaluated_at_another_k_are_rows_and_tables_of_their_own(tmp_path, capsys):
