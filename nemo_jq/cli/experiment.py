@@ -12,8 +12,7 @@ from nemo_jq.cli import arguments
 
 #: The options every experiment takes: (flags, argparse keywords).
 SHARED = [
-    (("--out",), dict(type=arguments.path, help="a new folder for the runs (default: runs/noisy_cold_start, runs/escape_rates, "
-                      "runs/warm_start)")),
+    (("--out",), dict(type=arguments.path, help="a new folder for the runs (default: {default})")),
     (("--seeds",), dict(type=arguments.seed, nargs="+", help="default 0 1 2")),
     (("--quick",), dict(action="store_true", help="a few-second smoke size (not a result)")),
     (("--overwrite",), dict(action="store_true", help="if --out holds an experiment, move it aside first")),
@@ -62,6 +61,8 @@ OWN = {
                                        "only, not the warm-up (repeatable; e.g. optim.lr=1e-3)"))],
 }
 EXPERIMENTS = tuple(OWN)
+#: Where each experiment writes without ``--out``.
+DEFAULT_OUT = {name: Path("runs") / name.replace("-", "_") for name in EXPERIMENTS}
 OVERRIDES = dict(nargs="*", default=[], help="section.key=value overrides for every run (e.g. guard.enabled=true)")
 
 
@@ -71,15 +72,20 @@ def add_parser(commands) -> None:
     experiment.add_argument("-h", "--help", action=ExperimentHelp, nargs=0, help="this help, or NAME's")
     experiment.add_argument("name", choices=EXPERIMENTS)
     add_options(experiment, [option for own in OWN.values() for option in own],
-                ", ".join(f"{example} ({name})" for name, example in METHODS_EXAMPLE.items()))
-    experiment.set_defaults(run=run)
+                ", ".join(f"{example} ({name})" for name, example in METHODS_EXAMPLE.items()),
+                ", ".join(f"{out} ({name})" for name, out in DEFAULT_OUT.items()))
+    # the folder a launch checks (cluster.launch.check_job_paths) where --out is not given: the experiment's default
+    experiment.set_defaults(run=run, unset_paths=lambda args: {"--out": DEFAULT_OUT[args.name]}
+                            if args.out is None and args.resume is None else {})
 
 
-def add_options(parser: argparse.ArgumentParser, own: list, methods_example: str) -> None:
+def add_options(parser: argparse.ArgumentParser, own: list, methods_example: str, out_default: str) -> None:
     """The shared options, ``own`` (an experiment's, or all of them), and the overrides; ``--methods`` with
-    ``methods_example``, methods the experiment (or each) takes."""
+    ``methods_example``, methods the experiment (or each) takes; ``--out`` with ``out_default``, its (or each's)."""
     methods = (("--methods",), {**METHODS, "help": f"run only these methods (e.g. {methods_example}); default: all"})
     for flags, options in [*SHARED, methods, *own]:
+        if "{default}" in options.get("help", ""):
+            options = {**options, "help": options["help"].format(default=out_default)}
         parser.add_argument(*flags, **options)
     parser.add_argument("overrides", **OVERRIDES)
 
@@ -95,7 +101,7 @@ class ExperimentHelp(argparse.Action):
         module = experiment_module(name)
         own = argparse.ArgumentParser(prog=f"{parser.prog} {name}", description=module.__doc__.split("\n\n", 1)[0].replace("``", ""),
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
-        add_options(own, OWN[name], METHODS_EXAMPLE[name])
+        add_options(own, OWN[name], METHODS_EXAMPLE[name], str(DEFAULT_OUT[name]))
         own.print_help()
         parser.exit()
 
@@ -156,16 +162,16 @@ def run_named(args: argparse.Namespace) -> int:
     if args.name == "noisy-cold-start":
         from nemo_jq.experiments.noisy_cold_start import run_experiment
 
-        run_experiment(args.out or Path("runs/noisy_cold_start"), seeds,
+        run_experiment(args.out or DEFAULT_OUT[args.name], seeds,
                        0.2 if args.label_noise is None else args.label_noise, adaptive=args.adaptive, **common)
     elif args.name == "escape-rates":
         from nemo_jq.experiments.escape_rates import run_experiment
 
-        run_experiment(args.out or Path("runs/escape_rates"), seeds, widths=args.widths, cap=args.cap, **common)
+        run_experiment(args.out or DEFAULT_OUT[args.name], seeds, widths=args.widths, cap=args.cap, **common)
     else:
         from nemo_jq.experiments.warm_start import TARGET_P1, run_experiment
 
-        run_experiment(args.out or Path("runs/warm_start"), seeds, dependences=args.dependences,
+        run_experiment(args.out or DEFAULT_OUT[args.name], seeds, dependences=args.dependences,
                        target_p1=TARGET_P1 if args.target_p1 is None else args.target_p1,
                        methods_overrides=args.methods_override or (), **common)
     return 0

@@ -28,7 +28,9 @@ def add_parser(commands) -> None:
 
 def path_options(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> dict[str, Any]:
     """The parsed values of the command's options that name a path, by option (its subcommand's too: ``data prepare
-    --out``) and ``data prepare --source`` (a path where it names a file, as ``data.source``: ``check_job_paths``)."""
+    --out``) and ``data prepare --source`` (a path where it names a file, as ``data.source``: ``check_job_paths``);
+    a path option the command gives a default of its own when it is not given (``unset_paths``: an experiment's
+    ``--out``) at that default."""
     paths = {}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -38,7 +40,7 @@ def path_options(parser: argparse.ArgumentParser, arguments: argparse.Namespace)
             paths[action.option_strings[0] if action.option_strings else action.dest] = getattr(arguments, action.dest)
         elif action.option_strings == ["--source"]:
             paths["--source"] = getattr(arguments, action.dest)
-    return paths
+    return {**paths, **getattr(arguments, "unset_paths", lambda _: {})(arguments)}  # a default the command fills in
 
 
 def run(args: argparse.Namespace) -> int:

@@ -128,6 +128,11 @@ def load_launch_config(path: Path) -> LaunchConfig:
                 raise ConfigError(f"{path}: {err}" + (f"; write {how}" if how else "")) from None
     config = LaunchConfig(**values)
     check_env(path, config.env, config.executor)
+    for mount in config.container_mounts:  # into srun's --container-mounts (a comma list) and docker's volumes as given
+        host, target, _ = mount_sides(mount)
+        if "," in mount or not host.is_absolute() or not target.is_absolute() or mount.count(":") > 2:
+            raise ConfigError(f"{path}: container_mounts entry {mount!r} is not /host/path[:/container/path[:options]] "
+                              "(absolute paths, no commas): write e.g. /lustre/me:/lustre/me")
     if config.executor == "slurm" and not config.account:
         raise ConfigError(f"{path}: executor=slurm needs account (the SLURM account to charge)")
     if config.executor != "local" and not config.container_image:

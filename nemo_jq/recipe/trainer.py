@@ -91,6 +91,11 @@ class Trainer:
             self.ahead = RolloutsAheadOnRanks(parts) if isinstance(parts.engine, RemoteRollouts) else RolloutsAhead(parts)
         self.state = TrainState(Course(config.objective.name))
         self.prompts = PromptStream(parts.splits.train, config.train.batch_size, config.train.seed, self.data_parallel.size)
+        if config.train.batch_size > len(parts.splits.train) and not existing:  # its config.yaml says another batch
+            distributed.on_writer(lambda: print(
+                f"nemo-jq: warning: train.batch_size={config.train.batch_size} is more than the "
+                f"{len(parts.splits.train)} training prompts: each step takes all of them (an epoch a step); lower "
+                "train.batch_size, or raise data.train_size", file=sys.stderr, flush=True))
         self.resumed_with: list[str] = []
         #: The q of the latest step trained in this process (None before the first).
         self.last_q: float | None = None

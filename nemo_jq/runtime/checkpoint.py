@@ -140,9 +140,10 @@ def latest_checkpoint(root: Path) -> Path | None:
         if saved_steps(root):
             raise FileNotFoundError(f"{pointer} is missing, beside complete checkpoints: {other_checkpoints(root)}")
         return None
-    path = root / pointer.read_text().strip()
+    named = pointer.read_text().strip()
+    path = root / named
     if not (path / STATE).exists():
-        raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint: "
+        raise FileNotFoundError(f"{pointer} {f'names {path}, which is not a complete checkpoint' if named else 'is empty'}: "
                                 f"{other_checkpoints(root) or 'the run holds none: restore one from a copy of the run'}")
     return path
 

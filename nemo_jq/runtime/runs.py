@@ -72,9 +72,11 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool = False) -> Path | None:
         unsaved = not overwrite and _run_files_without_checkpoint(run_dir)
         if unsaved:
             if foreign := not_written_by_a_run(run_dir):
+                # beside a failed start's saved config, not inside it: a run's folder is its own (refuse_shared_run_dir)
+                elsewhere = run_dir.parent / f"{run_dir.name}-2" if is_run_config(run_dir / CONFIG_FILE) else run_dir / "run"
                 raise FileExistsError(f"{run_dir} holds no run's checkpoint, and what a run does not write "
                                       f"({'; '.join(foreign)}): write the run elsewhere (e.g. train.run_dir="
-                                      f"{run_dir / 'run'}), or pass --overwrite to move {run_dir} aside first")
+                                      f"{elsewhere}), or pass --overwrite to move {run_dir} aside first")
             print(f"nemo-jq: {run_dir} holds a start that never saved a checkpoint: moving it aside")
         aside = claim_dir(run_dir, RUN_FILES, overwrite=overwrite or unsaved, what="a run",
                           advice=f"continue it with `nemo-jq train --resume {run_dir}`, write the new run elsewhere "

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -82,6 +83,7 @@ class WandbTracker:
 
         tracking = config.tracking
         self.wandb = wandb
+        made = not (Path(run_dir) / "wandb").exists()
         try:
             sweep = sweep_of(run_dir)
             self.run = wandb.init(project=tracking.wandb_project, entity=tracking.wandb_entity, name=run_dir.name,
@@ -89,9 +91,13 @@ class WandbTracker:
                                   dir=str(run_dir), mode=tracking.wandb_mode, config=flat_config(config),
                                   id=ids.get("wandb"), resume="allow", settings=wandb.Settings(silent=True, console="off"))
         except (wandb.Error, OSError) as err:  # no login, no network: the tracker's, said before any step
+            if made:  # its logs of the attempt: the run's folder is left as the start found it
+                shutil.rmtree(Path(run_dir) / "wandb", ignore_errors=True)
+            fix = ("no W&B server answered (check WANDB_BASE_URL and the network)"
+                   if isinstance(err, wandb.errors.CommError) else "log in (wandb login, or WANDB_API_KEY)")
             raise TrackerDidNotStart(f"tracking.wandb=true (wandb_mode={tracking.wandb_mode}) could not start W&B "
-                                     f"({first_line(err)}): log in (wandb login, or WANDB_API_KEY), or set "
-                                     "tracking.wandb_mode=offline (sync later with wandb sync)") from None
+                                     f"({first_line(err)}): {fix}, or set tracking.wandb_mode=offline (sync later with "
+                                     "wandb sync)") from None
         ids["wandb"] = self.run.id
 
     def log(self, record: dict[str, Any]) -> None:

@@ -106,7 +106,7 @@ def measured_bias(model: LatentModel, q: float, num_samples: int) -> np.ndarray:
 
 
 def default_model() -> LatentModel:
-    """Three rationales, one good and likely, one good and rare, one bad: P ≈ 0.39."""
+    """Three rationales, one good and likely, one good and rare, one bad: P ≈ 0.421."""
     return LatentModel(prior_logits=np.array([0.3, -0.8, 0.5]), answer_logits=np.array([0.9, 1.5, -2.5]))
 
 

@@ -203,6 +203,16 @@ def test_a_path_that_is_not_what_a_command_wants_is_named_with_the_fix(tmp_path,
     assert refused.value.code == 2 and "argument --seed: must be a whole number from 0 to 4294967295" in capsys.readouterr().err
 
 
+def test_a_batch_larger_than_the_training_split_is_said(tmp_path, capsys):
+    """train.batch_size=100 over 24 prompts trained 24 a step without a word, its config.yaml saying 100."""
+    code, _, err = run_cli(capsys, "train", *QUICK, "train.batch_size=100", "train.max_steps=1",
+                           f"train.run_dir={tmp_path / 'run'}")
+    assert code == 0 and "warning: train.batch_size=100 is more than the 24 training prompts: each step takes all of " \
+        "them (an epoch a step)" in err, err
+    code, _, err = run_cli(capsys, "train", *QUICK, "train.max_steps=1", f"train.run_dir={tmp_path / 'fits'}")
+    assert code == 0 and "train.batch_size" not in err, err
+
+
 def test_auto_row_chunks_are_resolved_said_and_saved(tmp_path, capsys):
     """``train.micro_batch_rows=auto``: `nemo-jq train` resolves it once the run is built (on the CPU, or for a model
     built from scratch, whole groups: the memory model sizes a Qwen3 on a GPU), says so, and saves the number it

@@ -185,9 +185,9 @@ def test_an_experiment_stopped_mid_run_resumes_to_the_summary_an_unstopped_one_w
                    "choose an --out outside it")
     assert not inside.exists()
     # a folder holding a sweep, a run or anything else is not an experiment's: refused before anything is written
-    (tmp_path / "notes").mkdir()
-    (tmp_path / "notes" / "notes.txt").write_text("mine")
-    for folder, message in [(tmp_path / "notes", "is not empty (notes.txt) and holds no experiment"),
+    (tmp_path / "notes" / "GRPO").mkdir(parents=True)  # a folder of one's own named as a method's runs are
+    (tmp_path / "notes" / "GRPO" / "notes.txt").write_text("mine")
+    for folder, message in [(tmp_path / "notes", "is not empty (GRPO) and holds no experiment"),
                             (tmp_path / "unstopped" / "GRPO" / "seed0", "already holds a sweep or a run")]:
         code, _, err = run_cli(capsys, "experiment", "noisy-cold-start", "--quick", "--out", folder)
         one_line_error(code, err, message)

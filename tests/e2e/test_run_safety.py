@@ -689,6 +689,14 @@ def test_a_folder_of_ones_own_files_is_refused_not_moved_aside_as_a_failed_start
                    f"train.run_dir={folder / 'run'}", "--overwrite")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "notes.txt"]
+    # a failed start's folder with notes added: its advice was a folder inside that start's, which is refused
+    failed = tmp_path / "failed"
+    code, _, _ = run_cli(capsys, "train", *QUICK, f"train.run_dir={failed}", "optim.lr=1e30", "optim.grad_clip=0")
+    assert code == 2 and not (failed / "checkpoints" / "latest").exists()
+    (failed / "notes.txt").write_text("notes")
+    code, _, err = run_cli(capsys, "train", *QUICK, f"train.run_dir={failed}")
+    one_line_error(code, err, f"{failed} holds no run's checkpoint", "notes.txt", f"train.run_dir={tmp_path / 'failed-2'}")
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={tmp_path / 'failed-2'}")[0] == 0
 
 
 def test_a_run_directory_inside_or_holding_a_run_or_the_prepared_data_is_refused_before_anything_is_written(tmp_path, capsys):
@@ -751,6 +759,9 @@ def test_a_lost_or_dangling_latest_names_the_complete_checkpoints_and_never_move
     code, _, err = run_cli(capsys, "eval", run_dir)
     one_line_error(code, err, f"names {root / 'step_00000002'}, which is not a complete checkpoint",
                    "(step 1): `nemo-jq eval` and `export` take one", f"write its folder's name (step_00000001) into {root / 'latest'}")
+    (root / "latest").write_text("")  # it named the checkpoints' folder
+    code, _, err = run_cli(capsys, "eval", run_dir)
+    one_line_error(code, err, f"{root / 'latest'} is empty: ", "(step 1)")
     # --overwrite of the folder the command runs in, spelled ".": one line, and the run stays where it is
     monkeypatch.chdir(run_dir)
     code, _, err = run_cli(capsys, "train", *QUICK, "train.run_dir=.", "--overwrite")

@@ -1,6 +1,7 @@
 """W&B and MLflow trackers: the config, every record, the guard's events and the plot; a missing package in one line."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +81,19 @@ def test_a_tracker_that_cannot_start_is_one_line_at_once(tmp_path, capsys, monke
     code, _, err = run_cli(capsys, "train", *QUICK, "tracking.wandb=true", f"train.run_dir={tmp_path / 'wandb'}")
     one_line_error(code, err, "tracking.wandb=true (wandb_mode=online) could not start W&B", "tracking.wandb_mode=offline")
     assert not (tmp_path / "wandb").exists()
+    # logged in, no server answering (a stand-in for wandb.init: a real one waits about 100 s for its server): its
+    # attempt's logs were left in the run's folder, where the next start trained beside them, and it said "log in"
+    import wandb
+
+    def unanswered(**kwargs):
+        (Path(kwargs["dir"]) / "wandb" / "debug").mkdir(parents=True)
+        raise wandb.errors.CommError("Failed to get resume status: context deadline exceeded")
+
+    monkeypatch.setattr(wandb, "init", unanswered)
+    code, _, err = run_cli(capsys, "train", *QUICK, "tracking.wandb=true", f"train.run_dir={tmp_path / 'unanswered'}")
+    one_line_error(code, err, "could not start W&B (CommError: Failed to get resume status", "no W&B server answered (check "
+                   "WANDB_BASE_URL and the network)")
+    assert not (tmp_path / "unanswered").exists()
 
 
 def test_a_start_that_fails_after_its_trackers_started_ends_their_runs(tmp_path, capsys, monkeypatch):

@@ -97,6 +97,10 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("account: a\ncontainer_image: 5\n", "container_image must be str; got 5"),
     ("account: a\ncontainer_image: x.sqsh\ncontainer_mounts: /l/me:/l/me\n",
      "container_mounts must be list; got '/l/me:/l/me'; write a YAML list of host:container pairs"),
+    # each entry: srun took a relative host side, and a bad one was blamed on the first path under none of them
+    *((f"account: a\ncontainer_image: x.sqsh\ncontainer_mounts: ['{mount}']\n", f"container_mounts entry '{mount}' is "
+       "not /host/path[:/container/path[:options]] (absolute paths, no commas)")
+      for mount in ("rel/dir:/l/me", "/l/me:relative", "nocolon", "/l/me:/l/me:rw:extra", "/a:/a,/b:/b")),
     ("account: a\ncontainer_image: x.sqsh\nenv: [NCCL_IB_HCA=mlx5]\n",
      "env must be dict; got ['NCCL_IB_HCA=mlx5']; write a mapping of names to quoted values, e.g. env: {NCCL_IB_HCA: mlx5"),
     ("account: a\ncontainer_image: x.sqsh\nenv: {OMP_NUM_THREADS: 4}\n",
@@ -320,6 +324,7 @@ def test_the_launched_words_are_read_by_the_commands_own_parser_before_anything_
     (["data", "prepare", "--dataset", "jsonl", "--source", "rel/x.jsonl", "--out", "/lustre/me/out", "--sizes", "1,1,1"],
      "--source rel/x.jsonl"),
     (["dryrun", "--config", "/lustre/me/c.yaml", "--json", "rel.json"], "--json rel.json"),
+    (["experiment", "escape-rates", "--quick"], "--out runs/escape_rates"),  # its default, which it filled in later
 ])
 def test_a_relative_path_is_refused_where_the_job_runs_in_nemo_runs_code_folder(tmp_path, capsys, words, given):
     """Under SLURM (and Docker) the job starts in /nemo_run/code: a relative path the command is given, or its
