@@ -41,6 +41,7 @@ _RESTORE = {ord(stand_in): mark for mark, stand_in in _STAND_IN.items()} | {ord(
 _PRIVATE_USE = re.compile("[\ue000-\uf8ff]")
 _MARK = rf"[{re.escape(string.punctuation)}]"
 _NUMBER_RUN = re.compile(rf"\d+(?:{_MARK}+\d+)+")
+_MARKS = re.compile(rf"{_MARK}+")
 _GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _LEADING_POINT = re.compile(r"(?<![\w.])\.(?=\d)")  # not a second point (``1..2`` read as ``10.2``)
 _SIGN = re.compile(r"(?<![\w-])-(?=\d)")  # not a second minus (``--5`` read as ``-5``)
@@ -66,10 +67,10 @@ def _number_run(run: str) -> str:
     """Digits with marks between them, as :func:`squad_normalize` keeps them."""
     if _GROUPED.fullmatch(run):
         return run.replace(",", "").replace(".", _STAND_IN["."])
-    marks = re.findall(rf"{_MARK}+", run)
+    marks = _MARKS.findall(run)
     if len(marks) == 1 and len(marks[0]) == 1:
         return run.replace(marks[0], _STAND_IN[marks[0]])
-    return re.sub(rf"{_MARK}+", _JOINER, run)
+    return _MARKS.sub(_JOINER, run)
 
 
 def extract_final_answer(output: str) -> str:

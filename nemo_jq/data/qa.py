@@ -166,9 +166,13 @@ class QATask:
         return float(text_exact_match(self.extract_answer(output), self.references(example)))
 
     def is_correct(self, output: str, example: Example) -> bool:
-        """The paper's substring match, or the reward's: an answer the reward pays (``\\boxed{Paris}``, whose
+        """The paper's match (:meth:`found_in`), or the reward's: an answer the reward pays (``\\boxed{Paris}``, whose
         normalisation is the one word ``boxedparis``) counts as correct too."""
-        return token_substring_match(output, self.references(example)) or self.reward(output, example) == 1.0
+        return self.found_in(output, example) or self.reward(output, example) == 1.0
+
+    def found_in(self, output: str, example: Example) -> bool:
+        """The paper's substring match, by token."""
+        return token_substring_match(output, self.references(example))
 
 
 @register_dataset("hotpotqa")
@@ -304,10 +308,9 @@ class FinQA(QATask):
     def reward(self, output: str, example: Example) -> float:
         return float(finqa_answer_match(self.extract_answer(output), example.answer, example.meta.get("exe_ans")))
 
-    def is_correct(self, output: str, example: Example) -> bool:
-        """Any number written in the output, or the answer the reward pays (a ``\\boxed{}`` one)."""
-        return (finqa_output_match(output, example.answer, example.meta.get("exe_ans"))
-                or self.reward(output, example) == 1.0)
+    def found_in(self, output: str, example: Example) -> bool:
+        """Any number written in the output passes the number rule (yes/no: by token)."""
+        return finqa_output_match(output, example.answer, example.meta.get("exe_ans"))
 
 
 #: The custom dataset's user turn: the context (when the row has one), then the question.

@@ -24,7 +24,7 @@ def find_split_file(folder: Path, names: tuple[str, ...]) -> Path:
     """The first ``{name}{suffix}`` present in ``folder`` (e.g. FinQA's dev.json for validation); two files of one
     name (``train.jsonl`` and ``train.parquet``) are refused: one of them would be left unread without a word."""
     for name in names:
-        found = [folder / f"{name}{suffix}" for suffix in SUFFIXES if (folder / f"{name}{suffix}").exists()]
+        found = [path for path in (folder / f"{name}{suffix}" for suffix in SUFFIXES) if path.exists()]
         if len(found) > 1:
             raise ValueError(f"{folder} holds {' and '.join(path.name for path in found)}: which one is the {name} split "
                              "is not clear; keep one of them there")

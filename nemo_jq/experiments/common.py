@@ -16,7 +16,7 @@ from nemo_jq.config import Config, ConfigError, current_key
 from nemo_jq.runtime.monitor import nonfinite_back, read_json_file, valid_json
 from nemo_jq.runtime.outputs import claim_dir, refuse_foreign_files
 from nemo_jq.runtime.preemption import current_series
-from nemo_jq.runtime.runs import CONFIG_FILE, RUN_FILES, holds_this_run, is_run_config, run_above, runs_below
+from nemo_jq.runtime.runs import RUN_FILES, holds_a_run, holds_this_run, run_above
 from nemo_jq.runtime.sweep import SWEEP_FILE, refuse_repeats
 from nemo_jq.strict_yaml import parse_yaml
 
@@ -123,8 +123,7 @@ class Progress:
             held = None
         again = f"continue it with `nemo-jq experiment {held} --resume {out_dir}`, " if isinstance(held, str) else ""
         # a folder named as a method's runs are counts where it holds a run (a user's own ``SGD/`` is not one)
-        markers = tuple(name for name in markers if not (out_dir / name).is_dir()
-                        or is_run_config(out_dir / name / CONFIG_FILE) or next(runs_below(out_dir / name), None))
+        markers = tuple(name for name in markers if not (out_dir / name).is_dir() or holds_a_run(out_dir / name))
         claim_dir(out_dir, (PROGRESS_FILE, *markers), overwrite=overwrite, what="an earlier experiment",
                   advice=f"{again}pass --out DIR for a new one, or --overwrite to move it aside first")
         claim_dir(out_dir, (SWEEP_FILE, *RUN_FILES), overwrite=overwrite, what="a sweep or a run", advice="an "

@@ -143,7 +143,8 @@ def latest_checkpoint(root: Path) -> Path | None:
     named = pointer.read_text().strip()
     path = root / named
     if not (path / STATE).exists():
-        raise FileNotFoundError(f"{pointer} {f'names {path}, which is not a complete checkpoint' if named else 'is empty'}: "
+        wrong = f"names {path}, which is not a complete checkpoint" if named else "is empty"
+        raise FileNotFoundError(f"{pointer} {wrong}: "
                                 f"{other_checkpoints(root) or 'the run holds none: restore one from a copy of the run'}")
     return path
 

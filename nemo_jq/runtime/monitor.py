@@ -230,9 +230,13 @@ def metrics_problem(record: dict[str, Any]) -> str | None:
         return f"its step is {step!r}"
     read = [key for key in record
             if key in PLOTTED.get(record["kind"], ()) or (key.startswith(("p@", "m@")) and not key.endswith("±"))]
-    wrong = [key for key in read if record[key] is not None
-             and (isinstance(record[key], bool) or not isinstance(record[key], (int, float)))]
+    wrong = [key for key in read if record[key] is not None and not is_number(record[key])]
     return f"{wrong[0]} is {record[wrong[0]]!r}, not a number" if wrong else None
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number as a run writes one (JSON's true and false are none)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_records(path: Path, keys: tuple[str, ...], decode: Callable[[Any], Any] | None = None,

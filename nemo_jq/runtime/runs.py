@@ -14,7 +14,16 @@ from typing import Any, Iterator
 from nemo_jq.config import PATH_KEYS, Config, ConfigError, TrackingConfig, current_key, load_config, save_config
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name, write_atomic
-from nemo_jq.runtime.monitor import METRICS_FILE, SAMPLES_FILE, nonfinite_back, plot_runs, read_json_file, read_metrics, valid_json
+from nemo_jq.runtime.monitor import (
+    METRICS_FILE,
+    SAMPLES_FILE,
+    is_number,
+    nonfinite_back,
+    plot_runs,
+    read_json_file,
+    read_metrics,
+    valid_json,
+)
 from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir
 from nemo_jq.runtime.tracking import TRACKING_FILE, first_line
 from nemo_jq.strict_yaml import read_yaml_file
@@ -153,6 +162,11 @@ def refuse_shared_run_dir(run_dir: Path, config: Config) -> None:
 def run_above(folder: Path) -> tuple[Path, str] | None:
     """The nearest run whose folder holds ``folder``, and what shows it (:func:`_run_there`); None if none does."""
     return next(((outer, why) for outer in Path(folder).resolve().parents if (why := _run_there(outer)) is not None), None)
+
+
+def holds_a_run(folder: Path) -> bool:
+    """Whether ``folder`` is a run's, or holds one below it (:func:`_run_there`, :func:`runs_below`)."""
+    return _run_there(folder) is not None or next(runs_below(folder), None) is not None
 
 
 def runs_below(folder: Path) -> Iterator[tuple[Path, str]]:
@@ -605,8 +619,8 @@ def results_problem(results: dict[str, Any]) -> str | None:
         return "its q_schedule is not an object"
     test, keys = results["test"], metric_keys(results["test"])
     named = {"q": results.get("q"), **{f"test {key}": test[key] for key in keys}}
-    wrong = [f"{name} is {value!r}" for name, value in named.items() if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value))]
+    wrong = [f"{name} is {value!r}" for name, value in named.items()
+             if value is not None and not (is_number(value) and math.isfinite(value))]
     if wrong:  # a run writes no NaN score (a diverged one stops before its test), and the report's statistics fail on it
         return f"{wrong[0]}, not a number"
     if not keys:
