@@ -680,7 +680,10 @@ def unread_keys(config: Config) -> list[tuple[str, str]]:
         unread.append(("model.compile", f"model.backend={model.backend} (the hf backend's)"))
     if data.name == "synthetic":
         unread += [(f"data.{key}", "the synthetic task reads no source") for key in ("source", "hub_config", "on_bad_row")]
-    else:
+    elif data.prepared_dir:
+        unread += [(f"data.{key}", f"data.prepared_dir={data.prepared_dir} gives the data (its manifest.json names the "
+                    "source it was prepared from)") for key in ("source", "hub_config", "on_bad_row")]
+    if data.name != "synthetic":
         unread += [(f"data.{key}", f"data.name={data.name} (the synthetic task's)") for key in ("num_operands",
                                                                                                 "rationale_dependence")]
     return unread

@@ -59,6 +59,9 @@ CONFIG_KEYS = OptionNames(source="data.source", sizes="data.{split}_size", skip_
 #: ``nemo-jq data prepare``'s flags.
 PREPARE_FLAGS = OptionNames(source="--source", sizes="--sizes", skip_bad_rows="--on-bad-row skip",
                             template="--template", system="--system", hub_config="--hub-config")
+#: A prepared folder's manifest.json keys, as its checks name them.
+MANIFEST_KEYS = OptionNames(source="its 'source'", sizes="its 'sizes'", skip_bad_rows="its 'on_bad_row'",
+                            template="its 'template'", system="its 'system'", hub_config="its 'hub_config'")
 
 
 def make_task(name: str, *, template: str | None = None, system: str | None = None,
@@ -411,6 +414,14 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     if not isinstance(manifest["dataset"], str) or manifest["dataset"] == "synthetic":  # prepare writes neither
         raise ValueError(f"{path}: 'dataset' {manifest['dataset']!r} is not a prepared dataset's name (the synthetic "
                          f"task is generated, not prepared): {prepare_again(folder)}")
+    prompts = {"template": manifest.get("template"), "system": manifest.get("system")}
+    if manifest["dataset"] in DATASETS:  # the prompt options it records, checked here where the file can be named
+        try:
+            if any(value is not None and not isinstance(value, str) for value in prompts.values()):
+                raise ValueError(f"'template' and 'system' are text or null, not {prompts!r}")
+            make_task(manifest["dataset"], **prompts, options=MANIFEST_KEYS)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}; {prepare_again(folder, manifest)}") from None
     return manifest
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from nemo_jq.runtime.tracking import first_line
+from nemo_jq.runtime.tracking import first_line, is_number
 
 METRICS_FILE = "metrics.jsonl"
 #: What each validation's first prompts were answered with (``eval.samples_shown``): a line a prompt, with its step.
@@ -232,11 +232,6 @@ def metrics_problem(record: dict[str, Any]) -> str | None:
             if key in PLOTTED.get(record["kind"], ()) or (key.startswith(("p@", "m@")) and not key.endswith("±"))]
     wrong = [key for key in read if record[key] is not None and not is_number(record[key])]
     return f"{wrong[0]} is {record[wrong[0]]!r}, not a number" if wrong else None
-
-
-def is_number(value: Any) -> bool:
-    """A JSON number as a run writes one (JSON's true and false are none)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_records(path: Path, keys: tuple[str, ...], decode: Callable[[Any], Any] | None = None,

@@ -206,8 +206,8 @@ def mean_sd(stats: dict[str, Any], style: str = ".1f") -> str:
 def table(runs: list[RunRecord]) -> list[dict[str, Any]]:
     """A row per dataset, format, method (as :func:`told_apart` labels the runs: a setting each) and set of test
     metrics (runs evaluated at another k are another row), in the order the runs come: each test metric's mean and
-    interval half width over its seeds (None where no seed has it), n, the seeds, and how many runs collapsed after
-    their peak. Runs of a row that share a seed are said: each counts."""
+    interval half width over its seeds (None where no seed has it; ``KEY n``, the seeds that have it, where some lack
+    it), n, the seeds, and how many runs collapsed after their peak. Runs of a row that share a seed are said: each counts."""
     groups: dict[tuple[str, str, str, frozenset[str]], list[RunRecord]] = {}
     for run in runs:
         groups.setdefault(_group(run), []).append(run)
@@ -225,13 +225,16 @@ def table(runs: list[RunRecord]) -> list[dict[str, Any]]:
         for key in metric_keys(members[0].results["test"]):
             spread = seed_stats([run.results["test"][key] for run in members])
             row[key], row[f"{key} ±"] = (None if spread[part] is None else round(spread[part], 2) for part in ("mean", "ci95"))
+            if 0 < spread["n"] < len(members):  # a score some seeds lack: its mean is over the others
+                row[f"{key} n"] = spread["n"]
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """A table per dataset, format and set of metrics: each metric as ``mean ± half-width`` (percent; 95% t-interval
-    over n seeds; a dash where no seed has it); a dagger where runs collapsed after their peak."""
+    over n seeds; a dash where no seed has it, "(k of n)" where only k seeds have it); a dagger where runs collapsed
+    after their peak."""
     out = []
     for (dataset, fmt, _), members in _by_setting(rows).items():
         metrics = metric_keys(members[0])
@@ -243,7 +246,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 "| method | n | " + " | ".join(metrics) + " |", "| --- " * (len(metrics) + 2) + "|"]
         for row in members:
             cells = ["—" if row[key] is None else f"{row[key]:.1f}" + (
-                f" ± {row[key + ' ±']:.1f}" if row[f"{key} ±"] is not None else "") for key in metrics]
+                f" ± {row[key + ' ±']:.1f}" if row[f"{key} ±"] is not None else "") + (
+                f" ({row[key + ' n']} of {row['n']})" if f"{key} n" in row else "") for key in metrics]
             flag = f" † ({row['collapsed_after_peak']}/{row['n']})" if row["collapsed_after_peak"] else ""
             out.append(f"| {row['method']}{flag} | {row['n']} | " + " | ".join(cells) + " |")
         out.append("")

@@ -17,7 +17,6 @@ from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, sav
 from nemo_jq.runtime.monitor import (
     METRICS_FILE,
     SAMPLES_FILE,
-    is_number,
     nonfinite_back,
     plot_runs,
     read_json_file,
@@ -25,7 +24,7 @@ from nemo_jq.runtime.monitor import (
     valid_json,
 )
 from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir
-from nemo_jq.runtime.tracking import TRACKING_FILE, first_line
+from nemo_jq.runtime.tracking import TRACKING_FILE, first_line, is_number
 from nemo_jq.strict_yaml import read_yaml_file
 from nemo_jq.typed import first_few
 
@@ -605,8 +604,9 @@ MODEL_CARD = "README.md"
 
 
 def metric_keys(scores: dict[str, Any]) -> list[str]:
-    """The metric keys (``p@k``, ``m@k``) of a run's test scores or a row, in their order."""
-    return [key for key in scores if key.startswith(("p@", "m@")) and not key.endswith("±")]
+    """The metric keys (``p@k``, ``m@k``) of a run's test scores or a row (not a row's ``p@k ±`` or ``p@k n``), in
+    their order."""
+    return [key for key in scores if key.startswith(("p@", "m@")) and " " not in key]
 
 
 def results_problem(results: dict[str, Any]) -> str | None:

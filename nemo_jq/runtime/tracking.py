@@ -34,10 +34,15 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
+def is_number(value: Any) -> bool:
+    """A JSON number as a run writes one (JSON's true and false are none)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def numbers(record: dict[str, Any]) -> dict[str, float]:
     """A record's finite numbers as ``kind/key`` (the step itself excluded)."""
     return {f"{record['kind']}/{key}": float(value) for key, value in record.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step" and math.isfinite(value)}
+            if is_number(value) and key != "step" and math.isfinite(value)}
 
 
 def texts(record: dict[str, Any]) -> dict[str, str]:

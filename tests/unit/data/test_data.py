@@ -298,6 +298,14 @@ def test_a_prepared_folder_gives_the_split_sizes_that_plans_and_dry_runs_count_s
     assert load_config(None, [f"data.prepared_dir={tmp_path / 'prepared'}", "data.train_size=5"]).data.train_size == 3
     assert (f"nemo-jq: warning: data.train_size=5 is ignored: data.prepared_dir={tmp_path / 'prepared'} holds 3 train "
             "rows (its manifest.json), which the run takes") in capsys.readouterr().err
+    # a source beside the folder (a config's, with the folder given over it) is not read: said, as is a hub config
+    config = load_config(None, [f"data.prepared_dir={tmp_path / 'prepared'}", f"data.source={FIXTURES / 'finqa'}",
+                                "data.hub_config=fullwiki"])
+    err = capsys.readouterr().err
+    for key, value in (("source", (FIXTURES / "finqa").resolve()), ("hub_config", "fullwiki")):
+        assert (f"nemo-jq: warning: data.{key}={value} is ignored: data.prepared_dir={tmp_path / 'prepared'} gives the data "
+                "(its manifest.json names the source it was prepared from)") in err, err
+    assert config.data.name == "hotpotqa" and "on_bad_row" not in err
 
 def test_finqa_rows_without_an_annotated_answer_are_kept_and_counted():
     splits, manifest = prepare(FinQA(), str(FIXTURES / "finqa"), (3, 4, 1), seed=0)
@@ -477,7 +485,7 @@ def test_an_empty_source_is_named_as_empty_with_the_fix(tmp_path, capsys):
 def test_a_source_or_prepared_folder_of_the_wrong_kind_is_named_with_the_fix(tmp_path, capsys):
     """A folder without split files named no fix; with train.jsonl and train.parquet, one was left unread without a
     word; /dev/null "did not exist"; a file as data.prepared_dir "did not exist"; a manifest hand-edited to say
-    synthetic trained on generated sums instead of the prepared rows."""
+    synthetic trained on generated sums instead of the prepared rows; a bad template in it was not said to be its."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -500,6 +508,12 @@ def test_a_source_or_prepared_folder_of_the_wrong_kind_is_named_with_the_fix(tmp
     (prepared / "manifest.json").write_text(json.dumps({**manifest, "dataset": "synthetic", "template": None}))
     code, _, err = run_cli(capsys, "train", f"data.prepared_dir={prepared}", f"train.run_dir={tmp_path / 'run'}")
     one_line_error(code, err, f"{prepared / 'manifest.json'}: 'dataset' 'synthetic' is not a prepared dataset's name")
+    # its prompt template edited wrong: the error named the template, not the file it is in
+    for template, wrong in (("Q: {questoin}", "prompt template 'Q: {questoin}' may only use {question} and {context}"),
+                            (3, "'template' and 'system' are text or null")):
+        (prepared / "manifest.json").write_text(json.dumps({**manifest, "template": template}))
+        code, _, err = run_cli(capsys, "train", f"data.prepared_dir={prepared}", f"train.run_dir={tmp_path / 'run'}")
+        one_line_error(code, err, f"{prepared / 'manifest.json'}: {wrong}", "prepare the data again (nemo-jq data prepare")
     assert not (tmp_path / "run").exists()
 
 

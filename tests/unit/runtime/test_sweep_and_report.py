@@ -423,6 +423,16 @@ def test_a_results_file_cut_short_or_edited_is_named_in_one_line_and_a_score_no_
     assert code == 0 and "| GARL q=0.5 | 1 | — | — | 3.0 |" in out, out
 
 
+def test_a_score_some_seeds_lack_says_how_many_seeds_its_mean_is_over(tmp_path, capsys):
+    """Three seeds, one without p@16 (null): the row's n stays 3, the p@16 cell and the JSON say its mean is over 2."""
+    for seed, pk in enumerate([10.0, 30.0, None]):
+        finished_run(tmp_path / "runs" / f"garl_{seed}", seed=seed, test={"p@1": 1.0, "p@16": pk, "m@16": 3.0})
+    code, out, _ = run_cli(capsys, "report", tmp_path / "runs", "--json", tmp_path / "t.json")
+    row = json.loads((tmp_path / "t.json").read_text())["rows"][0]
+    assert code == 0 and "| GARL q=0.5 | 3 | 1.0 ± 0.0 | 20.0 ± 127.1 (2 of 3) | 3.0 ± 0.0 |" in out, out
+    assert row["n"] == 3 and row["p@16"] == 20.0 and row["p@16 n"] == 2 and "p@1 n" not in row and "m@16 n" not in row
+
+
 def test_runs_evaluated_at_another_k_are_rows_and_tables_of_their_own(tmp_path, capsys):
     finished_run(tmp_path / "runs" / "k16", test={"p@1": 1.0, "p@16": 2.0, "m@16": 3.0})
     finished_run(tmp_path / "runs" / "k4", seed=1, test={"p@1": 4.0, "p@4": 5.0, "m@4": 6.0})
