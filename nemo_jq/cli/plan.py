@@ -107,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--gpu: the GPU whose peaks time the run, which plan estimates with --config only; "
                              "--gpu-memory gives the memory layouts are sized for: drop --gpu or give --config")
         work = plan.Workload(**{field: given.get(option, default) for option, (field, default) in PLAN_WORKLOAD.items()})
+        if work.micro_batch > work.samples * work.batch_prompts:  # its activations counted for rows no step has
+            raise ValueError(f"--micro-batch {work.micro_batch} is more rows than a step trains (--samples {work.samples} x "
+                             f"--batch-prompts {work.batch_prompts} = {work.samples * work.batch_prompts}): give at "
+                             "most that many")
         arch = plan.architecture(args.model)
         plan.check_row(work.seq_len, arch.max_position_embeddings, f"max_position_embeddings of {args.model}",
                        "--seq-len is", "lower --seq-len")

@@ -202,6 +202,10 @@ def test_rows_beyond_the_models_context_are_refused_as_train_refuses_them(capsys
                    "--prompt-tokens: read with --config only")
     one_line_error(main(["plan", "--model", "8b", "--gpu", "a100-80gb"]), capsys.readouterr().err,
                    "--gpu: the GPU whose peaks time the run", "--gpu-memory gives the memory")
+    # a micro-batch of more rows than a step has: its activations were counted for 1,000 rows of a 32-row step
+    one_line_error(main(["plan", "--model", "0.6b", "--samples", "8", "--batch-prompts", "4", "--micro-batch", "1000"]),
+                   capsys.readouterr().err, "--micro-batch 1000 is more rows than a step trains (--samples 8 x "
+                   "--batch-prompts 4 = 32): give at most that many")
     one_line_error(main(["plan", "--config", "configs/qwen3_8b/finqa_cold_garl_q0.75.yaml", "--optimizer", "fp32-adamw",
                          "--micro-batch", "2"]), capsys.readouterr().err,
                    "--micro-batch (train.micro_batch_rows), --optimizer (megatron.distributed_optimizer, "
