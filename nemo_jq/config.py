@@ -342,7 +342,13 @@ class Config:
     def _anchor_paths(self) -> None:
         """Make the keys that name a local file or folder absolute, so that the run's config.yaml resumes and
         evaluates from any directory (hub names, which name nothing here, stay as they are); a leading ``~`` is the
-        home folder, as a shell reads it (a config file's or a quoted word's: a folder named ``~`` was made)."""
+        home folder, as a shell reads it (a config file's or a quoted word's: a folder named ``~`` was made). An empty
+        one is refused: ``""`` read as none built a tiny model for ``model.path`` and wrote a run into the current
+        folder for ``train.run_dir``."""
+        for section, key in (*PATH_KEYS, ("train", "run_dir")):
+            if isinstance(value := getattr(getattr(self, section), key), str) and not value.strip():
+                raise ConfigError(f"{section}.{key} is empty (an unset shell variable?): give a path" + (
+                    "" if key == "run_dir" else ", or null (its default)"))
         for section, key in (*PATH_KEYS, ("train", "run_dir")):
             owner = getattr(self, section)
             if isinstance(getattr(owner, key), str) and getattr(owner, key).startswith("~"):
@@ -362,13 +368,15 @@ class Config:
             spec = get_objective(self.objective.name)
         except KeyError as err:
             raise ConfigError(f"objective.name: {err.args[0]}") from None
+        where = "objective.q_schedule"
         if isinstance(self.objective.q_schedule, str):
+            where = f"objective.q_schedule={self.objective.q_schedule}"  # the file, which its errors are in
             self.objective.q_schedule = read_schedule_file(Path(self.objective.q_schedule))
         if spec.uses_q and self.objective.q_schedule is not None:
             try:
                 build_schedule(self.objective.q_schedule)
             except ValueError as err:
-                raise ConfigError(f"objective.q_schedule: {err}") from None
+                raise ConfigError(f"{where}: {err}") from None
         spec.parse_options(self.objective.options)
         if self.rollout.num_samples < spec.min_samples:
             raise ConfigError(
@@ -542,7 +550,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                               + (restore if saved else "add keys to it, or pass no --config to run the defaults"))
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level" + (f"; {restore}" if saved else ""))
-        if "name" in raw and not isinstance(raw["name"], dict):
+        sections = {field.name for field in dataclasses.fields(Config)}
+        if "name" in raw and not isinstance(raw["name"], dict) and not sections & set(raw):  # none of a config's
             raise ConfigError(f"{path} holds a q schedule, not a run's config: pass it as objective.q_schedule={path}")
         _check_sections(raw, path)
     _migrate(raw)
@@ -617,6 +626,20 @@ def _set_override(raw: dict[str, Any], key: str, value: Any) -> None:
     _set_path(raw, keys, value)
 
 
+def keys_set_by(override: str) -> list[str]:
+    """The dotted keys a ``key=value`` override sets: ``train={max_steps: 3}`` sets ``train.max_steps``, as
+    ``train.max_steps=3`` does (:func:`_override`)."""
+    raw: dict[str, Any] = {}
+    _override(raw, [override])
+
+    def leaves(node: Any, keys: list[str]) -> list[str]:
+        if isinstance(node, dict) and _is_section(keys):
+            return [key for name, inner in node.items() for key in leaves(inner, [*keys, str(name)])]
+        return [".".join(keys)]
+
+    return leaves(raw, [])
+
+
 def _is_section(keys: list[str]) -> bool:
     """Whether ``keys`` name a section of the config (a dataclass of keys), not a value (an objective's options)."""
     cls: Any = Config
@@ -663,6 +686,18 @@ def unread_keys(config: Config) -> list[tuple[str, str]]:
     if not config.guard.enabled:
         unread += [(f"guard.{field.name}", "guard.enabled=false") for field in dataclasses.fields(config.guard)
                    if field.name != "enabled"]
+    elif config.guard.action == "switch_estimator":
+        unread.append(("guard.factor", "guard.action=switch_estimator (lower_q's and lower_lr's)"))
+    else:
+        unread.append(("guard.estimator", f"guard.action={config.guard.action} (switch_estimator's)"))
+    reads = {"none": (), "plain": (), "mask": ("importance_bounds",)}.get(objective.importance, ("importance_cap",))
+    if objective.importance != "auto":  # auto's choice depends on the rollouts: it may read either
+        unread += [(f"objective.{key}", f"objective.importance={objective.importance}")
+                   for key in ("importance_cap", "importance_bounds") if key not in reads]
+    for tracker, keys in (("wandb", ("wandb_project", "wandb_entity", "wandb_mode")),
+                          ("mlflow", ("mlflow_tracking_uri", "mlflow_experiment"))):
+        if not getattr(config.tracking, tracker):
+            unread += [(f"tracking.{key}", f"tracking.{tracker}=false") for key in keys]
     if rollout.engine != "vllm":
         unread += [(f"rollout.{key}", f"rollout.engine={rollout.engine}") for key in ("vllm_memory_utilization",
                                                                                        "vllm_kv_cache_gb")]

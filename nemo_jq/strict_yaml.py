@@ -73,6 +73,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         _refuse_duplicate_keys(node, "", set())
         return super().construct_document(node)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """An integer, but not YAML 1.1's octal (``010``) or base 60 (``1:10``): a seed of ``010`` trained as 8."""
+        value = super().construct_yaml_int(node)
+        digits = self.construct_scalar(node).replace("_", "").lstrip("+-")
+        if ":" in digits or (len(digits) > 1 and digits[0] == "0" and digits[1] not in "xXbB"):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{self.construct_scalar(node)} reads as {value} in YAML (an octal or base-60 number): write "
+                f"{value} for that number, or quote it as text: \"{self.construct_scalar(node)}\"", node.start_mark)
+        return value
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+
 
 def _refuse_duplicate_keys(node: yaml.Node, prefix: str, walked: set[int]) -> None:
     """Raise :class:`_DuplicateKey` for the first key given twice in any mapping under ``node`` (``walked``: the nodes

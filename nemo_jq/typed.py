@@ -136,7 +136,7 @@ def check_type(value: Any, hint: Any, key: str) -> Any:
                 pass
         return check_type(value, inner[0], key)
     expected = origin or hint
-    number = _as_float(value) if expected is float else None
+    number = as_float(value) if expected is float else None
     if number is not None:
         if not math.isfinite(number):  # .inf passes every range check, then breaks what runs on it
             raise ConfigError(f"{key} must be a finite number; got {value!r}")
@@ -151,7 +151,7 @@ def check_type(value: Any, hint: Any, key: str) -> Any:
     raise ConfigError(f"{key} must be {getattr(expected, '__name__', expected)}; got {value!r}{_quoting_hint(expected, value, key)}")
 
 
-def _as_float(value: Any) -> float | None:
+def as_float(value: Any) -> float | None:
     """The number ``value`` reads as (an int, or a string: YAML 1.1 reads 1e-6, with no dot, as one); None if none."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None

@@ -29,11 +29,35 @@ COMMANDS = ("train", "sweep", "report", "evaluate", "generate", "export", "exper
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """argparse, but a bad argument is one line (the usage block above it buried the error), pointing at ``--help``;
-    its subcommands' parsers are of this class too."""
+    """argparse, but a bad argument is one line (the usage block above it buried the error), pointing at ``--help``,
+    and an option of one value given twice is refused (argparse keeps the last: ``--config a.yaml --config b.yaml``
+    trained on b.yaml alone, a.yaml's keys unread without a word); its subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, GivenOnce)
+        self.register("action", "store", GivenOnce)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.given_once: dict[str, str] = {}  # this parse's options of one value, as given
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class GivenOnce(argparse._StoreAction):
+    """An option's value, given at most once per command (:class:`OneLineErrors`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(parser, "given_once", {})
+        words = " ".join(map(str, values)) if isinstance(values, list) else str(values)
+        if option_string is not None and self.dest in given:
+            parser.error(f"{option_string} given twice ({given[self.dest]}, then {words}): " + (
+                f"give its values after one ({option_string} {given[self.dest]} {words})" if self.nargs in ("+", "*")
+                else "give it once"))
+        given[self.dest] = words
+        super().__call__(parser, namespace, values, option_string)
 
 
 #: A ``section.key=value`` override word (a value of an option of several values stops before one).

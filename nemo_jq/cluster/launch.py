@@ -38,8 +38,7 @@ JOB_WORKDIR = "/nemo_run/code"
 SLURM_FORMS = {
     #: SLURM's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (sbatch rejects ``4h``).
     "time": (re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)"),
-             'is not a SLURM time limit: write it quoted as "HH:MM:SS", "D-HH:MM:SS" or minutes ("240"); an unquoted '
-             "2:00:00 is YAML's number 7200"),
+             'is not a SLURM time limit: write it quoted as "HH:MM:SS", "D-HH:MM:SS" or minutes ("240")'),
     #: ``--mem``: a size with an optional K/M/G/T unit; 0: all of each node's memory.
     "mem": (re.compile(r"\d+[KMGT]?"), 'is not a SLURM memory size: "0" (all of the node\'s), "512G", ...'),
     #: ``--signal``: ``[{R|B}:]SIGNAL[@SECONDS]``, the signal by name or number (:func:`check_signal` then asks for

@@ -7,11 +7,12 @@ import math
 import torch
 
 
-def check_q(q: float) -> float:
-    """Return ``q`` as a float, or raise if it is outside the J_Q range [0, 1]."""
+def check_q(q: float, name: str = "q") -> float:
+    """Return ``q`` as a float, or raise if it is outside the J_Q range [0, 1] (``name``: what the message calls it, a
+    schedule's ``q_after``)."""
     q_value = float(q)
     if math.isnan(q_value) or not 0.0 <= q_value <= 1.0:
-        raise ValueError(f"q must lie in [0, 1] (0 = RLVR, 1 = log-marginal-likelihood); got q={q!r}")
+        raise ValueError(f"{name} must lie in [0, 1] (0 = RLVR, 1 = log-marginal-likelihood); got {name}={q!r}")
     return q_value
 
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from nemo_jq.objectives.checks import check_q
 from nemo_jq.registry import Registry
+from nemo_jq.typed import as_float
 
 SCHEDULES: Registry = Registry("q schedule")
 
@@ -86,7 +87,9 @@ class StepQ(StepOnlyQ):
     q_after: float = 0.0
 
     def __post_init__(self) -> None:
-        self.q_before, self.q_after = check_q(self.q_before), check_q(self.q_after)
+        self.q_before, self.q_after = check_q(self.q_before, "q_before"), check_q(self.q_after, "q_after")
+        if self.switch_step < 0:
+            raise ValueError(f"switch_step must be >= 0 (the first step is 0); got switch_step={self.switch_step!r}")
 
     def __call__(self, step: int) -> float:
         return self.q_before if step < self.switch_step else self.q_after
@@ -102,7 +105,7 @@ class _Anneal(StepOnlyQ):
     q_end: float = 0.0
 
     def __post_init__(self) -> None:
-        self.q_start, self.q_end = check_q(self.q_start), check_q(self.q_end)
+        self.q_start, self.q_end = check_q(self.q_start, "q_start"), check_q(self.q_end, "q_end")
         if int(self.num_steps) < 1:
             raise ValueError(f"num_steps must be >= 1; got num_steps={self.num_steps!r}")
 
@@ -158,7 +161,7 @@ class AdaptiveQ:
     _q: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.q_max, self.q_min = check_q(self.q_max), check_q(self.q_min)
+        self.q_max, self.q_min = check_q(self.q_max, "q_max"), check_q(self.q_min, "q_min")
         if self.q_min > self.q_max:
             raise ValueError(f"q_min={self.q_min} must not exceed q_max={self.q_max}")
         if not 0.0 < self.cold_p < 1.0:
@@ -192,11 +195,11 @@ def build_schedule(spec: dict[str, Any] | float) -> QSchedule:
         return ConstantQ(float(spec))
     params = dict(spec)
     name = params.pop("name", None)
-    if name not in SCHEDULES:
+    if not isinstance(name, str) or name not in SCHEDULES:
         raise ValueError(f"q schedule name must be one of {sorted(SCHEDULES)}; got name={name!r}")
     cls = SCHEDULES[name]
     allowed = {f.name for f in fields(cls) if not f.name.startswith("_")}
-    unknown = sorted(set(params) - allowed)
+    unknown = sorted(map(str, set(params) - allowed))
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} for q schedule {name!r}; allowed: {sorted(allowed)}")
     required = [f.name for f in fields(cls) if f.init and f.default is MISSING and f.default_factory is MISSING]
@@ -207,6 +210,8 @@ def build_schedule(spec: dict[str, Any] | float) -> QSchedule:
         raise ValueError(f"q schedule {name!r} needs {', '.join(missing)} (its keys: {keys})")
     for f in fields(cls):
         kind = _kind(f.type)
+        if kind == "float" and isinstance(params.get(f.name), str) and as_float(params[f.name]) is not None:
+            params[f.name] = as_float(params[f.name])  # YAML 1.1 reads 1e-1, with no dot, as text
         if f.name in params and kind in _KINDS and not _KINDS[kind][0](params[f.name]):
             raise ValueError(f"q schedule {name!r}: {f.name} must be {_KINDS[kind][1]}; got {params[f.name]!r}")
     return cls(**params)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from nemo_jq.config import PATH_KEYS, Config, ConfigError, TrackingConfig, current_key, load_config, save_config
+from nemo_jq.config import PATH_KEYS, Config, ConfigError, TrackingConfig, current_key, keys_set_by, load_config, save_config
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name, write_atomic
 from nemo_jq.runtime.monitor import (
@@ -399,7 +399,7 @@ def check_trained_with(config: Config, checkpoint: Path, allowed: tuple[str, ...
 
 def refuse_overrides(overrides: list[str] | tuple[str, ...], allowed: tuple[str, ...], command: str, why: str) -> None:
     """One line refusing an override of a key outside ``allowed``, naming it and the keys ``command`` takes."""
-    refused = [item for item in overrides if current_key(item.partition("=")[0]) not in allowed]
+    refused = [item for item in overrides if any(key not in allowed for key in keys_set_by(item))]
     for item in refused:  # a key no config has is a typo, which did-you-mean serves better than "cannot change"
         try:
             load_config(None, [item])

@@ -131,7 +131,12 @@ def test_a_misspelt_key_a_closed_pipe_a_file_as_run_directory_and_a_failed_start
     # Path("") is the current folder: --source "$DATA" with DATA unset read it
     (["data", "prepare", "--dataset", "jsonl", "--source", "", "--sizes", "5,2,2", "--out", "x"],
      "nemo-jq data prepare: error: argument --source: is empty (an unset shell variable?)"),
-    (["export", "run", "--out", " "], "nemo-jq export: error: argument --out: is empty (an unset shell variable?)")])
+    (["export", "run", "--out", " "], "nemo-jq export: error: argument --out: is empty (an unset shell variable?)"),
+    # an option of one value given twice: argparse kept the last, and the first config's keys went unread, unsaid
+    (["train", "--config", "a.yaml", "--config", "b.yaml"],
+     "nemo-jq train: error: --config given twice (a.yaml, then b.yaml): give it once (see nemo-jq train --help)"),
+    (["sweep", "--out", "x", "--config", "a.yaml", "--config", "b.yaml", "objective.q=0,1"],
+     "nemo-jq sweep: error: --config given twice (a.yaml, then b.yaml): give its values after one (--config a.yaml b.yaml)")])
 def test_a_bad_argument_is_one_line_without_the_usage_block(capsys, args, said):
     with pytest.raises(SystemExit) as exited:
         main(args)

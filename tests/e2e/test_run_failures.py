@@ -420,6 +420,17 @@ def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys):
     load_config(None, ["model.backend=megatron", "train.device=cuda", "model.compile=true"])
     assert capsys.readouterr().err.splitlines() == [
         "nemo-jq: warning: model.compile=True is ignored: model.backend=megatron (the hf backend's)"]
+    # another guard action's, correction's or tracker's key (a misspelt estimator was read by nothing, unsaid)
+    load_config(None, ["guard.enabled=true", "guard.action=lower_lr", "guard.estimator=grpoo", "objective.importance=none",
+                       "objective.importance_cap=5", "tracking.wandb_project=mine", "tracking.mlflow_experiment=mine"])
+    load_config(None, ["guard.enabled=true", "guard.factor=0.25", "objective.importance=mask", "objective.importance_cap=5",
+                       "objective.importance_bounds=[0.5, 2]", "objective.importance=auto"])
+    assert capsys.readouterr().err.splitlines() == [
+        "nemo-jq: warning: guard.estimator=grpoo is ignored: guard.action=lower_lr (switch_estimator's)",
+        "nemo-jq: warning: objective.importance_cap=5.0 is ignored: objective.importance=none",
+        "nemo-jq: warning: tracking.wandb_project=mine is ignored: tracking.wandb=false",
+        "nemo-jq: warning: tracking.mlflow_experiment=mine is ignored: tracking.mlflow=false",
+        "nemo-jq: warning: guard.factor=0.25 is ignored: guard.action=switch_estimator (lower_q's and lower_lr's)"]
     with pytest.raises(ConfigError, match=r"data.template is for a dataset whose prompts it shapes \(jsonl\): the synthetic task builds"):
         load_config(None, ['data.template="Q: {question}"'])
 

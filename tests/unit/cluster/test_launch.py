@@ -86,7 +86,8 @@ def test_docker_and_local_executors_run_under_torchrun(tmp_path):
     ("account: a\ncontainer_image: x.sqsh\ngpus_per_node: true\n", "gpus_per_node must be int; got True"),
     ("account: a\ncontainer_image: x.sqsh\nnodes: '2'\n", "nodes must be int; got '2'"),
     ("account: a\ncontainer_image: x.sqsh\ntime: 4h\n", "time='4h' is not a SLURM time limit"),
-    ("account: a\ncontainer_image: x.sqsh\ntime: 2:00:00\n", "time=7200 is not a SLURM time limit"),
+    ("account: a\ncontainer_image: x.sqsh\ntime: 2:00:00\n",  # YAML 1.1's base 60: it was the time limit 7200
+     '2:00:00 reads as 7200 in YAML (an octal or base-60 number): write 7200 for that number, or quote it as text: "2:00:00"'),
     ("account: a\ncontainer_image: x.sqsh\nmem: 80 GB\n", "mem='80 GB' is not a SLURM memory size"),
     ("account: a\ncontainer_image: x.sqsh\ncpus_per_task: 0\n", "cpus_per_task must be >= 1; got 0"),
     ("account: a\ncontainer_image: x.sqsh\nnetwork_interface: 5\n", "network_interface=5 is not an interface name"),

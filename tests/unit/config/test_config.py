@@ -132,11 +132,39 @@ def test_a_mapping_given_for_a_section_sets_its_keys_and_an_empty_value_is_refus
         (["model.tiny.num_heads=3"], "model.tiny: hidden_size must split into num_heads heads of an even width"),
         (["model.tiny.num_kv_heads=3"], "and num_kv_heads divide num_heads; got hidden_size=128 num_heads=4 num_kv_heads=3"),
         (["model.tiny.hidden_size=2"], "got hidden_size=2 num_heads=4"),
+        # an empty path: "none" (a tiny model) or the current folder (a run written among the user's files)
+        (["model.path=''"], r"model.path is empty \(an unset shell variable\?\): give a path, or null \(its default\)"),
+        (["train.run_dir=''"], r"train.run_dir is empty \(an unset shell variable\?\): give a path$"),
+        (["data.name=jsonl", "data.source=' '"], "data.source is empty"),
+        # YAML 1.1's octal and base 60: a seed of 010 trained as 8, 1:10 as 70
+        (["train.seed=010"], r"010 reads as 8 in YAML \(an octal or base-60 number\): write 8 for that number, or quote it "
+         'as text: "010"'),
+        (["data.seed=1:10"], "1:10 reads as 70 in YAML"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_a_resume_takes_a_mapping_for_a_section_as_the_keys_it_sets():
+    """``train={max_steps: 3}`` was refused with --resume ("train cannot change"), where ``train.max_steps=3`` is not."""
+    from nemo_jq.config import keys_set_by
+    from nemo_jq.runtime.runs import refuse_overrides
+
+    assert keys_set_by("train={max_steps: 3, eval: 1}") == ["train.max_steps", "train.eval"]
+    assert keys_set_by("objective.options={baseline: none}") == ["objective.options"]  # a value, not a section
+    refuse_overrides(["train={max_steps: 3}", "eval.every=2"], ("train.max_steps", "eval.every"), "--resume", "why")
+    with pytest.raises(ValueError, match=r"why; train=\{max_steps: 3, seed: 4\} cannot change with --resume"):
+        refuse_overrides(["train={max_steps: 3, seed: 4}"], ("train.max_steps",), "--resume", "why")
+
+
+def test_a_q_schedule_files_error_names_the_file_and_key(tmp_path):
+    """``q must lie in [0, 1]; got q=1.5`` named neither the file nor its key (q_after)."""
+    path = tmp_path / "sched.yaml"
+    path.write_text("name: step\nswitch_step: 100\nq_after: 1.5\n")
+    with pytest.raises(ConfigError, match=f"^objective.q_schedule={path}: q_after must lie in \\[0, 1\\] .*got q_after=1.5$"):
+        load_config(None, [f"objective.q_schedule={path}"])
 
 
 def test_missing_config_file_is_named(tmp_path):
@@ -155,6 +183,9 @@ def test_missing_config_file_is_named(tmp_path):
     (b"train:\n  sed: 3\n", "bad.yaml: unknown config key 'train.sed'; did you mean 'train.seed'"),
     (b"train: 3\n", "bad.yaml: train must be a mapping of its keys; got 3"),  # before an override sets a key in it
     (b"model:\n  tiny: [1]\n", "bad.yaml: model.tiny must be a mapping of its keys; got \\[1\\]"),
+    # a config with a key named `name` was taken for a q schedule, whose advice then failed
+    (b"name: mine\ntrain:\n  seed: 1\n", "bad.yaml: unknown config key 'name'; did you mean"),
+    (b"train:\n  seed: 0010\n", "bad.yaml:2:9: invalid YAML \\(0010 reads as 8 in YAML"),
 ])
 def test_a_config_file_that_cannot_be_read_as_written_is_named_with_the_fix(tmp_path, text, message):
     path = tmp_path / "bad.yaml"

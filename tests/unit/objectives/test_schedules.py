@@ -67,8 +67,11 @@ def test_adaptive_state_round_trips():
 
 
 def test_schedule_parameter_errors():
-    with pytest.raises(ValueError, match="q must lie"):
+    with pytest.raises(ValueError, match=re.escape("q_before must lie in [0, 1] (0 = RLVR, 1 = log-marginal-likelihood); got "
+                                                   "q_before=2.0")):  # the key, not "q"
         StepQ(switch_step=3, q_before=2.0)
+    with pytest.raises(ValueError, match=re.escape("switch_step must be >= 0 (the first step is 0); got switch_step=-5")):
+        StepQ(switch_step=-5)  # it trained at q_after from the first step
     with pytest.raises(ValueError, match="num_steps"):
         LinearQ(num_steps=0)
     with pytest.raises(ValueError, match="q_min=0.9 must not exceed q_max=0.5"):
@@ -94,6 +97,12 @@ def test_build_schedule_rejects_unknown_names_and_keys():
         build_schedule({"name": "exponential"})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['steps'\]"):
         build_schedule({"name": "linear", "steps": 10})
+    # a name or key YAML read as other than text: a TypeError's traceback
+    with pytest.raises(ValueError, match=r"name must be one of .*; got name=\['step'\]"):
+        build_schedule({"name": ["step"]})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['1', 'foo'\] for q schedule 'step'"):
+        build_schedule({"name": "step", 1: 2, "foo": 3, "switch_step": 3})
+    assert build_schedule({"name": "linear", "num_steps": 10, "q_start": "1e-1"})(0) == 0.1  # YAML 1.1's text for 0.1
 
 
 @pytest.mark.parametrize("spec, message", [
