@@ -26,7 +26,7 @@ from nemo_jq.models.common import autocast_dtype
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.models.interfaces import Policy, RolloutEngine, require
 from nemo_jq.models.routes import has_experts, routing_replay
-from nemo_jq.registry import Registry
+from nemo_jq.registry import PluginFailed, Registry, blamed_on_plugin
 from nemo_jq.rollouts.wiring import compose_engine
 from nemo_jq.runtime import distributed
 
@@ -55,8 +55,17 @@ register_backend = BACKENDS.register
 
 
 def build_backend(name: str, request: BackendRequest) -> tuple[Policy, RolloutEngine]:
-    policy, engine = BACKENDS.lookup(name, "model.backend")(request)
-    return require(policy, Policy, f"backend {name!r}'s policy"), require(engine, RolloutEngine, f"backend {name!r}'s engine")
+    """The backend's policy and rollout engine, checked: a plugin's builder that fails, returns other than the two or
+    an object without a member its protocol has is one line naming it (docs/extending.md)."""
+    builder = BACKENDS.lookup(name, "model.backend")
+    with blamed_on_plugin(builder, f"the builder of backend {name!r}"):
+        built = builder(request)
+    if not (isinstance(built, tuple) and len(built) == 2):
+        raise PluginFailed(f"the builder of backend {name!r} returned {type(built).__name__}: return (policy, engine), the "
+                           "policy and the rollout engine that samples from it")
+    policy, engine = built
+    return (require(policy, Policy, f"the policy of backend {name!r}"),
+            require(engine, RolloutEngine, f"the rollout engine of backend {name!r}"))
 
 
 def policy_options(config: Any) -> dict[str, Any]:

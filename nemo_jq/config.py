@@ -39,6 +39,8 @@ from nemo_jq.registry import PLUGIN_MODULE_PREFIX
 from nemo_jq.strict_yaml import parse_yaml, read_yaml_file
 from nemo_jq.typed import LARGEST_SEED, ConfigError, build, describe_fields, option
 
+#: This package's folder: a plugin's error is said at its own line, not at the registry's beneath it.
+PACKAGE_DIR = str(Path(__file__).resolve().parent)
 #: Keys that may name a local file or folder (``section``, ``key``): made absolute when a config loads.
 PATH_KEYS = (("model", "path"), ("data", "prepared_dir"), ("data", "source"))
 #: The largest fp32 number: a learning rate beyond it overflows the optimizer's step.
@@ -304,7 +306,7 @@ class Config:
         config, which holds them already: its data may be gone, which only what reads the data says).
         """
         self._anchor_paths()
-        import_plugins(self.plugins)
+        import_plugins(self.plugins, moved=saved)
         spec = self._check_estimators()
         self._check_backend_and_rollouts()
         if self.guard.enabled and self.guard.action == "lower_q" and not spec.uses_q:
@@ -473,25 +475,32 @@ class Config:
                 f"manifest.json): add plugins=[{plugin}]" if isinstance(plugin, str) else ""))
 
 
-def import_plugins(plugins: list[str]) -> None:
+class PluginGone(ConfigError):
+    """A plugin a run trained with is not where its saved config says: the run's config is as it was, its plugin moved."""
+
+
+def import_plugins(plugins: list[str], moved: bool = False) -> None:
     """Import each plugin (a module name, or a path to a .py file) once, so that its registrations run. A plugin that
-    fails to import (a syntax error, a name registered twice, its own error) is one line naming it and where."""
+    fails to import (a syntax error, a name registered twice, its own error) is one line naming it and where.
+    ``moved``: the plugins a run trained with (its saved config's), whose file may have moved since."""
     for plugin in plugins:
         try:
-            _import_plugin(plugin)
+            _import_plugin(plugin, moved)
         except ConfigError:
             raise
         except SystemExit as err:  # a script's code run at import (its argument parsing, sys.exit): not a plugin's
             raise ConfigError(f"plugins: {plugin} exited as it was imported (SystemExit: {err.code}): a plugin only "
                               "defines and registers; put its script's code under `if __name__ == \"__main__\":`") from None
         except Exception as err:  # noqa: BLE001 - the plugin's code, whatever it raises
-            where = (f"{err.filename}:{err.lineno}" if isinstance(err, SyntaxError) else
-                     "{}:{}".format(*traceback.extract_tb(err.__traceback__)[-1][:2]) if err.__traceback__ else "")
+            frames = traceback.extract_tb(err.__traceback__)
+            own = [frame for frame in frames if not frame.filename.startswith((PACKAGE_DIR, "<frozen"))]
+            where = (f"{err.filename}:{err.lineno}" if isinstance(err, SyntaxError) else  # its own line, not ours
+                     "{}:{}".format(*(own or frames)[-1][:2]) if frames else "")
             raise ConfigError(f"plugins: {plugin} failed to import: {type(err).__name__}: {err} ({where}); fix it, or "
                               "drop it from plugins") from err
 
 
-def _import_plugin(plugin: str) -> None:
+def _import_plugin(plugin: str, moved: bool) -> None:
     path = Path(plugin)
     if plugin.endswith(".py"):
         # named by the file's full path: two plugins of one file name in two folders are two modules
@@ -499,7 +508,10 @@ def _import_plugin(plugin: str) -> None:
         if name in sys.modules:
             return
         if not path.is_file():
-            raise ConfigError(f"plugins: {plugin} does not exist (a plugin is a module name or a .py file)")
+            raise (PluginGone if moved else ConfigError)(f"plugins: {plugin} does not exist " + (
+                "(the run trained with it): put it back there, or set plugins in the run's config.yaml to where it is "
+                "now" if moved else "(a plugin is a module name or a .py file; a relative path is read from the current "
+                "directory)"))
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -512,6 +524,8 @@ def _import_plugin(plugin: str) -> None:
     try:
         importlib.import_module(plugin)
     except ModuleNotFoundError as err:
+        if err.name is None or not (plugin == err.name or plugin.startswith(f"{err.name}.")):
+            raise  # the plugin was found: a module it imports is missing (said with its line)
         raise ConfigError(f"plugins: cannot import {plugin!r} ({err}); install it or add its folder to PYTHONPATH") from None
 
 

@@ -91,6 +91,11 @@ class PluginFailed(ValueError):
     """A plugin's own code failed as it ran: one line naming what failed and its line (``--debug``: the traceback)."""
 
 
+class NotImplementing(PluginFailed, TypeError):
+    """A plugin's object lacks a member of the protocol it is registered for: a ``TypeError`` naming it, said in one
+    line as a plugin's failure is."""
+
+
 @contextlib.contextmanager
 def blamed_on_plugin(thing: object, what: str, passes: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """An error a plugin's ``thing`` raises here (not one of ``passes``, its own way of saying a row is bad) is a

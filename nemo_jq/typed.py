@@ -96,6 +96,20 @@ def build(cls: type, raw: Any, prefix: str, root: type | None = None) -> Any:
     return cls(**values)
 
 
+def check_defaults(cls: type, prefix: str) -> None:
+    """Each default of the dataclass ``cls`` checked as a value given for it would be (a plugin's options: a default
+    out of its own range, or of another type, trained as it was)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if default is dataclasses.MISSING:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            check_defaults(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            check_range(check_type(default, hints[f.name], f"{prefix}{f.name}"), f.metadata, f"{prefix}{f.name}")
+
+
 def _sections_holding(root: type | None, key: Any) -> list[str]:
     """``section.key`` for each section of ``root`` (the whole config's class; None: not known) that has ``key``."""
     if root is None:
@@ -135,6 +149,10 @@ def check_type(value: Any, hint: Any, key: str) -> Any:
             except ConfigError:
                 pass
         return check_type(value, inner[0], key)
+    if origin is typing.Literal:  # a plugin's option of a few values
+        if any(value == allowed and type(value) is type(allowed) for allowed in args):
+            return value
+        raise ConfigError(f"{key} must be one of {', '.join(map(repr, args))}; got {value!r}")
     expected = origin or hint
     number = as_float(value) if expected is float else None
     if number is not None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
+
+from nemo_jq.registry import PluginFailed, blamed_on_plugin
 
 FORMATS = ("cold", "warm")
 
@@ -54,6 +57,41 @@ class Task(Protocol):
     def corpus(self, examples: list[Example]) -> list[str]:
         """Texts to train a tokenizer on when a model is built from scratch."""
         ...
+
+
+def reward_of(task: Task, output: str, example: Example) -> float:
+    """``task.reward(output, example)``, checked: a dataset plugin's reward that fails, or returns other than a number
+    in [0, 1], is one line naming it (it was a traceback after the run's steps, or a reward of 5 optimised silently)."""
+    return _scored(task, task.reward, output, example, lambda value: 0 <= value <= 1,
+                   "a number in [0, 1] (1 for a right answer)")
+
+
+def correct_of(task: Task, output: str, example: Example) -> bool:
+    """``task.is_correct(output, example)``, checked as :func:`reward_of` checks a reward: true or false."""
+    return bool(_scored(task, task.is_correct, output, example, lambda value: value in (0, 1), "true or false"))
+
+
+def check_scoring(task: Task, examples: list[Example]) -> None:
+    """The task's reward and correctness rules run once on the first example's own answer, before a run trains: a
+    plugin's rule that fails or returns the wrong kind of value is said then, not at the first validation."""
+    for example in examples[:1]:
+        reward_of(task, example.answer, example)
+        correct_of(task, example.answer, example)
+
+
+def _scored(task: Task, rule: Callable[[str, Example], Any], output: str, example: Example,
+            within: Callable[[Any], bool], wanted: str) -> Any:
+    name = getattr(task, "name", type(task).__name__)
+    what = f"the {rule.__name__} of dataset {name!r}"
+    with blamed_on_plugin(task, what):
+        value = rule(output, example)
+    plain = value.item() if type(value).__module__ == "numpy" else value  # a NumPy scalar: its Python number
+    if not isinstance(plain, numbers.Real) or not within(plain):  # NaN is within nothing
+        code = getattr(rule, "__code__", None)
+        where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+        raise PluginFailed(f"{what}{where} returned {value!r} ({type(value).__name__}) for the output {output[-80:]!r}: "
+                           f"return {wanted}")
+    return plain
 
 
 @dataclass

@@ -6,7 +6,7 @@ import dataclasses
 import random
 from typing import Sequence
 
-from nemo_jq.data.base import Example, Task
+from nemo_jq.data.base import Example, Task, correct_of
 
 #: Where a corrupted example keeps its clean answer (``Example.meta``).
 CLEAN_ANSWER = "clean_answer"
@@ -38,7 +38,7 @@ def _wrong_answer(answers: Sequence[str], example: Example, task: Task, rng: ran
     """A random training answer that the task does not accept for ``example`` (drawn, not searched: most are wrong)."""
     for _ in range(1000):
         candidate = rng.choice(answers)
-        if not task.is_correct(candidate, example):
+        if not correct_of(task, candidate, example):
             return candidate
     raise ValueError(f"data.label_noise: no wrong answer found for training example {example.id!r} among the "
                      "training answers (nearly all of them count as correct for it)")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_jq.data.base import Example, Splits, Task
+from nemo_jq.data.base import Example, Splits, Task, check_scoring
 from nemo_jq.data.noise import corrupt_labels
 from nemo_jq.data.qa import DATASETS, HUB_SOURCES, BadRow, QATask, record_id, required_answer, required_text
 from nemo_jq.data.sources import SUFFIXES, UnreadableRow, find_split_file, folder_split_names, read_hub, read_rows, sha256
@@ -224,6 +224,7 @@ def build_task(data: Any) -> tuple[Task, Splits]:
     """The task of a config's ``data`` section and its splits (the synthetic sums, a prepared folder, or a dataset
     prepared in memory), with ``data.label_noise`` of the training labels corrupted."""
     task, splits = _clean_task(data)
+    check_scoring(task, splits.train or splits.validation)
     if data.label_noise:
         splits = dataclasses.replace(splits, train=corrupt_labels(splits.train, data.label_noise, data.seed, task))
     return task, splits

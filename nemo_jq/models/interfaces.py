@@ -11,12 +11,14 @@ against a protocol when a backend is built, so a missing member is named then, n
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
+from nemo_jq.registry import NotImplementing
 from nemo_jq.runtime.distributed import DataParallel
 
 
@@ -212,8 +214,10 @@ def require(obj: Any, protocol: type, what: str) -> Any:
     missing += [f"{name}(..., {keyword}=...)" for name in members(protocol) if hasattr(obj, name)
                 for keyword in _keywords_not_taken(getattr(protocol, name, None), getattr(obj, name))]
     if missing:
-        raise TypeError(f"{what} ({type(obj).__name__}) does not implement {protocol.__name__}: it lacks "
-                        f"{', '.join(missing)}")
+        module = type(obj).__module__
+        source = None if module.split(".")[0] in sys.stdlib_module_names else getattr(sys.modules.get(module), "__file__", None)
+        raise NotImplementing(f"{what} ({type(obj).__name__}{f', {source}' if source else ''}) does not implement "
+                              f"{protocol.__name__}: it lacks {', '.join(missing)} (docs/extending.md)")
     return obj
 
 

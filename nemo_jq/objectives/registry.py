@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 from nemo_jq.objectives.inputs import EstimatorInputs
 from nemo_jq.objectives.interfaces import Need, ObjectiveOutput
 from nemo_jq.registry import Registry
-from nemo_jq.typed import ConfigError, build
+from nemo_jq.typed import ConfigError, build, check_defaults
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,10 @@ def register_objective(name: str, *, needs: set[Need], uses_q: bool, min_samples
             raise TypeError(f"objective {name!r}: min_samples must be a whole number >= 1; got {min_samples!r}")
         if not name.isidentifier():
             raise TypeError(f"objective {name!r}: its name is a config value (objective.name): letters, digits and _")
+        try:
+            check_defaults(options, "options.")
+        except ConfigError as err:
+            raise TypeError(f"objective {name!r}: the default of {err}") from None
         _REGISTRY.register(name)(ObjectiveSpec(name, fn, frozenset(needs), uses_q, min_samples, options, corrects_off_policy))
         return fn
 

@@ -17,7 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from nemo_jq.objectives.checks import check_q
-from nemo_jq.registry import Registry
+from nemo_jq.registry import Registry, blamed_on_plugin
 from nemo_jq.typed import as_float
 
 SCHEDULES: Registry = Registry("q schedule")
@@ -214,7 +214,8 @@ def build_schedule(spec: dict[str, Any] | float) -> QSchedule:
             params[f.name] = as_float(params[f.name])  # YAML 1.1 reads 1e-1, with no dot, as text
         if f.name in params and kind in _KINDS and not _KINDS[kind][0](params[f.name]):
             raise ValueError(f"q schedule {name!r}: {f.name} must be {_KINDS[kind][1]}; got {params[f.name]!r}")
-    return cls(**params)
+    with blamed_on_plugin(cls, f"q schedule {name!r}"):  # a plugin's own check (an assert) was a traceback
+        return cls(**params)
 
 
 #: A schedule field's annotation -> (accepts the value, what it must be), so a wrong value is named, not a TypeError.

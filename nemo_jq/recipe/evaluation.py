@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from nemo_jq.data.base import Example, Task
+from nemo_jq.data.base import Example, Task, correct_of
 from nemo_jq.models.common import new_generator
 from nemo_jq.models.interfaces import Rollout
 
@@ -37,13 +37,13 @@ def score_outputs(task: Task, examples: Sequence[Example], outputs: Sequence[Seq
     """``outputs[i]`` holds the n sampled answers for ``examples[i]``; returns p@1, p@k, m@k (percent)."""
     p1, pk, mk = [], [], []
     for example, samples in zip(examples, outputs):
-        correct = [task.is_correct(o, example) for o in samples]
+        correct = [correct_of(task, o, example) for o in samples]
         p1.append(pass_at_k(len(samples), sum(correct), 1))
         pk.append(pass_at_k(len(samples), sum(correct), k))
         extracted = [task.extract_answer(o) for o in samples[:k]]
         normalized = [task.normalize(a) for a in extracted]
         winner = majority_answer(normalized)
-        mk.append(float(bool(winner) and task.is_correct(extracted[normalized.index(winner)], example)))
+        mk.append(float(bool(winner) and correct_of(task, extracted[normalized.index(winner)], example)))
     count = max(len(p1), 1)
     return {"p@1": 100 * sum(p1) / count, f"p@{k}": 100 * sum(pk) / count, f"m@{k}": 100 * sum(mk) / count}
 
@@ -88,8 +88,8 @@ def memorised(task: Task, noisy: Sequence[Example], outputs: Sequence[Sequence[s
     both does not count."""
     from nemo_jq.data.noise import CLEAN_ANSWER
 
-    return [task.is_correct(samples[0], example)
-            and not task.is_correct(samples[0], Example(example.id, example.question, example.meta[CLEAN_ANSWER]))
+    return [correct_of(task, samples[0], example)
+            and not correct_of(task, samples[0], Example(example.id, example.question, example.meta[CLEAN_ANSWER]))
             for example, samples in zip(noisy, outputs)]
 
 
@@ -113,12 +113,12 @@ def chance_memorised(task: Task, train: Sequence[Example], noisy: Sequence[Examp
     shares = []
     for example, samples in zip(noisy, outputs):
         clean = dataclasses.replace(example, answer=example.meta[CLEAN_ANSWER])
-        if task.is_correct(samples[0], clean):  # memorised never counts an output naming the clean answer
+        if correct_of(task, samples[0], clean):  # memorised never counts an output naming the clean answer
             shares.append(0.0)
             continue
         drawn = pool if len(pool) <= draws else random.Random(f"chance-{example.id}").sample(pool, draws)
-        wrong = [answer for answer in drawn if not task.is_correct(answer, clean)]
-        shares.append(sum(task.is_correct(samples[0], dataclasses.replace(example, answer=answer)) for answer in wrong)
+        wrong = [answer for answer in drawn if not correct_of(task, answer, clean)]
+        shares.append(sum(correct_of(task, samples[0], dataclasses.replace(example, answer=answer)) for answer in wrong)
                       / max(1, len(wrong)))
     return shares
 
@@ -203,6 +203,6 @@ def shown_samples(components: Components, examples: Sequence[Example], groups: S
             answer = chat.decode_answer(rollout.answer_ids or [])
             samples.append({"rationale": chat.tokenizer.decode(rollout.rationale_ids, skip_special_tokens=False),
                             "think_end_forced": rollout.think_end_forced, "answer": answer,
-                            "correct": task.is_correct(answer, example)})
+                            "correct": correct_of(task, answer, example)})
         shown.append({"id": example.id, "question": example.question, "reference": example.answer, "samples": samples})
     return shown

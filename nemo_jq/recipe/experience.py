@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_jq.data import Example
+from nemo_jq.data.base import reward_of
 from nemo_jq.models.common import new_generator
 from nemo_jq.models.interfaces import Rollout, TokenBatch
 from nemo_jq.objectives import Need, ObjectiveSpec
@@ -90,7 +91,7 @@ def experience_from(components: Components, examples: list[Example], estimator: 
     rewards = None
     if Need.SAMPLED_ANSWER_REWARD in estimator.needs:
         batch = sampled_answer_batch(rollouts, chat.think_end_id, chat.pad_id)
-        rewards = torch.tensor([[components.task.reward(chat.decode_answer(r.answer_ids), e) for r in group_rollouts]
+        rewards = torch.tensor([[reward_of(components.task, chat.decode_answer(r.answer_ids), e) for r in group_rollouts]
                                 for group_rollouts, e in zip(rollouts, examples)], device=components.device)
     else:
         batch = reference_answer_batch(rollouts, [chat.answer_ids(e.answer) for e in examples], chat.think_end_id,

@@ -78,6 +78,10 @@ def check_output(name: str, out: Any, inputs: EstimatorInputs) -> None:
     if not isinstance(out, ObjectiveOutput):
         raise ValueError(f"objective {name!r} returned {type(out).__name__}: an estimator returns "
                          "ObjectiveOutput(loss, per_example, metrics)")
+    if not isinstance(out.per_example, torch.Tensor) or not isinstance(out.metrics, dict):
+        raise ValueError(f"objective {name!r} returned per_example as {type(out.per_example).__name__} and metrics as "
+                         f"{type(out.metrics).__name__}: per_example is a tensor of one loss a prompt, metrics a dict "
+                         "of numbers ({} for none)")
     if torch.is_grad_enabled() and inputs.token_logprob.requires_grad and not out.per_example.requires_grad:
         raise ValueError(f"objective {name!r} returned a per_example loss with no gradient: compute it from the inputs' "
                          "log-probs without .detach() (weights made of them may be detached)")

@@ -13,6 +13,7 @@ import torch
 from nemo_jq.data import Example
 from nemo_jq.models.common import new_generator
 from nemo_jq.objectives import ObjectiveSpec, QSchedule, build_schedule, get_objective
+from nemo_jq.registry import blamed_on_plugin
 from nemo_jq.runtime.distributed import DataParallel
 from nemo_jq.runtime.runs import best_step_of
 
@@ -62,7 +63,8 @@ class ObjectiveInUse:
         """The step's q: the schedule's, scaled by the course's ``q_scale``; None for estimators without one."""
         if self.schedule is None:
             return None
-        q = self.schedule(step)
+        with blamed_on_plugin(self.schedule, f"objective.q_schedule {type(self.schedule).__name__}"):
+            q = self.schedule(step)
         if not isinstance(q, (int, float)) or isinstance(q, bool) or not 0.0 <= q <= 1.0:  # a registered one's, too
             raise ValueError(f"objective.q_schedule {type(self.schedule).__name__} gave q={q!r} at step {step}: a q "
                              "schedule gives a number in [0, 1]")

@@ -37,6 +37,7 @@ from nemo_jq.recipe.state import (
     restore_loop,
 )
 from nemo_jq.recipe.step import StepResult, rollout_record
+from nemo_jq.registry import blamed_on_plugin
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.runtime import distributed, runs
 from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, read_state, save_checkpoint, step_dir_name
@@ -240,7 +241,8 @@ class Trainer:
         micro_metrics = estimator_gradient(self.components, self.objective.estimator, self.objective.options, experience,
                                            q=q, batch_prompts=len(batch_examples), generator=self.random.estimator)
         merged = merge_metrics(self.data_parallel.gather(micro_metrics))
-        self._stop_if_diverged(step, "the loss", merged.get("loss"))  # before the weights take it
+        self._stop_if_diverged(step, "the loss", merged.get("loss"),  # before the weights take it
+                               self.objective.estimator.name if self.state.step == 0 else None)
         record = {"epoch": self.state.epoch, "q": q, **merged, **self.policy.optimizer_step()}
         self._stop_if_diverged(step, "the gradient norm", record.get("grad_norm"))
         distributed.everywhere(lambda: self._stop_if_diverged(step, *runs.nonfinite_weights(self.policy)))
@@ -253,7 +255,8 @@ class Trainer:
         result = StepResult.from_record(step, record)
         schedule = self.objective.schedule
         if schedule is not None and result.log_p_hat is not None:
-            schedule.observe(result.log_p_hat)
+            with blamed_on_plugin(schedule, f"objective.q_schedule {type(schedule).__name__}'s observe"):
+                schedule.observe(result.log_p_hat)
         elif isinstance(schedule, AdaptiveQ) and not self.said_unobserved:  # once: q would stay at q_max unsaid
             self.said_unobserved = True
             distributed.on_writer(lambda: print(
@@ -263,10 +266,11 @@ class Trainer:
         self.mismatch(result)
         return result
 
-    def _stop_if_diverged(self, step: int, what: str, value: Any) -> None:
-        """A NaN or inf ``value`` (the loss, the gradient norm, a weight) stops the run before anything saves it."""
+    def _stop_if_diverged(self, step: int, what: str, value: Any, first_loss_of: str | None = None) -> None:
+        """A NaN or inf ``value`` (the loss, the gradient norm, a weight) stops the run before anything saves it
+        (``first_loss_of``: the estimator whose loss it is, before any update)."""
         if value is not None and not math.isfinite(value):
-            raise runs.diverged(self.run_dir, step, what, value, self.config.optim.lr)
+            raise runs.diverged(self.run_dir, step, what, value, self.config.optim.lr, first_loss_of)
 
     def _experience(self, batch_examples: list[Example]) -> tuple[Experience, int]:
         """This replica's experience for the step, and how many steps older than the weights its sampler's were (one

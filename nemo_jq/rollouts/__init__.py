@@ -16,7 +16,7 @@ import torch
 
 from nemo_jq.models.common import ACCELERATORS
 from nemo_jq.models.routes import has_experts, routing_replay
-from nemo_jq.registry import Registry
+from nemo_jq.registry import Registry, blamed_on_plugin
 from nemo_jq.rollouts import qwen3_decode  # noqa: F401 - registers Qwen3's decode step
 from nemo_jq.rollouts.budget import BudgetedRollouts
 from nemo_jq.rollouts.graphs import GraphSampler, decode_step_for
@@ -49,14 +49,14 @@ def register_sampler(name: str, *, in_place: bool = False,
                      preflight: Callable[[Any], None] | None = None) -> Callable[[SamplerBuilder], SamplerBuilder]:
     """Decorator adding a sampler builder under ``name`` (docs/extending.md); ``preflight(config)``: a check that the
     engine can run here, raising a one-line ``ConfigError`` before any model is built (:func:`check_sampler`)."""
-    if in_place:
-        IN_PLACE.add(name)
     register = SAMPLERS.register(name)
 
     def decorate(builder: SamplerBuilder) -> SamplerBuilder:
         if preflight is not None:
             builder.preflight = preflight
-        return register(builder)
+        registered = register(builder)  # refused (a name taken): no flag of another engine's is changed
+        (IN_PLACE.add if in_place else IN_PLACE.discard)(name)  # a definition run again may change it
+        return registered
 
     return decorate
 
@@ -120,7 +120,9 @@ def build_rollouts(request: SamplerRequest, chat: Any) -> BudgetedRollouts:
     from nemo_jq.models.interfaces import require
 
     rollout = request.config.rollout
-    sampler = require(SAMPLERS[rollout.engine](request), Sampler, f"rollout.engine={rollout.engine}'s sampler")
+    with blamed_on_plugin(SAMPLERS[rollout.engine], f"rollout.engine={rollout.engine}'s builder"):
+        built = SAMPLERS[rollout.engine](request)
+    sampler = require(built, Sampler, f"rollout.engine={rollout.engine}'s sampler")
     return BudgetedRollouts(sampler, think_end_id=chat.think_end_id,
                             end_of_turn_id=chat.end_of_turn_id, max_thinking_tokens=rollout.max_thinking_tokens,
                             max_answer_tokens=rollout.max_answer_tokens)

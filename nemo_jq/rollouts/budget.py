@@ -10,12 +10,14 @@ these semantics because none of them implements them.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from nemo_jq.models.interfaces import Rollout
+from nemo_jq.registry import PluginFailed, blamed_on_plugin
 from nemo_jq.rollouts.sampling import Sample, Sampler, as_groups
+from nemo_jq.runtime.preemption import Stopped
 
 
 class BudgetedRollouts:
@@ -56,9 +58,22 @@ class BudgetedRollouts:
 
     def generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                  generator: torch.Generator, greedy: bool = False, routes: bool = True) -> list[list[Rollout]]:
-        with self.awake():
+        # a plugin's sampler that fails, or returns other than Samples, is one line naming it (a traceback)
+        with self.awake(), blamed_on_plugin(self.sampler, f"rollout engine {type(self.sampler).__name__}'s sample",
+                                            passes=(Stopped,)):
             return self._generate(prompts, num_samples, sample_answers=sample_answers, generator=generator, greedy=greedy,
                                   routes=routes)
+
+    def _checked(self, groups: Any, prompts: int, num_samples: int) -> list[list[Sample]]:
+        """What the sampler returned, if it is a group of ``num_samples`` Samples per prompt (a plugin's sampler that
+        returned other was an AttributeError deep in here)."""
+        if not (isinstance(groups, (list, tuple)) and len(groups) == prompts and all(
+                isinstance(group, (list, tuple)) and len(group) == num_samples and all(isinstance(s, Sample) for s in group)
+                for group in groups)):
+            raise PluginFailed(f"rollout engine {type(self.sampler).__name__}'s sample returned {str(groups)[:80]} for "
+                               f"{prompts} prompts of {num_samples} samples: return a list per prompt of {num_samples} "
+                               "Sample(token_ids, stopped, logprobs) (nemo_jq.rollouts.Sample)")
+        return groups
 
     def _generate(self, prompts: Sequence[list[int]], num_samples: int, *, sample_answers: bool,
                   generator: torch.Generator, greedy: bool, routes: bool) -> list[list[Rollout]]:
@@ -67,9 +82,9 @@ class BudgetedRollouts:
         if self.max_thinking_tokens == 0:  # no thinking: </think> forced at once
             thoughts = as_groups([Sample([], False, []) for _ in range(len(prompts) * num_samples)], num_samples)
         else:
-            thoughts = self.sampler.sample(prompts, num_samples, stop_ids=[self.think_end_id],
-                                           max_new_tokens=self.max_thinking_tokens, generator=generator, greedy=greedy,
-                                           **options)
+            thoughts = self._checked(self.sampler.sample(prompts, num_samples, stop_ids=[self.think_end_id],
+                                                         max_new_tokens=self.max_thinking_tokens, generator=generator,
+                                                         greedy=greedy, **options), len(prompts), num_samples)
         rollouts = []
         for prompt, group in zip(prompts, thoughts):
             for thought in group:
@@ -85,9 +100,9 @@ class BudgetedRollouts:
                 ))
         if sample_answers:
             contexts = [r.prompt_ids + r.rationale_ids + [self.think_end_id] for r in rollouts]
-            answers = self.sampler.sample(contexts, 1, stop_ids=[self.end_of_turn_id],
-                                          max_new_tokens=self.max_answer_tokens, generator=generator, greedy=greedy,
-                                          **options)
+            answers = self._checked(self.sampler.sample(contexts, 1, stop_ids=[self.end_of_turn_id],
+                                                        max_new_tokens=self.max_answer_tokens, generator=generator,
+                                                        greedy=greedy, **options), len(contexts), 1)
             for rollout, [answer] in zip(rollouts, answers):
                 rollout.answer_ids, rollout.answer_logprobs = answer.token_ids, answer.logprobs
                 if answer.routes is not None:  # the rationale as its pass ran it, the rest as the answer's did

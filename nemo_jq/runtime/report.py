@@ -153,12 +153,14 @@ def _runs_in(path: Path, searched: set[Path]) -> list[Path]:
 def read_run(run_dir: Path) -> RunRecord | None:
     """A finished run's record (None: unfinished, as the sweep decides: no ``results.json`` yet, or one older than
     the run's last checkpoint, a run resumed to train on)."""
-    from nemo_jq.config import ConfigError, load_config
+    from nemo_jq.config import ConfigError, PluginGone, load_config
 
     if not (run_dir / RESULTS_FILE).exists():
         return None
     try:
         config = load_config(run_dir / CONFIG_FILE, saved=True)
+    except PluginGone as err:  # the config is as the run wrote it
+        raise ConfigError(f"{run_dir}: {err}") from None
     except ConfigError as err:  # its own error names the file
         raise ConfigError(f"{run_dir / CONFIG_FILE} is not the run's saved config "
                           f"({str(err).removeprefix(f'{run_dir / CONFIG_FILE}: ')}): restore it from a copy of the run, "

@@ -187,14 +187,19 @@ class Diverged(ValueError):
     """The loss, the gradient norm or the weights went NaN or infinite: the run stops before anything saves them."""
 
 
-def diverged(run_dir: Path, step: int, what: str, value: float, lr: float) -> Diverged:
-    """The one line that stops a diverged run: the step, what went non-finite, and the last good checkpoint, kept."""
+def diverged(run_dir: Path, step: int, what: str, value: float, lr: float, estimator: str | None = None) -> Diverged:
+    """The one line that stops a diverged run: the step, what went non-finite, and the last good checkpoint, kept.
+    ``estimator``: the objective whose loss it was, where no update has yet been made (no learning rate is to blame)."""
     try:
         last = latest_checkpoint(Path(run_dir) / CHECKPOINT_DIR)
     except FileNotFoundError:
         last = None
     kept = (f"the last good checkpoint, {last}, is kept (nothing after it was saved)" if last is not None else
             "no checkpoint was saved before it")
+    if estimator is not None:
+        return Diverged(f"the run's first step gave a loss of {value}, before any update: objective {estimator!r} "
+                        "computed it from the initial weights, so no learning rate is to blame; look at the estimator "
+                        "(a plugin's: its loss) and its options; nothing was saved")
     return Diverged(f"the run diverged at step {step}: {what} is {value} (not finite); it stopped there and {kept}: "
                     f"start it again with a lower optim.lr (now {lr:g}); --overwrite moves this run aside first")
 

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import TINY_RUN, one_line_error
 from nemo_jq.cli import main
-from nemo_jq.config import load_config
+from nemo_jq.config import ConfigError, load_config
 from nemo_jq.runtime.monitor import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,14 +95,15 @@ def test_a_backend_missing_a_protocol_member_is_named_when_it_is_built(tmp_path)
     from nemo_jq.recipe.components import build_components
 
     for backend, message in [("hf rollout.engine=no_load_weights", "rollout.engine=no_load_weights.s sampler "
-                                                                   "\\(SamplesOnly\\) does not implement Sampler: it lacks "
-                                                                   "load_weights, tensor_parallel$"),
+                                                                   f"\\(SamplesOnly, {plugin}\\) does not implement Sampler: "
+                                                                   "it lacks load_weights, tensor_parallel \\(docs/extending.md\\)$"),
                              ("no_refit", "does not implement RefittablePolicy: it lacks gathers_over_replicas, iter_hf, "
-                                          "model_parallel_group, weights_version$"),
-                             ("no_export", "backend 'no_export'.s policy \\(SimpleNamespace\\) does not implement Policy: "
-                                           "it lacks export$"),
-                             ("takes_no_routes", "backend 'takes_no_routes'.s engine \\(Engine\\) does not implement "
-                                                 "RolloutEngine: it lacks generate\\(\\.\\.\\., routes=\\.\\.\\.\\)$")]:
+                                          "model_parallel_group, weights_version \\(docs/extending.md\\)$"),
+                             ("no_export", "the policy of backend 'no_export' \\(SimpleNamespace\\) does not implement Policy: "
+                                           "it lacks export \\(docs/extending.md\\)$"),
+                             ("takes_no_routes", f"the rollout engine of backend 'takes_no_routes' \\(Engine, {plugin}\\) does not "
+                                                 "implement RolloutEngine: it lacks generate\\(\\.\\.\\., routes=\\.\\.\\.\\) "
+                                                 "\\(docs/extending.md\\)$")]:
         config = load_config(None, [*TINY_RUN, f"plugins=[{plugin}]", *f"model.backend={backend}".split()])
         with pytest.raises(TypeError, match=message):
             build_components(config, torch.device("cpu"))
@@ -147,6 +148,26 @@ def test_a_plugin_that_does_not_import_is_one_line(tmp_path, capsys):
     code = main(["train", *TINY_RUN, "plugins=[no_such_plugin_module]", f"train.run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert code == 2 and "plugins: cannot import 'no_such_plugin_module'" in err and not (tmp_path / "run").exists()
+    # a module that imports but lacks a package of its own was "cannot import it: add its folder to PYTHONPATH"
+    (tmp_path / "needs_more.py").write_text("import no_such_package_of_its_own\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(ConfigError, match=f"plugins: needs_more failed to import: ModuleNotFoundError: No module named "
+                                              f"'no_such_package_of_its_own' \\({tmp_path / 'needs_more.py'}:1\\)"):
+            load_config(None, ["plugins=[needs_more]"])
+    finally:
+        sys.path.remove(str(tmp_path))
+    # a run's plugin file moved since it trained: its saved config is as it was (the fix is where it points)
+    from nemo_jq.config import save_config
+
+    (tmp_path / "mine.py").write_text(ESTIMATOR.format(name="moving"))
+    save_config(load_config(None, [f"plugins=[{tmp_path / 'mine.py'}]"]), tmp_path / "config.yaml")
+    (tmp_path / "mine.py").rename(tmp_path / "moved.py")
+    for name in [name for name in sys.modules if name.startswith("nemo_jq_plugin_mine_")]:  # as a new process has it
+        del sys.modules[name]
+    with pytest.raises(ConfigError, match="does not exist \\(the run trained with it\\): put it back there, or set "
+                                          "plugins in the run's config.yaml to where it is now"):
+        load_config(tmp_path / "config.yaml", saved=True)
 
 
 def test_a_plugin_that_fails_to_import_is_one_line_naming_it_and_imports_once_fixed(tmp_path, capsys):
@@ -200,7 +221,13 @@ def estimator(inputs, options):
     ("per_example=-inputs.answer_logprob.mean(-1), metrics={'step': 999.0}", "reports a metric 'step', a name a step's "
                                                                               "record holds itself: rename it"),
     ("per_example=-inputs.answer_logprob.mean(-1), metrics={'w': inputs.answer_logprob.mean()}",
-     "reports its metric 'w' as Tensor: report a number")])
+     "reports its metric 'w' as Tensor: report a number"),
+    # an AttributeError's traceback each
+    ("per_example=[0.0, 0.0], metrics={}", "returned per_example as list and metrics as dict: per_example is a tensor"),
+    ("per_example=-inputs.answer_logprob.mean(-1), metrics=None", "returned per_example as Tensor and metrics as NoneType"),
+    # a NaN from the initial weights was "the run diverged ...: start it again with a lower optim.lr"
+    ("per_example=-inputs.answer_logprob.mean(-1) * float('nan'), metrics={}",
+     "computed it from the initial weights, so no learning rate is to blame")])
 def test_an_estimators_output_the_trainer_cannot_take_is_one_line_naming_it(tmp_path, capsys, returned, message):
     """A [B, M] per_example trained with M times the gradient, and a metric named ``step`` overwrote the record's
     (its resume then dropped the run's training history), without a word."""
@@ -297,6 +324,111 @@ def test_a_plugins_mistakes_as_it_runs_are_one_line_naming_it_and_its_line(tmp_p
                  "1,1,1", "--out", str(tmp_path / "prepared")])
     one_line_error(code, capsys.readouterr().err, f"{source}: row 1 (id 1): the build of dataset 'keyed' ({dataset}:12) "
                    "raised KeyError: 'qq'; fix it there")
+
+
+def line_of(path: Path, needle: str) -> int:
+    """The number of the first line of ``path`` that holds ``needle``."""
+    return next(number for number, line in enumerate(path.read_text().splitlines(), 1) if needle in line)
+
+
+#: A dataset plugin whose reward is to fill in (``{reward}``: its body).
+SCORED_DATASET = """\
+from dataclasses import dataclass
+
+from nemo_jq.data.base import Example
+from nemo_jq.data.qa import QATask, register_dataset
+
+
+@register_dataset("scored")
+@dataclass
+class Scored(QATask):
+    name: str = "scored"
+
+    def build(self, record):
+        return Example(id=str(record["id"]), question=record["q"], answer=record["a"])
+
+    def reward(self, output, example):
+        {reward}
+"""
+
+
+@pytest.mark.parametrize("reward, said", [
+    ("raise IndexError('my reward broke')", "raised IndexError: my reward broke; fix it there"),
+    ("return None", "returned None (NoneType) for the output '9': return a number in [0, 1] (1 for a right answer)"),
+    ("return 5.0", "returned 5.0 (float)"), ("return '1'", "returned '1' (str)"), ("return float('nan')", "returned nan")])
+def test_a_dataset_plugins_reward_that_fails_or_is_no_reward_is_one_line_before_the_run(tmp_path, capsys, reward, said):
+    """A reward that raised was a traceback after the run's steps (its first validation: no checkpoint kept); None a
+    traceback; '1' "too many dimensions 'str'"; 5.0 trained without a word (and never counted as correct)."""
+    plugin = tmp_path / "scored.py"
+    plugin.write_text(SCORED_DATASET.format(reward=reward))
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "q": f"what is {i}?", "a": str(i + 1)}) + "\n" for i in range(12)))
+    code = main(["train", *TINY_RUN, f"plugins=[{plugin}]", "data.name=scored", f"data.source={source}",
+                 "data.train_size=4", "data.validation_size=4", "data.test_size=4", f"train.run_dir={tmp_path / 'run'}"])
+    where = line_of(plugin, "raise" if "raise" in reward else "def reward")  # the line it raised at, or its own
+    one_line_error(code, capsys.readouterr().err, f"the reward of dataset 'scored' ({plugin}:{where}) {said}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_plugins_definitions_are_held_to_what_it_declares_where_it_registers_them(tmp_path, capsys):
+    """An option's default out of its own range trained a reversed loss; a Literal option was a TypeError whatever
+    its value; a schedule's own check (an assert) and its q (a KeyError) were tracebacks; a refused in-place sampler
+    left the built-in vLLM engine marked in place; a registration's error pointed into nemo_jq, not the plugin."""
+    from nemo_jq.config import ConfigError
+    from nemo_jq.rollouts import IN_PLACE, register_sampler
+
+    plugin = tmp_path / "declared.py"
+    plugin.write_text(textwrap.dedent("""
+        from dataclasses import dataclass
+        from typing import Literal
+
+        from nemo_jq.objectives import StepOnlyQ, register_q_schedule
+        from nemo_jq.typed import option
+
+        exec(open(__file__.replace("declared.py", "estimator.py")).read())
+
+
+        @dataclass(frozen=True)
+        class Modes:
+            mode: Literal["a", "b"] = "a"
+
+
+        register_objective("moded", needs={Need.REFERENCE_ANSWER_LOGPROB}, uses_q=False, options=Modes)(estimator)
+
+
+        @register_q_schedule("strict")
+        @dataclass
+        class Strict(StepOnlyQ):
+            start: float = 0.5
+
+            def __post_init__(self):
+                assert 0 <= self.start <= 1, "start must be in [0, 1]"
+
+            def __call__(self, step):
+                return {}["oops"] if self.start == 0.25 else self.start
+    """))
+    (tmp_path / "estimator.py").write_text(ESTIMATOR.format(name="plain"))
+    assert load_config(None, [f"plugins=[{plugin}]", "objective.name=moded", "objective.options={mode: b}"])
+    with pytest.raises(ConfigError, match="^objective.options.mode must be one of 'a', 'b'; got 'c'$"):
+        load_config(None, [f"plugins=[{plugin}]", "objective.name=moded", "objective.options={mode: c}"])
+    with pytest.raises(ConfigError, match=f"q schedule 'strict' \\({plugin}:{line_of(plugin, 'assert 0')}\\) raised "
+                                          "AssertionError: start must be"):
+        load_config(None, [f"plugins=[{plugin}]", "objective.q_schedule={name: strict, start: 1.5}"])
+    code = main(["train", *TINY_RUN, f"plugins=[{plugin}]", "objective.q_schedule={name: strict, start: 0.25}",
+                 f"train.run_dir={tmp_path / 'run'}"])
+    one_line_error(code, capsys.readouterr().err,
+                   f"objective.q_schedule Strict ({plugin}:{line_of(plugin, 'oops')}) raised KeyError: 'oops'")
+    ranged = tmp_path / "ranged.py"
+    ranged.write_text(ESTIMATOR.format(name="ranged").replace("uses_q=False)", "uses_q=False, options=Scale)").replace(
+        "\n\n@register", "\n\n@dataclass(frozen=True)\nclass Scale:\n    scale: float = option(-1.0, 'a factor', gt=0.0)"
+        "\n\n\n@register").replace("from nemo_jq", "from dataclasses import dataclass\nfrom nemo_jq.typed import option\n"
+                                      "from nemo_jq", 1))
+    with pytest.raises(ConfigError, match=f"objective 'ranged': the default of options.scale must be > 0.0; got -1.0 "
+                                          f"\\({ranged}:{line_of(ranged, '@register')}\\)"):
+        load_config(None, [f"plugins=[{ranged}]"])
+    with pytest.raises(ValueError, match="rollout engine 'vllm' is already registered"):
+        register_sampler("vllm", in_place=True)(lambda request: None)
+    assert "vllm" not in IN_PLACE
 
 
 def test_an_adaptive_q_over_an_estimator_that_reports_no_log_p_hat_is_said(tmp_path, capsys):
