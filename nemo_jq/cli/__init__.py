@@ -161,12 +161,12 @@ def user_error_message(err: BaseException, command: str = "train") -> str | None
     if isinstance(err, OSError) and err.errno is not None and err.filename is not None:
         written = {"train": "train.run_dir (or --demo-dir)", "report": "--csv, --json or --figures path", "eval": "path",
                    "generate": "path", "plan": "path", "dryrun": "path", "doctor": "path"}.get(command, "--out")
+        resumes = ("; the last good checkpoint (checkpoints/latest) is still loadable, so `nemo-jq train --resume "
+                   "RUN_DIR` continues" if command == "train" else "")
         hints = {
-            errno.ENOSPC: "free some space or choose another train.run_dir / --out; the last good checkpoint "
-                          "(checkpoints/latest) is still loadable, so `nemo-jq train --resume RUN_DIR` continues",
+            errno.ENOSPC: f"free some space or choose another {written}{resumes}",
             errno.EDQUOT: "free some of your quota (`lfs quota -u $USER PATH` on Lustre, `quota -s` elsewhere) or choose "
-                          "another train.run_dir / --out; the last good checkpoint (checkpoints/latest) is still "
-                          "loadable, so `nemo-jq train --resume RUN_DIR` continues",
+                          f"another {written}{resumes}",
             errno.EACCES: f"make it writable or choose another {written}",
             errno.EROFS: f"choose a writable {written}",
             errno.EPERM: f"make it writable or choose another {written}",

@@ -21,6 +21,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.models.export import EXPORT_MARKER, files_of_earlier_export, make_readable, record_source
     from nemo_jq.runtime import distributed
+    from nemo_jq.runtime.checkpoint import out_of_space
     from nemo_jq.runtime.outputs import staged
     from nemo_jq.runtime.runs import MODEL_CARD, model_card, select_checkpoint
 
@@ -33,11 +34,17 @@ def run(args: argparse.Namespace) -> int:
     loaded = load(args)
     selected = loaded.selected
     writes = distributed.is_writer()
-    with staged(args.out, last=EXPORT_MARKER, replaces=replaces, writes=writes) as staging:
-        loaded.components.policy.export(staging, loaded.components.tokenizer)
-        if writes:
-            (staging / MODEL_CARD).write_text(model_card(selected))
-            record_source(staging, selected.describe(), written=[MODEL_CARD])
+    try:
+        with staged(args.out, last=EXPORT_MARKER, replaces=replaces, writes=writes) as staging:
+            loaded.components.policy.export(staging, loaded.components.tokenizer)
+            if writes:
+                (staging / MODEL_CARD).write_text(model_card(selected))
+                record_source(staging, selected.describe(), written=[MODEL_CARD])
+    except Exception as err:  # safetensors' own error hides the disk's (a traceback): said as the disk's, with --out
+        space = out_of_space(err, Path(args.out).absolute().parent)
+        if space is None or (isinstance(err, OSError) and err.filename is not None):
+            raise
+        raise OSError(space[0], space[1], str(args.out)) from err
     if writes:
         make_readable(args.out)
         print(f"exported step {selected.step} of {selected.run_dir} ({selected.why}) to {args.out}"

@@ -46,8 +46,9 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
 def read_marker(marker: Path) -> dict[str, Any]:
     """An export's marker file; one edited or cut short is one line naming it (the export's files are not known)."""
     return read_json_file(marker, "an export's record", lambda value: None if isinstance(value.get("files"), list) and all(
-        isinstance(name, str) for name in value["files"]) else "no list of its files", "remove the folder's files by hand "
-        "(what it holds is no longer known to be an export's), or choose another --out")
+        isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name for name in value["files"])
+        else "no list of its files' names", "remove the folder's files by hand (what it holds is no longer known to be "
+        "an export's), or choose another --out")  # a name with a folder in it: a re-export deleted a file elsewhere
 
 
 def record_source(out_dir: Path, source: dict[str, Any], written: list[str] = ()) -> None:

@@ -180,14 +180,17 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(path: Path, policy: Checkpointed, *, with_optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load weights (and optimizer) into ``policy``; return (trainer state, this rank's RNG states).
+    """Load weights (and optimizer) into ``policy``; return (trainer state, this rank's RNG states, None without the
+    optimizer: inference, which unpickles nothing of a checkpoint, whoever's run it is, and needs no RNG file).
 
     A rank with no RNG file of its own (the run was saved with fewer ranks) gets rank 0's.
     """
     path = Path(path)
-    require_files(path, [STATE, RNG])
+    require_files(path, [STATE, RNG] if with_optimizer else [STATE])
     state = read_state(path)
     policy.load(path, with_optimizer=with_optimizer)
+    if not with_optimizer:
+        return state, None
     own = path / rng_file(distributed.rank())
     return state, load_torch_file(own if own.exists() else path / RNG, weights_only=False)
 
@@ -196,7 +199,9 @@ def load_torch_file(file: Path, *, weights_only: bool) -> Any:
     """``torch.load`` of a checkpoint's file; one cut short or corrupt is :func:`damaged`."""
     try:
         return torch.load(file, weights_only=weights_only)
-    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:  # torch's words for a file cut short
+    except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as err:  # torch's for a file cut short
+        if isinstance(err, OSError) and err.errno not in (None, errno.EINVAL):  # the disk's own failure, not the file's
+            raise
         raise damaged(file, f"truncated or corrupt: {str(err).partition('. ')[0]}") from None
 
 
@@ -251,8 +256,12 @@ def _umask() -> int:
 def write_atomic(path: Path, text: str) -> None:
     """``text`` in ``path``, whole or not at all (a kill or a full disk part-way leaves the earlier file)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    _fsync(tmp)
+    try:
+        tmp.write_text(text)
+        _fsync(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk part-way: nothing half-written is left beside it
+        raise
     os.replace(tmp, path)
 
 

@@ -158,8 +158,12 @@ def hold_run_dir(run_dir: Path) -> None:
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
               "since": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else None}
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps(holder).encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+    except OSError as err:  # a full disk: said with the file (os.write names none)
+        os.close(fd)
+        raise OSError(err.errno, err.strerror, str(path)) from None
     _HELD[key] = _Held(fd, created)
 
 

@@ -105,10 +105,11 @@ def failed_start(run_dir: Path) -> bool:
 
 
 def _run_files_without_checkpoint(run_dir: Path) -> bool:
-    """``run_dir`` holds a run's files but neither ``latest`` nor a complete checkpoint."""
+    """``run_dir`` holds a run's files but neither ``latest`` nor a complete checkpoint, nor the results of a run that
+    finished (whose checkpoints were deleted since: no failed start, and not moved aside without --overwrite)."""
     checkpoints = run_dir / CHECKPOINT_DIR
     return (any((run_dir / name).exists() for name in RUN_FILES) and not (checkpoints / "latest").exists()
-            and not saved_steps(checkpoints))
+            and not saved_steps(checkpoints) and not (run_dir / RESULTS_FILE).exists())
 
 
 def not_written_by_a_run(run_dir: Path) -> list[str]:
@@ -353,6 +354,10 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
         " and the expert layout its AdamW state was saved at (`nemo-jq eval` and `export` load its weights at any)"
         if keys & {"megatron.expert_parallel", "megatron.expert_tensor_parallel"} else ""))
     checkpoint = latest_checkpoint(run_dir / CHECKPOINT_DIR)
+    if checkpoint is None and (run_dir / RESULTS_FILE).exists():
+        raise FileNotFoundError(f"{run_dir} finished (its {RESULTS_FILE}) and its checkpoints are gone: nothing is left to "
+                                "resume from (`nemo-jq report` still reads its results); train it again in another "
+                                "train.run_dir")
     if checkpoint is None and not failed_start(run_dir):
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from, and holds what a run does not write "
                                 f"({'; '.join(not_written_by_a_run(run_dir))}): give the run's own directory")
@@ -485,8 +490,10 @@ def _value_at(tree: dict[str, Any], key: str) -> Any:
 
 
 def _differences(saved: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ; a key only one side has is none (one added since the checkpoint was
+    saved, whose default the run trained as, or one since removed: every run of an earlier version failed on it)."""
     keys = []
-    for key in sorted(set(saved) | set(new)):
+    for key in sorted(set(saved) & set(new)):
         a, b = saved.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict) and not key.endswith(("options", "q_schedule")):
             keys += _differences(a, b, f"{prefix}{key}.")
@@ -600,7 +607,7 @@ def write_evaluation(run_dir: Path, split: str, step: int, report: dict[str, Any
     name, index = f"{split}-{step_dir_name(step)}", 1
     while (path := folder / (f"{name}.json" if index == 1 else f"{name}-{index}.json")).exists():
         index += 1
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    write_atomic(path, json.dumps(report, indent=2) + "\n")  # a full disk leaves no empty report
     return path
 
 

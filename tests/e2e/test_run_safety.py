@@ -311,10 +311,25 @@ def test_export_onto_an_existing_file_is_one_line(tmp_path, capsys):
     assert target.read_text() == "mine"
     out = tmp_path / "exported"
     assert run_cli(capsys, "export", run_dir, "--out", out)[0] == 0
+    # a full disk: safetensors' own error, which hid the disk's (a traceback), said as the disk's, the export kept
+    def full_disk(self, out_dir, tokenizer):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("nemo_jq.models.hf.HFPolicy.export", full_disk)
+        code, _, err = run_cli(capsys, "export", run_dir, "--out", out)
+    one_line_error(code, err, f"no space left on device: {out}; free some space or choose another --out")
+    assert (out / "model.safetensors").exists() and "--resume" not in err
     (out / "nemo_jq_export.json").write_text("{bad")  # an edit, a copy cut short: which files are the export's?
     code, _, err = run_cli(capsys, "export", run_dir, "--out", out)
     one_line_error(code, err, f"{out / 'nemo_jq_export.json'} is not an export's record (not JSON", "choose another --out")
     assert (out / "model.safetensors").exists()
+    # a record naming a file elsewhere: the next export deleted it (a copied or hand-made record)
+    (out / "nemo_jq_export.json").write_text(json.dumps({"files": ["model.safetensors", "../notes.txt"]}))
+    code, _, err = run_cli(capsys, "export", run_dir, "--out", out)
+    one_line_error(code, err, f"{out / 'nemo_jq_export.json'} is not an export's record (no list of its files' names",
+                   "choose another --out")
+    assert target.read_text() == "mine"
 
 
 def test_eval_generate_and_export_take_only_overrides_of_how_they_sample_and_where_they_run(tmp_path, capsys):
@@ -355,19 +370,43 @@ def test_generate_refuses_a_question_or_answer_no_sample_could_be_scored_against
                    "rollout.max_thinking_tokens")
 
 
+def test_a_finished_run_whose_checkpoints_were_deleted_is_no_failed_start(tmp_path, capsys):
+    """It was called "a start that failed before the first" by --resume, and a new run in its folder moved it aside
+    without --overwrite."""
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    shutil.rmtree(run_dir / "checkpoints")
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")
+    one_line_error(code, err, f"{run_dir} finished (its results.json) and its checkpoints are gone: nothing is left to "
+                   "resume from")
+    code, _, err = run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")
+    one_line_error(code, err, f"{run_dir} already holds a run", "pass --overwrite to move the old run aside first")
+    assert [path.name for path in tmp_path.iterdir()] == ["run"] and (run_dir / "results.json").exists()
+
+
 def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp_path, capsys):
     """A checkpoint file cut short (a copy, a full disk elsewhere) or edited: its file and the other steps, which still
     load."""
     run_dir = tmp_path / "run"
     assert run_cli(capsys, "train", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")[0] == 0
     step_2 = run_dir / "checkpoints" / "step_00000002"
-    for name in ("model.safetensors", "rng.pt"):
-        intact = (step_2 / name).read_bytes()
-        (step_2 / name).write_bytes(intact[:100])
-        for command in (["eval", run_dir, "--step", "2"], ["generate", run_dir, "3+4+5"]):
-            code, _, err = run_cli(capsys, *command)
-            one_line_error(code, err, f"{step_2 / name} is damaged (truncated or corrupt", "(step 1): `nemo-jq eval` and `export` take one")
-        (step_2 / name).write_bytes(intact)
+    intact = (step_2 / "model.safetensors").read_bytes()
+    (step_2 / "model.safetensors").write_bytes(intact[:100])
+    for command in (["eval", run_dir, "--step", "2"], ["generate", run_dir, "3+4+5"]):
+        code, _, err = run_cli(capsys, *command)
+        one_line_error(code, err, f"{step_2 / 'model.safetensors'} is damaged (truncated or corrupt",
+                       "(step 1): `nemo-jq eval` and `export` take one")
+    (step_2 / "model.safetensors").write_bytes(intact)
+    # rng.pt: inference reads none of it (it unpickled whoever's run it was, and refused intact weights without it); a
+    # resume does, cut anywhere (cut mid-way torch says "[Errno 22] Invalid argument", and so did the error)
+    intact = (step_2 / "rng.pt").read_bytes()
+    for cut in (100, len(intact) // 2):
+        (step_2 / "rng.pt").write_bytes(intact[:cut])
+        code, out, _ = run_cli(capsys, "generate", run_dir, "3+4+5", "--json")
+        assert code == 0 and json.loads(out)["step"] == 2
+        code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")
+        one_line_error(code, err, f"{step_2 / 'rng.pt'} is damaged (truncated or corrupt", "step_00000001")
+    (step_2 / "rng.pt").write_bytes(intact)
     state = (step_2 / "state.json").read_text()
     for text, what in [("[]", "a JSON list"), ("{bad", "not JSON"), ("{}", "step missing"),
                        ('{"step": true, "best_step": null, "best_metric": null}', "step missing or not a number")]:
@@ -391,6 +430,19 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp
     assert code == 0 and json.loads(out)["step"] == 1 and not (run_dir / "evals").exists()
     assert f"warning: {run_dir} cannot be written (read-only file system): the evaluation is printed, not kept in its evals/" in err
     assert "wrote" not in err
+    (run_dir / "evals").mkdir()  # evaluated before, then mounted read-only: an error after the printed evaluation
+    write_text = Path.write_text
+
+    def read_only_file(path, *args, **kwargs):
+        if path.parent == run_dir / "evals":
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return write_text(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "write_text", read_only_file)
+        code, out, err = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "1")
+    assert code == 0 and json.loads(out)["step"] == 1 and not list((run_dir / "evals").iterdir())
+    assert f"warning: {run_dir} cannot be written (read-only file system): the evaluation is printed" in err
     (step_2 / "optimizer.pt").write_bytes((step_2 / "optimizer.pt").read_bytes()[:100])  # read by a resume only
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")
     one_line_error(code, err, f"{step_2 / 'optimizer.pt'} is damaged (truncated or corrupt",
@@ -736,6 +788,19 @@ def test_a_run_directory_inside_or_holding_a_run_or_the_prepared_data_is_refused
     assert sorted(p.name for p in source.parent.iterdir()) == ["mine.jsonl"]
 
 
+def test_a_full_disk_as_a_run_directory_is_held_names_the_file(tmp_path, monkeypatch):
+    """``[Errno 28] No space left on device`` with no path: os.write of the holder's record names no file."""
+    from nemo_jq.runtime import outputs
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outputs.os, "write", full)
+    with pytest.raises(OSError) as raised:
+        outputs.hold_run_dir(tmp_path / "run")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "run" / outputs.LOCK_FILE)
+
+
 def test_a_lost_or_dangling_latest_names_the_complete_checkpoints_and_never_moves_the_run(tmp_path, capsys, monkeypatch):
     """latest deleted: the run looked like a failed start, and the next start moved it aside; latest naming a deleted
     step: a line with no fix."""
@@ -821,6 +886,15 @@ def test_a_config_yaml_edited_since_its_checkpoints_or_a_lost_best_checkpoint_is
     code, _, err = run_cli(capsys, "eval", run_dir)
     one_line_error(code, err, "says model.tiny.hidden_size=64, but its checkpoint step_00000002 was trained with "
                               "model.tiny.hidden_size=32")
+    # a checkpoint of an earlier version, which recorded no key added since (a KeyError traceback for every old run)
+    state = run_dir / "checkpoints" / "step_00000002" / "state.json"
+    recorded = json.loads(state.read_text())
+    config.write_text(saved)
+    state.write_text(json.dumps({**recorded, "config": {**recorded["config"], "train": {
+        key: value for key, value in recorded["config"]["train"].items() if key != "seed"}}}))
+    code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation")
+    assert code == 0 and json.loads(out)["step"] == 2
+    state.write_text(json.dumps(recorded))
     config.write_text(saved.replace("max_steps: 2", "max_steps: 3"))  # a key a resume may change, changed by hand
     code, out, _ = run_cli(capsys, "eval", run_dir, "--split", "validation", "rollout.temperature=0.5")
     assert code == 0 and json.loads(out)["step"] == 2
