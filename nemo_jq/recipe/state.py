@@ -96,6 +96,9 @@ class TrainState:
     def from_json(cls, saved: dict[str, Any], course: Course) -> TrainState:
         """A saved state (``course``: the run's own, if the checkpoint predates the guard)."""
         saved = dict(saved)
+        missing = [key for key in ("step", "epoch", "position") if key not in saved]
+        if missing:  # an edited state resumed from epoch 0 or the epoch's first prompt without a word
+            raise KeyError(f"no {', '.join(missing)}")
         saved["course"] = Course(**saved["course"]) if "course" in saved else course
         return cls(**saved)
 

@@ -40,7 +40,15 @@ from nemo_jq.recipe.step import StepResult, rollout_record
 from nemo_jq.registry import blamed_on_plugin
 from nemo_jq.rollouts.ranks import RemoteRollouts, RolloutServer
 from nemo_jq.runtime import distributed, runs
-from nemo_jq.runtime.checkpoint import load_checkpoint, prune_checkpoints, read_state, save_checkpoint, step_dir_name
+from nemo_jq.runtime.checkpoint import (
+    STATE,
+    damaged,
+    load_checkpoint,
+    prune_checkpoints,
+    read_state,
+    save_checkpoint,
+    step_dir_name,
+)
 from nemo_jq.runtime.monitor import RunLogger, merge_metrics, progress, read_metrics
 from nemo_jq.runtime.outputs import hold_run_dir
 from nemo_jq.runtime.preemption import StopSignals, current_series
@@ -373,7 +381,11 @@ class Trainer:
         if self.server is not None:  # a rollout rank's weights arrive with the first sync
             return
         state, rng = load_checkpoint(checkpoint, self.policy)
-        self.state = restore_loop(state, rng, self.state.course, self.objective, self.guard, self.random, self.ahead)
+        try:
+            self.state = restore_loop(state, rng, self.state.course, self.objective, self.guard, self.random, self.ahead)
+        except (KeyError, TypeError, AttributeError, ValueError) as err:  # edited, or another version's: a traceback
+            raise damaged(checkpoint / STATE, f"its state.json or rng.pt does not restore the loop: {type(err).__name__}: "
+                                              f"{err}") from None
         trains = self.state.course.trains(self.config)
         if self.state.course.objective != trains:  # config.yaml edited: results.json would name what it did not train
             raise ConfigError(f"{self.run_dir / runs.CONFIG_FILE} says objective.name={self.config.objective.name}, but "

@@ -577,11 +577,34 @@ def require_best(root: Path, best: int, metric: str, fix: str) -> None:
     """The best checkpoint (step ``best``, its ``metric`` in words) is complete under ``root``; else one line with
     ``fix`` and the run's other checkpoints."""
     folder = root / step_dir_name(best)
+    steps = saved_steps(root)
+    others = f" (its checkpoints: steps {', '.join(map(str, steps))})" if steps else ""
     if not (folder / STATE).exists():
-        steps = saved_steps(root)
-        others = f" (its checkpoints: steps {', '.join(map(str, steps))})" if steps else ""
         raise FileNotFoundError(f"the run's best checkpoint, step {best} ({metric}), is {'incomplete' if folder.exists() else 'gone'}"
                                 f" ({folder}): restore it from a copy of the run, or {fix}{others}")
+    weights = folder / "model.safetensors"
+    if weights.is_file() and (cut := cut_short(weights)):  # found only when the end loads it: every step trained in vain
+        raise ValueError(f"the run's best checkpoint, step {best} ({metric}), is damaged ({weights}: {cut}): restore it "
+                         f"from a copy of the run, or {fix}{others}")
+
+
+def cut_short(path: Path) -> str | None:
+    """What is wrong with a safetensors file whose header or data is incomplete (None: it is whole), read from its
+    header alone."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        head = file.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= size - 8:
+            return f"{size} bytes, shorter than its header"
+        try:
+            header = json.loads(file.read(length))
+        except ValueError:
+            return "its header is not JSON"
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict)
+            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2]
+    needed = 8 + length + max(ends, default=0)
+    return None if size >= needed else f"{size} of its {needed} bytes: cut short"
 
 
 def sampled_with(config: Config) -> dict[str, Any]:

@@ -443,6 +443,14 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_steps_left(tmp
         code, out, err = run_cli(capsys, "eval", run_dir, "--split", "validation", "--step", "1")
     assert code == 0 and json.loads(out)["step"] == 1 and not list((run_dir / "evals").iterdir())
     assert f"warning: {run_dir} cannot be written (read-only file system): the evaluation is printed" in err
+    for edit, said in ((lambda saved: {**saved, "foo": 1}, "TypeError"),  # tracebacks; no epoch resumed from epoch 0
+                       (lambda saved: {key: value for key, value in saved.items() if key != "epoch"}, "KeyError: 'no epoch'"),
+                       (lambda saved: {key: value for key, value in saved.items() if key != "schedule"}, "KeyError")):
+        (step_2 / "state.json").write_text(json.dumps(edit(json.loads(state))))
+        code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")
+        one_line_error(code, err, f"{step_2 / 'state.json'} is damaged (its state.json or rng.pt does not restore the "
+                       f"loop: {said}", "step_00000001")
+    (step_2 / "state.json").write_text(state)
     (step_2 / "optimizer.pt").write_bytes((step_2 / "optimizer.pt").read_bytes()[:100])  # read by a resume only
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=3")
     one_line_error(code, err, f"{step_2 / 'optimizer.pt'} is damaged (truncated or corrupt",
@@ -903,6 +911,12 @@ def test_a_config_yaml_edited_since_its_checkpoints_or_a_lost_best_checkpoint_is
     config.write_text(saved)
     latest = run_dir / "checkpoints" / "step_00000002" / "state.json"
     latest.write_text(json.dumps({**json.loads(latest.read_text()), "best_metric": 0.5, "best_step": 1}))
+    weights = run_dir / "checkpoints" / "step_00000001" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # cut short: found only when the end loaded it, the steps trained
+    code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=4")
+    one_line_error(code, err, f"the run's best checkpoint, step 1 (validation 0.5, which the run's end tests), is damaged "
+                   f"({weights}: 1000 bytes, shorter than its header)")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_00000001", "step_00000002"]
     shutil.rmtree(run_dir / "checkpoints" / "step_00000001")
     code, _, err = run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=4")
     one_line_error(code, err, "the run's best checkpoint, step 1 (validation 0.5, which the run's end tests), is gone",
