@@ -348,11 +348,10 @@ class Config:
         one is refused: ``""`` read as none built a tiny model for ``model.path`` and wrote a run into the current
         folder for ``train.run_dir``."""
         for section, key in (*PATH_KEYS, ("train", "run_dir")):
-            if isinstance(value := getattr(getattr(self, section), key), str) and not value.strip():
+            owner = getattr(self, section)
+            if isinstance(getattr(owner, key), str) and not getattr(owner, key).strip():
                 raise ConfigError(f"{section}.{key} is empty (an unset shell variable?): give a path" + (
                     "" if key == "run_dir" else ", or null (its default)"))
-        for section, key in (*PATH_KEYS, ("train", "run_dir")):
-            owner = getattr(self, section)
             if isinstance(getattr(owner, key), str) and getattr(owner, key).startswith("~"):
                 setattr(owner, key, os.path.expanduser(getattr(owner, key)))
         for section, key in PATH_KEYS:

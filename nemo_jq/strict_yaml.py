@@ -75,12 +75,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         """An integer, but not YAML 1.1's octal (``010``) or base 60 (``1:10``): a seed of ``010`` trained as 8."""
-        value = super().construct_yaml_int(node)
-        digits = self.construct_scalar(node).replace("_", "").lstrip("+-")
+        value, text = super().construct_yaml_int(node), self.construct_scalar(node)
+        digits = text.replace("_", "").lstrip("+-")
         if ":" in digits or (len(digits) > 1 and digits[0] == "0" and digits[1] not in "xXbB"):
             raise yaml.constructor.ConstructorError(
-                None, None, f"{self.construct_scalar(node)} reads as {value} in YAML (an octal or base-60 number): write "
-                f"{value} for that number, or quote it as text: \"{self.construct_scalar(node)}\"", node.start_mark)
+                None, None, f"{text} reads as {value} in YAML (an octal or base-60 number): write {value} for that "
+                f"number, or quote it as text: \"{text}\"", node.start_mark)
         return value
 
 

@@ -37,17 +37,18 @@ def run(args: argparse.Namespace) -> int:
     selected = loaded.selected
 
     def not_kept(err: OSError) -> None:
-        """Another user's run, a read-only mount: evaluated all the same, and said."""
+        """Another user's run, a read-only mount: evaluated all the same, and said (else ``err`` is raised)."""
         if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise err
         if distributed.is_writer():
             print(f"nemo-jq: warning: {selected.run_dir} cannot be written ({(err.strerror or str(err)).lower()}): the "
                   f"evaluation is printed, not kept in its {EVALS_DIR}/", file=sys.stderr)
 
+    kept = written = None
     try:
         kept = evals_folder(selected.run_dir)  # before the evaluation, not after it
     except OSError as err:
-        kept = not_kept(err)
+        not_kept(err)
     noise = loaded.components.config.data.label_noise
     if args.split == "train" and noise and distributed.is_writer():
         print(f"nemo-jq: warning: the train split is scored against its labels as the run trained on them: "
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         try:  # its evals/ may be there from before, where nothing can now be written
             written = write_evaluation(selected.run_dir, args.split, selected.step, report) if kept else None
         except OSError as err:
-            written = not_kept(err)
+            not_kept(err)
         print(f"nemo-jq: evaluated step {selected.step} of {selected.run_dir} ({selected.why})"
               + (f"; wrote {written}" if written else ""), file=sys.stderr)
     return 0

@@ -494,7 +494,7 @@ def _differences(saved: dict[str, Any], new: dict[str, Any], prefix: str = "") -
     saved, whose default the run trained as, or one since removed: every run of an earlier version failed on it)."""
     keys = []
     for key in sorted(set(saved) & set(new)):
-        a, b = saved.get(key), new.get(key)
+        a, b = saved[key], new[key]
         if isinstance(a, dict) and isinstance(b, dict) and not key.endswith(("options", "q_schedule")):
             keys += _differences(a, b, f"{prefix}{key}.")
         elif a != b:
@@ -583,28 +583,20 @@ def require_best(root: Path, best: int, metric: str, fix: str) -> None:
         raise FileNotFoundError(f"the run's best checkpoint, step {best} ({metric}), is {'incomplete' if folder.exists() else 'gone'}"
                                 f" ({folder}): restore it from a copy of the run, or {fix}{others}")
     weights = folder / "model.safetensors"
-    if weights.is_file() and (cut := cut_short(weights)):  # found only when the end loads it: every step trained in vain
-        raise ValueError(f"the run's best checkpoint, step {best} ({metric}), is damaged ({weights}: {cut}): restore it "
+    if weights.is_file() and (problem := weights_problem(weights)):  # found only when the end loads it: every step trained in vain
+        raise ValueError(f"the run's best checkpoint, step {best} ({metric}), is damaged ({weights}: {problem}): restore it "
                          f"from a copy of the run, or {fix}{others}")
 
 
-def cut_short(path: Path) -> str | None:
-    """What is wrong with a safetensors file whose header or data is incomplete (None: it is whole), read from its
-    header alone."""
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        head = file.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < length <= size - 8:
-            return f"{size} bytes, shorter than its header"
-        try:
-            header = json.loads(file.read(length))
-        except ValueError:
-            return "its header is not JSON"
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict)
-            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2]
-    needed = 8 + length + max(ends, default=0)
-    return None if size >= needed else f"{size} of its {needed} bytes: cut short"
+def weights_problem(path: Path) -> str | None:
+    """What safetensors finds wrong with a weights file's header and extent (None: it is whole), the data not read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            return None
+    except Exception as err:  # noqa: BLE001 - safetensors' own error type, whatever the file's fault
+        return f"truncated or corrupt: {err}"
 
 
 def sampled_with(config: Config) -> dict[str, Any]:
