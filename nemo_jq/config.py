@@ -273,14 +273,14 @@ class TrackingConfig:
 
     wandb: bool = option(False, "log the config, every metrics.jsonl record, the guard's events and the Figure-3 plot to "
                          "Weights & Biases (pip install wandb)")
-    wandb_project: str = option("nemo_jq", "the W&B project")
+    wandb_project: str | None = option(None, "the W&B project (null: $WANDB_PROJECT, else nemo_jq)")
     wandb_entity: str | None = option(None, "the W&B entity (null: your default)")
-    wandb_mode: str = option("online", "online, or offline (written under RUN_DIR/wandb; upload it later with wandb sync)",
-                             choices=("online", "offline"))
+    wandb_mode: str | None = option(None, "online, or offline (written under RUN_DIR/wandb; upload it later with wandb "
+                                    "sync); null: $WANDB_MODE, else online", choices=("online", "offline"))
     mlflow: bool = option(False, "log the same to MLflow (pip install mlflow-skinny, or mlflow)")
     mlflow_tracking_uri: str | None = option(None, "the MLflow server or store (null: $MLFLOW_TRACKING_URI, else a file "
                                              "store in RUN_DIR/mlruns)")
-    mlflow_experiment: str = option("nemo_jq", "the MLflow experiment")
+    mlflow_experiment: str | None = option(None, "the MLflow experiment (null: $MLFLOW_EXPERIMENT_NAME, else nemo_jq)")
 
 
 @dataclass

@@ -198,7 +198,7 @@ class Trainer:
                 write_run_files(self.run_dir, self.config, self.components.tokenizer, self.components.splits)
             except BaseException:  # a full disk, a signal: the trackers' runs end, not left running
                 for tracker in trackers:
-                    tracker.close()
+                    tracker.close("failed")
                 raise
 
         distributed.on_writer(start)  # if it fails, every rank raises
@@ -209,6 +209,7 @@ class Trainer:
             logger.log({"kind": "resume", "step": self.state.step, "overrides": self.resumed_with})
         bar = progress(self.total_steps, f"train {self._label(series)}", unit="step", initial=self.state.step,
                        shows=distributed.is_writer())
+        outcome = "failed"  # the trackers' runs end as the run does: an error unless it finishes or a signal stops it
         with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
             try:
                 while self.state.step < end and not stop.requested():
@@ -223,18 +224,21 @@ class Trainer:
                         break
                 if stop.requested():
                     self.save()
+                    outcome = "stopped"
                     if series is not None:
                         raise series.stopped(self.run_dir, self.state.step)
                     return {"preempted": stop.received, "step": self.state.step}
                 results = self._finish(logger, stop) if self.state.step >= self.total_steps else {"step": self.state.step}
                 if results is None:  # stopped in the end's evaluation: its last checkpoint stands, a resume evaluates
+                    outcome = "stopped"
                     if series is not None:
                         raise series.stopped(self.run_dir, self.state.step)
                     return {"preempted": stop.received, "step": self.state.step}
+                outcome = "finished"
                 return results
             finally:
                 bar.close()
-                logger.close()
+                logger.close(outcome)
                 if self.ahead is not None:
                     self.ahead.close()
                 if isinstance(self.components.engine, RemoteRollouts):

@@ -143,10 +143,11 @@ class RunLogger:
             if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
                 self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
-    def close(self) -> None:
+    def close(self, outcome: str) -> None:
+        """Close TensorBoard, and the trackers' runs as ``outcome`` (:data:`~nemo_jq.runtime.tracking.OUTCOMES`)."""
         if self.writer is not None:
             self.writer.close()
-        self._to_trackers("closing its run", lambda tracker: tracker.close())
+        self._to_trackers("closing its run", lambda tracker: tracker.close(outcome))
         self.trackers = []
 
 

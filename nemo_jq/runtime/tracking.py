@@ -4,7 +4,9 @@ Each receives what a run logs: its config once, every record of metrics.jsonl (`
 record's step: train, validation, test and the collapse guard's events), and the Figure-3 plot when
 the run finishes. A resumed run continues the same tracker run (the ids, and the MLflow store the run is in, are
 kept in ``RUN_DIR/tracking.json``). A tracker that fails during a run is dropped with a line on stderr: the run
-trains on (``metrics.jsonl`` holds every record), :class:`~nemo_jq.runtime.monitor.RunLogger` sees to it.
+trains on (``metrics.jsonl`` holds every record), :class:`~nemo_jq.runtime.monitor.RunLogger` sees to it. A tracker
+run ends as the run did (:data:`OUTCOMES`): finished, failed (an error, a divergence), or stopped by a signal (to be
+resumed).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 TRACKING_FILE = "tracking.json"
+#: How a run ended, as its tracker runs are closed: "finished" (its steps done, or the steps asked for), "failed" (an
+#: error: a divergence, a bad batch, a full disk), "stopped" (a signal: a checkpoint was written, a resume continues).
+OUTCOMES = ("finished", "failed", "stopped")
 
 
 class Tracker(Protocol):
@@ -31,7 +36,11 @@ class Tracker(Protocol):
 
     def table(self, name: str, step: int, columns: list[str], rows: list[list[Any]]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, outcome: str) -> None: ...
+
+
+#: The W&B project and the MLflow experiment when neither the config nor the tracker's own variable names one.
+DEFAULT_NAME = "nemo_jq"
 
 
 def is_number(value: Any) -> bool:
@@ -87,20 +96,21 @@ class WandbTracker:
         import wandb
 
         tracking = config.tracking
+        mode = tracking.wandb_mode or os.environ.get("WANDB_MODE") or "online"
         self.wandb = wandb
         made = not (Path(run_dir) / "wandb").exists()
         try:
             sweep = sweep_of(run_dir)
-            self.run = wandb.init(project=tracking.wandb_project, entity=tracking.wandb_entity, name=run_dir.name,
-                                  group=sweep.name if sweep else None,
-                                  dir=str(run_dir), mode=tracking.wandb_mode, config=flat_config(config),
+            self.run = wandb.init(project=tracking.wandb_project or os.environ.get("WANDB_PROJECT") or DEFAULT_NAME,
+                                  entity=tracking.wandb_entity, name=run_dir.name, group=sweep.name if sweep else None,
+                                  dir=str(run_dir), mode=mode, config=flat_config(config),
                                   id=ids.get("wandb"), resume="allow", settings=wandb.Settings(silent=True, console="off"))
         except (wandb.Error, OSError) as err:  # no login, no network: the tracker's, said before any step
             if made:  # its logs of the attempt: the run's folder is left as the start found it
                 shutil.rmtree(Path(run_dir) / "wandb", ignore_errors=True)
             fix = ("no W&B server answered (check WANDB_BASE_URL and the network)"
                    if isinstance(err, wandb.errors.CommError) else "log in (wandb login, or WANDB_API_KEY)")
-            raise TrackerDidNotStart(f"tracking.wandb=true (wandb_mode={tracking.wandb_mode}) could not start W&B "
+            raise TrackerDidNotStart(f"tracking.wandb=true (wandb_mode={mode}) could not start W&B "
                                      f"({first_line(err)}): {fix}, or set tracking.wandb_mode=offline (sync later with "
                                      "wandb sync)") from None
         ids["wandb"] = self.run.id
@@ -114,8 +124,11 @@ class WandbTracker:
     def table(self, name: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
         self.run.log({name: self.wandb.Table(columns=columns, data=rows)}, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, outcome: str) -> None:
+        """W&B's states: finished (exit code 0), failed (any other); a stopped run is marked preempting first."""
+        if outcome == "stopped":
+            self.run.mark_preempting()
+        self.run.finish(exit_code=1 if outcome == "failed" else 0)
 
 
 def first_line(error: BaseException) -> str:
@@ -178,7 +191,8 @@ class MlflowTracker:
                     f"({first_line(err)}): set tracking.mlflow_tracking_uri to the store that holds it, or delete its "
                     "\"mlflow\" entry there to log to a new MLflow run from here on") from None
             return
-        experiment_id = self._experiment_id(tracking.mlflow_experiment)
+        experiment_id = self._experiment_id(tracking.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+                                            or DEFAULT_NAME)
         tags = {"sweep": sweep.name} if sweep else {}
         self.run_id = ids["mlflow"] = self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags).info.run_id
         params = [Param(key, str(value)[:6000]) for key, value in flat_config(config).items()]
@@ -214,12 +228,13 @@ class MlflowTracker:
         self.client.log_artifact(self.run_id, str(path))
 
     def table(self, name: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
-        """The rows as an MLflow table artifact, ``NAME/step_00000064.json``."""
-        self.client.log_table(self.run_id, data={column: [row[i] for row in rows] for i, column in enumerate(columns)},
-                              artifact_file=f"{name}/step_{step:08d}.json")
+        """The rows as an artifact ``NAME/step_00000064.json`` in MLflow's table layout (``columns`` and ``data``, as
+        its ``log_table`` writes), written without pandas, which ``log_table`` needs and mlflow-skinny does not bring."""
+        self.client.log_dict(self.run_id, {"columns": columns, "data": rows}, f"{name}/step_{step:08d}.json")
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, outcome: str) -> None:
+        self.client.set_terminated(self.run_id, status={"finished": "FINISHED", "failed": "FAILED",
+                                                        "stopped": "KILLED"}[outcome])
 
 
 def open_trackers(run_dir: Path, config: Any) -> list[Tracker]:
@@ -227,13 +242,21 @@ def open_trackers(run_dir: Path, config: Any) -> list[Tracker]:
     from nemo_jq.runtime.monitor import read_json_file
 
     tracking = config.tracking
-    wanted = [cls for on, cls in ((tracking.wandb, WandbTracker), (tracking.mlflow, MlflowTracker)) if on]
+    # MLflow first: its server is checked at once, and one that does not answer then leaves no W&B run behind
+    wanted = [cls for on, cls in ((tracking.mlflow, MlflowTracker), (tracking.wandb, WandbTracker)) if on]
     if not wanted:
         return []
     path = run_dir / TRACKING_FILE
     ids = read_json_file(path, "the run's tracker ids", _ids_problem, "restore it, or delete it to log to new tracker "
                          "runs from here on") if path.exists() else {}
-    trackers = [cls(run_dir, config, ids) for cls in wanted]
+    trackers: list[Tracker] = []
+    try:
+        for cls in wanted:
+            trackers.append(cls(run_dir, config, ids))
+    except BaseException:  # the ones started end as failed, not left running
+        for tracker in trackers:
+            tracker.close("failed")
+        raise
     path.write_text(json.dumps(ids, indent=2) + "\n")
     return trackers
 

@@ -29,8 +29,14 @@ RUN_BY = {
                         "--optimizer bf16-distopt \\"): "test_the_readmes_plan_commands_say_what_they_print",
     ("docs/cluster.md", "nemo-jq plan --config configs/qwen3_0p6b/hotpotqa_cold_garl_q0.25.yaml --gpus-per-node 1   "
                         "# the run: at least 60.7 h, expected 171.0 h"): "test_the_readmes_plan_commands_say_what_they_print",
-    ("docs/estimators.md", "nemo-jq train objective.name=garl_score_only objective.q=0.75"):
+    ("docs/estimators.md", "nemo-jq train objective.name=garl_score_only objective.q=0.75 train.run_dir=runs/garl_score_only"):
         "test_each_doc_command_trains_two_steps",  # on the tiny run, two steps
+    ("docs/training.md", "nemo-jq train train.run_dir=runs/sft_then_rlvr objective.name=garl "
+                         "objective.q_schedule=configs/schedules/sft_then_rlvr.yaml"):
+        "test_the_documented_command_trains",  # on the tiny run, two steps
+    ("docs/off_policy_rollouts.md", "nemo-jq train train.run_dir=runs/trusted objective.importance=none  # trust the "
+                                    "engine: no correction"):
+        "test_the_documented_command_trains",  # on the tiny run, two steps; the vLLM line's engine in test_vllm.py
     ("docs/extending.md", "class ScaledOptions:"): "test_a_one_file_estimator_in_a_package_trains_through_nemo_jq_train",
     ("docs/extending.md", "class Trivia(QATask):"): "test_the_documented_dataset_prepares_through_a_plugin",
     ("docs/extending.md", "class Halving(StepOnlyQ):"): "test_a_q_schedule_of_ones_own_registered_in_a_plugin_sets_each_steps_q",

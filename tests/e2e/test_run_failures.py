@@ -143,7 +143,7 @@ def test_a_diverged_run_stops_in_one_line_and_keeps_its_last_good_checkpoint(tmp
 def test_metrics_stay_valid_json_and_read_back_as_numbers(tmp_path):
     logger = RunLogger(tmp_path, tensorboard=False)
     logger.log({"kind": "train", "step": 1, "loss": float("nan"), "log_p_hat": float("-inf"), "x": [float("inf")], "q": None})
-    logger.close()
+    logger.close("finished")
     [line] = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert strict_json(line)["loss"] == "NaN"
     [record] = read_metrics(tmp_path)

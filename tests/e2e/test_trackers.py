@@ -74,6 +74,11 @@ def test_a_tracker_that_cannot_start_is_one_line_at_once(tmp_path, capsys, monke
     one_line_error(code, err, f"tracking.mlflow_tracking_uri=http://127.0.0.1:{port}: no MLflow server answers there",
                    "correct the URI")
     assert not (tmp_path / "mlflow").exists()
+    # beside W&B (offline: it would start), MLflow is checked first: no W&B run is left behind, here or online
+    code, _, err = run_cli(capsys, "train", *QUICK, "tracking.mlflow=true", f"tracking.mlflow_tracking_uri=http://127.0.0.1:{port}",
+                           "tracking.wandb=true", "tracking.wandb_mode=offline", f"train.run_dir={tmp_path / 'both'}")
+    one_line_error(code, err, "no MLflow server answers there")
+    assert not (tmp_path / "both").exists()
     for name in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))  # no login this test could find
@@ -114,7 +119,76 @@ def test_a_start_that_fails_after_its_trackers_started_ends_their_runs(tmp_path,
     one_line_error(code, err, f"no space left on device: {run_dir / 'config.yaml'}")
     client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FAILED"
+
+
+def wandb_exit_code(run_dir: Path) -> str:
+    """The exit code W&B's offline run in ``run_dir`` was finished with, as its own log records it."""
+    return (run_dir / "wandb" / "latest-run" / "logs" / "debug.log").read_text().split("got exitcode: ")[1].split()[0]
+
+
+@pytest.mark.slow
+def test_a_tracker_run_ends_as_the_run_did_and_unset_names_come_from_the_trackers_variables(tmp_path, capsys, monkeypatch):
+    """A run that diverges is FAILED in MLflow and failed in W&B (exit code 1), one stopped by a signal KILLED
+    (resumable; W&B: preempting, exit code 0), one that finishes FINISHED: every tracker run said FINISHED before. The
+    project, the experiment and W&B's mode left unset are $WANDB_PROJECT, $MLFLOW_EXPERIMENT_NAME and $WANDB_MODE
+    (the config's "nemo_jq" and "online" overrode them). Samples reach MLflow as a table without pandas, which
+    mlflow-skinny does not bring (its log_table needs it: MLflow was dropped at the first validation)."""
+    import os
+    import signal
+    import sys
+
+    import wandb
+    from mlflow.tracking import MlflowClient
+
+    from nemo_jq.recipe.trainer import Trainer
+    from nemo_jq.runtime.monitor import SAMPLE_COLUMNS
+
+    for name, value in (("WANDB_SILENT", "true"), ("WANDB_MODE", "offline"), ("WANDB_PROJECT", "their_project"),
+                        ("MLFLOW_EXPERIMENT_NAME", "their_experiment"), ("MLFLOW_ALLOW_FILE_STORE", "true")):
+        monkeypatch.setenv(name, value)
+    class NoPandas:  # pandas not installed: importing it fails (None in sys.modules is no stand-in: W&B looks there)
+        def find_spec(self, name, *_):
+            if name.split(".")[0] == "pandas":
+                raise ModuleNotFoundError(f"No module named {name!r}")
+
+    for name in [name for name in sys.modules if name.split(".")[0] == "pandas"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [NoPandas(), *sys.meta_path])
+    monkeypatch.setattr(wandb.util, "pd_available", False)  # as W&B found it on its import, which came before
+    trackers = [*TINY_RUN, "eval.every=2", "tracking.mlflow=true", "tracking.wandb=true"]
+
+    def train(run_dir, *words):
+        code, _, err = run_cli(capsys, "train", *trackers, *words, f"train.run_dir={run_dir}")
+        wandb.teardown()
+        ids = json.loads((run_dir / "tracking.json").read_text())
+        client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+        return code, err, client, ids, client.get_run(ids["mlflow"])
+
+    code, err, _, _, run = train(tmp_path / "diverged", "train.max_steps=4", "optim.lr=1e30")
+    assert code == 2 and "diverged" in err and "failed on" not in err and run.info.status == "FAILED", err
+    assert wandb_exit_code(tmp_path / "diverged") == "1"
+
+    train_step = Trainer.train_step
+
+    def stopped_at_step_3(self, batch):
+        if self.state.step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's time-limit signal
+        return train_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", stopped_at_step_3)
+    code, err, _, _, run = train(tmp_path / "stopped", "train.max_steps=6")
+    assert code == 0 and "failed on" not in err and run.info.status == "KILLED", err
+    assert wandb_exit_code(tmp_path / "stopped") == "0"
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+    code, err, client, ids, run = train(tmp_path / "finished", "train.max_steps=2")
+    assert code == 0 and "failed on" not in err and run.info.status == "FINISHED", err
+    assert wandb_exit_code(tmp_path / "finished") == "0"
+    assert client.get_experiment(run.info.experiment_id).name == "their_experiment"
+    assert b"their_project" in next((tmp_path / "finished" / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    table = json.loads(Path(client.download_artifacts(ids["mlflow"], "samples/step_00000002.json", str(tmp_path))).read_text())
+    assert table["columns"] == list(SAMPLE_COLUMNS) and table["data"] and all(row[0] == 2 for row in table["data"])
 
 
 @pytest.mark.slow

@@ -338,14 +338,19 @@ def longer_earns_more(output, example):
     return len(output) / (1 + len(output))
 
 
-def doc_commands() -> list[list[str]]:
-    """The ``nemo-jq train`` lines of docs/estimators.md, as argument lists."""
-    return [shlex.split(line)[2:] for line in DOC.read_text().splitlines() if line.startswith("nemo-jq train ")]
+def doc_commands(run_dirs: bool = False) -> list[list[str]]:
+    """The ``nemo-jq train`` lines of docs/estimators.md, as argument lists (without their ``train.run_dir``: a test
+    gives its own)."""
+    commands = [shlex.split(line)[2:] for line in DOC.read_text().splitlines() if line.startswith("nemo-jq train ")]
+    return commands if run_dirs else [[word for word in args if not word.startswith("train.run_dir=")] for args in commands]
 
 
-def test_the_doc_shows_one_command_per_new_estimator():
+def test_the_doc_shows_one_command_per_new_estimator_each_a_run_of_its_own():
     names = [re.search(r"objective\.name=(\S+)", " ".join(args)).group(1) for args in doc_commands()]
     assert sorted(names) == sorted(NEW)
+    # one after another, each in its own folder: in the default runs/train the second was refused (a run is there)
+    folders = [word for args in doc_commands(run_dirs=True) for word in args if word.startswith("train.run_dir=")]
+    assert len(folders) == len(set(folders)) == len(names)
 
 
 @pytest.mark.parametrize("command", doc_commands(), ids=lambda args: args[0].split("=")[1])

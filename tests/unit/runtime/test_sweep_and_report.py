@@ -385,7 +385,7 @@ def test_a_metrics_line_cut_short_at_the_end_is_left_out_as_a_resumed_run_drops_
     assert read_metrics(run) == [json.loads(line) for line in whole.splitlines()]
     assert run_cli(capsys, "report", run)[0] == 0
     (run / "samples.jsonl").write_text(json.dumps({"step": 2, "question": "Infinity"}) + '\n{"step": 3, "quest')
-    RunLogger(run, tensorboard=False, resume_step=4).close()  # `train --resume` from step 4 rewrites both without it
+    RunLogger(run, tensorboard=False, resume_step=4).close("finished")  # `train --resume` from step 4 rewrites both without it
     assert (run / "metrics.jsonl").read_text() == whole
     assert (run / "samples.jsonl").read_text() == json.dumps({"step": 2, "question": "Infinity"}) + "\n"
     lines = whole.splitlines(keepends=True)
