@@ -272,6 +272,9 @@ def too_few_rows(task: QATask, source: str, split: str, entry: dict[str, Any], t
     text = (f"{where}: {target} needs {needed} rows from source split {split!r}, but only {remaining} eligible rows "
             f"remain (of {entry['rows']}: {describe_rejects(task, entry)})")
     if len(entry["bad"]) == entry["rows"]:
+        if (Path(source) / "manifest.json").is_file():  # a folder `nemo-jq data prepare` wrote, given as a raw source
+            return (f"{text}; {source} is a prepared folder (nemo-jq data prepare wrote its manifest.json), not "
+                    f"{task.name}'s own files: give it as data.prepared_dir={source}, or put the raw files elsewhere")
         return (f"{text}; every row is bad: is {task.name!r} the source's schema? (nemo-jq data prepare --help lists "
                 "each dataset's fields)")
     return f"{text}; lower {options.sizes.format(split=target)}, or give the source more rows"

@@ -144,7 +144,7 @@ class AdaptiveQ:
     Why this shape: below ``cold_p`` (default 1/32, i.e. 1/M for the paper's M=32) a group
     of M rollouts expects fewer than one success, so RLVR's signal vanishes and the
     amplification P̂^{-q} is what escapes (Thm 3.2): q stays at ``q_max``. Above it, the
-    ratio-estimator bias O(q / (M P̂^q)) and noise memorisation (Prop. C.4) argue for less
+    ratio-estimator bias O(q / (M P̂^q)) and noise memorisation (Prop. D.2) argue for less
     commitment, and q falls linearly in log P̂ to ``q_min`` at P̂ = 1, where the q=0
     estimator is unbiased. The mean of log w̄ (a geometric mean over prompts) is used
     because it stays low while many prompts are still cold. With ``monotone=True``

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from nemo_jq.runtime.checkpoint import write_atomic
 from nemo_jq.runtime.monitor import plot_runs, valid_json
 from nemo_jq.runtime.report import read_run
 from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep, SweepRun, free_cores, refuse_running, run_here
@@ -93,7 +94,7 @@ def summarise(out_dir: Path) -> dict[str, dict]:
         results[label] = {**run.results, "initial_log_p_hat": first.get("log_p_hat")}
     print(format_table(results, run.samples))
     plot_runs(curves, out_dir / FIGURE_FILE)
-    (out_dir / SUMMARY_FILE).write_text(valid_json(results, indent=2))
+    write_atomic(out_dir / SUMMARY_FILE, valid_json(results, indent=2))
     print(f"wrote {out_dir / FIGURE_FILE} and {out_dir / SUMMARY_FILE}")
     return results
 

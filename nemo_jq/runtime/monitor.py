@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from nemo_jq.runtime.checkpoint import write_atomic
 from nemo_jq.runtime.tracking import first_line, is_number
 
 METRICS_FILE = "metrics.jsonl"
@@ -81,11 +83,12 @@ class RunLogger:
         self.trackers = list(trackers)
         if not writes:  # another rank of a multi-process run writes them
             return
+        # a resume's cut, whole or not at all: a kill or a full disk part-way left the run's history cut short
         kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step and r["kind"] != "test"] if resume_step else []
-        self.path.write_text("".join(map(metrics_line, kept)))
+        write_atomic(self.path, "".join(map(metrics_line, kept)))
         self.samples = run_dir / SAMPLES_FILE
         shown = read_records(self.samples, ("step",)) if resume_step else []
-        self.samples.write_text("".join(json.dumps(prompt) + "\n" for prompt in shown if prompt["step"] <= resume_step))
+        write_atomic(self.samples, "".join(json.dumps(prompt) + "\n" for prompt in shown if prompt["step"] <= resume_step))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -349,8 +352,15 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     handles = [plt.Line2D([], [], color=colors[label], label=label) for label in runs]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(runs), 5), fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    partial = Path(path).with_name(Path(path).name + ".tmp")  # whole or not at all, as write_atomic's text
+    try:
+        fig.savefig(partial, dpi=110, format=Path(path).suffix.lstrip(".") or "png")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+    os.replace(partial, path)
 
 
 def merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

@@ -86,7 +86,8 @@ def plot_escape_times(path: Path, delta: float = 0.5) -> None:
         ax.loglog(p0_grid, [escape_time_asymptotic(q, p0) for p0 in p0_grid], "--", color=line.get_color(), lw=0.8)
     ax.set_xlabel("initial success probability $p_0$")
     ax.set_ylabel(f"escape time $T_q(p_0, \\delta={delta:g})$")
-    ax.set_title("Cold-start escape on the sigmoid model\n(solid: exact quadrature, dashed: Thm 3.2 asymptotics)")
+    ax.set_title("Cold-start escape on the sigmoid model (Thm 3.2's rate)\n"
+                 "(solid: exact quadrature, dashed: the leading term as $p_0 \\to 0$, App. D.1)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -112,7 +113,7 @@ def run(out_dir: Path) -> dict[str, object]:
     }
     print(format_table(report["escape_time"], "Escape time T_q(p0, 1/2): quadrature vs ODE vs asymptotics (Thm 3.2)"))
     print(format_table(report["escort_minimizer"]["rows"], f"Escort minimiser theta* for alpha={ESCORT_ALPHA} (Thm 2.1)"))
-    print(format_table(report["noise_equilibrium"], "Noise-fitting equilibrium p~*(q) vs (eps/(1-eps))^(1/q) (Prop. C.4)"))
+    print(format_table(report["noise_equilibrium"], "Noise-fitting equilibrium p~*(q) vs (eps/(1-eps))^(1/q) (Prop. D.2)"))
     for q, rows in report["garl_bias"]["rows"].items():
         title = f"GARL bias at q={q}, P={model.success_probability:.3f}: exact vs Thm 4.1's leading term"
         print(format_table(rows, title))

@@ -65,6 +65,11 @@ def test_data_preparation_says_why_rows_are_bad_and_finds_official_file_names(tm
     code, out, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", plain, "--sizes", "2,1,1",
                              "--out", tmp_path / "mine")
     assert code == 0 and "all: 6 rows, 0 bad, 0 over the 32000-character cap, selected" in out and "None" not in out, out
+    # a prepared folder given as a raw source (docs/datasets.md's FinQA folder once was both): the fix, not the schema
+    code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "finqa", "--source", tmp_path / "mine", "--sizes",
+                           "1,1,1", "--out", tmp_path / "again")
+    one_line_error(code, err, f"{tmp_path / 'mine'} is a prepared folder (nemo-jq data prepare wrote its manifest.json), "
+                   f"not finqa's own files: give it as data.prepared_dir={tmp_path / 'mine'}")
 
     official = tmp_path / "musique_release"
     official.mkdir()

@@ -375,6 +375,39 @@ def test_a_run_that_ends_at_its_best_or_never_scores_is_not_flagged(tmp_path):
     assert math.isclose(two["ci95"], 12.706204736 * math.sqrt(2) / math.sqrt(2))
 
 
+def test_a_full_disk_in_a_resumes_cut_or_a_figure_leaves_the_runs_history_and_no_partial_file(tmp_path, monkeypatch):
+    """A resume rewrites metrics.jsonl and samples.jsonl to its step, and a run or the demo writes its figure: a full
+    disk (or a kill) part-way left the history cut short, or a figure half-written, where the earlier files stand."""
+    import errno
+
+    import matplotlib.figure
+
+    from nemo_jq.runtime import checkpoint
+    from nemo_jq.runtime.monitor import RunLogger, plot_runs, read_metrics
+
+    run = finished_run(tmp_path / "run")
+    (run / "samples.jsonl").write_text(json.dumps({"step": 2, "question": "1+1"}) + "\n")
+    before = {name: (run / name).read_text() for name in ("metrics.jsonl", "samples.jsonl")}
+
+    def full_disk(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_fsync", full_disk)
+    with pytest.raises(OSError):
+        RunLogger(run, tensorboard=False, resume_step=1)
+    assert {name: (run / name).read_text() for name in before} == before
+    monkeypatch.undo()
+
+    def half_written(self, path, **_):
+        Path(path).write_bytes(b"\x89PNG")
+        full_disk()
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_written)
+    with pytest.raises(OSError):
+        plot_runs({"run": read_metrics(run)}, tmp_path / "figure.png")
+    assert not list(tmp_path.glob("figure.png*"))
+
+
 def test_a_metrics_line_cut_short_at_the_end_is_left_out_as_a_resumed_run_drops_it_and_a_bad_line_elsewhere_is_named(
         tmp_path, capsys):
     from nemo_jq.runtime.monitor import RunLogger, read_metrics
