@@ -17,11 +17,11 @@ from nemo_jq.runtime.monitor import nonfinite_back, read_json_file, valid_json
 from nemo_jq.runtime.outputs import claim_dir, refuse_foreign_files
 from nemo_jq.runtime.preemption import current_series
 from nemo_jq.runtime.runs import RUN_FILES, holds_a_run, holds_this_run, run_above
-from nemo_jq.runtime.sweep import SWEEP_FILE, refuse_repeats
+from nemo_jq.runtime.sweep import EXPERIMENT_FILE, SWEEP_FILE, refuse_repeats
 from nemo_jq.strict_yaml import parse_yaml
 
 #: An experiment's record in its folder (:class:`Progress`).
-PROGRESS_FILE = "experiment.json"
+PROGRESS_FILE = EXPERIMENT_FILE
 Entry = TypeVar("Entry")
 
 #: The keys every experiment sets for each run itself, after the user's overrides: key -> (what sets it, the option to

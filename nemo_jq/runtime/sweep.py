@@ -43,6 +43,9 @@ from nemo_jq.runtime.runs import (
 from nemo_jq.typed import ConfigError
 
 SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
+#: An experiment's record in its folder (:class:`nemo_jq.experiments.common.Progress`), whose runs are
+#: ``METHOD/seedS`` under it: the trackers group them as a sweep's (:func:`nemo_jq.runtime.tracking.group_of`).
+EXPERIMENT_FILE = "experiment.json"
 #: A run's state in its sweep: results written; a checkpoint to continue from; nothing to continue (a new start).
 FINISHED, STOPPED, NEW = "finished", "stopped", "new"
 

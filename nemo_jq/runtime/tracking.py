@@ -74,12 +74,27 @@ def flat_config(config: Any) -> dict[str, Any]:
     return flat
 
 
-def sweep_of(run_dir: Path) -> Path | None:
-    """The sweep ``run_dir`` is a run of (its folder holds the sweep's ``sweep.json``), else None."""
-    from nemo_jq.runtime.sweep import SWEEP_FILE
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The sweep or experiment a run is one of: its kind (``sweep``, ``experiment``), its folder, and the run's name
+    there (``q=0.5``; an experiment's ``grpo/seed0``, where the folder's last part alone was ``seed0`` for all)."""
 
-    parent = Path(run_dir).resolve().parent
-    return parent if (parent / SWEEP_FILE).exists() else None
+    kind: str
+    folder: Path
+    run_name: str
+
+
+def group_of(run_dir: Path) -> Group | None:
+    """The sweep (``sweep.json`` in the run's folder's parent) or experiment (``experiment.json`` in its parent or the
+    one above: its runs are ``METHOD/seedS``) ``run_dir`` is a run of, else None."""
+    from nemo_jq.runtime.sweep import EXPERIMENT_FILE, SWEEP_FILE
+
+    run_dir = Path(run_dir).resolve()
+    for folder in run_dir.parents[:2]:
+        for kind, record in (("sweep", SWEEP_FILE), ("experiment", EXPERIMENT_FILE)):
+            if (folder / record).exists() and (kind == "experiment" or folder == run_dir.parent):
+                return Group(kind, folder, run_dir.relative_to(folder).as_posix())
+    return None
 
 
 class TrackerDidNotStart(ValueError):
@@ -87,8 +102,8 @@ class TrackerDidNotStart(ValueError):
 
 
 class WandbTracker:
-    """A Weights & Biases run named after the run directory, a sweep's runs grouped under the sweep's folder name
-    (offline mode writes under ``RUN_DIR/wandb``)."""
+    """A Weights & Biases run named after the run directory, a sweep's or an experiment's runs grouped under its
+    folder's name (:func:`group_of`; offline mode writes under ``RUN_DIR/wandb``)."""
 
     name = "W&B"
 
@@ -100,9 +115,10 @@ class WandbTracker:
         self.wandb = wandb
         made = not (Path(run_dir) / "wandb").exists()
         try:
-            sweep = sweep_of(run_dir)
+            group = group_of(run_dir)
             self.run = wandb.init(project=tracking.wandb_project or os.environ.get("WANDB_PROJECT") or DEFAULT_NAME,
-                                  entity=tracking.wandb_entity, name=run_dir.name, group=sweep.name if sweep else None,
+                                  entity=tracking.wandb_entity, name=group.run_name if group else run_dir.name,
+                                  group=group.folder.name if group else None,
                                   dir=str(run_dir), mode=mode, config=flat_config(config),
                                   id=ids.get("wandb"), resume="allow", settings=wandb.Settings(silent=True, console="off"))
         except (wandb.Error, OSError) as err:  # no login, no network: the tracker's, said before any step
@@ -162,7 +178,8 @@ class MlflowTracker:
     """An MLflow run named after the run directory, in ``tracking.mlflow_experiment`` (metric names as
     :func:`mlflow_name` says); words go in as tags ``kind/key.step_N``. Its store: ``tracking.mlflow_tracking_uri``,
     else the one a resumed run was started in (recorded in ``tracking.json``), else ``$MLFLOW_TRACKING_URI``, else a
-    file store in the run's folder, or in its sweep's (one store for all of a sweep's runs, each tagged ``sweep``)."""
+    file store in the run's folder, or in its sweep's or experiment's (one store for all its runs, each tagged
+    ``sweep`` or ``experiment`` with the folder's name)."""
 
     name = "MLflow"
 
@@ -172,9 +189,9 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         tracking = config.tracking
-        sweep = sweep_of(run_dir)
+        group = group_of(run_dir)
         uri = (tracking.mlflow_tracking_uri or ids.get("mlflow_tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
-               or ((sweep or run_dir) / "mlruns").resolve().as_uri())
+               or ((group.folder if group else run_dir) / "mlruns").resolve().as_uri())
         if uri.startswith("file:"):  # MLflow 3 wants a database; a file store needs no server and no SQLAlchemy
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         if uri.startswith(("http://", "https://")):
@@ -193,8 +210,9 @@ class MlflowTracker:
             return
         experiment_id = self._experiment_id(tracking.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
                                             or DEFAULT_NAME)
-        tags = {"sweep": sweep.name} if sweep else {}
-        self.run_id = ids["mlflow"] = self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags).info.run_id
+        tags = {group.kind: group.folder.name} if group else {}
+        self.run_id = ids["mlflow"] = self.client.create_run(experiment_id, run_name=group.run_name if group else run_dir.name,
+                                                             tags=tags).info.run_id
         params = [Param(key, str(value)[:6000]) for key, value in flat_config(config).items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[start:start + 100])

@@ -256,3 +256,28 @@ def test_a_sweeps_runs_share_one_mlflow_store_and_are_grouped_by_the_sweep(tmp_p
         assert [m.step for m in client.get_metric_history(ids["mlflow"], "train/loss")] == [1, 2]
         session = next((sweep / name / "wandb").glob(f"offline-run-*-{ids['wandb']}"))
         assert b"q_sweep" in (session / f"run-{ids['wandb']}.wandb").read_bytes()  # the group, in W&B's run record
+
+
+def test_an_experiments_runs_share_its_mlflow_store_named_by_method_and_seed(tmp_path, capsys, monkeypatch):
+    """An experiment's runs (``OUT/METHOD/seedS``, experiment.json in OUT) were each a store of their own and each
+    named ``seed0``: one store in OUT, each run named ``METHOD/seedS`` and tagged with the experiment. A run in a
+    folder that merely sits under an experiment's is no sweep's: only the sweep's own runs are grouped as one."""
+    from mlflow.tracking import MlflowClient
+
+    from nemo_jq.runtime.tracking import Group, group_of
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    experiment = tmp_path / "noisy"
+    experiment.mkdir()
+    (experiment / "experiment.json").write_text("{}")
+    run_dir = experiment / "grpo" / "seed0"
+    assert run_cli(capsys, "train", *QUICK, "tracking.mlflow=true", f"train.run_dir={run_dir}")[0] == 0
+    client = MlflowClient(tracking_uri=(experiment / "mlruns").as_uri())
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.run_name == "grpo/seed0" and run.data.tags["experiment"] == "noisy"
+    assert not (run_dir / "mlruns").exists()
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "sweep.json").write_text("{}")
+    assert group_of(tmp_path / "sweep" / "q=1") == Group("sweep", tmp_path / "sweep", "q=1")
+    assert group_of(tmp_path / "sweep" / "q=1" / "inner") is None and group_of(tmp_path / "alone") is None
