@@ -41,7 +41,7 @@ def test_trackers_get_the_config_every_record_the_guards_events_and_the_plot(tmp
     assert guards and run.data.tags[f"guard/reason.step_{guards[0]['step']}"] == guards[0]["reason"]
     assert "training.png" in [a.path for a in client.list_artifacts(ids["mlflow"])]
 
-    sessions = sorted((run_dir / "wandb").glob(f"offline-run-*-{ids['wandb']}"))  # one per process: wandb sync joins them
+    sessions = sorted((run_dir / "wandb").glob(f"offline-run-*-{ids['wandb']}"))  # one per process (docs/training.md)
     assert len(sessions) == 2
     for session in sessions:  # W&B's records (protobuf, read by its Go core only) hold the names as they are
         records = (session / f"run-{ids['wandb']}.wandb").read_bytes()
