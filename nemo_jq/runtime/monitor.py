@@ -347,8 +347,10 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
                     ha="center", va="center" if not panel.lines else "top", fontsize=8)
     for ax in axes.flat[len(shown):]:
         ax.set_visible(False)
-    for ax in axes[1]:
-        ax.set_xlabel("step")
+    for upper, lower in zip(axes[0], axes[1]):  # the step axis under each column's lowest panel (shared axes hide it above)
+        bottom = lower if lower.get_visible() else upper
+        bottom.set_xlabel("step")
+        bottom.xaxis.set_tick_params(labelbottom=True)
     handles = [plt.Line2D([], [], color=colors[label], label=label) for label in runs]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(runs), 5), fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))

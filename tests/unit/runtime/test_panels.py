@@ -28,3 +28,20 @@ def test_panels_plot_what_was_logged_and_say_what_each_is(tmp_path):
     assert "max amplified advantage |c_m|/M^q" not in by_title  # nobody logged it
     plot_runs(runs, tmp_path / "training.png")
     assert (tmp_path / "training.png").stat().st_size > 0
+
+
+def test_each_columns_lowest_panel_shows_the_steps(tmp_path, monkeypatch):
+    """Five panels in two rows of three: the top-right one, nothing under it, had no step numbers (shared axes)."""
+    import matplotlib.pyplot as plt
+
+    runs = {"grpo": [_train(s, reward=0.1, kl_k3=0.01) for s in (1, 2)] + [{"kind": "validation", "step": 2, "m@4": 25.0}],
+            "garl": [_train(s, log_p_hat=-4.0, max_amplified_advantage=0.1, kl_k3=0.02) for s in (1, 2)]}
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_runs(runs, tmp_path / "training.png")
+    visible = [ax for ax in figures[0].axes if ax.get_visible()]
+    assert len(visible) == 5
+    for ax in visible:
+        below = [other for other in visible if other is not ax
+                 and abs(other.get_position().x0 - ax.get_position().x0) < 1e-6 and other.get_position().y0 < ax.get_position().y0]
+        assert ax.xaxis.get_tick_params()["labelbottom"] == (not below) and (ax.get_xlabel() == "step") == (not below), ax.get_title()
