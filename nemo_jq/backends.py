@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -85,9 +86,12 @@ def hf_backend(request: BackendRequest) -> tuple[Policy, RolloutEngine]:
     if distributed.world_size() > 1:
         raise ValueError(f"model.backend=hf trains in one process, but this run has {distributed.world_size()}: "
                          "use model.backend=megatron to train over several processes")
+    compiled = request.config.model.compile and request.device.type == "cuda"
+    if request.config.model.compile and not compiled and request.config.train.device == "auto":  # =cpu: said on load
+        print(f"nemo-jq: warning: model.compile=true is ignored: this run is on {request.device.type} (it compiles on "
+              "a GPU)", file=sys.stderr)
     policy = HFPolicy(request.load_model(), device=request.device, **policy_options(request.config),
-                      activation_checkpointing=request.config.model.activation_checkpointing,
-                      compiled=request.config.model.compile and request.device.type == "cuda")
+                      activation_checkpointing=request.config.model.activation_checkpointing, compiled=compiled)
     routing_replay(request.config, has_experts(policy.model.config))  # refused here, in one line, where asked for
     ahead = request.config.rollout.async_steps > 0
     return policy, engine_for(policy, request, in_place_model=policy.model,

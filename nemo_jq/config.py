@@ -137,7 +137,7 @@ class RolloutConfig:
                            "why); false: unfused")
     kv_cache_tokens: int | None = option(131072, "native and hf: the most tokens of keys and values held at once "
                                          "(rows x (prompt + budget)); prompts beyond are sampled in chunks of whole "
-                                         "groups (null = all at once)", ge=1)
+                                         "groups, one group at least whatever it holds (null = all at once)", ge=1)
     vllm_memory_utilization: float = option(0.5, "vllm on GPU: the share of the GPU's memory vLLM takes for its "
                                             "weights and KV cache (it sleeps while the policy trains)", gt=0.0, lt=1.0)
     vllm_kv_cache_gb: float | None = option(None, "vllm: the KV cache's size in GB (null: the rest of "
@@ -726,6 +726,17 @@ def unread_keys(config: Config) -> list[tuple[str, str]]:
         unread.append(("model.compile", "train.device=cpu (it compiles on a GPU)"))
     elif model.backend != "hf":
         unread.append(("model.compile", f"model.backend={model.backend} (the hf backend's)"))
+    # the native sampler's GPU decode, and the KV budget the in-process samplers chunk by (vLLM sizes its own cache)
+    if rollout.engine != "native":
+        unread += [(f"rollout.{key}", f"rollout.engine={rollout.engine} (the native sampler's)")
+                   for key in ("cuda_graphs", "compile")]
+    elif config.train.device == "cpu":
+        unread += [(f"rollout.{key}", "train.device=cpu (the GPU's decode)") for key in ("cuda_graphs", "compile")]
+    elif not rollout.cuda_graphs:
+        unread.append(("rollout.compile", "rollout.cuda_graphs=false (it compiles the graph path's steps)"))
+    if rollout.engine == "vllm":
+        unread.append(("rollout.kv_cache_tokens", "rollout.engine=vllm (vLLM sizes its own cache: "
+                       "rollout.vllm_kv_cache_gb, rollout.vllm_memory_utilization)"))
     if data.name == "synthetic":
         unread += [(f"data.{key}", "the synthetic task reads no source") for key in ("source", "hub_config", "on_bad_row")]
     elif data.prepared_dir:

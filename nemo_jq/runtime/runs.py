@@ -45,10 +45,16 @@ LAYOUT_KEYS = ("megatron.tensor_parallel", "megatron.pipeline_parallel", "megatr
                "megatron.sequence_parallel")
 #: The experiment trackers' keys: where a run's records are sent, not what it trains.
 TRACKING_KEYS = tuple(f"tracking.{field.name}" for field in dataclasses.fields(TrackingConfig))
+#: How fast a run computes and how much memory its sampling and log-probs hold, not what: the decode under CUDA graphs
+#: and compiled (its tokens the eager sampler's), compiled training, the log-prob head's chunks and the sampler's
+#: token budget (the settings a run out of memory, or a compile that fails mid-run, is resumed with changed).
+SPEED_KEYS = ("rollout.cuda_graphs", "rollout.compile", "rollout.kv_cache_tokens", "model.compile",
+              "model.logprob_chunk_size")
 #: Keys that change nothing a run computes: how it is saved and shown, how much memory a step holds (row chunks and
-#: recomputation give the same gradient), where it runs (:data:`LAYOUT_KEYS`), and where its records go.
+#: recomputation give the same gradient) and how fast it runs (:data:`SPEED_KEYS`), where it runs
+#: (:data:`LAYOUT_KEYS`), and where its records go.
 UNSEEN_KEYS = ("train.save_every", "train.keep_checkpoints", "train.tensorboard", "train.micro_batch_rows",
-               "model.activation_checkpointing", "eval.samples_shown", "eval.batch_size", *LAYOUT_KEYS,
+               "model.activation_checkpointing", "eval.samples_shown", "eval.batch_size", *SPEED_KEYS, *LAYOUT_KEYS,
                "megatron.recompute_activations", "megatron.distributed_optimizer", "rollout.placement", "rollout.ranks",
                *TRACKING_KEYS)
 #: Keys a resumed run may change: how long it goes on and how often it is evaluated, and :data:`UNSEEN_KEYS`; never what

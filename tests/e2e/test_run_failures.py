@@ -420,6 +420,17 @@ def test_a_q_that_nothing_reads_is_a_one_line_warning(capsys):
     load_config(None, ["model.backend=megatron", "train.device=cuda", "model.compile=true"])
     assert capsys.readouterr().err.splitlines() == [
         "nemo-jq: warning: model.compile=True is ignored: model.backend=megatron (the hf backend's)"]
+    # the native sampler's GPU decode under another engine, or off; the KV budget under vLLM, which sizes its own cache
+    load_config(None, ["rollout.engine=vllm", "rollout.cuda_graphs=false", "rollout.kv_cache_tokens=4096"])
+    load_config(None, ["train.device=cuda", "rollout.cuda_graphs=false", "rollout.compile=false"])
+    load_config(None, ["train.device=cpu", "rollout.cuda_graphs=false"])
+    assert capsys.readouterr().err.splitlines() == [
+        "nemo-jq: warning: rollout.cuda_graphs=False is ignored: rollout.engine=vllm (the native sampler's)",
+        "nemo-jq: warning: rollout.kv_cache_tokens=4096 is ignored: rollout.engine=vllm (vLLM sizes its own cache: "
+        "rollout.vllm_kv_cache_gb, rollout.vllm_memory_utilization)",
+        "nemo-jq: warning: rollout.compile=False is ignored: rollout.cuda_graphs=false (it compiles the graph path's "
+        "steps)",
+        "nemo-jq: warning: rollout.cuda_graphs=False is ignored: train.device=cpu (the GPU's decode)"]
     # another guard action's, correction's or tracker's key (a misspelt estimator was read by nothing, unsaid)
     load_config(None, ["guard.enabled=true", "guard.action=lower_lr", "guard.estimator=grpoo", "objective.importance=none",
                        "objective.importance_cap=5", "tracking.wandb_project=mine", "tracking.mlflow_experiment=mine"])
@@ -497,3 +508,15 @@ def test_a_resume_never_ends_a_run_below_its_step_nor_trains_another_objective_t
     one_line_error(code, err, f"{config} says objective.name=paft, but its checkpoint", "trains garl",
                    "put objective.name=garl back")
     assert not (run_dir / "results.json").exists() and config.read_text() != saved
+
+
+@pytest.mark.slow  # a run, with its imports
+def test_a_compile_asked_for_where_auto_finds_no_gpu_is_said_once_as_the_run_starts(tmp_path, capsys):
+    """``model.compile=true`` with ``train.device=auto`` on a machine without a GPU: the run trains uncompiled, and
+    says so (a config read on a login node for a GPU job says nothing: only where the run is decides)."""
+    load_config(None, ["model.compile=true"])
+    assert capsys.readouterr().err == ""
+    code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=1", "model.compile=true",
+                           f"train.run_dir={tmp_path / 'run'}")
+    assert code == 0 and err.count("nemo-jq: warning: model.compile=true is ignored: this run is on cpu (it compiles "
+                                   "on a GPU)") == 1, err

@@ -129,6 +129,13 @@ def test_resume_applies_safe_overrides_and_refuses_the_rest(tmp_path, capsys):
     records = read_metrics(run_dir)
     assert {"kind": "resume", "step": 2, "overrides": ["train.max_steps=3", "eval.every=3"]} in records
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    # how fast and in how much memory it runs: what an out-of-memory error says to lower, or a compile that failed
+    speed = ["rollout.kv_cache_tokens=64", "rollout.cuda_graphs=false", "rollout.compile=false", "model.compile=false",
+             "model.logprob_chunk_size=64"]
+    assert run_cli(capsys, "train", "--resume", run_dir, "train.max_steps=4", *speed)[0] == 0
+    saved = load_config(run_dir / "config.yaml")
+    assert (saved.rollout.kv_cache_tokens, saved.rollout.cuda_graphs, saved.model.logprob_chunk_size) == (64, False, 64)
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(
