@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
+    from nemo_jq.cluster.rows import rows_on_this_machine
     from nemo_jq.config import ConfigError, load_config
     from nemo_jq.recipe.demo import DEMO_DIR, QUICK, QUICK_DIR, asks_for_demo, run_demo
     from nemo_jq.recipe.trainer import Trainer
@@ -84,14 +85,14 @@ def train(args: argparse.Namespace) -> int:
     try:
         with StopSignals() as stop:  # from the start: a time-limit signal while the model loads is not lost
             if args.resume is not None:
-                trainer = Trainer.resume(args.resume, args.overrides, rows_for=rows_on_this_gpu)
+                trainer = Trainer.resume(args.resume, args.overrides, rows_for=rows_on_this_machine)
                 if (finished := trainer.finished()) is not None:
                     raise ConfigError(finished)
             else:
                 config = load_config(args.config, args.overrides)
                 held, changed = holds_this_run(config) if args.requeue else ("new", [])
-                trainer = (Trainer.resume(config.train.run_dir, changed, rows_for=rows_on_this_gpu) if held == "resume"
-                           else Trainer(config, overwrite=args.overwrite or held == "restart", rows_for=rows_on_this_gpu))
+                trainer = (Trainer.resume(config.train.run_dir, changed, rows_for=rows_on_this_machine) if held == "resume"
+                           else Trainer(config, overwrite=args.overwrite or held == "restart", rows_for=rows_on_this_machine))
                 if held == "resume" and (finished := trainer.finished()) is not None and distributed.is_writer():
                     print(f"nemo-jq train: {finished}", flush=True)  # a job launched again: its results follow
             result = trainer.fit(stop=stop)
@@ -104,36 +105,6 @@ def train(args: argparse.Namespace) -> int:
     if distributed.is_writer():
         print(json.dumps(result, indent=2))
     return 0
-
-
-#: How many of the longest training prompts (by characters) ``train.micro_batch_rows=auto`` tokenizes for the longest.
-LONGEST_PROMPTS = 64
-
-
-def rows_on_this_gpu(parts) -> int | None:
-    """``train.micro_batch_rows=auto``: the most rows ``nemo-jq plan``'s memory model fits on this GPU at the run's
-    layout and longest prompt (of the :data:`LONGEST_PROMPTS` longest by characters, tokenized), said in one line;
-    whole groups (null) where it sizes nothing: the CPU, or a model built from scratch."""
-    import torch
-
-    from nemo_jq.runtime import distributed
-
-    config, device = parts.config, parts.device
-    say = (lambda line: print(f"nemo-jq train: train.micro_batch_rows=auto: {line}", flush=True)) \
-        if distributed.is_writer() else (lambda line: None)
-    if device.type != "cuda" or not config.model.path:
-        say(f"whole groups ({'the CPU' if device.type != 'cuda' else 'a model built from scratch'}: the memory "
-            "model sizes a Qwen3 on a GPU)")
-        return None
-    from nemo_jq.cluster.plan import HEADROOM, auto_micro_batch_rows
-
-    longest = sorted(parts.splits.train, key=lambda e: len(e.question) + len(e.context), reverse=True)[:LONGEST_PROMPTS]
-    prompt = max(map(len, parts.prompt_ids(longest)))
-    gpu = torch.cuda.get_device_properties(device).total_memory / 2**30
-    rows, fitted = auto_micro_batch_rows(config, prompt, gpu, distributed.world_size())
-    say(f"{rows} rows ({fitted.total_gib:.1f} of the {HEADROOM * gpu:.4g} GiB usable on {torch.cuda.get_device_name(device)} "
-        f"by nemo-jq plan's memory model, prompts of {prompt} tokens)")
-    return rows
 
 
 def surviving_checkpoint(trainer) -> str:

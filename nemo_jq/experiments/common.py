@@ -183,9 +183,10 @@ def start_run(config: Config, *, continues: bool = True) -> Any:
     """The trainer of one of an experiment's runs. Where its folder holds the run already (an experiment resumed), it
     continues from its checkpoint if ``continues`` (False: the run measures along the way, in memory, so it starts
     again); a start of it without a checkpoint, or not continued, is moved aside and the run starts anew."""
+    from nemo_jq.cluster.rows import rows_on_this_machine
     from nemo_jq.recipe.trainer import Trainer
 
     held, _ = holds_this_run(config)
     if held == "resume" and continues:
-        return Trainer.resume(config.train.run_dir)
-    return Trainer(config, overwrite=held != "new")
+        return Trainer.resume(config.train.run_dir, rows_for=rows_on_this_machine)
+    return Trainer(config, overwrite=held != "new", rows_for=rows_on_this_machine)

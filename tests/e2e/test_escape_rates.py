@@ -226,3 +226,14 @@ def test_quick_run_measures_p0_per_width_and_another_experiments_option_is_an_er
     assert "| SGD | q=1 |" in stdout and (out / "escape_rates.png").exists() and (out / "curves_AdamW.png").exists()
     one_line_error(*run_cli(capsys, "experiment", "escape-rates", "--label-noise", "0.1", "--out", tmp_path / "x")[::2],
                    "takes no --label-noise")
+
+
+def test_an_experiments_run_resolves_micro_batch_rows_auto_as_nemo_jq_train_does(tmp_path, capsys):
+    """``train.micro_batch_rows=auto`` over an experiment's runs: each resolves it as ``nemo-jq train`` does (here, on
+    the CPU, whole groups). It was refused at the first run, after experiment.json was written with it, so that
+    neither ``--resume`` nor a corrected override could go on."""
+    from nemo_jq.experiments.common import start_run
+
+    trainer = start_run(load_config(None, [*TINY_RUN, "train.micro_batch_rows=auto", f"train.run_dir={tmp_path / 'run'}"]))
+    assert trainer.config.train.micro_batch_rows is None
+    assert "train.micro_batch_rows=auto: whole groups (the CPU" in capsys.readouterr().out
