@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from nemo_jq.runtime.checkpoint import write_atomic
 from nemo_jq.runtime.monitor import plot_runs, valid_json
+from nemo_jq.runtime.outputs import write_atomic
 from nemo_jq.runtime.report import read_run
 from nemo_jq.runtime.sweep import SWEEP_FILE, Sweep, SweepRun, free_cores, refuse_running, run_here
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from nemo_jq.runtime import distributed
-from nemo_jq.runtime.outputs import move_aside
+from nemo_jq.runtime.outputs import fsync, move_aside, write_atomic
 
 RNG, STATE = "rng.pt", "state.json"
 
@@ -119,15 +119,15 @@ def _complete(tmp: Path, final: Path, state: dict[str, Any]) -> None:
     for path in tmp.rglob("*"):
         if path.is_file():  # as the umask says (a writer such as safetensors makes its files owner-only)
             path.chmod(0o666 & ~umask)
-        _fsync(path)
-    _fsync(tmp)
+        fsync(path)
+    fsync(tmp)
     os.rename(tmp, final)
     _point_latest(final.parent, final)
 
 
 def _point_latest(root: Path, final: Path) -> None:
     write_atomic(root / "latest", final.name)
-    _fsync(root)
+    fsync(root)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -251,23 +251,3 @@ def _umask() -> int:
         umask = os.umask(0o022)
         os.umask(umask)
         return umask
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """``text`` in ``path``, whole or not at all (a kill or a full disk part-way leaves the earlier file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        _fsync(tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk part-way: nothing half-written is left beside it
-        raise
-    os.replace(tmp, path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

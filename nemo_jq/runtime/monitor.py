@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import textwrap
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from nemo_jq.runtime.checkpoint import write_atomic
+from nemo_jq.runtime.outputs import replace_whole, write_atomic
 from nemo_jq.runtime.tracking import first_line, is_number
 
 METRICS_FILE = "metrics.jsonl"
@@ -354,15 +353,10 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     handles = [plt.Line2D([], [], color=colors[label], label=label) for label in runs]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(runs), 5), fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    partial = Path(path).with_name(Path(path).name + ".tmp")  # whole or not at all, as write_atomic's text
-    try:
-        fig.savefig(partial, dpi=110, format=Path(path).suffix.lstrip(".") or "png")
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    try:  # whole or not at all
+        replace_whole(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format=Path(path).suffix.lstrip(".") or "png"))
     finally:
         plt.close(fig)
-    os.replace(partial, path)
 
 
 def merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

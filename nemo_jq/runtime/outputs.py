@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from nemo_jq.typed import first_few
 
@@ -258,3 +258,30 @@ def release_run_dirs() -> None:
     """Let go of every run directory this process holds."""
     for run_dir in list(_HELD):
         release_run_dir(run_dir)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` in ``path``, whole or not at all (a kill or a full disk part-way leaves the earlier file)."""
+    replace_whole(path, lambda tmp: tmp.write_text(text))
+
+
+def replace_whole(path: Path, write: Callable[[Path], Any]) -> None:
+    """What ``write`` writes to a file beside ``path``, moved over ``path`` once it is whole and on disk: a kill or a
+    full disk part-way leaves the earlier file, and nothing half-written beside it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        fsync(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def fsync(path: Path) -> None:
+    """``path`` (a file or a folder) on disk, not only in the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

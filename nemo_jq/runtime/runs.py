@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from nemo_jq.config import PATH_KEYS, Config, ConfigError, TrackingConfig, current_key, keys_set_by, load_config, save_config
 from nemo_jq.runtime import distributed
-from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name, write_atomic
+from nemo_jq.runtime.checkpoint import STATE, latest_checkpoint, read_state, saved_steps, step_dir_name
 from nemo_jq.runtime.monitor import (
     METRICS_FILE,
     SAMPLES_FILE,
@@ -23,7 +23,7 @@ from nemo_jq.runtime.monitor import (
     read_metrics,
     valid_json,
 )
-from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir
+from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir, write_atomic
 from nemo_jq.runtime.tracking import TRACKING_FILE, first_line, is_number
 from nemo_jq.strict_yaml import read_yaml_file
 from nemo_jq.typed import first_few

@@ -382,7 +382,7 @@ def test_a_full_disk_in_a_resumes_cut_or_a_figure_leaves_the_runs_history_and_no
 
     import matplotlib.figure
 
-    from nemo_jq.runtime import checkpoint
+    from nemo_jq.runtime import outputs
     from nemo_jq.runtime.monitor import RunLogger, plot_runs, read_metrics
 
     run = finished_run(tmp_path / "run")
@@ -392,7 +392,7 @@ def test_a_full_disk_in_a_resumes_cut_or_a_figure_leaves_the_runs_history_and_no
     def full_disk(*_, **__):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_fsync", full_disk)
+    monkeypatch.setattr(outputs, "fsync", full_disk)
     with pytest.raises(OSError):
         RunLogger(run, tensorboard=False, resume_step=1)
     assert {name: (run / name).read_text() for name in before} == before
