@@ -28,12 +28,12 @@ from typing import Any
 
 import yaml
 
+from nemo_jq.corrections import CORRECTIONS
 from nemo_jq.data.base import FORMATS
 from nemo_jq.data.prepare import BAD_ROW_POLICIES, refuse_prompt_options
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES, SyntheticArithmetic
 from nemo_jq.models import OPTIMIZERS, PRECISIONS
 from nemo_jq.models.megatron.layout import DEPRECATED_MODEL_KEYS, MegatronLayout
-from nemo_jq.objectives.importance import CORRECTIONS
 from nemo_jq.recipe.guard import GUARD_ACTIONS
 from nemo_jq.registry import PLUGIN_MODULE_PREFIX
 from nemo_jq.strict_yaml import parse_yaml, read_yaml_file

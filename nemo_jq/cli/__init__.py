@@ -45,6 +45,11 @@ class OneLineErrors(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def format_help(self) -> str:
+        if callable(self.epilog):  # a listing made when shown: the parser's build (every command's) imports no torch
+            self.epilog = self.epilog()
+        return super().format_help()
+
 
 class GivenOnce(argparse._StoreAction):
     """An option's value, given at most once per command (:class:`OneLineErrors`)."""

@@ -14,7 +14,7 @@ def add_parser(commands) -> None:
         "dryrun", help="a run's first step at its real size on fake tensors: per-phase GPU memory by kind, FLOPs and a "
         "time bound, with nothing allocated",
         description="nemo-jq dryrun --config configs/qwen3_8b/finqa_cold_garl_q0.75.yaml --gpu h100-80gb [key=value ...]",
-        epilog=notes(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=notes, formatter_class=argparse.RawDescriptionHelpFormatter)
     dry.add_argument("--config", type=arguments.path, help="the run's YAML config (as train takes it)")
     dry.add_argument("--gpu", default="h100-80gb", help="a100-80gb or h100-80gb (its memory, bf16 FLOP/s and bandwidth)")
     dry.add_argument("--gpu-memory", type=arguments.positive_gb, help="GiB per GPU, instead of the profile's")

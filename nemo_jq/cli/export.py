@@ -31,11 +31,12 @@ def run(args: argparse.Namespace) -> int:
         raise FileExistsError(f"--out {args.out} holds the export of another run ({earlier.get('run_dir')}, step "
                               f"{earlier.get('step')}): choose another --out, or move that export away first")
     replaces = files_of_earlier_export(args.out)
-    loaded = load(args)
-    selected = loaded.selected
-    writes = distributed.is_writer()
-    try:
+    made = not Path(args.out).exists()
+    writes = distributed.will_write()
+    try:  # staged before minutes of loading: an --out it cannot write is told at once
         with staged(args.out, last=EXPORT_MARKER, replaces=replaces, writes=writes) as staging:
+            loaded = load(args)
+            selected = loaded.selected
             loaded.components.policy.export(staging, loaded.components.tokenizer)
             if writes:
                 (staging / MODEL_CARD).write_text(model_card(selected))
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise OSError(space[0], space[1], str(args.out)) from err
     if writes:
-        make_readable(args.out)
+        make_readable(args.out, folder_too=made)  # a folder of the user's keeps its mode
         print(f"exported step {selected.step} of {selected.run_dir} ({selected.why}) to {args.out}"
               + (f", replacing its export of step {earlier.get('step')}" if earlier else ""))
     return 0

@@ -43,7 +43,7 @@ def add_parser(commands) -> None:
         "give the run's time and GPU-hours",
         description="nemo-jq plan --model 8b --gpus-per-node 8 --nodes 2 --gpu-memory 80\n\nExits 0 with a "
         "recommended layout, 1 where nothing fits (the report says what would), 2 on bad input.",
-        epilog=assumptions(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=assumptions, formatter_class=argparse.RawDescriptionHelpFormatter)
     planner.add_argument("--config", type=arguments.path, help="read the workload from a run config (model, micro-batch in the "
                          "trainer's units, M, budgets, backend, engine, optimizer mode); key=value overrides as train takes")
     planner.add_argument("--prompt-tokens", type=arguments.positive,

@@ -19,7 +19,7 @@ def add_parser(commands) -> None:
         description="nemo-jq train --config configs/x.yaml objective.name=paft objective.q=0.75\n\n"
         "A run directory (train.run_dir) holds one run: a new run refuses a directory that already\n"
         "holds one; --resume continues it; --overwrite moves it aside to RUN_DIR.old-<time> first.",
-        epilog="config keys (section.key = default; allowed values; meaning):\n" + describe_keys(),
+        epilog=lambda: "config keys (section.key = default; allowed values; meaning):\n" + describe_keys(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", type=arguments.path, help="YAML config (defaults: the embedded CPU demo settings)")

@@ -27,17 +27,19 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
   in backward: it holds the gradient of the hidden states (``micro_batch x seq_len / CP`` positions, whole on every TP
   rank; fp32 under hf, bf16 under megatron) and the fp32 gradient of its ``V/TP`` x hidden weight slice, with its
   loop's chunks of logits or, with bf16 weights, that gradient's bf16 copy it returns (whichever is larger);
-* rollouts, by ``rollout_engine``: ``native``/``hf`` decode one bf16 HF copy of the whole model on each replica's
+* rollouts, by ``rollout_engine``: ``native``/``hf`` decode one HF copy of the whole model in the compute dtype (bf16;
+  fp32 with ``model.precision=fp32``, as are the KV cache and vLLM's weights) on each replica's
   sampling rank (the rank this estimate is for: the layout's fullest; with ``model.backend=hf`` the policy's own
-  model, or an fp32 copy one step ahead) with a bf16 KV cache of at most ``kv_cache_tokens`` tokens
+  model, or an fp32 copy one step ahead) with a KV cache of at most ``kv_cache_tokens`` tokens
   (``rollout.kv_cache_tokens``: the thinking phase samples chunks of whole groups, at least one prompt's M rows;
   the answer phase chunks of rows; an evaluation call's too), or of all of the replica's rows when that is fewer,
   plus a decode step's copies of one layer's keys and values (``KV_COPIES``), and an answer phase's prefill of its
   chunk of whole contexts at once (``prefill_bytes``: an evaluation's, and the rollouts' of GRPO and RLOO), and,
-  with the hf backend's CUDA-graph decode, a bf16 cast of the fp32 policy's weights while it samples; ``vllm`` keeps no HF copy and takes
+  with the hf backend's CUDA-graph decode (a dense Qwen3's, under bf16 autocast), a bf16 cast of the fp32 policy's
+  weights while it samples; ``vllm`` keeps no HF copy and takes
   ``vllm_memory_utilization`` of the GPU (its weights, shared over
   ``vllm_tensor_parallel`` ranks, and its KV cache) while it samples, and sleeps (holds ~nothing) while the
-  policy trains, and a share that cannot hold its engine's bf16 weights does not fit;
+  policy trains, and a share that cannot hold its engine's weights does not fit;
 * a Qwen3-MoE: its experts split over ``expert_parallel`` (EP) ranks and their optimizer state over the expert-DP ranks
   (TP x CP x DP / EP), the rest as a dense model's; each layer's activations hold the router's and, routing
   balanced, k experts' tensors for each of the rank's tokens (``expert_activation_bytes``), and its backward the
@@ -56,7 +58,9 @@ An estimate from shapes, not a measurement; what it assumes (the table's last li
   share) and the optimizer step's
   (the square root of AdamW's second moment, which torch's foreach kernels hold for every parameter they step at
   once on a GPU, plus the gradients without the distributed optimizer: measured on an H100 for both backends and
-  both optimizers, ``bench/results/real_gpu.json``), which do not coexist.
+  both optimizers, ``bench/results/real_gpu.json``), which do not coexist; with the hf backend's rollouts one step
+  ahead (``rollout.async_steps=1``, native or hf engine), the copy samples the next step in a child process while
+  this one trains, so the sampling working set joins the training one (the dry run, one process, cannot show it).
 
 With ``rollout_ranks`` (``rollout.placement=separate``) the last ``rollout_ranks`` GPUs only sample: the layouts
 are of the other GPUs, whose ranks hold no rollout copy, KV cache or vLLM share; each rollout rank holds the whole
@@ -226,11 +230,11 @@ class Workload:
     #: buffer whole (``KV_COPIES``): it copies the kept rows' filled columns, one layer's keys or values at a time,
     #: under a quarter of a layer's share of the cache once half the rows are done (left uncounted).
     graph_decode: bool = False
-    #: hf with that decode: each sampling call decodes from a bf16 cast of the fp32 policy's weights, held while it
-    #: samples.
+    #: hf with that decode under bf16 autocast: each sampling call decodes from a bf16 cast of the fp32 policy's
+    #: weights, held while it samples.
     decode_cast: bool = False
-    #: hf: the forward runs under bf16 autocast (``model.precision`` other than fp32, on a GPU), and so do the log-prob
-    #: head's backward products.
+    #: The model computes in bf16 (``model.precision`` other than fp32, on a GPU): hf's forward and its log-prob head's
+    #: backward products under bf16 autocast, and every sampler's weights, keys and values in bf16 (in fp32 without).
     autocast: bool = True
     #: The answer budget within ``seq_len`` (the thinking phase's rows end before it).
     answer_tokens: int = 0
@@ -276,7 +280,8 @@ class Workload:
                    logprob_chunk=config.model.logprob_chunk_size, answer_tokens=rollout.max_answer_tokens,
                    sampled_answers=Need.SAMPLED_ANSWER_REWARD in get_objective(config.objective.name).needs,
                    graph_decode=rollout.engine == "native" and rollout.cuda_graphs,
-                   decode_cast=hf and rollout.engine == "native" and rollout.cuda_graphs and not separate,
+                   decode_cast=(hf and rollout.engine == "native" and rollout.cuda_graphs and not separate
+                                and config.model.precision != "fp32"),
                    autocast=config.model.precision != "fp32",
                    eval_call=(config.eval.batch_size, config.eval.num_samples),
                    rollout_ranks=rollout.ranks if separate else 0, sync_bucket_mb=rollout.sync_bucket_mb,
@@ -291,6 +296,12 @@ class Workload:
     def own_tokens(self, tp: int) -> float:
         """Tokens of one micro-batch whose hidden states each TP rank holds: its share under sequence parallelism."""
         return self.tokens_per_rank / (tp if self.sequence_parallel else 1)
+
+    @property
+    def compute_bytes(self) -> int:
+        """An element's bytes in the compute dtype, the sampler's weights, keys and values' (bf16; fp32 without
+        :attr:`autocast`)."""
+        return 2 if self.autocast else 4
 
     @property
     def engine_gpus(self) -> int:
@@ -425,22 +436,28 @@ def thinking_kv_tokens(work: Workload, prompts: int, samples: int) -> int:
 
 
 def hf_activation_bytes(arch: Qwen3Architecture, work: Workload) -> float:
-    """Bytes the hf backend keeps for one micro-batch's backward (under bf16 autocast over fp32 weights), as the dry
-    run counts them. Per layer and token: the fp32 residual stream and both norms' fp32 inputs and outputs with each
+    """Bytes the hf backend keeps for one micro-batch's backward, as the dry run counts them. Under bf16 autocast over
+    fp32 weights, per layer and token: the fp32 residual stream and both norms' fp32 inputs and outputs with each
     projection's own bf16 cast of its input and the layer's fp32 output (30h), Q's norm (fp32 input, bf16 output),
     the attention's Q, K and V repeated to Q's heads, its output and o_proj's contiguous copy of it (16q), K's norm
     and projection (6kv), SwiGLU's four bf16 tensors (8I), and for padded rows the bf16 bias SDPA makes of the
     boolean mask in every layer (2 bytes x L). Beyond the layers: the final norm and the gathered last hidden
-    states (12h per token), and the bf16 weight casts autocast saves (2 bytes per layer parameter). With
-    ``model.activation_checkpointing`` a layer keeps only its fp32 input (4h per token), and backward holds one
-    layer's set again while it recomputes it."""
+    states (12h per token), and the bf16 weight casts autocast saves (2 bytes per layer parameter). In fp32
+    (``model.precision=fp32``: no casts, every tensor fp32), fitted to the dry run of dense Qwen3 shapes with 128-wide
+    heads (within 7%, and of 64-wide ones within 10%): 8h + 16q + 8kv + 24I + 4L a layer and 8h + 16I beyond them (a
+    layer's MLP tensors at the forward's end). With ``model.activation_checkpointing`` a layer keeps only its fp32
+    input (4h per token), and backward holds one layer's set again while it recomputes it."""
     h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    tokens = work.tokens_per_rank
-    per_layer = tokens * (30 * h + 16 * q + 6 * kv + 8 * arch.intermediate_size + 2 * work.seq_len)
-    beyond_layers = 12 * h * tokens
+    tokens, width = work.tokens_per_rank, arch.intermediate_size
+    if work.autocast:
+        per_layer = tokens * (30 * h + 16 * q + 6 * kv + 8 * width + 2 * work.seq_len)
+        beyond_layers, casts = 12 * h * tokens, 2 * layer_parameters(arch)
+    else:
+        per_layer = tokens * (8 * h + 16 * q + 8 * kv + 24 * width + 4 * work.seq_len)
+        beyond_layers, casts = (8 * h + 16 * width) * tokens, 0
     if work.recompute:  # model.activation_checkpointing: each layer's fp32 input, and one layer run again in backward
-        return arch.num_layers * 4 * h * tokens + per_layer + beyond_layers + 2 * layer_parameters(arch)
-    return arch.num_layers * per_layer + beyond_layers + 2 * arch.num_layers * layer_parameters(arch)
+        return arch.num_layers * 4 * h * tokens + per_layer + beyond_layers + casts
+    return arch.num_layers * (per_layer + casts) + beyond_layers
 
 
 def logprob_head_bytes(arch: Qwen3Architecture, work: Workload, tp: int = 1) -> float:
@@ -480,6 +497,8 @@ def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
     staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
     training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
     rollout = ["sampling", "decode_cast", "vllm"]  # the sampling call whose KV cache and prefill hold the most
+    if work.async_copy and work.backend == "hf":  # its copy samples the next step in a child process while this trains
+        training += ["sampling", "decode_cast"]
     refitting = ["refit", "vllm"]  # a vLLM engine is awake while it loads the weights; a KV cache is not yet held
     # torch's foreach AdamW holds sqrt(v) for every parameter it steps at once: half the replicated state, a third of
     # the distributed optimizer's shard (master weights and moments); measured on an H100: docs/results/real_gpu.md
@@ -519,10 +538,10 @@ def component_bytes(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, d
         "optimizer": optimizer_bytes * (shard_parameters(arch, work, tp, pp, dp) if sharded else params_per_rank),
         "activations": hf_activation_bytes(arch, work) if hf else activations,
         "logprob_head": logprob_head_bytes(arch, work, 1 if hf else tp),
-        "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else 2) * parameter_count(arch),
+        "rollout_copy": 0.0 if vllm or in_place or not samples_here else (4 if hf else work.compute_bytes) * parameter_count(arch),
         **(sampler_bytes(arch, work, work.batch_prompts // dp, policy=hf) if samples_here and not vllm else
            dict.fromkeys(("kv_cache", "prefill", "sampling"), 0.0)),
-        "decode_cast": 2 * parameter_count(arch) if work.decode_cast and samples_here else 0.0,
+        "decode_cast": 2 * parameter_count(arch) if work.decode_cast and graph_decode(arch, work) and samples_here else 0.0,
         "refit": refit_bytes(arch, work) + (SENT_BUCKETS * work.sync_bucket_mb * 2**20 if work.rollout_ranks else 0.0),
         "vllm": vllm_bytes(arch, work, gpu_gb) if vllm and samples_here else 0.0,
     }
@@ -602,11 +621,13 @@ def decode_shape(arch: Qwen3Architecture, engine_gpus: int) -> dict[str, float]:
 
 
 def vllm_least_bytes(arch: Qwen3Architecture, work: Workload) -> float:
-    """The least a vLLM engine's share of a GPU must hold for vLLM to start: its bf16 weights, split over its
-    ``rollout.tensor_parallel`` GPUs, and the keys and values of one sequence of ``seq_len`` tokens (vLLM refuses a
-    cache that cannot hold one; its own working memory beside them is not counted)."""
+    """The least a vLLM engine's share of a GPU must hold for vLLM to start: its weights (bf16; fp32 with
+    ``model.precision=fp32``), split over its ``rollout.tensor_parallel`` GPUs, and the keys and values of one sequence
+    of ``seq_len`` tokens (vLLM refuses a cache that cannot hold one; its own working memory beside them is not
+    counted)."""
     shape = decode_shape(arch, work.vllm_tensor_parallel)
-    return 2 * parameter_count(arch) / work.vllm_tensor_parallel + work.seq_len * kv_bytes_per_token(arch) / shape["kv_shards"]
+    per_token = kv_bytes_per_token(arch, work.compute_bytes)
+    return work.compute_bytes * parameter_count(arch) / work.vllm_tensor_parallel + work.seq_len * per_token / shape["kv_shards"]
 
 
 def vllm_share_short(arch: Qwen3Architecture, work: Workload, share: float) -> str | None:
@@ -615,21 +636,27 @@ def vllm_share_short(arch: Qwen3Architecture, work: Workload, share: float) -> s
     if share >= least:
         return None
     return (f"a larger rollout.vllm_memory_utilization or rollout.tensor_parallel: vLLM's share holds less than its "
-            f"engine's bf16 weights and one sequence's keys and values ({least / GiB:.1f} GiB a GPU at "
+            f"engine's {'bf16' if work.autocast else 'fp32'} weights and one sequence's keys and values ({least / GiB:.1f} GiB a GPU at "
             f"rollout.tensor_parallel={work.vllm_tensor_parallel}), and vLLM refuses to start")
 
 
 def vllm_bytes(arch: Qwen3Architecture, work: Workload, gpu_gb: float) -> float:
     """What a vLLM engine holds on each of its GPUs: its share (``rollout.vllm_memory_utilization``), or, with
-    ``rollout.vllm_kv_cache_gb``, its bf16 weights and that cache."""
+    ``rollout.vllm_kv_cache_gb``, its weights (:meth:`Workload.compute_bytes` each) and that cache."""
     if work.vllm_kv_cache_gb is not None:
-        return 2 * parameter_count(arch) / work.vllm_tensor_parallel + work.vllm_kv_cache_gb * GiB
+        return work.compute_bytes * parameter_count(arch) / work.vllm_tensor_parallel + work.vllm_kv_cache_gb * GiB
     return work.vllm_memory_utilization * gpu_gb * GiB
 
 
-def kv_bytes_per_token(arch: Qwen3Architecture) -> int:
-    """A token's bf16 keys and values over every layer."""
-    return 2 * 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim
+def kv_bytes_per_token(arch: Qwen3Architecture, element_bytes: int = 2) -> int:
+    """A token's keys and values over every layer (bf16; ``element_bytes`` 4: fp32)."""
+    return 2 * element_bytes * arch.num_layers * arch.num_key_value_heads * arch.head_dim
+
+
+def graph_decode(arch: Qwen3Architecture, work: Workload) -> bool:
+    """Whether the native engine decodes from its static cache (:attr:`Workload.graph_decode`): a dense Qwen3 only
+    (``rollouts.qwen3_decode`` is the one family's decode step; a Qwen3-MoE decodes eagerly)."""
+    return work.graph_decode and not arch.is_moe
 
 
 def sampler_bytes(arch: Qwen3Architecture, work: Workload, prompts: int, *, policy: bool) -> dict[str, float]:
@@ -639,8 +666,8 @@ def sampler_bytes(arch: Qwen3Architecture, work: Workload, prompts: int, *, poli
     ``sampling``, the most the two take together in one phase (an answer phase's chunk prefills beside a smaller cache
     than the thinking phase's). Evaluation samples answers; the rollouts where ``sampled_answers``. ``policy``: the hf
     policy samples from its own weights (:func:`prefill_bytes`)."""
-    copies = 1 + KV_COPIES * (not work.graph_decode) / (2 * arch.num_layers)
-    per_token = kv_bytes_per_token(arch) * copies
+    copies = 1 + KV_COPIES * (not graph_decode(arch, work)) / (2 * arch.num_layers)
+    per_token = kv_bytes_per_token(arch, work.compute_bytes) * copies
     held = []  # each phase's KV cache and prefill temporaries
     for call, answers in (((prompts, work.samples), work.sampled_answers), (work.eval_call, True)):
         held.append((per_token * thinking_kv_tokens(work, *call), 0.0))
@@ -653,22 +680,19 @@ def sampler_bytes(arch: Qwen3Architecture, work: Workload, prompts: int, *, poli
 
 def prefill_bytes(arch: Qwen3Architecture, work: Workload, rows: int, *, policy: bool) -> float:
     """The temporaries of an answer phase's prefill of ``rows`` (:func:`answer_rows`): one forward over the chunk's
-    contexts (prompt, thinking budget and ``</think>`` each). A bf16 model (a rollout rank's, Megatron's sampler
-    copy): three MLP widths and five query widths of bf16 a position (a Qwen3-MoE's MLP width: its k experts'), fitted
+    contexts (prompt, thinking budget and ``</think>`` each). A model in its compute dtype (a rollout rank's,
+    Megatron's sampler copy): three MLP widths and five query widths a position (a Qwen3-MoE's MLP width: its k experts'), fitted
     to the dry run's rollout ranks of the 0.6B and 8B FinQA configs (4.45 and 13.13 GiB, measured 4.40 and 12.84).
     The hf ``policy``'s fp32 weights under bf16 autocast: HF's rotary embedding makes four fp32 query-width tensors
     beside three fp32 hidden states and a key's fp32 and bf16, or the MLP three bf16 widths beside four fp32 hidden
     states, whichever is more; and the boolean causal mask (a byte a position of the row) and the fp32 rotary tables
     (the dry run of the 0.6B, 1.7B, 4B and 8B at the 0.6B FinQA config: 6.57, 8.68, 12.43 and 16.65 GiB, each within
-    0.1%); without autocast every tensor in fp32."""
+    0.1%); without autocast, the same as a model in fp32."""
     context = work.seq_len - work.answer_tokens
     mlp = arch.num_experts_per_tok * arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
     h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    bf16 = 2 * (3 * mlp + 5 * q)
-    if not policy:
-        return rows * context * bf16
-    if not work.autocast:
-        return rows * context * 2 * bf16
+    if not policy or not work.autocast:
+        return rows * context * work.compute_bytes * (3 * mlp + 5 * q)
     return rows * context * (max(16 * q + 12 * h + 6 * kv, 6 * mlp + 16 * h) + context + 8 * arch.head_dim)
 
 
@@ -687,7 +711,8 @@ def rollout_rank_bytes(arch: Qwen3Architecture, work: Workload, data_parallel: i
     if work.rollout_engine == "vllm":
         return {"vllm": vllm_bytes(arch, work, gpu_gb), **buckets}
     prompts = max(1, work.batch_prompts // data_parallel)
-    return {"weights": 2 * parameter_count(arch), **sampler_bytes(arch, work, prompts, policy=False), **buckets}
+    return {"weights": work.compute_bytes * parameter_count(arch), **sampler_bytes(arch, work, prompts, policy=False),
+            **buckets}
 
 
 def sent_bytes_per_parameter(work: Workload) -> int:

@@ -86,7 +86,7 @@ def knob(kind: str, config: Config, *, rollout_rank: bool = False) -> str:
 
 
 def check_vllm_share(config: Config, prompt_tokens: int, gpu: GpuProfile) -> None:
-    """vLLM starts in its share of ``gpu`` (its bf16 weights and one sequence's keys and values: ``plan``'s check);
+    """vLLM starts in its share of ``gpu`` (its weights and one sequence's keys and values: ``plan``'s check);
     else one line, as vLLM would fail at its first sampling call (the stand-in only holds the share)."""
     if config.rollout.engine != "vllm" or config.model.path is None:
         return

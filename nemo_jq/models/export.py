@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -31,6 +32,9 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
     """
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"export target {out_dir} is a file: choose another --out or remove it")
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise ValueError(f"export target {out_dir} is a link to {os.readlink(out_dir)}, which does not exist: make that "
+                         "folder, or choose another --out")
     present = {path.name for path in out_dir.iterdir()} - {STAGED_INSIDE} if out_dir.exists() else set()
     if not present:
         return []
@@ -61,9 +65,11 @@ def record_source(out_dir: Path, source: dict[str, Any], written: list[str] = ()
     make_readable(Path(out_dir))
 
 
-def make_readable(folder: Path) -> None:
-    """Give group and others read access to ``folder`` and its files, whatever the umask or writer chose."""
-    folder.chmod(folder.stat().st_mode | 0o755)
+def make_readable(folder: Path, *, folder_too: bool = True) -> None:
+    """Give group and others read access to ``folder``'s files, whatever the umask or writer chose, and, unless
+    ``folder_too`` is false (a folder of the user's, whose mode is theirs), to ``folder`` itself."""
+    if folder_too:
+        folder.chmod(folder.stat().st_mode | 0o755)
     for path in folder.iterdir():
         path.chmod(path.stat().st_mode | 0o644)
 

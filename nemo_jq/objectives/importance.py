@@ -18,11 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_jq.corrections import CORRECTIONS, PER_TOKEN_CORRECTIONS
 from nemo_jq.precision import upcast
-
-#: The corrections that work from the per-token ratios (the estimators then need :class:`SampledTokens`).
-PER_TOKEN_CORRECTIONS = ("token_truncate", "geometric")
-CORRECTIONS = ("plain", "truncate", "mask", *PER_TOKEN_CORRECTIONS)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from nemo_jq.rollouts.wiring import scratch_model_dir
 from nemo_jq.runtime import distributed
 from nemo_jq.runtime.checkpoint import load_checkpoint
 from nemo_jq.runtime.distributed import DataParallel
+from nemo_jq.runtime.outputs import holder_of
 from nemo_jq.runtime.runs import (
     CONFIG_FILE,
     INFERENCE_KEYS,
@@ -370,7 +371,8 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), 
     selected = select_checkpoint(path, which)
     run_dir = selected.run_dir
     config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir)
-    check_trained_with(config, selected.checkpoint, INFERENCE_KEYS[command])
+    selected = read_while_training(lambda checkpoint: check_trained_with(config, checkpoint, INFERENCE_KEYS[command]),
+                                   selected, path, which)
     device = distributed.init_from_env(resolve_device(config.train.device),
                                       timedelta(minutes=config.train.collective_timeout_minutes))
     if config.model.backend == "megatron":  # the layout it trained at may not fit the processes it runs in here
@@ -379,5 +381,35 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), 
     components = build_components(config, device, tokenizer_dir=run_dir / TOKENIZER_DIR, reads_splits=scores)
     if scores:
         check_splits(run_dir, components.splits, config.data)
-    load_checkpoint(selected.checkpoint, components.policy, with_optimizer=False)
-    return LoadedRun(selected, components)
+
+    def read(checkpoint: Path) -> None:
+        check_trained_with(config, checkpoint, INFERENCE_KEYS[command])
+        load_checkpoint(checkpoint, components.policy, with_optimizer=False)
+
+    return LoadedRun(read_while_training(read, selected, path, which), components)
+
+
+#: How often eval, generate and export pick a run's ``best`` or ``latest`` checkpoint again where the run, training
+#: now, deleted the one they picked before they read it (``train.keep_checkpoints``).
+PICKS = 3
+
+
+def read_while_training(read: Callable[[Path], None], selected: Selected, path: Path, which: str) -> Selected:
+    """``read(selected.checkpoint)``, and the checkpoint read. A run training now deletes its older checkpoints as it
+    saves new ones: one deleted before it was read is picked again where ``which`` is ``best`` or ``latest`` (it was
+    said to be gone, with advice to write another into the live run's ``latest``), else one line says what happened."""
+    picks = 1
+    while True:
+        try:
+            read(selected.checkpoint)
+            return selected
+        except FileNotFoundError:
+            holder = holder_of(selected.run_dir)
+            if selected.checkpoint.exists() or holder is None:
+                raise
+            if which not in ("best", "latest") or Path(path).resolve() == selected.checkpoint or picks == PICKS:
+                raise FileNotFoundError(
+                    f"checkpoint {selected.checkpoint} was deleted before it could be read by the run training in "
+                    f"{selected.run_dir} ({holder}), which keeps only its last train.keep_checkpoints: ask for --step "
+                    "latest or best (picked again if deleted), or wait for the run to end") from None
+            selected, picks = select_checkpoint(path, which), picks + 1

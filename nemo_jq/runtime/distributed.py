@@ -40,7 +40,8 @@ def launched_world_size(environ: Any = None) -> int:
 def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rollout_ranks: int = 0,
                   engine_ranks: int = 1) -> torch.device:
     """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment), once,
-    and return this rank's device: its ``LOCAL_RANK`` GPU on CUDA (NCCL), else ``device`` (gloo).
+    and return this rank's device: its ``LOCAL_RANK`` GPU on CUDA (NCCL; ``cuda:N`` of another N is refused), else
+    ``device`` (gloo).
 
     ``timeout``: how long a rank waits in a collective for the others before it fails (NCCL's default is
     10 minutes, shorter than one replica's rollouts of an 8B model, which the other ranks wait for);
@@ -60,7 +61,12 @@ def init_from_env(device: torch.device, timeout: timedelta | None = None, *, rol
     if world <= 1:
         return device
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device.index not in (None, local):  # it was replaced without a word
+            raise ValueError(f"train.device={device} in a world of {world} processes: each takes its LOCAL_RANK's GPU "
+                             f"(this one cuda:{local}): set train.device=cuda (or auto), and choose the GPUs with "
+                             "CUDA_VISIBLE_DEVICES")
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         global _OWNED
@@ -261,6 +267,15 @@ def rank() -> int:
 def is_writer() -> bool:
     """Whether this rank writes the run's files (global rank 0; a rollout rank never does)."""
     return (not dist.is_initialized() or dist.get_rank() == 0) and not (_ROLES is not None and _ROLES.samples)
+
+
+def will_write() -> bool:
+    """Whether this process writes the run's files (:func:`is_writer`), also before it joins the process group: its
+    rank as torchrun or srun gives it."""
+    if world_size() > 1:
+        return is_writer()
+    adopt_slurm_step()  # srun's tasks learn their rank from SLURM_PROCID
+    return os.environ.get("RANK", "0") == "0"
 
 
 def barrier() -> None:

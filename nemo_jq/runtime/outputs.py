@@ -71,12 +71,14 @@ def staged(folder: Path, *, last: str, replaces: tuple[str, ...] | list[str] = (
         raise
     if writes:
         with signals_held():
-            folder.mkdir(parents=True, exist_ok=True)
-            for name in replaces:
-                (folder / name).unlink(missing_ok=True)
-            for name in sorted((path.name for path in staging.iterdir()), key=lambda name: name == last):
-                os.replace(staging / name, folder / name)
-            staging.rmdir()
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                for name in replaces:
+                    (folder / name).unlink(missing_ok=True)
+                for name in sorted((path.name for path in staging.iterdir()), key=lambda name: name == last):
+                    os.replace(staging / name, folder / name)
+            finally:  # a move that fails (``folder`` a link to nowhere) leaves no copy of the whole write behind
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 #: The name :func:`move_aside` gives a folder it moves: ``NAME.old-YYYYmmdd-HHMMSS[-N]``.

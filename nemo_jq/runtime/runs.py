@@ -351,7 +351,7 @@ def open_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> tu
     """A run's saved config (with ``overrides`` of :data:`RESUMABLE_KEYS` only) and its latest checkpoint."""
     if not (run_dir / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE}{nearest_run(Path(run_dir))}")
-    if _writes_here():
+    if distributed.will_write():
         hold_run_dir(run_dir)
     keys = {current_key(item.partition("=")[0]) for item in overrides}
     refuse_overrides(overrides, RESUMABLE_KEYS, "--resume", "a resumed run keeps what it trains" + (
@@ -425,14 +425,6 @@ def refuse_overrides(overrides: list[str] | tuple[str, ...], allowed: tuple[str,
     if refused:
         raise ValueError(f"{why}; {', '.join(refused)} cannot change with {command}. "
                          f"Overrides allowed with {command}: {', '.join(allowed)}")
-
-
-def _writes_here() -> bool:
-    """Whether this process writes the run (global rank 0), also before it joins the process group."""
-    if distributed.world_size() > 1:
-        return distributed.is_writer()
-    distributed.adopt_slurm_step()  # srun's tasks learn their rank from SLURM_PROCID
-    return os.environ.get("RANK", "0") == "0"
 
 
 def at_home(config: Config, run_dir: Path) -> Config:

@@ -26,6 +26,15 @@ def test_objectives_import_pulls_no_backend():
     assert result.stdout.strip() == "[]"
 
 
+def test_the_commands_help_imports_no_torch():
+    """Every command's parser is built at each start: `nemo-jq --help` (and any command's) took 4-7 s, most of it
+    torch, imported for the names of the off-policy corrections and two help listings made whether shown or not."""
+    code = ("import sys\nfrom nemo_jq.cli import main\nfor words in (['--help'], ['report', '--help'], ['sweep', '--help']):\n"
+            "    try:\n        main(words)\n    except SystemExit:\n        pass\nprint('torch' in sys.modules)")
+    result = _run(["-c", code])
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == "False", result.stderr
+
+
 @pytest.mark.slow
 def test_theory_command_writes_tables_json_and_plot(tmp_path):
     result = _run(["-m", "nemo_jq.cli", "theory", "--out", str(tmp_path)])

@@ -998,3 +998,67 @@ def test_sigterm_or_sighup_ends_a_command_in_one_line_and_a_ctrl_c_while_it_star
     monkeypatch.setattr(nemo_jq.cli.plan, "add_parser", lambda commands: (_ for _ in ()).throw(KeyboardInterrupt))
     code, _, err = run_cli(capsys, "plan", "--model", "8b")
     assert code == 130 and err == "nemo-jq: interrupted\n"
+
+
+@pytest.mark.slow
+def test_eval_and_export_of_a_run_training_now_pick_again_the_checkpoint_it_deleted_before_they_read_it(
+        tmp_path, capsys, monkeypatch):
+    """A run keeps only its last train.keep_checkpoints: eval, generate and export of a run still training read a
+    checkpoint it had just deleted, and said it was gone and to write another step into the live run's ``latest``.
+    ``latest`` and ``best`` are picked again; a step asked for says what happened. The run saving its next step and
+    deleting this one is made where the checkpoint is read (its moment cannot be chosen in a test), and the run is held
+    as a training holds it."""
+    from nemo_jq.runtime.outputs import hold_run_dir, release_run_dir
+
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")[0] == 0
+    root, load = run_dir / "checkpoints", load_checkpoint
+
+    def saved_next_and_deleted(checkpoint, *args, **kwargs):
+        step = json.loads((checkpoint / "state.json").read_text())["step"] if checkpoint.exists() else None
+        if step is not None:  # the run saves step + 1 and deletes this one, as its read begins
+            following = root / f"step_{step + 1:08d}"
+            shutil.copytree(checkpoint, following)
+            state = json.loads((following / "state.json").read_text())
+            (following / "state.json").write_text(json.dumps({**state, "step": step + 1}))
+            (root / "latest").write_text(following.name)
+            shutil.rmtree(checkpoint)
+        return load(checkpoint, *args, **kwargs)
+
+    hold_run_dir(run_dir)
+    try:
+        with monkeypatch.context() as patch:
+            calls = iter([True, False])  # the first read finds its checkpoint deleted, the one picked again does not
+            patch.setattr("nemo_jq.recipe.components.load_checkpoint",
+                          lambda checkpoint, *a, **k: (saved_next_and_deleted if next(calls) else load)(checkpoint, *a, **k))
+            code, out, err = run_cli(capsys, "eval", run_dir, "--step", "latest", "--split", "validation")
+            assert code == 0 and json.loads(out)["step"] == 3, err
+            patch.setattr("nemo_jq.recipe.components.load_checkpoint", saved_next_and_deleted)
+            code, _, err = run_cli(capsys, "export", run_dir, "--step", "3", "--out", tmp_path / "exported")
+        one_line_error(code, err, f"checkpoint {root / 'step_00000003'} was deleted before it could be read by the run "
+                                  f"training in {run_dir}", "ask for --step latest or best")
+        assert "write its folder's name" not in err and not (tmp_path / "exported").exists()
+    finally:
+        release_run_dir(run_dir)
+
+
+@pytest.mark.slow
+def test_export_checks_its_out_folder_before_loading_and_keeps_a_users_folder_private(tmp_path, capsys, monkeypatch):
+    """An --out it cannot write (below a file, a link to nowhere) was told after minutes of loading the model, and a
+    link to nowhere left the whole export beside it; a folder of the user's made private (0o700) was opened to all."""
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "nowhere").symlink_to(tmp_path / "missing")
+    with monkeypatch.context() as patch:
+        patch.setattr("nemo_jq.cli.export.load", lambda args: pytest.fail("loaded before --out was checked"))
+        code, _, err = run_cli(capsys, "export", run_dir, "--out", tmp_path / "notes.txt" / "x")
+        assert code == 2 and str(tmp_path / "notes.txt") in err
+        code, _, err = run_cli(capsys, "export", run_dir, "--out", tmp_path / "nowhere")
+        one_line_error(code, err, f"export target {tmp_path / 'nowhere'} is a link to {tmp_path / 'missing'}, which does "
+                                  "not exist")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "nowhere", "run"]
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert run_cli(capsys, "export", run_dir, "--out", private)[0] == 0
+    assert (private / "model.safetensors").exists() and private.stat().st_mode & 0o777 == 0o700

@@ -510,3 +510,36 @@ def test_where_nothing_fits_plan_also_names_the_fewest_nodes_that_fit(capsys):
     assert "nothing fits in 72 GiB" in out and "\nor more GPUs: --nodes 4 fits TP=8 PP=2 DP=2 (65.78 of 72 GiB)\n" in out
     assert main(["plan", "--config", config, "--nodes", "4"]) == 0
     assert "or more GPUs" not in capsys.readouterr().out  # it fits: nothing to add
+
+
+def test_fp32_sampling_is_counted_in_fp32_and_only_a_dense_qwen3s_graph_decode_under_autocast_casts_the_weights():
+    """model.precision=fp32: the sampler decodes the fp32 weights themselves (its decode step casts only to autocast's
+    dtype) into fp32 keys and values, and Megatron's sampler copy, a rollout rank's model and vLLM's weights are fp32;
+    plan counted them all in bf16 and a bf16 cast beside them (the 0.6B paper config in fp32: 30.1 GiB, now 42.5). A
+    Qwen3-MoE has no graph decode step: it decodes eagerly (no cast; a compaction's copies of the keys)."""
+    arch, moe = plan.architecture("0.6b"), plan.architecture("Qwen/Qwen3-30B-A3B")
+    params = plan.parameter_count(arch)
+    bf16 = plan.Workload(seq_len=4608, backend="hf", graph_decode=True, decode_cast=True)
+    fp32 = replace(bf16, autocast=False, decode_cast=False)
+    held, fp32_held = (plan.component_bytes(arch, work, 1, 1, 1, 80) for work in (bf16, fp32))
+    assert held["decode_cast"] == 2 * params and fp32_held["decode_cast"] == 0
+    assert fp32_held["kv_cache"] == 2 * held["kv_cache"] and fp32_held["prefill"] > held["prefill"]
+    megatron = replace(bf16, backend="megatron", decode_cast=False)
+    assert plan.component_bytes(arch, megatron, 1, 1, 1, 80)["rollout_copy"] == 2 * params
+    assert plan.component_bytes(arch, replace(megatron, autocast=False), 1, 1, 1, 80)["rollout_copy"] == 4 * params
+    assert plan.rollout_rank_bytes(arch, fp32, 1, 80)["weights"] == 2 * plan.rollout_rank_bytes(arch, bf16, 1, 80)["weights"]
+    assert plan.vllm_least_bytes(arch, fp32) == 2 * plan.vllm_least_bytes(arch, bf16)
+    eager = replace(bf16, graph_decode=False)
+    moe_held = plan.component_bytes(moe, bf16, 1, 1, 1, 80)
+    assert moe_held["decode_cast"] == 0 and moe_held["kv_cache"] == plan.component_bytes(moe, eager, 1, 1, 1, 80)["kv_cache"]
+    for precision, casts in (("auto", True), ("fp32", False)):
+        assert plan.Workload.from_config(load_config(None, [f"model.precision={precision}"]), 32).decode_cast is casts
+
+
+def test_rollouts_one_step_ahead_in_a_child_process_are_sampled_while_the_step_trains():
+    """rollout.async_steps=1 with the hf backend: the copy samples the next step in a child process while this one trains
+    (recipe/experience.py), so its KV cache joins the training working set; plan took the larger of the two."""
+    parts = dict.fromkeys(plan.COMPONENTS, 0.0)
+    parts.update(weights=4 * GiB, rollout_copy=4 * GiB, activations=3 * GiB, kv_cache=2 * GiB, sampling=2 * GiB)
+    assert plan._peak(parts, plan.Workload(backend="hf"))[0] == 4 + 4 + 3
+    assert plan._peak(parts, plan.Workload(backend="hf", async_copy=True))[0] == 4 + 4 + 3 + 2

@@ -233,12 +233,13 @@ def test_the_command_reports_every_phase_and_refuses_what_does_not_fit(tmp_path)
     assert host["per_process_gib"] == split["host_peak_gib"] and host["gib"] == pytest.approx(2 * split["host_peak_gib"])
 
 
-@pytest.mark.parametrize("memory", [[], ["train.micro_batch_rows=4", "model.activation_checkpointing=true"]],
-                         ids=["whole_groups", "row_chunks_recomputed"])
+@pytest.mark.parametrize("memory", [[], ["train.micro_batch_rows=4", "model.activation_checkpointing=true"],
+                                    ["model.precision=fp32"]], ids=["whole_groups", "row_chunks_recomputed", "fp32"])
 @pytest.mark.slow
 def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_sequences(tmp_path, memory):
     """``nemo-jq plan --config`` and the dry run count the same workload: every component within 10%, with whole
-    groups per forward/backward and with row chunks and recomputation. Counting the micro-batch in sequences
+    groups per forward/backward, with row chunks and recomputation, and in fp32 (its keys and values, prefill and
+    activations; no bf16 cast of the weights to decode from, which plan counted). Counting the micro-batch in sequences
     (``train.micro_batch_size``) instead of the trainer's prompts x M (or its row chunks) is caught."""
     import dataclasses
 
@@ -255,9 +256,13 @@ def test_plan_agrees_with_the_dry_run_and_catches_a_micro_batch_counted_in_seque
     compared = {name: row["plan_over_dry_run"] for name, row in rows.items() if row["plan_over_dry_run"] is not None}
     assert {"weights", "gradients", "optimizer", "activations", "logprob_head", "kv_cache", "prefill", "sampling"} <= set(compared)
     assert all(0.9 <= ratio <= 1.1 for ratio in compared.values()), compared
+    if memory == ["model.precision=fp32"]:  # no bf16 cast to decode from: plan counted one the run never made
+        assert rows["decode_cast"]["dry_run_gib"] == rows["decode_cast"]["plan_gib"] == 0.0
+    else:
+        assert "decode_cast" in compared
     work = plan.Workload.from_config(config, 32)
     # in sequences, or whole groups where the trainer takes row chunks
-    miscounted = dataclasses.replace(work, micro_batch=config.train.micro_batch_size * (8 if memory else 1))
+    miscounted = dataclasses.replace(work, micro_batch=config.train.micro_batch_size * (8 if "train.micro_batch_rows=4" in memory else 1))
     wrong = plan.estimate(plan.architecture(str(model)), miscounted, 1, 1, 1, 80, 0.9).activations_gib
     assert not 0.9 <= wrong / rows["activations"]["dry_run_gib"] <= 1.1
 
