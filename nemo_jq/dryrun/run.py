@@ -85,6 +85,21 @@ def knob(kind: str, config: Config, *, rollout_rank: bool = False) -> str:
             "sync_buckets": f"a smaller rollout.sync_bucket_mb ({rollout.sync_bucket_mb:g} now)"}[kind]
 
 
+def check_one_process(config: Config) -> None:
+    """The dry run simulates each process apart: rollouts one step ahead sampled by a child process beside the training
+    one on its GPU (``rollout.async_steps=1`` with the native or hf engine, one colocated hf process) are not
+    simulated; one line says so and what to run instead (a child could not take its stand-in tensors: a traceback)."""
+    from nemo_jq.rollouts import IN_PLACE
+
+    rollout = config.rollout
+    if (rollout.async_steps and rollout.engine in IN_PLACE and rollout.placement != "separate"
+            and config.model.backend == "hf"):
+        raise ValueError(f"rollout.async_steps={rollout.async_steps} with rollout.engine={rollout.engine}: a child "
+                         "process samples the next step's rollouts beside this one's training on its GPU, which the dry "
+                         "run (one process) does not simulate: dry-run the step with rollout.async_steps=0, and "
+                         "`nemo-jq plan --config` gives the peak with the child's keys and values beside the training")
+
+
 def check_vllm_share(config: Config, prompt_tokens: int, gpu: GpuProfile) -> None:
     """vLLM starts in its share of ``gpu`` (its weights and one sequence's keys and values: ``plan``'s check);
     else one line, as vLLM would fail at its first sampling call (the stand-in only holds the share)."""
@@ -116,6 +131,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int | None = None
         prompt_tokens = max(1, min(PROMPT_TOKENS, context - rollout.max_thinking_tokens - 1 - rollout.max_answer_tokens))
     check_context(config, prompt_tokens, context, where)
     check_vllm_share(config, prompt_tokens, gpu)
+    check_one_process(config)
     separate = config.rollout.placement == "separate"
     config = copy.deepcopy(config)
     if separate:  # a training rank holds the same with rollouts sampled a step ahead: token ids, sent by the rollout ranks

@@ -308,6 +308,18 @@ def test_vllm_holds_its_configured_share_while_it_samples_and_no_copy_beside_the
     assert "sampler_copy" not in phases["build"]["most_by_kind_gib"] and "refit" in phases
 
 
+def test_rollouts_one_step_ahead_in_a_child_process_are_one_line_not_a_traceback(capsys):
+    """rollout.async_steps=1 in one hf process: a child samples the next step beside the training, which one simulated
+    process cannot show (it failed in a 60-line traceback: the stand-in tensors cannot be shared with a child)."""
+    from helpers import one_line_error
+    from nemo_jq.cli import main
+
+    paper = str(Path(__file__).resolve().parents[3] / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.75.yaml")
+    one_line_error(main(["dryrun", "--config", paper, "rollout.async_steps=1"]), capsys.readouterr().err,
+                   "rollout.async_steps=1 with rollout.engine=native: a child process samples the next step's rollouts",
+                   "dry-run the step with rollout.async_steps=0", "nemo-jq plan --config")
+
+
 def test_a_vllm_share_without_room_for_its_weights_and_a_sequence_is_refused_as_plan_refuses_it(capsys):
     """vLLM refuses to start in a share that holds less than its bf16 weights and one sequence's keys and values; the
     stand-in only holds the share, so the dry run says so in one line before it simulates, with plan's advice."""
