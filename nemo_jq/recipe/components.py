@@ -383,7 +383,8 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), 
         check_splits(run_dir, components.splits, config.data)
 
     def read(checkpoint: Path) -> None:
-        check_trained_with(config, checkpoint, INFERENCE_KEYS[command])
+        if checkpoint != selected.checkpoint:  # picked again: checked as the first pick was above
+            check_trained_with(config, checkpoint, INFERENCE_KEYS[command])
         load_checkpoint(checkpoint, components.policy, with_optimizer=False)
 
     return LoadedRun(read_while_training(read, selected, path, which), components)

@@ -77,7 +77,7 @@ def staged(folder: Path, *, last: str, replaces: tuple[str, ...] | list[str] = (
                     (folder / name).unlink(missing_ok=True)
                 for name in sorted((path.name for path in staging.iterdir()), key=lambda name: name == last):
                     os.replace(staging / name, folder / name)
-            finally:  # a move that fails (``folder`` a link to nowhere) leaves no copy of the whole write behind
+            finally:  # a move that fails (a full disk, a name taken meanwhile) leaves no copy of the whole write behind
                 shutil.rmtree(staging, ignore_errors=True)
 
 
