@@ -222,7 +222,8 @@ class Workload:
     vllm_kv_cache_gb: float | None = None
     #: ``model.backend``: megatron (the layouts), or hf (one process on one GPU; its activations as HF keeps them).
     backend: str = "megatron"
-    #: hf: rollouts sampled one step ahead decode an fp32 copy of the model (``rollout.async_steps=1``).
+    #: Rollouts sampled one step ahead (``rollout.async_steps=1``) by a copy of the model: hf's own (fp32), refitted;
+    #: in a world of one process that copy samples in a child process while the step trains (``samples_in_a_child``).
     async_copy: bool = False
     #: hf: positions the log-prob kernel projects at once (``model.logprob_chunk_size``).
     logprob_chunk: int = 256
@@ -260,6 +261,7 @@ class Workload:
         prompts x M rollouts (or ``train.micro_batch_rows`` of them, when fewer), each ``prompt_tokens`` + thinking
         budget + ``</think>`` + answer budget long; recomputation is the backend's (hf: model.activation_checkpointing)."""
         from nemo_jq.objectives import Need, get_objective
+        from nemo_jq.rollouts import samples_in_a_child
 
         layout, rollout = config.megatron, config.rollout
         optimizer = ("bf16-distopt" if layout.bf16_weights else "fp32-distopt" if layout.distributed_optimizer
@@ -276,7 +278,7 @@ class Workload:
                    kv_cache_tokens=rollout.kv_cache_tokens, vllm_memory_utilization=rollout.vllm_memory_utilization,
                    vllm_kv_cache_gb=rollout.vllm_kv_cache_gb,
                    vllm_tensor_parallel=rollout.tensor_parallel, backend=config.model.backend,
-                   async_copy=bool(rollout.async_steps) and rollout.engine != "vllm" and not separate,
+                   async_copy=samples_in_a_child(config, world_size=1),
                    logprob_chunk=config.model.logprob_chunk_size, answer_tokens=rollout.max_answer_tokens,
                    sampled_answers=Need.SAMPLED_ANSWER_REWARD in get_objective(config.objective.name).needs,
                    graph_decode=rollout.engine == "native" and rollout.cuda_graphs,
@@ -482,7 +484,7 @@ def logprob_head_bytes(arch: Qwen3Architecture, work: Workload, tp: int = 1) -> 
 def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int, gpu_gb: float,
              headroom: float) -> LayoutEstimate:
     parts = component_bytes(arch, work, tp, pp, dp, gpu_gb)
-    total, largest = _peak(parts, work)
+    total, largest = _peak(parts, work, tp * pp * dp * work.context_parallel)
     sizes = [*(round(parts[name] / GiB, 2) for name in COMPONENTS), round(total, 2)]
     if parts["vllm"] > 0 and (short := vllm_share_short(arch, work, parts["vllm"])):
         return LayoutEstimate(tp, pp, dp, work.expert_parallel, *sizes, False, "vllm", short)
@@ -490,14 +492,15 @@ def estimate(arch: Qwen3Architecture, work: Workload, tp: int, pp: int, dp: int,
                           advice(largest, arch, work, (tp, pp, dp), gpu_gb, total))
 
 
-def _peak(parts: dict[str, float], work: Workload) -> tuple[float, str]:
-    """The peak (GiB) of a layout's components (:func:`component_bytes`) and the one that takes the most of it."""
+def _peak(parts: dict[str, float], work: Workload, world: int) -> tuple[float, str]:
+    """The peak (GiB) of a layout's components (:func:`component_bytes`) over ``world`` processes, and the one that
+    takes the most of it."""
     sharded = OPTIMIZER_MODES[work.optimizer][3]
     # What stays all run, and the two phases' working sets, which do not coexist.
     staying = ["weights", "optimizer", "rollout_copy", *(["gradients"] if sharded else [])]
     training = [*([] if sharded else ["gradients"]), "activations", "logprob_head"]
     rollout = ["sampling", "decode_cast", "vllm"]  # the sampling call whose KV cache and prefill hold the most
-    if work.async_copy and work.backend == "hf":  # its copy samples the next step in a child process while this trains
+    if work.async_copy and world == 1:  # the copy samples the next step in a child process while this one trains
         training += ["sampling", "decode_cast"]
     refitting = ["refit", "vllm"]  # a vLLM engine is awake while it loads the weights; a KV cache is not yet held
     # torch's foreach AdamW holds sqrt(v) for every parameter it steps at once: half the replicated state, a third of
@@ -800,7 +803,8 @@ def advice(component: str, arch: Qwen3Architecture, work: Workload, layout: tupl
     """The first of :func:`remedies` that lowers this layout's peak ``now`` (GiB) by 1% or more (a change that would
     raise it, as the bf16 distributed optimizer does at DP=1, is never advised), else more GPUs."""
     for text, changed in remedies(component, work):
-        if changed is None or _peak(component_bytes(arch, changed, *layout, gpu_gb), changed)[0] < 0.99 * now:
+        if changed is None or _peak(component_bytes(arch, changed, *layout, gpu_gb), changed,
+                                    math.prod(layout) * work.context_parallel)[0] < 0.99 * now:
             offloads = changed is not None and changed.optimizer.endswith("-offload") and not work.optimizer.endswith("-offload")
             return text + (f" (each process's host then holds its {host_state_gib(arch, changed, *layout)} GiB of "
                            "optimizer state, and more in its AdamW step)" if offloads else "")

@@ -85,18 +85,18 @@ def knob(kind: str, config: Config, *, rollout_rank: bool = False) -> str:
             "sync_buckets": f"a smaller rollout.sync_bucket_mb ({rollout.sync_bucket_mb:g} now)"}[kind]
 
 
-def check_one_process(config: Config) -> None:
+def check_one_process(config: Config, world_size: int) -> None:
     """The dry run simulates each process apart: rollouts one step ahead sampled by a child process beside the training
-    one on its GPU (``rollout.async_steps=1`` with the native or hf engine, one colocated hf process) are not
-    simulated; one line says so and what to run instead (a child could not take its stand-in tensors: a traceback)."""
-    from nemo_jq.rollouts import IN_PLACE
+    one on its GPU (``rollout.async_steps=1`` in a world of one process whose engine decodes an HF copy: hf, or
+    megatron on one GPU) are not simulated; one line says so and what to run instead (a child could not take its
+    stand-in tensors: a traceback)."""
+    from nemo_jq.rollouts import samples_in_a_child
 
     rollout = config.rollout
-    if (rollout.async_steps and rollout.engine in IN_PLACE and rollout.placement != "separate"
-            and config.model.backend == "hf"):
-        raise ValueError(f"rollout.async_steps={rollout.async_steps} with rollout.engine={rollout.engine}: a child "
-                         "process samples the next step's rollouts beside this one's training on its GPU, which the dry "
-                         "run (one process) does not simulate: dry-run the step with rollout.async_steps=0, and "
+    if samples_in_a_child(config, world_size):
+        raise ValueError(f"rollout.async_steps={rollout.async_steps} with rollout.engine={rollout.engine} in one process: "
+                         "a child process samples the next step's rollouts beside this one's training on its GPU, which "
+                         "the dry run (one process) does not simulate: dry-run the step with rollout.async_steps=0, and "
                          "`nemo-jq plan --config` gives the peak with the child's keys and values beside the training")
 
 
@@ -131,7 +131,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int | None = None
         prompt_tokens = max(1, min(PROMPT_TOKENS, context - rollout.max_thinking_tokens - 1 - rollout.max_answer_tokens))
     check_context(config, prompt_tokens, context, where)
     check_vllm_share(config, prompt_tokens, gpu)
-    check_one_process(config)
+    check_one_process(config, 1 if config.model.backend != "megatron" else world_size or config.megatron.replica_size)
     separate = config.rollout.placement == "separate"
     config = copy.deepcopy(config)
     if separate:  # a training rank holds the same with rollouts sampled a step ahead: token ids, sent by the rollout ranks

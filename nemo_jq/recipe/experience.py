@@ -113,7 +113,7 @@ class RolloutsAhead:
     """
 
     def __init__(self, components: Components):
-        from nemo_jq.rollouts import IN_PLACE
+        from nemo_jq.rollouts import samples_in_a_child
         from nemo_jq.runtime import distributed
 
         engine = components.engine
@@ -121,7 +121,7 @@ class RolloutsAhead:
             raise ValueError("rollout.async_steps=1 needs a rollout engine with its own copy of the weights; "
                              f"model.backend={components.config.model.backend} gave {type(engine).__name__}")
         self.components, self.engine = components, engine
-        self.overlaps = distributed.world_size() == 1 and components.config.rollout.engine in IN_PLACE
+        self.overlaps = samples_in_a_child(components.config, distributed.world_size())
         refused = second_process_refused(components.device) if self.overlaps else None
         if refused is not None:
             self.overlaps = False

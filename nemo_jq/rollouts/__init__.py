@@ -92,6 +92,16 @@ def _native(request: SamplerRequest) -> Sampler:
 register_sampler("hf", in_place=True)(_in_this_process(HFSampler))
 
 
+def samples_in_a_child(config: Any, world_size: int) -> bool:
+    """Whether rollouts sampled one step ahead (``rollout.async_steps``) come from a child process on this process's
+    GPU while it trains (:class:`~nemo_jq.recipe.experience.RolloutsAhead`): a world of one process (``world_size``),
+    colocated, whose engine decodes a copy of the policy's HF model (:data:`IN_PLACE`). Otherwise (vLLM, several
+    processes) the next step's rollouts are sampled before each step trains: one step off, without the overlap."""
+    rollout = config.rollout
+    return (bool(rollout.async_steps) and world_size == 1 and rollout.placement != "separate"
+            and rollout.engine in IN_PLACE)
+
+
 def check_sampler(config: Any) -> None:
     """``rollout.engine``'s own check that it can run here (its builder's ``preflight``, where it has one: vLLM's
     is that vLLM imports), raising a one-line :class:`~nemo_jq.typed.ConfigError`. Run before any model is built;
@@ -129,4 +139,4 @@ def build_rollouts(request: SamplerRequest, chat: Any) -> BudgetedRollouts:
 
 
 __all__ = ["BudgetedRollouts", "IN_PLACE", "SAMPLERS", "Sample", "Sampler", "SamplerRequest", "SamplingSettings",
-           "build_rollouts", "check_sampler", "register_sampler", "sampling_settings"]
+           "build_rollouts", "check_sampler", "register_sampler", "samples_in_a_child", "sampling_settings"]

@@ -56,7 +56,8 @@ def panels(runs: dict[str, list[dict[str, Any]]]) -> list[Panel]:
                               for key in r if key.startswith("m@")}, key=lambda key: int(key[2:]))
     out = [Panel("sampled reward (mean over rollouts)", series("train", "reward")),
            Panel("log P̂ (mean log w̄)", series("train", "log_p_hat")),
-           Panel("max amplified advantage |c_m|/M^q", series("train", "max_amplified_advantage"))]
+           Panel("max amplified advantage |c_m|/M^q\n(GARL with objective.normalize=false: |c_m|)",
+                 series("train", "max_amplified_advantage"))]
     out += [Panel(f"validation {key}", series("validation", key), validation=True) for key in validation_keys]
     kl = series("train", "kl_k3")
     quiet = sorted(label for label, (_, values) in kl.items() if max(values) < KL_NOISE)

@@ -290,12 +290,12 @@ def test_a_peak_counts_the_optimizer_step_where_foreach_adamw_holds_the_square_r
     parts.update(weights=4 * GiB, gradients=4 * GiB, optimizer=8 * GiB, activations=1 * GiB, kv_cache=2 * GiB,
                  sampling=2 * GiB)
     for backend in ("hf", "megatron"):
-        peak, largest = plan._peak(parts, plan.Workload(backend=backend))
+        peak, largest = plan._peak(parts, plan.Workload(backend=backend), 1)
         assert peak == 4 + 8 + 4 + 4 and largest == "optimizer"
     parts["kv_cache"] = parts["sampling"] = 9 * GiB
-    assert plan._peak(parts, plan.Workload(backend="hf"))[0] == 4 + 8 + 9  # the rollouts' is larger still
+    assert plan._peak(parts, plan.Workload(backend="hf"), 1)[0] == 4 + 8 + 9  # the rollouts' is larger still
     parts.update(weights=2 * GiB, optimizer=12 * GiB, kv_cache=0.0, sampling=0.0)  # the distributed optimizer's master and moments
-    assert plan._peak(parts, plan.Workload(backend="megatron", optimizer="bf16-distopt"))[0] == 2 + 12 + 4 + 4
+    assert plan._peak(parts, plan.Workload(backend="megatron", optimizer="bf16-distopt"), 1)[0] == 2 + 12 + 4 + 4
 
 
 def test_rollout_ranks_of_their_own_take_the_sampler_off_the_training_layouts_and_are_planned_themselves(capsys, tmp_path):
@@ -537,9 +537,16 @@ def test_fp32_sampling_is_counted_in_fp32_and_only_a_dense_qwen3s_graph_decode_u
 
 
 def test_rollouts_one_step_ahead_in_a_child_process_are_sampled_while_the_step_trains():
-    """rollout.async_steps=1 with the hf backend: the copy samples the next step in a child process while this one trains
-    (recipe/experience.py), so its KV cache joins the training working set; plan took the larger of the two."""
+    """rollout.async_steps=1 in a world of one process (the hf backend's; megatron's on one GPU too): the copy samples
+    the next step in a child process while this one trains (recipe/experience.py), so its KV cache joins the training
+    working set; plan took the larger of the two (for megatron always). Over several processes, or from vLLM, the next
+    step is sampled before the step trains."""
     parts = dict.fromkeys(plan.COMPONENTS, 0.0)
     parts.update(weights=4 * GiB, rollout_copy=4 * GiB, activations=3 * GiB, kv_cache=2 * GiB, sampling=2 * GiB)
-    assert plan._peak(parts, plan.Workload(backend="hf"))[0] == 4 + 4 + 3
-    assert plan._peak(parts, plan.Workload(backend="hf", async_copy=True))[0] == 4 + 4 + 3 + 2
+    assert plan._peak(parts, plan.Workload(backend="hf"), 1)[0] == 4 + 4 + 3
+    assert plan._peak(parts, plan.Workload(backend="hf", async_copy=True), 1)[0] == 4 + 4 + 3 + 2
+    assert plan._peak(parts, plan.Workload(async_copy=True), 1)[0] == 4 + 4 + 3 + 2
+    assert plan._peak(parts, plan.Workload(async_copy=True), 2)[0] == 4 + 4 + 3
+    for engine, in_a_child in (("native", True), ("hf", True), ("vllm", False)):
+        config = load_config(None, [f"rollout.engine={engine}", "rollout.async_steps=1", "model.backend=megatron"])
+        assert plan.Workload.from_config(config, 32).async_copy is in_a_child

@@ -309,15 +309,18 @@ def test_vllm_holds_its_configured_share_while_it_samples_and_no_copy_beside_the
 
 
 def test_rollouts_one_step_ahead_in_a_child_process_are_one_line_not_a_traceback(capsys):
-    """rollout.async_steps=1 in one hf process: a child samples the next step beside the training, which one simulated
-    process cannot show (it failed in a 60-line traceback: the stand-in tensors cannot be shared with a child)."""
+    """rollout.async_steps=1 in one process (hf's, or megatron's on one GPU): a child samples the next step beside the
+    training, which one simulated process cannot show (it failed in a 60-line traceback: the stand-in tensors cannot be
+    shared with a child)."""
     from helpers import one_line_error
     from nemo_jq.cli import main
 
     paper = str(Path(__file__).resolve().parents[3] / "configs" / "qwen3_0p6b" / "finqa_cold_garl_q0.75.yaml")
-    one_line_error(main(["dryrun", "--config", paper, "rollout.async_steps=1"]), capsys.readouterr().err,
-                   "rollout.async_steps=1 with rollout.engine=native: a child process samples the next step's rollouts",
-                   "dry-run the step with rollout.async_steps=0", "nemo-jq plan --config")
+    megatron = ["model.backend=megatron", "model.activation_checkpointing=false", "megatron.recompute_activations=true"]
+    for words in ([], [*megatron, "--gpus", "1"]):
+        one_line_error(main(["dryrun", "--config", paper, "rollout.async_steps=1", *words]), capsys.readouterr().err,
+                       "rollout.async_steps=1 with rollout.engine=native in one process: a child process samples the next "
+                       "step's rollouts", "dry-run the step with rollout.async_steps=0", "nemo-jq plan --config")
 
 
 def test_a_vllm_share_without_room_for_its_weights_and_a_sequence_is_refused_as_plan_refuses_it(capsys):

@@ -25,7 +25,7 @@ def test_panels_plot_what_was_logged_and_say_what_each_is(tmp_path):
     assert kl.note == f"below {KL_NOISE:g} (float rounding), not drawn: garl fixed, grpo"
     assert list(kl.lines) == ["garl scheduled"]
     assert by_title["q"].lines == {"garl scheduled": ([1, 2], [0.5, 0.0])}
-    assert "max amplified advantage |c_m|/M^q" not in by_title  # nobody logged it
+    assert not any(title.startswith("max amplified advantage") for title in by_title)  # nobody logged it
     plot_runs(runs, tmp_path / "training.png")
     assert (tmp_path / "training.png").stat().st_size > 0
 
