@@ -161,8 +161,8 @@ class RolloutsAhead:
     def settle(self) -> Experience | None:
         """Wait for the request in flight; its experience (None if there is none)."""
         if isinstance(self.pending, tuple):
-            examples, estimator = self.pending
-            rollouts, tokens, seconds = self.worker.result()
+            (examples, estimator), self.pending = self.pending, None  # a child's error is raised once: close() after
+            rollouts, tokens, seconds = self.worker.result()  # it waited for a second reply that never came (a hang)
             self.pending = experience_from(self.components, examples, estimator, rollouts, tokens, seconds)
         return self.pending
 

@@ -179,6 +179,32 @@ def test_a_sampling_process_raises_its_errors_here_and_samples_what_this_process
         worker.close()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_error_in_the_sampling_process_ends_the_run_with_that_error(tmp_path, monkeypatch):
+    """The child's error was raised once and the request kept as in flight, so that fit's close() waited for a second
+    reply the child never sends: the run hung (its allocation burnt) and never showed the error."""
+    import threading
+
+    submit = SamplingProcess.submit
+    monkeypatch.setattr(SamplingProcess, "submit", lambda self, prompts, n, **kw: submit(self, [[]], n, **kw))
+    trainer = make_trainer(tmp_path, "rollout.async_steps=1", "train.max_steps=3", "eval.every=100",
+                           "train.save_every=100")
+    raised = []
+
+    def fit():
+        try:
+            trainer.fit()
+        except ValueError as err:
+            raised.append(err)
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    thread.join(timeout=240)
+    assert not thread.is_alive(), "the run hung after its sampling process failed"
+    assert len(raised) == 1 and "non-empty prompts" in str(raised[0]) and trainer.ahead.worker is None
+
+
 @pytest.mark.parametrize("share, sampler, trainer", [(1, 1, 1), (2, 1, 1), (3, 1, 2), (4, 2, 2)])
 def test_one_step_off_splits_the_runs_own_thread_share_between_the_trainer_and_the_sampling_process(share, sampler,
                                                                                                   trainer):
