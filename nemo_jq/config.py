@@ -362,7 +362,7 @@ class Config:
         self.plugins = [str(Path(p).resolve()) if p.endswith(".py") and Path(p).exists() else p for p in self.plugins]
 
     def _check_estimators(self):
-        from nemo_jq.objectives import get_objective
+        from nemo_jq.objectives import Need, get_objective
         from nemo_jq.objectives.schedules import build_schedule
 
         try:
@@ -391,6 +391,10 @@ class Config:
                 raise ConfigError(f"guard.estimator: {err.args[0]}") from None
             if self.rollout.num_samples < switched.min_samples:
                 raise ConfigError(f"guard.estimator={switched.name!r} needs rollout.num_samples >= {switched.min_samples}")
+            if self.rollout.async_steps and Need.GIVEN_TARGET in switched.needs:  # it trained on sampled rationales
+                raise ConfigError(f"guard.estimator={switched.name!r} trains on given targets, but rollout.async_steps="
+                                  f"{self.rollout.async_steps} samples rollouts ahead: set rollout.async_steps=0, or "
+                                  "another guard.estimator")
         return spec
 
     def _check_off_policy(self, spec) -> None:

@@ -233,8 +233,10 @@ class MismatchWatch:
     #: How far past the lag's median KL a lagged step's KL must be to be said.
     LAG_JUMP = 4.0
 
-    def __init__(self, rollout: Any, correction: Correction | None):
+    def __init__(self, rollout: Any, correction: Correction | None, uncorrected_by: str | None = None):
+        """``correction``: the one the estimator applies; ``uncorrected_by``: an estimator that takes none."""
         self.max_gap, self.max_kl, self.correction = rollout.max_logprob_gap, rollout.max_mismatch_kl, correction
+        self.uncorrected_by = uncorrected_by
         self.warned_kl: float | None = None
         self.lagged_kls: list[float] = []
 
@@ -255,6 +257,7 @@ class MismatchWatch:
             return
         self.warned_kl = max(kl, self.max_kl)
         handled = (f"corrected by objective.importance={self.correction.mode}" if self.correction is not None else
+                   f"uncorrected: objective.name={self.uncorrected_by} takes no correction" if self.uncorrected_by else
                    "uncorrected: set objective.importance (docs/off_policy.md), or check the engine's precision and refit")
         print(f"warning: step {step}: the rollouts are off-policy: KL(engine || policy) {kl:.3g} per token "
               f"(rollout.max_mismatch_kl={self.max_kl}{explained}), log-prob gaps up to {gap:.3g} "

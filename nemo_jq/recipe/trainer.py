@@ -93,7 +93,18 @@ class Trainer:
         self.policy, self.data_parallel, self.evaluator = parts.policy, parts.data_parallel, Evaluator(parts)
         self.objective, self.guard = ObjectiveInUse(parts.estimator, parts.estimator_options, parts.schedule), parts.guard
         self.random = RandomStreams(config.train.seed, self.data_parallel, device)
-        self.mismatch = MismatchWatch(config.rollout, parts.correction)
+        applied = parts.correction if parts.estimator.corrects_off_policy else None
+        self.mismatch = MismatchWatch(config.rollout, applied, uncorrected_by=None if applied or parts.correction is None
+                                      else config.objective.name)
+        if config.rollout.async_steps and parts.correction is not None and applied is None:
+            from nemo_jq.objectives import get_objective, list_objectives
+
+            correcting = [name for name in list_objectives() if get_objective(name).corrects_off_policy]
+            distributed.on_writer(lambda: print(
+                f"nemo-jq: warning: objective.name={config.objective.name} takes no off-policy correction: its rollouts, "
+                f"sampled one step ahead (rollout.async_steps={config.rollout.async_steps}), train uncorrected "
+                f"(objective.importance corrects {', '.join(correcting)}): set rollout.async_steps=0 for on-policy "
+                "rollouts", file=sys.stderr, flush=True))
         #: The next step's rollouts, sampled while this step trains (rollout.async_steps=1); None: on-policy.
         self.ahead = None
         if config.rollout.async_steps:  # on rollout ranks of their own, or beside this process's training

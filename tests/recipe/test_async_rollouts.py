@@ -80,6 +80,19 @@ def test_one_step_off_the_watch_says_only_what_the_lag_does_not_explain(capsys):
     assert "uncorrected" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_an_estimator_that_takes_no_correction_is_said_to_train_one_step_off_uncorrected(tmp_path, capsys):
+    """objective.importance=auto truncates one step off, but rlpr (and the other verifier-free estimators, the GARL
+    ablations) take no correction: the run said nothing, and its watch called the lag corrected by truncate."""
+    trainer = make_trainer(tmp_path, "objective.name=rlpr", "rollout.async_steps=1", "rollout.max_mismatch_kl=0.1")
+    assert "objective.name=rlpr takes no off-policy correction" in capsys.readouterr().err
+    assert trainer.components.correction is not None and trainer.mismatch.correction is None
+    trainer.mismatch(StepResult.from_record(2, {"kl_k3": 0.2, "max_logprob_gap": 1.5, "rollout_lag": 1}))
+    assert "uncorrected: objective.name=rlpr takes no correction" in capsys.readouterr().out
+    make_trainer(tmp_path, "rollout.async_steps=1", name="garl")
+    assert "takes no off-policy correction" not in capsys.readouterr().err
+
+
 def _gradient(trainer, engine, num_samples, seed):
     """The gradient of the trainer's loss on its first training prompt, from ``num_samples`` rollouts of ``engine``."""
     trainer.policy.model.zero_grad(set_to_none=True)
