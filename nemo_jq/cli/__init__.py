@@ -65,8 +65,9 @@ class GivenOnce(argparse._StoreAction):
         super().__call__(parser, namespace, values, option_string)
 
 
-#: A ``section.key=value`` override word (a value of an option of several values stops before one).
-OVERRIDE_WORD = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)+=")
+#: A ``section.key=value`` override word, or ``plugins=``, the config's one key outside a section (a value of an
+#: option of several values stops before one).
+OVERRIDE_WORD = re.compile(r"([A-Za-z_][\w-]*(\.[\w-]+)+|plugins)=")
 
 
 def parse_words(parser: argparse.ArgumentParser, words: list[str] | None,

@@ -157,11 +157,13 @@ class Evaluator:
 
     def _share(self, examples: list[Example]) -> tuple[list[Example], int]:
         """This replica's share of ``examples`` to sample, and how many of them are its own. An engine in lockstep
-        (vLLM's data-parallel ranks step together) needs every replica to make the same calls: a shorter share is
-        padded with copies of its last example (or the first one), whose outputs are dropped."""
+        (vLLM's data-parallel ranks step together), or a policy whose refit gathers over the replicas (a Qwen3-MoE's
+        experts, over the expert-parallel ranks), needs every replica to make the same calls: a shorter share is
+        padded with copies of its last example (or the first one), whose outputs are dropped (a replica with none
+        joined no refit: the others waited for it until the collective timeout)."""
         parts = self.components
         mine = parts.data_parallel.shard(examples)
-        if not parts.engine.lockstep or not examples:
+        if not (parts.engine.lockstep or parts.policy.gathers_over_replicas) or not examples:
             return mine, len(mine)
         most = -(-len(examples) // parts.data_parallel.size)
         return mine + [(mine or examples)[-1]] * (most - len(mine)), len(mine)

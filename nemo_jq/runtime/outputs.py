@@ -274,8 +274,10 @@ def replace_whole(path: Path, write: Callable[[Path], Any]) -> None:
     try:
         write(tmp)
         fsync(tmp)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a full disk's write names no file: say which
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
     os.replace(tmp, path)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nemo_jq.runtime.monitor import duration, read_json_file, read_metrics
-from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in, refuse_foreign_files
+from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in, refuse_foreign_files, write_atomic
 from nemo_jq.runtime.runs import (
     RESUMABLE_KEYS,
     RUN_FILES,
@@ -157,7 +157,7 @@ class Sweep:
 
     def save(self) -> None:
         record = {"grid": self.grid, "here": self.here, "runs": [asdict(run) for run in self.runs]}
-        (self.directory / SWEEP_FILE).write_text(json.dumps(record, indent=1) + "\n")
+        write_atomic(self.directory / SWEEP_FILE, json.dumps(record, indent=1) + "\n")  # a full disk: the last one
 
     def go_on_with(self, overrides: Sequence[str], command: str = "sweep") -> None:
         """``--resume DIR key=value``: every run goes on with ``overrides``, of :data:`~nemo_jq.runtime.runs.RESUMABLE_KEYS`

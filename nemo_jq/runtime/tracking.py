@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from nemo_jq.runtime.outputs import write_atomic
+
 TRACKING_FILE = "tracking.json"
 #: How a run ended, as its tracker runs are closed: "finished" (its steps done, or the steps asked for), "failed" (an
 #: error: a divergence, a bad batch, a full disk), "stopped" (a signal: a checkpoint was written, a resume continues).
@@ -275,7 +277,7 @@ def open_trackers(run_dir: Path, config: Any) -> list[Tracker]:
         for tracker in trackers:
             tracker.close("failed")
         raise
-    path.write_text(json.dumps(ids, indent=2) + "\n")
+    write_atomic(path, json.dumps(ids, indent=2) + "\n")
     return trackers
 
 

@@ -176,6 +176,8 @@ def test_overrides_after_an_option_of_several_values_are_overrides(monkeypatch):
     monkeypatch.setattr(sweep.Sweep, "from_grid", grid)
     assert main(["sweep", "--out", "x", "--config", "a.yaml", "b.yaml", "objective.q=0,1"]) == 2
     assert seen[-1] == (["a.yaml", "b.yaml"], ["objective.q=0,1"])
+    assert main(["sweep", "--out", "x", "--config", "a.yaml", "plugins=[p.py]", "objective.q=0,1"]) == 2
+    assert seen[-1] == (["a.yaml"], ["plugins=[p.py]", "objective.q=0,1"])  # plugins= was swept as a second config
 
 
 def test_a_path_that_is_not_what_a_command_wants_is_named_with_the_fix(tmp_path, capsys, monkeypatch):

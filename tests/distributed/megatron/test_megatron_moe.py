@@ -24,6 +24,7 @@ from nemo_jq.models.common import checkpoint_state  # noqa: E402
 from nemo_jq.models.megatron.layout import MegatronLayout  # noqa: E402
 from nemo_jq.models.megatron.mapping import hf_names, is_expert  # noqa: E402
 from nemo_jq.models.megatron.provider import read_qwen3_config  # noqa: E402
+from nemo_jq.runtime.monitor import read_metrics  # noqa: E402
 
 
 def test_the_architecture_is_read_and_a_layout_that_cannot_split_the_experts_is_refused(tmp_path):
@@ -388,6 +389,22 @@ def test_an_epochs_short_last_batch_is_shared_equally_at_expert_parallel_2(tmp_p
         "objective.name=sft", f"model.path={folder}", "model.backend=megatron", "megatron.expert_parallel=2",
         "data.train_size=7", "train.micro_batch_size=1", "train.epochs=2", "train.collective_timeout_minutes=1"], 10)
     assert len(ranks[0]) == 4  # two epochs of two batches
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_validation_smaller_than_the_replicas_is_sampled_at_expert_parallel_2(tmp_path):
+    """One validation prompt over 2 replicas: the replica with none sampled nothing, so it never joined the refit that
+    gathers the experts over both, and the other waited for it until the collective timeout."""
+    from megatron_tiny import train_steps
+
+    folder = moe_run_folder(tmp_path)
+    ranks = run_in_processes(train_steps, 2, tmp_path / "run", [
+        "objective.name=sft", f"model.path={folder}", "model.backend=megatron", "megatron.expert_parallel=2",
+        "megatron.moe_aux_loss_coef=0", "data.validation_size=1", "eval.every=1", "train.collective_timeout_minutes=1",
+        "rollout.engine=native"], 1)
+    assert len(ranks[0]) == 1 and ranks[0] == ranks[1]
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "validation"] == [1]
 
 
 @pytest.mark.slow

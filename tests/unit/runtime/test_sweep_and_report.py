@@ -33,6 +33,29 @@ def test_a_grid_is_configs_times_swept_values_times_seeds_each_run_named_by_what
                                                                                ("b", "configs/b.yaml", ())]
 
 
+def test_a_sweep_record_cut_short_by_a_full_disk_leaves_the_last_one_and_names_the_file(tmp_path, monkeypatch):
+    """sweep.json was written in place: a full disk part-way left a cut record, which every later --resume and report
+    refused (and the error, "[Errno 28] No space left on device", named no file)."""
+    import errno
+
+    sweep = Sweep.from_grid(tmp_path / "s", [], ["objective.q=0,1"], None)
+    sweep.write()
+    before = (tmp_path / "s" / "sweep.json").read_text()
+
+    def full_disk(path, text, *args, **kwargs):
+        with open(path, "w") as f:
+            f.write(text[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    sweep.here["parallel"] = 3
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        sweep.save()
+    monkeypatch.undo()
+    assert raised.value.filename == str(tmp_path / "s" / "sweep.json")
+    assert (tmp_path / "s" / "sweep.json").read_text() == before and Sweep.load(tmp_path / "s").runs == sweep.runs
+
+
 def test_the_words_of_a_sweep_are_checked_in_one_line():
     assert split_words(["a.b=1", "c.d=x,y", "e.f=[1,2]"]) == (["a.b=1", "e.f=[1,2]"], {"c.d": ["x", "y"]})
     for words, fragment in ((["q"], "section.key=value"), (["a.b=1", "a.b=2"], "a.b is given twice"),
