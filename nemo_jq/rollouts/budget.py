@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from nemo_jq.models.interfaces import Rollout
+from nemo_jq.models.routes import ROUTE_YOURSELF
 from nemo_jq.registry import PluginFailed, blamed_on_plugin
 from nemo_jq.rollouts.sampling import Sample, Sampler, as_groups
 from nemo_jq.runtime.preemption import Stopped
@@ -105,8 +106,10 @@ class BudgetedRollouts:
                                                         greedy=greedy, **options), len(contexts), 1)
             for rollout, [answer] in zip(rollouts, answers):
                 rollout.answer_ids, rollout.answer_logprobs = answer.token_ids, answer.logprobs
-                if answer.routes is not None:  # the rationale as its pass ran it, the rest as the answer's did
+                if answer.routes is not None:  # the rationale as its pass ran it, the rest as the answer's did, and
+                    # a forced </think>'s last rationale token, which its pass never fed back, as the answer's ran it
                     kept = rollout.routes if rollout.routes is not None else answer.routes[:0]
+                    kept = torch.where(kept == ROUTE_YOURSELF, answer.routes[:len(kept)], kept)
                     rollout.routes = torch.cat([kept, answer.routes[len(kept):]])
         self.tokens_generated += sum(len(r.rationale_ids) + 1 + len(r.answer_ids or ()) for r in rollouts)
         return as_groups(rollouts, num_samples)

@@ -56,6 +56,7 @@ def test_rollouts_carry_their_routes_into_the_training_rows():
                               max_answer_tokens=3)
     rollouts = engine.generate(PROMPTS, 2, sample_answers=True, generator=torch.Generator().manual_seed(1))
     flat = [r for group in rollouts for r in group]
+    assert any(r.think_end_forced for r in flat)
     garl = reference_answer_batch(rollouts, [[31, 32], [33]], THINK_END, PAD)
     grpo = sampled_answer_batch(rollouts, THINK_END, PAD)
     for row, r in enumerate(flat):
@@ -66,7 +67,9 @@ def test_rollouts_carry_their_routes_into_the_training_rows():
         assert torch.equal(grpo.routes[row, :len(r.routes)], r.routes)
         assert bool((grpo.routes[row, len(r.routes):] == ROUTE_YOURSELF).all())
         answered = r.prompt_ids + r.rationale_ids + [THINK_END] + r.answer_ids
-        assert torch.equal(r.routes[thought:-1], whole_sequence_routes(model, answered)[thought:-1])
+        # every position the answer's tokens attended to, a forced </think>'s last rationale token too (its thinking
+        # pass never fed it back; the answer's pass did): the rows replay what the engine ran
+        assert torch.equal(r.routes[:-1], whole_sequence_routes(model, answered)[:-1])
         assert bool((r.routes[-1] == ROUTE_YOURSELF).all())  # the last answer token was never fed back
     # a micro-batch's rows keep their routes, trimmed to the rows' longest sequence
     micro = garl.rows(2, 4)
