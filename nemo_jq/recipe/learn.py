@@ -144,8 +144,13 @@ def _in_row_chunks(policy: Policy, experience: Experience, micro_batches: list[M
         rows = chunks[index].to(coefficients.device)
         return (logprobs * coefficients[rows, :logprobs.shape[1]]).sum(), {}  # the metrics came from the estimator
 
-    policy.forward_backward(batches, loss_fn)
-    return collected
+    # what the policy adds of its own (a Qwen3-MoE's load-balancing loss and routing disagreement), per chunk: their
+    # mean over the rows, with each micro-batch's estimator metrics (it was dropped: those runs logged none)
+    own = policy.forward_backward(batches, loss_fn)
+    sizes = [len(chunk) for chunk in chunks]
+    means = {key: sum(size * metrics[key] for size, metrics in zip(sizes, own) if key in metrics)
+             / sum(size for size, metrics in zip(sizes, own) if key in metrics) for key in {k for m in own for k in m}}
+    return [(prompts, {**metrics, **means}) for prompts, metrics in collected]
 
 
 def chunks_by_length(lengths: torch.Tensor, rows_per_chunk: int) -> list[torch.Tensor]:

@@ -92,7 +92,7 @@ def train_steps(run_dir, overrides: list[str], steps: int = 3, resume: bool = Fa
     else:
         Trainer(load_config(None, [*TINY_RUN, f"train.max_steps={steps}", "eval.every=1000", f"train.run_dir={run_dir}",
                                    *overrides])).fit()
-    keys = ("loss", "grad_norm", "rollout_tokens", "routing_disagreement")
+    keys = ("loss", "grad_norm", "rollout_tokens", "routing_disagreement", "load_balancing_loss")
     return [{key: record.get(key) for key in keys} for record in read_metrics(run_dir) if record["kind"] == "train"]
 
 

@@ -393,6 +393,22 @@ def test_an_epochs_short_last_batch_is_shared_equally_at_expert_parallel_2(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_row_chunks_log_the_routers_metrics_as_micro_batches_do(tmp_path):
+    """train.micro_batch_rows (the 30B-A3B example configs' 4) trains in row chunks, whose second pass's metrics, the
+    load-balancing loss and the routing disagreement the policy adds, were dropped: those runs logged neither."""
+    from megatron_tiny import train_steps
+
+    folder = moe_run_folder(tmp_path)
+    garl = ["objective.name=garl", f"model.path={folder}", "model.backend=megatron", "megatron.moe_aux_loss_coef=0.5"]
+    [[whole]] = run_in_processes(train_steps, 1, tmp_path / "whole", garl, 1)
+    [[chunked]] = run_in_processes(train_steps, 1, tmp_path / "chunks", [*garl, "train.micro_batch_rows=2"], 1)
+    assert whole["load_balancing_loss"] is not None and whole["routing_disagreement"] is not None
+    assert chunked["load_balancing_loss"] == pytest.approx(whole["load_balancing_loss"], rel=0.1)
+    assert chunked["routing_disagreement"] == pytest.approx(whole["routing_disagreement"], abs=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_validation_smaller_than_the_replicas_is_sampled_at_expert_parallel_2(tmp_path):
     """One validation prompt over 2 replicas: the replica with none sampled nothing, so it never joined the refit that
     gathers the experts over both, and the other waited for it until the collective timeout."""
