@@ -316,7 +316,14 @@ def has_finished(run_dir: Path, results: Any = None) -> bool:
     checkpoint's (:func:`results_current`). One resumed since its results were written (to train on) has not,
     whatever they say: the sweep continues it, and the report leaves it out."""
     step = last_checkpoint_step(run_dir)
+    if step is None and (Path(run_dir) / RESULTS_FILE).exists():  # its checkpoints deleted since (for the disk's
+        step = last_trained_step(run_dir)  # sake): its results are its last step's (report left it out, sweep retrained it)
     return results_current(run_dir, step) if results is None else results_at(results, step)
+
+
+def last_trained_step(run_dir: Path) -> int | None:
+    """The last step ``metrics.jsonl`` records a training record of (None: none)."""
+    return max((record["step"] for record in read_metrics(run_dir) if record["kind"] == "train"), default=None)
 
 
 def last_checkpoint_step(run_dir: Path) -> int | None:

@@ -56,6 +56,19 @@ def test_a_sweep_record_cut_short_by_a_full_disk_leaves_the_last_one_and_names_t
     assert (tmp_path / "s" / "sweep.json").read_text() == before and Sweep.load(tmp_path / "s").runs == sweep.runs
 
 
+def test_a_finished_run_whose_checkpoints_were_deleted_is_still_finished(tmp_path):
+    """Checkpoints are deleted to free the disk once runs finish (8B ones are ~100 GB each): the report left such a run
+    out as unfinished, and `sweep --resume` moved it aside and trained it again from the start."""
+    sweep = Sweep.from_grid(tmp_path / "s", [], ["objective.q=0,1", "train.max_steps=1"], None)
+    sweep.write()
+    for run in sweep.runs:
+        finished_run(tmp_path / "s" / run.name, q=float(run.name.split("=")[1]))
+        results = json.loads((tmp_path / "s" / run.name / "results.json").read_text())
+        (tmp_path / "s" / run.name / "results.json").write_text(json.dumps({**results, "step": 1}))  # as runs write it
+    assert [sweep.status(run) for run in sweep.runs] == [FINISHED, FINISHED]
+    assert [row["n"] for row in report.report([tmp_path / "s"])["rows"]] == [1, 1]
+
+
 def test_the_words_of_a_sweep_are_checked_in_one_line():
     assert split_words(["a.b=1", "c.d=x,y", "e.f=[1,2]"]) == (["a.b=1", "e.f=[1,2]"], {"c.d": ["x", "y"]})
     for words, fragment in ((["q"], "section.key=value"), (["a.b=1", "a.b=2"], "a.b is given twice"),
