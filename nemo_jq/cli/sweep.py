@@ -47,7 +47,7 @@ def add_parser(commands) -> None:
     sweep.add_argument("--slurm", action="store_true", help="submit the unfinished runs as a SLURM job array instead "
                        "of running them here")
     sweep.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="an sbatch option for --slurm "
-                       "(repeatable; e.g. --sbatch=--time=08:00:00 --sbatch=--partition=gpu)")
+                       "(repeatable; e.g. --sbatch=--time=08:00:00 --sbatch=--partition=gpu; with --resume, the sweep's last ones)")
     sweep.add_argument("--task", type=arguments.path, metavar="SWEEP_DIR", help="run one run of the sweep here, in this process: "
                        "the one --index names, else $SLURM_ARRAY_TASK_ID's (what each array task of --slurm runs)")
     sweep.add_argument("--index", type=int, help="with --task: the run's place in sweep.json's runs, from 0")
@@ -87,19 +87,23 @@ def run(args: argparse.Namespace) -> int:
         if args.out is None:
             raise ValueError("nemo-jq sweep needs --out DIR (a new folder for the sweep) or --resume SWEEP_DIR")
         sweep = Sweep.from_grid(args.out, [str(path) for path in args.config], args.overrides, args.seeds)
-        sweep.here = {"parallel": args.parallel or 1, "threads": args.threads, "started_in": str(Path.cwd())}
+        sweep.here = {"parallel": args.parallel, "threads": args.threads, "started_in": str(Path.cwd())}
         sweep.write(overwrite=args.overwrite)
     from nemo_jq.cli.report import print_report
 
     if args.slurm:
         from nemo_jq.cluster.launch import submit_sweep
 
+        # a resume submits as the sweep was first submitted (its GPUs a task, time limit, running at once), unless told
+        options, parallel = args.sbatch or sweep.here.get("sbatch", []), args.parallel or sweep.here.get("parallel")
+        sweep.here.update(sbatch=options, parallel=parallel)
         try:
-            submit_sweep(sweep, args.sbatch, parallel=args.parallel)
+            submit_sweep(sweep, options, parallel=parallel)
         except BaseException:
             if args.resume is None:  # a sweep SLURM never took leaves no folder to be refused by the next try
                 sweep.withdraw()
             raise
+        sweep.save()
         return 0
     run_here(sweep, parallel=args.parallel or sweep.here.get("parallel") or 1,
              threads=args.threads or sweep.here.get("threads"))

@@ -252,6 +252,8 @@ def record_problem(saved: dict[str, Any]) -> str | None:
     for key in ("parallel", "threads"):
         if here.get(key) is not None and (type(here[key]) is not int or here[key] < 1):
             return f"here.{key} is {here[key]!r}, not a whole number >= 1"
+    if not isinstance(here.get("sbatch", []), list) or not all(isinstance(option, str) for option in here.get("sbatch", [])):
+        return f"here.sbatch is {here['sbatch']!r}, not a list of sbatch options"
     return None
 
 

@@ -135,7 +135,22 @@ def test_a_resumed_sweep_runs_as_many_at_once_with_as_many_threads_as_it_was_sta
     assert asked == [{"parallel": 2, "threads": 3}] * 2 + [{"parallel": 1, "threads": 3}]
     assert run_cli(capsys, "sweep", "--out", tmp_path / "t", "objective.q=0,1")[0] == 0
     # threads: the free cores, when it runs; started_in: where its runs' relative paths are read
-    assert Sweep.load(tmp_path / "t").here == {"parallel": 1, "threads": None, "started_in": str(Path.cwd())}
+    assert Sweep.load(tmp_path / "t").here == {"parallel": None, "threads": None, "started_in": str(Path.cwd())}
+
+
+def test_a_resumed_sweep_is_submitted_with_the_sbatch_options_and_cap_it_was_submitted_with(tmp_path, capsys, monkeypatch):
+    """`sweep --resume DIR --slurm` forgot --parallel (no %N cap: every task at once) and --sbatch (one GPU a task, the
+    partition's default time limit) of the first submission."""
+    submitted = []
+    monkeypatch.setattr("nemo_jq.cluster.launch.submit_sweep", lambda sweep, options, parallel: submitted.append(
+        (options, parallel)))
+    first = ["--sbatch=--time=08:00:00", "--sbatch=--gpus-per-node=8", "--parallel", "2"]
+    assert run_cli(capsys, "sweep", "--out", tmp_path / "s", "--slurm", *first, "objective.q=0,1")[0] == 0
+    assert run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--slurm")[0] == 0
+    assert run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--slurm", "--parallel", "1")[0] == 0  # said again
+    assert submitted == [(["--time=08:00:00", "--gpus-per-node=8"], 2)] * 2 + [(["--time=08:00:00", "--gpus-per-node=8"], 1)]
+    assert run_cli(capsys, "sweep", "--out", tmp_path / "local", "objective.q=0,1", "--slurm")[0] == 0
+    assert submitted[-1] == ([], None)  # no cap where none was asked for
 
 
 def test_a_bad_key_or_value_in_a_sweep_is_refused_naming_the_run_before_its_folder_is_written(tmp_path, capsys):
