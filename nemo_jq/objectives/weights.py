@@ -50,14 +50,21 @@ class WeightStats:
         return torch.exp(2 * torch.logsumexp(self.log_w, -1) - torch.logsumexp(2 * self.log_w, -1))
 
     def metrics(self) -> dict[str, float]:
-        """Pool diagnostics the trainer logs whatever the estimator (the paper's Figure 3 panels)."""
-        out = {
-            "log_p_hat": self.log_mean.mean().item(),
-            "p_hat": torch.exp(self.log_mean).mean().item(),
-            "jq_loss": jq_loss(self.log_mean, self.q).mean().item(),
-            "w_underflow_fraction": (self.log_mean < LOG_FP32_TINY).float().mean().item(),
-            "ess": self.effective_sample_size().mean().item(),
-        }
+        """Pool diagnostics the trainer logs whatever the estimator (the paper's Figure 3 panels), over the groups left a
+        weight: ``objective.importance=mask`` may zero every sample of a group, whose log w̄ is the floor (-1e30 in
+        log P̂, which fired the collapse guard and held an adaptive q), counted in ``masked_group_fraction`` instead."""
+        kept = self.log_mean > LOG_W_FLOOR / 2
+        log_mean, out = self.log_mean[kept], {}
+        if log_mean.numel():
+            out = {
+                "log_p_hat": log_mean.mean().item(),
+                "p_hat": torch.exp(log_mean).mean().item(),
+                "jq_loss": jq_loss(log_mean, self.q).mean().item(),
+                "w_underflow_fraction": (log_mean < LOG_FP32_TINY).float().mean().item(),
+                "ess": self.effective_sample_size()[kept].mean().item(),
+            }
+        if not kept.all():
+            out["masked_group_fraction"] = 1.0 - kept.float().mean().item()
         if self.samples >= 2:
             amplified = self.centred_weight().abs() / self.samples**self.q
             out["max_amplified_advantage"] = amplified.max().item()

@@ -114,6 +114,19 @@ def test_an_all_masked_group_gives_no_gradient(q):
         grads = torch.autograd.grad(out.loss, (rlp, alp))
         assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
         assert out.metrics["is_masked_fraction"] == 1.0
+        assert out.metrics["masked_group_fraction"] == 1.0 and "log_p_hat" not in out.metrics
+
+
+@pytest.mark.parametrize("estimator", ["garl", "paft"])
+def test_log_p_hat_is_of_the_groups_a_mask_leaves_a_weight(estimator):
+    """One group masked whole: its log w̄ is the floor, -1e30, which made the batch's log P̂ about -5e29 (the collapse
+    guard fired on it, an adaptive q held at q_max); it is counted apart, and log P̂ is the other group's."""
+    rlp, alp = torch.zeros(2, 4), torch.tensor([[-1.0] * 4, [-2.0] * 4])
+    behavior = torch.tensor([[-5.0] * 4, [0.0] * 4])  # the first group's ρ = e^5 everywhere: masked; the second's kept
+    options = dict(behavior_logprob=behavior, correction=Correction("mask", low=0.5, high=2.0))
+    out = garl(rlp, alp, 1.0, **options) if estimator == "garl" else paft(rlp, alp, 1.0, generator=torch.Generator(), **options)
+    assert out.metrics["masked_group_fraction"] == 0.5
+    assert out.metrics["log_p_hat"] == pytest.approx(-2.0) and out.metrics["ess"] == pytest.approx(4.0)
 
 
 def test_rloos_sequence_ratio_makes_it_unbiased_for_the_expected_reward():
