@@ -189,10 +189,23 @@ class RolloutsAhead:
         return sampling
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pending": self.settle()}
+        return {"pending": self.settle(), "layout": self.layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pending = state.get("pending")
+        """The rollouts sampled ahead, where the run resumes at the layout it saved them at (each rank saved its
+        replica's); at another (``megatron.*`` sizes may change on resume: a replica's share, a rank's replica, moved)
+        the first step samples its own, from the resumed weights: lag 0. A checkpoint saved before layouts were
+        recorded is taken as at this one."""
+        same = state.get("layout", self.layout()) == self.layout()
+        self.pending = state.get("pending") if same else None
+
+    def layout(self) -> list[int]:
+        """What decides which prompts a rank's replica trains on: the processes, replicas, and TP x PP x CP."""
+        from nemo_jq.runtime import distributed
+
+        megatron = self.components.config.megatron
+        return [distributed.world_size(), self.components.data_parallel.size, megatron.tensor_parallel,
+                megatron.pipeline_parallel, megatron.context_parallel]
 
 
 def split_threads(threads: int) -> tuple[int, int]:

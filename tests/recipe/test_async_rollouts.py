@@ -151,6 +151,18 @@ def test_one_step_off_in_a_sampling_process_equals_the_same_run_sampled_in_seque
     assert overlapped.ahead.worker is None  # closed when fit returned
 
 
+def test_rollouts_sampled_ahead_are_resumed_only_at_the_layout_they_were_saved_at(tmp_path):
+    """megatron.* sizes may change on resume, and each rank saved its replica's rollouts: at DP 1 -> 2 both replicas
+    trained on the whole batch, at DP 2 -> 1 on half, divided by the whole; at TP 2 -> 4 one replica's ranks held two
+    replicas' batches. At another layout the first step samples its own (lag 0)."""
+    ahead = make_trainer(tmp_path, "rollout.async_steps=1").ahead
+    saved = {"pending": "step 3's rollouts", "layout": ahead.layout()}
+    assert saved["layout"] == [1, 1, 1, 1, 1]
+    for layout, kept in ((saved["layout"], True), ([2, 2, 1, 1, 1], False), ([4, 1, 4, 1, 1], False), (None, True)):
+        ahead.load_state_dict({**saved, "layout": layout} if layout else {"pending": saved["pending"]})  # None: older
+        assert (ahead.pending == saved["pending"]) is kept and (ahead.pending is None) is not kept
+
+
 @pytest.mark.slow
 def test_an_interrupted_one_step_off_run_resumes_exactly(tmp_path):
     """(Sampled in sequence, which the test above shows is the same, to spare three process starts.)"""
