@@ -133,11 +133,11 @@ class RolloutsAhead:
 
     def submit(self, examples: list[Example], estimator: ObjectiveSpec, seed: int) -> None:
         """Sample ``examples``' experience from the weights as they are now (seeded by ``seed``)."""
-        self.engine.refit()
-        if not self.overlaps:
+        if not self.overlaps:  # its sampling refits the engine in the one wake it samples in (a vLLM engine woke twice)
             self.pending = make_experience(self.components, examples, estimator,
                                            new_generator(self.components.device).manual_seed(seed))
             return
+        self.engine.refit()
         if self.worker is None:
             share_weights(self.engine.engine)
             self.worker = SamplingProcess(self.engine.engine, threads=self._split_threads())

@@ -151,6 +151,37 @@ def test_one_step_off_in_a_sampling_process_equals_the_same_run_sampled_in_seque
     assert overlapped.ahead.worker is None  # closed when fit returned
 
 
+def test_one_step_off_in_sequence_wakes_the_engine_once_a_sampling_call(tmp_path, monkeypatch):
+    """Sampled before the step trains (vLLM's, or under torchrun), the request refitted the engine in a wake of its own
+    and sampled in another: a vLLM engine moved its weights and rebuilt its cache twice a step."""
+    import contextlib
+
+    trainer = make_trainer(tmp_path, "rollout.async_steps=1", "train.max_steps=3", "eval.every=100",
+                           "train.save_every=100")
+    trainer.ahead.overlaps = False
+    engine, counts = trainer.ahead.engine.engine, {"awake": 0, "generate": 0, "depth": 0}
+    awake, generate = engine.awake, engine.generate
+
+    @contextlib.contextmanager
+    def counted_awake():  # the outermost: a wake within a wake moves nothing
+        counts["awake"] += counts["depth"] == 0
+        counts["depth"] += 1
+        try:
+            with awake():
+                yield
+        finally:
+            counts["depth"] -= 1
+
+    def counted_generate(*args, **kwargs):
+        counts["generate"] += 1
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "awake", counted_awake)
+    monkeypatch.setattr(engine, "generate", counted_generate)
+    trainer.fit()
+    assert counts["generate"] >= 3 and counts["awake"] == counts["generate"] and counts["depth"] == 0, counts
+
+
 def test_rollouts_sampled_ahead_are_resumed_only_at_the_layout_they_were_saved_at(tmp_path):
     """megatron.* sizes may change on resume, and each rank saved its replica's rollouts: at DP 1 -> 2 both replicas
     trained on the whole batch, at DP 2 -> 1 on half, divided by the whole; at TP 2 -> 4 one replica's ranks held two
