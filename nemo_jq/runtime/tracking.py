@@ -87,12 +87,13 @@ class Group:
 
 
 def group_of(run_dir: Path) -> Group | None:
-    """The sweep (``sweep.json`` in the run's folder's parent) or experiment (``experiment.json`` in its parent or the
-    one above: its runs are ``METHOD/seedS``) ``run_dir`` is a run of, else None."""
+    """The sweep (``sweep.json`` in the run's folder's parent) or experiment (``experiment.json`` up to three folders
+    up: its runs are ``METHOD/seedS``, warm-start's ``DEPENDENCE/METHOD/seedS``, escape-rates' ``OPTIMIZER/METHOD/
+    wW_seedS``) ``run_dir`` is a run of, else None."""
     from nemo_jq.runtime.sweep import EXPERIMENT_FILE, SWEEP_FILE
 
     run_dir = Path(run_dir).resolve()
-    for folder in run_dir.parents[:2]:
+    for folder in run_dir.parents[:3]:
         for kind, record in (("sweep", SWEEP_FILE), ("experiment", EXPERIMENT_FILE)):
             if (folder / record).exists() and (kind == "experiment" or folder == run_dir.parent):
                 return Group(kind, folder, run_dir.relative_to(folder).as_posix())

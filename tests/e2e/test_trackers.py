@@ -281,3 +281,6 @@ def test_an_experiments_runs_share_its_mlflow_store_named_by_method_and_seed(tmp
     (tmp_path / "sweep" / "sweep.json").write_text("{}")
     assert group_of(tmp_path / "sweep" / "q=1") == Group("sweep", tmp_path / "sweep", "q=1")
     assert group_of(tmp_path / "sweep" / "q=1" / "inner") is None and group_of(tmp_path / "alone") is None
+    # warm-start's and escape-rates' runs, a folder deeper (they were each a store of their own, named seed0)
+    assert group_of(experiment / "sum" / "GRPO" / "seed0") == Group("experiment", experiment, "sum/GRPO/seed0")
+    assert group_of(experiment / "adamw" / "GARL" / "w3_seed1").run_name == "adamw/GARL/w3_seed1"
