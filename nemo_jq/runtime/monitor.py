@@ -68,6 +68,12 @@ def panels(runs: dict[str, list[dict[str, Any]]]) -> list[Panel]:
     return [panel for panel in out if panel.lines or panel.note]
 
 
+def line_style(index: int) -> dict[str, str]:
+    """The ``index``-th line's colour and dash: matplotlib's ten colours, then again dashed, dotted... (a q sweep of
+    more than ten runs drew two in one colour, their legend entries alike)."""
+    return {"color": f"C{index % 10}", "linestyle": ("-", "--", ":", "-.")[index // 10 % 4]}
+
+
 class RunLogger:
     """Appends records to ``metrics.jsonl`` (and TensorBoard), and the validations' samples to ``samples.jsonl``.
 
@@ -330,10 +336,11 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     shown = panels(runs)
     columns = max(1, -(-len(shown) // 2))
     fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7.5), sharex=True, squeeze=False)
-    colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}
+    styles = {label: line_style(i) for i, label in enumerate(runs)}
+    colors = {label: style["color"] for label, style in styles.items()}
     for ax, panel in zip(axes.flat, shown):
         for label, (steps, values) in panel.lines.items():
-            ax.plot(steps, values, label=label, color=colors[label], marker="o" if panel.validation else None, ms=3)
+            ax.plot(steps, values, label=label, **styles[label], marker="o" if panel.validation else None, ms=3)
         for label, records in runs.items():  # the collapse guard's interventions
             for record in records:
                 if record["kind"] == "guard":
@@ -351,7 +358,7 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
         bottom = lower if lower.get_visible() else upper
         bottom.set_xlabel("step")
         bottom.xaxis.set_tick_params(labelbottom=True)
-    handles = [plt.Line2D([], [], color=colors[label], label=label) for label in runs]
+    handles = [plt.Line2D([], [], **styles[label], label=label) for label in runs]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(runs), 5), fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     try:  # whole or not at all

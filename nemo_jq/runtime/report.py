@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_jq.runtime.monitor import nonfinite_back, read_json_file, read_metrics, valid_json
+from nemo_jq.runtime.monitor import line_style, nonfinite_back, read_json_file, read_metrics, valid_json
 from nemo_jq.runtime.outputs import MOVED_ASIDE
 from nemo_jq.runtime.runs import CONFIG_FILE, RESULTS_FILE, UNSEEN_KEYS, has_finished, metric_keys, results_problem
 from nemo_jq.runtime.sweep import FINISHED, SWEEP_FILE, Sweep
@@ -331,10 +331,10 @@ def plot_dataset(runs: list[RunRecord], path: Path) -> None:
                 continue
             at = [dict(zip(*curve)) for curve in curves]
             values = [[point[step] for point in at] for step in steps]
-            ax.plot(steps, [sum(v) / len(v) for v in values], color=f"C{color}", label=method,
+            ax.plot(steps, [sum(v) / len(v) for v in values], **line_style(color), label=method,
                     marker="o" if kind == "validation" else None, ms=3)
             if len(curves) > 1:
-                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{color}", alpha=0.2)
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line_style(color)["color"], alpha=0.2)
     for samples in sorted({run.samples for run in runs}):  # log(1/M) of each M the runs sampled
         axes[0].axhline(math.log(1 / samples), color="grey", linestyle="--", linewidth=1)
         axes[0].annotate(f"log(1/{samples})", (1, math.log(1 / samples)), xycoords=("axes fraction", "data"),
@@ -343,7 +343,7 @@ def plot_dataset(runs: list[RunRecord], path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], color=f"C{color}", label=textwrap.fill(method, 48))
+    handles = [plt.Line2D([], [], **line_style(color), label=textwrap.fill(method, 48))
                for color, method in enumerate(methods)]
     handles.append(plt.Line2D([], [], color="grey", linestyle="--", linewidth=1, label="log(1/M)"))
     fig.suptitle(f"{runs[0].dataset}: mean over seeds, band: their range", fontsize=10)

@@ -45,3 +45,15 @@ def test_each_columns_lowest_panel_shows_the_steps(tmp_path, monkeypatch):
         below = [other for other in visible if other is not ax
                  and abs(other.get_position().x0 - ax.get_position().x0) < 1e-6 and other.get_position().y0 < ax.get_position().y0]
         assert ax.xaxis.get_tick_params()["labelbottom"] == (not below) and (ax.get_xlabel() == "step") == (not below), ax.get_title()
+
+
+def test_more_runs_than_colours_are_told_apart(tmp_path, monkeypatch):
+    """A q sweep of 12 runs: matplotlib's C10 is C0, so two runs were drawn alike, their legend entries too."""
+    import matplotlib.pyplot as plt
+
+    runs = {f"q={q}": [_train(s, log_p_hat=-4.0 + q, kl_k3=0.02) for s in (1, 2)] for q in range(12)}
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_runs(runs, tmp_path / "training.png")
+    styles = {(line.get_color(), line.get_linestyle()) for line in figures[0].legends[0].get_lines()}
+    assert len(styles) == 12
