@@ -426,6 +426,9 @@ class Config:
                        if getattr(self.megatron, f.name) != getattr(MegatronLayout(), f.name)]
             raise ConfigError(f"{', '.join(changed)} need{'s' * (len(changed) == 1)} model.backend=megatron "
                               f"(model.backend={self.model.backend} trains in one process)")
+        if self.rollout.routing_replay and self.model.backend != "megatron":  # said before a model is loaded
+            raise ConfigError(f"rollout.routing_replay=true replays routes in model.backend=megatron only; "
+                              f"model.backend={self.model.backend} routes as transformers does: set it to null or false")
         if self.model.activation_checkpointing and self.model.backend == "megatron":
             raise ConfigError("model.activation_checkpointing is the hf backend's; with model.backend=megatron set "
                               "model.activation_checkpointing=false and megatron.recompute_activations=true, its own")

@@ -30,16 +30,14 @@ def has_experts(hf_config: Any) -> bool:
 
 def routing_replay(config: Any, experts: bool) -> bool:
     """Whether the run replays the engine's routes (``rollout.routing_replay``; null: for a Qwen3-MoE trained by the
-    megatron backend, the one that replays them), or a one-line :class:`ConfigError` where it asks for what cannot be."""
+    megatron backend, the one that replays them; the config refuses it on another), or a one-line
+    :class:`ConfigError` where it asks for what cannot be."""
     asked = config.rollout.routing_replay
     if asked and not experts:
         model = (f"model.path's model ({config.model.path})" if config.model.path
                  else "the tiny model from scratch (model.path: null)")
         raise ConfigError(f"rollout.routing_replay=true, but {model} has no experts to route (a dense Qwen3): set it to "
                           "null or false")
-    if asked and config.model.backend != "megatron":
-        raise ConfigError(f"rollout.routing_replay=true replays routes in model.backend=megatron only; "
-                          f"model.backend={config.model.backend} routes as transformers does: set it to null or false")
     return experts and config.model.backend == "megatron" if asked is None else asked
 
 

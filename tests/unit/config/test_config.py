@@ -81,6 +81,8 @@ def test_a_mapping_given_for_a_section_sets_its_keys_and_an_empty_value_is_refus
         (["objective.name=grpo", "objective.options.clip_ep=0.1"], "did you mean 'clip_eps'"),
         (["objective.name=paft", "objective.options.q=1"], "'q' is an input the trainer supplies to 'paft'"),
         (["guard.enabled=true", "guard.estimator=paf"], "guard.estimator: unknown objective 'paf' \\(did you mean 'paft'\\?\\)"),
+        # said before the model is loaded (minutes at real size)
+        (["rollout.routing_replay=true"], "rollout.routing_replay=true replays routes in model.backend=megatron only"),
         # the sampling child sampled rationales for it: a batch of M rows a prompt (a crash), or SFT on sampled rationales
         (["guard.enabled=true", "guard.action=switch_estimator", "guard.estimator=sft", "rollout.async_steps=1"],
          "guard.estimator='sft' trains on given targets, but rollout.async_steps=1 samples rollouts ahead"),

@@ -108,9 +108,12 @@ def test_evaluation_records_no_routes(monkeypatch):
         == [[(r.rationale_ids, r.answer_ids, r.rationale_logprobs, r.answer_logprobs) for r in group] for group in recorded]
     assert outputs == [[" ".join(map(str, r.answer_ids)) for r in group] for group in recorded]
 
-def test_routing_replay_where_it_cannot_be_is_one_line(capsys):
+def test_routing_replay_where_it_cannot_be_is_one_line(capsys, tmp_path):
     """A dense model has no routes to replay, and the hf backend does not replay them: said before any step."""
     code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=1", "rollout.routing_replay=true")
+    one_line_error(code, err, "rollout.routing_replay=true replays routes in model.backend=megatron only")
+    code, _, err = run_cli(capsys, "train", *TINY_RUN, "train.max_steps=1", "rollout.routing_replay=true",
+                           "model.backend=megatron", f"train.run_dir={tmp_path / 'run'}")
     one_line_error(code, err, "rollout.routing_replay=true, but the tiny model from scratch (model.path: null) has no experts")
 
 
