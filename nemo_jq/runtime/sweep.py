@@ -252,6 +252,8 @@ def record_problem(saved: dict[str, Any]) -> str | None:
     for key in ("parallel", "threads"):
         if here.get(key) is not None and (type(here[key]) is not int or here[key] < 1):
             return f"here.{key} is {here[key]!r}, not a whole number >= 1"
+    if not isinstance(here.get("failed", []), list) or not all(isinstance(name, str) for name in here.get("failed", [])):
+        return f"here.failed is {here['failed']!r}, not a list of run names"
     if not isinstance(here.get("sbatch", []), list) or not all(isinstance(option, str) for option in here.get("sbatch", [])):
         return f"here.sbatch is {here['sbatch']!r}, not a list of sbatch options"
     return None
@@ -424,8 +426,9 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     threads = threads or max(1, free_cores() // parallel)
     states = {run.name: sweep.status(run) for run in sweep.runs}
     pending = [run for run in sweep.runs if states[run.name] != FINISHED]
-    # a run that failed before it saved a checkpoint goes last: one whose own settings fail would block the others
-    pending.sort(key=lambda run: failed_start(sweep.directory / run.name))
+    # a run that failed goes last (before it saved a checkpoint, or after: sweep.json's here.failed), so that one whose
+    # own settings fail, at its start or at a later step, does not block the others
+    pending.sort(key=lambda run: run.name in sweep.here.get("failed", []) or failed_start(sweep.directory / run.name))
     counts = {state: list(states.values()).count(state) for state in (FINISHED, STOPPED, NEW)}
     logs = sweep.directory / LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
@@ -514,6 +517,11 @@ def _ended(sweep: Sweep, entry: _Running, number: dict[str, int], total: int, sa
     run, code = entry.run, entry.process.returncode
     took = duration(time.monotonic() - entry.started)
     state = sweep.status(run)
+    failed_now, went_on = code != 0 and not stopping and state != FINISHED, state == FINISHED or (code == 0 and not stopping)
+    listed = set(sweep.here.get("failed", []))  # what a resume starts last: failed, and not gone on since
+    if (failed_now and run.name not in listed) or (went_on and run.name in listed):
+        sweep.here["failed"] = sorted(listed ^ {run.name})
+        sweep.save()
     if state == FINISHED:
         say(f"run {number[run.name]}/{total} {run.name}: finished in {took}")
     elif stopping or code == 0:

@@ -300,6 +300,29 @@ def test_a_run_that_fails_stops_the_sweep_in_one_line_naming_its_log(tmp_path):
         str(failed.value)
 
 
+def test_a_run_that_failed_after_its_first_checkpoint_goes_last_on_resume(tmp_path):
+    """Only a run that failed before its first checkpoint went last: one failing at a later step (a schedule, a
+    divergence) was continued first by every --resume, failed again, and the runs after it never started."""
+    import sys
+
+    from nemo_jq.runtime.sweep import RunFailed, run_here
+
+    sweep = Sweep.from_grid(tmp_path / "s", [], ["objective.name=garl,grpo"], None)
+    sweep.write()
+    checkpoint = tmp_path / "s" / "name=garl" / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / STATE).write_text(json.dumps({"step": 4, "best_step": None, "best_metric": None}))
+    (checkpoint.parent / "latest").write_text(checkpoint.name)
+    fails, ends = (sys.executable, "-c", "import sys; sys.exit(3)"), (sys.executable, "-c", "pass")
+    with pytest.raises(RunFailed, match="^run name=garl failed"):
+        run_here(sweep, threads=1, say=lambda _: None, python=fails)
+    assert Sweep.load(tmp_path / "s").here["failed"] == ["name=garl"]
+    with pytest.raises(RunFailed, match="^run name=grpo failed"):
+        run_here(Sweep.load(tmp_path / "s"), threads=1, say=lambda _: None, python=fails)
+    run_here(Sweep.load(tmp_path / "s"), threads=1, say=lambda _: None, python=ends)  # both went on: neither is listed
+    assert Sweep.load(tmp_path / "s").here["failed"] == []
+
+
 @pytest.mark.slow  # 7 s: two runs' progress
 def test_the_first_progress_line_comes_once_each_running_runs_step_rate_is_measured(tmp_path):
     import sys
