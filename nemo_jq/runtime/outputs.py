@@ -110,6 +110,8 @@ def move_aside(path: Path) -> Path:
 
 #: The file a process holds an exclusive ``flock`` on while it writes the run directory it is in.
 LOCK_FILE = ".nemo_jq.lock"
+#: The one a sweep's process holds on the sweep's folder while it runs its runs (a folder of runs, not a run).
+RUNS_LOCK = ".nemo_jq.runs.lock"
 
 
 class RunDirInUse(FileExistsError):
@@ -121,23 +123,25 @@ class _Held:
     fd: int
     #: This process made the folder: released with nothing else in it (a start that failed), it is removed again.
     created: bool
+    lock: str = LOCK_FILE
 
 
 #: The run directories this process holds, by absolute path.
 _HELD: dict[Path, _Held] = {}
 
 
-def hold_run_dir(run_dir: Path) -> None:
+def hold_run_dir(run_dir: Path, lock: str = LOCK_FILE) -> None:
     """Hold ``run_dir`` (made if need be) until :func:`release_run_dir` or the end of this process: an exclusive
-    ``flock`` on its lock file, which the OS drops when the process dies, however it dies, so a crash never leaves
-    the directory locked. Held by another process: :class:`RunDirInUse`, naming the holder. Held by this one:
-    nothing to do. Where the file system has no ``flock``, a warning says that nothing guards the directory."""
+    ``flock`` on its lock file (``lock``: :data:`RUNS_LOCK` for a sweep's folder), which the OS drops when the process
+    dies, however it dies, so a crash never leaves the directory locked. Held by another process:
+    :class:`RunDirInUse`, naming the holder. Held by this one: nothing to do. Where the file system has no ``flock``,
+    a warning says that nothing guards the directory."""
     key = Path(run_dir).absolute()
     if key in _HELD:
         return
     created = not key.exists()
     key.mkdir(parents=True, exist_ok=True)
-    path = key / LOCK_FILE
+    path = key / lock
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
@@ -166,7 +170,7 @@ def hold_run_dir(run_dir: Path) -> None:
     except OSError as err:  # a full disk: said with the file (os.write names none)
         os.close(fd)
         raise OSError(err.errno, err.strerror, str(path)) from None
-    _HELD[key] = _Held(fd, created)
+    _HELD[key] = _Held(fd, created, lock)
 
 
 #: How deep below a folder its runs are looked for (an experiment's runs are at ``OUT/method/seedS``, its warm
@@ -187,7 +191,7 @@ def held_runs_in(path: Path) -> list[tuple[Path, str]]:
     """The run folders at or below ``path`` (:func:`folders_below`) that another process holds now, each with its
     holder in words."""
     return [(folder, holder) for folder in (Path(path), *folders_below(path))
-            if folder.absolute() not in _HELD and (holder := holder_of(folder))]
+            if folder.absolute() not in _HELD and (holder := holder_of(folder) or holder_of(folder, RUNS_LOCK))]
 
 
 def folders_below(folder: Path, depth: int = RUN_DEPTH) -> Iterator[Path]:
@@ -200,10 +204,11 @@ def folders_below(folder: Path, depth: int = RUN_DEPTH) -> Iterator[Path]:
             names.clear()
 
 
-def holder_of(folder: Path) -> str | None:
-    """Who holds ``folder`` (:func:`hold_run_dir`; this process too), in words; None when no live process does."""
+def holder_of(folder: Path, lock: str = LOCK_FILE) -> str | None:
+    """Who holds ``folder`` (:func:`hold_run_dir` by ``lock``; this process too), in words; None when no live process
+    does."""
     try:
-        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+        fd = os.open(Path(folder) / lock, os.O_RDONLY)
     except OSError:
         return None
     try:  # the lock is taken for an instant only when nobody holds it
@@ -243,8 +248,8 @@ def let_go(key: Path, now_at: Path | None = None) -> None:
         return
     folder = now_at or key
     try:
-        if os.stat(folder / LOCK_FILE).st_ino == os.fstat(held.fd).st_ino:
-            os.unlink(folder / LOCK_FILE)  # while still locked: a process waiting on this file opens the next one
+        if os.stat(folder / held.lock).st_ino == os.fstat(held.fd).st_ino:
+            os.unlink(folder / held.lock)  # while still locked: a process waiting on this file opens the next one
     except OSError:
         pass
     os.close(held.fd)

@@ -30,7 +30,16 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nemo_jq.runtime.monitor import duration, read_json_file, read_metrics
-from nemo_jq.runtime.outputs import RunDirInUse, claim_dir, held_runs_in, refuse_foreign_files, write_atomic
+from nemo_jq.runtime.outputs import (
+    RUNS_LOCK,
+    RunDirInUse,
+    claim_dir,
+    held_runs_in,
+    hold_run_dir,
+    refuse_foreign_files,
+    release_run_dir,
+    write_atomic,
+)
 from nemo_jq.runtime.runs import (
     RESUMABLE_KEYS,
     RUN_FILES,
@@ -418,11 +427,23 @@ def run_here(sweep: Sweep, *, parallel: int = 1, threads: int | None = None, rep
     """Run the sweep's unfinished runs on this machine, ``parallel`` at a time with ``threads`` threads each (see the
     module docstring); the lines name ``nemo-jq command`` (whose ``--resume`` continues the sweep). Raises
     :class:`~nemo_jq.runtime.preemption.Stopped` after a stop signal, or :class:`RunFailed` naming a run that failed
-    and its log (the runs already running finish first; no further one starts)."""
-    from nemo_jq.runtime.preemption import STOP_WITH_ENV, Stopped, release_terminal, signal_name, stop_signals_here
-
+    and its log (the runs already running finish first; no further one starts). The sweep's folder is held all the
+    while: another `--resume` or `--overwrite` of it is refused."""
     say = say or (lambda line: print(line, flush=True))
     refuse_running(sweep, command)
+    hold_run_dir(sweep.directory, RUNS_LOCK)  # all along: between runs, or as one starts, no run holds one
+    # (`sweep --overwrite` moved a running sweep aside, its runs then landing in the new one's folder)
+    try:
+        _run_all(sweep, parallel, threads, report_every, command, say, python)
+    finally:
+        release_run_dir(sweep.directory)
+
+
+def _run_all(sweep: Sweep, parallel: int, threads: int | None, report_every: float, command: str,
+             say: Callable[[str], None], python: Sequence[str]) -> None:
+    """:func:`run_here`'s work, while it holds the sweep's folder."""
+    from nemo_jq.runtime.preemption import STOP_WITH_ENV, Stopped, release_terminal, signal_name, stop_signals_here
+
     threads = threads or max(1, free_cores() // parallel)
     states = {run.name: sweep.status(run) for run in sweep.runs}
     pending = [run for run in sweep.runs if states[run.name] != FINISHED]

@@ -95,6 +95,32 @@ def test_a_folder_whose_runs_are_in_use_is_not_moved_aside_nor_run_a_second_time
     assert claim_dir(demo, ("sweep.json",), overwrite=True, what="a sweep", advice="").name.startswith("demo.old-")
 
 
+@pytest.mark.slow
+def test_a_running_sweep_is_held_between_its_runs_and_as_one_starts(tmp_path):
+    """A run holds its folder only once its start-up (imports, config, world) is done: in that while, and between two
+    runs, `sweep --overwrite` moved the running sweep aside, and its runs went on into the new sweep's folder, counted
+    there as its finished runs. The sweep's process holds the folder all along."""
+    from nemo_jq.runtime.outputs import claim_dir
+    from nemo_jq.runtime.sweep import Sweep
+
+    demo = tmp_path / "demo"
+    Sweep.from_grid(demo, [], ["objective.name=garl,grpo", "train.max_steps=1"], None).write()
+    script = tmp_path / "sweeper.py"  # each run a stand-in that holds nothing (a run's start-up)
+    script.write_text("import sys\nfrom nemo_jq.runtime.sweep import Sweep, run_here\n\n"
+                      "run_here(Sweep.load(sys.argv[1]), threads=1, say=lambda line: print(line, flush=True), "
+                      "python=(sys.executable, '-c', 'import time; time.sleep(120)'))\n")
+    sweeper = subprocess.Popen([sys.executable, script, demo], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "started" in (sweeper.stdout.readline() + sweeper.stdout.readline())  # its first run is starting
+        with pytest.raises(FileExistsError, match=f"{demo}.* in use by another run \\(pid {sweeper.pid} on host"):
+            claim_dir(demo, ("sweep.json",), overwrite=True, what="a sweep", advice="")
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["demo", "sweeper.py"]
+    finally:
+        sweeper.terminate()
+        sweeper.wait(timeout=60)
+    assert not (demo / ".nemo_jq.runs.lock").exists()  # let go when it ended
+
+
 def test_the_sbatch_default_run_directories_never_collide():
     """15 of the 8B config names are also 0.6B config names: ``runs/NAME`` gave both runs one directory."""
     configs = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("qwen3_*/*.yaml"))
