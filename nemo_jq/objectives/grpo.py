@@ -142,7 +142,8 @@ class GrpoOptions:
 @register_objective("grpo", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2, options=GrpoOptions,
                     corrects_off_policy=True)
 def grpo_estimator(inputs: EstimatorInputs, options: GrpoOptions) -> ObjectiveOutput:
-    """One optimizer step per batch of rollouts: the policy is the sampling policy, so the ratio is 1."""
+    """One optimizer step per batch of rollouts: PPO's ratio is to the policy before this step, 1 (its clip never
+    acts); rollouts another policy sampled (one step off, another engine) are corrected by ``objective.importance``."""
     return grpo(inputs.per_sample(inputs.token_logprob), inputs.rewards, inputs.per_sample(inputs.target_mask),
                 clip_eps=options.clip_eps, clip_eps_high=options.clip_eps_high, scale_rewards=options.scale_rewards,
                 eps=options.eps, aggregation=options.aggregation, tokens_per_example=inputs.tokens_per_example,
