@@ -933,7 +933,10 @@ def plan(arch: Qwen3Architecture, work: Workload, *, gpus_per_node: int, nodes: 
                                                             f"{work.vllm_tensor_parallel} GPUs" if engine_tp else "")
                          + f": change --nodes/--gpus-per-node, {setting('--context-parallel', work.config_keys)}"
                          + (f", {setting('--rollout-tensor-parallel', work.config_keys)}" if engine_tp else "")
-                         + f" or {setting('--batch-prompts', work.config_keys)}")
+                         + f" or {setting('--batch-prompts', work.config_keys)}"
+                         + ("" if not arch.is_moe or work.sequence_parallel else  # check_trainable: no TP > 1 without it
+                            "; a Qwen3-MoE takes TP > 1 only with sequence parallelism: " + (
+                                "megatron.sequence_parallel=true" if work.config_keys else "drop --no-sequence-parallel")))
     fitting = sorted((e for e in layouts if e.fits),
                      key=lambda e: (-e.data_parallel, e.tensor_parallel, e.expert_parallel, e.total_gib))
     return fitting + sorted((e for e in layouts if not e.fits), key=lambda e: e.total_gib)

@@ -550,3 +550,16 @@ def test_rollouts_one_step_ahead_in_a_child_process_are_sampled_while_the_step_t
     for engine, in_a_child in (("native", True), ("hf", True), ("vllm", False)):
         config = load_config(None, [f"rollout.engine={engine}", "rollout.async_steps=1", "model.backend=megatron"])
         assert plan.Workload.from_config(config, 32).async_copy is in_a_child
+
+
+def test_a_qwen3_moe_without_sequence_parallelism_is_told_to_turn_it_on(capsys):
+    """Every TP > 1 layout of a Qwen3-MoE without sequence parallelism is one the policy cannot train
+    (MegatronLayout.check_trainable), so none was left: the line named nodes, CP and the batch, never the cause."""
+    from pathlib import Path
+
+    from helpers import one_line_error
+
+    config = Path(__file__).resolve().parents[3] / "configs" / "examples" / "qwen3_30b_a3b_hotpotqa_cold_garl_q0.75.yaml"
+    code = main(["plan", "--config", str(config), "--nodes", "8", "megatron.sequence_parallel=false"])
+    one_line_error(code, capsys.readouterr().err, "a Qwen3-MoE takes TP > 1 only with sequence parallelism: "
+                   "megatron.sequence_parallel=true")
