@@ -21,6 +21,7 @@ from nemo_jq.objectives import EstimatorInputs, ObjectiveOutput, ObjectiveSpec
 from nemo_jq.recipe.components import Components
 from nemo_jq.recipe.experience import Experience, MicroBatch, mismatch_metrics
 from nemo_jq.registry import blamed_on_plugin
+from nemo_jq.runtime.monitor import merge_metrics
 
 #: ``estimate(token_logprobs, micro_batch) -> (loss to backpropagate, metrics)``: the estimator on one micro-batch.
 Estimate = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
@@ -146,11 +147,8 @@ def _in_row_chunks(policy: Policy, experience: Experience, micro_batches: list[M
 
     # what the policy adds of its own (a Qwen3-MoE's load-balancing loss and routing disagreement), per chunk: their
     # mean over the rows, with each micro-batch's estimator metrics (it was dropped: those runs logged none)
-    own = policy.forward_backward(batches, loss_fn)
-    sizes = [len(chunk) for chunk in chunks]
-    means = {key: sum(size * metrics[key] for size, metrics in zip(sizes, own) if key in metrics)
-             / sum(size for size, metrics in zip(sizes, own) if key in metrics) for key in {k for m in own for k in m}}
-    return [(prompts, {**metrics, **means}) for prompts, metrics in collected]
+    own = merge_metrics([(len(chunk), metrics) for chunk, metrics in zip(chunks, policy.forward_backward(batches, loss_fn))])
+    return [(prompts, {**metrics, **own}) for prompts, metrics in collected]
 
 
 def chunks_by_length(lengths: torch.Tensor, rows_per_chunk: int) -> list[torch.Tensor]:
