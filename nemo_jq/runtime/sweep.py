@@ -538,21 +538,29 @@ def _ended(sweep: Sweep, entry: _Running, number: dict[str, int], total: int, sa
     run, code = entry.run, entry.process.returncode
     took = duration(time.monotonic() - entry.started)
     state = sweep.status(run)
-    failed_now, went_on = code != 0 and not stopping and state != FINISHED, state == FINISHED or (code == 0 and not stopping)
-    listed = set(sweep.here.get("failed", []))  # what a resume starts last: failed, and not gone on since
-    if (failed_now and run.name not in listed) or (went_on and run.name in listed):
-        sweep.here["failed"] = sorted(listed ^ {run.name})
-        sweep.save()
     if state == FINISHED:
+        _list_failed(sweep, run.name, False)
         say(f"run {number[run.name]}/{total} {run.name}: finished in {took}")
     elif stopping or code == 0:
+        if not stopping:  # it went on (a stop signal's end says nothing of it)
+            _list_failed(sweep, run.name, False)
         say(f"run {number[run.name]}/{total} {run.name}: stopped after {took} "
             f"({'with a checkpoint' if state == STOPPED else 'before its first checkpoint'})")
     else:
+        _list_failed(sweep, run.name, True)
         log = sweep.directory / LOGS_DIR / f"{run.name}.log"
         failed.append(f"run {run.name} failed (exit {code}); its output: {log}")
         say(f"run {number[run.name]}/{total} {run.name}: FAILED (exit {code}), see {log}")
     return state == FINISHED
+
+
+def _list_failed(sweep: Sweep, name: str, failed: bool) -> None:
+    """Put run ``name`` in ``sweep.json``'s ``here.failed`` (what a resume starts last), or take it out, as ``failed``
+    says; saved where that changes it."""
+    listed = set(sweep.here.get("failed", []))
+    if (name in listed) != failed:
+        sweep.here["failed"] = sorted(listed ^ {name})
+        sweep.save()
 
 
 def steps_words(steps: dict[str, int | None]) -> str:
