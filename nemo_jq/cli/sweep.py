@@ -96,14 +96,13 @@ def run(args: argparse.Namespace) -> int:
 
         # a resume submits as the sweep was first submitted (its GPUs a task, time limit, running at once), unless told
         options, parallel = args.sbatch or sweep.here.get("sbatch", []), args.parallel or sweep.here.get("parallel")
-        sweep.here.update(sbatch=options, parallel=parallel)
+        sweep.here.update(sbatch=options, parallel=parallel)  # saved by submit_sweep with the array's id
         try:
             submit_sweep(sweep, options, parallel=parallel)
         except BaseException:
             if args.resume is None:  # a sweep SLURM never took leaves no folder to be refused by the next try
                 sweep.withdraw()
             raise
-        sweep.save()
         return 0
     run_here(sweep, parallel=args.parallel or sweep.here.get("parallel") or 1,
              threads=args.threads or sweep.here.get("threads"))

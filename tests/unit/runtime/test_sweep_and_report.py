@@ -142,8 +142,12 @@ def test_a_resumed_sweep_is_submitted_with_the_sbatch_options_and_cap_it_was_sub
     """`sweep --resume DIR --slurm` forgot --parallel (no %N cap: every task at once) and --sbatch (one GPU a task, the
     partition's default time limit) of the first submission."""
     submitted = []
-    monkeypatch.setattr("nemo_jq.cluster.launch.submit_sweep", lambda sweep, options, parallel: submitted.append(
-        (options, parallel)))
+
+    def submit_sweep(sweep, options, parallel):  # a stand-in for sbatch's: it saves sweep.json, as the real one does
+        submitted.append((options, parallel))
+        sweep.save()
+
+    monkeypatch.setattr("nemo_jq.cluster.launch.submit_sweep", submit_sweep)
     first = ["--sbatch=--time=08:00:00", "--sbatch=--gpus-per-node=8", "--parallel", "2"]
     assert run_cli(capsys, "sweep", "--out", tmp_path / "s", "--slurm", *first, "objective.q=0,1")[0] == 0
     assert run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--slurm")[0] == 0
