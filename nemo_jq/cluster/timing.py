@@ -91,7 +91,7 @@ def layout_time(arch: Qwen3Architecture, work: plan.Workload, config: Config, gp
     tp, pp, dp = layout
     gpus = tp * pp * dp * work.context_parallel + work.rollout_ranks
     return {"layout": list(layout), "phases": {name: round(phase["seconds_at_least"], 3) for name, phase in phases.items()},
-            "run": run_time(phases, config, gpus)}
+            "run": run_time(phases, config, gpus, dp)}
 
 
 def across_nodes(arch: Qwen3Architecture, work: plan.Workload, config: Config, gpu: GpuProfile, *,

@@ -159,14 +159,15 @@ def measured_fraction(phase: str, config: Config) -> tuple[float, str] | None:
     return None
 
 
-def run_time(phases: dict[str, dict[str, Any]], config: Config, gpus: int) -> dict[str, Any] | None:
-    """A whole run's time from its phases' bounds (``seconds_at_least``): its steps (rollouts, training, the optimizer
-    step), its validations and the test split's evaluation; at least (the bounds) and expected (each sampling and
-    training bound over its :func:`measured_fraction`; None, with what is not measured, where one is missing), in
-    hours and GPU-hours over ``gpus``. None where the config leaves its steps to the data's size."""
+def run_time(phases: dict[str, dict[str, Any]], config: Config, gpus: int, replicas: int) -> dict[str, Any] | None:
+    """A whole run's time from its phases' bounds (``seconds_at_least``): its steps over ``replicas`` (rollouts,
+    training, the optimizer step), its validations and the test split's evaluation; at least (the bounds) and
+    expected (each sampling and training bound over its :func:`measured_fraction`; None, with what is not measured,
+    where one is missing), in hours and GPU-hours over ``gpus``. None where the config leaves its steps to the data's
+    size."""
     from nemo_jq.runtime.sweep import steps_of
 
-    steps = steps_of(config)
+    steps = steps_of(config, replicas)
     if steps is None:
         return None
     every, data = config.eval.every, config.data

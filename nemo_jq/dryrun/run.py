@@ -248,8 +248,9 @@ def whole_run(report: dict[str, Any], config: Config) -> dict[str, Any] | None:
     serving = report.get("rollout_rank")
     if serving:
         phases.update({name: serving["phases"][name] for name in ("rollout", "evaluate") if name in serving["phases"]})
-    gpus = report.get("world_size", 1) + (config.rollout.ranks if serving else 0)
-    return run_time(phases, config, gpus)
+    world = report.get("world_size", 1)
+    replicas = config.megatron.data_parallel(world) if config.model.backend == "megatron" else 1
+    return run_time(phases, config, world + (config.rollout.ranks if serving else 0), replicas)
 
 
 def check_fits(report: dict[str, Any], config: Config) -> None:

@@ -26,7 +26,7 @@ from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse
 from nemo_jq.runtime.monitor import plot_runs, read_metrics, valid_json
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import mean_sd, seed_stats
-from nemo_jq.runtime.sweep import refuse_repeats
+from nemo_jq.runtime.sweep import refuse_repeats, steps_of
 from nemo_jq.typed import ConfigError
 
 #: The one configuration every method trains with: the demo's model, M=4 and budgets on sums of two digits, 64
@@ -95,9 +95,7 @@ def run_experiment(out_dir: Path, seeds: Sequence[int], label_noise: float, *, q
         raise ConfigError(f"--label-noise {label_noise:g} makes none of the {probe.data.train_size} training labels wrong, "
                           "and the experiment measures how many wrong ones a method memorises: give at least "
                           f"{1 / probe.data.train_size:.2g}")
-    steps = probe.train.epochs * math.ceil(probe.data.train_size / probe.train.batch_size)
-    if probe.train.max_steps:
-        steps = min(steps, probe.train.max_steps)
+    steps = steps_of(probe)
     every = methods(steps, adaptive)
     plan = chosen_methods(every, only)
     checked = [*plan.values(), *([every["adaptive"]] if adaptive and "adaptive" not in plan else [])]  # its knobs too

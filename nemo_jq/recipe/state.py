@@ -133,13 +133,6 @@ class PromptStream:
         return [self.examples[i] for i in taken], epoch, position + self.batch_size
 
 
-def batches_per_epoch(prompts: int, batch_size: int, replicas: int = 1) -> int:
-    """The batches :class:`PromptStream` makes of ``prompts`` in an epoch: a short last one with fewer prompts than
-    ``replicas`` is skipped."""
-    whole, left = divmod(prompts, batch_size)
-    return whole + (left >= replicas)
-
-
 class RandomStreams:
     """The run's randomness: Python's, numpy's and torch's global state, and the two streams the loop draws
     from, each replica its own: the rollouts' samples and the estimator's (PAFT's resampling)."""
@@ -184,6 +177,7 @@ def restore_loop(saved: dict[str, Any], rng: dict[str, Any], course: Course, obj
     saved = dict(saved)
     schedule_state, guard_state = saved.pop("schedule"), saved.pop("guard", None)
     saved.pop("config", None)  # what the run trained with: runs.check_trained_with reads it
+    saved.pop("replicas", None)  # what its steps were counted over: a sweep's status reads it
     state = TrainState.from_json(saved, course)
     if best_step_of(saved) is None:  # saved before the rule: a best validation of 0 is no best
         state.best_step = state.best_metric = None

@@ -32,7 +32,6 @@ from nemo_jq.recipe.state import (
     PromptStream,
     RandomStreams,
     TrainState,
-    batches_per_epoch,
     loop_checkpoint,
     restore_loop,
 )
@@ -150,7 +149,8 @@ class Trainer:
     def epochs_steps(self) -> int:
         """The steps of ``train.epochs`` passes over the training split."""
         train = self.config.train
-        return train.epochs * batches_per_epoch(len(self.components.splits.train), train.batch_size, self.data_parallel.size)
+        batches = distributed.batches_per_epoch(len(self.components.splits.train), train.batch_size, self.data_parallel.size)
+        return train.epochs * batches
 
     def finished(self) -> str | None:
         """For a resumed run: why it has no step left to train, in one line with the key to raise (None: it has steps
@@ -384,6 +384,7 @@ class Trainer:
         """A checkpoint of the run; one step off, it carries the next step's experience (waited for)."""
         state, rng = loop_checkpoint(self.state, self.objective, self.guard, self.random, self.ahead)
         state["config"] = runs.config_record(self.config)  # what a resume or an evaluation holds config.yaml to
+        state["replicas"] = self.data_parallel.size  # what its epochs' steps are counted over (a sweep's status)
         root = self.run_dir / CHECKPOINT_DIR
         distributed.everywhere(lambda: self._stop_if_diverged(self.state.step, *runs.nonfinite_weights(self.policy)))
         path = save_checkpoint(root, self.state.step, self.policy, state, rng, written=self.saved_step == self.state.step)

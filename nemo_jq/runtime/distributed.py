@@ -374,6 +374,13 @@ def _gather_objects(value: T, group: Any = None) -> list[T]:
     return gathered
 
 
+def batches_per_epoch(prompts: int, batch_size: int, replicas: int = 1) -> int:
+    """The batches the training prompts make in an epoch over ``replicas`` (data-parallel): a short last one with
+    fewer prompts than ``replicas`` is skipped (``recipe.state.PromptStream``)."""
+    whole, left = divmod(prompts, batch_size)
+    return whole + (left >= replicas)
+
+
 @dataclass(frozen=True)
 class DataParallel:
     """This rank's place among the model replicas, and the collectives over them.

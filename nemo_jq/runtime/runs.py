@@ -328,11 +328,17 @@ def last_trained_step(run_dir: Path) -> int | None:
 
 def last_checkpoint_step(run_dir: Path) -> int | None:
     """The step of the run's latest checkpoint (None: it has none, or its ``latest`` was lost beside complete ones)."""
+    state = last_checkpoint_state(run_dir)
+    return state["step"] if state is not None else None
+
+
+def last_checkpoint_state(run_dir: Path) -> dict[str, Any] | None:
+    """The ``state.json`` of the run's latest checkpoint (None: as :func:`last_checkpoint_step`)."""
     try:
         latest = latest_checkpoint(Path(run_dir) / CHECKPOINT_DIR)
     except FileNotFoundError:
         return None
-    return read_state(latest)["step"] if latest is not None else None
+    return read_state(latest) if latest is not None else None
 
 
 def write_results(run_dir: Path, results: dict[str, Any]) -> None:

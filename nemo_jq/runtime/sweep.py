@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from nemo_jq.runtime.distributed import batches_per_epoch
 from nemo_jq.runtime.monitor import duration, read_json_file, read_metrics
 from nemo_jq.runtime.outputs import (
     RUNS_LOCK,
@@ -45,7 +46,7 @@ from nemo_jq.runtime.runs import (
     RUN_FILES,
     failed_start,
     has_finished,
-    last_checkpoint_step,
+    last_checkpoint_state,
     refuse_overrides,
     refuse_shared_run_dir,
 )
@@ -188,7 +189,8 @@ class Sweep:
                                                not in given), *overrides)) for run in self.runs]
         ended = []
         for run, config in zip(self.runs, self.check()):
-            step, steps = last_checkpoint_step(self.directory / run.name), steps_of(config)
+            saved = last_checkpoint_state(self.directory / run.name) or {}
+            step, steps = saved.get("step"), steps_of(config, saved.get("replicas", 1))
             if step is not None and steps is not None and step > steps:
                 raise ConfigError(f"run {run.name} of the sweep is at step {step}, beyond the {steps} steps "
                                   f"{' '.join(overrides)} gives it: give it at least {step}")
@@ -223,8 +225,9 @@ class Sweep:
         config gives it no more steps; one stopped in its end's evaluation, with results of an earlier step, or given
         more steps (:meth:`go_on_with`), is STOPPED: its resume trains on and evaluates again."""
         run_dir = self.directory / run.name
-        step = last_checkpoint_step(run_dir)
-        if has_finished(run_dir) and (step is None or (total_steps(run) or 0) <= step):  # not given more steps since
+        saved = last_checkpoint_state(run_dir) or {}
+        step = saved.get("step")
+        if has_finished(run_dir) and (step is None or (total_steps(run, saved.get("replicas", 1)) or 0) <= step):
             return FINISHED
         return STOPPED if step is not None else NEW
 
@@ -571,23 +574,24 @@ def steps_words(steps: dict[str, int | None]) -> str:
     return f"; {known[0]} steps each" if len(known) == 1 else f"; {known[0]} to {known[-1]} steps a run"
 
 
-def total_steps(run: SweepRun) -> int | None:
-    """The run's steps as its config gives them (``train.max_steps``, or the epochs over ``data.train_size`` prompts
-    in batches); None where the config leaves the split's size to the data."""
+def total_steps(run: SweepRun, replicas: int = 1) -> int | None:
+    """The run's steps as its config gives them (:func:`steps_of`) over ``replicas``; None where the config leaves the
+    split's size to the data."""
     from nemo_jq.config import load_config
 
     try:
         config = load_config(run.config, list(run.overrides))
     except Exception:  # noqa: BLE001 - the run itself reports a bad config, in its log
         return None
-    return steps_of(config)
+    return steps_of(config, replicas)
 
 
-def steps_of(config: Any) -> int | None:
-    """A config's optimizer steps: ``train.max_steps``, or the epochs over ``data.train_size`` prompts in batches
-    (None where the config leaves the split's size to the data)."""
+def steps_of(config: Any, replicas: int = 1) -> int | None:
+    """A config's optimizer steps over ``replicas`` (data-parallel), as its trainer counts them: ``train.max_steps``,
+    or the epochs over ``data.train_size`` prompts in batches (None where the config leaves the split's size to the
+    data)."""
     train, size = config.train, config.data.train_size
-    epochs = train.epochs * math.ceil(size / train.batch_size) if size else None
+    epochs = train.epochs * batches_per_epoch(size, train.batch_size, replicas) if size else None
     return min(filter(None, [epochs, train.max_steps]), default=None)
 
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from nemo_jq.recipe.state import Course, PromptStream, TrainState, batches_per_epoch
+from nemo_jq.recipe.state import Course, PromptStream, TrainState
+from nemo_jq.runtime.distributed import batches_per_epoch
 
 
 def epochs_of(prompts: int, batch_size: int, replicas: int, epochs: int = 3) -> list[list[list[int]]]:

@@ -90,6 +90,8 @@ def garl_at_two_replicas(run_dir) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_data_parallel_replicas_split_each_batch_and_stay_identical(tmp_path):
+    from nemo_jq.runtime.runs import last_checkpoint_state
+
     first, second = run_in_processes(garl_at_two_replicas, 2, tmp_path / "run")
     assert len(first["ids"]) == len(second["ids"]) == 2 and not set(first["ids"]) & set(second["ids"])
     assert max_diff(first["after"], first["before"]) > 1e-4
@@ -97,6 +99,7 @@ def test_data_parallel_replicas_split_each_batch_and_stay_identical(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
         "checkpoints", "config.yaml", "metrics.jsonl", "results.json", "samples.jsonl", "splits.json", "tokenizer",
         "training.png"]
+    assert last_checkpoint_state(tmp_path / "run")["replicas"] == 2  # what a sweep counts the run's steps over
 
 
 @pytest.mark.slow

@@ -110,6 +110,8 @@ def test_plans_time_for_the_06b_paper_config_is_the_dry_runs_bounds_over_the_sta
 def test_plan_prints_each_layouts_hours_the_phases_and_the_run_across_node_counts(capsys):
     code, out, _ = run_cli(capsys, "plan", "--config", ROOT / "configs" / "qwen3_8b" / "finqa_cold_garl_q0.75.yaml")
     lines = out.splitlines()
+    # 2 epochs of 6,145 prompts: 96 batches of 64 over DP >= 2, the 97th's one prompt skipped (194 by one replica)
+    assert next(line for line in lines if line.startswith("the run: ")).startswith("the run: 192 steps")
     assert code == 0 and lines[1].split()[-2:] == ["least", "h"]  # vLLM's decode is not measured: at least
     time_line = next(line for line in lines if line.startswith("time on H100 80GB"))
     assert "a step's rollouts >= " in time_line and "(expected: not measured)" in time_line

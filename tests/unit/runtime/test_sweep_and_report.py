@@ -69,6 +69,28 @@ def test_a_finished_run_whose_checkpoints_were_deleted_is_still_finished(tmp_pat
     assert [row["n"] for row in report.report([tmp_path / "s"])["rows"]] == [1, 1]
 
 
+def test_a_run_trained_over_replicas_is_finished_at_the_steps_its_trainer_counts_over_them(tmp_path, capsys):
+    """An epoch's short last batch with fewer prompts than the replicas is skipped (PromptStream): the trainer counted
+    192 steps for the 8B paper config at DP >= 2 where the sweep (and plan) counted 194, so a sweep never took such
+    a run for finished: each --resume launched it again (a job that loads the model to say it has finished)."""
+    from nemo_jq.runtime.sweep import steps_of
+
+    sweep = Sweep.from_grid(tmp_path / "s", [], ["objective.q=0,1", "data.train_size=9", "train.batch_size=4",
+                                                 "train.epochs=2"], None)
+    sweep.write()
+    assert [steps_of(load_config(None, list(sweep.runs[0].overrides)), replicas) for replicas in (1, 2, 4)] == [6, 4, 4]
+    for run, replicas in zip(sweep.runs, (2, None)):  # the second saved before checkpoints named their replicas
+        folder = finished_run(tmp_path / "s" / run.name, q=float(run.name.split("=")[1]), overrides=run.overrides)
+        (folder / "results.json").write_text(json.dumps({**json.loads((folder / "results.json").read_text()), "step": 4}))
+        (folder / "checkpoints" / "step_00000004").mkdir(parents=True)
+        (folder / "checkpoints" / "step_00000004" / STATE).write_text(json.dumps(
+            {"step": 4, "best_step": None, "best_metric": None, **({"replicas": replicas} if replicas else {})}))
+        (folder / "checkpoints" / "latest").write_text("step_00000004")
+    assert [sweep.status(run) for run in sweep.runs] == [FINISHED, STOPPED]  # one replica: 2 epochs of 3 batches
+    with pytest.raises(ConfigError, match="is at step 4, beyond the 2 steps train.epochs=1 gives it"):  # 2 replicas
+        sweep.go_on_with(["train.epochs=1"])
+
+
 def test_the_words_of_a_sweep_are_checked_in_one_line():
     assert split_words(["a.b=1", "c.d=x,y", "e.f=[1,2]"]) == (["a.b=1", "e.f=[1,2]"], {"c.d": ["x", "y"]})
     for words, fragment in ((["q"], "section.key=value"), (["a.b=1", "a.b=2"], "a.b is given twice"),
