@@ -21,6 +21,7 @@ import math
 import operator
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +54,8 @@ from nemo_jq.runtime.runs import (
 from nemo_jq.typed import ConfigError
 
 SWEEP_FILE, LOGS_DIR = "sweep.json", "logs"
+#: The sweep's copies of its ``--config`` files, taken at its start, which its runs read (:meth:`SweepRun.config_file`).
+CONFIGS_DIR = "configs"
 #: An experiment's record in its folder (:class:`nemo_jq.experiments.common.Progress`), whose runs are
 #: ``METHOD/seedS`` under it: the trackers group them as a sweep's (:func:`nemo_jq.runtime.tracking.group_of`).
 EXPERIMENT_FILE = "experiment.json"
@@ -62,15 +65,23 @@ FINISHED, STOPPED, NEW = "finished", "stopped", "new"
 
 @dataclass(frozen=True)
 class SweepRun:
-    """One run of a sweep: its folder's name, its config file (None: the embedded defaults) and its overrides."""
+    """One run of a sweep: its folder's name, its config file as given (None: the embedded defaults), its overrides,
+    and the sweep's copy of the file (relative to the sweep's folder; None in a sweep from before copies)."""
 
     name: str
     config: str | None
     overrides: tuple[str, ...]
+    config_copy: str | None = None
+
+    def config_file(self, sweep_dir: Path) -> str | None:
+        """The config file the run reads: the copy the sweep took at its start, so that an edit of the file since
+        changes none of its runs, nor whether one has finished; ``config`` itself in a sweep from before copies."""
+        return str(Path(sweep_dir) / self.config_copy) if self.config_copy else self.config
 
     def train_words(self, sweep_dir: Path) -> list[str]:
         """``nemo-jq train`` that starts this run, or continues it where its folder holds it (``--requeue``)."""
-        return ["train", "--requeue", *(["--config", self.config] if self.config else []), *self.overrides,
+        config = self.config_file(sweep_dir)
+        return ["train", "--requeue", *(["--config", config] if config else []), *self.overrides,
                 f"train.run_dir={Path(sweep_dir) / self.name}"]
 
 
@@ -97,8 +108,7 @@ class Sweep:
         for key, values in axes.items():
             refuse_repeats(key, values, lambda value, key=key: as_a_config_reads(key, value))
         configs = list(configs) or [None]
-        config_label = dict(zip(configs, folder_labels([str(Path(config).with_suffix("")) for config in configs])
-                                if len(configs) > 1 else []))
+        config_label = dict(zip(configs, config_labels(configs))) if len(configs) > 1 else {}
         value_label = {key: dict(zip(values, folder_labels(values))) for key, values in axes.items()}
         runs = []
         for config, values, seed in itertools.product(configs, itertools.product(*axes.values()), seeds or [None]):
@@ -120,7 +130,8 @@ class Sweep:
         if not path.exists():
             raise FileNotFoundError(f"{directory} holds no sweep ({SWEEP_FILE}): give the folder `nemo-jq sweep --out` made")
         saved = read_json_file(path, "a sweep record", record_problem, "restore it or start a new sweep with --out")
-        runs = [SweepRun(run["name"], run["config"], tuple(run["overrides"])) for run in saved["runs"]]
+        runs = [SweepRun(run["name"], run["config"], tuple(run["overrides"]), run.get("config_copy"))
+                for run in saved["runs"]]
         return cls(Path(directory), runs, saved.get("grid", {}), saved.get("here", {}))
 
     def write(self, *, overwrite: bool = False, markers: tuple[str, ...] = (), what: str = "a sweep",
@@ -143,7 +154,20 @@ class Sweep:
             except ValueError as err:
                 raise ConfigError(f"run {run.name} of the sweep: {err}") from None
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._copy_configs()
         self.save()
+
+    def _copy_configs(self) -> None:
+        """Copy each ``--config`` file into ``DIR/configs/`` (named as its runs are), for the runs to read."""
+        given = list(dict.fromkeys(run.config for run in self.runs if run.config))
+        if not given:
+            return
+        (self.directory / CONFIGS_DIR).mkdir()
+        copies = {}
+        for config, label in zip(given, config_labels(given)):
+            copies[config] = f"{CONFIGS_DIR}/{label}{Path(config).suffix}"
+            shutil.copyfile(config, self.directory / copies[config])
+        self.runs = [replace(run, config_copy=copies[run.config]) if run.config else run for run in self.runs]
 
     def work_from_start(self) -> None:
         """Work from the folder the sweep was started in (``here["started_in"]``), where its runs' relative paths (a
@@ -161,6 +185,7 @@ class Sweep:
         """Undo :meth:`write` of a sweep none of whose runs started (SLURM refused its array): its record, its empty
         logs folder, and its folder if that is left empty."""
         (self.directory / SWEEP_FILE).unlink(missing_ok=True)
+        shutil.rmtree(self.directory / CONFIGS_DIR, ignore_errors=True)
         for folder in (self.directory / LOGS_DIR, self.directory):
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
@@ -211,13 +236,14 @@ class Sweep:
         data_seen: set[str] = set()
         configs: list[Any] = []
         for run in self.runs:
+            file = run.config_file(self.directory)
             try:
-                config = load_config(run.config, list(run.overrides), saved=run.config in seen)
+                config = load_config(file, list(run.overrides), saved=file in seen)
                 configs.append(config)
                 check_data(config.data, data_seen)
             except (ValueError, OSError) as err:
                 raise ConfigError(f"run {run.name} of the sweep: {err}") from None
-            seen.add(run.config)
+            seen.add(file)
         return configs
 
     def status(self, run: SweepRun) -> str:
@@ -227,7 +253,8 @@ class Sweep:
         run_dir = self.directory / run.name
         saved = last_checkpoint_state(run_dir) or {}
         step = saved.get("step")
-        if has_finished(run_dir) and (step is None or (total_steps(run, saved.get("replicas", 1)) or 0) <= step):
+        steps = total_steps(run, self.directory, saved.get("replicas", 1))
+        if has_finished(run_dir) and (step is None or (steps or 0) <= step):  # not given more steps since
             return FINISHED
         return STOPPED if step is not None else NEW
 
@@ -326,11 +353,19 @@ def folder_labels(values: Sequence[str]) -> list[str]:
 LONGEST_NAME = 255 - len(".log")
 
 
+def config_labels(configs: Sequence[str]) -> list[str]:
+    """The config files' labels: in their runs' names (several configs) and their copies' names in the sweep."""
+    return folder_labels([str(Path(config).with_suffix("")) for config in configs])
+
+
 def check_names(runs: Sequence[SweepRun]) -> None:
-    """Each run's name can name its folder and its log, and no two are alike (they would share a folder): refused,
-    naming the run, or what tells the two apart."""
+    """Each run's name can name its folder and its log, and no two are alike (they would share a folder), nor the
+    sweep's own folders: refused, naming the run, or what tells the two apart."""
     first: dict[str, SweepRun] = {}
     for run in runs:
+        if run.name in (LOGS_DIR, CONFIGS_DIR):
+            raise ValueError(f"run {run.name} would be named as the sweep's own folder {run.name}/: rename its config "
+                             "file")
         if len(run.name.encode()) > LONGEST_NAME:
             raise ValueError(f"run {run.name[:60]}... would have a name of {len(run.name.encode())} bytes, longer than a "
                              f"file name may be ({LONGEST_NAME}): sweep fewer keys at once, or shorter values")
@@ -456,7 +491,7 @@ def _run_all(sweep: Sweep, parallel: int, threads: int | None, report_every: flo
     counts = {state: list(states.values()).count(state) for state in (FINISHED, STOPPED, NEW)}
     logs = sweep.directory / LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
-    steps = {run.name: total_steps(run) for run in pending}
+    steps = {run.name: total_steps(run, sweep.directory) for run in pending}
     say(f"nemo-jq {command}: {len(sweep.runs)} runs in {sweep.directory} ({counts[FINISHED]} finished, {counts[STOPPED]} to "
         f"continue, {counts[NEW]} to start{steps_words(steps)}), {parallel} at a time with {threads} "
         f"thread{'s' * (threads > 1)} each; each run's output in {logs}/NAME.log")
@@ -574,13 +609,13 @@ def steps_words(steps: dict[str, int | None]) -> str:
     return f"; {known[0]} steps each" if len(known) == 1 else f"; {known[0]} to {known[-1]} steps a run"
 
 
-def total_steps(run: SweepRun, replicas: int = 1) -> int | None:
+def total_steps(run: SweepRun, sweep_dir: Path, replicas: int = 1) -> int | None:
     """The run's steps as its config gives them (:func:`steps_of`) over ``replicas``; None where the config leaves the
     split's size to the data."""
     from nemo_jq.config import load_config
 
     try:
-        config = load_config(run.config, list(run.overrides))
+        config = load_config(run.config_file(sweep_dir), list(run.overrides))
     except Exception:  # noqa: BLE001 - the run itself reports a bad config, in its log
         return None
     return steps_of(config, replicas)

@@ -91,6 +91,41 @@ def test_a_run_trained_over_replicas_is_finished_at_the_steps_its_trainer_counts
         sweep.go_on_with(["train.epochs=1"])
 
 
+def test_a_sweeps_runs_read_the_copy_of_its_config_files_taken_at_its_start(tmp_path, monkeypatch):
+    """A sweep's runs read its --config files as they were when it started (DIR/configs/): the runs read the files
+    themselves, so an edit made while the sweep ran (a researcher tuning the next sweep) trained the runs not started
+    yet with other settings than the rest, took finished runs for unfinished, and read from another folder (report),
+    a relative path named no file and every run with results was finished whatever its config said."""
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    monkeypatch.chdir(project)
+    for name in ("a", "b"):
+        (project / "configs" / f"{name}.yaml").write_text(f"# {name}\ntrain:\n  max_steps: 4\n")
+    sweep = Sweep.from_grid(Path("s"), ["configs/a.yaml", "configs/b.yaml"], ["objective.q=0,1"], None)
+    sweep.write()
+    assert (project / "s" / "configs" / "a.yaml").read_text() == "# a\ntrain:\n  max_steps: 4\n"
+    loaded = Sweep.load(project / "s")
+    assert [(run.name, run.config, run.config_copy) for run in loaded.runs][::2] == [
+        ("a_q=0", "configs/a.yaml", "configs/a.yaml"), ("b_q=0", "configs/b.yaml", "configs/b.yaml")]
+    assert loaded.runs[0].train_words(project / "s")[2:4] == ["--config", str(project / "s" / "configs" / "a.yaml")]
+    run_dir = project / "s" / loaded.runs[0].name
+    finished_run(run_dir, q=0.0)
+    (run_dir / "results.json").write_text(json.dumps({**json.loads((run_dir / "results.json").read_text()), "step": 4}))
+    (run_dir / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000004" / STATE).write_text(json.dumps({"step": 4, "best_step": None,
+                                                                               "best_metric": None}))
+    (run_dir / "checkpoints" / "latest").write_text("step_00000004")
+    (project / "configs" / "a.yaml").write_text("train:\n  max_steps: 8\n  epochs: 9\n")  # edited for the next sweep
+    assert loaded.status(loaded.runs[0]) == FINISHED
+    assert [(config.train.max_steps, config.train.epochs) for config in loaded.check()][0] == (4, 8)
+    monkeypatch.chdir(tmp_path)  # report, from another folder: the same verdict
+    assert Sweep.load(project / "s").status(loaded.runs[0]) == FINISHED
+    (project / "s" / "configs" / "a.yaml").write_text("train:\n  max_steps: 8\n")  # the sweep's own copy is what counts
+    assert Sweep.load(project / "s").status(loaded.runs[0]) == STOPPED
+    with pytest.raises(ValueError, match="run logs would be named as the sweep's own folder logs/: rename its config"):
+        Sweep.from_grid(tmp_path / "t", ["x/logs.yaml", "x/other.yaml"], [], None)
+
+
 def test_the_words_of_a_sweep_are_checked_in_one_line():
     assert split_words(["a.b=1", "c.d=x,y", "e.f=[1,2]"]) == (["a.b=1", "e.f=[1,2]"], {"c.d": ["x", "y"]})
     for words, fragment in ((["q"], "section.key=value"), (["a.b=1", "a.b=2"], "a.b is given twice"),
