@@ -94,6 +94,8 @@ class Sweep:
     grid: dict[str, Any] = field(default_factory=dict)
     #: How it runs on this machine (``parallel``, ``threads``) as first asked, for ``--resume`` to go on alike.
     here: dict[str, Any] = field(default_factory=dict)
+    #: Where :meth:`write` moved an earlier sweep or run in its folder aside (``--overwrite``), for :meth:`withdraw`.
+    moved_aside: Path | None = field(default=None, compare=False)
 
     @classmethod
     def from_grid(cls, directory: Path, configs: Sequence[str | None], words: Sequence[str],
@@ -142,20 +144,26 @@ class Sweep:
         record the grid. Each run's config is loaded first, as its run will load it, so a bad key or value is refused
         in one line naming the run before anything is written."""
         configs = self.check()
-        claim_dir(self.directory, (SWEEP_FILE, *markers, *(run.name for run in self.runs)), overwrite=overwrite,
-                  what=what, advice=advice or f"continue it with `nemo-jq sweep --resume {self.directory}`, write the new "
-                                              "one elsewhere (--out), or pass --overwrite to move the old one aside first")
-        claim_dir(self.directory, RUN_FILES, overwrite=overwrite, what="a run", advice="a sweep's runs go in a folder of "
-                  "their own: choose another, or pass --overwrite to move the run aside first")
-        refuse_foreign_files(self.directory, "sweep")
-        for run, config in zip(self.runs, configs):  # a folder its run's start would refuse: inside another run's...
-            try:
-                refuse_shared_run_dir(self.directory / run.name, config)
-            except ValueError as err:
-                raise ConfigError(f"run {run.name} of the sweep: {err}") from None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._copy_configs()
-        self.save()
+        moved = claim_dir(self.directory, (SWEEP_FILE, *markers, *(run.name for run in self.runs)), overwrite=overwrite,
+                          what=what, advice=advice or f"continue it with `nemo-jq sweep --resume {self.directory}`, write "
+                          "the new one elsewhere (--out), or pass --overwrite to move the old one aside first")
+        self.moved_aside = moved or claim_dir(self.directory, RUN_FILES, overwrite=overwrite, what="a run", advice="a "
+                                              "sweep's runs go in a folder of their own: choose another, or pass "
+                                              "--overwrite to move the run aside first")
+        try:
+            refuse_foreign_files(self.directory, "sweep")
+            for run, config in zip(self.runs, configs):  # a folder its run's start would refuse: inside another run's...
+                try:
+                    refuse_shared_run_dir(self.directory / run.name, config)
+                except ValueError as err:
+                    raise ConfigError(f"run {run.name} of the sweep: {err}") from None
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._copy_configs()
+            self.save()
+        except BaseException:
+            if self.moved_aside is not None:  # what --overwrite moved aside goes back
+                self.withdraw()
+            raise
 
     def _copy_configs(self) -> None:
         """Copy each ``--config`` file into ``DIR/configs/`` (named as its runs are), for the runs to read."""
@@ -183,12 +191,15 @@ class Sweep:
 
     def withdraw(self) -> None:
         """Undo :meth:`write` of a sweep none of whose runs started (SLURM refused its array): its record, its empty
-        logs folder, and its folder if that is left empty."""
+        logs folder, and its folder if that is left empty; what ``--overwrite`` moved aside goes back in its place."""
         (self.directory / SWEEP_FILE).unlink(missing_ok=True)
         shutil.rmtree(self.directory / CONFIGS_DIR, ignore_errors=True)
         for folder in (self.directory / LOGS_DIR, self.directory):
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
+        if self.moved_aside is not None and not self.directory.exists():
+            self.moved_aside.rename(self.directory)
+            print(f"moved {self.moved_aside} back to {self.directory}")
 
     def save(self) -> None:
         record = {"grid": self.grid, "here": self.here, "runs": [asdict(run) for run in self.runs]}

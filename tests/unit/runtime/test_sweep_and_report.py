@@ -784,6 +784,13 @@ def test_a_sweep_slurm_refuses_leaves_no_folder_and_parallel_caps_the_array(tmp_
     code, _, err = run_cli(capsys, "sweep", "--resume", tmp_path / "s", "--slurm")
     one_line_error(code, err, "sbatch, which is not on this machine's PATH: run it on the cluster's login node")
     assert (tmp_path / "s" / "sweep.json").exists()  # a resumed sweep's record stays
+    # --overwrite moved the sweep aside before its new array was refused, and left it there, the folder empty
+    record = (tmp_path / "s" / "sweep.json").read_text()
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: gpu' >&2\nexit 1\n")
+    code, _, err = run_cli(capsys, "sweep", "--out", tmp_path / "s", "--overwrite", "objective.q=0,0.5", "--slurm")
+    one_line_error(code, err, "sbatch refused the sweep's array")
+    assert (tmp_path / "s" / "sweep.json").read_text() == record and not list(tmp_path.glob("s.old-*"))
 
 
 def test_sweep_out_and_report_figures_write_over_no_file_of_a_users(tmp_path, capsys):
