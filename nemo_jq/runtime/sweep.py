@@ -112,11 +112,13 @@ class Sweep:
         configs = list(configs) or [None]
         config_label = dict(zip(configs, config_labels(configs))) if len(configs) > 1 else {}
         value_label = {key: dict(zip(values, folder_labels(values))) for key, values in axes.items()}
+        lasts = [key.rsplit(".", 1)[-1] for key in axes]  # a key by its last part, unless two share it
+        key_label = {key: last if lasts.count(last) == 1 else key for key, last in zip(axes, lasts)}
         runs = []
         for config, values, seed in itertools.product(configs, itertools.product(*axes.values()), seeds or [None]):
             chosen = [f"{key}={value}" for key, value in zip(axes, values)]
             parts = ([config_label[config]] if config_label else []) + [
-                f"{key.rsplit('.', 1)[-1]}={value_label[key][value]}" for key, value in zip(axes, values)]
+                f"{key_label[key]}={value_label[key][value]}" for key, value in zip(axes, values)]
             parts += [f"seed={seed}"] if seed is not None else []
             runs.append(SweepRun("_".join(parts) or "run", config, tuple([*fixed, *chosen,
                                                                           *([f"train.seed={seed}"] if seed is not None else [])])))

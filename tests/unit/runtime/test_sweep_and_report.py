@@ -28,6 +28,10 @@ def test_a_grid_is_configs_times_swept_values_times_seeds_each_run_named_by_what
     assert sweep.runs[1].train_words(tmp_path / "s") == ["train", "--requeue", "train.max_steps=4", "objective.name=garl",
                                                          "objective.q=0", "train.seed=1",
                                                          f"train.run_dir={tmp_path / 's' / 'name=garl_q=0_seed=1'}"]
+    twins = Sweep.from_grid(tmp_path / "t", [], ["rollout.temperature=1,0.5", "eval.temperature=0.6"], None)
+    assert [run.name for run in twins.runs] == ["temperature=1", "temperature=0.5"]  # one swept key: its last part
+    twins = Sweep.from_grid(tmp_path / "t", [], ["rollout.temperature=1,0.5", "eval.temperature=0,0.6"], None)
+    assert twins.runs[1].name == "rollout.temperature=1_eval.temperature=0.6"  # was temperature=1_temperature=0.6
     configs = Sweep.from_grid(tmp_path / "c", ["configs/a.yaml", "configs/b.yaml"], [], None)
     assert [(run.name, run.config, run.overrides) for run in configs.runs] == [("a", "configs/a.yaml", ()),
                                                                                ("b", "configs/b.yaml", ())]
