@@ -50,19 +50,24 @@ def knob(kind: str, config: Config, *, rollout_rank: bool = False) -> str:
     megatron = model.backend == "megatron"
     parallel = (f"more tensor or pipeline parallelism (megatron.tensor_parallel={layout.tensor_parallel}, "
                 f"megatron.pipeline_parallel={layout.pipeline_parallel} now)")
+    # a Qwen3-MoE's experts are most of its weights: EP splits them, and their gradients, over more ranks (their
+    # distributed optimizer's state is split over EP x expert-DP, the same GPUs whatever EP)
+    experts = (f"megatron.expert_parallel above {layout.expert_parallel} (each rank a share of the experts), or "
+               if megatron and is_moe(model.path) else "")
     if kind == "weights":
         if rollout_rank:
             return ("rollout.engine=vllm within its rollout.vllm_memory_utilization share (over rollout.tensor_parallel "
                     "rollout ranks), or a GPU that holds the whole model in bf16")
-        return parallel if megatron else f"model.backend=megatron with {parallel.replace(' now', '')}"
+        return experts + parallel if megatron else f"model.backend=megatron with {parallel.replace(' now', '')}"
     if kind in ("gradients", "optimizer"):
         if not megatron:
             return "model.backend=megatron with megatron.distributed_optimizer=true (the state sharded over DP) and more GPUs"
         if not layout.distributed_optimizer:
-            return "megatron.distributed_optimizer=true (the state sharded over the data-parallel ranks) and more GPUs"
+            return (f"{experts}megatron.distributed_optimizer=true (the state sharded over the data-parallel ranks) and "
+                    "more GPUs")
         if kind == "optimizer" and not layout.optimizer_cpu_offload:
             return "megatron.optimizer_cpu_offload=true (the state in host memory), or more GPUs (more DP shards)"
-        return f"more GPUs (more data-parallel shards), or {parallel}"
+        return f"{experts if kind == 'gradients' else ''}more GPUs (more data-parallel shards), or {parallel}"
     if kind == "activations":
         rows = train.micro_batch_rows
         steps = [*([] if megatron or model.activation_checkpointing else ["model.activation_checkpointing=true"]),
@@ -83,6 +88,14 @@ def knob(kind: str, config: Config, *, rollout_rank: bool = False) -> str:
             "temporaries": f"a smaller rollout.kv_cache_tokens ({rollout.kv_cache_tokens} now) or eval.batch_size "
                            f"({config.eval.batch_size} now): fewer rows sampled at once",
             "sync_buckets": f"a smaller rollout.sync_bucket_mb ({rollout.sync_bucket_mb:g} now)"}[kind]
+
+
+def is_moe(model_path: str | None) -> bool:
+    """Whether ``model.path`` names a Qwen3-MoE (False where its config cannot be read here)."""
+    try:
+        return bool(model_path) and architecture(model_path).is_moe
+    except (ValueError, OSError):
+        return False
 
 
 def check_one_process(config: Config, world_size: int) -> None:

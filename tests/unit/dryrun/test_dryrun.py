@@ -176,6 +176,13 @@ def test_the_advice_of_a_run_that_does_not_fit_offers_no_setting_the_config_alre
                                                   "or more GPUs (more DP shards)")
     assert "distributed_optimizer=true" in fails_with(["model.backend=megatron"], "optimizer")
     assert "megatron.tensor_parallel=1, megatron.pipeline_parallel=1 now" in fails_with(mega, "weights")
+    # a Qwen3-MoE's experts, most of its weights and gradients, split over EP (its sharded AdamW state does not shrink)
+    moe = [*mega, "model.path=Qwen/Qwen3-30B-A3B", "megatron.expert_parallel=2"]
+    for kind in ("weights", "gradients"):
+        assert "try megatron.expert_parallel above 2 (each rank a share of the experts), or " in fails_with(moe, kind)
+        assert "expert_parallel" not in fails_with(mega, kind)
+    assert "expert_parallel" not in fails_with([*moe, "megatron.optimizer_cpu_offload=true"], "optimizer")
+    assert "try megatron.expert_parallel above 2" in fails_with([*moe, "megatron.distributed_optimizer=false"], "optimizer")
     assert "of a rollout rank" in fails_with([], "weights", rollout_rank=True)
     assert "cuda_graphs" not in fails_with(["rollout.cuda_graphs=false"], "sampler_copy")
     assert "(256 now)" in fails_with([], "logprob_head")
