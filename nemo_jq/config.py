@@ -250,8 +250,8 @@ class TrainConfig:
     micro_batch_size: int = option(8, "prompts per forward/backward; whole groups of M rollouts stay together", ge=1)
     micro_batch_rows: int | str | None = option(
         None, "rows per forward/backward, whatever M: the estimator's group statistics come from a no-grad pass over "
-        "the rows first (one more forward), then the exact same gradient is taken this many rows at a time, so "
-        "training memory does not grow with M; null = micro_batch_size whole groups in one pass; auto = the most "
+        "the rows first (one more forward), then the exact same gradient is taken this many rows at a time (a "
+        "Qwen3-MoE's load-balancing loss is per micro-batch: docs/moe.md), so training memory does not grow with M; null = micro_batch_size whole groups in one pass; auto = the most "
         "rows nemo-jq plan's memory model fits on this GPU (nemo-jq train and dryrun resolve it, and say the number)",
         ge=1, choices=("auto",))
     max_steps: int | None = option(None, "stop after this many steps; null = all epochs", ge=1)
