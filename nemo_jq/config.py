@@ -251,8 +251,9 @@ class TrainConfig:
     micro_batch_rows: int | str | None = option(
         None, "rows per forward/backward, whatever M: the estimator's group statistics come from a no-grad pass over "
         "the rows first (one more forward), then the exact same gradient is taken this many rows at a time (a "
-        "Qwen3-MoE's load-balancing loss is per micro-batch: docs/moe.md), so training memory does not grow with M; null = micro_batch_size whole groups in one pass; auto = the most "
-        "rows nemo-jq plan's memory model fits on this GPU (nemo-jq train and dryrun resolve it, and say the number)",
+        "Qwen3-MoE's load-balancing loss is per micro-batch: docs/moe.md), so training memory does not grow with M; "
+        "null = micro_batch_size whole groups in one pass; auto = the most rows nemo-jq plan's memory model fits on "
+        "this GPU (nemo-jq train and dryrun resolve it, and say the number)",
         ge=1, choices=("auto",))
     max_steps: int | None = option(None, "stop after this many steps; null = all epochs", ge=1)
     seed: int = option(0, "every generator of the run (numpy's too: at most 2**32 - 1)", ge=0, le=LARGEST_SEED)

@@ -63,8 +63,8 @@ class Ratios:
         return torch.where(tokens > 0, log_sum - torch.log(tokens.clamp(min=1).to(log_sum.dtype)), 0.0)
 
     def metrics(self) -> dict[str, float]:
-        """The ratio's mean, min and max, and the share truncated or masked, over ``where`` (per sequence, or per
-        token for a token-level correction); and the effective sample size of each group's sample weights,
+        """The ratio's mean, min and max, the share truncated or masked and the ratios' mass truncated, over ``where``
+        (per sequence, or per token for a token-level correction); and the effective sample size of each group's sample weights,
         ``(Σw)² / Σw²`` over M, as a fraction of M: its mean over groups and the least (1/M: one sample holds the
         group's weight; 0: none does)."""
         where = torch.ones_like(self.keep, dtype=torch.bool) if self.where is None else self.where
@@ -73,8 +73,12 @@ class Ratios:
         ratio = torch.exp(self.log_ratio[where].clamp(max=80.0))
         truncated = (self.log_corrected < self.log_ratio) & (self.keep > 0)
         ess = effective_sample_fraction(self.sample_log_weight())
+        # the ratios' mass the cap took off, Σ(ρ − ρ̃)/Σρ (masked ones left out: the masked fraction counts them)
+        whole = ratio.double()
+        cut = (whole - torch.exp(self.log_corrected[where].double())) * truncated[where]
         return {"is_ratio_mean": ratio.mean().item(), "min_is_ratio": ratio.min().item(), "max_is_ratio": ratio.max().item(),
                 "is_truncated_fraction": truncated[where].float().mean().item(),
+                "is_truncated_mass": (cut.sum() / whole.sum()).item(),
                 "is_masked_fraction": (1 - self.keep[where]).mean().item(),
                 "is_ess_fraction": ess.mean().item(), "min_is_ess_fraction": ess.min().item()}
 

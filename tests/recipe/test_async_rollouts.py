@@ -129,7 +129,8 @@ def test_a_corrected_gradient_from_a_perturbed_sampler_is_closer_to_the_on_polic
         errors[correction] = float((gradient - on_policy).norm() / on_policy.norm())
         assert metrics["kl_k3"] > 0.1 and metrics["max_logprob_gap"] > 1.0  # the mismatch is reported either way
     assert errors[Correction("plain")] < 0.5 * errors[None]
-    assert {"is_ratio_mean", "min_is_ratio", "max_is_ratio", "is_truncated_fraction"} <= metrics.keys()
+    assert {"is_ratio_mean", "min_is_ratio", "max_is_ratio", "is_truncated_fraction",
+            "is_truncated_mass"} <= metrics.keys()
 
 
 @pytest.mark.slow

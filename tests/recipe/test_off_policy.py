@@ -253,6 +253,21 @@ def test_each_form_on_a_hand_computed_case(mode):
     check_the_hand_computed_case(mode, Correction(mode, cap=HAND[mode]["cap"]))
 
 
+def test_the_truncated_mass_is_the_share_of_the_ratios_the_cap_took_off():
+    """docs/off_policy.md §6 asks for Σ(ρ − ρ̃)/Σρ beside the truncated fraction: one ratio of 100 capped at 2 is a
+    quarter of four samples but nearly all their mass. Masked ratios count in Σρ, not in what was cut."""
+    rho = torch.tensor([[1.0, 100.0, 0.5, 3.0]], dtype=torch.float64)
+    metrics = Correction("truncate", cap=2.0).ratios(rho.log(), torch.zeros_like(rho)).metrics()
+    assert metrics["is_truncated_fraction"] == 0.5
+    assert metrics["is_truncated_mass"] == pytest.approx((98 + 1) / 104.5, rel=1e-12)
+    masked = Correction("mask", low=0.6, high=2.0).ratios(rho.log(), torch.zeros_like(rho)).metrics()
+    assert (masked["is_truncated_mass"], masked["is_masked_fraction"]) == (0.0, 0.75)
+    tokens = torch.tensor([[[2.0, 8.0, 1.0]]], dtype=torch.float64)  # per token, the third not sampled
+    where = torch.tensor([[[True, True, False]]])
+    per_token = Correction("token_truncate", cap=4.0).ratios(tokens.log(), torch.zeros_like(tokens), where).metrics()
+    assert per_token["is_truncated_mass"] == pytest.approx(4 / 10, rel=1e-12)
+
+
 class SumForTheGeometricMean(Correction):
     """Broken: the geometric form takes the sequence ratio (the tokens' sum, not their mean)."""
 
