@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -253,7 +253,13 @@ class MismatchWatch:
         self.warned_kl: float | None = None
         self.lagged_kls: list[float] = []
 
-    def __call__(self, result: StepResult) -> None:
+    def recall(self, results: Iterable[StepResult]) -> None:
+        """Go over a resumed run's steps before its checkpoint, saying nothing: it then warns as the run would have
+        without the stop (a lag's median from its steps before, no warning again below twice the KL said last)."""
+        for result in results:
+            self(result, say=False)
+
+    def __call__(self, result: StepResult, *, say: bool = True) -> None:
         from nemo_jq.runtime import distributed
 
         step, gap, kl = result.step, result.max_logprob_gap, result.kl_k3
@@ -269,6 +275,8 @@ class MismatchWatch:
         if not exceeded or (self.warned_kl is not None and kl <= 2 * self.warned_kl) or not distributed.is_writer():
             return
         self.warned_kl = max(kl, self.max_kl)
+        if not say:
+            return
         handled = (f"corrected by objective.importance={self.correction.mode}" if self.correction is not None else
                    f"uncorrected: objective.name={self.uncorrected_by} takes no correction" if self.uncorrected_by else
                    "uncorrected: set objective.importance (docs/off_policy.md), or check the engine's precision and refit")

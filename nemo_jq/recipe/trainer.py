@@ -410,3 +410,5 @@ class Trainer:
                               "(another train.run_dir)")
         self.state.course.apply(self.objective, self.policy, self.config)
         self.saved_step = self.state.step
+        self.mismatch.recall(StepResult.from_record(record["step"], record) for record in read_metrics(self.run_dir)
+                             if record["kind"] == "train" and record["step"] <= self.state.step)

@@ -75,6 +75,16 @@ def test_one_step_off_the_watch_says_only_what_the_lag_does_not_explain(capsys):
     line = capsys.readouterr().out
     assert line.startswith("warning: step 8:") and "KL(engine || policy) 1.5 per token (rollout.max_mismatch_kl=0.1, " \
         "5.45 times the 0.275 the one-step lag gave before)" in line and "corrected by" in line, line
+    # a resumed run's watch recalls the steps before its checkpoint (metrics.jsonl), saying nothing, and then says what
+    # the uninterrupted one does: it started afresh, and said every lagged step past the threshold again
+    resumed = MismatchWatch(config.rollout, Correction())
+    records = [{"kl_k3": 0.05, "max_logprob_gap": 0.5, "rollout_lag": 0},
+               *({"kl_k3": kl, "max_logprob_gap": 1.5, "rollout_lag": 1} for kl in [0.2, 0.3, 0.25, 0.22, 0.4])]
+    resumed.recall(StepResult.from_record(step, record) for step, record in enumerate(records, start=1))
+    resumed(StepResult.from_record(7, {"kl_k3": 0.3, "max_logprob_gap": 1.5, "rollout_lag": 1}))
+    assert capsys.readouterr().out == ""
+    resumed(StepResult.from_record(8, {"kl_k3": 1.5, "max_logprob_gap": 4.0, "rollout_lag": 1}))
+    assert "5.45 times the 0.275 the one-step lag gave before" in capsys.readouterr().out
     uncorrected = MismatchWatch(config.rollout, None)  # without a correction the lag is not by design: said at once
     uncorrected(StepResult.from_record(2, {"kl_k3": 0.2, "max_logprob_gap": 1.5, "rollout_lag": 1}))
     assert "uncorrected" in capsys.readouterr().out
@@ -208,6 +218,8 @@ def test_an_interrupted_one_step_off_run_resumes_exactly(tmp_path):
     assert in_sequence(make_trainer(tmp_path, *overrides, name="b")).fit(max_steps=3) == {"step": 3}
     resumed = in_sequence(Trainer.resume(tmp_path / "b"))
     assert resumed.ahead.pending is not None  # the checkpoint carried the rollouts sampled ahead
+    lagged = [record["kl_k3"] for record in train_records(tmp_path / "b") if record.get("rollout_lag")]
+    assert len(lagged) == 2 and resumed.mismatch.lagged_kls == lagged  # its watch recalled the steps before
     resumed.fit()
     assert train_records(tmp_path / "a") == train_records(tmp_path / "b")
 
