@@ -218,8 +218,8 @@ def split_threads(threads: int) -> tuple[int, int]:
 
 def mismatch_metrics(policy_logprobs: torch.Tensor, batch: TokenBatch) -> dict[str, float]:
     """How far the policy that sampled the rollouts is from the one trained, over the sampled tokens the engine
-    scored: the mean and largest |engine − policy| log-prob, and ``kl_k3``, the k3 estimate of KL(engine ‖ policy)
-    per token (unbiased under the engine's samples, each term >= 0)."""
+    scored (``scored_tokens``): the mean and largest |engine − policy| log-prob, and ``kl_k3``, the k3 estimate of
+    KL(engine ‖ policy) per token (unbiased under the engine's samples, each term >= 0)."""
     if batch.engine_logprobs is None:
         return {}
     engine = batch.engine_logprobs.to(policy_logprobs.device)
@@ -228,7 +228,7 @@ def mismatch_metrics(policy_logprobs: torch.Tensor, batch: TokenBatch) -> dict[s
         return {}
     gaps = (policy_logprobs - engine)[scored].abs()
     return {"logprob_gap": float(gaps.mean()), "max_logprob_gap": float(gaps.max()),
-            "kl_k3": float(k3_kl(policy_logprobs, engine, scored))}
+            "kl_k3": float(k3_kl(policy_logprobs, engine, scored)), "scored_tokens": int(scored.sum())}
 
 
 class MismatchWatch:

@@ -68,7 +68,7 @@ def estimator_gradient(parts: Components, estimator: ObjectiveSpec, options: Any
 #: would overwrite it or be overwritten, and a run's ``step`` or ``kind`` so written loses its history on resume
 #: (tests/e2e/test_extending.py holds it to a trained step's record).
 RECORD_KEYS = frozenset({"kind", "step", "epoch", "q", "loss", "train_reward", "step_time", "gpu_peak_gib", "grad_norm",
-                         "lr", "logprob_gap", "max_logprob_gap", "kl_k3", "rollout_lag", "rollout_tokens",
+                         "lr", "logprob_gap", "max_logprob_gap", "kl_k3", "scored_tokens", "rollout_lag", "rollout_tokens",
                          "rollout_tokens_per_s", "sync_bytes", "sync_buckets", "sync_seconds"})
 
 

@@ -367,17 +367,27 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
         plt.close(fig)
 
 
+#: Means over tokens, and the count of tokens each is over (itself a metric): merged weighted by that count, as one
+#: mean over the step's tokens (a micro-batch of long rows holds more of them than its prompts say), the count summed.
+TOKEN_MEANS = {"logprob_gap": "scored_tokens", "kl_k3": "scored_tokens"}
+
+
 def merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     """Prompt-weighted means of ``(prompts, metrics)`` pairs (micro-batches'), each over the micro-batches that
-    report it; ``max_*`` metrics take the maximum, ``min_*`` the minimum."""
+    report it; ``max_*`` metrics take the maximum, ``min_*`` the minimum, and :data:`TOKEN_MEANS` are weighted by
+    their tokens."""
     keys = dict.fromkeys(key for _, metrics in micro_metrics for key in metrics)
+    counts = set(TOKEN_MEANS.values())
     merged: dict[str, float] = {}
     for key in keys:
-        values = [(n, m[key]) for n, m in micro_metrics if key in m]
+        count = TOKEN_MEANS.get(key)
+        values = [(m[count] if count in m else n, m[key]) for n, m in micro_metrics if key in m]
         if key.startswith("max_"):
             merged[key] = max(v for _, v in values)
         elif key.startswith("min_"):
             merged[key] = min(v for _, v in values)
+        elif key in counts:
+            merged[key] = sum(v for _, v in values)
         else:
             merged[key] = sum(n * v for n, v in values) / sum(n for n, _ in values)
     return merged

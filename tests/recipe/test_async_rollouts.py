@@ -47,6 +47,10 @@ def test_micro_batch_metrics_merge_by_kind():
     merged = merge_metrics([(1, {"loss": 1.0, "max_is_ratio": 2.0, "min_is_ratio": 0.5}),
                             (3, {"loss": 3.0, "max_is_ratio": 1.5, "min_is_ratio": 0.8, "kl_k3": 0.25})])
     assert merged == {"loss": 2.5, "max_is_ratio": 2.0, "min_is_ratio": 0.5, "kl_k3": 0.25}  # kl: the one reporting it
+    # per-token means by their tokens: one prompt's 100 scored tokens beside another's 300 (by prompts: 0.25)
+    merged = merge_metrics([(1, {"kl_k3": 0.1, "logprob_gap": 0.2, "scored_tokens": 100, "loss": 1.0}),
+                            (1, {"kl_k3": 0.4, "logprob_gap": 0.6, "scored_tokens": 300, "loss": 3.0})])
+    assert merged == pytest.approx({"kl_k3": 0.325, "logprob_gap": 0.5, "scored_tokens": 400, "loss": 2.0}, rel=1e-12)
 
 
 def test_the_mismatch_warning_says_what_and_repeats_only_when_the_kl_doubles(capsys):
