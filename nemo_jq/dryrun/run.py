@@ -144,7 +144,8 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int | None = None
         prompt_tokens = max(1, min(PROMPT_TOKENS, context - rollout.max_thinking_tokens - 1 - rollout.max_answer_tokens))
     check_context(config, prompt_tokens, context, where)
     check_vllm_share(config, prompt_tokens, gpu)
-    check_one_process(config, 1 if config.model.backend != "megatron" else world_size or config.megatron.replica_size)
+    world_size = world_size or config.megatron.replica_size
+    check_one_process(config, 1 if config.model.backend != "megatron" else world_size)
     separate = config.rollout.placement == "separate"
     config = copy.deepcopy(config)
     if separate:  # a training rank holds the same with rollouts sampled a step ahead: token ids, sent by the rollout ranks
@@ -153,7 +154,7 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int | None = None
     report = {"gpu": asdict(gpu), "usable_gib": usable, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps}
     if config.train.micro_batch_rows == "auto":  # as nemo-jq train resolves it on this GPU (whole groups: no Qwen3 size)
         config.train.micro_batch_rows = auto_micro_batch_rows(
-            config, prompt_tokens, gpu.memory_gib, world_size or config.megatron.replica_size, headroom)[0] \
+            config, prompt_tokens, gpu.memory_gib, world_size, headroom)[0] \
             if config.model.path else None
         report["micro_batch_rows"] = config.train.micro_batch_rows
     if config.model.backend != "megatron":
@@ -166,7 +167,6 @@ def dry_run(config: Config, gpu: GpuProfile, *, prompt_tokens: int | None = None
         from nemo_jq.dryrun import megatron
 
         layout = config.megatron
-        world_size = world_size or layout.replica_size
         layout.validate(world_size=world_size, processes_from="nemo-jq dryrun --gpus")  # before its ranks are named
         ranks = sorted(set(ranks)) if ranks else megatron.default_ranks(config, world_size)
         megatron.check_ranks(config, ranks, world_size)
