@@ -638,9 +638,13 @@ def vllm_share_short(arch: Qwen3Architecture, work: Workload, share: float) -> s
     least = vllm_least_bytes(arch, work)
     if share >= least:
         return None
-    return (f"a larger rollout.vllm_memory_utilization or rollout.tensor_parallel: vLLM's share holds less than its "
-            f"engine's {'bf16' if work.autocast else 'fp32'} weights and one sequence's keys and values ({least / GiB:.1f} GiB a GPU at "
-            f"rollout.tensor_parallel={work.vllm_tensor_parallel}), and vLLM refuses to start")
+    # beside the training's state a GPU holds (colocated) a large model's engine may have no share that starts
+    apart = "" if work.rollout_ranks else (", or rollout.placement=separate with rollout.ranks (vLLM on GPUs of its own, "
+                                           "none of the training's state beside it)")
+    return (f"a larger rollout.vllm_memory_utilization or rollout.tensor_parallel{apart}: vLLM's share holds less than "
+            f"its engine's {'bf16' if work.autocast else 'fp32'} weights and one sequence's keys and values "
+            f"({least / GiB:.1f} GiB a GPU at rollout.tensor_parallel={work.vllm_tensor_parallel}), and vLLM refuses to "
+            "start")
 
 
 def vllm_bytes(arch: Qwen3Architecture, work: Workload, gpu_gb: float) -> float:

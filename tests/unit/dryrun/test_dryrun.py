@@ -339,7 +339,7 @@ def test_a_vllm_share_without_room_for_its_weights_and_a_sequence_is_refused_as_
     paper = str(Path(__file__).resolve().parents[3] / "configs" / "qwen3_8b" / "finqa_cold_grpo.yaml")
     one_line_error(main(["dryrun", "--config", paper, "rollout.vllm_memory_utilization=0.15"]), capsys.readouterr().err,
                    "rollout.engine=vllm does not start on the H100 80GB", "a larger rollout.vllm_memory_utilization",
-                   "16.0 GiB a GPU at rollout.tensor_parallel=1")
+                   "or rollout.placement=separate with rollout.ranks", "16.0 GiB a GPU at rollout.tensor_parallel=1")
     assert main(["plan", "--config", paper, "rollout.vllm_memory_utilization=0.15"]) == 1
     assert "nothing fits" in capsys.readouterr().out.split("16.0 GiB a GPU at rollout.tensor_parallel=1")[0]
 
