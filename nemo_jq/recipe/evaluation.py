@@ -84,12 +84,11 @@ class EvaluationStopped(Exception):
 
 def memorised(task: Task, noisy: Sequence[Example], outputs: Sequence[Sequence[str]]) -> list[bool]:
     """Whether each noisy example's (first) output reproduces its corrupted label: correct by the task's rule
-    against the corrupted label and not against the clean one (``meta[CLEAN_ANSWER]``), so an output naming
-    both does not count."""
-    from nemo_jq.data.noise import CLEAN_ANSWER
+    against the corrupted label and not against the clean example (``noise.clean_of``: its answer, aliases and
+    meta), so an output naming both does not count."""
+    from nemo_jq.data.noise import clean_of
 
-    return [correct_of(task, samples[0], example)
-            and not correct_of(task, samples[0], Example(example.id, example.question, example.meta[CLEAN_ANSWER]))
+    return [correct_of(task, samples[0], example) and not correct_of(task, samples[0], clean_of(example))
             for example, samples in zip(noisy, outputs)]
 
 
@@ -107,12 +106,12 @@ def chance_memorised(task: Task, train: Sequence[Example], noisy: Sequence[Examp
     import dataclasses
     import random
 
-    from nemo_jq.data.noise import CLEAN_ANSWER
+    from nemo_jq.data.noise import CLEAN_ANSWER, clean_of
 
     pool = sorted({example.meta.get(CLEAN_ANSWER, example.answer) for example in train})
     shares = []
     for example, samples in zip(noisy, outputs):
-        clean = dataclasses.replace(example, answer=example.meta[CLEAN_ANSWER])
+        clean = clean_of(example)
         if correct_of(task, samples[0], clean):  # memorised never counts an output naming the clean answer
             shares.append(0.0)
             continue

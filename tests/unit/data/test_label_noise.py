@@ -31,6 +31,34 @@ def test_exactly_the_rounded_share_is_corrupted_each_with_a_wrong_label(size, ra
             assert after == before
 
 
+def test_a_corrupted_finqa_label_pays_only_the_wrong_answer_it_now_has():
+    """FinQA's reward accepts its row's executed answer (``exe_ans``) too: a corrupted row kept the clean one in its
+    meta, so the clean answer still earned the reward against the wrong label, and memorisation counted it."""
+    from pathlib import Path
+
+    from nemo_jq.data.answers import executed_number
+    from nemo_jq.data.noise import clean_of
+    from nemo_jq.data.qa import FinQA
+    from nemo_jq.data.sources import read_rows
+
+    task = FinQA()
+    rows = Path(__file__).resolve().parents[2] / "fixtures" / "real" / "finqa_dev.json"
+    examples = [task.parse(row) for _, row in read_rows(rows)]
+    noisy = noisy_examples(corrupt_labels(examples, 0.5, 0, task))
+    assert len(noisy) >= 4
+    for example in noisy:
+        clean = clean_of(example)
+        assert clean == next(e for e in examples if e.id == example.id) and "exe_ans" not in example.meta
+        executed = executed_number(clean.meta["exe_ans"])
+        written = [] if executed is None else [f"{executed}", f"{100 * executed:.2f}%"]
+        for answer in (clean.answer, *written):  # the clean answer, however written
+            if not task.reward(answer, clean):
+                continue
+            assert task.reward(answer, example) == 0.0, (example.answer, answer)
+            assert memorised(task, [example], [[answer]]) == [False]
+        assert task.reward(example.answer, example) == 1.0 and memorised(task, [example], [[example.answer]]) == [True]
+
+
 def test_the_corrupted_set_follows_the_seed():
     train = TASK.splits(200, 1, 1, seed=0).train
     ids = [{e.id for e in noisy_examples(corrupt_labels(train, 0.2, seed, TASK))} for seed in (0, 0, 1)]
