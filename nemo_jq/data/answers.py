@@ -44,7 +44,9 @@ _NUMBER_RUN = re.compile(rf"\d+(?:{_MARK}+\d+)+")
 _MARKS = re.compile(rf"{_MARK}+")
 _GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _LEADING_POINT = re.compile(r"(?<![\w.])\.(?=\d)")  # not a second point (``1..2`` read as ``10.2``)
-_SIGN = re.compile(r"(?<![\w-])-(?=\d)")  # not a second minus (``--5`` read as ``-5``)
+# a minus before digits, or before a dollar sign or spaces and then digits (``-$2.40``, ``- 5``: what lies between
+# goes, as a ``$`` does anywhere); not a second minus (``--5`` read as ``-5``)
+_SIGN = re.compile(r"(?<![\w-])-\s*(?:\$\s*)?(?=\d)")
 _PERCENT = re.compile(r"(?<=\d)\s*%")
 
 
@@ -83,12 +85,27 @@ def extract_final_answer(output: str) -> str:
     """
     boxed = _last_boxed(output)
     if boxed is not None:
-        return _unwrap(boxed)
+        return _unlatex(_unwrap(boxed))
     lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
     if not lines:
         return ""
     line = lines[-1].replace("**", "").replace("__", "").strip()
-    return _unwrap(_LABEL.sub("", line))
+    return _unlatex(_unwrap(_LABEL.sub("", line)))
+
+
+#: LaTeX's spellings of what an answer means (``\boxed{14.1\%}``, ``\$2.40``, ``1{,}000``, ``1\,000``).
+_LATEX = (("\\%", "%"), ("\\$", "$"), ("{,}", ","), ("\\,", ""), ("\\ ", " "))
+
+
+def _unlatex(text: str) -> str:
+    """An answer written in LaTeX as it reads: its escapes as the marks they stand for, and math delimiters
+    (``$…$``, ``\\(…\\)``) around the whole of it gone."""
+    for latex, plain in _LATEX:
+        text = text.replace(latex, plain)
+    for left, right in (("$", "$"), ("\\(", "\\)")):
+        if len(text) > len(left) + len(right) and text.startswith(left) and text.endswith(right):
+            text = text[len(left) : len(text) - len(right)].strip()
+    return text
 
 
 def _last_boxed(text: str) -> str | None:

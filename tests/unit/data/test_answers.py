@@ -67,10 +67,14 @@ def test_finqa_no_integer_output_matches_zero_percent_but_zero():
         ("-$2.40", "-2.40", -2.4),
         ("($2.40)", "-2.40", -2.4),
         ("−2.4", "-2.40", -2.4),         # unicode minus, and 2.4 lies within half a cent of -2.40
+        ("\\boxed{14.1\\%}", "14.1%", 0.141),  # as Qwen3 writes it in LaTeX (it earned nothing)
+        ("$14.1\\%$", "14.1%", 0.141),
+        ("\\boxed{-\\$2.40}", "-2.40", -2.4),
+        ("\\boxed{1{,}000}", "1000", 1000.0),
     ],
 )
 def test_finqa_right_numbers_in_other_forms_earn_reward(output, gold, executed):
-    assert finqa_answer_match(output, gold, executed)
+    assert finqa_answer_match(extract_final_answer(output), gold, executed)
 
 
 @pytest.mark.parametrize(
@@ -87,6 +91,13 @@ def test_finqa_right_numbers_in_other_forms_earn_reward(output, gold, executed):
         ("The answer is Paris", "The answer is Paris"),         # prose stays prose
         ("Answer: **Paris** is the capital", "Paris is the capital"),
         ("\\boxed{unclosed", "\\boxed{unclosed"),
+        ("\\boxed{14.1\\%}", "14.1%"),  # LaTeX's escapes and math delimiters read as what they stand for
+        ("so it is $14.1\\%$\nAnswer: $14.1\\%$", "14.1%"),
+        ("\\boxed{\\$2.40}", "$2.40"),
+        ("\\boxed{1{,}000}", "1,000"),
+        ("\\boxed{1\\,000}", "1000"),
+        ("Answer: \\(3.5\\)", "3.5"),
+        ("Answer: $5", "$5"),
         ("", ""),
     ],
 )
@@ -302,14 +313,16 @@ def test_property_a_text_answers_number_earns_the_reward_only_at_the_golds_value
                         (".", "0.5"), ("", "5"), ("10:30", "1030"), ("555-1234", "5551234"), ("1-2", "12"),
                         ("1+2", "12"), ("3-1", "31"), ("20-24", "2024"), ("1,2,3", "123"), ("1.2.3", "123"),
                         ("1,0,0,0", "1000"), ("1-000", "1000"), ("50", "50%"), ("20100305", "2010-03-05"),
-                        ("2010-0305", "2010-03-05")):
+                        ("2010-0305", "2010-03-05"), ("-$2.40", "$2.40"), ("$2.40", "-$2.40"), ("2.40", "-$2.40"),
+                        ("- 5", "5"), ("\u2212$3", "3"), ("-$ 3", "3")):  # a sign before $ or a space was dropped
         assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 0.0, (guess, gold)
         assert not task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)
     for guess, gold in (("12%", "12"), ("1000%", "1000")):  # evaluation's substring match finds the number's token
         assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 0.0, (guess, gold)
     for guess, gold in (("1,000", "1000"), ("1,234.5", "1234.5"), (".5", "0.5"), ("\u22123", "-3"), ("$5", "5"),
                         ("3.14.", "3.14"), ("2010-03-05", "2010/03/05"), ("5/3/2010", "5-3-2010"), ("10:30", "10:30"),
-                        ("12%", "12 percent"), ("12 %", "12%")):
+                        ("12%", "12 percent"), ("12 %", "12%"), ("-$2.40", "-2.40"), ("$-2.40", "-$2.40"),
+                        ("- 5", "-5")):
         assert task.reward(f"Answer: {guess}", Example("m", "q", gold)) == 1.0, (guess, gold)  # a date's marks may differ
         assert task.is_correct(f"It is {guess}.", Example("m", "q", gold)), (guess, gold)
     # a piece of a date, a score or a list is not the gold (splitting it into words made each piece a hit)
