@@ -339,11 +339,18 @@ class CustomQA(QATask):
 
     def __post_init__(self) -> None:
         try:
-            self.template.format(question="", context="")
-        except (KeyError, IndexError, ValueError) as err:
+            fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(self.template)
+                      if name is not None]
+        except ValueError as err:
             raise ValueError(f"prompt template {self.template!r} may only use {{question}} and {{context}} (a brace of "
                              f"its own written {{{{ or }}}}): {err}") from None
-        if "{question}" not in self.template:  # every prompt would be the same
+        odd = next((field for field in fields if field[0] not in ("question", "context") or field[1] or field[2]), None)
+        if odd is not None:  # an attribute, an index, a format spec or a conversion: {context.__class__} formats
+            name, spec, conversion = odd
+            written = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(f"prompt template {self.template!r} may only use {{question}} and {{context}} as they are "
+                             f"(a brace of its own written {{{{ or }}}}); got {written}")
+        if not any(name == "question" for name, _, _ in fields):  # every prompt would be the same
             raise ValueError(f"prompt template {self.template!r} does not use {{question}}: every prompt would be the "
                              "same; put {question} where the question goes")
         self.warm_system = self.system

@@ -74,6 +74,8 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
                     rows.append((number, json.loads(line, parse_float=WrittenFloat)))
                 except json.JSONDecodeError as err:
                     rows.append((number, UnreadableRow(f"not valid JSON ({err.msg} at column {err.colno})")))
+                except (ValueError, RecursionError) as err:  # a number of over 4300 digits, nesting past the stack
+                    rows.append((number, UnreadableRow(f"not JSON this reader takes ({_unreadable(err)})")))
         return rows
     if path.suffix == ".json":
         data = _load_json(path)
@@ -124,6 +126,13 @@ def _load_json(path: Path) -> Any:
         return json.loads(text, parse_float=WrittenFloat)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); fix the file there") from None
+    except (ValueError, RecursionError) as err:
+        raise ValueError(f"{path}: not JSON this reader takes ({_unreadable(err)}); fix the file") from None
+
+
+def _unreadable(err: Exception) -> str:
+    """Why valid JSON syntax was not read: an integer too long for Python to convert, or nesting too deep."""
+    return "arrays or objects nested too deep" if isinstance(err, RecursionError) else str(err).split(";")[0]
 
 
 def read_hub(name: str, config: str | None, split: str) -> tuple[list[dict[str, Any]], str]:

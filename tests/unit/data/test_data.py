@@ -1,6 +1,7 @@
 """FinQA, HotPotQA, MuSiQue and custom JSONL: parsing, formats, caps, splits, scoring, bad rows."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -263,6 +264,14 @@ def test_custom_jsonl_with_a_template(tmp_path):
         CustomQA(template="{question} {")
     with pytest.raises(ValueError, match="does not use {question}: every prompt would be the same"):
         CustomQA(template="Answer this.")  # it was taken, and every prompt was one
+    # each passed the check: every prompt the literal text {question}, or the context's type name beside it
+    with pytest.raises(ValueError, match="does not use {question}"):
+        CustomQA(template="{{question}}")
+    for template, field in (("{question}{context.__class__}", "{context.__class__}"), ("{question!r}", "{question!r}"),
+                            ("{question:>9}", "{question:>9}"), ("{question} {0}", "{0}"), ("{question} {}", "{}")):
+        with pytest.raises(ValueError, match=f"may only use {{question}} and {{context}} as they are .*got {re.escape(field)}"):
+            CustomQA(template=template)
+    assert CustomQA(template="{question} {{literal}}").template == "{question} {{literal}}"
 
 
 def test_trainer_runs_on_a_prepared_dataset(tmp_path):
@@ -356,6 +365,8 @@ def _edit_first_row(path, edit):
     (lambda row: json.dumps({**row, "question": " "}), "empty 'question'"),
     (lambda row: json.dumps({**row, "answer": "!!!"}), "'answer' '!!!' is empty once normalised"),
     (lambda row: '{"id": ', "not valid JSON"),
+    (lambda row: "[" * 100_000 + "]" * 100_000, "not JSON this reader takes (arrays or objects nested too deep)"),
+    (lambda row: json.dumps(row)[:-1] + ', "n": ' + "9" * 5000 + "}", "not JSON this reader takes (Exceeds the limit"),
 ])
 def test_a_hand_edited_prepared_row_is_one_line_naming_file_row_and_fix(tmp_path, capsys, edit, problem):
     """Training on a prepared folder edited into another shape used to end in a TypeError deep in the run."""
