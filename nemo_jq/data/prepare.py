@@ -154,6 +154,7 @@ def prepare(
         "max_input_chars": task.max_input_chars, "on_bad_row": on_bad_row, "sizes": plan, "sources": {},
     }
     ids_of: dict[str, dict[str, list[int]]] = {}
+    asked_in: dict[str, dict[tuple[str, str | None], list[tuple[int, str]]]] = {}
     for names in dict.fromkeys(source_of.values()):
         rows, origin = _read_source_split(task, source, hub_config, names, options)
         entry = {**origin, "rows": len(rows), "bad": [], "over_cap": []}
@@ -194,12 +195,13 @@ def prepare(
         warn_repeated_questions(where, rows_asking)
         warn_empty_fields(where, task, empty, options)
         warn_unread_keys(where, read_keys, unread)
-        ids_of[where] = rows_of
+        ids_of[where], asked_in[where] = rows_of, rows_asking
         random.Random(f"{seed}:{names[0]}").shuffle(pool)
         pools[names] = pool
         entry.update(eligible=len(pool), selected={}, unused=len(pool), reference_sources=dict(sources))
         manifest["sources"][names[0]] = entry
     warn_shared_ids(ids_of)
+    warn_shared_questions(asked_in)
 
     chosen: dict[str, list[Example]] = {}
     for target in SPLITS:
@@ -332,6 +334,19 @@ def warn_shared_ids(ids_of: dict[str, dict[str, list[int]]]) -> None:
             print(f"nemo-jq: warning: {first} and {second}: {len(shared)} example id(s) in both: {', '.join(shared[:5])}"
                   f"{'; ...' if len(shared) > 5 else ''}: a row in both can be drawn into two prepared splits "
                   "(leakage); remove them from one of the files", file=sys.stderr)
+
+
+def warn_shared_questions(asked_in: dict[str, dict[Any, list[tuple[int, str]]]]) -> None:
+    """Say which rows of two source split files ask the same question (and context) under other ids (a row copied
+    from one file into the other, without ids: each took its file's own): drawn into train and test, a leak no id
+    shows (:func:`warn_shared_ids` names those with one id)."""
+    for (first, first_asks), (second, second_asks) in itertools.combinations(asked_in.items(), 2):
+        shared = [rows[0][0] for asked, rows in first_asks.items() if asked in second_asks
+                  and not {row_id for _, row_id in rows} & {row_id for _, row_id in second_asks[asked]}]
+        if shared:
+            print(f"nemo-jq: warning: {first} and {second}: {len(shared)} question(s) in both, under other ids (rows "
+                  f"{', '.join(map(str, shared[:5]))}{', ...' if len(shared) > 5 else ''} of the first): a row in both "
+                  "can be drawn into two prepared splits (leakage); remove them from one of the files", file=sys.stderr)
 
 
 def warn_empty_fields(source: str, task: QATask, empty: dict[str, list[int]], options: OptionNames) -> None:

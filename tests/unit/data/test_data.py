@@ -632,7 +632,14 @@ def test_ids_shared_between_source_split_files_are_named(tmp_path, capsys):
     prepare(make_task("jsonl"), str(tmp_path), (4, 2, 2), seed=0)
     err = capsys.readouterr().err
     assert f"{train} and {validation}: 8 example id(s) in both: q0, q1, q2, q3, q4; ..." in err
-    assert "remove them from one" in err and len(err.splitlines()) == 1
+    assert "remove them from one" in err and len(err.splitlines()) == 1  # the questions alike too: said once
+    # rows without ids, copied from one file into the other: each took its file's own id, and nothing was said
+    _write_jsonl(tmp_path / "train.jsonl", [{k: v for k, v in row.items() if k != "id"} for row in _questions(8)])
+    _write_jsonl(tmp_path / "validation.jsonl", [{k: v for k, v in row.items() if k != "id"} for row in _questions(8)][2:])
+    prepare(make_task("jsonl"), str(tmp_path), (4, 2, 2), seed=0)
+    err = capsys.readouterr().err
+    assert f"{train} and {validation}: 6 question(s) in both, under other ids (rows 3, 4, 5, 6, 7, ... of the first)" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_a_jsonl_source_that_is_not_a_local_file_fails_at_once(monkeypatch, tmp_path, capsys):
