@@ -29,6 +29,17 @@ def add_parser(commands) -> None:
     generate.set_defaults(run=run)
 
 
+def is_override(word: str) -> bool:
+    """Whether ``word`` is a ``section.key=value`` override of a config section (or ``plugins=``)."""
+    import dataclasses
+
+    from nemo_jq.cli import OVERRIDE_WORD
+    from nemo_jq.config import Config
+
+    return bool(OVERRIDE_WORD.match(word)) and word.split(".", 1)[0].split("=", 1)[0] in {
+        field.name for field in dataclasses.fields(Config)}
+
+
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.cli.evaluate import load
     from nemo_jq.data import Example
@@ -39,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.question.strip():
         raise ValueError("the question is empty: give it as the run's task states its questions, e.g. "
                          'nemo-jq generate RUN_DIR "3+4+5" (as the synthetic task states them)')
+    if is_override(args.question):  # the question left out: the first override took its place, and was sampled
+        raise ValueError(f"the question is missing ({args.question} is an override): give it before the overrides, "
+                         f'e.g. nemo-jq generate {args.checkpoint} "3+4+5" {" ".join([args.question, *args.overrides])}')
     answer = "" if args.answer is None else reference_answer(args.answer)
     loaded = load(args)
     parts, selected = loaded.components, loaded.selected

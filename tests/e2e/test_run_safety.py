@@ -363,6 +363,10 @@ def test_generate_refuses_a_question_or_answer_no_sample_could_be_scored_against
     for question in ("", "  "):
         code, _, err = run_cli(capsys, "generate", run_dir, question)
         one_line_error(code, err, "the question is empty")
+    # the question left out: the first override was taken for it and sampled, at the run's own temperature
+    code, _, err = run_cli(capsys, "generate", run_dir, "rollout.temperature=0.5", "rollout.max_thinking_tokens=4")
+    one_line_error(code, err, "the question is missing (rollout.temperature=0.5 is an override)",
+                   f'nemo-jq generate {run_dir} "3+4+5" rollout.temperature=0.5 rollout.max_thinking_tokens=4')
     code, _, err = run_cli(capsys, "generate", run_dir, "3+4+5", "--answer", " ")
     one_line_error(code, err, "empty '--answer'", "leave --answer out")
     code, _, err = run_cli(capsys, "generate", run_dir, "3+4+5", "--answer", "?!")
