@@ -13,7 +13,7 @@ import torch
 from nemo_jq.data.chat import ChatFormat
 from nemo_jq.models.common import WEIGHTS_FILE, quiet_weight_files
 from nemo_jq.runtime.monitor import read_json_file
-from nemo_jq.runtime.outputs import STAGED_INSIDE
+from nemo_jq.runtime.outputs import LOCK_FILE, STAGED_INSIDE
 from nemo_jq.typed import first_few
 
 #: Marks a folder as written by ``HFPolicy.export`` and lists its files, so a later export may replace them.
@@ -35,7 +35,7 @@ def files_of_earlier_export(out_dir: Path) -> list[str]:
     if out_dir.is_symlink() and not out_dir.exists():
         raise ValueError(f"export target {out_dir} is a link to {os.readlink(out_dir)}, which does not exist: make that "
                          "folder, or choose another --out")
-    present = {path.name for path in out_dir.iterdir()} - {STAGED_INSIDE} if out_dir.exists() else set()
+    present = {path.name for path in out_dir.iterdir()} - {STAGED_INSIDE, LOCK_FILE} if out_dir.exists() else set()
     if not present:
         return []
     marker = out_dir / EXPORT_MARKER
@@ -156,6 +156,6 @@ def _export(out_dir: Path, tokenizer: Any, config: Any, write_weights: Callable[
     finally:
         tokenizer.chat_template = original_template
 
-    written = sorted(path.name for path in out_dir.iterdir() if path.name != EXPORT_MARKER)
+    written = sorted(path.name for path in out_dir.iterdir() if path.name not in (EXPORT_MARKER, LOCK_FILE))  # staged's
     (out_dir / EXPORT_MARKER).write_text(json.dumps({"files": written}, indent=2) + "\n")
     make_readable(out_dir)

@@ -60,14 +60,17 @@ def staged(folder: Path, *, last: str, replaces: tuple[str, ...] | list[str] = (
     beside = not folder.is_dir() or (os.access(folder.parent, os.W_OK) and os.access(folder, os.W_OK)
                                      and folder.stat().st_dev == folder.parent.stat().st_dev)
     staging = folder.parent / f".{folder.name}.partial" if beside else folder / STAGED_INSIDE
-    if writes:
+    if writes:  # held while written: a second write of the folder deleted the first's staged files and mixed them
+        if (holder := holder_of(staging)) is not None:
+            raise RunDirInUse(f"{folder} is being written now by another process ({holder}): wait for it to end, or "
+                              "write elsewhere")
         shutil.rmtree(staging, ignore_errors=True)  # a killed write's
-        staging.mkdir(parents=True)
+        hold_run_dir(staging)
     try:
         yield staging
     except BaseException:
         if writes:
-            shutil.rmtree(staging, ignore_errors=True)
+            _drop_staging(staging)
         raise
     if writes:
         with signals_held():
@@ -75,10 +78,17 @@ def staged(folder: Path, *, last: str, replaces: tuple[str, ...] | list[str] = (
                 folder.mkdir(parents=True, exist_ok=True)
                 for name in replaces:
                     (folder / name).unlink(missing_ok=True)
-                for name in sorted((path.name for path in staging.iterdir()), key=lambda name: name == last):
+                written = (path.name for path in staging.iterdir() if path.name != LOCK_FILE)
+                for name in sorted(written, key=lambda name: name == last):
                     os.replace(staging / name, folder / name)
             finally:  # a move that fails (a full disk, a name taken meanwhile) leaves no copy of the whole write behind
-                shutil.rmtree(staging, ignore_errors=True)
+                _drop_staging(staging)
+
+
+def _drop_staging(staging: Path) -> None:
+    """Let go of :func:`staged`'s folder and delete it."""
+    release_run_dir(staging)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 #: The name :func:`move_aside` gives a folder it moves: ``NAME.old-YYYYmmdd-HHMMSS[-N]``.

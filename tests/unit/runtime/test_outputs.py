@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
+from doc_pages import ROOT
 
-from nemo_jq.runtime.outputs import staged
+from nemo_jq.runtime.outputs import RunDirInUse, staged
 
 
 def test_a_move_into_the_folder_that_fails_leaves_no_copy_of_the_write_beside_it(tmp_path, monkeypatch):
@@ -30,3 +33,26 @@ def test_a_move_into_the_folder_that_fails_leaves_no_copy_of_the_write_beside_it
     with staged(folder, last="b.txt") as staging:  # the next write of it
         (staging / "b.txt").write_text("b")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["exported"] and (folder / "b.txt").read_text() == "b"
+
+
+def test_a_second_write_of_a_folder_being_written_is_refused_naming_the_writer(tmp_path):
+    """Two writes of one folder (two exports to one --out) shared its staging folder: the second deleted the first's
+    files, and the first moved the second's half-written ones in, marked whole. The first write's files stand."""
+    folder = tmp_path / "exported"
+    script = tmp_path / "writer.py"
+    script.write_text("import sys\nfrom pathlib import Path\nfrom nemo_jq.runtime.outputs import staged\n\n"
+                      "with staged(Path(sys.argv[1]), last='b.txt') as staging:\n"
+                      "    (staging / 'a.txt').write_text('first')\n    print('writing', flush=True)\n"
+                      "    sys.stdin.read()\n    (staging / 'b.txt').write_text('first')\n")
+    writer = subprocess.Popen([sys.executable, script, folder], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+        with pytest.raises(RunDirInUse, match=f"{folder} is being written now by another process \\(pid {writer.pid} "):
+            with staged(folder, last="b.txt") as staging:
+                (staging / "b.txt").write_text("second")
+    finally:
+        writer.communicate("", timeout=60)
+    assert writer.returncode == 0 and {path.name: path.read_text() for path in folder.iterdir()} == {
+        "a.txt": "first", "b.txt": "first"}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["exported", "writer.py"]
