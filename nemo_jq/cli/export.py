@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jq.runtime.outputs import staged
     from nemo_jq.runtime.runs import MODEL_CARD, model_card, select_checkpoint
 
-    run_dir = select_checkpoint(args.checkpoint, args.step).run_dir  # --out checked before minutes of loading
+    chosen = select_checkpoint(args.checkpoint, args.step).describe()  # --out checked before minutes of loading
     earlier = earlier_source(args.out)
-    if earlier and Path(earlier.get("run_dir", "")) != Path(run_dir):  # a run may start from it (model.path)
+    if earlier and not same_run(earlier, chosen):  # a run may start from it (model.path)
         raise FileExistsError(f"--out {args.out} holds the export of another run ({earlier.get('run_dir')}, step "
                               f"{earlier.get('step')}): choose another --out, or move that export away first")
     replaces = files_of_earlier_export(args.out)
@@ -51,6 +51,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"exported step {selected.step} of {selected.run_dir} ({selected.why}) to {args.out}"
               + (f", replacing its export of step {earlier.get('step')}" if earlier else ""))
     return 0
+
+
+def same_run(earlier: dict, chosen: dict) -> bool:
+    """Whether an export's source and a chosen checkpoint are one run's: the folder and, where both checkpoints name
+    one, the run's id (another run started in the folder, ``--overwrite``, is another); a run moved since is the same
+    (its old folder gone), a copy beside it another (it may train on apart)."""
+    from nemo_jq.runtime.runs import last_checkpoint_state
+
+    folder = Path(earlier.get("run_dir", "")) == Path(chosen["run_dir"])
+    if not (earlier.get("run_id") and chosen.get("run_id")):
+        return folder
+    if earlier["run_id"] != chosen["run_id"] or folder:
+        return earlier["run_id"] == chosen["run_id"]
+    try:  # the run still in its old folder: this is a copy of it
+        there = (last_checkpoint_state(Path(earlier["run_dir"])) or {}).get("run_id")
+    except (OSError, ValueError):
+        there = None
+    return there != earlier["run_id"]
 
 
 def earlier_source(out: Path) -> dict | None:

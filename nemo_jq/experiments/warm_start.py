@@ -33,6 +33,7 @@ import torch
 from nemo_jq.config import ConfigError, load_config
 from nemo_jq.data.synthetic import RATIONALE_DEPENDENCES
 from nemo_jq.experiments.common import PER_RUN, Progress, chosen_methods, refuse_per_run_keys, slug, start_run
+from nemo_jq.models.export import record_source
 from nemo_jq.runtime.monitor import read_metrics, valid_json
 from nemo_jq.runtime.preemption import Series
 from nemo_jq.runtime.report import mean_sd, seed_stats
@@ -160,6 +161,9 @@ def warm_up(out_dir: Path, overrides: list[str], dependence: str, target_p1: flo
     trainer, _, measured = train_measured([*overrides, f"train.run_dir={run_dir}"], stop_at_p1=target_p1)
     validation = [r for r in read_metrics(run_dir) if r["kind"] == "validation"]
     trainer.policy.export(run_dir / "policy", trainer.components.tokenizer)
+    # its source, as `nemo-jq export` records one: another run's export over it (its runs' model.path) is refused
+    record_source(run_dir / "policy", {"run_dir": str(run_dir.resolve()), "run_id": trainer.run_id,
+                                       "step": trainer.state.step, "selected": "the warm-up's last step"})
     k = trainer.config.eval.num_samples
     return {"run_dir": str(run_dir), "policy": str(run_dir / "policy"), "steps": trainer.state.step,
             "validation_p@1": validation[-1]["p@1"], f"validation_m@{k}": validation[-1][f"m@{k}"],

@@ -178,6 +178,7 @@ def restore_loop(saved: dict[str, Any], rng: dict[str, Any], course: Course, obj
     schedule_state, guard_state = saved.pop("schedule"), saved.pop("guard", None)
     saved.pop("config", None)  # what the run trained with: runs.check_trained_with reads it
     saved.pop("replicas", None)  # what its steps were counted over: a sweep's status reads it
+    saved.pop("run_id", None)  # the trainer's
     state = TrainState.from_json(saved, course)
     if best_step_of(saved) is None:  # saved before the rule: a best validation of 0 is no best
         state.best_step = state.best_metric = None

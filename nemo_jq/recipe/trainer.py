@@ -15,6 +15,7 @@ import dataclasses
 import math
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -122,6 +123,9 @@ class Trainer:
         self.said_unobserved = False
         #: The step whose checkpoint this run wrote last or resumed from: saved again, it is only pointed at.
         self.saved_step: int | None = None
+        #: The run's own name for itself, drawn at its start and kept in its checkpoints: what its exports are known
+        #: by, wherever its folder is (another run started in the same folder is another run).
+        self.run_id = uuid.uuid4().hex
 
     @classmethod
     def resume(cls, run_dir: Path, overrides: list[str] | tuple[str, ...] = (),
@@ -385,6 +389,7 @@ class Trainer:
         state, rng = loop_checkpoint(self.state, self.objective, self.guard, self.random, self.ahead)
         state["config"] = runs.config_record(self.config)  # what a resume or an evaluation holds config.yaml to
         state["replicas"] = self.data_parallel.size  # what its epochs' steps are counted over (a sweep's status)
+        state["run_id"] = self.run_id
         root = self.run_dir / CHECKPOINT_DIR
         distributed.everywhere(lambda: self._stop_if_diverged(self.state.step, *runs.nonfinite_weights(self.policy)))
         path = save_checkpoint(root, self.state.step, self.policy, state, rng, written=self.saved_step == self.state.step)
@@ -397,6 +402,7 @@ class Trainer:
         if self.server is not None:  # a rollout rank's weights arrive with the first sync
             return
         state, rng = load_checkpoint(checkpoint, self.policy)
+        self.run_id = state.get("run_id") or self.run_id  # one saved before runs had ids: its next checkpoint has one
         try:
             self.state = restore_loop(state, rng, self.state.course, self.objective, self.guard, self.random, self.ahead)
         except (KeyError, TypeError, AttributeError, ValueError) as err:  # edited, or another version's: a traceback

@@ -523,7 +523,10 @@ class Selected:
     why: str
 
     def describe(self) -> dict[str, Any]:
-        return {"run_dir": str(self.run_dir), "checkpoint": str(self.checkpoint), "step": self.step, "selected": self.why}
+        """The run (its folder, and its id where its checkpoint names one), the checkpoint and why it was chosen."""
+        run_id = read_state(self.checkpoint).get("run_id")
+        return {"run_dir": str(self.run_dir), **({"run_id": run_id} if run_id else {}), "checkpoint": str(self.checkpoint),
+                "step": self.step, "selected": self.why}
 
 
 #: What eval, generate and export take, said where the path given is neither.

@@ -289,6 +289,16 @@ def test_eval_and_export_name_the_step_they_use_and_take_another_on_request(tmp_
     code, _, err = run_cli(capsys, "export", other, "--out", tmp_path / "first")
     one_line_error(code, err, f"--out {tmp_path / 'first'} holds the export of another run ({run_dir}, step 2)")
     assert json.loads((tmp_path / "first" / "nemo_jq_export.json").read_text())["source"]["step"] == 2
+    # another run started in the run's folder (--overwrite) is another run; the run moved elsewhere is the same
+    assert run_cli(capsys, "train", *QUICK, "train.max_steps=1", f"train.run_dir={other}", "--overwrite")[0] == 0
+    assert run_cli(capsys, "export", other, "--out", tmp_path / "other_export")[0] == 0
+    assert run_cli(capsys, "train", *QUICK, "train.max_steps=2", f"train.run_dir={other}", "--overwrite")[0] == 0
+    code, _, err = run_cli(capsys, "export", other, "--out", tmp_path / "other_export")
+    one_line_error(code, err, f"--out {tmp_path / 'other_export'} holds the export of another run ({other}, step 1)")
+    moved = tmp_path / "moved"
+    sorted(tmp_path.glob("other.old-*"))[-1].rename(moved)  # the second: the run that exported it
+    code, out, _ = run_cli(capsys, "export", moved, "--out", tmp_path / "other_export")
+    assert code == 0 and "replacing its export of step 1" in out, out
     # the same validations at 0.5 (written as a run that scored them would): the best is the earliest of the tie
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text(metrics.read_text().replace('"m@4": 0.0', '"m@4": 0.5'))
