@@ -614,10 +614,11 @@ def weights_problem(path: Path) -> str | None:
 
 
 def sampled_with(config: Config) -> dict[str, Any]:
-    """How an evaluation sampled (``eval.num_samples`` and :data:`SAMPLING_KEYS`, overrides included): two reports of
-    one checkpoint at other settings are told apart."""
+    """How an evaluation sampled (``eval.num_samples``, ``eval.batch_size``, whose rows at once take their random
+    draws together, and :data:`SAMPLING_KEYS`, overrides included): two reports of one checkpoint at other settings
+    are told apart."""
     tree = dataclasses.asdict(config)
-    return {key: _value_at(tree, key) for key in ("eval.num_samples", *SAMPLING_KEYS)}
+    return {key: _value_at(tree, key) for key in ("eval.num_samples", "eval.batch_size", *SAMPLING_KEYS)}
 
 
 def evals_folder(run_dir: Path) -> Path:

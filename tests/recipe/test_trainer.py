@@ -370,8 +370,11 @@ def test_eval_and_export_commands(tmp_path):
     result = run("eval", str(trainer.run_dir), "--split", "validation", "eval.num_samples=2")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"split", "run_dir", "checkpoint", "step", "selected", "p@1", "p@2", "m@2", "sampled_with"}
-    assert report["sampled_with"]["eval.num_samples"] == 2
+    assert set(report) == {"split", "run_dir", "run_id", "checkpoint", "step", "selected", "p@1", "p@2", "m@2",
+                           "sampled_with"}
+    assert report["run_id"] == trainer.run_id and len(trainer.run_id) == 32
+    assert (report["sampled_with"]["eval.num_samples"], report["sampled_with"]["eval.batch_size"]) == (
+        2, trainer.config.eval.batch_size)
     assert json.loads((trainer.run_dir / "evals" / f"validation-step_{report['step']:08d}.json").read_text()) == report
     result = run("export", str(trainer.run_dir), "--out", str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
