@@ -27,7 +27,7 @@ _WRAPPERS = (("`", "`"), ("*", "*"), ("_", "_"), ("\\text{", "}"), ("\\textbf{",
 _DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
 _SCALE_WORDS = "thousand|million|billion|trillion"
 _NUMBER = re.compile(
-    rf"^(\()?([-−])?\$?\s*([-−])?\s*({_DIGITS})\s*(%|percent)?\s*({_SCALE_WORDS})?(\))?$", re.IGNORECASE
+    rf"^(\()?([-−+])?\$?\s*([-−+])?\s*({_DIGITS})\s*(%|percent)?\s*({_SCALE_WORDS})?(\))?$", re.IGNORECASE
 )
 _YES_NO = ("yes", "no")
 
@@ -175,7 +175,7 @@ def parse_number(text: str) -> StatedNumber | None:
     """A FinQA-style number, or None when ``text`` is anything else.
 
     Accepts well-formed thousands separators (``1,234.5``), a dollar sign before or after the
-    sign (``-$2.40``, ``$-2.40``), a percent sign or the word percent, accounting parentheses
+    sign (``-$2.40``, ``$-2.40``; a plus sign too, ``+14.1%``), a percent sign or the word percent, accounting parentheses
     (``(3.2)`` is −3.2), a scale word (``$ 2.33 million``) and a trailing period.
     """
     cleaned = text.strip().rstrip(".").strip()
@@ -183,10 +183,10 @@ def parse_number(text: str) -> StatedNumber | None:
     if not match:
         return None
     opened, sign, late_sign, digits, percent, scale, closed = match.groups()
-    if bool(opened) != bool(closed) or (sign and late_sign):
+    if bool(opened) != bool(closed) or (sign and late_sign) or (opened and "+" in (sign or late_sign or "")):
         return None
     digits = digits.replace(",", "")
-    negative = bool(sign or late_sign or opened)
+    negative = (sign or late_sign or "+") != "+" or bool(opened)
     decimals = len(digits.split(".")[1]) if "." in digits else 0
     return StatedNumber(float(digits) * (-1.0 if negative else 1.0), percent is not None, decimals, (scale or "").lower())
 

@@ -41,6 +41,8 @@ WORDS = ["no", "yes", "us", "know", "not", "paris", "warner", "music", "group", 
         ("35%", "34.83%", 0.34824),  # coarser than the gold: no rescue by exe_ans
         ("0", "48", 0.48),          # exe_ans in another unit than the gold cannot widen the gold's window
         ("-130700", "1", 1.0),
+        ("+2.40", "-2.40", -2.4),     # a plus sign is no minus
+        ("(+2.40)", "-2.40", -2.4),
     ],
 )
 def test_finqa_wrong_numbers_earn_nothing(output, gold, executed):
@@ -71,6 +73,8 @@ def test_finqa_no_integer_output_matches_zero_percent_but_zero():
         ("$14.1\\%$", "14.1%", 0.141),
         ("\\boxed{-\\$2.40}", "-2.40", -2.4),
         ("\\boxed{1{,}000}", "1000", 1000.0),
+        ("+14.1%", "14.1%", 0.141),  # a growth written with its sign (the text reward took +5 for 5)
+        ("$+2.40", "2.40", 2.4),
     ],
 )
 def test_finqa_right_numbers_in_other_forms_earn_reward(output, gold, executed):
