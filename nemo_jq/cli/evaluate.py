@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 
 from nemo_jq.cli import arguments
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load(args)
     selected = loaded.selected
+    folder = os.stat(selected.run_dir).st_ino  # the run's folder: one moved aside meanwhile holds another run there
 
     def not_kept(err: OSError) -> None:
         """Another user's run, a read-only mount: evaluated all the same, and said (else ``err`` is raised)."""
@@ -58,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
               "sampled_with": sampled_with(config)}
     if distributed.is_writer():
         print(json.dumps(report, indent=2))
+        moved = not selected.run_dir.is_dir() or os.stat(selected.run_dir).st_ino != folder
+        if moved and kept:  # --overwrite moved it aside (a new run in its place), or it was moved: the report is its
+            print(f"nemo-jq: warning: {selected.run_dir} was moved while it was evaluated (another run may be there "
+                  f"now): the evaluation is printed, not kept in its {EVALS_DIR}/", file=sys.stderr)
         try:  # its evals/ may be there from before, where nothing can now be written
-            written = write_evaluation(selected.run_dir, args.split, selected.step, report) if kept else None
+            written = write_evaluation(selected.run_dir, args.split, selected.step, report) if kept and not moved else None
         except OSError as err:
             not_kept(err)
         print(f"nemo-jq: evaluated step {selected.step} of {selected.run_dir} ({selected.why})"

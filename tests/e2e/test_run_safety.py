@@ -1015,6 +1015,28 @@ def test_sigterm_or_sighup_ends_a_command_in_one_line_and_a_ctrl_c_while_it_star
 
 
 @pytest.mark.slow
+def test_an_eval_of_a_run_moved_aside_meanwhile_files_no_report_into_the_run_there_now(tmp_path, capsys, monkeypatch):
+    """An eval holds no lock on its run (it may read a run training now): `train --overwrite` moved the run aside while
+    it was evaluated, and the report was filed into the new run's evals/, naming a checkpoint it does not have."""
+    from nemo_jq.recipe.evaluation import Evaluator
+
+    run_dir = tmp_path / "run"
+    assert run_cli(capsys, "train", *QUICK, f"train.run_dir={run_dir}")[0] == 0
+    evaluate = Evaluator.evaluate
+
+    def moved_meanwhile(self, split):
+        scores = evaluate(self, split)
+        run_dir.rename(tmp_path / "run.old")  # --overwrite, and a new run's start there
+        (run_dir / "evals").mkdir(parents=True)
+        return scores
+
+    monkeypatch.setattr(Evaluator, "evaluate", moved_meanwhile)
+    code, out, err = run_cli(capsys, "eval", run_dir, "--split", "validation")
+    assert code == 0 and json.loads(out)["step"] == 2
+    assert f"{run_dir} was moved while it was evaluated" in err and "printed, not kept" in err, err
+    assert not list((run_dir / "evals").iterdir()) and not list((tmp_path / "run.old" / "evals").iterdir())
+
+
 def test_eval_and_export_of_a_run_training_now_pick_again_the_checkpoint_it_deleted_before_they_read_it(
         tmp_path, capsys, monkeypatch):
     """A run keeps only its last train.keep_checkpoints: eval, generate and export of a run still training read a
