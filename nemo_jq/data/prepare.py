@@ -406,8 +406,12 @@ def prepare_again(folder: Path, manifest: dict[str, Any] | None = None) -> str:
     source, sizes_text, seed = ((shlex.quote(made["source"]), ",".join(str(sizes[split]) for split in SPLITS),
                                  f" --seed {made['seed']}") if known else ("SOURCE", "N,N,N", ""))
     plugin = f" --plugin {shlex.quote(made['plugin'])}" if isinstance(made.get("plugin"), str) else ""
-    return (f"prepare the data again (nemo-jq data prepare --dataset {dataset}{plugin} --source {source} --sizes "
-            f"{sizes_text}{seed} --out {shlex.quote(str(folder))} --overwrite)")
+    entries = made.get("sources") if isinstance(made.get("sources"), dict) else {}
+    hub = next((entry.get("config") for entry in entries.values() if isinstance(entry, dict) and entry.get("hub")), None)
+    options = (f" --hub-config {shlex.quote(hub)}" if isinstance(hub, str) and known else "") + (
+        " --on-bad-row fail" if made.get("on_bad_row") == "fail" else "")  # what it was made with, not the defaults
+    return (f"prepare the data again (nemo-jq data prepare --dataset {dataset}{plugin} --source {source}{options} "
+            f"--sizes {sizes_text}{seed} --out {shlex.quote(str(folder))} --overwrite)")
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

@@ -671,3 +671,18 @@ def test_a_folders_own_test_file_is_its_test_split_and_splits_of_one_file_are_dr
     with pytest.raises(SystemExit):
         run_cli(capsys, "data", "prepare", "--help")
     assert "test: test or validation or dev" in capsys.readouterr().out
+
+
+def test_the_command_to_prepare_a_folder_again_keeps_the_hub_config_and_the_bad_row_rule_it_was_made_with():
+    """The "prepare it again" advice left out --hub-config (a hub dataset's other configuration) and --on-bad-row
+    fail: run as given, it rebuilt other data, or let bad rows through."""
+    from nemo_jq.data.prepare import prepare_again
+
+    made = {"dataset": "hotpotqa", "source": "hotpot_qa", "sizes": {"train": 10, "validation": 5, "test": 5}, "seed": 0,
+            "on_bad_row": "fail", "sources": {"train": {"hub": "hotpot_qa", "config": "fullwiki", "split": "train"}}}
+    assert prepare_again(Path("/data/p"), made) == (
+        "prepare the data again (nemo-jq data prepare --dataset hotpotqa --source hotpot_qa --hub-config fullwiki "
+        "--on-bad-row fail --sizes 10,5,5 --seed 0 --out /data/p --overwrite)")
+    local = {**made, "source": "/data/hotpot.json", "on_bad_row": "skip", "sources": {"all": {"file": "/data/hotpot.json"}}}
+    assert "--hub-config" not in prepare_again(Path("/data/p"), local) and "--on-bad-row" not in prepare_again(
+        Path("/data/p"), local)
