@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     task = make_task(args.dataset, template=args.template, system=args.system, options=PREPARE_FLAGS)
     if args.sizes:
         parts = args.sizes.split(",")
-        if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        if len(parts) != 3 or not all(p.strip().isascii() and p.strip().isdigit() and int(p) >= 1 for p in parts):
             raise ValueError(f"--sizes needs three whole numbers >= 1 (train,validation,test), e.g. 800,100,100; got {args.sizes!r}")
         sizes = tuple(int(p) for p in parts)
     elif args.dataset in PAPER_SIZES:

@@ -235,6 +235,10 @@ def test_hub_sources_are_the_papers(monkeypatch, tmp_path, capsys):
     one_line_error(code, err, "--hub-config distractor names a configuration", "is read from local files (jsonl)",
                    "drop --hub-config")
     assert not (tmp_path / "out").exists()
+    for sizes in ("10,5,\u00b2", "10,5,\u0665"):  # a superscript two (int() refused it, naming nothing), an Arabic-Indic 5
+        code, _, err = run_cli(capsys, "data", "prepare", "--dataset", "jsonl", "--source", "mine.jsonl", "--sizes", sizes,
+                               "--out", tmp_path / "out")
+        one_line_error(code, err, "--sizes needs three whole numbers >= 1", repr(sizes))
     with pytest.raises(ValueError, match="needs a source"):
         prepare(FinQA(), None, (1, 1, 1), seed=0)
     with pytest.raises(FileNotFoundError, match="does not exist"):
