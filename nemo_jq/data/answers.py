@@ -223,7 +223,8 @@ def executed_number(executed: object) -> float | None:
 
 def finqa_reference(answer: str, executed: object) -> str:
     """y* of a FinQA row: its annotated answer, else ``exe_ans`` at 2 decimals (3 significant digits below 1, at most
-    5 decimals), trailing zeros removed.
+    5 decimals), trailing zeros removed (but those of a value that rounds to zero there: ``0.00000``, whose
+    tolerance is the fifth decimal's).
 
     Yes/no programs give ``yes``/``no``. Returns "" when neither gives an answer.
     """
@@ -237,6 +238,8 @@ def finqa_reference(answer: str, executed: object) -> str:
     magnitude = math.floor(math.log10(abs(value))) if value else 0
     decimals = 2 if abs(value) >= 1 else min(5, max(2, 2 - magnitude))
     text = f"{value:.{decimals}f}"
+    if value and not float(text):  # a nonzero value below the decimals: "0" would accept anything within 0.5
+        return f"{0:.{decimals}f}"
     text = text.rstrip("0").rstrip(".") if "." in text else text
     return "0" if text in ("-0", "") else text
 

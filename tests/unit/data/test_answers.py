@@ -41,6 +41,7 @@ WORDS = ["no", "yes", "us", "know", "not", "paris", "warner", "music", "group", 
         ("35%", "34.83%", 0.34824),  # coarser than the gold: no rescue by exe_ans
         ("0", "48", 0.48),          # exe_ans in another unit than the gold cannot widen the gold's window
         ("-130700", "1", 1.0),
+        ("0.3", "0.00000", 0.000004),  # a tiny exe_ans as the gold: it was "0", which took anything within 0.5
         ("+2.40", "-2.40", -2.4),     # a plus sign is no minus
         ("(+2.40)", "-2.40", -2.4),
     ],
@@ -158,7 +159,7 @@ def test_synthetic_correctness_needs_the_whole_number():
 @pytest.mark.parametrize(
     "executed, reference",
     [(0.34824, "0.348"), (3.8, "3.8"), (12.0, "12"), (-1234.5678, "-1234.57"), (0.0072345, "0.00723"), (0, "0"),
-     (0.000001, "0"), ("yes", "yes"), ("No", "no"), (None, ""), (float("nan"), ""), (True, "")],
+     (0.000001, "0.00000"), (-0.000004, "0.00000"), ("yes", "yes"), ("No", "no"), (None, ""), (float("nan"), ""), (True, "")],
 )
 def test_finqa_reference_from_the_executed_answer(executed, reference):
     assert finqa_reference("", executed) == reference
