@@ -62,8 +62,10 @@ def same_run(earlier: dict, chosen: dict) -> bool:
     folder = Path(earlier.get("run_dir", "")) == Path(chosen["run_dir"])
     if not (earlier.get("run_id") and chosen.get("run_id")):
         return folder
-    if earlier["run_id"] != chosen["run_id"] or folder:
-        return earlier["run_id"] == chosen["run_id"]
+    if earlier["run_id"] != chosen["run_id"]:
+        return False
+    if folder:
+        return True
     try:  # the run still in its old folder: this is a copy of it
         there = (last_checkpoint_state(Path(earlier["run_dir"])) or {}).get("run_id")
     except (OSError, ValueError):
