@@ -14,6 +14,7 @@ import shutil
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -285,7 +286,25 @@ def write_atomic(path: Path, text: str) -> None:
 def replace_whole(path: Path, write: Callable[[Path], Any]) -> None:
     """What ``write`` writes to a file beside ``path``, moved over ``path`` once it is whole and on disk: a kill or a
     full disk part-way leaves the earlier file, and nothing half-written beside it."""
-    tmp = path.with_name(path.name + ".tmp")
+    os.replace(_whole_beside(path, write, path.with_name(path.name + ".tmp")), path)
+
+
+def write_new(path: Path, text: str) -> bool:
+    """``text`` in ``path``, whole, where no file is there; False (nothing written) where one is, even one another
+    process wrote while this one wrote: two writers of one name never replace each other's file, as a check for a
+    free name followed by a move can (the file is linked into place, which fails where the name is taken)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # this writer's own
+    try:
+        os.link(_whole_beside(path, lambda file: file.write_text(text), tmp), path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _whole_beside(path: Path, write: Callable[[Path], Any], tmp: Path) -> Path:
+    """``tmp``, where ``write`` wrote it whole and on disk (removed again if it could not, the error naming ``path``)."""
     try:
         write(tmp)
         fsync(tmp)
@@ -294,7 +313,7 @@ def replace_whole(path: Path, write: Callable[[Path], Any]) -> None:
         if isinstance(err, OSError) and err.filename is None:  # a full disk's write names no file: say which
             raise OSError(err.errno, err.strerror, str(path)) from err
         raise
-    os.replace(tmp, path)
+    return tmp
 
 
 def fsync(path: Path) -> None:

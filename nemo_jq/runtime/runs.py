@@ -23,7 +23,17 @@ from nemo_jq.runtime.monitor import (
     read_metrics,
     valid_json,
 )
-from nemo_jq.runtime.outputs import LOCK_FILE, claim_dir, folders_below, hold_run_dir, holder_of, let_go, release_run_dir, write_atomic
+from nemo_jq.runtime.outputs import (
+    LOCK_FILE,
+    claim_dir,
+    folders_below,
+    hold_run_dir,
+    holder_of,
+    let_go,
+    release_run_dir,
+    write_atomic,
+    write_new,
+)
 from nemo_jq.runtime.tracking import TRACKING_FILE, first_line, is_number
 from nemo_jq.strict_yaml import read_yaml_file
 from nemo_jq.typed import first_few
@@ -632,12 +642,12 @@ def evals_folder(run_dir: Path) -> Path:
 
 
 def write_evaluation(run_dir: Path, split: str, step: int, report: dict[str, Any]) -> Path:
-    """``RUN_DIR/evals/<split>-step_N.json`` (``-2``, ``-3``, ... beside an earlier one, which is kept)."""
-    folder = evals_folder(run_dir)
-    name, index = f"{split}-{step_dir_name(step)}", 1
-    while (path := folder / (f"{name}.json" if index == 1 else f"{name}-{index}.json")).exists():
+    """``RUN_DIR/evals/<split>-step_N.json`` (``-2``, ``-3``, ... beside an earlier one, which is kept: one another
+    eval writes at the same time too)."""
+    folder, name, index = evals_folder(run_dir), f"{split}-{step_dir_name(step)}", 1
+    text = json.dumps(report, indent=2) + "\n"
+    while not write_new(path := folder / (f"{name}.json" if index == 1 else f"{name}-{index}.json"), text):
         index += 1
-    write_atomic(path, json.dumps(report, indent=2) + "\n")  # a full disk leaves no empty report
     return path
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from doc_pages import ROOT
 
-from nemo_jq.runtime.outputs import RunDirInUse, staged
+from nemo_jq.runtime.outputs import RunDirInUse, staged, write_new
 
 
 def test_a_move_into_the_folder_that_fails_leaves_no_copy_of_the_write_beside_it(tmp_path, monkeypatch):
@@ -56,3 +56,34 @@ def test_a_second_write_of_a_folder_being_written_is_refused_naming_the_writer(t
     assert writer.returncode == 0 and {path.name: path.read_text() for path in folder.iterdir()} == {
         "a.txt": "first", "b.txt": "first"}
     assert sorted(path.name for path in tmp_path.iterdir()) == ["exported", "writer.py"]
+
+
+def test_two_evals_of_one_step_at_once_keep_both_reports(tmp_path, monkeypatch):
+    """Two ``nemo-jq eval`` of one split and step at once both found ``validation-step_N.json`` free and moved their
+    reports onto it: the second replaced the first's. Here the other eval's report lands while this one writes its
+    own, which then goes beside it."""
+    from nemo_jq.runtime import outputs
+    from nemo_jq.runtime.runs import write_evaluation
+
+    (tmp_path / "run").mkdir()
+    other = tmp_path / "run" / "evals" / "validation-step_00000002.json"
+    written = outputs.fsync
+
+    def the_other_eval_writes_meanwhile(path):
+        written(path)
+        if not other.exists():
+            other.write_text('{"other": true}\n')
+
+    monkeypatch.setattr(outputs, "fsync", the_other_eval_writes_meanwhile)
+    path = write_evaluation(tmp_path / "run", "validation", 2, {"this": True})
+    assert path.name == "validation-step_00000002-2.json" and '"this": true' in path.read_text()
+    assert other.read_text() == '{"other": true}\n'
+    assert {p.name for p in other.parent.iterdir()} == {other.name, path.name}  # no temporary file left
+
+
+def test_write_new_leaves_a_taken_name_as_it_is(tmp_path):
+    taken = tmp_path / "report.json"
+    taken.write_text("mine")
+    assert not write_new(taken, "theirs") and taken.read_text() == "mine"
+    assert write_new(tmp_path / "free.json", "theirs") and (tmp_path / "free.json").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["free.json", "report.json"]
