@@ -37,9 +37,10 @@
    (``offloaded``: ``megatron.optimizer_cpu_offload``), each beside its dry run: the peaks, and the step times the
    host's AdamW step and the copies each way add (docs/megatron.md).
 
-Writes ``real_gpu.json`` (and the parts' own files) to --out. Usage, on a machine with one CUDA GPU, from the repo:
+Writes ``real_gpu.json`` (and the parts' own files) to --out. Usage, on a machine with one CUDA GPU, from the repo
+(``python bench/prepare_gpu.py`` makes ``.gpu/``: the tokenizer, and the old trees ``speed`` reads):
 
-    python bench/real_gpu.py --out DIR --tokenizer DIR_WITH_QWEN3_TOKENIZER_FILES
+    python bench/real_gpu.py --out DIR --tokenizer .gpu/tokenizer
 """
 
 from __future__ import annotations

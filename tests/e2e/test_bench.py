@@ -278,6 +278,17 @@ def test_the_speed_check_runs_end_to_end_on_the_host_at_the_tiny_shape(tmp_path)
     assert generator["same_rollouts"] and generator["trainer_moved_as_sampling_did"] and generator["sent_device_type"] == "cpu"
 
 
+def test_prepare_gpu_makes_the_folders_real_gpu_reads(tmp_path):
+    """bench/prepare_gpu.py: the tokenizer real_gpu.py loads, and the old trees its speed part runs beside this one."""
+    done = subprocess.run([sys.executable, "bench/prepare_gpu.py", "--into", str(tmp_path / "gpu")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "gpu" / "tokenizer" / "tokenizer.json").exists()
+    assert (tmp_path / "gpu" / "previous" / "nemo_jq" / "rollouts" / "graphs.py").exists()  # the graph path
+    assert not (tmp_path / "gpu" / "baseline" / "nemo_jq" / "rollouts" / "graphs.py").exists()  # before it
+    assert (tmp_path / "gpu" / "baseline" / "nemo_jq" / "rollouts" / "hf.py").exists()
+
+
 @pytest.mark.slow
 def test_the_row_chunks_bench_runs_old_order_beside_lengths_and_pads_less(tmp_path):
     """bench/row_chunks.py at a smoke size: both orders run the same two passes; chunks of like length run fewer
