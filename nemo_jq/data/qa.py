@@ -79,15 +79,20 @@ def required_text(record: dict[str, Any], key: str) -> str:
     return text
 
 
-def required_answer(record: dict[str, Any], key: str = "answer") -> str:
-    answer = required_field(record, key, (str, int, float))
-    if isinstance(answer, float):  # as the JSON wrote it (3.10, not 3.1); a typed column's whole number as one
+def answer_text(answer: str | int | float, key: str) -> str:
+    """An answer field as text: a number as the JSON wrote it (``3.10``, not ``3.1``: its last digit is the answer's
+    precision, which a numeric reward reads), a typed column's whole number as one."""
+    if isinstance(answer, float):
         written = getattr(answer, "written", None) or (str(int(answer)) if answer.is_integer() else repr(answer))
         if not math.isfinite(answer) or "e" in written.lower():
             # NaN and Infinity are no JSON; 1e20 is not how an answer is written out
             raise BadRow(f"{key!r} is the number {written}, which no answer is written as: give it as a string")
         answer = written
-    answer = str(answer).strip()
+    return str(answer).strip()
+
+
+def required_answer(record: dict[str, Any], key: str = "answer") -> str:
+    answer = answer_text(required_field(record, key, (str, int, float)), key)
     if not answer:
         raise BadRow(f"empty {key!r}")
     if not squad_normalize(answer):
@@ -289,7 +294,7 @@ class FinQA(QATask):
         rows = "\n".join(" | ".join(str(cell).strip() for cell in row) for row in table)
         context = "\n".join([" ".join(s.strip() for s in pre), rows, " ".join(s.strip() for s in post)]).strip()
         executed = qa.get("exe_ans")
-        annotated = str(required_field(qa, "answer", (str, int, float))).strip()
+        annotated = answer_text(required_field(qa, "answer", (str, int, float)), "qa.answer")
         answer = finqa_reference(annotated, executed)
         if not answer:
             raise BadRow(f"empty 'answer' and no usable 'exe_ans' (got {executed!r})")

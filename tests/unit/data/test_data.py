@@ -10,7 +10,7 @@ from helpers import one_line_error, run_cli
 from nemo_jq.data.answers import extract_final_answer, finqa_answer_match, parse_number, squad_normalize
 from nemo_jq.data.base import Example
 from nemo_jq.data.prepare import PREPARE_FLAGS, load_prepared, make_task, prepare, write_prepared
-from nemo_jq.data.qa import CustomQA, FinQA, HotPotQA, MuSiQue
+from nemo_jq.data.qa import BadRow, CustomQA, FinQA, HotPotQA, MuSiQue
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
@@ -82,6 +82,18 @@ def test_musique_has_twenty_paragraphs_and_keeps_aliases():
 def test_finqa_keeps_the_executed_answer():
     example = FinQA().parse(_first_record("finqa"))
     assert example.answer == "12.2%" and example.meta["exe_ans"] == 0.12227
+
+
+def test_a_finqa_answer_written_as_a_json_number_keeps_its_last_digit():
+    """``"answer": 3.10`` was y* ``3.1``, whose tolerance (half of 0.1) paid ``3.14``; NaN was the answer ``nan``."""
+    from nemo_jq.data.sources import WrittenFloat
+
+    record = _first_record("finqa")
+    example = FinQA().parse({**record, "qa": {**record["qa"], "answer": WrittenFloat("3.10")}})
+    assert example.answer == "3.10" and FinQA().reward("Answer: 3.10", example) == 1.0
+    assert FinQA().reward("Answer: 3.14", example) == 0.0
+    with pytest.raises(BadRow, match="'qa.answer' is the number nan"):
+        FinQA().parse({**record, "qa": {**record["qa"], "answer": float("nan")}})
 
 
 @pytest.mark.parametrize(
