@@ -20,6 +20,9 @@ micro-batch's matrix products and attention alone (:func:`train_floor`: the most
 kernels can show).
 
 Usage: python bench/gpu_speed.py {decode,train} --out FILE [--device cuda|cpu] [--root DIR] [--chunks N ...] [--floor]
+
+Why one file (over 600 lines): a lent GPU's 15 minutes run one prepared script; decode and training share its
+timers, shapes and bounds.
 """
 
 from __future__ import annotations

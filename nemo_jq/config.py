@@ -6,7 +6,7 @@ hold (estimators and their options, backends, rollout engines, datasets, the gua
 checked against those registries once ``plugins`` are imported. The defaults are the embedded CPU demo
 (a tiny Qwen3 on the synthetic task).
 
-One file of ~600 lines: every section of a run's config, with each key's help, default and range beside it, is
+One file (past 800 lines): every section of a run's config, with each key's help, default and range beside it, is
 what `nemo-jq train --help` prints and what every layer reads; the checks across sections need them all.
 """
 

@@ -11,6 +11,9 @@ start under ``torchrun``. NeMo-Run keeps its files under ``job_dir/experiments/n
 script it wrote there. ``--dryrun`` prints the sbatch script NeMo-Run would submit (rendered by NeMo-Run's own
 ``SlurmBatchRequest``) without touching SLURM or writing a file. Needs the ``launch`` extra
 (``nemo-run==0.11.1`` with ``leptonai<0.47``).
+
+Why one file (near 600 lines): every check here reads the one launch config against the one run config before
+anything is queued; the executors differ in a few lines each.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ A layout is feasible when TP divides the heads, KV heads and MLP width and fits 
 divides the layers, TP x PP x CP divides the GPUs, and DP divides the batch. The recommendation is
 the fitting layout (under ``headroom`` of the GPU) with the largest DP, then the smallest TP (and EP).
 
-One file of ~830 lines: the memory model is one set of formulas (each component's bytes, the peak, the advice that
+One file (past 1,000 lines): the memory model is one set of formulas (each component's bytes, the peak, the advice that
 names the setting that shrinks it) that the layouts, ``train.micro_batch_rows=auto`` and the dry run's comparison
 all read; split, each part would import the others.
 """

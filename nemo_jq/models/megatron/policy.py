@@ -11,7 +11,7 @@ distributed checkpoints (``checkpoint``), which resume at any TP, PP, CP or DP s
 A Qwen3-MoE's experts are split over the expert-parallel (EP) ranks, carved from the data-parallel ones
 (``experts``: what differs for them; ``layout``: the layouts they train at so far).
 
-One class of ~650 lines: every method works on the process groups and shards the constructor sets up; what is
+One class (most of the file's 700 lines): every method works on the process groups and shards the constructor sets up; what is
 particular to one feature (the log-prob kernel, checkpoints, the distributed optimizer, experts) has its module.
 """
 
