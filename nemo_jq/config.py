@@ -189,7 +189,8 @@ class ObjectiveConfig:
         "(configs/schedules/*.yaml; read when the config loads): docs/training.md, \"q schedules\"")
     importance: str = option("auto", "the importance correction for rollouts another policy sampled (docs/off_policy.md): "
                              "none (assume on-policy), plain (the ratio as is), truncate (at importance_cap), mask (drop "
-                             "samples outside importance_bounds); for long rationales, from the per-token ratios: "
+                             "samples, GRPO's tokens, outside importance_bounds; GRPO's plain and truncate are per token "
+                             "too); for long rationales, from the per-token ratios: "
                              "token_truncate (each token's, at importance_cap) or geometric (their geometric mean per "
                              "sample, at importance_cap), both biased (§11); auto: truncate with rollout.async_steps=1, "
                              "token_truncate for an engine whose numerics differ (rollout.engine=vllm; megatron's "

@@ -56,7 +56,8 @@ def maxrl(sequence_logprob: torch.Tensor, rewards: torch.Tensor, *, control_vari
 
 @dataclass(frozen=True)
 class MaxrlOptions:
-    control_variate: bool = option(True, "(r - r̄)/r̄ as MaxRL trains; false: r/r̄, the hits' mean score alone")
+    control_variate: bool = option(True, "(r - r̄)/r̄ as MaxRL trains; false: r/r̄, the hits' mean score alone (the "
+                                   "trainer asks rollout.num_samples >= 2 either way)")
 
 
 @register_objective("maxrl", needs={Need.SAMPLED_ANSWER_REWARD}, uses_q=False, min_samples=2, options=MaxrlOptions)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_jq.objectives.checks import check_group_tensors, check_token_tensors
+from nemo_jq.objectives.checks import check_group_tensors, check_min_samples, check_token_tensors
 from nemo_jq.objectives.garl import GarlOptions, garl
 from nemo_jq.objectives.grpo import group_advantages
 from nemo_jq.objectives.inputs import EstimatorInputs
@@ -52,7 +52,8 @@ def rlpr(rationale_logprob: torch.Tensor, answer_token_logprob: torch.Tensor, an
         no_reasoning_reward: ``[B]`` r', the mean per-token probability of y* right after the prompt with an empty
             thinking block; None: 0 (no debiasing; the registered estimator has no such rows to score).
     """
-    batch, _ = check_group_tensors(rationale_logprob=rationale_logprob)
+    batch, samples = check_group_tensors(rationale_logprob=rationale_logprob)
+    check_min_samples(samples, 2, "RLPR's group baseline and std filter")
     check_token_tensors(answer_mask, answer_token_logprob=answer_token_logprob)
     if answer_mask.shape[:2] != rationale_logprob.shape:
         raise ValueError(f"shape mismatch: answer_mask{list(answer_mask.shape)} must be [B, M, T] for "

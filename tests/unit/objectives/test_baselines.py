@@ -89,7 +89,27 @@ def test_grpo_clips_ratios_outside_the_trust_region():
     positive = (group_advantages(rewards) > 0).unsqueeze(-1).expand_as(mask)
     assert torch.all(logprob.grad[positive] == 0)  # clipped: no push further up
     assert torch.all(logprob.grad[~positive & (mask > 0)] != 0)  # negative advantages still pull down
-    assert out.metrics["clip_fraction"] > 0
+    active = positive & (mask > 0)  # e^0.5 > 1.2 with A > 0: the clip taken; with A < 0 the ratio stays in the loss
+    assert out.metrics["clip_fraction"] == pytest.approx((active.sum() / mask.sum()).item())
+
+
+def test_a_group_of_equal_fractional_rewards_has_no_advantage():
+    """12 rewards of 0.97 in fp32: the mean's rounding (1.8e-7) over a std of the same size gave every sample -0.15,
+    pushing each of the group's completions down."""
+    rewards = torch.full((1, 12), 0.97)
+    assert torch.equal(group_advantages(rewards), torch.zeros(1, 12))
+    logprob, _, mask = _grpo_inputs(m=12)
+    out = grpo(logprob[:1], rewards.double(), mask[:1])
+    out.loss.backward()
+    assert torch.equal(logprob.grad, torch.zeros_like(logprob))
+
+
+def test_padding_s_old_logprobs_give_no_nan_gradient():
+    """``old_logprob`` of -inf (or -1e4) on padding made its ratio inf there: a finite loss, a NaN gradient."""
+    logprob, rewards, mask = _grpo_inputs(seed=2)
+    old = torch.where(mask > 0, logprob.detach() - 0.1, float("-inf"))
+    grpo(logprob, rewards, mask, old_logprob=old).loss.backward()
+    assert torch.isfinite(logprob.grad).all() and torch.equal(logprob.grad[mask == 0], torch.zeros_like(logprob.grad[mask == 0]))
 
 
 def test_grpo_shape_errors_name_the_tensors():

@@ -397,3 +397,10 @@ def test_the_trainer_hands_each_new_estimator_what_its_pure_function_gets(tmp_pa
     for name, out in expected.items():
         got = get_objective(name)(inputs)
         assert got.loss.item() == pytest.approx(out.loss.item()) and got.metrics == pytest.approx(out.metrics), name
+
+
+def test_rlpr_refuses_one_sample_a_prompt():
+    """M=1 has no group baseline and no std: the loss was NaN, said nowhere."""
+    one = torch.zeros(2, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="RLPR"):
+        rlpr(one, one.unsqueeze(-1), torch.ones(2, 1, 1, dtype=torch.bool))
