@@ -126,7 +126,7 @@ def grpo(
     clipped_tokens = (-clipped * advantages > -ratio * advantages).float() * mask  # the clip taken: no gradient there
     metrics = {
         "reward": upcast(rewards).mean().item(),
-        "clip_fraction": (clipped_tokens.sum() / mask.sum().clamp(min=1.0)).item(),
+        "clip_fraction": (clipped_tokens.sum() / mask.sum().clamp(min=1.0)).item(), "completion_tokens": int(mask.sum()),
         "max_abs_advantage": advantages.abs().max().item(),
         **off_policy,
     }

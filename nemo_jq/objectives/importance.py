@@ -80,7 +80,8 @@ class Ratios:
                 "is_truncated_fraction": truncated[where].float().mean().item(),
                 "is_truncated_mass": (cut.sum() / whole.sum()).item(),
                 "is_masked_fraction": (1 - self.keep[where]).mean().item(),
-                "is_ess_fraction": ess.mean().item(), "min_is_ess_fraction": ess.min().item()}
+                "is_ess_fraction": ess.mean().item(), "min_is_ess_fraction": ess.min().item(),
+                "ratio_terms": int(where.sum())}  # what the four means above are over: samples, or tokens
 
 
 def effective_sample_fraction(log_weight: torch.Tensor) -> torch.Tensor:

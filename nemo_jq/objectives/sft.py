@@ -35,7 +35,7 @@ def sft(token_logprob: torch.Tensor, mask: torch.Tensor, *, reduction: str = "se
     per_example = token_nll.sum(-1)
     if reduction == "token":
         per_example = per_example / mask.sum(-1).clamp(min=1.0)
-    metrics = {"nll_per_token": (token_nll.sum() / mask.sum().clamp(min=1.0)).item()}
+    metrics = {"nll_per_token": (token_nll.sum() / mask.sum().clamp(min=1.0)).item(), "target_tokens": int(mask.sum())}
     return ObjectiveOutput(loss=per_example.mean(), per_example=per_example, metrics=metrics)
 
 

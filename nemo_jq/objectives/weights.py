@@ -62,6 +62,7 @@ class WeightStats:
                 "jq_loss": jq_loss(log_mean, self.q).mean().item(),
                 "w_underflow_fraction": (log_mean < LOG_FP32_TINY).float().mean().item(),
                 "ess": self.effective_sample_size()[kept].mean().item(),
+                "weighted_groups": int(kept.sum()),  # what the five above are means over
             }
         if not kept.all():
             out["masked_group_fraction"] = 1.0 - kept.float().mean().item()

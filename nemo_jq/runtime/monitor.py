@@ -367,20 +367,28 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
         plt.close(fig)
 
 
-#: Means over tokens, and the count of tokens each is over (itself a metric): merged weighted by that count, as one
-#: mean over the step's tokens (a micro-batch of long rows holds more of them than its prompts say), the count summed.
-TOKEN_MEANS = {"logprob_gap": "scored_tokens", "kl_k3": "scored_tokens"}
+#: Means over a count other than a micro-batch's prompts, and the count each is over (a metric of its own, summed):
+#: merged weighted by that count, as one mean over the step's tokens, ratios or weighted groups (a micro-batch of long
+#: rows holds more tokens than its prompts say; one whose every group ``mask`` zeroed holds no weight to average).
+COUNTED_MEANS = {"logprob_gap": "scored_tokens", "kl_k3": "scored_tokens", "nll_per_token": "target_tokens",
+                 "clip_fraction": "completion_tokens",
+                 **dict.fromkeys(("is_ratio_mean", "is_truncated_fraction", "is_truncated_mass", "is_masked_fraction"),
+                                 "ratio_terms"),
+                 **dict.fromkeys(("log_p_hat", "p_hat", "jq_loss", "w_underflow_fraction", "ess"), "weighted_groups")}
+#: Shares of a micro-batch's prompts it reports only where they are not 0: merged over every micro-batch.
+SAID_WHEN_NONZERO = ("masked_group_fraction",)
 
 
 def merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """Prompt-weighted means of ``(prompts, metrics)`` pairs (micro-batches'), each over the micro-batches that
-    report it; ``max_*`` metrics take the maximum, ``min_*`` the minimum, and :data:`TOKEN_MEANS` are weighted by
-    their tokens."""
+    """Prompt-weighted means of ``(prompts, metrics)`` pairs (micro-batches', or every replica's), each over the
+    micro-batches that report it; ``max_*`` metrics take the maximum, ``min_*`` the minimum, :data:`COUNTED_MEANS`
+    are weighted by their counts, and :data:`SAID_WHEN_NONZERO` count 0 where a micro-batch left them out: the same
+    step's record whatever ``train.micro_batch_size`` or the replicas split it into."""
     keys = dict.fromkeys(key for _, metrics in micro_metrics for key in metrics)
-    counts = set(TOKEN_MEANS.values())
+    counts = set(COUNTED_MEANS.values())
     merged: dict[str, float] = {}
     for key in keys:
-        count = TOKEN_MEANS.get(key)
+        count = COUNTED_MEANS.get(key)
         values = [(m[count] if count in m else n, m[key]) for n, m in micro_metrics if key in m]
         if key.startswith("max_"):
             merged[key] = max(v for _, v in values)
@@ -388,6 +396,8 @@ def merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str
             merged[key] = min(v for _, v in values)
         elif key in counts:
             merged[key] = sum(v for _, v in values)
+        elif key in SAID_WHEN_NONZERO:
+            merged[key] = sum(n * m.get(key, 0.0) for n, m in micro_metrics) / sum(n for n, _ in micro_metrics)
         else:
             merged[key] = sum(n * v for n, v in values) / sum(n for n, _ in values)
     return merged

@@ -12,10 +12,10 @@ import torch
 from helpers import TINY_RUN
 from latent_pools import Pools
 from nemo_jq.config import load_config
-from nemo_jq.objectives import garl, grpo, paft, rb_rloo, rloo
+from nemo_jq.objectives import garl, grpo, paft, rb_rloo, rloo, sft
 from nemo_jq.objectives.importance import Correction, Ratios, SampledTokens, k3_kl
 from nemo_jq.recipe.trainer import Trainer
-from nemo_jq.runtime.monitor import read_metrics
+from nemo_jq.runtime.monitor import merge_metrics, read_metrics
 from nemo_jq.theory import default_model
 
 MODEL = default_model()
@@ -127,6 +127,38 @@ def test_log_p_hat_is_of_the_groups_a_mask_leaves_a_weight(estimator):
     out = garl(rlp, alp, 1.0, **options) if estimator == "garl" else paft(rlp, alp, 1.0, generator=torch.Generator(), **options)
     assert out.metrics["masked_group_fraction"] == 0.5
     assert out.metrics["log_p_hat"] == pytest.approx(-2.0) and out.metrics["ess"] == pytest.approx(4.0)
+
+
+def _merged_over(splits, estimate):
+    """The step's record from micro-batches of ``splits`` prompts each, as the trainer merges them."""
+    pairs, first = [], 0
+    for size in splits:
+        pairs.append((size, estimate(slice(first, first + size)).metrics))
+        first += size
+    return merge_metrics(pairs)
+
+
+@pytest.mark.parametrize("splits", [(3,), (2, 1), (1, 2), (1, 1, 1)])
+def test_a_step_s_metrics_are_the_same_whatever_its_micro_batches(splits):
+    """A group masked whole, targets and completions of unlike lengths: log P̂ and ESS are means over the groups left a
+    weight, the masked share over every group, ``nll_per_token``, ``clip_fraction`` and the ratios' shares over
+    tokens. Merged by prompts over the micro-batches that reported them, they moved with ``train.micro_batch_size``
+    and the replicas (masked_group_fraction 1/3, 1/2 or 1 for one step; log P̂ -23.3954 or -23.3942)."""
+    gen = torch.Generator().manual_seed(0)
+    rlp, alp = -torch.rand(3, 4, generator=gen) * 5, -torch.rand(3, 4, generator=gen) * 3
+    behavior = torch.cat([rlp[:1] - 5.0, rlp[1:] + 0.3 * torch.randn(2, 4, generator=gen)])  # the first group masked
+    options = dict(correction=Correction("mask", low=0.5, high=2.0))
+    garl_metrics = _merged_over(splits, lambda rows: garl(rlp[rows], alp[rows], 0.5, behavior_logprob=behavior[rows],
+                                                            **options))
+    assert garl_metrics == pytest.approx(garl(rlp, alp, 0.5, behavior_logprob=behavior, **options).metrics, rel=1e-6)
+    assert garl_metrics["masked_group_fraction"] == pytest.approx(1 / 3)
+    targets = torch.arange(9)[None] < torch.tensor([[2], [9], [5]])  # 2, 9 and 5 target tokens
+    nll = -torch.rand(3, 9, generator=gen)
+    assert _merged_over(splits, lambda rows: sft(nll[rows], targets[rows])) == pytest.approx(sft(nll, targets).metrics)
+    logprob, old = -torch.rand(3, 2, 9, generator=gen), -torch.rand(3, 2, 9, generator=gen)
+    rewards, completions = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), targets[:, None].expand(3, 2, 9)
+    assert _merged_over(splits, lambda rows: grpo(logprob[rows], rewards[rows], completions[rows], old_logprob=old[rows])) \
+        == pytest.approx(grpo(logprob, rewards, completions, old_logprob=old).metrics)
 
 
 def test_rloos_sequence_ratio_makes_it_unbiased_for_the_expected_reward():
