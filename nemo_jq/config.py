@@ -208,8 +208,8 @@ class OptimConfig:
     name: str = option("adamw", "adamw, or sgd (plain gradient descent, as the paper's theory assumes; model.backend=hf)",
                        choices=OPTIMIZERS)
     lr: float = option(5e-3, "learning rate (constant; 0 freezes the weights, as the benchmarks do)", ge=0.0)
-    weight_decay: float = option(0.0, "AdamW's decoupled decay, on every parameter: norms and embeddings too (no "
-                                 "exclusions, as Megatron's and HF's trainers make for 1-D weights)", ge=0.0)
+    weight_decay: float = option(0.0, "AdamW's decoupled decay (SGD's L2 term), on every parameter: norms and "
+                                 "embeddings too, where Megatron's and HF's trainers leave 1-D weights out", ge=0.0)
     betas: list[float] = option(help="AdamW betas, each in [0, 1)", factory=lambda: [0.9, 0.999])
     eps: float = option(1e-8, "AdamW epsilon", gt=0.0)
     momentum: float = option(0.0, "SGD momentum", ge=0.0, lt=1.0)
