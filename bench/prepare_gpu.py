@@ -28,14 +28,18 @@ TREES = {"baseline": "a521ab1", "previous": "fe7b44a"}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--into", type=Path, default=ROOT / ".gpu", help="the folder to fill (replaced)")
+    parser.add_argument("--into", type=Path, default=ROOT / ".gpu", help="the folder to fill (one it filled before is replaced)")
     args = parser.parse_args()
+    made = {"tokenizer", *TREES}
+    if args.into.exists() and not {path.name for path in args.into.iterdir()} <= made:
+        parser.error(f"--into {args.into} holds other files than this script makes ({', '.join(sorted(made))}): "
+                     "choose a new or an earlier --into")
     shutil.rmtree(args.into, ignore_errors=True)
     shutil.copytree(qwen3_tokenizer_dir(), args.into / "tokenizer")
     for name, commit in TREES.items():
         archive = subprocess.run(["git", "archive", commit, "nemo_jq"], cwd=ROOT, capture_output=True, check=True).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(args.into / name, filter="data")
+            tar.extractall(args.into / name, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     print(f"prepared {args.into}: tokenizer/, " + ", ".join(f"{name}/ ({commit})" for name, commit in TREES.items()))
 
 

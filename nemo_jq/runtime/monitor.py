@@ -372,9 +372,11 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
 #: rows holds more tokens than its prompts say; one whose every group ``mask`` zeroed holds no weight to average).
 COUNTED_MEANS = {"logprob_gap": "scored_tokens", "kl_k3": "scored_tokens", "nll_per_token": "target_tokens",
                  "clip_fraction": "completion_tokens",
-                 **dict.fromkeys(("is_ratio_mean", "is_truncated_fraction", "is_truncated_mass", "is_masked_fraction"),
-                                 "ratio_terms"),
+                 **dict.fromkeys(("is_ratio_mean", "is_truncated_fraction", "is_masked_fraction"), "ratio_terms"),
                  **dict.fromkeys(("log_p_hat", "p_hat", "jq_loss", "w_underflow_fraction", "ess"), "weighted_groups")}
+#: Shares of a sum, and what that sum is (the product of metrics): the ratios' mass truncated, Σ(ρ − ρ̃)/Σρ, is
+#: weighted by Σρ, the ratios' mean times their count.
+SHARES_OF_SUMS = {"is_truncated_mass": ("is_ratio_mean", "ratio_terms")}
 #: Shares of a micro-batch's prompts it reports only where they are not 0: merged over every micro-batch.
 SAID_WHEN_NONZERO = ("masked_group_fraction",)
 
@@ -388,8 +390,9 @@ def merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str
     counts = set(COUNTED_MEANS.values())
     merged: dict[str, float] = {}
     for key in keys:
-        count = COUNTED_MEANS.get(key)
-        values = [(m[count] if count in m else n, m[key]) for n, m in micro_metrics if key in m]
+        values = [(_weight(key, n, m), m[key]) for n, m in micro_metrics if key in m]
+        if sum(w for w, _ in values) == 0:  # counted over nothing anywhere (no completion token): as many prompts
+            values = [(n, m[key]) for n, m in micro_metrics if key in m]
         if key.startswith("max_"):
             merged[key] = max(v for _, v in values)
         elif key.startswith("min_"):
@@ -401,3 +404,11 @@ def merge_metrics(micro_metrics: list[tuple[int, dict[str, float]]]) -> dict[str
         else:
             merged[key] = sum(n * v for n, v in values) / sum(n for n, _ in values)
     return merged
+
+
+def _weight(key: str, prompts: int, metrics: dict[str, float]) -> float:
+    """What ``key``'s value in one micro-batch's ``metrics`` weighs in the merge: its count, else its prompts."""
+    factors = SHARES_OF_SUMS.get(key) or (COUNTED_MEANS.get(key),)
+    if not all(factor in metrics for factor in factors):
+        return prompts
+    return math.prod(metrics[factor] for factor in factors)

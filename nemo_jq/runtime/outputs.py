@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -292,15 +293,28 @@ def replace_whole(path: Path, write: Callable[[Path], Any]) -> None:
 def write_new(path: Path, text: str) -> bool:
     """``text`` in ``path``, whole, where no file is there; False (nothing written) where one is, even one another
     process wrote while this one wrote: two writers of one name never replace each other's file, as a check for a
-    free name followed by a move can (the file is linked into place, which fails where the name is taken)."""
+    free name followed by a move can. The file is linked into place, which fails where the name is taken; where the
+    filesystem has no hard links (vfat, exFAT, gcsfuse and other FUSE mounts), the name is taken by an exclusive
+    create and the whole file moved over it (a kill between the two leaves it empty)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # this writer's own
     try:
-        os.link(_whole_beside(path, lambda file: file.write_text(text), tmp), path)
+        _whole_beside(path, lambda file: file.write_text(text), tmp)
+        try:
+            os.link(tmp, path)
+        except OSError as err:
+            if isinstance(err, FileExistsError) or err.errno not in NO_HARD_LINKS:
+                raise
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # FileExistsError where taken
+            os.replace(tmp, path)
         return True
     except FileExistsError:
         return False
     finally:
         tmp.unlink(missing_ok=True)
+
+
+#: What ``link`` says on a filesystem without hard links.
+NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK}
 
 
 def _whole_beside(path: Path, write: Callable[[Path], Any], tmp: Path) -> Path:

@@ -287,6 +287,12 @@ def test_prepare_gpu_makes_the_folders_real_gpu_reads(tmp_path):
     assert (tmp_path / "gpu" / "previous" / "nemo_jq" / "rollouts" / "graphs.py").exists()  # the graph path
     assert not (tmp_path / "gpu" / "baseline" / "nemo_jq" / "rollouts" / "graphs.py").exists()  # before it
     assert (tmp_path / "gpu" / "baseline" / "nemo_jq" / "rollouts" / "hf.py").exists()
+    done = subprocess.run([sys.executable, "bench/prepare_gpu.py", "--into", str(tmp_path / "gpu")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # again: what it made is replaced
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "bench/prepare_gpu.py", "--into", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # a folder of other files: refused, kept
+    assert done.returncode == 2 and "holds other files" in done.stderr and (tmp_path / "gpu" / "tokenizer").exists()
 
 
 @pytest.mark.slow

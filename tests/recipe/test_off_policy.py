@@ -152,6 +152,9 @@ def test_a_step_s_metrics_are_the_same_whatever_its_micro_batches(splits):
                                                             **options))
     assert garl_metrics == pytest.approx(garl(rlp, alp, 0.5, behavior_logprob=behavior, **options).metrics, rel=1e-6)
     assert garl_metrics["masked_group_fraction"] == pytest.approx(1 / 3)
+    truncated = dict(correction=Correction("truncate", cap=1.1))  # the ratios' mass cut, a share of a sum: Σ(ρ − ρ̃)/Σρ
+    assert _merged_over(splits, lambda rows: garl(rlp[rows], alp[rows], 0.5, behavior_logprob=behavior[rows], **truncated)) \
+        == pytest.approx(garl(rlp, alp, 0.5, behavior_logprob=behavior, **truncated).metrics, rel=1e-6)
     targets = torch.arange(9)[None] < torch.tensor([[2], [9], [5]])  # 2, 9 and 5 target tokens
     nll = -torch.rand(3, 9, generator=gen)
     assert _merged_over(splits, lambda rows: sft(nll[rows], targets[rows])) == pytest.approx(sft(nll, targets).metrics)
@@ -159,6 +162,13 @@ def test_a_step_s_metrics_are_the_same_whatever_its_micro_batches(splits):
     rewards, completions = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), targets[:, None].expand(3, 2, 9)
     assert _merged_over(splits, lambda rows: grpo(logprob[rows], rewards[rows], completions[rows], old_logprob=old[rows])) \
         == pytest.approx(grpo(logprob, rewards, completions, old_logprob=old).metrics)
+
+
+def test_a_step_whose_means_are_over_nothing_merges_as_before():
+    """Every micro-batch's completions empty: each counted mean is 0 over 0 tokens (a ZeroDivisionError in the merge)."""
+    assert merge_metrics([(2, {"clip_fraction": 0.0, "completion_tokens": 0}), (1, {"clip_fraction": 0.0,
+                                                                                   "completion_tokens": 0})]) == \
+        {"clip_fraction": 0.0, "completion_tokens": 0}
 
 
 def test_rloos_sequence_ratio_makes_it_unbiased_for_the_expected_reward():

@@ -87,3 +87,15 @@ def test_write_new_leaves_a_taken_name_as_it_is(tmp_path):
     assert not write_new(taken, "theirs") and taken.read_text() == "mine"
     assert write_new(tmp_path / "free.json", "theirs") and (tmp_path / "free.json").read_text() == "theirs"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["free.json", "report.json"]
+
+
+@pytest.mark.parametrize("refusal", [1, 95])  # EPERM, EOPNOTSUPP: what link says where there are no hard links
+def test_write_new_takes_the_name_without_hard_links(tmp_path, monkeypatch, refusal):
+    """On vfat, exFAT or a FUSE mount a link is refused: the report was lost (a traceback, or "cannot be written")."""
+    def no_links(source, target):
+        raise OSError(refusal, os.strerror(refusal), str(source), None, str(target))
+
+    monkeypatch.setattr(os, "link", no_links)
+    taken = tmp_path / "report.json"
+    assert write_new(taken, "first") and not write_new(taken, "second") and taken.read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
