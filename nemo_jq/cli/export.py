@@ -20,12 +20,13 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nemo_jq.models.export import EXPORT_MARKER, files_of_earlier_export, make_readable, record_source
+    from nemo_jq.recipe.components import picked
     from nemo_jq.runtime import distributed
     from nemo_jq.runtime.checkpoint import out_of_space
     from nemo_jq.runtime.outputs import staged
-    from nemo_jq.runtime.runs import MODEL_CARD, model_card, select_checkpoint
+    from nemo_jq.runtime.runs import MODEL_CARD, model_card
 
-    chosen = select_checkpoint(args.checkpoint, args.step).describe()  # --out checked before minutes of loading
+    chosen = picked(args.checkpoint, args.step).describe()  # --out checked before minutes of loading
     earlier = earlier_source(args.out)
     if earlier and not same_run(earlier, chosen):  # a run may start from it (model.path)
         raise FileExistsError(f"--out {args.out} holds the export of another run ({earlier.get('run_dir')}, step "

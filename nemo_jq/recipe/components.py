@@ -368,7 +368,7 @@ def load_for_inference(path: Path, overrides: list[str] | tuple[str, ...] = (), 
     config only of the keys ``command`` may change (:data:`INFERENCE_KEYS`, e.g. ``eval.num_samples=4``)."""
     refuse_overrides(overrides, INFERENCE_KEYS[command], command,
                      f"{command} uses a checkpoint as its run trained it (its model, data and prompt format) and trains nothing")
-    selected = select_checkpoint(path, which)
+    selected = picked(path, which)
     run_dir = selected.run_dir
     config = at_home(load_config(run_dir / CONFIG_FILE, list(overrides), saved=True), run_dir)
     selected = read_while_training(lambda checkpoint: check_trained_with(config, checkpoint, INFERENCE_KEYS[command]),
@@ -413,4 +413,17 @@ def read_while_training(read: Callable[[Path], None], selected: Selected, path: 
                     f"checkpoint {selected.checkpoint} was deleted before it could be read by the run training in "
                     f"{selected.run_dir} ({holder}), which keeps only its last train.keep_checkpoints: ask for --step "
                     "latest or best (picked again if deleted), or wait for the run to end") from None
-            selected, picks = select_checkpoint(path, which), picks + 1
+            selected, picks = picked(path, which), picks + 1
+
+
+def picked(path: Path, which: str) -> Selected:
+    """:func:`select_checkpoint`, picked again where a run training now deleted the checkpoint it named in the instant
+    between naming and reading it (its ``latest`` moved on to the next one saved): that was one line of error."""
+    picks = 1
+    while True:
+        try:
+            return select_checkpoint(path, which)
+        except FileNotFoundError:
+            if picks == PICKS or which not in ("best", "latest") or holder_of(Path(path).resolve()) is None:
+                raise
+            picks += 1

@@ -1050,7 +1050,8 @@ def test_eval_and_export_of_a_run_training_now_pick_again_the_checkpoint_it_dele
     assert run_cli(capsys, "train", *QUICK, "train.save_every=1", f"train.run_dir={run_dir}")[0] == 0
     root, load = run_dir / "checkpoints", load_checkpoint
 
-    def saved_next_and_deleted(checkpoint, *args, **kwargs):
+    def moved_on(checkpoint):
+        """``checkpoint``, which the run deleted once it saved the next step (made ``latest``)."""
         step = json.loads((checkpoint / "state.json").read_text())["step"] if checkpoint.exists() else None
         if step is not None:  # the run saves step + 1 and deletes this one, as its read begins
             following = root / f"step_{step + 1:08d}"
@@ -1059,7 +1060,10 @@ def test_eval_and_export_of_a_run_training_now_pick_again_the_checkpoint_it_dele
             (following / "state.json").write_text(json.dumps({**state, "step": step + 1}))
             (root / "latest").write_text(following.name)
             shutil.rmtree(checkpoint)
-        return load(checkpoint, *args, **kwargs)
+        return checkpoint
+
+    def saved_next_and_deleted(checkpoint, *args, **kwargs):
+        return load(moved_on(checkpoint), *args, **kwargs)
 
     hold_run_dir(run_dir)
     try:
@@ -1074,6 +1078,16 @@ def test_eval_and_export_of_a_run_training_now_pick_again_the_checkpoint_it_dele
         one_line_error(code, err, f"checkpoint {root / 'step_00000003'} was deleted before it could be read by the run "
                                   f"training in {run_dir}", "ask for --step latest or best")
         assert "write its folder's name" not in err and not (tmp_path / "exported").exists()
+        # the run moves on between ``latest`` naming a checkpoint and its state being read: picked again too
+        from nemo_jq.runtime import runs
+
+        read_state = runs.read_state
+        with monkeypatch.context() as patch:
+            calls = iter([True])
+            patch.setattr(runs, "read_state", lambda checkpoint: read_state(
+                moved_on(checkpoint) if next(calls, False) else checkpoint))
+            code, out, err = run_cli(capsys, "eval", run_dir, "--step", "latest", "--split", "validation")
+        assert code == 0 and json.loads(out)["step"] == 5, err
     finally:
         release_run_dir(run_dir)
 
