@@ -19,7 +19,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nemo_jq.models.export import EXPORT_MARKER, files_of_earlier_export, make_readable, record_source
+    from nemo_jq.models.export import EXPORT_MARKER, files_of_earlier_export, make_readable, record_source, sample_as
     from nemo_jq.recipe.components import picked
     from nemo_jq.runtime import distributed
     from nemo_jq.runtime.checkpoint import out_of_space
@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
             selected = loaded.selected
             loaded.components.policy.export(staging, loaded.components.tokenizer)
             if writes:
+                sample_as(staging, loaded.components.config.rollout)
                 (staging / MODEL_CARD).write_text(model_card(selected))
                 record_source(staging, selected.describe(), written=[MODEL_CARD])
     except Exception as err:  # safetensors' own error hides the disk's (a traceback): said as the disk's, with --out

@@ -19,10 +19,22 @@ from nemo_jq.typed import first_few
 #: Marks a folder as written by ``HFPolicy.export`` and lists its files, so a later export may replace them.
 EXPORT_MARKER = "nemo_jq_export.json"
 
-#: The rollouts' sampling (the paper's and the config's default: temperature 1, no top-k or top-p
-#: truncation), written out because ``generate``'s own defaults are greedy decoding, and top_k=50
-#: when sampling. Pass ``do_sample=False`` to ``generate`` for greedy decoding.
+#: The rollouts' sampling at the paper's and the config's default (temperature 1, no top-k or top-p truncation;
+#: ``nemo-jq export`` writes a run's own, :func:`sample_as`), written out because ``generate``'s own defaults are
+#: greedy decoding, and top_k=50 when sampling. Pass ``do_sample=False`` to ``generate`` for greedy decoding.
 ROLLOUT_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+def sample_as(out_dir: Path, rollout: Any) -> None:
+    """``out_dir``'s ``generation_config.json`` sampling as a run's rollouts did (``rollout``: its
+    ``temperature``, ``top_k``, ``top_p``; temperature 0 is greedy), its stop and pad ids kept: a run at
+    temperature 0.7 exported with the paper's temperature 1 was sampled otherwise than it trained."""
+    from transformers import GenerationConfig
+
+    written = GenerationConfig.from_pretrained(out_dir)
+    sampling = ({"do_sample": False} if rollout.temperature == 0 else
+                {**ROLLOUT_SAMPLING, "temperature": rollout.temperature, "top_k": rollout.top_k, "top_p": rollout.top_p})
+    GenerationConfig(eos_token_id=written.eos_token_id, pad_token_id=written.pad_token_id, **sampling).save_pretrained(out_dir)
 
 
 def files_of_earlier_export(out_dir: Path) -> list[str]:

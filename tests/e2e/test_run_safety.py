@@ -290,8 +290,13 @@ def test_eval_and_export_name_the_step_they_use_and_take_another_on_request(tmp_
     one_line_error(code, err, f"--out {tmp_path / 'first'} holds the export of another run ({run_dir}, step 2)")
     assert json.loads((tmp_path / "first" / "nemo_jq_export.json").read_text())["source"]["step"] == 2
     # another run started in the run's folder (--overwrite) is another run; the run moved elsewhere is the same
-    assert run_cli(capsys, "train", *QUICK, "train.max_steps=1", f"train.run_dir={other}", "--overwrite")[0] == 0
+    assert run_cli(capsys, "train", *QUICK, "train.max_steps=1", f"train.run_dir={other}", "--overwrite",
+                   "rollout.temperature=0.7", "rollout.top_p=0.95")[0] == 0
     assert run_cli(capsys, "export", other, "--out", tmp_path / "other_export")[0] == 0
+    for export, sampled in (("best", (1.0, 0, 1.0)), ("other_export", (0.7, 0, 0.95))):  # as each run's rollouts
+        generation = json.loads((tmp_path / export / "generation_config.json").read_text())
+        assert (generation["do_sample"], generation["temperature"], generation.get("top_k", 0),
+                generation.get("top_p", 1.0)) == (True, *sampled), export
     assert run_cli(capsys, "train", *QUICK, "train.max_steps=2", f"train.run_dir={other}", "--overwrite")[0] == 0
     code, _, err = run_cli(capsys, "export", other, "--out", tmp_path / "other_export")
     one_line_error(code, err, f"--out {tmp_path / 'other_export'} holds the export of another run ({other}, step 1)")

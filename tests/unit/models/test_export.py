@@ -4,6 +4,7 @@ import json
 import os
 import re
 import stat
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from helpers import qwen3_tokenizer_dir, rollout_engine, tiny_setup
 from nemo_jq.data.chat import ChatFormat
-from nemo_jq.models.export import EXPORT_MARKER
+from nemo_jq.models.export import EXPORT_MARKER, sample_as
 from nemo_jq.models.hf import HFPolicy
 from nemo_jq.recipe.sequences import given_target_batch
 
@@ -54,7 +55,12 @@ def test_plain_generate_from_the_export_stops_at_end_of_turn_like_the_engine(tra
 
 def test_configs_stop_at_end_of_turn_pad_and_sample_like_the_rollouts(trained, tmp_path):
     tokenizer, chat, policy, _, _ = trained
-    config_before = policy.model.config.to_dict()
+    saved_by_transformers = {"architectures", "dtype"}  # what save_pretrained records on the model it saves
+
+    def as_trained():
+        return {key: value for key, value in policy.model.config.to_dict().items() if key not in saved_by_transformers}
+
+    config_before = as_trained()
     policy.export(tmp_path / "hf", tokenizer)
     config = AutoConfig.from_pretrained(tmp_path / "hf")
     generation = GenerationConfig.from_pretrained(tmp_path / "hf")
@@ -62,7 +68,14 @@ def test_configs_stop_at_end_of_turn_pad_and_sample_like_the_rollouts(trained, t
         assert chat.end_of_turn_id in written.eos_token_id
         assert written.pad_token_id == chat.pad_id
     assert (generation.do_sample, generation.temperature, generation.top_k, generation.top_p) == (True, 1.0, 0, 1.0)
-    assert policy.model.config.to_dict() == config_before  # the trained model is left as it was
+    assert as_trained() == config_before  # the trained model's stop and pad ids are left as they were
+    unset = GenerationConfig()  # greedy leaves the sampling settings at transformers' defaults (unused)
+    for rollout, sampled in [((0.7, 20, 0.95), (True, 0.7, 20, 0.95)),
+                             ((0.0, 0, 1.0), (False, unset.temperature, unset.top_k, unset.top_p))]:
+        sample_as(tmp_path / "hf", SimpleNamespace(temperature=rollout[0], top_k=rollout[1], top_p=rollout[2]))
+        generation = GenerationConfig.from_pretrained(tmp_path / "hf")
+        assert (generation.do_sample, generation.temperature, generation.top_k, generation.top_p) == sampled
+        assert chat.end_of_turn_id in generation.eos_token_id and generation.pad_token_id == chat.pad_id
 
 
 def test_every_exported_file_is_readable_by_group_and_others_whatever_the_umask(trained, tmp_path):
