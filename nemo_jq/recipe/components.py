@@ -188,8 +188,9 @@ def importance_correction(config: Config, *, on_policy: bool) -> Correction | No
     systematic shift: the policy has moved), the sequence ratio truncated; for an engine that is not ``on_policy``
     (vLLM's kernels, megatron's HF sampler: per-token numerical noise), each token's ratio truncated, which over 1k-4k
     -token rationales keeps the gradient's error at the on-policy estimator's where sequence truncation's bias grows to
-    0.3-0.7 of it (bench/results/importance_modes.md); none for on-policy rollouts (the in-place samplers), where every
-    ratio is 1."""
+    0.3-0.7 of it (bench/results/importance_modes.md); none for the in-place samplers, where every ratio is 1 at the
+    paper's sampling (temperature 1, no top-k or top-p; at another, the rollouts are the tempered or truncated
+    distribution's and go uncorrected unless asked: the mismatch warning says so)."""
     objective = config.objective
     mode = objective.importance
     if mode == "auto":

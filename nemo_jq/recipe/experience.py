@@ -249,6 +249,7 @@ class MismatchWatch:
     def __init__(self, rollout: Any, correction: Correction | None, uncorrected_by: str | None = None):
         """``correction``: the one the estimator applies; ``uncorrected_by``: an estimator that takes none."""
         self.max_gap, self.max_kl, self.correction = rollout.max_logprob_gap, rollout.max_mismatch_kl, correction
+        self.rollout = rollout
         self.uncorrected_by = uncorrected_by
         self.warned_kl: float | None = None
         self.lagged_kls: list[float] = []
@@ -277,12 +278,24 @@ class MismatchWatch:
         self.warned_kl = max(kl, self.max_kl)
         if not say:
             return
+        departs = sampling_departures(self.rollout)
         handled = (f"corrected by objective.importance={self.correction.mode}" if self.correction is not None else
                    f"uncorrected: objective.name={self.uncorrected_by} takes no correction" if self.uncorrected_by else
+                   f"uncorrected: {departs} samples another distribution than the policy's; set objective.importance "
+                   "to correct for it (docs/off_policy.md, §2.3)" if departs else
                    "uncorrected: set objective.importance (docs/off_policy.md), or check the engine's precision and refit")
         print(f"warning: step {step}: the rollouts are off-policy: KL(engine || policy) {kl:.3g} per token "
               f"(rollout.max_mismatch_kl={self.max_kl}{explained}), log-prob gaps up to {gap:.3g} "
               f"(rollout.max_logprob_gap={self.max_gap}); {handled}", flush=True)
+
+
+def sampling_departures(rollout: Any) -> str:
+    """The rollout settings that make the sampler's distribution another than the policy's, as ``key=value`` words
+    ("" at temperature 1 without top-k or top-p): the rollouts' log-probs are the tempered, truncated distribution's,
+    the policy trained is the model's own."""
+    departs = [f"rollout.temperature={rollout.temperature:g}"] if rollout.temperature != 1.0 else []
+    departs += [f"rollout.top_k={rollout.top_k}"] if rollout.top_k > 0 else []
+    return ", ".join(departs + ([f"rollout.top_p={rollout.top_p:g}"] if rollout.top_p < 1.0 else []))
 
 
 class RolloutsAheadOnRanks(RolloutsAhead):

@@ -64,6 +64,11 @@ def test_the_mismatch_warning_says_what_and_repeats_only_when_the_kl_doubles(cap
     assert "uncorrected: set objective.importance" in lines[0]
     MismatchWatch(config.rollout, Correction())(StepResult.from_record(1, {"kl_k3": 0.2, "max_logprob_gap": 0.1}))
     assert "corrected by objective.importance=truncate" in capsys.readouterr().out
+    # an in-place sampler at another temperature: every ratio is not 1, and the warning says why
+    tempered = load_config(None, ["rollout.max_mismatch_kl=0.1", "rollout.temperature=0.7", "rollout.top_p=0.9"])
+    MismatchWatch(tempered.rollout, None)(StepResult.from_record(1, {"kl_k3": 0.2, "max_logprob_gap": 0.1}))
+    assert ("uncorrected: rollout.temperature=0.7, rollout.top_p=0.9 samples another distribution than the policy's; "
+            "set objective.importance to correct for it (docs/off_policy.md, §2.3)") in capsys.readouterr().out
 
 
 def test_one_step_off_the_watch_says_only_what_the_lag_does_not_explain(capsys):
