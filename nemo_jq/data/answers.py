@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 import string
+import unicodedata
 from decimal import Decimal
 from typing import NamedTuple
 
@@ -39,6 +40,13 @@ _STAND_IN = {mark: chr(0xE000 + index) for index, mark in enumerate(string.punct
 _JOINER = chr(0xE000 + len(string.punctuation))
 _RESTORE = {ord(stand_in): mark for mark, stand_in in _STAND_IN.items()} | {ord(_JOINER): "-"}
 _PRIVATE_USE = re.compile("[\ue000-\uf8ff]")
+#: Dashes and the minus sign as ``-`` (hyphen, non-breaking hyphen, figure dash, en and em dash, bar, minus).
+_DASHES = str.maketrans({dash: "-" for dash in "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"})
+
+
+def _is_punctuation(ch: str) -> bool:
+    """ASCII's punctuation (SQuAD's rule), or any other script's (Unicode's P categories)."""
+    return ch in _PUNCTUATION or (ch > "\x7f" and unicodedata.category(ch).startswith("P"))
 _MARK = rf"[{re.escape(string.punctuation)}]"
 _NUMBER_RUN = re.compile(rf"\d+(?:{_MARK}+\d+)+")
 _MARKS = re.compile(rf"{_MARK}+")
@@ -57,11 +65,13 @@ def squad_normalize(text: str) -> str:
     joined by several marks keep where they are joined, whatever the marks (``2010-03-05`` is ``2010/03/05``, not
     ``20100305``); thousands separators go (``1,234.5`` is ``1234.5``); ``.5`` is ``0.5``; a percent sign is the word
     (``12%`` is ``12 percent``, not ``12``). An answer that is nothing but articles keeps them (a multiple-choice
-    ``A``, which SQuAD's rule makes empty: no output matched it)."""
-    text = _PRIVATE_USE.sub("", text.lower().replace("\u2212", "-"))
+    ``A``, which SQuAD's rule makes empty: no output matched it). Unicode forms read as what they write (NFKC:
+    ``２０`` is ``20``; a dash is ``-``; any punctuation goes as ASCII's does: ``“Paris”`` and ``Paris。`` are
+    ``paris``), where SQuAD's rule knows ASCII only."""
+    text = _PRIVATE_USE.sub("", unicodedata.normalize("NFKC", text).lower().translate(_DASHES))
     text = _NUMBER_RUN.sub(lambda run: _number_run(run.group()), _PERCENT.sub(" percent", text))
     text = _SIGN.sub(_STAND_IN["-"], _LEADING_POINT.sub("0" + _STAND_IN["."], text))
-    text = " ".join("".join(ch for ch in text if ch not in _PUNCTUATION).split()).translate(_RESTORE)
+    text = " ".join("".join(ch for ch in text if not _is_punctuation(ch)).split()).translate(_RESTORE)
     return " ".join(_ARTICLES.sub(" ", text).split()) or text
 
 
@@ -246,33 +256,42 @@ def finqa_reference(answer: str, executed: object) -> str:
 
 def finqa_number_match(output: StatedNumber, gold: StatedNumber, executed: float | None = None) -> bool:
     """A number is right when it equals the gold within half a unit of the gold's last stated digit in the gold's
-    unit, or equals ``exe_ans`` rounded at its own stated precision when that precision is at least the gold's.
+    unit, or equals ``exe_ans`` rounded at its own stated precision when that precision is at least the gold's. Where
+    the gold is ``exe_ans`` rounded (the annotation agrees with the program), a number stated finer than the gold is
+    judged by ``exe_ans`` alone: ``3.4`` is not the gold ``3`` of a program that gives 3.0, nor ``13.6%`` the gold
+    ``14%`` of one that gives 0.1412 (the gold's window took both).
 
     Percent and fraction convert into each other with their tolerance (``14.1%`` accepts ``0.141``,
-    never a wider window); a bare number for a percent gold may also be the percent without its sign.
+    never a wider window); a bare number for a percent gold may also be the percent without its sign, and a gold
+    written without its percent sign whose ``exe_ans`` is its fraction (``14.1`` of 0.141) is that percent.
     A scale word is part of the unit: ``2.33`` answers ``$ 2.33 million``, ``2.33 billion`` does not.
     """
     if output.scale and output.scale != gold.scale:
         return False
+    if executed and gold.value and not gold.percent and _close(executed * 100, gold.value, 10.0 ** -gold.decimals / 2):
+        gold = gold._replace(percent=True)
     scale = 100.0 if gold.percent else 1.0
     gold_value, gold_resolution = gold.value / scale, 10.0 ** -gold.decimals / scale
-    readings = output.readings(gold.percent)
-    if any(_close(value, gold_value, gold_resolution / 2) for value, _ in readings):
-        return True
-    if executed is None:
-        return False
-    # exe_ans is a plain float: a fraction for most percent golds, the percent itself where a program
-    # multiplies by 100, a fraction where the annotator wrote a percent without its sign. Read it in the
-    # gold's base unit at the scale whose ratio to the gold is nearest 1 (as is, for a zero gold); it is
-    # known to FinQA's five decimals (more where its value shows more).
-    scales = (1.0, 0.01) if gold.percent else (1.0, 100.0)
+    exact = None if executed is None else _executed_reading(executed, gold.percent, gold_value)
+    agrees = exact is not None and _close(exact[0], gold_value, gold_resolution / 2)
+    for value, resolution in output.readings(gold.percent):
+        by_gold = _close(value, gold_value, gold_resolution / 2)
+        finer = resolution < gold_resolution * (1 - 1e-9)
+        by_exe = (exact is not None and resolution <= gold_resolution * (1 + 1e-9)
+                  and _close(value, exact[0], max(resolution, exact[1]) / 2))
+        if by_exe or (by_gold and not (finer and agrees)):
+            return True
+    return False
+
+
+def _executed_reading(executed: float, gold_percent: bool, gold_value: float) -> tuple[float, float]:
+    """``exe_ans`` in the gold's base unit, and its resolution. It is a plain float: a fraction for most percent golds,
+    the percent itself where a program multiplies by 100, a fraction where the annotator wrote a percent without its
+    sign. Read at the scale whose ratio to the gold is nearest 1 (as is, for a zero gold); it is known to FinQA's five
+    decimals (more where its value shows more)."""
+    scales = (1.0, 0.01) if gold_percent else (1.0, 100.0)
     scale = min(scales, key=lambda s: abs(math.log(abs(executed * s / gold_value)))) if executed and gold_value else 1.0
-    executed_value, executed_resolution = executed * scale, 10.0 ** -max(5, _decimals_of(executed)) * scale
-    return any(
-        resolution <= gold_resolution * (1 + 1e-9)
-        and _close(value, executed_value, max(resolution, executed_resolution) / 2)
-        for value, resolution in readings
-    )
+    return executed * scale, 10.0 ** -max(5, _decimals_of(executed)) * scale
 
 
 def finqa_answer_match(output_answer: str, reference: str, executed: object = None) -> bool:

@@ -43,6 +43,10 @@ WORDS = ["no", "yes", "us", "know", "not", "paris", "warner", "music", "group", 
         ("-130700", "1", 1.0),
         ("0.3", "0.00000", 0.000004),  # a tiny exe_ans as the gold: it was "0", which took anything within 0.5
         ("+2.40", "-2.40", -2.4),     # a plus sign is no minus
+        ("3.4", "3", 3.0),            # finer than a gold the program agrees with: judged by exe_ans (the gold's
+        ("0.004", "0", 0.0),          # window paid each of these)
+        ("-0.49%", "0%", 0.0),
+        ("13.6%", "14%", 0.1412),
         ("(+2.40)", "-2.40", -2.4),
     ],
 )
@@ -76,6 +80,10 @@ def test_finqa_no_integer_output_matches_zero_percent_but_zero():
         ("\\boxed{1{,}000}", "1000", 1000.0),
         ("+14.1%", "14.1%", 0.141),  # a growth written with its sign (the text reward took +5 for 5)
         ("$+2.40", "2.40", 2.4),
+        ("14.12%", "14%", 0.1412),       # finer than the gold, at exe_ans's value
+        ("3.0", "3", 3.0),
+        ("14.1%", "14.1", 0.141),        # a gold written without its percent sign, exe_ans its fraction (the
+        ("0.141", "14.1", 0.141),        # warm prompt asks for the sign: a right answer earned nothing)
     ],
 )
 def test_finqa_right_numbers_in_other_forms_earn_reward(output, gold, executed):
@@ -172,6 +180,8 @@ def test_finqa_rows_with_an_empty_answer_take_y_star_from_exe_ans():
     assert example.answer == "0.348" and example.meta["reference_source"] == "exe_ans"
     assert FinQA().reward("34.8%", example) == 1.0 and FinQA().reward("34.82%", example) == 1.0
     assert FinQA().reward("35%", example) == 0.0 and FinQA().reward("0", example) == 0.0
+    whole = FinQA().parse({**record, "qa": {**record["qa"], "exe_ans": 12.0}})  # exact: 12.4 is not 12 (it was paid)
+    assert whole.answer == "12" and [FinQA().reward(out, whole) for out in ("12", "12.0", "12.4", "11.6")] == [1, 1, 0, 0]
     with pytest.raises(ValueError, match="no usable 'exe_ans'"):
         FinQA().parse({**record, "qa": {**record["qa"], "exe_ans": None}})
 
@@ -225,8 +235,10 @@ def test_property_finqa_numbers_match_only_within_half_a_gold_unit():
 
 
 def test_property_exe_ans_rescues_only_finer_outputs_that_round_to_it():
+    """Where the annotator's gold is exe_ans rounded, a finer output is judged by exe_ans alone (the gold's window
+    paid 3.4 for a gold 3 whose program gives 3.0); where the annotation is off, the gold's window holds too."""
     rng = random.Random(1)
-    rescued = 0
+    rescued = refused = 0
     for _ in range(6000):
         executed = Decimal(rng.uniform(-2, 2)).quantize(Decimal("0.00001"))
         gold_decimals = rng.choice([0, 1, 2])
@@ -240,9 +252,11 @@ def test_property_exe_ans_rescues_only_finer_outputs_that_round_to_it():
         out_base, out_unit = _base(out_value, out_decimals, True)
         by_gold = abs(out_base - gold_base) <= gold_unit / 2
         by_exe = out_unit <= gold_unit and abs(out_base - executed) <= max(out_unit, Decimal("0.00001")) / 2
-        assert got == (by_gold or by_exe), (out_text, gold_text, executed)
+        judged_by_exe = out_unit < gold_unit and abs(gold_base - executed) <= gold_unit / 2  # finer, gold agrees
+        assert got == (by_exe or (by_gold and not judged_by_exe)), (out_text, gold_text, executed)
         rescued += got and not by_gold
-    assert rescued > 100
+        refused += by_gold and not got
+    assert rescued > 100 and refused > 100
 
 
 def test_property_a_constant_output_earns_only_where_it_is_the_answer():

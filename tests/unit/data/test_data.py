@@ -99,7 +99,9 @@ def test_a_finqa_answer_written_as_a_json_number_keeps_its_last_digit():
 @pytest.mark.parametrize(
     "text, normalized",
     [("The Beatles", "beatles"), ("an apple, a pear.", "apple pear"), ("Yes.", "yes"), ("  New   York!! ", "new york"),
-     ("Theatre", "theatre"), ("A", "a"), ("(B)", "b"), ("The.", "the"), ("?!", "")],
+     ("Theatre", "theatre"), ("A", "a"), ("(B)", "b"), ("The.", "the"), ("?!", ""),
+     ("“Paris”", "paris"), ("Paris。", "paris"), ("２０", "20"), ("1990–1995", "1990-1995"), ("Saint‐Denis", "saintdenis"),
+     ("«Le Monde»", "le monde")],  # other scripts' forms and punctuation as ASCII's (they earned nothing)
 )
 def test_squad_normalisation(text, normalized):
     assert squad_normalize(text) == normalized
